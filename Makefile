@@ -1,0 +1,50 @@
+# Quick start: `make demo` and `make test`. Both set up .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+PORT   ?= 8000
+STEPS  ?=
+
+.PHONY: setup demo test check lint typecheck bench bench-quick browser serve clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Reuse an importable torch; otherwise take the CPU build (a bare `torch` may pull CUDA).
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(STAMP)
+
+# Debian's Chromium for the browser tests (Playwright's own download cannot work offline).
+browser:
+	@test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+
+demo: $(STAMP)
+	$(BIN)/rebalancer demo --port $(PORT) $(if $(STEPS),--steps $(STEPS),)
+
+serve: $(STAMP)
+	$(BIN)/rebalancer serve --port $(PORT)
+
+test: $(STAMP) browser
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(BIN)/ruff check trainer_hook backend tests bench examples
+
+typecheck: $(STAMP)
+	$(BIN)/mypy trainer_hook backend
+
+check: lint typecheck test
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run_all
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m bench.run_all --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Rebalancer's backend: ingest, live state, policy, control loop, REST and dashboard."""

@@ -1,0 +1,1 @@
+"""The rebalancing policy: pure functions from observations to proposals."""

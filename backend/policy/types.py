@@ -1,0 +1,141 @@
+"""Data the policy takes and returns. Pure values: no I/O, no torch, no FastAPI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "StepSample",
+    "DeviceSignals",
+    "RankObservation",
+    "JobObservation",
+    "Constraints",
+    "PolicyConfig",
+    "RankExplanation",
+    "Explanation",
+    "Proposal",
+    "NoProposal",
+    "Decision",
+    "InfeasibleError",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One measured step of one rank: ``compute_ms`` for ``local_batch_size`` samples."""
+
+    batch_index: int
+    local_batch_size: int
+    compute_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSignals:
+    """Latest device reading of one rank (None where the probe cannot read it)."""
+
+    t: float
+    util_pct: float | None = None
+    mem_used_bytes: int | None = None
+    mem_total_bytes: int | None = None
+    temp_c: float | None = None
+    sm_clock_mhz: float | None = None
+    sm_clock_max_mhz: float | None = None
+    power_w: float | None = None
+    throttle_reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RankObservation:
+    rank: int
+    device_type: str | None = None  # key into the device table, e.g. "H100", "A100-80GB", "CPU"
+    mem_total_bytes: int | None = None
+    # Recent valid steps, oldest first (the controller keeps a window, e.g. the last 200).
+    steps: tuple[StepSample, ...] = ()
+    # Device history, oldest first (about 1 Hz), for the predictive strategy.
+    device: tuple[DeviceSignals, ...] = ()
+    # Observed peak memory per sample, for memory caps (None when unknown).
+    mem_bytes_per_sample: float | None = None
+    mem_fixed_bytes: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobObservation:
+    job: str
+    world_size: int
+    global_batch_size: int
+    batch_index: int  # latest batch index seen
+    shares: tuple[int, ...]  # placement in force
+    placement_version: int
+    steps_since_change: int  # batch indices since the placement in force took effect
+    ranks: tuple[RankObservation, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Constraints:
+    """Operator overrides and derived limits. Ranks absent from a map are unconstrained."""
+
+    pins: dict[int, int] = field(default_factory=dict)  # rank -> exact share
+    caps: dict[int, int] = field(default_factory=dict)  # rank -> max share
+    floors: dict[int, int] = field(default_factory=dict)  # rank -> min share
+    drains: frozenset[int] = frozenset()  # ranks with share 0
+    granularity: int = 1  # every share a multiple of this (pins and drains excepted)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    strategy: str = "profiled"  # a registered strategy name
+    workload: str = "llm"  # "llm" | "vision" | "diffusion" | "recsys" | "custom"
+    custom_weights: dict[str, float] | None = None  # device type -> weight, for "custom"
+    min_gain: float = 0.05  # propose only when predicted step time improves by this fraction
+    cooldown_steps: int = 20  # after each applied change
+    min_steps: int = 10  # valid steps per rank before profiled/predictive propose
+    window_steps: int = 100  # most recent steps used for a fit
+    max_move_fraction: float | None = None  # auto mode: cap |new-old|/B per rank per change
+    horizon_steps: int = 20  # predictive: how far ahead to forecast
+    params: dict[str, float] = field(default_factory=dict)  # strategy-specific extras
+
+
+@dataclass(frozen=True, slots=True)
+class RankExplanation:
+    rank: int
+    share_before: int
+    share_after: int
+    compute_ms_before: float  # predicted
+    compute_ms_after: float  # predicted
+    a_ms: float  # fitted fixed cost
+    c_ms: float  # fitted per-sample cost
+    fit_r2: float | None = None
+    n_steps: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    strategy: str
+    step_ms_before: float  # predicted max compute time with the shares in force
+    step_ms_after: float
+    gain: float  # (before - after) / before
+    ranks: tuple[RankExplanation, ...]
+    evidence: dict[str, object] = field(default_factory=dict)  # steps used, fit quality, signals
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    shares: tuple[int, ...]
+    reason: str  # one sentence for humans
+    explanation: Explanation
+
+
+@dataclass(frozen=True, slots=True)
+class NoProposal:
+    status: Literal["warming_up", "balanced", "cooldown", "insufficient_gain", "no_data"]
+    detail: str  # e.g. "warming up: 7 more steps needed on rank 2"
+    steps_remaining: int = 0
+    explanation: Explanation | None = None
+
+
+Decision = Proposal | NoProposal
+
+
+class InfeasibleError(ValueError):
+    """The constraints admit no placement; the message names the constraint that breaks."""

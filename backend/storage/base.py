@@ -1,0 +1,42 @@
+"""SQLAlchemy declarative base and engine construction shared by every table module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import DeclarativeBase, sessionmaker
+
+__all__ = ["Base", "make_engine", "make_sessionmaker"]
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for a SQLite file (parent folder created, WAL on) or a PostgreSQL URL.
+
+    ``postgresql://`` is rewritten to the psycopg 3 driver, the one the project installs.
+    """
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        url = "postgresql+psycopg://" + url.split("://", 1)[1]
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:///:memory:"):
+        Path(url[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn, _record):  # type: ignore[no-untyped-def]
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker:
+    return sessionmaker(engine, expire_on_commit=False)

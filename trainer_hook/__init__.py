@@ -1,0 +1,1 @@
+"""Rebalancer's training hook: measures each rank and applies placements in lockstep."""

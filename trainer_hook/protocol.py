@@ -1,0 +1,452 @@
+"""Wire protocol between the training hook and the backend (version 1).
+
+Every frame is one JSON object (a websocket text frame) with two envelope keys:
+``type`` (the message kind) and ``v`` (the protocol version). The models here are plain
+dataclasses so that the hook depends on nothing but the standard library for them; the
+backend imports the same classes, so both ends validate with one piece of code.
+
+Hook -> backend: ``hello``, ``metrics``, ``ack``, ``reject``.
+Backend -> hook: ``placement``, ``error``.
+
+See docs/protocol.md for the conversation and the close codes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, TypeAlias
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAX_MESSAGE_BYTES",
+    "MAX_RECORDS_PER_MESSAGE",
+    "MAX_WORLD_SIZE",
+    "CLOSE_NORMAL",
+    "CLOSE_TOO_BIG",
+    "CLOSE_UNSUPPORTED_VERSION",
+    "CLOSE_MALFORMED",
+    "CLOSE_UNAUTHORIZED",
+    "CLOSE_FORBIDDEN",
+    "ProtocolError",
+    "Hello",
+    "StepRecord",
+    "DeviceSample",
+    "Metrics",
+    "Ack",
+    "Reject",
+    "Placement",
+    "Error",
+    "Message",
+    "encode",
+    "decode",
+    "check_shares",
+    "uniform_shares",
+]
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_RECORDS_PER_MESSAGE = 2048
+MAX_WORLD_SIZE = 65536
+_MAX_NAME = 128
+_MAX_TEXT = 2048
+
+CLOSE_NORMAL = 1000
+CLOSE_TOO_BIG = 1009
+CLOSE_UNSUPPORTED_VERSION = 4001
+CLOSE_MALFORMED = 4002
+CLOSE_UNAUTHORIZED = 4401
+CLOSE_FORBIDDEN = 4403
+
+
+class ProtocolError(ValueError):
+    """A frame that does not follow the protocol. ``code`` is a short machine-readable
+    word sent back in an ``error`` message, ``close_code`` the websocket close code."""
+
+    def __init__(self, message: str, *, code: str = "malformed", close_code: int = CLOSE_MALFORMED):
+        super().__init__(message)
+        self.code = code
+        self.close_code = close_code
+
+
+# --- field checks ------------------------------------------------------------------------
+
+
+def _int(obj: Mapping[str, Any], key: str, *, lo: int = 0, hi: int | None = None, default: Any = ...) -> Any:
+    if key not in obj or obj[key] is None:
+        if default is ...:
+            raise ProtocolError(f"'{key}' is required.")
+        return default
+    val = obj[key]
+    if isinstance(val, bool) or not isinstance(val, int):
+        raise ProtocolError(f"'{key}' must be an integer, got {type(val).__name__}.")
+    if val < lo or (hi is not None and val > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+        raise ProtocolError(f"'{key}' must be {bound}, got {val}.")
+    return val
+
+
+def _float(obj: Mapping[str, Any], key: str, *, lo: float = 0.0, default: Any = ...) -> Any:
+    if key not in obj or obj[key] is None:
+        if default is ...:
+            raise ProtocolError(f"'{key}' is required.")
+        return default
+    val = obj[key]
+    if isinstance(val, bool) or not isinstance(val, (int, float)):
+        raise ProtocolError(f"'{key}' must be a number, got {type(val).__name__}.")
+    val = float(val)
+    if not math.isfinite(val) or val < lo:
+        raise ProtocolError(f"'{key}' must be a finite number >= {lo}, got {val}.")
+    return val
+
+
+def _str(obj: Mapping[str, Any], key: str, *, max_len: int = _MAX_NAME, default: Any = ..., nonempty: bool = False) -> Any:
+    if key not in obj or obj[key] is None:
+        if default is ...:
+            raise ProtocolError(f"'{key}' is required.")
+        return default
+    val = obj[key]
+    if not isinstance(val, str):
+        raise ProtocolError(f"'{key}' must be a string, got {type(val).__name__}.")
+    if len(val) > max_len:
+        raise ProtocolError(f"'{key}' must be at most {max_len} characters, got {len(val)}.")
+    if nonempty and not val.strip():
+        raise ProtocolError(f"'{key}' must not be empty.")
+    return val
+
+
+def _list(obj: Mapping[str, Any], key: str, *, max_len: int = MAX_RECORDS_PER_MESSAGE, default: Any = ...) -> Any:
+    if key not in obj or obj[key] is None:
+        if default is ...:
+            raise ProtocolError(f"'{key}' is required.")
+        return default
+    val = obj[key]
+    if not isinstance(val, list):
+        raise ProtocolError(f"'{key}' must be a list, got {type(val).__name__}.")
+    if len(val) > max_len:
+        raise ProtocolError(f"'{key}' holds {len(val)} items; at most {max_len} are allowed.")
+    return val
+
+
+def _obj(val: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(val, dict):
+        raise ProtocolError(f"{what} must be a JSON object, got {type(val).__name__}.")
+    return val
+
+
+def _job(obj: Mapping[str, Any]) -> str:
+    job = _str(obj, "job", nonempty=True)
+    if any(c in job for c in "/?#\\") or job != job.strip():
+        raise ProtocolError(f"'job' may not contain '/', '?', '#', '\\' or surrounding spaces, got {job!r}.")
+    return job
+
+
+def check_shares(shares: Sequence[Any], *, world_size: int, global_batch_size: int) -> list[int]:
+    """Return ``shares`` as a list of ints, or raise ValueError saying what is wrong.
+
+    A valid placement has one non-negative integer share per rank summing to the global
+    batch size. Used by the backend before it sends and by the hook before it applies.
+    """
+    if not isinstance(shares, (list, tuple)):
+        raise ValueError(f"shares must be a list of integers, got {type(shares).__name__}.")
+    if len(shares) != world_size:
+        raise ValueError(f"shares has {len(shares)} entries but the job has world_size {world_size}.")
+    out: list[int] = []
+    for i, s in enumerate(shares):
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ValueError(f"shares[{i}] must be an integer, got {s!r}.")
+        if s < 0:
+            raise ValueError(f"shares[{i}] must be >= 0, got {s}.")
+        out.append(s)
+    total = sum(out)
+    if total != global_batch_size:
+        raise ValueError(f"shares sum to {total} but the global batch size is {global_batch_size}.")
+    if world_size > 0 and not any(out):
+        raise ValueError("shares must give at least one rank a sample.")
+    return out
+
+
+def uniform_shares(world_size: int, global_batch_size: int) -> list[int]:
+    """The version-0 split: as even as integers allow, the remainder to the lowest ranks."""
+    if world_size <= 0:
+        raise ValueError(f"world_size must be > 0, got {world_size}.")
+    if global_batch_size < world_size:
+        raise ValueError(
+            f"global_batch_size ({global_batch_size}) must be >= world_size ({world_size})."
+        )
+    q, r = divmod(global_batch_size, world_size)
+    return [q + (1 if i < r else 0) for i in range(world_size)]
+
+
+# --- messages ----------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class Hello:
+    """First frame of every hook connection: who is talking and what it holds."""
+
+    TYPE: ClassVar[str] = "hello"
+    job: str
+    rank: int
+    world_size: int
+    global_batch_size: int
+    local_rank: int = 0
+    host: str = ""
+    pid: int = 0
+    device_type: str = "cpu"
+    device_name: str = ""
+    mem_total_bytes: int | None = None
+    placement_version: int = 0
+    batch_index: int = 0
+    restart_count: int = 0
+    hook_version: str = ""
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Hello:
+        world = _int(d, "world_size", lo=1, hi=MAX_WORLD_SIZE)
+        rank = _int(d, "rank", hi=world - 1)
+        return cls(
+            job=_job(d),
+            rank=rank,
+            world_size=world,
+            global_batch_size=_int(d, "global_batch_size", lo=1),
+            local_rank=_int(d, "local_rank", default=0),
+            host=_str(d, "host", default=""),
+            pid=_int(d, "pid", default=0),
+            device_type=_str(d, "device_type", default="cpu"),
+            device_name=_str(d, "device_name", default=""),
+            mem_total_bytes=_int(d, "mem_total_bytes", default=None),
+            placement_version=_int(d, "placement_version", default=0),
+            batch_index=_int(d, "batch_index", default=0),
+            restart_count=_int(d, "restart_count", default=0),
+            hook_version=_str(d, "hook_version", default=""),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class StepRecord:
+    """One step of one rank. Times in milliseconds; ``t`` is the Unix time at step end.
+
+    ``compute_ms`` is the time until this rank's gradients were ready, excluding the wait
+    inside gradient synchronisation (``sync_wait_ms``); see DESIGN.md invariant 4.
+    """
+
+    batch_index: int
+    local_batch_size: int
+    placement_version: int
+    data_wait_ms: float
+    compute_ms: float
+    sync_wait_ms: float
+    optimizer_ms: float
+    step_ms: float
+    t: float
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StepRecord:
+        return cls(
+            batch_index=_int(d, "batch_index"),
+            local_batch_size=_int(d, "local_batch_size"),
+            placement_version=_int(d, "placement_version"),
+            data_wait_ms=_float(d, "data_wait_ms"),
+            compute_ms=_float(d, "compute_ms"),
+            sync_wait_ms=_float(d, "sync_wait_ms"),
+            optimizer_ms=_float(d, "optimizer_ms"),
+            step_ms=_float(d, "step_ms"),
+            t=_float(d, "t"),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class DeviceSample:
+    """One device reading (about 1 Hz). Fields the source cannot read are None."""
+
+    t: float
+    source: str  # "nvml" or "psutil"
+    util_pct: float | None = None
+    mem_used_bytes: int | None = None
+    mem_total_bytes: int | None = None
+    power_w: float | None = None
+    temp_c: float | None = None
+    sm_clock_mhz: float | None = None
+    sm_clock_max_mhz: float | None = None
+    throttle_reasons: list[str] = field(default_factory=list)
+    cpu_pct: float | None = None
+    rss_bytes: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DeviceSample:
+        source = _str(d, "source")
+        if source not in ("nvml", "psutil"):
+            raise ProtocolError(f"'source' must be 'nvml' or 'psutil', got {source!r}.")
+        reasons = _list(d, "throttle_reasons", max_len=32, default=[])
+        for r in reasons:
+            if not isinstance(r, str) or len(r) > 64:
+                raise ProtocolError("'throttle_reasons' must be a list of short strings.")
+        return cls(
+            t=_float(d, "t"),
+            source=source,
+            util_pct=_float(d, "util_pct", default=None),
+            mem_used_bytes=_int(d, "mem_used_bytes", default=None),
+            mem_total_bytes=_int(d, "mem_total_bytes", default=None),
+            power_w=_float(d, "power_w", default=None),
+            temp_c=_float(d, "temp_c", lo=-273.0, default=None),
+            sm_clock_mhz=_float(d, "sm_clock_mhz", default=None),
+            sm_clock_max_mhz=_float(d, "sm_clock_max_mhz", default=None),
+            throttle_reasons=list(reasons),
+            cpu_pct=_float(d, "cpu_pct", default=None),
+            rss_bytes=_int(d, "rss_bytes", default=None),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class Metrics:
+    """A batch of step records and device samples from one rank.
+
+    ``dropped`` counts records the hook could not buffer since its last successful send.
+    """
+
+    TYPE: ClassVar[str] = "metrics"
+    job: str
+    rank: int
+    steps: list[StepRecord] = field(default_factory=list)
+    device: list[DeviceSample] = field(default_factory=list)
+    dropped: int = 0
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Metrics:
+        steps = [StepRecord.from_dict(_obj(s, "each step")) for s in _list(d, "steps", default=[])]
+        device = [DeviceSample.from_dict(_obj(s, "each device sample")) for s in _list(d, "device", default=[])]
+        return cls(
+            job=_job(d),
+            rank=_int(d, "rank", hi=MAX_WORLD_SIZE - 1),
+            steps=steps,
+            device=device,
+            dropped=_int(d, "dropped", default=0),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class Ack:
+    """A rank applied placement ``version`` starting at global batch ``batch_index``."""
+
+    TYPE: ClassVar[str] = "ack"
+    job: str
+    rank: int
+    version: int
+    batch_index: int
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Ack:
+        return cls(
+            job=_job(d),
+            rank=_int(d, "rank", hi=MAX_WORLD_SIZE - 1),
+            version=_int(d, "version"),
+            batch_index=_int(d, "batch_index"),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class Reject:
+    """A rank refused placement ``version``; ``reason`` says why. Training goes on."""
+
+    TYPE: ClassVar[str] = "reject"
+    job: str
+    rank: int
+    version: int
+    reason: str
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Reject:
+        return cls(
+            job=_job(d),
+            rank=_int(d, "rank", hi=MAX_WORLD_SIZE - 1),
+            version=_int(d, "version"),
+            reason=_str(d, "reason", max_len=_MAX_TEXT),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class Placement:
+    """The backend asks the job to run with ``shares`` from now on (rank 0 picks when).
+
+    Sent in reply to every ``hello`` (the placement in force) and whenever a proposal is
+    approved, auto-applied, overridden or rolled back.
+    """
+
+    TYPE: ClassVar[str] = "placement"
+    job: str
+    version: int
+    shares: list[int]
+    global_batch_size: int
+    proposal_id: int | None = None
+    reason: str = ""
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Placement:
+        shares = _list(d, "shares", max_len=MAX_WORLD_SIZE)
+        for i, s in enumerate(shares):
+            if isinstance(s, bool) or not isinstance(s, int):
+                raise ProtocolError(f"'shares[{i}]' must be an integer, got {s!r}.")
+        return cls(
+            job=_job(d),
+            version=_int(d, "version"),
+            shares=list(shares),
+            global_batch_size=_int(d, "global_batch_size", lo=1),
+            proposal_id=_int(d, "proposal_id", default=None),
+            reason=_str(d, "reason", max_len=_MAX_TEXT, default=""),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class Error:
+    """The backend refused a frame; it usually closes the connection right after."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Error:
+        return cls(code=_str(d, "code"), message=_str(d, "message", max_len=_MAX_TEXT))
+
+
+Message: TypeAlias = Hello | Metrics | Ack | Reject | Placement | Error
+_TYPES: dict[str, Any] = {c.TYPE: c for c in (Hello, Metrics, Ack, Reject, Placement, Error)}
+
+
+def encode(msg: Message) -> str:
+    """Serialise a message to one compact JSON text frame."""
+    body = {f.name: getattr(msg, f.name) for f in fields(msg)}
+    if isinstance(msg, Metrics):
+        body["steps"] = [asdict(s) for s in msg.steps]
+        body["device"] = [asdict(s) for s in msg.device]
+    return json.dumps({"type": msg.TYPE, "v": PROTOCOL_VERSION, **body}, separators=(",", ":"))
+
+
+def decode(raw: str | bytes) -> Message:
+    """Parse and validate one frame; raise ProtocolError saying what is wrong."""
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(
+            f"Message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit; send smaller batches.",
+            code="too_big",
+            close_code=CLOSE_TOO_BIG,
+        )
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"Message is not valid JSON: {exc}.") from None
+    obj = _obj(obj, "A message")
+    version = obj.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"Protocol version {version!r} is not supported; this side speaks version {PROTOCOL_VERSION}.",
+            code="unsupported_version",
+            close_code=CLOSE_UNSUPPORTED_VERSION,
+        )
+    kind = obj.get("type")
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"Unknown message type {kind!r}; expected one of {sorted(_TYPES)}.")
+    return cls.from_dict(obj)  # type: ignore[no-any-return]
