@@ -1,0 +1,368 @@
+"""Device probe: samples this rank's accelerator about once a second off the training thread.
+
+With an NVIDIA GPU it reads NVML through ``pynvml`` (package nvidia-ml-py): utilisation,
+memory, power, temperature, SM clocks and clock-event (throttle) reasons. NVML calls
+serialise in the driver, so the handle is cached, sampling runs on a daemon thread at
+about 1 Hz, and average power comes from the energy counter (exact over the interval)
+when the device has one. Every NVML read is guarded: a failing read gives None. Without
+NVML it falls back to psutil: process CPU and RSS, system memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from trainer_hook.protocol import DeviceSample
+
+__all__ = ["DeviceProbe", "device_type_key", "decode_clock_events", "load_nvml"]
+
+log = logging.getLogger(__name__)
+
+# nvmlClocksEventReason* bits (nvml.h); stable ABI values, checked against pynvml in tests.
+CLOCK_EVENT_NAMES: dict[int, str] = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal",
+    0x40: "hw_thermal",
+    0x80: "hw_power_brake",
+    0x100: "display_clocks",
+    0x200: "board_limit",
+    0x400: "reliability",
+}
+_NVML_CLOCK_SM = 1
+_NVML_TEMPERATURE_GPU = 0
+
+# Order matters: more specific patterns first (A100 sizes, L40S before L4).
+_TYPE_PATTERNS: list[tuple[str, str]] = [
+    ("H200", r"(?<![A-Z0-9])H200(?![0-9])"),
+    ("H100", r"(?<![A-Z0-9])H100(?![0-9])"),
+    ("A100-80GB", r"(?<![A-Z0-9])A100\b.*\b80\s*GB"),
+    ("A100-40GB", r"(?<![A-Z0-9])A100\b.*\b40\s*GB"),
+    ("L40S", r"(?<![A-Z0-9])L40S(?![0-9A-Z])"),
+    ("L4", r"(?<![A-Z0-9])L4(?![0-9A-Z])"),
+    ("A10G", r"(?<![A-Z0-9])A10G(?![0-9A-Z])"),
+    ("V100", r"(?<![A-Z0-9])V100(?![0-9])"),
+    ("T4", r"(?<![A-Z0-9])T4(?![0-9A-Z])"),
+    ("MI300X", r"(?<![A-Z0-9])MI300X(?![0-9A-Z])"),
+    ("MI250X", r"(?<![A-Z0-9])MI250X(?![0-9A-Z])"),
+]
+
+
+def device_type_key(name: str, mem_total_bytes: int | None = None) -> str:
+    """Map a device name to the device table's key ("H100", "A100-80GB", ...).
+
+    An A100 whose name does not say its size is told apart by its memory. Names that match
+    no key are returned unchanged (stripped), so the backend can still show them.
+    """
+    upper = name.upper()
+    for key, pattern in _TYPE_PATTERNS:
+        if re.search(pattern, upper):
+            return key
+    if re.search(r"(?<![A-Z0-9])A100(?![0-9])", upper):
+        if mem_total_bytes is None:
+            return "A100-80GB" if "80" in upper else "A100-40GB"
+        return "A100-80GB" if mem_total_bytes > 50 * 2**30 else "A100-40GB"
+    return name.strip()
+
+
+def decode_clock_events(mask: int) -> list[str]:
+    """Names of the clock-event (throttle) reasons set in an NVML bitmask, lowest bit first."""
+    names = [n for bit, n in CLOCK_EVENT_NAMES.items() if mask & bit]
+    unknown = mask & ~sum(CLOCK_EVENT_NAMES)
+    if unknown:
+        names.append(f"unknown_{unknown:#x}")
+    return names
+
+
+def load_nvml() -> ModuleType | None:
+    """Import pynvml and initialise NVML; None when the package or a driver is missing."""
+    try:
+        import pynvml  # type: ignore[import-untyped]
+    except Exception:  # noqa: BLE001 - optional dependency
+        return None
+    try:
+        pynvml.nvmlInit()
+        if pynvml.nvmlDeviceGetCount() < 1:
+            return None
+    except Exception:  # noqa: BLE001 - no driver / no GPU
+        return None
+    return pynvml  # type: ignore[no-any-return]
+
+
+def _visible_device(index: int) -> str | int:
+    """NVML numbers every GPU on the machine; CUDA only the visible ones. Map across."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not visible:
+        return index
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if index >= len(entries):
+        return index
+    entry = entries[index]
+    return int(entry) if entry.isdigit() else entry  # "GPU-<uuid>" or "MIG-<uuid>"
+
+
+def _default_index() -> int:
+    torch = sys.modules.get("torch")  # never import torch just for this
+    try:
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return int(torch.cuda.current_device())
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        return 0
+
+
+class DeviceProbe:
+    """Samples one device about once a second on a daemon thread.
+
+    Example::
+
+        probe = DeviceProbe(interval_s=1.0, on_sample=transport.put_device)
+        device_type, device_name, mem_total = probe.describe()   # ("H100", "NVIDIA H100 ...", ...)
+        probe.start()
+        ...
+        probe.latest()   # newest DeviceSample or None
+        probe.stop()
+
+    ``device_index`` is the CUDA device index (as torch counts it); by default the current
+    torch device, else ``LOCAL_RANK``. ``nvml`` injects a pynvml-like module (tests); by
+    default pynvml is loaded if a driver is present. ``clock``/``wall`` are the monotonic
+    and Unix clocks, injectable to test the power arithmetic.
+    """
+
+    def __init__(
+        self,
+        *,
+        interval_s: float = 1.0,
+        device_index: int | None = None,
+        on_sample: Callable[[DeviceSample], None] | None = None,
+        nvml: ModuleType | Any | None = None,
+        use_nvml: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s > 0:
+            raise ValueError(f"interval_s must be a number > 0, got {interval_s!r}.")
+        if device_index is not None and (not isinstance(device_index, int) or device_index < 0):
+            raise ValueError(f"device_index must be an integer >= 0 or None, got {device_index!r}.")
+        self.interval_s = float(interval_s)
+        self._on_sample = on_sample
+        self._clock = clock
+        self._wall = wall
+        self._latest: DeviceSample | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._unsupported: set[str] = set()
+        self._energy: tuple[float, float] | None = None  # (mJ, clock) of the previous read
+        self._nvml = nvml if nvml is not None else (load_nvml() if use_nvml else None)
+        self._handle: Any = None
+        if self._nvml is not None:
+            index = device_index if device_index is not None else _default_index()
+            self._handle = self._get_handle(index)
+            if self._handle is None:
+                log.warning("NVML has no device for CUDA index %d; falling back to psutil.", index)
+                self._nvml = None
+        self._psutil: Any = None
+        self._proc: Any = None
+        if self._nvml is None:
+            self._init_psutil()
+        self._max_sm: float | None = self._q("nvmlDeviceGetMaxClockInfo", _NVML_CLOCK_SM)
+
+    @property
+    def source(self) -> str:
+        """"nvml" or "psutil": where samples come from."""
+        return "nvml" if self._nvml is not None else "psutil"
+
+    # --- guarded reads -------------------------------------------------------------------
+
+    def _q(self, fn_name: str, *args: Any) -> Any:
+        """Call an NVML device function on the cached handle; None if it fails."""
+        if self._nvml is None or fn_name in self._unsupported:
+            return None
+        fn = getattr(self._nvml, fn_name, None)
+        if fn is None:
+            self._unsupported.add(fn_name)
+            return None
+        try:
+            return fn(self._handle, *args)
+        except Exception as exc:  # noqa: BLE001 - hardware reads return a sentinel
+            if type(exc).__name__ == "NVMLError_NotSupported":
+                self._unsupported.add(fn_name)  # stop paying the driver for it every second
+            return None
+
+    def _get_handle(self, index: int) -> Any:
+        nv = self._nvml
+        target = _visible_device(index)
+        try:
+            if isinstance(target, str):
+                return nv.nvmlDeviceGetHandleByUUID(target)
+            return nv.nvmlDeviceGetHandleByIndex(target)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _init_psutil(self) -> None:
+        try:
+            import psutil
+        except Exception:  # noqa: BLE001 - optional dependency
+            log.warning("Neither NVML nor psutil is available; device samples will be empty.")
+            return
+        self._psutil = psutil
+        try:
+            self._proc = psutil.Process()
+            self._proc.cpu_percent(None)  # the first call only sets the baseline
+            psutil.cpu_percent(None)
+        except Exception:  # noqa: BLE001
+            self._proc = None
+
+    # --- sampling ------------------------------------------------------------------------
+
+    def describe(self) -> tuple[str, str, int | None]:
+        """(device_type key, device name, total memory in bytes or None)."""
+        if self._nvml is not None:
+            name = self._q("nvmlDeviceGetName")
+            if isinstance(name, bytes):
+                name = name.decode(errors="replace")
+            mem = self._q("nvmlDeviceGetMemoryInfo")
+            total = _int_attr(mem, "total")
+            name = str(name) if name else "NVIDIA GPU"
+            return device_type_key(name, total), name, total
+        total = None
+        if self._psutil is not None:
+            try:
+                total = int(self._psutil.virtual_memory().total)
+            except Exception:  # noqa: BLE001
+                total = None
+        return "CPU", _cpu_name(), total
+
+    def sample_now(self) -> DeviceSample:
+        """Take one sample on the calling thread and store it as ``latest()``."""
+        sample = self._sample_nvml() if self._nvml is not None else self._sample_psutil()
+        with self._lock:
+            self._latest = sample
+        return sample
+
+    def _sample_nvml(self) -> DeviceSample:
+        now = self._clock()
+        util = self._q("nvmlDeviceGetUtilizationRates")
+        mem = self._q("nvmlDeviceGetMemoryInfo")
+        power_w = None
+        energy_mj = self._q("nvmlDeviceGetTotalEnergyConsumption")
+        if energy_mj is not None:
+            prev, self._energy = self._energy, (float(energy_mj), now)
+            # Energy difference over time difference: the exact mean power of the interval.
+            if prev is not None and now > prev[1] and energy_mj >= prev[0]:
+                power_w = (energy_mj - prev[0]) / 1000.0 / (now - prev[1])
+        if power_w is None:
+            mw = self._q("nvmlDeviceGetPowerUsage")  # instantaneous-ish, in milliwatts
+            power_w = mw / 1000.0 if mw is not None else None
+        temp = self._q("nvmlDeviceGetTemperature", _NVML_TEMPERATURE_GPU)
+        sm = self._q("nvmlDeviceGetClockInfo", _NVML_CLOCK_SM)
+        if self._max_sm is None:
+            self._max_sm = self._q("nvmlDeviceGetMaxClockInfo", _NVML_CLOCK_SM)
+        mask = self._q("nvmlDeviceGetCurrentClocksEventReasons")
+        if mask is None:  # drivers before 535 only know the old name
+            mask = self._q("nvmlDeviceGetCurrentClocksThrottleReasons")
+        return DeviceSample(
+            t=self._wall(),
+            source="nvml",
+            util_pct=_float_attr(util, "gpu"),
+            mem_used_bytes=_int_attr(mem, "used"),
+            mem_total_bytes=_int_attr(mem, "total"),
+            power_w=power_w,
+            temp_c=float(temp) if isinstance(temp, (int, float)) else None,
+            sm_clock_mhz=float(sm) if isinstance(sm, (int, float)) else None,
+            sm_clock_max_mhz=float(self._max_sm) if isinstance(self._max_sm, (int, float)) else None,
+            throttle_reasons=decode_clock_events(mask) if isinstance(mask, int) else [],
+        )
+
+    def _sample_psutil(self) -> DeviceSample:
+        ps, proc = self._psutil, self._proc
+        sample = DeviceSample(t=self._wall(), source="psutil")
+        if ps is None:
+            return sample
+        for attr, read in (
+            ("util_pct", lambda: float(ps.cpu_percent(None))),  # whole machine, 0..100
+            ("cpu_pct", lambda: float(proc.cpu_percent(None))),  # this process; >100 = threads
+            ("rss_bytes", lambda: int(proc.memory_info().rss)),
+        ):
+            try:
+                setattr(sample, attr, read())
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            vm = ps.virtual_memory()
+            sample.mem_total_bytes = int(vm.total)
+            sample.mem_used_bytes = int(vm.total - vm.available)
+        except Exception:  # noqa: BLE001
+            pass
+        return sample
+
+    def latest(self) -> DeviceSample | None:
+        """The newest sample, or None before the first one."""
+        with self._lock:
+            return self._latest
+
+    # --- thread ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start sampling every ``interval_s`` seconds on a daemon thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="rebalancer-probe", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the sampling thread (returns within about one NVML read)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = self._clock()
+            try:
+                sample = self.sample_now()
+                if self._on_sample is not None:
+                    self._on_sample(sample)
+            except Exception:  # noqa: BLE001 - the probe must never die or reach training
+                log.exception("Device probe sample failed; will retry.")
+            # Keep a steady cadence: subtract the time the reads took.
+            self._stop.wait(max(0.0, self.interval_s - (self._clock() - started)))
+
+
+def _int_attr(obj: Any, name: str) -> int | None:
+    val = getattr(obj, name, None)
+    return int(val) if isinstance(val, (int, float)) and not isinstance(val, bool) else None
+
+
+def _float_attr(obj: Any, name: str) -> float | None:
+    val = getattr(obj, name, None)
+    return float(val) if isinstance(val, (int, float)) and not isinstance(val, bool) else None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()[:128]
+    except OSError:
+        pass
+    return (platform.processor() or platform.machine() or "CPU")[:128]

@@ -1,0 +1,402 @@
+"""Websocket client that streams a rank's metrics to the backend off the training thread.
+
+The training thread only appends to bounded deques (a few tens of nanoseconds; a
+``queue.Queue.put_nowait`` costs about 15x more because of its lock and condition). One
+daemon thread owns the websocket: it connects, sends ``hello``, batches what the queues
+hold into ``metrics`` frames every flush interval, sends acks and rejects, and hands the
+backend's ``placement`` and ``error`` frames to a callback. With the backend down it
+retries with capped exponential backoff and jitter; the queues keep the newest records
+and count what they had to drop, and the count goes out in the next ``metrics`` frame.
+See docs/protocol.md for the conversation.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from urllib.parse import urlsplit, urlunsplit
+
+from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
+from websockets.sync.client import ClientConnection, connect
+
+from trainer_hook.protocol import (
+    CLOSE_FORBIDDEN,
+    CLOSE_UNAUTHORIZED,
+    CLOSE_UNSUPPORTED_VERSION,
+    MAX_MESSAGE_BYTES,
+    MAX_RECORDS_PER_MESSAGE,
+    Ack,
+    DeviceSample,
+    Error,
+    Hello,
+    Message,
+    Metrics,
+    Placement,
+    ProtocolError,
+    Reject,
+    StepRecord,
+    decode,
+    encode,
+)
+
+__all__ = ["Transport", "hook_ws_url"]
+
+log = logging.getLogger(__name__)
+
+WS_PATH = "/ws/hook"
+_POLL_S = 0.05  # how long one recv waits; bounds the latency of acks and of close()
+_AUTH_CODES = (CLOSE_UNAUTHORIZED, CLOSE_FORBIDDEN)
+_MAX_DEVICE_PER_MESSAGE = 256  # ~1 Hz samples; keeps a full frame of steps well under 1 MiB
+_MAX_CONTROL = 4096  # acks/rejects are a few per placement; this only guards a runaway caller
+
+
+def hook_ws_url(server: str) -> str:
+    """Turn the backend base URL a user gives into the hook's websocket URL.
+
+    ``http://host:8000`` -> ``ws://host:8000/ws/hook``; ``https`` -> ``wss``; ``ws(s)://``
+    is kept; a path prefix (a reverse proxy mount) is kept. Raises ValueError otherwise.
+    """
+    if not isinstance(server, str) or not server.strip():
+        raise ValueError(f"server must be a URL like 'http://127.0.0.1:8000', got {server!r}.")
+    parts = urlsplit(server.strip())
+    schemes = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}
+    if parts.scheme not in schemes or not parts.hostname:
+        raise ValueError(
+            f"server must be a URL like 'http://127.0.0.1:8000' (scheme http, https, ws or wss "
+            f"and a host), got {server!r}."
+        )
+    path = parts.path.rstrip("/")
+    if not path.endswith(WS_PATH):
+        path += WS_PATH
+    return urlunsplit((schemes[parts.scheme], parts.netloc, path, "", ""))
+
+
+class _Stop(Exception):
+    """The backend told us to stop for good (unsupported protocol version)."""
+
+
+class Transport:
+    """Streams step records and device samples of one rank to the backend.
+
+    Example::
+
+        t = Transport(url="http://127.0.0.1:8000", token=None, hello=make_hello,
+                      on_message=handle)
+        t.start()
+        t.put_step(record)          # from the training thread: never blocks
+        t.send_control(Ack(...))    # kept apart from metrics, never dropped by overflow
+        t.close()                   # flushes for at most 2 s
+
+    ``hello()`` is called on every (re)connect, so it should report the current placement
+    version and batch index. ``on_message`` runs on the transport thread for every
+    ``placement`` and ``error`` frame; exceptions it raises are logged, not propagated.
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        token: str | None,
+        hello: Callable[[], Hello],
+        on_message: Callable[[Message], None],
+        max_queue: int = 10000,
+        flush_interval_s: float = 0.2,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        auth_backoff_s: float = 60.0,
+        open_timeout_s: float = 5.0,
+    ) -> None:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise ValueError(f"max_queue must be an integer >= 1, got {max_queue!r}.")
+        for name, val in (
+            ("flush_interval_s", flush_interval_s),
+            ("backoff_initial_s", backoff_initial_s),
+            ("backoff_max_s", backoff_max_s),
+            ("auth_backoff_s", auth_backoff_s),
+            ("open_timeout_s", open_timeout_s),
+        ):
+            if not isinstance(val, (int, float)) or not val > 0:
+                raise ValueError(f"{name} must be a number > 0, got {val!r}.")
+        self.url = hook_ws_url(url)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._hello = hello
+        self._on_message = on_message
+        self._max_queue = max_queue
+        self._flush_s = float(flush_interval_s)
+        self._backoff0 = float(backoff_initial_s)
+        self._backoff_max = float(backoff_max_s)
+        self._auth_backoff = float(auth_backoff_s)
+        self._open_timeout = float(open_timeout_s)
+        self._steps: deque[StepRecord] = deque(maxlen=max_queue)
+        # Device samples arrive at ~1 Hz; a smaller buffer still covers many minutes offline.
+        self._devices: deque[DeviceSample] = deque(maxlen=max(16, min(max_queue, 3600)))
+        self._control: deque[Ack | Reject] = deque()
+        # Single-writer counters, so no lock on the hot path: producers bump *_dropped,
+        # the sender thread bumps _reported; the difference is what is not yet reported.
+        self._steps_dropped = 0
+        self._devices_dropped = 0
+        self._requeue_dropped = 0
+        self._reported = 0
+        self._close_deadline = 0.0
+        self._unsent: list[str] = []  # frames built but not yet sent (resent after reconnect)
+        self._ident: tuple[str, int] | None = None  # (job, rank) from the last hello
+        self._ws: ClientConnection | None = None
+        self._connected = False
+        self._closing = threading.Event()
+        self._stopped = False  # the backend refused our protocol version
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards start/close only
+        self.connects = 0  # successful connections so far (diagnostics and tests)
+
+    # --- training-thread side ------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """True while a websocket is open and ``hello`` has been sent on it."""
+        return self._connected
+
+    @property
+    def dropped(self) -> int:
+        """Records (steps and device samples) dropped so far because the buffer was full."""
+        return self._steps_dropped + self._devices_dropped + self._requeue_dropped
+
+    def put_step(self, rec: StepRecord) -> None:
+        """Queue one step record. Never blocks; when full, the oldest record is dropped."""
+        q = self._steps
+        if len(q) >= self._max_queue:
+            self._steps_dropped += 1
+        q.append(rec)
+
+    def put_device(self, sample: DeviceSample) -> None:
+        """Queue one device sample (from the probe thread). Never blocks."""
+        q = self._devices
+        if len(q) >= (q.maxlen or 0):
+            self._devices_dropped += 1
+        q.append(sample)
+
+    def send_control(self, msg: Ack | Reject) -> None:
+        """Queue an ack or reject; sent before any pending metrics, survives reconnects."""
+        if not isinstance(msg, (Ack, Reject)):
+            log.error("send_control expects an Ack or Reject, got %s; ignored.", type(msg).__name__)
+            return
+        if len(self._control) >= _MAX_CONTROL:
+            log.error("More than %d acks/rejects are waiting to be sent; dropping the oldest.", _MAX_CONTROL)
+            self._control.popleft()
+        self._control.append(msg)
+
+    def start(self) -> None:
+        """Start the sender thread (idempotent)."""
+        with self._lock:
+            if self._thread is not None or self._closing.is_set():
+                return
+            self._thread = threading.Thread(target=self._run, name="rebalancer-transport", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Flush what can be sent within ``timeout`` seconds, then close the websocket."""
+        with self._lock:
+            self._close_deadline = time.monotonic() + max(0.0, timeout)
+            self._closing.set()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, timeout) + 0.5)
+            if thread.is_alive():
+                log.warning("Transport did not finish flushing within %.1fs; giving up.", timeout)
+                ws = self._ws
+                if ws is not None:
+                    ws.close_socket()
+
+    # --- sender thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = self._backoff0
+        failures = 0
+        while not self._closing.is_set():
+            connects_before = self.connects
+            try:
+                self._session()
+                delay, failures = self._backoff0, 0
+                continue  # the connection ended cleanly or the server went away: reconnect
+            except _Stop:
+                self._stopped = True
+                return
+            except _AuthRefused as exc:
+                log.error(
+                    "The backend at %s refused this hook's token (%s). Set REBALANCER_TOKEN to a "
+                    "valid hook token; retrying in %.0fs.", self.url, exc, self._auth_backoff,
+                )
+                wait = self._auth_backoff
+            except Exception as exc:  # noqa: BLE001 - the thread must survive anything
+                if self.connects > connects_before:  # a working connection broke: retry soon
+                    delay, failures = self._backoff0, 0
+                failures += 1
+                level = logging.WARNING if failures in (1, 10) or failures % 100 == 0 else logging.DEBUG
+                log.log(level, "Cannot reach the backend at %s (%s: %s); attempt %d, training goes on.",
+                        self.url, type(exc).__name__, exc, failures)
+                wait = random.uniform(delay / 2, delay)  # equal jitter: ranks do not retry in step
+                delay = min(delay * 2, self._backoff_max)
+            if self._closing.wait(wait):
+                break
+        self._final_flush()
+
+    def _session(self) -> None:
+        """One connection: hello, then send and receive until it closes."""
+        try:
+            ws = connect(
+                self.url, additional_headers=self._headers, open_timeout=self._open_timeout,
+                close_timeout=1.0, max_size=MAX_MESSAGE_BYTES,
+            )
+        except InvalidStatus as exc:
+            if exc.response.status_code in (401, 403):
+                raise _AuthRefused(f"HTTP {exc.response.status_code} on the handshake") from None
+            raise
+        except InvalidURI as exc:
+            log.error("Invalid backend URL %s: %s; the transport stops.", self.url, exc)
+            raise _Stop from None
+        self._ws = ws
+        try:
+            hello = self._hello()
+            self._ident = (hello.job, hello.rank)
+            ws.send(encode(hello))
+            self._connected = True
+            self.connects += 1
+            log.info("Connected to %s as job %r rank %d.", self.url, hello.job, hello.rank)
+            next_flush = time.monotonic() + self._flush_s
+            while not self._closing.is_set():
+                self._send_control(ws)
+                if time.monotonic() >= next_flush:
+                    self._send_metrics(ws)
+                    next_flush = time.monotonic() + self._flush_s
+                self._receive(ws, _POLL_S)
+            self._flush(ws, self._close_deadline)
+            ws.close()
+        except ConnectionClosed as exc:
+            self._closed_by_server(exc)
+        finally:
+            self._connected = False
+            self._ws = None
+            ws.close_socket()
+
+    def _closed_by_server(self, exc: ConnectionClosed) -> None:
+        code = exc.rcvd.code if exc.rcvd is not None else None
+        reason = exc.rcvd.reason if exc.rcvd is not None else ""
+        if code in _AUTH_CODES:
+            raise _AuthRefused(f"close code {code}: {reason}") from None
+        if code == CLOSE_UNSUPPORTED_VERSION:
+            log.error(
+                "The backend does not speak this hook's protocol version (close %d: %s). Upgrade "
+                "the hook or the backend so both speak the same version; metrics are no longer sent.",
+                code, reason,
+            )
+            raise _Stop from None
+        raise ConnectionError(f"connection closed (code {code}{': ' + reason if reason else ''})")
+
+    def _receive(self, ws: ClientConnection, timeout: float) -> None:
+        try:
+            raw = ws.recv(timeout=timeout)
+        except TimeoutError:
+            return
+        try:
+            msg = decode(raw)
+        except ProtocolError as exc:
+            log.warning("Ignoring a malformed frame from the backend: %s", exc)
+            return
+        if not isinstance(msg, (Placement, Error)):
+            log.warning("Ignoring an unexpected %r frame from the backend.", type(msg).TYPE)
+            return
+        if isinstance(msg, Error):
+            log.warning("The backend reported an error: %s (%s)", msg.message, msg.code)
+        try:
+            self._on_message(msg)
+        except Exception:  # noqa: BLE001 - a bad callback must not kill the transport
+            log.exception("on_message raised while handling a %r frame; continuing.", msg.TYPE)
+
+    def _send_control(self, ws: ClientConnection) -> None:
+        while self._control:
+            msg = self._control[0]
+            ws.send(encode(msg))  # raises on a dead connection: the message stays queued
+            self._control.popleft()
+
+    def _send_metrics(self, ws: ClientConnection) -> None:
+        """Send every frame left from a broken connection, then all the queues hold."""
+        while self._unsent:
+            ws.send(self._unsent[0])
+            self._unsent.pop(0)
+        while True:
+            frame = self._build_frame()
+            if frame is None:
+                return
+            self._unsent.append(frame)
+            ws.send(frame)
+            self._unsent.pop()
+
+    def _build_frame(self) -> str | None:
+        if self._ident is None:
+            return None
+        dropped = self.dropped - self._reported
+        if not self._steps and not self._devices and dropped == 0:
+            return None
+        n = min(len(self._steps), MAX_RECORDS_PER_MESSAGE)
+        m = min(len(self._devices), _MAX_DEVICE_PER_MESSAGE)
+        steps = [self._steps.popleft() for _ in range(n)]
+        devices = [self._devices.popleft() for _ in range(m)]
+        job, rank = self._ident
+        while True:
+            frame = encode(Metrics(job=job, rank=rank, steps=steps[:n], device=devices[:m], dropped=dropped))
+            if len(frame) <= MAX_MESSAGE_BYTES or (n <= 1 and m <= 1):
+                break
+            n, m = n // 2, m // 2  # rare: only huge records get here; halve until it fits
+        # Put back what did not fit, at the front, so order is kept; a full deque evicts
+        # from its other end, which must be counted too.
+        for q, rest in ((self._steps, steps[n:]), (self._devices, devices[m:])):
+            if rest:
+                overflow = len(q) + len(rest) - (q.maxlen or 0)
+                q.extendleft(reversed(rest))
+                self._requeue_dropped += max(0, overflow)
+        self._reported += dropped
+        return frame
+
+    def _flush(self, ws: ClientConnection, deadline: float) -> None:
+        """Best-effort send of everything queued before ``deadline``."""
+        try:
+            self._send_control(ws)
+            while time.monotonic() < deadline:
+                before = len(self._unsent) + len(self._steps) + len(self._devices)
+                self._send_metrics(ws)
+                if before == 0 or not (self._unsent or self._steps or self._devices):
+                    break
+        except ConnectionClosed:
+            log.warning("The backend closed the connection while the transport was flushing.")
+
+    def _final_flush(self) -> None:
+        """close() came while disconnected: one quick attempt if there is anything to send."""
+        if self._stopped or not (self._control or self._steps or self._devices or self._unsent):
+            return
+        remaining = self._close_deadline - time.monotonic()
+        if remaining <= 0.05:
+            return
+        try:
+            ws = connect(
+                self.url, additional_headers=self._headers, open_timeout=min(remaining, 1.0),
+                close_timeout=0.5, max_size=MAX_MESSAGE_BYTES,
+            )
+        except Exception as exc:  # noqa: BLE001
+            log.info("Closing with %d unsent step records: backend unreachable (%s).", len(self._steps), exc)
+            return
+        with ws:
+            try:
+                hello = self._hello()
+                self._ident = (hello.job, hello.rank)
+                ws.send(encode(hello))
+            except Exception as exc:  # noqa: BLE001
+                log.info("Closing with unsent records: %s", exc)
+                return
+            self._flush(ws, self._close_deadline)
+
+
+class _AuthRefused(Exception):
+    """The backend refused the token (HTTP 401/403 or close 4401/4403)."""
