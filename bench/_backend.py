@@ -1,0 +1,126 @@
+"""A real backend process for benchmarks, and the few REST calls they make."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ApiError(RuntimeError):
+    """A REST call answered with an error status."""
+
+    def __init__(self, method: str, path: str, status: int, body: str):
+        super().__init__(f"{method} {path} answered {status}: {body[:300]}")
+        self.status = status
+        self.body = body
+
+
+@dataclass
+class Backend:
+    url: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def ws_url(self) -> str:
+        return self.url.replace("http://", "ws://", 1)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def request(self, method: str, path: str, body: Any = None, *, timeout: float = 15.0) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as exc:
+            raise ApiError(method, path, exc.code, exc.read().decode(errors="replace")) from None
+        ctype = r.headers.get("Content-Type", "")
+        if "json" in ctype:
+            return json.loads(raw)
+        return raw.decode(errors="replace")
+
+    def get(self, path: str) -> Any:
+        return self.request("GET", path)
+
+    def put(self, path: str, body: Any) -> Any:
+        return self.request("PUT", path, body)
+
+    def post(self, path: str, body: Any = None) -> Any:
+        return self.request("POST", path, body if body is not None else {})
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _wait_healthy(backend: Backend, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if backend.proc.poll() is not None:
+            raise RuntimeError(f"backend exited with {backend.proc.returncode}:\n{backend.log()}")
+        try:
+            with urllib.request.urlopen(backend.url + "/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"backend did not become healthy in {timeout}s:\n{backend.log()}")
+
+
+@contextlib.contextmanager
+def running_backend(
+    workdir: Path | None = None, *, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> Iterator[Backend]:
+    """Start ``python -m backend serve`` on a free loopback port with a fresh SQLite file,
+    wait for /healthz, yield it, and stop it (SIGINT, then SIGKILL)."""
+    with contextlib.ExitStack() as stack:
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rb-bench-")))
+        port = free_port()
+        db_url = f"sqlite:///{workdir / f'bench-{port}.db'}"
+        log_path = workdir / f"backend-{port}.log"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        cmd = [sys.executable, "-m", "backend", "serve", "--host", "127.0.0.1",
+               "--port", str(port), "--db", db_url]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                    cwd=REPO_ROOT)
+        backend = Backend(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path)
+        try:
+            _wait_healthy(backend, timeout)
+            yield backend
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

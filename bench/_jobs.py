@@ -1,0 +1,168 @@
+"""Run the demo worker (a real torchrun/gloo CPU DDP job) against a backend, one setting.
+
+A run: start the job, wait until the backend knows it, set its mode and policy (or apply
+a manual placement), wait for the job to finish, and read the per-step times rank 0
+wrote to its ``--result`` file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench._backend import REPO_ROOT, ApiError, Backend, free_port
+
+STRATEGIES = ("uniform", "static", "profiled", "predictive", "oracle")
+
+
+@dataclass
+class JobSpec:
+    """One demo job: true speeds, workload size and what happens during it."""
+
+    job: str
+    speeds: Sequence[float]
+    steps: int
+    global_batch_size: int = 64
+    per_sample_ms: float = 2.0
+    fixed_ms: float = 2.0
+    slowdown: str | None = None  # RANK:STEP:FACTOR
+    drift: str | None = None  # RANK:START_STEP:PCT_PER_STEP
+    device_names: Sequence[str] | None = None
+
+    @property
+    def a_ms(self) -> list[float]:
+        return [self.fixed_ms for _ in self.speeds]
+
+    @property
+    def c_ms(self) -> list[float]:
+        return [self.per_sample_ms / s for s in self.speeds]
+
+
+@dataclass
+class JobRun:
+    spec: JobSpec
+    strategy: str
+    step_ms: list[float]
+    placements: list[dict[str, Any]]  # from the worker's result file: version, batch, shares
+    wall_s: float
+    backend_placements: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _torchrun_cmd(nproc: int, args: Sequence[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+        "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+        "--master-port", str(free_port()), "--max-restarts", "0",
+        "-m", "trainer_hook.demo_worker", *args,
+    ]
+
+
+def _worker_args(spec: JobSpec, backend: Backend, result: Path) -> list[str]:
+    args = [
+        "--server", backend.url, "--job", spec.job, "--steps", str(spec.steps),
+        "--global-batch-size", str(spec.global_batch_size),
+        "--speeds", ",".join(f"{s:g}" for s in spec.speeds),
+        "--per-sample-ms", f"{spec.per_sample_ms:g}", "--fixed-ms", f"{spec.fixed_ms:g}",
+        "--result", str(result),
+    ]
+    if spec.slowdown:
+        args += ["--slowdown", spec.slowdown]
+    if spec.drift:
+        args += ["--drift", spec.drift]
+    if spec.device_names:
+        args += ["--device-names", ",".join(spec.device_names)]
+    return args
+
+
+def _wait_job(backend: Backend, job: str, proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    """Poll GET /jobs/{job} until every rank has said hello."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"job {job} exited with {proc.returncode} before registering")
+        try:
+            last = backend.get(f"/api/v1/jobs/{job}")
+            ws = last.get("world_size") or 0
+            if ws and (last.get("connected_ranks") or 0) >= ws:
+                return dict(last)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+        time.sleep(0.05)
+    raise RuntimeError(f"job {job} did not register within {timeout}s (last: {last})")
+
+
+def configure(backend: Backend, job: str, strategy: str, spec: JobSpec, policy: dict[str, Any]) -> list[str]:
+    """Put a registered job under ``strategy``; returns notes on what was done."""
+    notes: list[str] = []
+    if strategy == "uniform":
+        backend.put(f"/api/v1/jobs/{job}/mode", {"mode": "observe", "reason": "bench: uniform"})
+    elif strategy == "oracle":
+        from bench._analysis import oracle_shares
+
+        shares = oracle_shares(spec.a_ms, spec.c_ms, spec.global_batch_size)
+        backend.put(f"/api/v1/jobs/{job}/mode", {"mode": "observe", "reason": "bench: oracle"})
+        prop = backend.post(f"/api/v1/jobs/{job}/proposals",
+                            {"shares": shares, "reason": "bench: oracle from the true speeds"})
+        if prop.get("status") == "proposed":
+            backend.post(f"/api/v1/jobs/{job}/proposals/{prop['id']}/approve",
+                         {"reason": "bench: oracle"})
+        notes.append(f"oracle shares {shares}")
+    else:
+        backend.put(f"/api/v1/jobs/{job}/policy", {"strategy": strategy, **policy,
+                                                   "reason": f"bench: {strategy}"})
+        backend.put(f"/api/v1/jobs/{job}/mode", {"mode": "auto", "reason": f"bench: {strategy}"})
+    return notes
+
+
+def run_job(
+    backend: Backend, spec: JobSpec, strategy: str, *, policy: dict[str, Any] | None = None,
+    timeout: float = 600.0,
+) -> JobRun:
+    """Run one job to the end under ``strategy`` (one of STRATEGIES)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    with tempfile.TemporaryDirectory(prefix="rb-job-") as tmp:
+        result = Path(tmp) / "result.json"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(REPO_ROOT)}
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            _torchrun_cmd(len(spec.speeds), _worker_args(spec, backend, result)),
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+            start_new_session=True,
+        )
+        try:
+            _wait_job(backend, spec.job, proc, timeout=120)
+            notes = configure(backend, spec.job, strategy, spec, policy or {})
+            out, _ = proc.communicate(timeout=timeout)
+        except BaseException:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            raise
+        wall = time.monotonic() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"job {spec.job} exited {proc.returncode}:\n{out[-4000:]}")
+        data = json.loads(result.read_text())
+    try:
+        hist = backend.get(f"/api/v1/jobs/{spec.job}/placements")
+        backend_placements = list(hist.get("data", [])) if isinstance(hist, dict) else []
+    except ApiError:
+        backend_placements = []
+    return JobRun(
+        spec=spec, strategy=strategy, step_ms=[float(x) for x in data["step_ms"]],
+        placements=list(data.get("placements", [])), wall_s=wall,
+        backend_placements=backend_placements, notes=notes,
+    )

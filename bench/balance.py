@@ -1,0 +1,158 @@
+"""Balance efficiency on real jobs: how close each strategy gets to the best possible split.
+
+Each scenario is a real 4-rank torchrun/gloo CPU DDP job (trainer_hook.demo_worker) whose
+ranks have injected per-sample speeds; each runs once per strategy against one backend:
+
+- uniform: the version-0 split, job in ``observe`` mode (what plain DDP does);
+- static: the ``static`` strategy in ``auto`` mode, told each rank's relative power;
+- profiled / predictive: the strategy in ``auto`` mode, starting from no knowledge;
+- oracle: the exact best split for the true speeds (the product's solver on the injected
+  costs), applied by hand as soon as the job registers.
+
+Reported: steady-state step time (median of the last 30% of steps), efficiency =
+oracle steady / achieved steady (target >= 0.95), and steps until the rolling median of
+10 steps stays within 5% of the oracle's steady step time (target <= 30).
+
+    python -m bench.balance [--quick | --tiny] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench._analysis import model_step_ms, oracle_shares, steady_ms, steps_until_within
+from bench._backend import running_backend
+from bench._jobs import JobRun, JobSpec, run_job
+from bench._report import RESULTS_DIR, print_table, write_json
+
+__all__ = ["SCENARIOS", "BalanceRow", "run_balance", "main"]
+
+SCENARIOS: dict[str, tuple[float, ...]] = {
+    "1,1,1,1": (1.0, 1.0, 1.0, 1.0),
+    "1,1,0.5,0.5": (1.0, 1.0, 0.5, 0.5),
+    "1,1,0.5,0.25": (1.0, 1.0, 0.5, 0.25),
+    "1,0.8,0.6,0.4": (1.0, 0.8, 0.6, 0.4),
+}
+STRATEGY_ORDER = ("uniform", "static", "profiled", "predictive", "oracle")
+
+
+@dataclass
+class BalanceRow:
+    scenario: str
+    strategy: str
+    steady_ms: float
+    oracle_ms: float
+    efficiency: float  # oracle_ms / steady_ms
+    steps_to_within_5pct: int | None
+    model_oracle_ms: float  # slowest rank's injected compute under the oracle split
+    final_shares: list[int] | None
+    placements_applied: int
+    wall_s: float
+
+
+def _final_shares(run: JobRun) -> list[int] | None:
+    if run.placements:
+        return list(run.placements[-1].get("shares", [])) or None
+    return None
+
+
+def _row(scenario: str, run: JobRun, oracle_ms: float) -> BalanceRow:
+    s = steady_ms(run.step_ms)
+    spec = run.spec
+    model = model_step_ms(spec.a_ms, spec.c_ms, oracle_shares(spec.a_ms, spec.c_ms, spec.global_batch_size))
+    return BalanceRow(
+        scenario=scenario, strategy=run.strategy, steady_ms=round(s, 2), oracle_ms=round(oracle_ms, 2),
+        efficiency=round(oracle_ms / s, 3),
+        steps_to_within_5pct=steps_until_within(run.step_ms, oracle_ms, 0.05),
+        model_oracle_ms=round(model, 2), final_shares=_final_shares(run),
+        placements_applied=max(0, len(run.placements) - 1), wall_s=round(run.wall_s, 1),
+    )
+
+
+def run_balance(
+    scenarios: dict[str, tuple[float, ...]] | None = None, *, steps: int = 150,
+    strategies: tuple[str, ...] = STRATEGY_ORDER, out_dir: Path = RESULTS_DIR,
+    name: str = "balance", plot: bool = True, global_batch_size: int = 64,
+    per_sample_ms: float = 2.0, fixed_ms: float = 2.0,
+) -> dict[str, Any]:
+    """Run every scenario under every strategy; write ``<name>.json`` and ``<name>.png``."""
+    scenarios = scenarios or SCENARIOS
+    rows: list[BalanceRow] = []
+    series: dict[str, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="rb-bal-") as tmp, running_backend(Path(tmp)) as backend:
+        for si, (label, speeds) in enumerate(scenarios.items()):
+            runs: dict[str, JobRun] = {}
+            for strategy in strategies:
+                spec = JobSpec(
+                    job=f"bal{si}-{strategy}", speeds=speeds, steps=steps,
+                    global_batch_size=global_batch_size, per_sample_ms=per_sample_ms,
+                    fixed_ms=fixed_ms,
+                )
+                policy: dict[str, Any] = {}
+                if strategy == "static":
+                    policy = _static_policy(speeds)
+                runs[strategy] = run_job(backend, spec, strategy, policy=policy)
+                print(f"  {label:>14} {strategy:>10}: steady {steady_ms(runs[strategy].step_ms):7.1f} ms"
+                      f"  ({runs[strategy].wall_s:.0f} s)", flush=True)
+            oracle_ms = steady_ms(runs["oracle"].step_ms) if "oracle" in runs else _model_ref(speeds, global_batch_size, per_sample_ms, fixed_ms)
+            rows += [_row(label, runs[s], oracle_ms) for s in strategies]
+            series[label] = {s: runs[s].step_ms for s in strategies}
+    print_table(
+        f"Balance efficiency (4 ranks, B={global_batch_size}, {per_sample_ms:g} ms/sample at speed 1, "
+        f"{fixed_ms:g} ms fixed; oracle/achieved, target >= 0.95)",
+        ["speeds", "strategy", "steady ms", "oracle ms", "efficiency", "steps to 5%", "final shares"],
+        [[r.scenario, r.strategy, r.steady_ms, r.oracle_ms, r.efficiency,
+          r.steps_to_within_5pct, r.final_shares] for r in rows],
+    )
+    payload = {
+        "config": {"steps": steps, "global_batch_size": global_batch_size,
+                   "per_sample_ms": per_sample_ms, "fixed_ms": fixed_ms, "world_size": 4},
+        "rows": [asdict(r) for r in rows],
+        "step_ms": series,
+    }
+    write_json(out_dir / f"{name}.json", payload)
+    if plot:
+        from bench._plots import plot_balance
+
+        plot_balance(rows, series, out_dir / f"{name}.png")
+    return payload
+
+
+def _model_ref(speeds: tuple[float, ...], b: int, per_sample_ms: float, fixed_ms: float) -> float:
+    a = [fixed_ms] * len(speeds)
+    c = [per_sample_ms / s for s in speeds]
+    return model_step_ms(a, c, oracle_shares(a, c, b))
+
+
+def _static_policy(speeds: tuple[float, ...]) -> dict[str, Any]:
+    """Known relative device power: the speeds themselves (see docs/performance.md)."""
+    return {"workload": "custom",
+            "custom_weights": {f"bench-dev-{i}": float(s) for i, s in enumerate(speeds)}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="smoke-test size")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args(argv)
+    scenarios: dict[str, tuple[float, ...]] = dict(SCENARIOS)
+    steps = 150
+    strategies = STRATEGY_ORDER
+    if args.quick:
+        scenarios = {"1,1,0.5,0.25": SCENARIOS["1,1,0.5,0.25"]}
+        steps = 80
+    if args.tiny:
+        scenarios = {"1,1,0.5,0.25": SCENARIOS["1,1,0.5,0.25"]}
+        steps, strategies = 20, ("uniform", "oracle")
+    run_balance(scenarios, steps=args.steps or steps, strategies=strategies, out_dir=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,385 @@
+"""Backend capacity: many simulated hooks against one real backend process.
+
+Real websocket clients, no training: one asyncio process opens N hook connections to
+``/ws/hook`` (``hello``, then ``metrics`` frames at 10 steps a second per rank, batched the
+way the hook's transport batches them) and one dashboard client on ``/ws/dashboard``.
+Frames are pre-encoded templates, so the generator spends its CPU on sockets, not JSON.
+
+Reported per world size: sustained messages/s and rank-steps/s (sent, and counted by the
+backend), backend CPU (psutil on the server process), generator CPU, records lost (sent
+minus counted by the backend: must be 0), and dashboard latency p50/p99: from the moment a
+hook frame is sent to the moment a dashboard frame showing that rank at that batch index
+(or a later one) arrives.
+
+    python -m bench.capacity [--quick | --tiny] [--ranks 8,64,256,1024] [--seconds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import websockets
+
+from bench._backend import Backend, running_backend
+from bench._report import RESULTS_DIR, print_table, write_json
+from trainer_hook.config import HookConfig
+
+__all__ = ["CapacityResult", "run_capacity", "main"]
+
+STEPS_PER_S = 10.0
+# Mirror the hook's transport: it sends one frame per flush interval holding every step
+# record queued since, plus the ~1 Hz device sample (trainer_hook/transport.py).
+FLUSH_S: float = HookConfig.__dataclass_fields__["flush_interval_s"].default
+DEVICE_EVERY_S = 1.0
+
+_RECORD = (
+    '{{"batch_index":{k},"local_batch_size":{b},"placement_version":0,"data_wait_ms":0.2,'
+    '"compute_ms":{c:.3f},"sync_wait_ms":1.5,"optimizer_ms":0.8,"step_ms":100.0,"t":{t:.6f}}}'
+)
+
+_DEVICE = '{{"t":{t:.6f},"source":"psutil","cpu_pct":97.0,"rss_bytes":1073741824}}'
+
+
+@dataclass
+class CapacityResult:
+    ranks: int
+    seconds: float
+    target_rank_steps_per_s: float
+    sent_messages_per_s: float
+    sent_rank_steps_per_s: float
+    counted_records_per_s: float | None  # steps + device samples, from the backend's counter
+    records_sent: int
+    records_counted: int | None
+    records_lost: int | None
+    loss_source: str
+    backend_cpu_pct: float  # 100 = one core busy
+    generator_cpu_pct: float
+    latency_p50_ms: float | None
+    latency_p99_ms: float | None
+    latency_samples: int
+    dashboard_frames: int
+    dashboard_bytes_per_s: float
+    send_lag_p99_ms: float  # how late the generator sent frames (its own overload)
+    errors: list[str] = field(default_factory=list)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    i = min(len(s) - 1, max(0, math.ceil(q / 100.0 * len(s)) - 1))
+    return s[i]
+
+
+class _Load:
+    """Shared state of one load run: what was sent when, and what the dashboard showed."""
+
+    def __init__(self, job: str, ranks: int) -> None:
+        self.job = job
+        self.ranks = ranks
+        self.batch = [0] * ranks  # next batch index per rank
+        self.sent_at: list[deque[tuple[int, float]]] = [deque() for _ in range(ranks)]
+        self.shown = [-1] * ranks  # newest batch index the dashboard has shown
+        self.measuring = False
+        self.stop = False
+        self.messages = 0
+        self.records = 0
+        self.devices_total = 0  # device samples sent over the whole run (for the loss count)
+        self.lags: list[float] = []
+        self.latencies: list[float] = []
+        self.frames = 0
+        self.frame_bytes = 0
+        self.errors: list[str] = []
+
+    def reset_counters(self) -> None:
+        self.messages = self.records = self.frames = self.frame_bytes = 0
+        self.lags.clear()
+        self.latencies.clear()
+
+
+async def _hook_client(load: _Load, base: str, rank: int, t0: float, ready: asyncio.Event) -> None:
+    world = load.ranks
+    gbs = max(world, 1) * 8
+    hello = json.dumps({
+        "type": "hello", "v": 1, "job": load.job, "rank": rank, "world_size": world,
+        "global_batch_size": gbs, "host": "bench", "pid": os.getpid(), "device_type": "cpu",
+        "device_name": f"sim-{rank}",
+    })
+    head = f'{{"type":"metrics","v":1,"job":"{load.job}","rank":{rank},"dropped":0,"steps":['
+    device_every = max(1, round(DEVICE_EVERY_S / FLUSH_S))
+    sent_msgs = 0
+    per_msg = max(1, round(STEPS_PER_S * FLUSH_S))
+    local = gbs // world
+    compute = 20.0 + 30.0 * (rank % 4)
+    async with websockets.connect(base + "/ws/hook", max_size=None, open_timeout=60,
+                                  ping_interval=None) as ws:
+        await ws.send(hello)
+        try:  # the placement in force; the real hook does not wait for it, so neither do we long
+            await asyncio.wait_for(ws.recv(), timeout=10)
+        except TimeoutError:
+            load.errors.append(f"rank {rank}: no reply to hello within 10 s")
+        ready.set()
+
+        async def drain() -> None:
+            async for _ in ws:
+                pass
+
+        reader = asyncio.create_task(drain())
+        # Spread ranks over one flush interval, as independent processes would be.
+        next_at = t0 + FLUSH_S * (rank / world)
+        try:
+            while not load.stop:
+                delay = next_at - time.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                now = time.time()
+                k0 = load.batch[rank]
+                # Steps end 0.1 s apart; the newest ends now (its `t` is the send time).
+                recs = ",".join(
+                    _RECORD.format(k=k0 + j, b=local, c=compute, t=now - (per_msg - 1 - j) / STEPS_PER_S)
+                    for j in range(per_msg)
+                )
+                dev = _DEVICE.format(t=now) if sent_msgs % device_every == 0 else ""
+                if dev:
+                    load.devices_total += 1
+                sent_msgs += 1
+                await ws.send(f"{head}{recs}],\"device\":[{dev}]}}")
+                load.batch[rank] = k0 + per_msg
+                load.sent_at[rank].append((k0 + per_msg - 1, now))
+                if load.measuring:
+                    load.messages += 1
+                    load.records += per_msg
+                    load.lags.append(max(0.0, now - next_at))
+                next_at += FLUSH_S
+                if now - next_at > 5 * FLUSH_S:  # far behind: skip ahead, count it as lag
+                    next_at = now
+        finally:
+            reader.cancel()
+
+
+def _rank_positions(frame: Any) -> list[tuple[int, int]]:
+    """(rank, batch_index) pairs a dashboard frame shows: the hub's columnar ``ranks``
+    (``{"rank": [...], "batch_index": [...]}``), or any object holding both keys."""
+    cols = frame.get("ranks") if isinstance(frame, dict) else None
+    if isinstance(cols, dict) and isinstance(cols.get("rank"), list):
+        return [(r, k) for r, k in zip(cols["rank"], cols.get("batch_index") or [], strict=False)
+                if isinstance(r, int) and isinstance(k, int)]
+    out: list[tuple[int, int]] = []
+    stack = [frame]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, dict):
+            r, k = obj.get("rank"), obj.get("batch_index")
+            if isinstance(r, int) and isinstance(k, int):
+                out.append((r, k))
+            stack.extend(v for v in obj.values() if isinstance(v, (dict, list)))
+        elif isinstance(obj, list):
+            stack.extend(v for v in obj if isinstance(v, (dict, list)))
+    return out
+
+
+async def _dashboard_client(load: _Load, base: str) -> None:
+    async with websockets.connect(f"{base}/ws/dashboard?job={load.job}", max_size=None,
+                                  open_timeout=60, ping_interval=None) as ws:
+        async for raw in ws:
+            now = time.time()
+            if load.measuring:
+                load.frames += 1
+                load.frame_bytes += len(raw)
+            try:
+                frame = json.loads(raw)
+            except ValueError:
+                continue
+            for rank, k in _rank_positions(frame):
+                if not 0 <= rank < load.ranks or k <= load.shown[rank]:
+                    continue
+                load.shown[rank] = k
+                q = load.sent_at[rank]
+                while q and q[0][0] <= k:  # every hook frame this position now shows
+                    sent = q.popleft()[1]
+                    if load.measuring:
+                        load.latencies.append((now - sent) * 1000.0)
+            if load.stop:
+                return
+
+
+def _ingest_counters(backend: Backend) -> dict[str, float]:
+    """The backend's ``rebalancer_ingest_*`` Prometheus counters (summed over labels)."""
+    try:
+        text = backend.get("/metrics")
+    except Exception:  # noqa: BLE001 - no /metrics: loss is then checked through REST
+        return {}
+    out: dict[str, float] = {}
+    if not isinstance(text, str):
+        return out
+    for line in text.splitlines():
+        m = re.match(r"^(rebalancer_ingest_[a-z_]+?)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def _rest_steps(backend: Backend, job: str) -> int | None:
+    """Step records the backend holds, judged by each rank's newest batch index."""
+    try:
+        body = backend.get(f"/api/v1/jobs/{job}/ranks")
+    except Exception:  # noqa: BLE001
+        return None
+    rows = body.get("data", []) if isinstance(body, dict) else body
+    return sum(int(r.get("batch_index") if r.get("batch_index") is not None else -1) + 1 for r in rows)
+
+
+async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) -> CapacityResult:
+    job = f"cap-{ranks}"
+    load = _Load(job, ranks)
+    base = backend.ws_url
+    server = psutil.Process(backend.pid)
+    me = psutil.Process()
+    dash = asyncio.create_task(_dashboard_client(load, base))
+    readies = [asyncio.Event() for _ in range(ranks)]
+    tasks: list[asyncio.Task[None]] = []
+    t0 = time.time() + 1.0
+    sem = asyncio.Semaphore(64)  # connect in waves, as a real job's ranks trickle in
+
+    async def start(rank: int) -> None:
+        async with sem:
+            task = asyncio.create_task(_hook_client(load, base, rank, t0, readies[rank]))
+            tasks.append(task)
+            waiter = asyncio.create_task(readies[rank].wait())
+            await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+
+    await asyncio.gather(*(start(r) for r in range(ranks)))
+    failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+    if failed:
+        load.errors.append(f"{len(failed)} hook connections failed: {failed[0].exception()!r}")
+    await asyncio.sleep(max(0.0, t0 - time.time()) + warmup)
+    load.reset_counters()
+    c0 = _ingest_counters(backend)
+    cpu_s0 = sum(server.cpu_times()[:2])
+    cpu_g0 = sum(me.cpu_times()[:2])
+    w0 = time.monotonic()
+    load.measuring = True
+    await asyncio.sleep(seconds)
+    load.measuring = False
+    elapsed = time.monotonic() - w0
+    c1 = _ingest_counters(backend)
+    cpu_s = sum(server.cpu_times()[:2]) - cpu_s0
+    cpu_g = sum(me.cpu_times()[:2]) - cpu_g0
+    load.stop = True
+    await asyncio.sleep(3 * FLUSH_S)  # senders stop; let the last frames land
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.sleep(1.0)
+    c2 = _ingest_counters(backend)
+    dash.cancel()
+    await asyncio.gather(dash, return_exceptions=True)
+
+    sent_steps = sum(load.batch)
+    sent_records = sent_steps + load.devices_total
+    counted_rate: float | None = None
+    if "rebalancer_ingest_records_total" in c2:
+        counted = int(c2["rebalancer_ingest_records_total"])
+        lost: int | None = sent_records - counted
+        source = "rebalancer_ingest_records_total (steps + device samples)"
+        if "rebalancer_ingest_records_total" in c0:
+            counted_rate = (c1["rebalancer_ingest_records_total"] - c0["rebalancer_ingest_records_total"]) / elapsed
+    else:
+        rest = _rest_steps(backend, job)
+        counted = rest
+        lost = None if rest is None else sent_steps - rest
+        sent_records = sent_steps
+        source = "REST /ranks newest batch index (step records only)"
+    return CapacityResult(
+        ranks=ranks,
+        seconds=round(elapsed, 2),
+        target_rank_steps_per_s=ranks * STEPS_PER_S,
+        sent_messages_per_s=round(load.messages / elapsed, 1),
+        sent_rank_steps_per_s=round(load.records / elapsed, 1),
+        counted_records_per_s=None if counted_rate is None else round(counted_rate, 1),
+        records_sent=sent_records,
+        records_counted=counted,
+        records_lost=lost,
+        loss_source=source,
+        backend_cpu_pct=round(100.0 * cpu_s / elapsed, 1),
+        generator_cpu_pct=round(100.0 * cpu_g / elapsed, 1),
+        latency_p50_ms=_round(_pct(load.latencies, 50)),
+        latency_p99_ms=_round(_pct(load.latencies, 99)),
+        latency_samples=len(load.latencies),
+        dashboard_frames=load.frames,
+        dashboard_bytes_per_s=round(load.frame_bytes / elapsed, 1),
+        send_lag_p99_ms=_round(_pct([x * 1000 for x in load.lags], 99)) or 0.0,
+        errors=load.errors,
+    )
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
+def run_capacity(
+    ranks_list: list[int], *, seconds: float = 15.0, warmup: float = 3.0,
+    out_dir: Path = RESULTS_DIR, name: str = "capacity",
+) -> list[CapacityResult]:
+    """Run the load for each world size against one fresh backend per size; write JSON."""
+    results: list[CapacityResult] = []
+    for n in ranks_list:
+        with running_backend() as backend:
+            results.append(asyncio.run(_run_one(backend, n, seconds, warmup)))
+    rows = [[
+        r.ranks, r.sent_messages_per_s, r.sent_rank_steps_per_s,
+        "-" if r.counted_records_per_s is None else r.counted_records_per_s,
+        "-" if r.records_lost is None else r.records_lost,
+        r.backend_cpu_pct, r.generator_cpu_pct,
+        "-" if r.latency_p50_ms is None else r.latency_p50_ms,
+        "-" if r.latency_p99_ms is None else r.latency_p99_ms,
+    ] for r in results]
+    print_table(
+        "Backend capacity (simulated hooks, 10 steps/s per rank)",
+        ["ranks", "msg/s", "rank-steps/s", "counted rec/s", "lost", "backend CPU %",
+         "generator CPU %", "dash p50 ms", "dash p99 ms"],
+        rows,
+    )
+    write_json(out_dir / f"{name}.json", {
+        "steps_per_s_per_rank": STEPS_PER_S, "flush_s": FLUSH_S,
+        "results": [asdict(r) for r in results],
+    })
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", default=None, help="comma-separated world sizes")
+    ap.add_argument("--seconds", type=float, default=None, help="measured window per size")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="smoke-test size")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args(argv)
+    if args.tiny:
+        ranks, secs, warm = [4], 1.0, 1.0
+    elif args.quick:
+        ranks, secs, warm = [8, 256], 5.0, 2.0
+    else:
+        ranks, secs, warm = [8, 64, 256, 1024], 15.0, 3.0
+    if args.ranks:
+        ranks = [int(x) for x in args.ranks.split(",")]
+    if args.seconds:
+        secs = args.seconds
+    run_capacity(ranks, seconds=secs, warmup=warm, out_dir=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
