@@ -1,0 +1,419 @@
+"""DashboardHub: the data feed of ``/ws/dashboard``, coalesced to at most N pushes a second.
+
+Ingest calls ``notify(job)`` after every metrics message, which only adds the job to a
+dirty set. A ticker runs ``dashboard_max_hz`` times a second: it folds what arrived for the
+dirty jobs into per-job feeds (per-batch aggregates, heatmap columns, placement markers,
+a summary and the control state), once per job whatever the number of viewers, then wakes
+the clients that watch those jobs. Each client has its own sender task with a cursor into
+the feeds: a slow client only delays itself, and whatever piled up while it was busy goes
+out as one frame (latest wins, nothing of the series is lost while it stays buffered).
+
+Frames (JSON text):
+- ``{"type": "overview", "t", "jobs": [summary, ...]}`` for clients without a job;
+- ``{"type": "job", "full": bool, "job", "t", "summary", "control", "ranks", "series",
+  "markers", "heat", "savings"}`` for ``?job=NAME``: the first frame is a full snapshot
+  (``full: true``), later ones carry only the series points and heatmap columns added since
+  the client's previous frame. ``ranks`` and ``series`` are columnar (dict of lists).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer_hook.protocol import uniform_shares
+
+__all__ = ["DashboardHub", "fit_rank_cost"]
+
+log = logging.getLogger(__name__)
+
+_SERIES_MAX = 3000  # per-batch points kept per job (the page's sliding window is smaller)
+_HEAT_MAX = 240  # heatmap columns kept per job (one per tick with new data)
+_LAG_LIMIT = 16  # a batch missing some ranks is closed once the newest is this far ahead
+_COST_WINDOW = 64  # steps per rank used to fit its per-sample cost
+_CONTROL_EVERY_S = 0.25  # control state reads SQL: refresh it at most this often per job
+_IDLE_REFRESH_S = 1.0  # watched jobs refresh this often even without metrics (stale flag)
+_RANK_FIELDS = ("compute_ms", "sync_wait_ms", "data_wait_ms", "optimizer_ms", "step_ms",
+                "batch_index", "local_batch_size", "placement_version", "step_rate_hz")
+_DEVICE_FIELDS = ("util_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "temp_c",
+                  "sm_clock_mhz", "sm_clock_max_mhz", "cpu_pct", "rss_bytes", "source")
+_SERIES_FIELDS = ("b", "step_ms", "max_compute_ms", "mean_compute_ms", "throughput",
+                  "uniform_step_ms", "version")
+
+
+def fit_rank_cost(samples: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """Fit ``compute_ms = a + c * b`` to (local_batch_size, compute_ms) pairs; None if no data.
+
+    With one batch size only the slope is identifiable, so ``a`` is taken as 0; a negative
+    fitted ``a`` or ``c`` (noise) falls back to the same proportional model.
+    """
+    pts = [(b, ms) for b, ms in samples if b > 0]
+    if not pts:
+        return None
+    n = len(pts)
+    mb = sum(b for b, _ in pts) / n
+    mt = sum(ms for _, ms in pts) / n
+    var = sum((b - mb) ** 2 for b, _ in pts)
+    if var > 0:
+        c = sum((b - mb) * (ms - mt) for b, ms in pts) / var
+        a = mt - c * mb
+        if c > 0 and a >= 0:
+            return a, c
+    return 0.0, mt / mb
+
+
+@dataclass(eq=False)
+class _Feed:
+    """What the hub keeps for one job between ticks."""
+
+    job: str
+    series: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_SERIES_MAX))
+    markers: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=200))
+    heat: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_HEAT_MAX))
+    heat_seq: int = 0
+    closed: int = -1  # highest batch index folded into the series
+    last_version: int | None = None
+    seen: dict[int, int] = field(default_factory=dict)  # rank -> newest batch index read
+    open: dict[int, dict[int, Any]] = field(default_factory=dict)  # batches missing ranks
+    costs: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    ranks: dict[str, list[Any]] = field(default_factory=dict)
+    control: dict[str, Any] = field(default_factory=dict)
+    control_at: float = float("-inf")
+    saved_ms: float = 0.0
+    measured_ms: float = 0.0
+    uniform_ms: float = 0.0
+
+
+@dataclass(eq=False)
+class _Client:
+    send: Callable[[str], Any]  # async callable taking one text frame
+    job: str | None
+    actor: Any = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    full_sent: bool = False
+    series_cursor: int = -1  # last batch index sent
+    heat_cursor: int = 0  # last heat column seq sent
+    marker_cursor: int = -1
+    frames: int = 0
+
+
+class DashboardHub:
+    """Feeds dashboard websockets. Built by ``create_app`` as ``DashboardHub(services)``.
+
+    ``services`` provides ``settings`` (``dashboard_max_hz``, ``price_for``), ``live``
+    (LiveState) and optionally ``controller`` (``job_control(job)``).
+    """
+
+    def __init__(self, services: Any, *, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time):
+        self.services = services
+        self._clock = clock
+        self._wall = wall
+        hz = float(getattr(getattr(services, "settings", None), "dashboard_max_hz", 10.0) or 10.0)
+        self.interval_s = 1.0 / hz
+        self._dirty: set[str] = set()
+        self._feeds: dict[str, _Feed] = {}
+        self._clients: set[_Client] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._last_refresh = float("-inf")
+        self.ticks = 0
+
+    # --- called by ingest and the controller ------------------------------------------
+
+    def notify(self, job: str) -> None:
+        """Mark ``job`` as changed; the next tick pushes it. Cheap: one set add."""
+        self._dirty.add(job)
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the ticker (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="rebalancer-dashboard-hub")
+
+    async def stop(self) -> None:
+        """Stop the ticker; connected clients are closed by the server's shutdown."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.tick()
+            except Exception:  # one bad read must not stop every dashboard
+                log.exception("dashboard tick failed")
+
+    @property
+    def client_count(self) -> int:
+        return len(self._clients)
+
+    # --- one tick -----------------------------------------------------------------------
+
+    def tick(self) -> int:
+        """Fold the dirty jobs into their feeds and wake their clients; returns #woken."""
+        self.ticks += 1
+        dirty, self._dirty = self._dirty, set()
+        now = self._clock()
+        if now - self._last_refresh >= _IDLE_REFRESH_S:
+            # Control changes and staleness show even when no metrics arrive.
+            self._last_refresh = now
+            dirty |= {c.job for c in self._clients if c.job is not None}
+            if any(c.job is None for c in self._clients):
+                dirty |= set(self._live_jobs())
+        if not dirty:
+            return 0
+        for job in dirty:
+            self._update(job, now)
+        woken = 0
+        for c in self._clients:
+            if c.job is None or c.job in dirty:
+                c.wake.set()
+                woken += 1
+        return woken
+
+    def _live_jobs(self) -> list[str]:
+        live = getattr(self.services, "live", None)
+        return list(live.jobs()) if live is not None else []
+
+    def _update(self, job: str, now: float) -> None:
+        live = self.services.live
+        view = live.view(job)
+        if view is None:
+            self._feeds.pop(job, None)
+            return
+        feed = self._feeds.get(job)
+        if feed is None or feed.summary.get("world_size") not in (None, view.world_size):
+            feed = self._feeds[job] = _Feed(job)
+        self._fold_steps(feed, view)
+        if now - feed.control_at >= _CONTROL_EVERY_S or not feed.control:
+            feed.control_at = now
+            controller = getattr(self.services, "controller", None)
+            try:
+                feed.control = dict(controller.job_control(job)) if controller is not None else {}
+            except Exception:  # the job may be unknown to the controller for a moment
+                log.debug("job_control(%s) failed", job, exc_info=True)
+        self._fold_ranks(feed, view)
+        feed.summary = self._summary(feed, view)
+
+    def _fold_steps(self, feed: _Feed, view: Any) -> None:
+        live = self.services.live
+        pending: dict[int, dict[int, Any]] = {}  # batch index -> rank -> StepRecord
+        for rv in view.ranks:
+            last = feed.seen.get(rv.rank, -1)
+            if rv.batch_index is None or rv.batch_index <= last:
+                continue
+            want = min(rv.batch_index - last, live.step_buffer)
+            costs = feed.costs.setdefault(rv.rank, deque(maxlen=_COST_WINDOW))
+            for s in live.recent_steps(feed.job, rv.rank, want + 8):
+                if s.batch_index > last:
+                    costs.append((s.local_batch_size, s.compute_ms))
+                    if s.batch_index > feed.closed:
+                        pending.setdefault(s.batch_index, {})[rv.rank] = s
+            feed.seen[rv.rank] = rv.batch_index
+        # Batches read earlier but still waiting for a rank stay open in feed.open.
+        for b, recs in pending.items():
+            feed.open.setdefault(b, {}).update(recs)
+        if not pending:
+            return
+        newest = max(feed.open)
+        world = view.world_size
+        fits = {r: fit_rank_cost(list(c)) for r, c in feed.costs.items()}
+        gbs = view.global_batch_size
+        uni = uniform_shares(world, gbs) if gbs >= world else None
+        for b in sorted(feed.open):
+            recs = feed.open[b]
+            # Wait for every rank, unless the batch is far behind (a rank died or lags).
+            if len(recs) < world and b > newest - _LAG_LIMIT:
+                break
+            del feed.open[b]
+            if b <= feed.closed:
+                continue
+            point = self._point(b, list(recs.values()), gbs, fits, uni, world)
+            feed.series.append(point)
+            feed.closed = b
+            if feed.last_version is not None and point["version"] != feed.last_version:
+                feed.markers.append({"b": b, "version": point["version"]})
+            feed.last_version = point["version"]
+            feed.measured_ms += point["step_ms"]
+            if point["uniform_step_ms"] is not None:
+                feed.uniform_ms += point["uniform_step_ms"]
+                feed.saved_ms += point["uniform_step_ms"] - point["step_ms"]
+        # One heat column per tick: every rank's mean compute over the batches just read.
+        by_rank: dict[int, list[float]] = {}
+        for recs in pending.values():
+            for r, s in recs.items():
+                by_rank.setdefault(r, []).append(s.compute_ms)
+        col = [round(sum(v) / len(v), 3) if (v := by_rank.get(r)) else None for r in range(world)]
+        util = [None] * world
+        for rv in view.ranks:
+            if rv.device is not None and rv.rank < world:
+                util[rv.rank] = rv.device.util_pct
+        feed.heat_seq += 1
+        feed.heat.append({"seq": feed.heat_seq, "b": max(pending), "compute": col, "util": util})
+
+    @staticmethod
+    def _point(b: int, recs: list[Any], gbs: int, fits: dict[int, tuple[float, float] | None],
+               uni: list[int] | None, world: int) -> dict[str, Any]:
+        step_ms = max(s.step_ms for s in recs)
+        max_c = max(s.compute_ms for s in recs)
+        mean_c = sum(s.compute_ms for s in recs) / len(recs)
+        uniform = None
+        if uni is not None and len(fits) == world and all(f is not None for f in fits.values()):
+            # Sync and overheads stay; only the slowest rank's compute changes with the split.
+            pred = max(a + c * uni[r] for r, (a, c) in ((r, f) for r, f in fits.items() if f))
+            uniform = round(max(step_ms - max_c + pred, 0.0), 3)
+        return {
+            "b": b, "step_ms": round(step_ms, 3), "max_compute_ms": round(max_c, 3),
+            "mean_compute_ms": round(mean_c, 3),
+            "throughput": round(gbs * 1000.0 / step_ms, 2) if step_ms > 0 else None,
+            "uniform_step_ms": uniform, "version": max(s.placement_version for s in recs),
+        }
+
+    def _fold_ranks(self, feed: _Feed, view: Any) -> None:
+        shares = (feed.control.get("placement") or {}).get("shares") or []
+        cols: dict[str, list[Any]] = {k: [] for k in ("rank", "host", "device_type", "device_name",
+                                                       "connected", "share", "dropped",
+                                                       *_RANK_FIELDS, *_DEVICE_FIELDS,
+                                                       "throttle_reasons", "price_per_hour")}
+        settings = getattr(self.services, "settings", None)
+        for rv in view.ranks:
+            cols["rank"].append(rv.rank)
+            cols["host"].append(rv.host)
+            cols["device_type"].append(rv.device_type)
+            cols["device_name"].append(rv.device_name)
+            cols["connected"].append(rv.connected)
+            cols["share"].append(shares[rv.rank] if rv.rank < len(shares) else rv.local_batch_size)
+            cols["dropped"].append(rv.dropped)
+            for k in _RANK_FIELDS:
+                v = getattr(rv, k)
+                cols[k].append(round(v, 3) if isinstance(v, float) else v)
+            d = rv.device
+            for k in _DEVICE_FIELDS:
+                v = getattr(d, k) if d is not None else None
+                cols[k].append(round(v, 2) if isinstance(v, float) else v)
+            if d is not None and cols["mem_total_bytes"][-1] is None:
+                cols["mem_total_bytes"][-1] = rv.mem_total_bytes
+            cols["throttle_reasons"].append(list(d.throttle_reasons) if d is not None else [])
+            price = None
+            if settings is not None and hasattr(settings, "price_for"):
+                price = settings.price_for(rv.device_type, rv.device_name)
+            cols["price_per_hour"].append(price)
+        feed.ranks = cols
+
+    def _summary(self, feed: _Feed, view: Any) -> dict[str, Any]:
+        ctl = feed.control
+        prices = [p for p in feed.ranks.get("price_per_hour", []) if p is not None]
+        placement = ctl.get("placement") or {}
+        return {
+            "job": view.job, "world_size": view.world_size,
+            "global_batch_size": view.global_batch_size,
+            "status": ctl.get("status") or ("warming_up" if view.batch_index is None else "balanced"),
+            "status_detail": ctl.get("status_detail", ""),
+            "mode": ctl.get("mode"), "strategy": ctl.get("strategy"),
+            "batch_index": view.batch_index, "step_ms": _r(view.step_ms),
+            "step_rate_hz": _r(view.step_rate_hz), "imbalance": _r(view.imbalance),
+            "idle_fraction": _r(view.idle_fraction), "connected_ranks": view.connected_ranks,
+            "placement_version": placement.get("version"),
+            "pending_proposal_id": ctl.get("pending_proposal_id"),
+            "last_seen": view.last_seen, "age_s": _r(max(self._wall() - view.last_seen, 0.0)),
+            "cost_per_hour": _r(sum(prices)) if prices else None,
+        }
+
+    # --- clients ------------------------------------------------------------------------
+
+    def _frame(self, c: _Client) -> dict[str, Any] | None:
+        t = self._wall()
+        if c.job is None:
+            jobs = [f.summary for _, f in sorted(self._feeds.items()) if f.summary]
+            return {"type": "overview", "t": t, "jobs": jobs}
+        feed = self._feeds.get(c.job)
+        if feed is None:
+            return {"type": "job", "full": True, "job": c.job, "t": t, "summary": None,
+                    "control": {}, "ranks": {}, "series": {k: [] for k in _SERIES_FIELDS},
+                    "markers": [], "heat": [], "savings": None}
+        full = not c.full_sent
+        pts = [p for p in feed.series if full or p["b"] > c.series_cursor]
+        heat = [h for h in feed.heat if full or h["seq"] > c.heat_cursor]
+        markers = [m for m in feed.markers if full or m["b"] > c.marker_cursor]
+        if pts:
+            c.series_cursor = pts[-1]["b"]
+        if heat:
+            c.heat_cursor = heat[-1]["seq"]
+        if markers:
+            c.marker_cursor = markers[-1]["b"]
+        c.full_sent = True
+        cost = feed.summary.get("cost_per_hour")
+        return {
+            "type": "job", "full": full, "job": c.job, "t": t, "summary": feed.summary,
+            "control": feed.control, "ranks": feed.ranks,
+            "series": {k: [p[k] for p in pts] for k in _SERIES_FIELDS},
+            "markers": markers, "heat": heat,
+            "savings": {
+                "measured_s": round(feed.measured_ms / 1000, 3),
+                "uniform_s": round(feed.uniform_ms / 1000, 3),
+                "saved_s": round(feed.saved_ms / 1000, 3),
+                "saved_cost": round(feed.saved_ms / 3.6e6 * cost, 6) if cost else None,
+            },
+        }
+
+    async def attach(self, send: Callable[[str], Any], job: str | None, actor: Any = None) -> None:
+        """Push frames through ``send`` until it raises or the task is cancelled."""
+        c = _Client(send=send, job=job, actor=actor)
+        if job is not None and job not in self._feeds:
+            with contextlib.suppress(Exception):
+                self._update(job, self._clock())
+        if job is None:
+            for j in self._live_jobs():
+                if j not in self._feeds:
+                    with contextlib.suppress(Exception):
+                        self._update(j, self._clock())
+        self._clients.add(c)
+        try:
+            c.wake.set()  # the snapshot goes out at once
+            while True:
+                await c.wake.wait()
+                c.wake.clear()
+                frame = self._frame(c)
+                if frame is not None:
+                    await send(json.dumps(frame, separators=(",", ":"), allow_nan=False))
+                    c.frames += 1
+        finally:
+            self._clients.discard(c)
+
+    async def serve(self, websocket: Any, job: str | None, actor: Any = None) -> None:
+        """Run one accepted dashboard websocket until it closes; clients only listen."""
+        sender = asyncio.create_task(self.attach(websocket.send_text, job, actor))
+        receiver = asyncio.create_task(_drain(websocket))
+        try:
+            await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (sender, receiver):
+                task.cancel()
+            for task in (sender, receiver):
+                with contextlib.suppress(BaseException):
+                    await task
+
+
+async def _drain(websocket: Any) -> None:
+    # Reading is how a disconnect shows up; the dashboard sends nothing that matters.
+    with contextlib.suppress(Exception):
+        while True:
+            msg = await websocket.receive()
+            if msg.get("type") == "websocket.disconnect":
+                return
+
+
+def _r(v: float | None, nd: int = 4) -> float | None:
+    return None if v is None else round(v, nd)

@@ -1,0 +1,222 @@
+"""DashboardHub: coalescing, per-client isolation, snapshot + deltas, counterfactual."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from backend.hub import DashboardHub, fit_rank_cost
+from backend.live import LiveState
+from backend.settings import Settings
+from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
+
+WORLD, GBS = 3, 24
+
+
+def _run_async(fn):
+    """Run an async test body on a fresh event loop (no pytest-asyncio here)."""
+    def wrapper():
+        asyncio.run(fn())
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+def _services(hz: float = 10.0) -> SimpleNamespace:
+    settings = Settings(dashboard_max_hz=hz, db="sqlite:///:memory:")
+    live = LiveState(step_buffer=256, device_buffer=16, window_steps=8)
+    return SimpleNamespace(settings=settings, live=live, controller=None)
+
+
+def _register(live: LiveState, job: str = "j", world: int = WORLD) -> None:
+    for r in range(world):
+        live.register(Hello(job=job, rank=r, world_size=world, global_batch_size=GBS,
+                            device_type="H100" if r else "A100", host="h"))
+
+
+def _feed(live: LiveState, b: int, *, job: str = "j", per_sample=(1.0, 1.0, 4.0),
+          shares=(8, 8, 8), version: int = 0, ranks=None) -> None:
+    """Batch ``b`` for every rank: compute = per_sample[r] * share, step = max compute + 1."""
+    step = max(per_sample[r] * shares[r] for r in range(len(shares))) + 1.0
+    for r in ranks if ranks is not None else range(len(shares)):
+        rec = StepRecord(batch_index=b, local_batch_size=shares[r], placement_version=version,
+                         data_wait_ms=0.1, compute_ms=per_sample[r] * shares[r],
+                         sync_wait_ms=step - per_sample[r] * shares[r] - 1.0, optimizer_ms=0.5,
+                         step_ms=step, t=1000.0 + b * step / 1000)
+        dev = DeviceSample(t=1000.0 + b, source="nvml", util_pct=50.0 + r, power_w=300.0,
+                           throttle_reasons=["sw_thermal"] if r == 2 else [])
+        live.add_metrics(Metrics(job=job, rank=r, steps=[rec], device=[dev]))
+
+
+class FakeSocket:
+    """Collects frames; ``gate`` (when set) blocks every send until released."""
+
+    def __init__(self, gate: asyncio.Event | None = None):
+        self.frames: list[dict] = []
+        self.gate = gate
+
+    async def send(self, text: str) -> None:
+        if self.gate is not None:
+            await self.gate.wait()
+        self.frames.append(json.loads(text))
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_notify_only_marks_dirty():
+    hub = DashboardHub(_services())
+    for _ in range(1000):
+        hub.notify("j")
+    assert hub._dirty == {"j"}
+    assert hub.ticks == 0
+
+
+@_run_async
+async def test_many_notifies_one_frame_per_tick():
+    svc = _services()
+    _register(svc.live)
+    hub = DashboardHub(svc, clock=lambda: 0.0)  # frozen clock: no idle refresh after the first
+    sock = FakeSocket()
+    task = asyncio.create_task(hub.attach(sock.send, "j"))
+    await _settle()
+    assert len(sock.frames) == 1 and sock.frames[0]["full"] is True  # snapshot on connect
+    for tick in range(5):
+        for b in range(tick * 10, tick * 10 + 10):
+            _feed(svc.live, b)
+            for _ in range(50):  # ingest notifies per metrics message
+                hub.notify("j")
+        hub.tick()
+        await _settle()
+    task.cancel()
+    # 2500 notifies over 5 ticks: exactly one frame per tick after the snapshot.
+    assert len(sock.frames) == 1 + 5
+    assert all(f["full"] is False for f in sock.frames[1:])
+    got = [b for f in sock.frames for b in f["series"]["b"]]
+    assert got == sorted(set(got)) and got[-1] == 49  # each batch once, in order
+    assert hub.ticks == 5
+
+
+@_run_async
+async def test_real_ticker_never_exceeds_max_hz():
+    svc = _services(hz=10.0)
+    _register(svc.live)
+    hub = DashboardHub(svc)
+    hub.interval_s = 0.01  # run fast; the bound is frames <= ticks whatever the rate
+    sock = FakeSocket()
+    await hub.start()
+    task = asyncio.create_task(hub.attach(sock.send, "j"))
+    for b in range(200):
+        _feed(svc.live, b)
+        hub.notify("j")
+        if b % 7 == 0:
+            await asyncio.sleep(0)
+    await asyncio.sleep(0.05)
+    await hub.stop()
+    task.cancel()
+    assert 1 < len(sock.frames) <= hub.ticks + 1  # +1: the snapshot on connect
+    assert len(sock.frames) < 200
+
+
+@_run_async
+async def test_slow_client_does_not_block_others_and_coalesces():
+    svc = _services()
+    _register(svc.live)
+    hub = DashboardHub(svc, clock=lambda: 0.0)
+    gate = asyncio.Event()
+    slow, fast = FakeSocket(gate), FakeSocket()
+    tasks = [asyncio.create_task(hub.attach(s.send, "j")) for s in (slow, fast)]
+    await _settle()
+    for b in range(30):
+        _feed(svc.live, b)
+        hub.notify("j")
+        hub.tick()
+        await _settle()
+    assert len(fast.frames) == 31 and slow.frames == []  # slow is stuck in its first send
+    gate.set()
+    await _settle()
+    # The slow client got its snapshot then one frame holding everything it missed.
+    assert len(slow.frames) == 2
+    assert slow.frames[0]["full"] and not slow.frames[1]["full"]
+    got = slow.frames[0]["series"]["b"] + slow.frames[1]["series"]["b"]
+    assert got == list(range(30))
+    for t in tasks:
+        t.cancel()
+
+
+@_run_async
+async def test_job_frame_content_and_uniform_counterfactual():
+    svc = _services()
+    _register(svc.live)
+    hub = DashboardHub(svc, clock=lambda: 0.0)
+    for b in range(10):  # uniform split: rank 2 is 4x slower per sample
+        _feed(svc.live, b)
+    for b in range(10, 20):  # rebalanced: 12/9/3 so compute is 12/9/12
+        _feed(svc.live, b, shares=(12, 9, 3), version=1)
+    hub.notify("j")
+    hub.tick()
+    sock = FakeSocket()
+    task = asyncio.create_task(hub.attach(sock.send, "j"))
+    await _settle()
+    task.cancel()
+    f = sock.frames[0]
+    assert f["type"] == "job" and f["full"]
+    s = f["series"]
+    assert s["b"] == list(range(20))
+    assert s["max_compute_ms"][0] == 32.0 and s["max_compute_ms"][-1] == 12.0
+    # The fits are exact (a=0), so the counterfactual equals the measured uniform step.
+    assert s["uniform_step_ms"][-1] == pytest.approx(s["step_ms"][0])
+    assert s["throughput"][-1] == pytest.approx(GBS * 1000 / 13.0, rel=1e-3)
+    assert f["markers"] == [{"b": 10, "version": 1}]
+    assert f["savings"]["saved_s"] == pytest.approx(10 * (33.0 - 13.0) / 1000)
+    assert f["ranks"]["rank"] == [0, 1, 2]
+    assert f["ranks"]["throttle_reasons"][2] == ["sw_thermal"]
+    assert f["ranks"]["price_per_hour"] == [1.6, 3.0, 3.0]
+    assert f["summary"]["cost_per_hour"] == pytest.approx(7.6)
+    assert len(f["heat"]) == 1 and len(f["heat"][0]["compute"]) == WORLD
+
+
+@_run_async
+async def test_batch_waits_for_lagging_rank_then_closes():
+    svc = _services()
+    _register(svc.live)
+    hub = DashboardHub(svc, clock=lambda: 0.0)
+    for b in range(5):
+        _feed(svc.live, b, ranks=[0, 1])  # rank 2 has not sent these yet
+    hub.notify("j")
+    hub.tick()
+    assert hub._feeds["j"].series == type(hub._feeds["j"].series)()
+    for b in range(5):
+        _feed(svc.live, b, ranks=[2])
+    hub.notify("j")
+    hub.tick()
+    assert [p["b"] for p in hub._feeds["j"].series] == [0, 1, 2, 3, 4]
+
+
+@_run_async
+async def test_overview_frame_lists_jobs():
+    svc = _services()
+    _register(svc.live, "a")
+    _register(svc.live, "b", world=2)
+    _feed(svc.live, 0, job="a")
+    hub = DashboardHub(svc, clock=lambda: 0.0)
+    sock = FakeSocket()
+    task = asyncio.create_task(hub.attach(sock.send, None))
+    await _settle()
+    task.cancel()
+    jobs = sock.frames[0]["jobs"]
+    assert [j["job"] for j in jobs] == ["a", "b"]
+    assert jobs[0]["world_size"] == 3 and jobs[1]["world_size"] == 2
+    assert jobs[1]["status"] == "warming_up"
+
+
+def test_fit_rank_cost():
+    assert fit_rank_cost([]) is None
+    assert fit_rank_cost([(0, 5.0)]) is None
+    assert fit_rank_cost([(8, 16.0), (8, 16.0)]) == (0.0, 2.0)
+    a, c = fit_rank_cost([(4, 7.0), (8, 11.0), (12, 15.0)])  # 3 + 1*b
+    assert a == pytest.approx(3.0) and c == pytest.approx(1.0)
