@@ -1,0 +1,287 @@
+"""Control routes under /api/v1/jobs/{job}: mode, policy, proposals, overrides, rollback,
+placements and audit. Each mutating call takes an optional ``reason`` and is audited.
+
+Roles: viewer reads; operator approves, rejects, overrides, sets the mode, rolls back and
+submits placements; admin changes the policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar
+
+from fastapi import APIRouter, HTTPException, Query
+from pydantic import BaseModel, Field
+
+from backend.api.deps import AdminDep, OperatorDep, ServicesDep, ViewerDep
+from backend.controller import ControlError, Controller
+
+__all__ = [
+    "router",
+    "ModeIn",
+    "PolicyIn",
+    "ManualPlacementIn",
+    "DecisionIn",
+    "OverridesIn",
+    "ProposalPublic",
+    "PlacementPublic",
+    "AuditPublic",
+]
+
+router = APIRouter(prefix="/api/v1/jobs/{job}", tags=["control"])
+T = TypeVar("T")
+
+
+# --- request bodies -----------------------------------------------------------------------
+
+
+class ModeIn(BaseModel):
+    mode: Literal["observe", "approve", "auto"]
+    reason: str | None = Field(default=None, max_length=2048)
+
+
+class PolicyIn(BaseModel):
+    """Fields left out keep their value; an explicit null returns a field to the default."""
+
+    strategy: str | None = Field(default=None, max_length=32)
+    workload: Literal["llm", "vision", "diffusion", "recsys", "custom"] | None = None
+    custom_weights: dict[str, float] | None = None
+    min_gain: float | None = Field(default=None, ge=0, lt=1)
+    cooldown_steps: int | None = Field(default=None, ge=0, le=1_000_000)
+    min_steps: int | None = Field(default=None, ge=1, le=1_000_000)
+    window_steps: int | None = Field(default=None, ge=2, le=100_000)
+    max_move_fraction: float | None = Field(default=None, gt=0, le=1)
+    horizon_steps: int | None = Field(default=None, ge=1, le=100_000)
+    rollback_threshold: float | None = Field(default=None, ge=0, le=1)
+    effect_window_steps: int | None = Field(default=None, ge=2, le=10_000)
+    proposal_ttl_s: float | None = Field(default=None, gt=0)
+    params: dict[str, float] | None = None
+    reason: str | None = Field(default=None, max_length=2048)
+
+
+class ManualPlacementIn(BaseModel):
+    # Any: the controller's check says exactly which entry is wrong and why.
+    shares: list[Any]
+    reason: str | None = Field(default=None, max_length=2048)
+    apply: bool = False  # approve it in the same call
+
+
+class DecisionIn(BaseModel):
+    reason: str | None = Field(default=None, max_length=2048)
+
+
+class OverridesIn(BaseModel):
+    """The full set of overrides (PUT replaces); send empty values to clear them."""
+
+    pins: dict[int, Any] = Field(default_factory=dict)  # rank -> exact share
+    caps: dict[int, Any] = Field(default_factory=dict)  # rank -> max share
+    floors: dict[int, Any] = Field(default_factory=dict)  # rank -> min share
+    drains: list[int] = Field(default_factory=list)  # ranks that get 0
+    granularity: Any = 1
+    reason: str | None = Field(default=None, max_length=2048)
+
+
+# --- responses ----------------------------------------------------------------------------
+
+
+class ProposalPublic(BaseModel):
+    id: int
+    job: str
+    status: str
+    source: str
+    strategy: str
+    base_version: int
+    shares: list[int]
+    current_shares: list[int]
+    predicted_step_ms_before: float | None
+    predicted_step_ms_after: float | None
+    predicted_gain: float | None
+    explanation: dict[str, Any] | None
+    reason: str
+    created_by: str
+    created_at: float
+    expires_at: float | None
+    decided_by: str | None
+    decided_at: float | None
+    decision_reason: str | None
+    placement_version: int | None
+    error: str | None
+
+
+class EffectPublic(BaseModel):
+    step_ms_before: float | None
+    step_ms_after: float | None
+    predicted_step_ms: float | None
+    measured_gain: float | None
+    rolled_back: bool
+
+
+class PlacementPublic(BaseModel):
+    version: int
+    shares: list[int]
+    previous_shares: list[int] | None
+    source: str
+    proposal_id: int | None
+    actor: str
+    reason: str
+    created_at: float
+    effective_batch_index: int | None
+    acks: dict[int, int]
+    applied_at: float | None
+    failed: bool
+    error: str | None
+    effect: EffectPublic
+
+
+class AuditPublic(BaseModel):
+    id: int
+    time: float
+    actor: str
+    role: str
+    address: str
+    action: str
+    job: str | None
+    params: dict[str, Any]
+    reason: str
+
+
+class ProposalsPublic(BaseModel):
+    data: list[ProposalPublic]
+    count: int
+
+
+class PlacementsPublic(BaseModel):
+    data: list[PlacementPublic]
+    count: int
+
+
+class AuditsPublic(BaseModel):
+    data: list[AuditPublic]
+    count: int
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+
+def _ctl(services: Any) -> Controller:
+    ctl = services.controller
+    if ctl is None:
+        raise HTTPException(503, "The controller is not running.")
+    return ctl  # type: ignore[no-any-return]
+
+
+def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    try:
+        return fn(*args, **kwargs)
+    except ControlError as exc:
+        raise HTTPException(exc.status_code, exc.detail) from None
+
+
+async def _acall(fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+    try:
+        return await fn(*args, **kwargs)
+    except ControlError as exc:
+        raise HTTPException(exc.status_code, exc.detail) from None
+
+
+def _listed(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"data": rows, "count": len(rows)}
+
+
+# --- routes -------------------------------------------------------------------------------
+
+
+@router.put("/mode")
+async def put_mode(job: str, body: ModeIn, actor: OperatorDep, services: ServicesDep) -> dict[str, Any]:
+    """Set the job's mode: observe, approve or auto. Returns the job's control state."""
+    return await _acall(_ctl(services).set_mode, job, body.mode, actor=actor, reason=body.reason)
+
+
+@router.get("/policy")
+async def get_policy(job: str, actor: ViewerDep, services: ServicesDep) -> dict[str, Any]:
+    """The job's effective policy settings."""
+    return _call(_ctl(services).policy_settings, job)
+
+
+@router.put("/policy")
+async def put_policy(job: str, body: PolicyIn, actor: AdminDep, services: ServicesDep) -> dict[str, Any]:
+    """Change the strategy and its parameters (admin). Returns the effective settings."""
+    changes = body.model_dump(exclude_unset=True)
+    reason = changes.pop("reason", None)
+    return await _acall(_ctl(services).set_policy, job, changes, actor=actor, reason=reason)
+
+
+@router.get("/proposals", response_model=ProposalsPublic)
+async def list_proposals(
+    job: str, actor: ViewerDep, services: ServicesDep,
+    status: str | None = Query(default=None, description="only proposals in this status"),
+    limit: int = Query(default=100, ge=1, le=1000),
+) -> dict[str, Any]:
+    """Proposals of the job, newest first."""
+    return _listed(_call(_ctl(services).proposals, job, status, limit))
+
+
+@router.post("/proposals", response_model=ProposalPublic, status_code=201)
+async def create_proposal(job: str, body: ManualPlacementIn, actor: OperatorDep,
+                          services: ServicesDep) -> dict[str, Any]:
+    """Submit a placement by hand (validated against the job and its overrides)."""
+    return await _acall(_ctl(services).submit_manual, job, body.shares, actor=actor,
+                        reason=body.reason, apply=body.apply)
+
+
+@router.get("/proposals/{proposal_id}", response_model=ProposalPublic)
+async def get_proposal(job: str, proposal_id: int, actor: ViewerDep, services: ServicesDep) -> dict[str, Any]:
+    rows = [p for p in _call(_ctl(services).proposals, job, None, 10_000) if p["id"] == proposal_id]
+    if not rows:
+        raise HTTPException(404, f"Proposal {proposal_id} not found for job '{job}'.")
+    return rows[0]
+
+
+@router.post("/proposals/{proposal_id}/approve", response_model=ProposalPublic)
+async def approve(job: str, proposal_id: int, actor: OperatorDep, services: ServicesDep,
+                  body: DecisionIn | None = None) -> dict[str, Any]:
+    """Send exactly the reviewed shares to the job as the next placement version."""
+    return await _acall(_ctl(services).approve, job, proposal_id, actor=actor,
+                        reason=body.reason if body else None)
+
+
+@router.post("/proposals/{proposal_id}/reject", response_model=ProposalPublic)
+async def reject(job: str, proposal_id: int, actor: OperatorDep, services: ServicesDep,
+                 body: DecisionIn | None = None) -> dict[str, Any]:
+    return await _acall(_ctl(services).reject, job, proposal_id, actor=actor,
+                        reason=body.reason if body else None)
+
+
+@router.get("/overrides")
+async def get_overrides(job: str, actor: ViewerDep, services: ServicesDep) -> dict[str, Any]:
+    """The overrides in force."""
+    return _call(_ctl(services).overrides, job)
+
+
+@router.put("/overrides")
+async def put_overrides(job: str, body: OverridesIn, actor: OperatorDep, services: ServicesDep) -> dict[str, Any]:
+    """Replace the overrides; the policy respects them until cleared. When the placement in
+    force breaks them, a proposal that respects them is created (``proposal_id``)."""
+    ov = body.model_dump(exclude={"reason"})
+    return await _acall(_ctl(services).set_overrides, job, ov, actor=actor, reason=body.reason)
+
+
+@router.post("/rollback", response_model=PlacementPublic)
+async def rollback(job: str, actor: OperatorDep, services: ServicesDep,
+                   body: DecisionIn | None = None) -> dict[str, Any]:
+    """Return to exactly the shares in force before the current placement."""
+    return await _acall(_ctl(services).rollback, job, actor=actor, reason=body.reason if body else None)
+
+
+@router.get("/placements", response_model=PlacementsPublic)
+async def list_placements(job: str, actor: ViewerDep, services: ServicesDep,
+                          limit: int = Query(default=100, ge=1, le=1000)) -> dict[str, Any]:
+    """Placement history, newest first, with each rank's ack batch index and the effect."""
+    return _listed(_call(_ctl(services).placements, job, limit))
+
+
+@router.get("/audit", response_model=AuditsPublic)
+async def list_audit(job: str, actor: ViewerDep, services: ServicesDep,
+                     limit: int = Query(default=200, ge=1, le=5000)) -> dict[str, Any]:
+    """Audit records of the job, newest first."""
+    return _listed(_call(_ctl(services).audit, job, limit))
