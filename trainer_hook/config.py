@@ -1,0 +1,149 @@
+"""HookConfig: every knob of the training hook, validated at construction.
+
+Defaults are meant to work untouched (DESIGN.md: over-tuning is a pitfall). ``server``,
+``job`` and ``token`` also come from the environment (``REBALANCER_SERVER``,
+``REBALANCER_JOB``, ``REBALANCER_TOKEN``) so that a launcher can set them for every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+__all__ = ["HookConfig", "hook_ws_url", "ENV_SERVER", "ENV_JOB", "ENV_TOKEN"]
+
+ENV_SERVER = "REBALANCER_SERVER"
+ENV_JOB = "REBALANCER_JOB"
+ENV_TOKEN = "REBALANCER_TOKEN"
+_OFFLINE_JOB = "local"
+
+
+def hook_ws_url(server: str) -> str:
+    """Turn ``http://host:port`` (or ``ws://host:port``) into the hook's websocket URL.
+
+    A URL that already names a path other than ``/`` is kept as given, so a proxy prefix
+    can be spelled out in full (``wss://example.org/rebalancer/ws/hook``).
+    """
+    parts = urlsplit(server.strip())
+    scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
+    if scheme is None or not parts.netloc:
+        raise ValueError(
+            f"server must be a URL like 'http://127.0.0.1:8000', got {server!r}; "
+            "set RebalanceHook(server=...) or REBALANCER_SERVER accordingly."
+        )
+    path = parts.path if parts.path not in ("", "/") else "/ws/hook"
+    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+def _positive_int(name: str, value: Any, *, lo: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}.")
+
+
+def _positive_float(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and (value >= 0 if allow_zero else value > 0)
+    )
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}.")
+
+
+@dataclass(kw_only=True, slots=True)
+class HookConfig:
+    """Settings of one RebalanceHook. Errors name the key that is wrong.
+
+    - ``server``: backend URL (``http://host:port``); None and no ``REBALANCER_SERVER``
+      means offline: no network, placements only from ``request_placement``.
+    - ``job``: the job name the backend files this run under (required with a server).
+    - ``global_batch_size``: B, fixed for the job.
+    - ``exchange_every`` (K): ranks exchange placements every K steps.
+    - ``exchange_lag`` (L): an exchange launched at step s is collected at step s + L
+      (L < K), so no step blocks on a collective that has not had time to finish.
+    - ``lookahead``: how many batches the sampler may run ahead of training; must cover
+      the DataLoader's prefetch (``num_workers * prefetch_factor`` plus one).
+    - ``startup_wait_s``: how long rank 0 waits at start for the backend's placement.
+    - ``probe_interval_s``: device sampling period (about 1 Hz; NVML serialises).
+    - ``max_queue``, ``flush_interval_s``: the transport's bounded queue and send period.
+    - ``history``: how many recent StepRecords the hook keeps locally (``hook.history``).
+    """
+
+    server: str | None = None
+    job: str | None = None
+    global_batch_size: int
+    token: str | None = None
+    exchange_every: int = 4
+    exchange_lag: int = 2
+    lookahead: int = 8
+    startup_wait_s: float = 2.0
+    probe_interval_s: float = 1.0
+    max_queue: int = 10000
+    flush_interval_s: float = 0.2
+    history: int = 256
+
+    def __post_init__(self) -> None:
+        if self.server is not None and (not isinstance(self.server, str) or not self.server.strip()):
+            raise ValueError(f"server must be a URL string or None, got {self.server!r}.")
+        if self.server is not None:
+            hook_ws_url(self.server)  # raises with a clear message
+            if not self.job:
+                raise ValueError(
+                    "job is required when a server is set: pass RebalanceHook(job='name') "
+                    "or set REBALANCER_JOB."
+                )
+        if self.job is not None:
+            if not isinstance(self.job, str) or not self.job.strip() or len(self.job) > 128:
+                raise ValueError(f"job must be a non-empty name of at most 128 characters, got {self.job!r}.")
+            if any(c in self.job for c in "/?#\\") or self.job != self.job.strip():
+                raise ValueError(f"job may not contain '/', '?', '#', '\\' or surrounding spaces, got {self.job!r}.")
+        if self.token is not None and not isinstance(self.token, str):
+            raise ValueError(f"token must be a string or None, got {type(self.token).__name__}.")
+        _positive_int("global_batch_size", self.global_batch_size)
+        _positive_int("exchange_every", self.exchange_every)
+        _positive_int("exchange_lag", self.exchange_lag, lo=0)
+        if self.exchange_lag >= self.exchange_every:
+            raise ValueError(
+                f"exchange_lag must be smaller than exchange_every (one exchange in flight at a "
+                f"time), got exchange_lag={self.exchange_lag}, exchange_every={self.exchange_every}."
+            )
+        _positive_int("lookahead", self.lookahead, lo=0)
+        _positive_float("startup_wait_s", self.startup_wait_s, allow_zero=True)
+        _positive_float("probe_interval_s", self.probe_interval_s)
+        _positive_int("max_queue", self.max_queue)
+        _positive_float("flush_interval_s", self.flush_interval_s)
+        _positive_int("history", self.history)
+
+    @property
+    def offline(self) -> bool:
+        """True when no backend is configured: nothing touches the network."""
+        return self.server is None
+
+    @property
+    def job_name(self) -> str:
+        """The job name, or ``'local'`` for an offline run without one."""
+        return self.job or _OFFLINE_JOB
+
+    @classmethod
+    def from_env(cls, *, env: dict[str, str] | None = None, **kwargs: Any) -> HookConfig:
+        """Build a config from keyword arguments, filling server/job/token from the env.
+
+        Explicit arguments win over the environment. Unknown keys raise a ValueError that
+        lists the known ones.
+        """
+        env = dict(os.environ) if env is None else env
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"Unknown hook setting(s) {unknown}; known settings: {sorted(known)}.")
+        for key, var in (("server", ENV_SERVER), ("job", ENV_JOB), ("token", ENV_TOKEN)):
+            if kwargs.get(key) is None and env.get(var):
+                kwargs[key] = env[var]
+        if "global_batch_size" not in kwargs or kwargs["global_batch_size"] is None:
+            raise ValueError("global_batch_size is required: RebalanceHook(global_batch_size=256).")
+        return cls(**kwargs)

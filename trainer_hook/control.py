@@ -1,0 +1,134 @@
+"""ControlChannel: rank 0 decides when a placement takes effect; every rank learns it.
+
+Every ``exchange_every`` (K) steps all ranks launch an asynchronous broadcast from rank 0
+of one int64 tensor ``[version, effective_batch, shares...]`` on a CPU gloo group the hook
+creates (so NCCL jobs pay no device sync), and collect it ``exchange_lag`` (L) steps
+later. Rank 0 fills it with the newest pending placement and ``effective_batch = launch +
+L + lookahead``: late enough that no rank has trained, nor any loader prefetched, that
+batch under the old placement. Without a process group (one process) the same schedule
+runs locally, so offline runs behave exactly like distributed ones.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainer_hook.placement import PlacementSchedule
+
+__all__ = ["ControlChannel", "PendingPlacement"]
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPlacement:
+    """A validated placement waiting for rank 0's next exchange."""
+
+    version: int
+    shares: tuple[int, ...]
+    reason: str = ""
+
+
+class ControlChannel:
+    """Runs the exchange schedule; call ``on_step(k)`` at the start of every step k."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        schedule: PlacementSchedule,
+        exchange_every: int,
+        exchange_lag: int,
+        lookahead: int,
+        group: Any = None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.schedule = schedule
+        self.every = exchange_every
+        self.lag = exchange_lag
+        self.lookahead = lookahead
+        self.group = group
+        self._lock = threading.Lock()
+        self._pending: PendingPlacement | None = None
+        self._inflight: tuple[int, Any, torch.Tensor] | None = None
+        self.exchanges = 0
+        # Before the first collection, the exchange launched at step 0 may start a
+        # placement at lag + lookahead, so everything before it is final.
+        schedule.settle(self.lag + self.lookahead - 1)
+
+    @property
+    def pending(self) -> PendingPlacement | None:
+        with self._lock:
+            return self._pending
+
+    def offer(self, placement: PendingPlacement) -> None:
+        """Rank 0: queue a validated placement for the next exchange (newest wins)."""
+        with self._lock:
+            if self._pending is None or placement.version > self._pending.version:
+                self._pending = placement
+
+    def on_step(self, batch_index: int) -> None:
+        """Collect an exchange that is due, then launch one if this is an exchange step."""
+        if self._inflight is not None and batch_index >= self._inflight[0] + self.lag:
+            self._collect()
+        if batch_index % self.every == 0 and self._inflight is None:
+            self._launch(batch_index)
+
+    def _launch(self, step: int) -> None:
+        buf = torch.full((2 + self.world_size,), -1, dtype=torch.int64)
+        if self.rank == 0:
+            with self._lock:
+                pending, self._pending = self._pending, None
+            if pending is not None:
+                buf[0] = pending.version
+                buf[1] = step + self.lag + self.lookahead
+                buf[2:] = torch.tensor(pending.shares, dtype=torch.int64)
+        work = None
+        if self.group is not None:
+            import torch.distributed as dist
+
+            work = dist.broadcast(buf, src=0, group=self.group, async_op=True)
+        self._inflight = (step, work, buf)
+        self.exchanges += 1
+
+    def _collect(self) -> None:
+        assert self._inflight is not None
+        step, work, buf = self._inflight
+        self._inflight = None
+        if work is not None:
+            work.wait()  # launched L steps ago; normally complete already
+        values = buf.tolist()
+        version, effective = values[0], values[1]
+        if version >= 0 and version > self.schedule.latest.version:
+            self.schedule.add(effective, version, values[2:])
+        self.schedule.settle(step + self.every + self.lag + self.lookahead - 1)
+
+    def sync_initial(self, version: int | None, shares: list[int] | None) -> tuple[int, list[int]] | None:
+        """Start-up: rank 0's placement in force reaches every rank before any batch.
+
+        A blocking broadcast, done once. Returns the placement applied, or None when rank
+        0 had none (the job starts at version 0).
+        """
+        buf = torch.full((1 + self.world_size,), -1, dtype=torch.int64)
+        if self.rank == 0 and version is not None and shares is not None:
+            buf[0] = version
+            buf[1:] = torch.tensor(shares, dtype=torch.int64)
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.broadcast(buf, src=0, group=self.group)
+        values = buf.tolist()
+        if values[0] < 0:
+            return None
+        self.schedule.replace_initial(values[0], values[1:])
+        return values[0], values[1:]
+
+    def close(self) -> None:
+        """Wait for an exchange still in flight (every rank launched it) and drop it."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None and inflight[1] is not None:
+            inflight[1].wait()

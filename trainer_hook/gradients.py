@@ -1,0 +1,135 @@
+"""Gradient weighting: each rank's gradient counts in proportion to its share of B.
+
+With uneven local batches, DDP's default hook (sum, then divide by world size) no longer
+gives the global-batch mean. The comm hook here multiplies each bucket by this rank's
+weight (``shares[rank] / B`` for the batch being trained) and all-reduces with SUM, so
+the result is the global-batch mean whatever the split (DESIGN.md invariant 1). It also
+timestamps each bucket hand-off and each reduction's completion, which is how compute
+time is told apart from the wait inside synchronisation (invariant 4).
+
+Where a comm hook cannot be used (another library owns DDP's hook), the loss-scaling
+path gives the same math: multiply the local mean loss by ``world_size * weight`` and
+let the default averaging all-reduce divide by world size again.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GradientState", "weighted_allreduce_hook", "register_comm_hook", "register_grad_timer"]
+
+
+class GradientState:
+    """Per-step state the comm hook reads (weight) and writes (timestamps).
+
+    The hook sets ``weight`` at the start of every step and calls ``reset()``. On CPU
+    the timestamps are ``time.perf_counter()`` values; on CUDA the hook records events
+    (read a step later, never synchronising) in ``grad_event``/``done_event``.
+    """
+
+    __slots__ = (
+        "process_group", "weight", "last_bucket_t", "last_done_t", "buckets_seen",
+        "repeated_bucket", "grad_event", "done_event", "cuda",
+    )
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.process_group = process_group
+        self.weight = 1.0
+        self.cuda = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.last_bucket_t: float | None = None
+        self.last_done_t: float | None = None
+        self.buckets_seen: set[int] = set()
+        self.repeated_bucket = False
+        self.grad_event: Any = None
+        self.done_event: Any = None
+
+    # Called on the gloo/NCCL completion thread.
+    def _mark_done(self, fut: torch.futures.Future[Any]) -> torch.Tensor:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.done_event = ev
+        else:
+            self.last_done_t = time.perf_counter()
+        return fut.value()[0]  # type: ignore[no-any-return]
+
+
+# No annotations: DDP compares them with the real classes, and this module's
+# ``from __future__ import annotations`` turns them into strings it rejects.
+def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """DDP comm hook: ``bucket *= weight``, all-reduce SUM asynchronously, return the future.
+
+    ``state`` is a GradientState, ``bucket`` a ``dist.GradBucket``; returns a
+    ``torch.futures.Future[torch.Tensor]``.
+    """
+    idx = bucket.index()
+    if idx in state.buckets_seen:
+        # A second all-reduce of the same bucket inside one step means gradient
+        # accumulation without no_sync(); the step's exit reports it.
+        state.repeated_bucket = True
+    state.buckets_seen.add(idx)
+    buf = bucket.buffer()
+    if buf.is_cuda:
+        state.cuda = True
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        state.grad_event = ev
+    else:
+        state.last_bucket_t = time.perf_counter()
+    buf.mul_(state.weight)
+    work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True)
+    return work.get_future().then(state._mark_done)
+
+
+def _is_ddp(model: Any) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def register_comm_hook(model: Any, state: GradientState) -> None:
+    """Install the weighted hook on a DDP model; clear errors for setups it cannot keep exact."""
+    name = type(model).__name__
+    if "FullyShardedDataParallel" in name or name == "FSDPModule":
+        raise ValueError(
+            f"{name} is not supported: FSDP reduce-scatters gradients without a DDP comm hook, so "
+            "uneven local batches cannot be weighted exactly. Use DistributedDataParallel."
+        )
+    if not _is_ddp(model):
+        raise ValueError(
+            f"attach() expected a torch.nn.parallel.DistributedDataParallel model, got {name}. "
+            "Wrap the model in DDP first, or use attach(model, gradients='loss_scale') and multiply "
+            "your loss by hook.loss_weight() if something else averages gradients across ranks."
+        )
+    try:
+        model.register_comm_hook(state, weighted_allreduce_hook)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            "This DDP model already has a communication hook registered, and DDP allows only one. "
+            "The rebalancer's hook must weight every bucket by the rank's share of the global batch, "
+            "otherwise uneven batches change the math. Remove the other register_comm_hook() call, "
+            "or use attach(model, gradients='loss_scale') with hook.loss_weight()."
+            f" (DDP said: {exc})"
+        ) from None
+
+
+def register_grad_timer(model: torch.nn.Module, state: GradientState, *, count: int = 4) -> list[Any]:
+    """Timestamp the end of backward without a comm hook (loss-scaling path, one process).
+
+    Backward produces the first parameters' gradients last, so hooks on the first few
+    parameters mark when local gradients are ready; cheaper than hooking every one.
+    """
+
+    def mark(_: torch.Tensor) -> None:
+        state.last_bucket_t = time.perf_counter()
+
+    handles = []
+    for p in list(model.parameters())[:count]:
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(mark))
+    return handles

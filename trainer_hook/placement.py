@@ -1,0 +1,128 @@
+"""PlacementSchedule: which placement (version, shares) is in force for each batch index.
+
+The sampler asks for batch k, possibly several batches ahead of training (DataLoader
+prefetch); the gradient hook asks for the batch being trained. Both get the same answer
+because a placement is tied to the batch index it starts at, never to the moment it
+arrived (DESIGN.md invariant 2). ``settled_until`` is the last batch index no future
+exchange can change; asking beyond it is an error, not a guess.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass
+
+from trainer_hook.protocol import check_shares, uniform_shares
+
+__all__ = ["PlacementSchedule", "ScheduledPlacement"]
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledPlacement:
+    """Placement ``version`` with ``shares``, in force from global batch ``start_batch``."""
+
+    start_batch: int
+    version: int
+    shares: tuple[int, ...]
+
+    def offsets(self, rank: int) -> tuple[int, int]:
+        """The slice ``[lo, hi)`` of the global batch that ``rank`` trains."""
+        lo = sum(self.shares[:rank])
+        return lo, lo + self.shares[rank]
+
+
+class PlacementSchedule:
+    """Thread-safe map from batch index to the placement in force (starts at version 0).
+
+    ``settled_until`` may be None (everything settled: a single process with no
+    exchanges) or the last batch index whose placement is final.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        global_batch_size: int,
+        *,
+        shares: list[int] | None = None,
+        version: int = 0,
+        settled_until: int | None = None,
+    ) -> None:
+        self.world_size = world_size
+        self.global_batch_size = global_batch_size
+        first = (
+            uniform_shares(world_size, global_batch_size)
+            if shares is None
+            else check_shares(shares, world_size=world_size, global_batch_size=global_batch_size)
+        )
+        self._lock = threading.Lock()
+        self._entries = [ScheduledPlacement(0, version, tuple(first))]
+        self._starts = [0]
+        self._settled_until = settled_until
+
+    def add(self, start_batch: int, version: int, shares: list[int]) -> ScheduledPlacement:
+        """Put ``shares`` in force from ``start_batch`` on. Raises ValueError if invalid.
+
+        The version must be newer than every scheduled one and ``start_batch`` must not
+        be earlier than the last scheduled start (placements only move forward).
+        """
+        checked = check_shares(shares, world_size=self.world_size, global_batch_size=self.global_batch_size)
+        with self._lock:
+            last = self._entries[-1]
+            if version <= last.version:
+                raise ValueError(f"placement version {version} is not newer than version {last.version} already scheduled.")
+            if start_batch < last.start_batch:
+                raise ValueError(
+                    f"placement version {version} would start at batch {start_batch}, before version "
+                    f"{last.version} at batch {last.start_batch}."
+                )
+            entry = ScheduledPlacement(start_batch, version, tuple(checked))
+            if start_batch == last.start_batch:
+                self._entries[-1] = entry
+            else:
+                self._entries.append(entry)
+                self._starts.append(start_batch)
+            return entry
+
+    def replace_initial(self, version: int, shares: list[int]) -> None:
+        """Start over with one placement in force from batch 0 (resume at start-up)."""
+        checked = check_shares(shares, world_size=self.world_size, global_batch_size=self.global_batch_size)
+        with self._lock:
+            self._entries = [ScheduledPlacement(0, version, tuple(checked))]
+            self._starts = [0]
+
+    def at(self, batch_index: int) -> ScheduledPlacement:
+        """The placement in force for ``batch_index``; RuntimeError past ``settled_until``."""
+        with self._lock:
+            if self._settled_until is not None and batch_index > self._settled_until:
+                raise RuntimeError(
+                    f"The placement for batch {batch_index} is not settled yet (settled up to batch "
+                    f"{self._settled_until}): the data loader runs further ahead of training than "
+                    "HookConfig.lookahead allows. Raise lookahead to at least "
+                    "num_workers * prefetch_factor + 1, or lower the DataLoader's prefetch."
+                )
+            return self._entries[bisect.bisect_right(self._starts, batch_index) - 1]
+
+    def settle(self, batch_index: int | None) -> None:
+        """Declare every batch up to ``batch_index`` final (None: all of them)."""
+        with self._lock:
+            if batch_index is None or self._settled_until is None:
+                self._settled_until = batch_index
+            else:
+                self._settled_until = max(self._settled_until, batch_index)
+
+    @property
+    def settled_until(self) -> int | None:
+        with self._lock:
+            return self._settled_until
+
+    @property
+    def latest(self) -> ScheduledPlacement:
+        """The newest scheduled placement (it may start in the future)."""
+        with self._lock:
+            return self._entries[-1]
+
+    def timeline(self) -> list[ScheduledPlacement]:
+        """Every scheduled placement in order of its start batch."""
+        with self._lock:
+            return list(self._entries)

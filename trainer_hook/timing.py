@@ -1,0 +1,109 @@
+"""StepTimer: splits each step into data-wait, compute, sync-wait and optimizer time.
+
+Data-wait is the gap between the end of the previous step and the start of this one
+(the loader's turn). Compute ends when the last gradient bucket is handed to the comm
+hook (local gradients ready); sync-wait runs from there until the last reduction
+completes; the rest until the step ends is the optimizer (DESIGN.md invariant 4).
+
+On CUDA the comm hook records events instead of timestamps; they are read one step
+later with ``Event.query()`` so the training thread never synchronises the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from trainer_hook.gradients import GradientState
+from trainer_hook.protocol import StepRecord
+
+__all__ = ["StepTimer", "split_step"]
+
+
+def split_step(
+    t0: float, t_end: float, t_grad: float | None, t_done: float | None
+) -> tuple[float, float, float]:
+    """(compute_s, sync_wait_s, optimizer_s) of one step from its timestamps (seconds)."""
+    if t_grad is None or t_grad < t0 or t_grad > t_end:
+        return t_end - t0, 0.0, 0.0
+    compute = t_grad - t0
+    if t_done is None or t_done < t_grad:
+        return compute, 0.0, t_end - t_grad
+    t_done = min(t_done, t_end)
+    return compute, t_done - t_grad, t_end - t_done
+
+
+class StepTimer:
+    """Timestamps one step at a time; ``finish`` returns the StepRecord (or None on CUDA
+    until the events of an earlier step are complete)."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._clock = clock
+        self._wall = wall
+        self._prev_end: float | None = None
+        self._t0 = 0.0
+        self._meta: tuple[int, int, int] = (0, 0, 0)
+        self._data_wait = 0.0
+        self._start_event: Any = None
+        self._pending_cuda: list[tuple[Any, ...]] = []
+
+    def start(self, batch_index: int, local_batch_size: int, placement_version: int, *, cuda: bool = False) -> None:
+        t0 = self._clock()
+        self._t0 = t0
+        self._data_wait = 0.0 if self._prev_end is None else max(0.0, t0 - self._prev_end)
+        self._meta = (batch_index, local_batch_size, placement_version)
+        if cuda:
+            import torch
+
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._start_event = ev
+        else:
+            self._start_event = None
+
+    def finish(self, grads: GradientState | None) -> StepRecord | None:
+        t_end = self._clock()
+        self._prev_end = t_end
+        k, local, version = self._meta
+        if self._start_event is not None and grads is not None and grads.grad_event is not None:
+            import torch
+
+            end_ev = torch.cuda.Event(enable_timing=True)
+            end_ev.record()
+            self._pending_cuda.append(
+                (self._start_event, grads.grad_event, grads.done_event, end_ev, k, local, version,
+                 self._data_wait, t_end - self._t0, self._wall())
+            )
+            return self._read_cuda()
+        t_grad = grads.last_bucket_t if grads is not None else None
+        t_done = grads.last_done_t if grads is not None else None
+        compute, sync, opt = split_step(self._t0, t_end, t_grad, t_done)
+        return StepRecord(
+            batch_index=k, local_batch_size=local, placement_version=version,
+            data_wait_ms=self._data_wait * 1e3, compute_ms=compute * 1e3, sync_wait_ms=sync * 1e3,
+            optimizer_ms=opt * 1e3, step_ms=(self._data_wait + t_end - self._t0) * 1e3, t=self._wall(),
+        )
+
+    def _read_cuda(self) -> StepRecord | None:
+        # Oldest pending step whose end event has completed; query() never blocks.
+        if not self._pending_cuda[0][3].query():
+            if len(self._pending_cuda) > 8:
+                self._pending_cuda.pop(0)  # the device is far behind; give up on the oldest
+            return None
+        start, grad, done, end, k, local, version, data_wait, cpu_s, t = self._pending_cuda.pop(0)
+        total = start.elapsed_time(end)
+        compute = start.elapsed_time(grad)
+        sync = grad.elapsed_time(done) if done is not None and done.query() else 0.0
+        sync = max(0.0, min(sync, total - compute))
+        return StepRecord(
+            batch_index=k, local_batch_size=local, placement_version=version,
+            data_wait_ms=data_wait * 1e3, compute_ms=max(0.0, compute), sync_wait_ms=sync,
+            optimizer_ms=max(0.0, total - compute - sync),
+            step_ms=data_wait * 1e3 + max(total, cpu_s * 1e3), t=t,
+        )
