@@ -1,0 +1,95 @@
+"""``Annotated`` dependencies: the services container, the calling actor, role checks.
+
+    @router.post("/things")
+    def make(actor: OperatorDep, services: ServicesDep) -> ...
+
+401 "Missing or invalid bearer token." when no valid token arrives (outside open mode);
+403 "This action needs the <role> role." when the token's role is too low.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, WebSocket, status
+
+from backend.auth import ROLE_LEVEL, Actor, role_allows
+from backend.services import Services
+
+__all__ = [
+    "get_services",
+    "get_actor",
+    "require",
+    "bearer_secret",
+    "websocket_actor",
+    "ServicesDep",
+    "ActorDep",
+    "ViewerDep",
+    "OperatorDep",
+    "AdminDep",
+]
+
+
+def get_services(request: Request) -> Services:
+    return request.app.state.services  # type: ignore[no-any-return]
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+def bearer_secret(headers: object, query: object | None = None) -> str | None:
+    """The token from ``Authorization: Bearer X``, else from ``?token=X`` when given."""
+    auth = headers.get("authorization") if hasattr(headers, "get") else None
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+        return auth  # a malformed header must fail, not fall back to open mode
+    if query is not None and hasattr(query, "get"):
+        token = query.get("token")
+        if token:
+            return str(token)
+    return None
+
+
+def get_actor(request: Request, services: ServicesDep) -> Actor:
+    address = request.client.host if request.client else None
+    actor = services.auth.authenticate(bearer_secret(request.headers), address)
+    if actor is None:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED, "Missing or invalid bearer token.",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return actor
+
+
+ActorDep = Annotated[Actor, Depends(get_actor)]
+
+
+def require(role: str) -> Callable[[Actor], Actor]:
+    """A dependency that passes actors with at least ``role`` and answers 403 otherwise."""
+    if role not in ROLE_LEVEL:
+        raise ValueError(f"Unknown role {role!r}; expected one of {sorted(ROLE_LEVEL)}.")
+
+    def check(actor: ActorDep) -> Actor:
+        if not role_allows(actor.role, role):
+            raise HTTPException(status.HTTP_403_FORBIDDEN, f"This action needs the {role} role.")
+        return actor
+
+    check.__name__ = f"require_{role}"
+    return check
+
+
+ViewerDep = Annotated[Actor, Depends(require("viewer"))]
+OperatorDep = Annotated[Actor, Depends(require("operator"))]
+AdminDep = Annotated[Actor, Depends(require("admin"))]
+
+
+def websocket_actor(websocket: WebSocket) -> Actor | None:
+    """The actor of a websocket (bearer header or ``?token=``), None when refused."""
+    services: Services = websocket.app.state.services
+    address = websocket.client.host if websocket.client else None
+    return services.auth.authenticate(
+        bearer_secret(websocket.headers, websocket.query_params), address
+    )

@@ -1,0 +1,117 @@
+"""Token management (admin role): create (secret shown once), list, revoke."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, HTTPException, Query
+from pydantic import BaseModel, Field
+
+from backend.api.deps import AdminDep, ServicesDep
+from backend.auth import Actor, TokenRow, create_token, list_tokens, revoke_token
+from backend.services import Services
+from backend.storage.metrics import epoch
+
+__all__ = ["router", "TokenCreate", "TokenPublic", "TokenCreated", "TokensPublic"]
+
+log = logging.getLogger("rebalancer.api")
+router = APIRouter(prefix="/api/v1/tokens", tags=["tokens"])
+
+
+class TokenCreate(BaseModel):
+    role: Literal["viewer", "operator", "admin", "hook"]
+    name: str = Field("", max_length=128)
+    job: str | None = Field(None, max_length=128, description="Required for hook tokens, refused otherwise.")
+    reason: str = Field("", max_length=2048)
+
+
+class TokenPublic(BaseModel):
+    id: int
+    name: str
+    role: str
+    job: str | None
+    hint: str  # the secret's first characters
+    created_at: float
+    created_by: str
+    revoked_at: float | None
+
+
+class TokenCreated(TokenPublic):
+    secret: str  # shown once; only its hash is stored
+
+
+class TokensPublic(BaseModel):
+    data: list[TokenPublic]
+    count: int
+
+
+def _public(row: TokenRow) -> dict[str, Any]:
+    return {
+        "id": row.id, "name": row.name, "role": row.role, "job": row.job, "hint": row.hint,
+        "created_at": epoch(row.created_at), "created_by": row.created_by,
+        "revoked_at": epoch(row.revoked_at) if row.revoked_at else None,
+    }
+
+
+def _audit(session: Any, actor: Actor, action: str, params: dict[str, Any], reason: str) -> None:
+    try:
+        from backend.storage.control import record_audit
+    except ImportError:  # the control tables are optional for token management
+        log.info("audit: %s by %s %s (%s)", action, actor.name, params, reason)
+        return
+    record_audit(session, actor=actor, action=action, job=None, params=params, reason=reason)
+
+
+@router.post("", response_model=TokenCreated, status_code=201, summary="Create a token")
+async def create(body: TokenCreate, actor: AdminDep, services: ServicesDep) -> TokenCreated:
+    def run() -> TokenCreated:
+        with services.sessionmaker() as s:
+            row, secret = create_token(s, role=body.role, name=body.name.strip(), job=body.job or None,
+                                       created_by=actor.name)
+            _audit(s, actor, "token.create",
+                   {"id": row.id, "name": row.name, "role": row.role, "job": row.job}, body.reason)
+            s.commit()
+            return TokenCreated(**_public(row), secret=secret)
+
+    try:
+        created = await asyncio.to_thread(run)
+    except ValueError as exc:
+        raise HTTPException(422, str(exc).replace(" pass --job NAME.", " give its job name.")) from None
+    services.auth.invalidate()
+    return created
+
+
+@router.get("", response_model=TokensPublic, summary="List tokens")
+async def list_all(
+    _actor: AdminDep, services: ServicesDep,
+    include_revoked: Annotated[bool, Query(description="Also list revoked tokens.")] = False,
+) -> TokensPublic:
+    def run() -> TokensPublic:
+        with services.sessionmaker() as s:
+            rows = [TokenPublic(**_public(r)) for r in list_tokens(s, include_revoked=include_revoked)]
+        return TokensPublic(data=rows, count=len(rows))
+
+    return await asyncio.to_thread(run)
+
+
+@router.delete("/{token_id}", response_model=TokenPublic, summary="Revoke a token")
+async def revoke(
+    token_id: int, actor: AdminDep, services: ServicesDep,
+    reason: Annotated[str, Query(max_length=2048)] = "",
+) -> TokenPublic:
+    def run(svc: Services) -> TokenPublic | None:
+        with svc.sessionmaker() as s:
+            row = revoke_token(s, token_id)
+            if row is None:
+                return None
+            _audit(s, actor, "token.revoke", {"id": row.id, "name": row.name, "role": row.role}, reason)
+            s.commit()
+            return TokenPublic(**_public(row))
+
+    found = await asyncio.to_thread(run, services)
+    if found is None:
+        raise HTTPException(404, f"Token {token_id} not found.")
+    services.auth.invalidate()
+    return found

@@ -1,0 +1,197 @@
+"""Bearer tokens and roles.
+
+Roles, from least to most: ``viewer`` (read), ``operator`` (approve, reject, override, mode,
+rollback), ``admin`` (policy, tokens, everything). ``hook`` tokens are scoped to one job and
+may only speak on ``/ws/hook`` for that job. Secrets are random 32-byte strings shown once;
+only their SHA-256 is stored.
+
+Open mode: while no active token exists and the server is bound to loopback, every caller
+is an admin named ``anonymous`` (the log says so at start). ``rebalancer serve`` refuses a
+non-loopback address with no tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import DateTime, Integer, String, func, select
+from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
+
+from backend.storage.base import Base
+from backend.storage.metrics import utcnow
+
+__all__ = [
+    "ROLES",
+    "ROLE_LEVEL",
+    "Actor",
+    "TokenRow",
+    "AuthService",
+    "hash_secret",
+    "role_allows",
+    "create_token",
+    "list_tokens",
+    "revoke_token",
+    "active_token_count",
+]
+
+ROLES = ("hook", "viewer", "operator", "admin")
+# hook tokens rank below viewer: they may not read the REST API.
+ROLE_LEVEL = {"hook": 0, "viewer": 1, "operator": 2, "admin": 3}
+TOKEN_PREFIX = "rb_"
+
+
+@dataclass(frozen=True, slots=True)
+class Actor:
+    """Who is calling: token name (or ``anonymous`` in open mode), role, job scope, address."""
+
+    name: str
+    role: str
+    job: str | None = None
+    address: str | None = None
+    token_id: int | None = None
+
+
+def role_allows(role: str, needed: str) -> bool:
+    return ROLE_LEVEL.get(role, -1) >= ROLE_LEVEL[needed]
+
+
+class TokenRow(Base):
+    __tablename__ = "auth_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    job: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    secret_sha256: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    hint: Mapped[str] = mapped_column(String(16))  # first characters, to tell tokens apart
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(128), default="")
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def _check_role(role: str, job: str | None) -> None:
+    if role not in ROLES:
+        raise ValueError(f"Unknown role {role!r}; expected one of {', '.join(ROLES)}.")
+    if role == "hook" and not job:
+        raise ValueError("A hook token must be scoped to a job; pass --job NAME.")
+    if role != "hook" and job:
+        raise ValueError("Only hook tokens are scoped to a job; drop the job for this role.")
+
+
+def create_token(
+    session: Session, *, role: str, name: str = "", job: str | None = None,
+    created_by: str = "", secret: str | None = None,
+) -> tuple[TokenRow, str]:
+    """Create a token; returns the row and the secret (shown once, never stored)."""
+    _check_role(role, job)
+    secret = secret or TOKEN_PREFIX + secrets.token_urlsafe(32)
+    row = TokenRow(
+        name=name or f"{role}-{secret[len(TOKEN_PREFIX):len(TOKEN_PREFIX) + 6]}", role=role, job=job,
+        secret_sha256=hash_secret(secret), hint=secret[:8], created_by=created_by,
+    )
+    session.add(row)
+    session.flush()
+    return row, secret
+
+
+def list_tokens(session: Session, *, include_revoked: bool = False) -> list[TokenRow]:
+    q = select(TokenRow).order_by(TokenRow.id)
+    if not include_revoked:
+        q = q.where(TokenRow.revoked_at.is_(None))
+    return list(session.scalars(q))
+
+
+def revoke_token(session: Session, token_id: int) -> TokenRow | None:
+    row = session.get(TokenRow, token_id)
+    if row is not None and row.revoked_at is None:
+        row.revoked_at = utcnow()
+    return row
+
+
+def active_token_count(session: Session) -> int:
+    return int(session.scalar(select(func.count(TokenRow.id)).where(TokenRow.revoked_at.is_(None))) or 0)
+
+
+class AuthService:
+    """Resolves bearer secrets to actors, with a short cache so requests rarely hit SQL.
+
+    Tokens created or revoked by another process (``rebalancer token``) take effect within
+    ``cache_s`` seconds.
+    """
+
+    def __init__(self, session_factory: sessionmaker, *, loopback: bool, cache_s: float = 5.0):
+        self._sf = session_factory
+        self.loopback = loopback
+        self.cache_s = cache_s
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[float, Actor | None]] = {}
+        self._count: tuple[float, int] | None = None
+
+    def ensure_admin(self, secret: str) -> None:
+        """Bootstrap: make sure an admin token with this secret exists (and is not revoked)."""
+        with self._sf() as s:
+            row = s.scalar(select(TokenRow).where(TokenRow.secret_sha256 == hash_secret(secret)))
+            if row is None:
+                create_token(s, role="admin", name="bootstrap-admin", secret=secret, created_by="settings")
+            elif row.revoked_at is not None or row.role != "admin":
+                row.revoked_at, row.role, row.job = None, "admin", None
+            s.commit()
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self._cache.clear()
+            self._count = None
+
+    def token_count(self) -> int:
+        now = time.monotonic()
+        with self._lock:
+            if self._count and now - self._count[0] < self.cache_s:
+                return self._count[1]
+        with self._sf() as s:
+            n = active_token_count(s)
+        with self._lock:
+            self._count = (now, n)
+        return n
+
+    @property
+    def open_mode(self) -> bool:
+        """True while anyone may act as admin (loopback bind, no active tokens)."""
+        return self.loopback and self.token_count() == 0
+
+    def authenticate(self, secret: str | None, address: str | None = None) -> Actor | None:
+        """The actor for a bearer secret; None when missing or invalid (outside open mode)."""
+        if not secret:
+            return Actor("anonymous", "admin", None, address) if self.open_mode else None
+        digest = hash_secret(secret)
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(digest)
+        if hit is None or now - hit[0] >= self.cache_s:
+            with self._sf() as s:
+                row = s.scalar(select(TokenRow).where(TokenRow.secret_sha256 == digest))
+                actor = None
+                if (row is not None and row.revoked_at is None
+                        and hmac.compare_digest(row.secret_sha256, digest)):
+                    actor = Actor(row.name, row.role, row.job, None, row.id)
+            with self._lock:
+                if len(self._cache) > 10_000:
+                    self._cache.clear()
+                self._cache[digest] = (now, actor)
+        else:
+            actor = hit[1]
+        if actor is None:
+            # An unknown secret in open mode is still a mistake worth refusing: the caller
+            # meant to authenticate, and silently upgrading it would hide a typo.
+            return None
+        return Actor(actor.name, actor.role, actor.job, address, actor.token_id)

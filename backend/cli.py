@@ -1,0 +1,150 @@
+"""The ``rebalancer`` command: ``serve``, ``demo`` and ``token create|list|revoke``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from backend.settings import Settings
+
+__all__ = ["main", "build_parser", "load_settings"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rebalancer", description="Live rebalancing of data-parallel training.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the backend (REST, websockets, dashboard)")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1; env REBALANCER_HOST)")
+    serve.add_argument("--port", type=int, help="port (default 8000; env REBALANCER_PORT)")
+    serve.add_argument("--db", help="sqlite:///path or postgresql://user@host/db (env REBALANCER_DB)")
+    serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+
+    demo = sub.add_parser("demo", help="backend plus a real 4-rank CPU job with uneven speeds")
+    demo.add_argument("--port", type=int, default=8000, help="backend port (a free one if busy)")
+    demo.add_argument("--steps", type=int, default=None, help="stop after N steps (default: run until Ctrl-C)")
+    demo.add_argument("--ranks", type=int, default=4)
+    demo.add_argument("--speeds", default="1,1,0.5,0.25", help="relative speed of each rank")
+    demo.add_argument("--mode", choices=["auto", "approve", "observe"], default="approve")
+    demo.add_argument("--global-batch-size", type=int, default=64)
+    demo.add_argument("--per-sample-ms", type=float, default=2.0)
+    demo.add_argument("--db", default=None, help="database URL (default: a fresh SQLite file)")
+    demo.add_argument("--job", default="demo")
+
+    tok = sub.add_parser("token", help="manage access tokens in the database")
+    tsub = tok.add_subparsers(dest="token_command", required=True)
+    create = tsub.add_parser("create", help="create a token and print its secret once")
+    create.add_argument("--role", required=True, choices=["viewer", "operator", "admin", "hook"])
+    create.add_argument("--job", help="the job a hook token may speak for")
+    create.add_argument("--name", default="")
+    lst = tsub.add_parser("list", help="list tokens (never their secrets)")
+    lst.add_argument("--all", action="store_true", help="include revoked tokens")
+    rev = tsub.add_parser("revoke", help="revoke a token by id")
+    rev.add_argument("id", type=int)
+    for sp in (create, lst, rev):
+        sp.add_argument("--db", help="database URL (env REBALANCER_DB)")
+    return p
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from env with the given (non-None) overrides; exits 2 with the reasons."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Settings(**given)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg'].removeprefix('Value error, ')}"
+                 for e in exc.errors()]
+        print("rebalancer: refusing to start, invalid settings:\n" + "\n".join(lines), file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = load_settings(host=args.host, port=args.port, db=args.db, log_level=args.log_level)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not settings.loopback and settings.admin_token is None:
+        from backend.auth import active_token_count
+        from backend.services import init_db
+        from backend.storage import make_engine, make_sessionmaker
+
+        engine = make_engine(settings.db)
+        init_db(engine)
+        with make_sessionmaker(engine)() as s:
+            n = active_token_count(s)
+        engine.dispose()
+        if n == 0:
+            print(
+                f"rebalancer: refusing to serve on {settings.host} with no access tokens: anyone who can "
+                f"reach it could change placements.\nCreate an admin token first:\n"
+                f"  rebalancer token create --role admin --db {settings.db}\n"
+                f"or set REBALANCER_ADMIN_TOKEN, or bind to 127.0.0.1.",
+                file=sys.stderr,
+            )
+            return 2
+    import uvicorn
+
+    from backend.main import create_app
+
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                ws_max_size=settings.ws_max_bytes, ws="websockets-sansio")
+    return 0
+
+
+def _token(args: argparse.Namespace) -> int:
+    from backend.auth import create_token, list_tokens, revoke_token
+    from backend.services import init_db
+    from backend.storage import make_engine, make_sessionmaker
+    from backend.storage.metrics import epoch
+
+    settings = load_settings(db=args.db)
+    engine = make_engine(settings.db)
+    try:
+        init_db(engine)
+        with make_sessionmaker(engine)() as s:
+            if args.token_command == "create":
+                try:
+                    row, secret = create_token(s, role=args.role, job=args.job, name=args.name, created_by="cli")
+                except ValueError as exc:
+                    print(f"rebalancer: {exc}", file=sys.stderr)
+                    return 2
+                s.commit()
+                scope = f" for job '{row.job}'" if row.job else ""
+                print(f"Created {row.role} token {row.id} '{row.name}'{scope}. Secret (shown once):",
+                      file=sys.stderr)
+                print(secret)
+            elif args.token_command == "list":
+                for r in list_tokens(s, include_revoked=args.all):
+                    revoked = " revoked" if r.revoked_at else ""
+                    print(f"{r.id}\t{r.role}\t{r.job or '-'}\t{r.name}\t{r.hint}...\t"
+                          f"{epoch(r.created_at):.0f}{revoked}")
+            else:
+                row = revoke_token(s, args.id)
+                if row is None:
+                    print(f"rebalancer: token {args.id} not found; see `rebalancer token list`.", file=sys.stderr)
+                    return 1
+                s.commit()
+                print(f"Revoked token {row.id} '{row.name}'.")
+    finally:
+        engine.dispose()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "token":
+        return _token(args)
+    from backend.demo import run_demo
+
+    return run_demo(port=args.port, steps=args.steps, ranks=args.ranks, speeds=args.speeds, mode=args.mode,
+                    global_batch_size=args.global_batch_size, per_sample_ms=args.per_sample_ms,
+                    db=args.db, job=args.job)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

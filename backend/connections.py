@@ -1,0 +1,63 @@
+"""The hook websockets currently open, by job and rank, and delivery of messages to them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+from starlette.websockets import WebSocket
+
+from trainer_hook.protocol import Message, encode
+
+__all__ = ["HookConnections"]
+
+log = logging.getLogger("rebalancer.connections")
+
+
+class HookConnections:
+    """job -> rank -> websocket. Only the event loop's thread touches it."""
+
+    def __init__(self) -> None:
+        self._by_job: dict[str, dict[int, WebSocket]] = {}
+
+    def add(self, job: str, rank: int, ws: WebSocket) -> WebSocket | None:
+        """Register a rank's socket; returns the socket it replaces (a stale reconnect)."""
+        old = self._by_job.setdefault(job, {}).get(rank)
+        self._by_job[job][rank] = ws
+        return old if old is not ws else None
+
+    def remove(self, job: str, rank: int, ws: WebSocket) -> None:
+        """Forget a socket, unless a newer connection of the same rank replaced it."""
+        ranks = self._by_job.get(job)
+        if ranks is not None and ranks.get(rank) is ws:
+            del ranks[rank]
+            if not ranks:
+                del self._by_job[job]
+
+    def ranks(self, job: str) -> list[int]:
+        return sorted(self._by_job.get(job, {}))
+
+    def count(self) -> int:
+        return sum(len(r) for r in self._by_job.values())
+
+    async def send(self, job: str, msg: Message, ranks: Iterable[int] | None = None) -> int:
+        """Send ``msg`` to the job's connected ranks (all, or those in ``ranks``).
+
+        Encodes once; sockets that fail are dropped. Returns how many ranks got it.
+        """
+        targets = self._by_job.get(job, {})
+        wanted = None if ranks is None else set(ranks)
+        chosen = [(r, ws) for r, ws in targets.items() if wanted is None or r in wanted]
+        if not chosen:
+            return 0
+        text = encode(msg)
+        results = await asyncio.gather(*(ws.send_text(text) for _, ws in chosen), return_exceptions=True)
+        sent = 0
+        for (rank, ws), res in zip(chosen, results, strict=True):
+            if isinstance(res, BaseException):
+                log.info("dropping dead hook socket job=%s rank=%d: %s", job, rank, res)
+                self.remove(job, rank, ws)
+            else:
+                sent += 1
+        return sent

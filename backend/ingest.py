@@ -1,0 +1,155 @@
+"""``/ws/hook``: where training hooks say hello and stream their metrics.
+
+Conversation (docs/protocol.md): the hook authenticates (hook token scoped to the job, or
+an admin token; none needed in open mode), sends ``hello`` first and gets the placement in
+force back, then streams ``metrics`` and answers placements with ``ack`` or ``reject``.
+Any bad frame gets an ``error`` message and a close code; one bad connection never
+disturbs the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+
+from backend.api.deps import websocket_actor
+from backend.services import Services
+from backend.storage.metrics import upsert_hello
+from trainer_hook.protocol import (
+    CLOSE_FORBIDDEN,
+    CLOSE_MALFORMED,
+    CLOSE_UNAUTHORIZED,
+    Ack,
+    Error,
+    Hello,
+    Metrics,
+    ProtocolError,
+    Reject,
+    decode,
+    encode,
+)
+
+__all__ = ["router", "hook_websocket"]
+
+log = logging.getLogger("rebalancer.ingest")
+router = APIRouter()
+CLOSE_INTERNAL = 1011
+
+
+async def _refuse(ws: WebSocket, code: str, message: str, close_code: int) -> None:
+    with contextlib.suppress(Exception):
+        await ws.send_text(encode(Error(code=code, message=message)))
+    with contextlib.suppress(Exception):
+        await ws.close(close_code, reason=message[:120])
+
+
+def _store_hello(services: Services, hello: Hello, new_run: bool) -> None:
+    with services.sessionmaker() as s:
+        upsert_hello(s, hello, new_run=new_run)
+        s.commit()
+
+
+@router.websocket("/ws/hook")
+async def hook_websocket(websocket: WebSocket) -> None:
+    """One rank's connection: authenticate, hello, then metrics / ack / reject frames."""
+    services: Services = websocket.app.state.services
+    await websocket.accept()
+    actor = websocket_actor(websocket)
+    if actor is None:
+        await _refuse(websocket, "unauthorized",
+                      "Missing or invalid token; send 'Authorization: Bearer TOKEN' or '?token=TOKEN'.",
+                      CLOSE_UNAUTHORIZED)
+        return
+    if actor.role not in ("hook", "admin"):
+        await _refuse(websocket, "forbidden",
+                      f"A {actor.role} token cannot send metrics; use a hook token for the job or an admin token.",
+                      CLOSE_FORBIDDEN)
+        return
+    hello: Hello | None = None
+    try:
+        while True:
+            frame = await websocket.receive()
+            if frame["type"] == "websocket.disconnect":
+                break
+            raw = frame.get("text")
+            if raw is None:
+                raw = frame.get("bytes")
+            if raw is None:
+                continue
+            try:
+                msg = decode(raw)
+            except ProtocolError as exc:
+                log.info("closing hook connection from %s: %s", actor.address, exc)
+                await _refuse(websocket, exc.code, str(exc), exc.close_code)
+                return
+            if hello is None or isinstance(msg, Hello):
+                if not isinstance(msg, Hello):
+                    await _refuse(websocket, "malformed",
+                                  f"The first message must be 'hello', got '{msg.TYPE}'.", CLOSE_MALFORMED)
+                    return
+                if actor.role == "hook" and actor.job != msg.job:
+                    await _refuse(websocket, "forbidden",
+                                  f"This hook token is for job '{actor.job}'; it may not speak for job '{msg.job}'.",
+                                  CLOSE_FORBIDDEN)
+                    return
+                if hello is not None and (msg.job, msg.rank) != (hello.job, hello.rank):
+                    await _refuse(websocket, "malformed",
+                                  f"This connection speaks for job '{hello.job}' rank {hello.rank}; "
+                                  f"open a new connection for job '{msg.job}' rank {msg.rank}.",
+                                  CLOSE_MALFORMED)
+                    return
+                hello = msg
+                await _on_hello(services, websocket, hello)
+                continue
+            if (msg.job, msg.rank) != (hello.job, hello.rank):  # type: ignore[union-attr]
+                await _refuse(websocket, "malformed",
+                              f"This connection speaks for job '{hello.job}' rank {hello.rank}; "
+                              f"got a '{msg.TYPE}' for job '{msg.job}' rank {msg.rank}.",  # type: ignore[union-attr]
+                              CLOSE_MALFORMED)
+                return
+            if isinstance(msg, Metrics):
+                services.live.add_metrics(msg)
+                await services.controller.on_metrics(msg.job)
+                services.notify(msg.job)
+            elif isinstance(msg, Ack):
+                await services.controller.on_ack(msg)
+                services.notify(msg.job)
+            elif isinstance(msg, Reject):
+                log.warning("job %s rank %d rejected placement %d: %s", msg.job, msg.rank, msg.version, msg.reason)
+                await services.controller.on_reject(msg)
+                services.notify(msg.job)
+            else:
+                await _refuse(websocket, "malformed",
+                              f"Hooks may not send '{msg.TYPE}' messages; expected metrics, ack or reject.",
+                              CLOSE_MALFORMED)
+                return
+    except WebSocketDisconnect:
+        pass
+    except Exception:  # a bug in one handler must not take the server or other ranks down
+        log.exception("hook connection failed (job=%s rank=%s)",
+                      hello.job if hello else None, hello.rank if hello else None)
+        await _refuse(websocket, "internal", "The backend failed to handle this message; see its log.",
+                      CLOSE_INTERNAL)
+    finally:
+        if hello is not None:
+            services.connections.remove(hello.job, hello.rank, websocket)
+            if hello.rank not in services.connections.ranks(hello.job):
+                services.live.set_connected(hello.job, hello.rank, False)
+            with contextlib.suppress(Exception):
+                services.notify(hello.job)
+
+
+async def _on_hello(services: Services, websocket: WebSocket, hello: Hello) -> None:
+    new_run = services.live.register(hello)
+    await asyncio.to_thread(_store_hello, services, hello, new_run)
+    old = services.connections.add(hello.job, hello.rank, websocket)
+    if old is not None:
+        log.info("job %s rank %d reconnected; closing its previous socket", hello.job, hello.rank)
+        with contextlib.suppress(Exception):
+            await old.close(1000, reason="replaced by a newer connection of the same rank")
+    placement = await services.controller.on_hello(hello)
+    await websocket.send_text(encode(placement))
+    services.notify(hello.job)

@@ -1,0 +1,91 @@
+"""``GET /metrics``: Prometheus text exposition, read from live state at scrape time.
+
+Each app has its own ``CollectorRegistry`` (tests build many apps in one process), with one
+custom collector; nothing is updated on the ingest path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from backend.api.deps import ServicesDep, ViewerDep
+
+__all__ = ["router", "RebalancerCollector", "make_registry"]
+
+log = logging.getLogger("rebalancer.prom")
+router = APIRouter()
+
+
+class RebalancerCollector(Collector):
+    """Exports per-job and per-rank gauges and the ingest counters of one Services."""
+
+    def __init__(self, services: Any):
+        self.services = services
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.services
+        compute = GaugeMetricFamily(
+            "rebalancer_rank_compute_seconds",
+            "Mean time until a rank's gradients are ready, over its recent steps.", labels=["job", "rank"])
+        step = GaugeMetricFamily(
+            "rebalancer_step_seconds", "Median wall time of one step over the job's ranks.", labels=["job"])
+        imbalance = GaugeMetricFamily(
+            "rebalancer_imbalance_ratio", "max/mean rank compute time minus 1.", labels=["job"])
+        version = GaugeMetricFamily(
+            "rebalancer_placement_version", "Version of the placement in force.", labels=["job"])
+        connected = GaugeMetricFamily(
+            "rebalancer_connected_ranks", "Ranks with an open hook connection.", labels=["job"])
+        proposals = GaugeMetricFamily(
+            "rebalancer_proposals", "Proposals by status.", labels=["job", "status"])
+        for job in s.live.jobs():
+            view = s.live.view(job)
+            if view is None:
+                continue
+            for r in view.ranks:
+                if r.compute_ms is not None:
+                    compute.add_metric([job, str(r.rank)], r.compute_ms / 1000.0)
+            if view.step_ms is not None:
+                step.add_metric([job], view.step_ms / 1000.0)
+            if view.imbalance is not None:
+                imbalance.add_metric([job], view.imbalance)
+            connected.add_metric([job], view.connected_ranks)
+            ctl = s.controller
+            if ctl is None:
+                continue
+            try:
+                placement = (ctl.job_control(job) or {}).get("placement") or {}
+                if "version" in placement:
+                    version.add_metric([job], placement["version"])
+                counts = ctl.proposal_counts(job) if hasattr(ctl, "proposal_counts") else {}
+                for status, n in sorted(counts.items()):
+                    proposals.add_metric([job, status], n)
+            except Exception:  # a scrape must still answer with what live state has
+                log.exception("reading control state of job %s for /metrics failed", job)
+        yield from (compute, step, imbalance, version, connected, proposals)
+        yield CounterMetricFamily(
+            "rebalancer_ingest_messages", "Hook messages ingested.", value=s.live.messages_total)
+        yield CounterMetricFamily(
+            "rebalancer_ingest_records", "Step and device records ingested.", value=s.live.records_total)
+        yield CounterMetricFamily(
+            "rebalancer_dropped_records", "Records the hooks reported as dropped.", value=s.live.dropped_total)
+        yield GaugeMetricFamily(
+            "rebalancer_hook_connections", "Open hook websockets.", value=s.connections.count())
+
+
+def make_registry(services: Any) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RebalancerCollector(services))
+    return registry
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics(_actor: ViewerDep, services: ServicesDep) -> Response:
+    """Prometheus exposition of live state; scrapers send a viewer token as a bearer."""
+    return Response(generate_latest(services.registry), media_type=CONTENT_TYPE_LATEST)

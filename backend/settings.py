@@ -1,0 +1,190 @@
+"""Backend configuration: one ``Settings`` object, read from ``REBALANCER_*`` variables.
+
+Validators refuse unsafe or nonsensical values at start-up, with a message that names the
+variable, says what arrived and what is expected.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from trainer_hook.protocol import MAX_MESSAGE_BYTES
+
+__all__ = ["Settings", "DEFAULT_DEVICE_PRICES", "is_loopback"]
+
+# On-demand cloud list prices, USD per accelerator-hour (rounded, 2025). Override with
+# REBALANCER_DEVICE_PRICES='{"H100": 2.5}'. Keys are matched case-insensitively against a
+# rank's device_type first, then as a substring of its device_name (longest key wins).
+DEFAULT_DEVICE_PRICES: dict[str, float] = {
+    "H200": 3.8,
+    "H100": 3.0,
+    "A100-80GB": 1.9,
+    "A100": 1.6,
+    "L40S": 1.4,
+    "A10G": 1.0,
+    "L4": 0.8,
+    "V100": 0.9,
+    "T4": 0.5,
+    "MI300X": 3.5,
+    "cpu": 0.05,
+}
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class Settings(BaseSettings):
+    """Everything the backend needs to start. Environment: ``REBALANCER_<FIELD>``."""
+
+    model_config = SettingsConfigDict(env_prefix="REBALANCER_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    db: str = "sqlite:///./.rebalancer/rebalancer.db"
+    # Bootstrap: when set, an admin token with exactly this secret exists after start-up.
+    admin_token: SecretStr | None = None
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    # Live state: every step of every rank stays in memory this long (ring buffers).
+    step_buffer: int = 2048
+    device_buffer: int = 600
+    # Derived numbers (compute_ms, step rate, imbalance) use this many recent steps.
+    window_steps: int = 20
+    # History: per-rank aggregates of the steps seen in each interval go to SQL.
+    persist_interval_s: float = 1.0
+    # A rank with no message for this long counts as stale in the job's status.
+    stale_after_s: float = 30.0
+    # uvicorn's frame limit; above the protocol's so the app itself answers with 1009.
+    ws_max_bytes: int = 4 * MAX_MESSAGE_BYTES
+
+    dashboard_max_hz: float = 10.0
+    device_prices: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_DEVICE_PRICES))
+
+    # Control loop defaults (the controller reads these; per-job settings override them).
+    default_mode: Literal["observe", "approve", "auto"] = "approve"
+    default_strategy: str = "profiled"
+    default_workload: str = "llm"
+    proposal_ttl_s: float = 300.0
+    controller_tick_s: float = 1.0
+    min_gain: float = 0.05
+    cooldown_steps: int = 20
+    min_steps: int = 10
+    policy_window_steps: int = 100
+    auto_max_move_fraction: float = 0.25
+    rollback_threshold: float = 0.05
+    effect_window_steps: int = 20
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, v: int) -> int:
+        if not 0 <= v <= 65535:
+            raise ValueError(f"REBALANCER_PORT must be between 0 and 65535, got {v}.")
+        return v
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("REBALANCER_HOST must not be empty; use 127.0.0.1 or 0.0.0.0.")
+        return v.strip()
+
+    @field_validator("db")
+    @classmethod
+    def _db(cls, v: str) -> str:
+        if not v.startswith(("sqlite:", "postgresql:", "postgresql+psycopg:", "postgres:")):
+            raise ValueError(
+                f"REBALANCER_DB must be a sqlite:///path or postgresql://user@host/db URL, got {v!r}."
+            )
+        return v
+
+    @field_validator("admin_token")
+    @classmethod
+    def _admin_token(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < 16:
+            raise ValueError(
+                "REBALANCER_ADMIN_TOKEN must be at least 16 characters; "
+                "generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'."
+            )
+        return v
+
+    @field_validator("step_buffer", "device_buffer", "window_steps", "cooldown_steps",
+                     "min_steps", "policy_window_steps", "effect_window_steps")
+    @classmethod
+    def _positive_int(cls, v: int, info) -> int:  # type: ignore[no-untyped-def]
+        if v < 1 or v > 1_000_000:
+            raise ValueError(
+                f"REBALANCER_{info.field_name.upper()} must be between 1 and 1000000, got {v}."
+            )
+        return v
+
+    @field_validator("persist_interval_s", "stale_after_s", "proposal_ttl_s", "controller_tick_s")
+    @classmethod
+    def _positive_seconds(cls, v: float, info) -> float:  # type: ignore[no-untyped-def]
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"REBALANCER_{info.field_name.upper()} must be a positive number of seconds, got {v}.")
+        return v
+
+    @field_validator("min_gain", "auto_max_move_fraction", "rollback_threshold")
+    @classmethod
+    def _fraction(cls, v: float, info) -> float:  # type: ignore[no-untyped-def]
+        if not math.isfinite(v) or not 0 <= v <= 1:
+            raise ValueError(f"REBALANCER_{info.field_name.upper()} must be a fraction between 0 and 1, got {v}.")
+        return v
+
+    @field_validator("dashboard_max_hz")
+    @classmethod
+    def _hz(cls, v: float) -> float:
+        if not math.isfinite(v) or not 0 < v <= 10:
+            raise ValueError(
+                f"REBALANCER_DASHBOARD_MAX_HZ must be above 0 and at most 10 pushes a second, got {v}."
+            )
+        return v
+
+    @field_validator("device_prices")
+    @classmethod
+    def _prices(cls, v: dict[str, float]) -> dict[str, float]:
+        for k, p in v.items():
+            if not k.strip() or not math.isfinite(p) or p < 0:
+                raise ValueError(
+                    f"REBALANCER_DEVICE_PRICES must map device types to prices >= 0 USD/h, got {k!r}: {p}."
+                )
+        return v
+
+    @model_validator(mode="after")
+    def _ws_limit(self) -> Settings:
+        if self.ws_max_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError(
+                f"REBALANCER_WS_MAX_BYTES must exceed the protocol limit of {MAX_MESSAGE_BYTES} bytes "
+                f"so oversized frames get a clear error, got {self.ws_max_bytes}."
+            )
+        if self.device_buffer < 1 or self.step_buffer < self.window_steps:
+            raise ValueError(
+                f"REBALANCER_STEP_BUFFER ({self.step_buffer}) must be at least "
+                f"REBALANCER_WINDOW_STEPS ({self.window_steps})."
+            )
+        return self
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.host)
+
+    def price_for(self, device_type: str, device_name: str = "") -> float | None:
+        """USD per hour for one accelerator, or None when no key matches."""
+        lowered = {k.lower(): p for k, p in self.device_prices.items()}
+        if device_type.lower() in lowered:
+            return lowered[device_type.lower()]
+        name = device_name.lower()
+        best = max((k for k in lowered if k in name), key=len, default=None)
+        return lowered[best] if best is not None else None

@@ -1,0 +1,192 @@
+"""Tables for jobs, their ranks and downsampled per-rank metrics, with repository functions.
+
+Jobs are referenced by name (``job`` columns) so other table modules can join on it
+without a foreign key to this module's ids. Works on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    String,
+    UniqueConstraint,
+    insert,
+    select,
+)
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from backend.live import Window
+from backend.storage.base import Base
+from trainer_hook.protocol import Hello
+
+__all__ = [
+    "JobRow",
+    "RankRow",
+    "RankMetricRow",
+    "utcnow",
+    "epoch",
+    "upsert_hello",
+    "insert_windows",
+    "list_jobs",
+    "get_job",
+    "list_ranks",
+    "query_metrics",
+]
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def epoch(dt: datetime) -> float:
+    """Unix seconds of a stored time (SQLite hands back naive datetimes, meant as UTC)."""
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+def _ts(t: float) -> datetime:
+    return datetime.fromtimestamp(t, timezone.utc)
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True, index=True)
+    world_size: Mapped[int] = mapped_column(Integer)
+    global_batch_size: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class RankRow(Base):
+    __tablename__ = "ranks"
+    __table_args__ = (UniqueConstraint("job", "rank", name="uq_ranks_job_rank"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job: Mapped[str] = mapped_column(String(128), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    host: Mapped[str] = mapped_column(String(128), default="")
+    pid: Mapped[int] = mapped_column(Integer, default=0)
+    device_type: Mapped[str] = mapped_column(String(128), default="cpu")
+    device_name: Mapped[str] = mapped_column(String(128), default="")
+    mem_total_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    hook_version: Mapped[str] = mapped_column(String(128), default="")
+    restart_count: Mapped[int] = mapped_column(Integer, default=0)
+    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class RankMetricRow(Base):
+    """One rank's mean step numbers over one persistence window, plus its last device reading."""
+
+    __tablename__ = "rank_metrics"
+    __table_args__ = (Index("ix_rank_metrics_job_rank_batch", "job", "rank", "batch_index_end"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job: Mapped[str] = mapped_column(String(128))
+    rank: Mapped[int] = mapped_column(Integer)
+    t_start: Mapped[float] = mapped_column(Float)
+    t_end: Mapped[float] = mapped_column(Float)
+    batch_index_start: Mapped[int] = mapped_column(BigInteger)
+    batch_index_end: Mapped[int] = mapped_column(BigInteger)
+    n_steps: Mapped[int] = mapped_column(Integer)
+    placement_version: Mapped[int] = mapped_column(Integer)
+    local_batch_size: Mapped[float] = mapped_column(Float)
+    compute_ms: Mapped[float] = mapped_column(Float)
+    sync_wait_ms: Mapped[float] = mapped_column(Float)
+    data_wait_ms: Mapped[float] = mapped_column(Float)
+    optimizer_ms: Mapped[float] = mapped_column(Float)
+    step_ms: Mapped[float] = mapped_column(Float)
+    dropped: Mapped[int] = mapped_column(Integer, default=0)
+    util_pct: Mapped[float | None] = mapped_column(Float, nullable=True)
+    mem_used_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    power_w: Mapped[float | None] = mapped_column(Float, nullable=True)
+    temp_c: Mapped[float | None] = mapped_column(Float, nullable=True)
+    cpu_pct: Mapped[float | None] = mapped_column(Float, nullable=True)
+    rss_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+def upsert_hello(session: Session, hello: Hello, *, new_run: bool = False) -> None:
+    """Create or update the job and rank rows for a hello (caller commits)."""
+    now = utcnow()
+    job = session.scalar(select(JobRow).where(JobRow.name == hello.job))
+    if job is None:
+        session.add(JobRow(name=hello.job, world_size=hello.world_size,
+                           global_batch_size=hello.global_batch_size, created_at=now, last_seen=now))
+    else:
+        job.world_size, job.global_batch_size, job.last_seen = hello.world_size, hello.global_batch_size, now
+    rank = session.scalar(select(RankRow).where(RankRow.job == hello.job, RankRow.rank == hello.rank))
+    if rank is None:
+        rank = RankRow(job=hello.job, rank=hello.rank, first_seen=now)
+        session.add(rank)
+    rank.host, rank.pid, rank.device_type = hello.host, hello.pid, hello.device_type
+    rank.device_name, rank.mem_total_bytes = hello.device_name, hello.mem_total_bytes
+    rank.hook_version, rank.restart_count, rank.last_seen = hello.hook_version, hello.restart_count, now
+    session.flush()
+
+
+def insert_windows(session: Session, windows: Sequence[Window]) -> int:
+    """Bulk-insert persistence windows and bump last_seen (caller commits)."""
+    if not windows:
+        return 0
+    rows = []
+    for w in windows:
+        d = w.device
+        rows.append({
+            "job": w.job, "rank": w.rank, "t_start": w.t_start, "t_end": w.t_end,
+            "batch_index_start": w.batch_index_start, "batch_index_end": w.batch_index_end,
+            "n_steps": w.n_steps, "placement_version": w.placement_version,
+            "local_batch_size": w.local_batch_size, "compute_ms": w.compute_ms,
+            "sync_wait_ms": w.sync_wait_ms, "data_wait_ms": w.data_wait_ms,
+            "optimizer_ms": w.optimizer_ms, "step_ms": w.step_ms, "dropped": w.dropped,
+            "util_pct": d.util_pct if d else None, "mem_used_bytes": d.mem_used_bytes if d else None,
+            "power_w": d.power_w if d else None, "temp_c": d.temp_c if d else None,
+            "cpu_pct": d.cpu_pct if d else None, "rss_bytes": d.rss_bytes if d else None,
+        })
+    session.execute(insert(RankMetricRow), rows)
+    latest: dict[str, float] = {}
+    for w in windows:
+        latest[w.job] = max(latest.get(w.job, 0.0), w.t_end)
+    for name, t in latest.items():
+        job = session.scalar(select(JobRow).where(JobRow.name == name))
+        if job is not None:
+            job.last_seen = _ts(t)
+    return len(rows)
+
+
+def list_jobs(session: Session) -> list[JobRow]:
+    return list(session.scalars(select(JobRow).order_by(JobRow.name)))
+
+
+def get_job(session: Session, name: str) -> JobRow | None:
+    return session.scalar(select(JobRow).where(JobRow.name == name))
+
+
+def list_ranks(session: Session, job: str) -> list[RankRow]:
+    return list(session.scalars(select(RankRow).where(RankRow.job == job).order_by(RankRow.rank)))
+
+
+def query_metrics(
+    session: Session, job: str, *, ranks: Iterable[int] | None = None,
+    batch_from: int | None = None, batch_to: int | None = None, limit: int = 10_000,
+) -> list[RankMetricRow]:
+    """Stored windows of a job that overlap the inclusive batch range, newest ``limit``,
+    returned oldest first."""
+    q = select(RankMetricRow).where(RankMetricRow.job == job)
+    if ranks is not None:
+        q = q.where(RankMetricRow.rank.in_(list(ranks)))
+    if batch_from is not None:
+        q = q.where(RankMetricRow.batch_index_end >= batch_from)
+    if batch_to is not None:
+        q = q.where(RankMetricRow.batch_index_start <= batch_to)
+    q = q.order_by(RankMetricRow.batch_index_end.desc(), RankMetricRow.rank.desc()).limit(limit)
+    return list(reversed(list(session.scalars(q))))
