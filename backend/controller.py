@@ -483,10 +483,10 @@ class Controller:
                    for r in view.ranks)
 
     async def _run_policy(self, st: _JobState) -> None:
+        await self._measure_effect(st)
         from backend.policy import InfeasibleError, decide, limit_moves
         from backend.policy.types import Proposal as PolicyProposal
 
-        await self._measure_effect(st)
         if not self._settled(st):
             st.status, st.status_detail = "proposal_pending", f"waiting for every rank to apply version {st.version}"
             return
@@ -636,8 +636,9 @@ class Controller:
     async def _issue(self, st: _JobState, shares: list[int], *, source: str, actor: Any, reason: str,
                      action: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         """Record and send a placement that no proposal stands behind (rollback)."""
+        # Pending proposals stay: approving one now answers 409 (computed against an older
+        # version), and the next policy run supersedes it.
         with self._session() as s:
-            self._close_pending(s, st.job, "superseded", f"{source} replaced the placement in force")
             old = db.latest_placement(s, st.job)
             row = self._new_placement(s, st, shares, source=source, actor=actor, reason=reason,
                                       current=old)
