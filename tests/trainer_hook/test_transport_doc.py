@@ -1,0 +1,52 @@
+"""docs/protocol.md stays exact against trainer_hook/protocol.py."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from trainer_hook import protocol
+from trainer_hook.protocol import (
+    Ack,
+    DeviceSample,
+    Error,
+    Hello,
+    Metrics,
+    Placement,
+    Reject,
+    StepRecord,
+    decode,
+    encode,
+)
+
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+FRAMES = re.findall(r"```json\n(.*?)\n```", DOC, flags=re.S)
+
+
+def test_doc_has_an_example_of_every_message_kind() -> None:
+    kinds = {type(decode(f)).TYPE for f in FRAMES}
+    assert kinds == {"hello", "metrics", "ack", "reject", "placement", "error"}
+
+
+@pytest.mark.parametrize("frame", FRAMES)
+def test_every_example_frame_decodes_and_reencodes_identically(frame: str) -> None:
+    assert encode(decode(frame)) == frame
+
+
+@pytest.mark.parametrize("cls", [Hello, Metrics, StepRecord, DeviceSample, Ack, Reject, Placement, Error])
+def test_every_field_is_documented(cls: type) -> None:
+    for f in fields(cls):
+        assert f"| `{f.name}` |" in DOC, f"docs/protocol.md does not document {cls.__name__}.{f.name}"
+
+
+def test_constants_match() -> None:
+    assert f"version **{protocol.PROTOCOL_VERSION}**" in DOC
+    assert f"{protocol.MAX_MESSAGE_BYTES:,} bytes" in DOC
+    assert f"| {protocol.MAX_RECORDS_PER_MESSAGE} | `MAX_RECORDS_PER_MESSAGE`" in DOC
+    assert f"| {protocol.MAX_WORLD_SIZE} | `MAX_WORLD_SIZE`" in DOC
+    for name in ("CLOSE_NORMAL", "CLOSE_TOO_BIG", "CLOSE_UNSUPPORTED_VERSION", "CLOSE_MALFORMED",
+                 "CLOSE_UNAUTHORIZED", "CLOSE_FORBIDDEN"):
+        assert f"| {getattr(protocol, name)} | `{name}` |" in DOC, name
