@@ -8,15 +8,12 @@ import logging
 import pkgutil
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, WebSocket
+from fastapi import FastAPI
 
 import backend.api.routes as routes_pkg
 from backend import ingest, prom
-from backend.api.deps import websocket_actor
-from backend.auth import role_allows
 from backend.services import Services, build_services
 from backend.settings import Settings
-from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED, Error, encode
 
 __all__ = ["create_app"]
 
@@ -81,25 +78,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.include_router(ingest.router)
     app.include_router(prom.router)
-    _include_routes(app)
-
-    @app.websocket("/ws/dashboard")
-    async def dashboard_websocket(websocket: WebSocket) -> None:
-        """Live dashboard updates (viewer role); ``?job=NAME`` for one job, none for the list."""
-        actor = websocket_actor(websocket)
-        refusal = None
-        if actor is None:
-            refusal = ("unauthorized", "Missing or invalid token; pass '?token=TOKEN'.", CLOSE_UNAUTHORIZED)
-        elif not role_allows(actor.role, "viewer"):
-            refusal = ("forbidden", "The dashboard needs the viewer role.", CLOSE_FORBIDDEN)
-        elif services.hub is None:
-            refusal = ("unavailable", "The dashboard hub is not installed in this backend.", 1011)
-        if refusal is not None:
-            await websocket.accept()
-            with contextlib.suppress(Exception):
-                await websocket.send_text(encode(Error(code=refusal[0], message=refusal[1])))
-                await websocket.close(refusal[2], reason=refusal[1])
-            return
-        await services.hub.serve(websocket, websocket.query_params.get("job") or None, actor)
+    _include_routes(app)  # includes /ws/dashboard from routes/pages.py (the hub's feed)
 
     return app
