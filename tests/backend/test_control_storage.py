@@ -1,0 +1,98 @@
+"""Control tables on a real SQLite file and on the local PostgreSQL server."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import delete
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from backend.auth import Actor
+from backend.storage import control as db
+from backend.storage.base import Base, make_engine, make_sessionmaker
+
+PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+def _engine(kind: str, tmp_path: Path):
+    if kind == "sqlite":
+        return make_engine(f"sqlite:///{tmp_path / 'control.db'}")
+    engine = make_engine(PG_URL)
+    try:
+        with engine.connect():
+            pass
+    except OperationalError as exc:
+        engine.dispose()
+        pytest.skip(f"PostgreSQL at {PG_URL} is unreachable: {exc.orig}")
+    return engine
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def sessions(request, tmp_path):
+    engine = _engine(request.param, tmp_path)
+    Base.metadata.create_all(engine)
+    sm = make_sessionmaker(engine)
+    job = f"job-{uuid.uuid4().hex[:12]}"  # unique: the PostgreSQL database is shared
+    yield sm, job
+    with sm() as s:
+        for table in (db.PlacementRow, db.ProposalRow, db.AuditRow, db.OverridesRow, db.JobSettingsRow):
+            s.execute(delete(table).where(table.job == job))
+        s.commit()
+    engine.dispose()
+
+
+def test_rows_round_trip_and_read_back_newest_first(sessions):
+    sm, job = sessions
+    with sm() as s:
+        s.add(db.JobSettingsRow(job=job, world_size=3, global_batch_size=48, mode="auto",
+                                policy={"strategy": "static", "min_gain": 0.1}))
+        s.add(db.PlacementRow(job=job, version=0, shares=[16, 16, 16], source="initial", acks={}))
+        s.add(db.PlacementRow(job=job, version=1, shares=[20, 20, 8], previous_shares=[16, 16, 16],
+                              previous_version=0, source="manual", acks={"0": 7, "2": 7, "1": 7},
+                              effective_batch_index=7, step_ms_before=80.0, step_ms_after=40.0,
+                              measured_gain=0.5))
+        s.add(db.PlacementRow(job=job, version=2, shares=[24, 24, 0], source="policy", failed=True,
+                              error="rank 0 rejected it", acks={}))
+        for shares, status in (([20, 20, 8], "applied"), ([18, 18, 12], "rejected"), ([19, 19, 10], "proposed")):
+            s.add(db.ProposalRow(job=job, status=status, source="policy", strategy="profiled",
+                                 base_version=0, shares=shares, current_shares=[16, 16, 16],
+                                 explanation={"gain": 0.3, "ranks": [{"rank": 0}]}))
+        db.record_audit(s, actor=Actor("bob", "operator", None, "10.1.2.3"), action="proposal.approve",
+                        job=job, params={"proposal_id": 1, "shares": [20, 20, 8]}, reason="faster")
+        db.record_audit(s, actor="controller", action="job.create", job=job, params={})
+        s.commit()
+    with sm() as s:
+        st = db.get_settings(s, job)
+        assert (st.mode, st.policy) == ("auto", {"strategy": "static", "min_gain": 0.1})
+        assert db.latest_placement(s, job).version == 1  # version 2 failed
+        assert db.latest_placement(s, job, include_failed=True).version == 2
+        pub = db.get_placement(s, job, 1).public()
+        assert pub["acks"] == {0: 7, 1: 7, 2: 7}
+        assert pub["effect"] == {"step_ms_before": 80.0, "step_ms_after": 40.0, "predicted_step_ms": None,
+                                 "measured_gain": 0.5, "rolled_back": False}
+        assert [p.version for p in db.list_placements(s, job)] == [2, 1, 0]
+        props = db.list_proposals(s, job)
+        assert [p.status for p in props] == ["proposed", "rejected", "applied"]
+        assert props[2].public()["explanation"] == {"gain": 0.3, "ranks": [{"rank": 0}]}
+        assert [p.shares for p in db.list_proposals(s, job, status="rejected")] == [[18, 18, 12]]
+        assert db.get_proposal(s, "other-job", props[0].id) is None
+        counts = db.proposal_counts(s, job)
+        assert counts == {"proposed": 1, "approved": 0, "applied": 1, "rejected": 1,
+                          "superseded": 0, "failed": 0, "expired": 0}
+        audit = [a.public() for a in db.list_audit(s, job)]
+        assert [(a["actor"], a["role"], a["action"]) for a in audit] == [
+            ("controller", "system", "job.create"), ("bob", "operator", "proposal.approve")]
+        assert audit[1]["address"] == "10.1.2.3" and audit[1]["reason"] == "faster"
+        assert audit[1]["params"] == {"proposal_id": 1, "shares": [20, 20, 8]}
+
+
+def test_a_version_is_unique_per_job(sessions):
+    sm, job = sessions
+    with sm() as s:
+        s.add(db.PlacementRow(job=job, version=0, shares=[1, 1], source="initial", acks={}))
+        s.commit()
+        s.add(db.PlacementRow(job=job, version=0, shares=[2, 0], source="manual", acks={}))
+        with pytest.raises(IntegrityError):
+            s.commit()
