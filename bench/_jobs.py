@@ -36,7 +36,6 @@ class JobSpec:
     fixed_ms: float = 2.0
     slowdown: str | None = None  # RANK:STEP:FACTOR
     drift: str | None = None  # RANK:START_STEP:PCT_PER_STEP
-    device_names: Sequence[str] | None = None
 
     @property
     def a_ms(self) -> list[float]:
@@ -79,8 +78,6 @@ def _worker_args(spec: JobSpec, backend: Backend, result: Path) -> list[str]:
         args += ["--slowdown", spec.slowdown]
     if spec.drift:
         args += ["--drift", spec.drift]
-    if spec.device_names:
-        args += ["--device-names", ",".join(spec.device_names)]
     return args
 
 

@@ -281,7 +281,10 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
     await asyncio.sleep(3 * FLUSH_S)  # senders stop; let the last frames land
     for t in tasks:
         t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    crashed = [o for o in outcomes if isinstance(o, Exception)]
+    if crashed:
+        load.errors.append(f"{len(crashed)} hook connections ended with an error, e.g. {crashed[0]!r}")
     await asyncio.sleep(1.0)
     c2 = _ingest_counters(backend)
     dash.cancel()

@@ -1,0 +1,181 @@
+"""Run every benchmark and write ``bench/results/summary.json`` and ``summary.md``.
+
+    python -m bench.run_all            # full: about 15 minutes on 2 cores
+    python -m bench.run_all --quick    # smaller: under 3 minutes
+    python -m bench.run_all --only balance,capacity
+
+One benchmark failing does not stop the others: its entry in the summary says what broke.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench._backend import REPO_ROOT
+from bench._report import RESULTS_DIR, machine, markdown_table
+
+__all__ = ["BENCHMARKS", "run_all", "summary_markdown", "main"]
+
+BENCHMARKS = ("balance", "reaction", "hook_overhead", "capacity", "policy")
+
+
+def _balance(quick: bool, out: Path) -> dict[str, Any]:
+    from bench import balance
+
+    if quick:
+        return balance.run_balance({"1,1,0.5,0.25": balance.SCENARIOS["1,1,0.5,0.25"]}, steps=80, out_dir=out)
+    return balance.run_balance(steps=150, out_dir=out)
+
+
+def _reaction(quick: bool, out: Path) -> dict[str, Any]:
+    from bench import reaction
+
+    if quick:
+        return reaction.run_reaction(steps=110, event=50, strategies=("profiled", "predictive"),
+                                     out_dir=out)
+    return reaction.run_reaction(out_dir=out)
+
+
+def _capacity(quick: bool, out: Path) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from bench import capacity
+    from bench._plots import plot_capacity
+
+    if quick:
+        res = capacity.run_capacity([8, 256], seconds=5, warmup=2, out_dir=out)
+    else:
+        res = capacity.run_capacity([8, 64, 256, 1024], seconds=15, warmup=3, out_dir=out)
+    plot_capacity(res, out / "capacity.png")
+    return {"results": [asdict(r) for r in res]}
+
+
+def _external(module: str, quick: bool, out: Path) -> dict[str, Any]:
+    """A benchmark another module owns: run it as a subprocess, keep its table and JSON."""
+    cmd = [sys.executable, "-m", f"bench.{module}"] + (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    print(proc.stdout, end="", flush=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[1:])} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    path = out / f"{module}.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    return {"stdout": proc.stdout, **data}
+
+
+RUNNERS: dict[str, Callable[[bool, Path], dict[str, Any]]] = {
+    "balance": _balance,
+    "reaction": _reaction,
+    "capacity": _capacity,
+    "hook_overhead": lambda quick, out: _external("hook_overhead", quick, out),
+    "policy": lambda quick, out: _external("policy", quick, out),
+}
+
+
+def run_all(names: tuple[str, ...] = BENCHMARKS, *, quick: bool = False, out: Path = RESULTS_DIR) -> dict[str, Any]:
+    """Run ``names`` in order; return and write the summary."""
+    summary: dict[str, Any] = {"quick": quick, "machine": machine(),
+                               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "benchmarks": {}}
+    for name in names:
+        print(f"\n=== {name} ===", flush=True)
+        t0 = time.monotonic()
+        try:
+            data = RUNNERS[name](quick, out)
+            entry = {"ok": True, "seconds": round(time.monotonic() - t0, 1), "result": data}
+        except Exception as exc:  # noqa: BLE001 - report it and run the next benchmark
+            traceback.print_exc()
+            entry = {"ok": False, "seconds": round(time.monotonic() - t0, 1),
+                     "error": f"{type(exc).__name__}: {exc}"[:4000]}
+        summary["benchmarks"][name] = entry
+        print(f"--- {name}: {'ok' if entry['ok'] else 'FAILED'} in {entry['seconds']} s", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(_compact(summary), indent=2) + "\n")
+    md = summary_markdown(summary)
+    (out / "summary.md").write_text(md)
+    print("\n" + md, flush=True)
+    return summary
+
+
+def _compact(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary without per-step series (those live in each benchmark's own JSON)."""
+    out = json.loads(json.dumps(summary))
+    for entry in out["benchmarks"].values():
+        res = entry.get("result") or {}
+        for key in ("step_ms", "series", "stdout"):
+            res.pop(key, None)
+    return out
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    """Headline tables in markdown, from a run_all summary."""
+    parts = [f"# Benchmark summary ({'quick' if summary.get('quick') else 'full'} run, "
+             f"{summary.get('started', '')})", ""]
+    m = summary.get("machine", {})
+    parts += [f"Machine: {m.get('cpus')} CPU cores, {m.get('memory_gib')} GiB, Python {m.get('python')}, "
+              f"load average at start {m.get('load_avg_1m')}.", ""]
+    b = summary["benchmarks"]
+    for name, entry in b.items():
+        if not entry.get("ok"):
+            parts += [f"## {name}: FAILED", "", "```", entry.get("error", "")[:1500], "```", ""]
+            continue
+        res = entry["result"]
+        if name == "balance":
+            parts += ["## Balance efficiency (oracle step time / achieved; target >= 0.95)", ""]
+            scen = list(dict.fromkeys(r["scenario"] for r in res["rows"]))
+            strat = list(dict.fromkeys(r["strategy"] for r in res["rows"]))
+            cell = {(r["scenario"], r["strategy"]): r for r in res["rows"]}
+            rows = [[f"speeds {s}"] + [_eff(cell.get((s, st))) for st in strat] for s in scen]
+            parts += [markdown_table(["scenario", *strat], rows), "",
+                      "Cells: efficiency (steady step ms; steps until within 5% of the oracle).", ""]
+        elif name == "reaction":
+            parts += ["## Reaction (steps until within 10% of the moving oracle; excess time paid)", ""]
+            parts += [markdown_table(
+                ["event", "strategy", "steps to 10%", "excess ms", "excess ms/step"],
+                [[r["event"], r["strategy"], r["steps_to_within_10pct"], r["excess_ms"], r["excess_ms_per_step"]]
+                 for r in res["rows"]]), ""]
+        elif name == "capacity":
+            parts += ["## Backend capacity (simulated hooks at 10 steps/s per rank)", ""]
+            parts += [markdown_table(
+                ["ranks", "msg/s", "rank-steps/s", "lost", "backend CPU %", "generator CPU %",
+                 "dashboard p50 ms", "dashboard p99 ms"],
+                [[r["ranks"], r["sent_messages_per_s"], r["sent_rank_steps_per_s"], r["records_lost"],
+                  r["backend_cpu_pct"], r["generator_cpu_pct"], r["latency_p50_ms"], r["latency_p99_ms"]]
+                 for r in res["results"]]), ""]
+        else:
+            text = entry["result"].get("stdout", "").strip() if isinstance(entry.get("result"), dict) else ""
+            parts += [f"## {name}", "", "```", text[-3000:], "```", ""]
+    return "\n".join(parts) + "\n"
+
+
+def _eff(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "-"
+    steps = r.get("steps_to_within_5pct")
+    return f"{r['efficiency']:.2f} ({r['steady_ms']:.0f} ms; {'-' if steps is None else steps})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Run all Rebalancer benchmarks.")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes: under 3 minutes")
+    ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args(argv)
+    names = tuple(args.only.split(",")) if args.only else BENCHMARKS
+    bad = [n for n in names if n not in RUNNERS]
+    if bad:
+        ap.error(f"unknown benchmark(s) {bad}; expected some of {list(BENCHMARKS)}")
+    t0 = time.monotonic()
+    summary = run_all(names, quick=args.quick, out=args.out)
+    print(f"All benchmarks done in {time.monotonic() - t0:.0f} s.")
+    return 0 if all(e["ok"] for e in summary["benchmarks"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

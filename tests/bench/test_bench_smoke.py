@@ -1,0 +1,91 @@
+"""The benchmarks run in tiny mode and write what they promise. No timing is asserted:
+these are smoke tests of the benchmark code, run against the real backend and job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench._analysis import excess_ms, rolling_median, steady_ms, steps_until_within
+from bench._report import markdown_table, table_lines
+from bench.reaction import cost_at
+from bench.run_all import summary_markdown
+
+
+def test_steady_ms_is_the_median_of_the_tail() -> None:
+    times = [100.0] * 70 + [50.0] * 29 + [900.0]  # one scheduling spike at the end
+    assert steady_ms(times) == 50.0
+    with pytest.raises(ValueError, match="at least one step time"):
+        steady_ms([])
+
+
+def test_steps_until_within_ignores_one_spike_but_not_a_bad_split() -> None:
+    times = [100.0] * 20 + [50.0] * 40
+    assert steps_until_within(times, 50.0, 0.05, window=5) == 18  # first all-good median
+    spiky = list(times)
+    spiky[40] = 500.0
+    assert steps_until_within(spiky, 50.0, 0.05, window=5) == 18
+    assert steps_until_within([100.0] * 30, 50.0, 0.05) is None
+    assert steps_until_within(times, lambda k: 50.0, 0.05, start=30, window=5) == 0
+    assert rolling_median([1.0, 3.0, 2.0, 5.0], 3) == [2.0, 3.0]
+
+
+def test_excess_counts_only_time_above_the_reference() -> None:
+    assert excess_ms([10.0, 12.0, 8.0, 15.0], 10.0) == 7.0
+    assert excess_ms([10.0, 12.0, 8.0, 15.0], lambda k: 10.0 + k, start=1) == 1.0 + 2.0
+
+
+def test_reaction_costs_follow_the_demo_worker() -> None:
+    from argparse import Namespace
+
+    from bench._jobs import JobSpec
+    from trainer_hook.demo_worker import delay_ms
+
+    spec = JobSpec(job="x", speeds=(1.0, 0.5), steps=10, per_sample_ms=2.0, fixed_ms=1.0,
+                   slowdown="1:4:2", drift="0:2:10")
+    args = Namespace(speeds=[1.0, 0.5], fixed_ms=1.0, per_sample_ms=2.0,
+                     slowdown=[(1, 4, 2.0)], drift=[(0, 2, 10.0)])
+    for step in (0, 3, 4, 9):
+        a, c = cost_at(spec, step)
+        for rank in (0, 1):
+            assert a[rank] + c[rank] * 8 == pytest.approx(delay_ms(args, rank, step, 8))
+
+
+def test_tables_render() -> None:
+    lines = table_lines(["a", "bb"], [[1, 2.345], [None, "x"]])
+    assert lines[0].split() == ["a", "bb"] and lines[3].split() == ["-", "x"]
+    assert markdown_table(["a"], [[0.5]]).splitlines()[2] == "| 0.5 |"
+    md = summary_markdown({"quick": True, "machine": {"cpus": 2}, "started": "now", "benchmarks": {
+        "policy": {"ok": False, "seconds": 1.0, "error": "boom"},
+        "balance": {"ok": True, "seconds": 1.0, "result": {"rows": [
+            {"scenario": "1,1", "strategy": "uniform", "efficiency": 0.5, "steady_ms": 80.0,
+             "steps_to_within_5pct": None}]}},
+    }})
+    assert "## policy: FAILED" in md and "0.50 (80 ms; -)" in md
+
+
+@pytest.mark.timeout(60)
+def test_capacity_tiny_loses_nothing(tmp_path: Path) -> None:
+    from bench.capacity import run_capacity
+
+    [res] = run_capacity([3], seconds=1.0, warmup=0.5, out_dir=tmp_path)
+    assert res.errors == []
+    assert res.records_sent > 0
+    assert res.records_lost == 0, res
+    assert res.latency_samples > 0 and res.dashboard_frames > 0
+    data = json.loads((tmp_path / "capacity.json").read_text())
+    assert data["results"][0]["ranks"] == 3 and "machine" in data
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_balance_tiny_runs_a_real_job_under_the_oracle_split(tmp_path: Path) -> None:
+    from bench.balance import run_balance
+
+    out = run_balance({"1,0.5": (1.0, 0.5)}, steps=40, strategies=("oracle",), out_dir=tmp_path)
+    [row] = out["rows"]
+    assert row["final_shares"] == [43, 21]  # solve([2, 2], [2, 4], 64): the oracle reached the job
+    assert len(out["step_ms"]["1,0.5"]["oracle"]) == 40
+    assert (tmp_path / "balance.png").stat().st_size > 0
