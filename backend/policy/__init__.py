@@ -1,1 +1,80 @@
-"""The rebalancing policy: pure functions from observations to proposals."""
+"""The rebalancing policy: pure functions from observations to proposals.
+
+No I/O, no torch, no FastAPI. The controller calls :func:`decide`; overrides are checked
+with :func:`solve` / :func:`check_placement`; benchmarks and tests drive
+:class:`JobSimulator`.
+"""
+
+from .devices import (
+    DEVICE_TABLE,
+    THROTTLE_REASONS,
+    WORKLOAD_PROFILES,
+    DeviceSpec,
+    device_weights,
+    normalize_device,
+)
+from .engine import decide, limit_moves, memory_caps, with_caps
+from .simulator import SCENARIOS, JobSimulator, SimRank, SimResult
+from .solver import NO_CONSTRAINTS, check_placement, predicted_step_ms, rank_bounds, solve
+from .strategies import (
+    Estimate,
+    Strategy,
+    available_strategies,
+    get_strategy,
+    register_strategy,
+    static_shares,
+)
+from .types import (
+    Constraints,
+    Decision,
+    DeviceSignals,
+    Explanation,
+    InfeasibleError,
+    JobObservation,
+    NoProposal,
+    PolicyConfig,
+    Proposal,
+    RankExplanation,
+    RankObservation,
+    StepSample,
+)
+
+__all__ = [
+    "DEVICE_TABLE",
+    "NO_CONSTRAINTS",
+    "SCENARIOS",
+    "THROTTLE_REASONS",
+    "WORKLOAD_PROFILES",
+    "Constraints",
+    "Decision",
+    "DeviceSignals",
+    "DeviceSpec",
+    "Estimate",
+    "Explanation",
+    "InfeasibleError",
+    "JobObservation",
+    "JobSimulator",
+    "NoProposal",
+    "PolicyConfig",
+    "Proposal",
+    "RankExplanation",
+    "RankObservation",
+    "SimRank",
+    "SimResult",
+    "StepSample",
+    "Strategy",
+    "available_strategies",
+    "check_placement",
+    "decide",
+    "device_weights",
+    "get_strategy",
+    "limit_moves",
+    "memory_caps",
+    "normalize_device",
+    "predicted_step_ms",
+    "rank_bounds",
+    "register_strategy",
+    "solve",
+    "static_shares",
+    "with_caps",
+]

@@ -128,7 +128,9 @@ class Proposal:
 
 @dataclass(frozen=True, slots=True)
 class NoProposal:
-    status: Literal["warming_up", "balanced", "cooldown", "insufficient_gain", "no_data"]
+    status: Literal[
+        "warming_up", "balanced", "cooldown", "insufficient_gain", "no_data", "infeasible"
+    ]
     detail: str  # e.g. "warming up: 7 more steps needed on rank 2"
     steps_remaining: int = 0
     explanation: Explanation | None = None

@@ -1,0 +1,269 @@
+"""``decide``: readiness, cooldown, hysteresis, guardrails and the explanation."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from .devices import DEVICE_TABLE, normalize_device
+from .solver import NO_CONSTRAINTS, check_placement, predicted_step_ms, rank_bounds, solve
+from .strategies import Estimate, get_strategy, static_strategy
+from .types import (
+    Constraints,
+    Decision,
+    Explanation,
+    InfeasibleError,
+    JobObservation,
+    NoProposal,
+    PolicyConfig,
+    Proposal,
+    RankExplanation,
+)
+
+__all__ = ["decide", "memory_caps", "limit_moves", "with_caps"]
+
+log = logging.getLogger(__name__)
+
+
+def memory_caps(obs: JobObservation, headroom: float = 0.9) -> dict[int, int]:
+    """Most samples each rank can hold: ``(headroom * memory - fixed) / bytes per sample``.
+
+    Device memory comes from the rank, its latest device reading, or the device table.
+    Ranks without a measured ``mem_bytes_per_sample`` get no cap.
+    """
+    if not 0 < headroom <= 1:
+        raise ValueError(f"headroom must be in (0, 1], got {headroom!r}.")
+    caps: dict[int, int] = {}
+    for i, r in enumerate(obs.ranks):
+        per = r.mem_bytes_per_sample
+        if per is None or not math.isfinite(per) or per <= 0:
+            continue
+        total = r.mem_total_bytes
+        if total is None and r.device:
+            total = r.device[-1].mem_total_bytes
+        if total is None:
+            key = normalize_device(r.device_type)
+            total = DEVICE_TABLE[key].mem_bytes if key else None
+        if total is None:
+            continue
+        room = headroom * total - (r.mem_fixed_bytes or 0.0)
+        caps[i] = max(0, int(room // per))
+    return caps
+
+
+def with_caps(constraints: Constraints, caps: dict[int, int]) -> Constraints:
+    """``constraints`` with each rank's cap lowered to ``caps[rank]`` where that is tighter."""
+    merged = dict(constraints.caps)
+    for rank, cap in caps.items():
+        merged[rank] = min(cap, merged.get(rank, cap))
+    return Constraints(pins=constraints.pins, caps=merged, floors=constraints.floors,
+                       drains=constraints.drains, granularity=constraints.granularity)
+
+
+def limit_moves(current: Sequence[int], target: Sequence[int], max_move: int,
+                constraints: Constraints = NO_CONSTRAINTS) -> tuple[int, ...]:
+    """Move each rank at most ``max_move`` samples from ``current`` towards ``target``.
+
+    Keeps ``sum == B`` and the constraints. Ranks wanting the largest change move first.
+    A constraint beats the guardrail: a rank outside its bounds (say, newly drained) goes
+    to its nearest bound whatever the distance, and if the others cannot absorb that within
+    ``max_move``, ``target`` is returned unchanged.
+    """
+    if len(current) != len(target):
+        raise ValueError(
+            f"current and target must have one share per rank, got {len(current)} and "
+            f"{len(target)}."
+        )
+    if not isinstance(max_move, int) or max_move < 0:
+        raise ValueError(f"max_move must be an integer >= 0, got {max_move!r}.")
+    total = sum(target)
+    if sum(current) != total:
+        raise ValueError(f"current sums to {sum(current)} but target sums to {total}.")
+    bounds = rank_bounds(len(target), total, constraints)
+    g = bounds.granularity
+    step = g
+    if g > 1 and any((c - t) % g for c, t in zip(current, target, strict=True)):
+        return tuple(target)  # the remainder rank changes: no move in whole units exists
+    m = max_move // step * step
+    lo_w, hi_w, out = [], [], []
+    for i, (cur, tgt) in enumerate(zip(current, target, strict=True)):
+        lo, hi = bounds.lo[i], bounds.hi[i]
+        if i in bounds.fixed:
+            lo_w.append(lo)
+            hi_w.append(hi)
+            out.append(lo)
+            continue
+        w_lo = min(max(cur - m, lo), hi)
+        w_hi = max(min(cur + m, hi), lo)
+        lo_w.append(w_lo)
+        hi_w.append(w_hi)
+        out.append(min(max(tgt, w_lo), w_hi))
+    diff = total - sum(out)
+    order = sorted(range(len(out)), key=lambda i: (-abs(target[i] - out[i]), i))
+    direction = 1 if diff > 0 else -1
+    # First ranks that want to move that way, then any rank with room.
+    for wanting in (True, False):
+        for i in order:
+            if diff == 0:
+                break
+            if i in bounds.fixed:
+                continue
+            if wanting and (target[i] - out[i]) * direction <= 0:
+                continue
+            room = (hi_w[i] - out[i]) if direction > 0 else (out[i] - lo_w[i])
+            take = min(room, abs(diff)) // step * step
+            out[i] += direction * take
+            diff -= direction * take
+    if diff != 0 or check_placement(out, total, constraints) is not None:
+        return tuple(target)
+    return tuple(out)
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    if len(runs) > 3:
+        return f"{len(ranks)} ranks"
+    parts = [f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in runs]
+    return "ranks " + ", ".join(parts)
+
+
+def _ms(x: float, units: str) -> str:
+    return f"{x:.0f} ms" if units == "ms" else f"{x:.3g} units"
+
+
+def _reason(est: Estimate, current: Sequence[int], target: Sequence[int], before: float,
+            after: float, gain: float, strategy: str, violation: str | None) -> str:
+    delta = [t - c for c, t in zip(current, target, strict=True)]
+    donors = [i for i, d in enumerate(delta) if d < 0]
+    takers = [i for i, d in enumerate(delta) if d > 0]
+    moved = sum(d for d in delta if d > 0)
+    times = [a + c * b for a, c, b in zip(est.a_ms, est.c_ms, current, strict=True)]
+    working = [i for i, b in enumerate(current) if b > 0] or list(range(len(current)))
+    slowest = max(working, key=lambda i: (times[i], -i))
+    med_c = float(np.median([est.c_ms[i] for i in working]))
+    ratio = est.c_ms[slowest] / med_c if med_c > 0 else 1.0
+    if violation:
+        lead = f"the placement in force breaks a constraint ({violation})"
+    elif strategy == "static" and est.units == "relative":
+        lead = "device power differs across ranks"
+    elif ratio >= 1.05:
+        forecast = any(isinstance(f, dict) and f.get("rank") == slowest and "c_forecast" in f
+                       for f in est.evidence.get("forecasts", ()) or ())  # type: ignore[union-attr]
+        verb = "is forecast to be" if forecast else "is"
+        lead = f"rank {slowest} {verb} {ratio:.1f}x slower per sample than the median"
+    else:
+        lead = f"rank {slowest} has the longest predicted compute ({_ms(times[slowest], est.units)})"
+    src = f" from {_ranks_text(donors)}" if donors and len(donors) <= 3 else ""
+    dst = _ranks_text(takers) if takers else "no rank"
+    if est.units == "ms":
+        effect = (f"cuts the predicted step from {before:.0f} ms to {after:.0f} ms "
+                  f"({gain:.0%})")
+    else:
+        effect = f"cuts the predicted step by {gain:.0%}"
+    return f"{lead}; moving {moved} samples{src} to {dst} {effect}"
+
+
+def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Sequence[int],
+             evidence_extra: dict[str, object]) -> Explanation:
+    before = predicted_step_ms(est.a_ms, est.c_ms, current)
+    after = predicted_step_ms(est.a_ms, est.c_ms, target)
+    gain = (before - after) / before if before > 0 else 0.0
+    ranks = tuple(
+        RankExplanation(
+            rank=i, share_before=current[i], share_after=target[i],
+            compute_ms_before=est.a_ms[i] + est.c_ms[i] * current[i],
+            compute_ms_after=est.a_ms[i] + est.c_ms[i] * target[i],
+            a_ms=est.a_ms[i], c_ms=est.c_ms[i],
+            fit_r2=est.fit_r2[i] if est.fit_r2 else None,
+            n_steps=est.n_steps[i] if est.n_steps else 0,
+        )
+        for i in range(len(current))
+    )
+    evidence = {"units": est.units, **est.evidence, **evidence_extra}
+    return Explanation(strategy, before, after, gain, ranks, evidence)
+
+
+def decide(obs: JobObservation, config: PolicyConfig,
+           constraints: Constraints = NO_CONSTRAINTS) -> Decision:
+    """Propose a better placement for the job, or say why not.
+
+    Pure: the same observation, config and constraints give the same decision. Memory caps
+    derived from the observation (:func:`memory_caps`) are added to ``constraints``.
+
+    >>> d = decide(obs, PolicyConfig(strategy="profiled"))   # doctest: +SKIP
+    >>> d.reason if isinstance(d, Proposal) else d.detail    # doctest: +SKIP
+    'rank 3 is 2.0x slower per sample than the median; moving 24 samples ...'
+    """
+    n, b_total = obs.world_size, obs.global_batch_size
+    if len(obs.ranks) != n or len(obs.shares) != n:
+        raise ValueError(
+            f"observation of job {obs.job!r} has world_size {n} but {len(obs.ranks)} ranks "
+            f"and {len(obs.shares)} shares; send one of each per rank."
+        )
+    if sum(obs.shares) != b_total:
+        raise ValueError(
+            f"observation of job {obs.job!r}: shares sum to {sum(obs.shares)}, not the "
+            f"global batch {b_total}."
+        )
+    strategy = get_strategy(config.strategy)
+    eff = with_caps(constraints, memory_caps(obs))
+    try:
+        rank_bounds(n, b_total, eff)
+    except InfeasibleError as exc:
+        return NoProposal("infeasible", str(exc))
+    violation = check_placement(obs.shares, b_total, eff)
+
+    if violation is None and obs.placement_version > 0 and \
+            obs.steps_since_change < config.cooldown_steps:
+        left = config.cooldown_steps - obs.steps_since_change
+        return NoProposal("cooldown",
+                          f"cooldown: {left} more steps after placement v{obs.placement_version}",
+                          steps_remaining=left)
+    est = strategy(obs, config, eff)
+    if isinstance(est, NoProposal):
+        if violation is None:
+            return est
+        # Constraints must hold now: fall back to device weights until measurements exist.
+        est = static_strategy(obs, config, eff)
+    strategy_name = config.strategy
+    try:
+        target = solve(est.a_ms, est.c_ms, b_total, eff)
+    except InfeasibleError as exc:
+        return NoProposal("infeasible", str(exc))
+    extra: dict[str, object] = {}
+    if config.max_move_fraction is not None and violation is None:
+        max_move = max(eff.granularity, int(config.max_move_fraction * b_total))
+        limited = limit_moves(obs.shares, target, max_move, eff)
+        if limited != target:
+            extra["limited_by_max_move"] = max_move
+            target = limited
+    expl = _explain(est, strategy_name, obs.shares, target, extra)
+    if target == tuple(obs.shares):
+        return NoProposal("balanced", f"balanced: the {strategy_name} split equals the "
+                          "placement in force", explanation=expl)
+    working = [i for i in range(n) if obs.shares[i] > 0 or target[i] > 0]
+    noise = 2.0 * max((est.rel_error[i] for i in working), default=0.0) if est.rel_error else 0.0
+    threshold = config.min_gain + noise
+    if violation is None and expl.gain < threshold:
+        margin = f" (+{noise:.1%} for measurement noise)" if noise >= 0.0005 else ""
+        return NoProposal(
+            "insufficient_gain",
+            f"predicted gain {expl.gain:.1%} is below the {config.min_gain:.0%} "
+            f"threshold{margin}",
+            explanation=expl,
+        )
+    reason = _reason(est, obs.shares, target, expl.step_ms_before, expl.step_ms_after,
+                     expl.gain, strategy_name, violation)
+    log.debug("job %s: proposing %s (%s)", obs.job, target, reason)
+    return Proposal(shares=target, reason=reason, explanation=expl)

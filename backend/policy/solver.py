@@ -1,0 +1,349 @@
+"""Exact integer min-max split of the global batch (DESIGN.md, "The policy's math").
+
+Minimise ``max_i a_i + c_i * b_i`` subject to ``sum b_i = B``, per-rank bounds and a
+granularity. The answer is the water-filling one: shares start at their lower bounds and
+the remaining units go, one at a time, to the rank whose time after taking it is lowest
+(ties: the rank with fewer units taken, then the lower rank). That greedy is exact for
+min-max with increasing costs; a binary search on the step time T finds the level where
+it stops, so only the last few units are placed one by one: O(N log) with numpy.
+
+Granularity g: every share that is not pinned or drained is a multiple of g. When the
+samples left after pins are not a multiple of g, the remainder r = R mod g goes to exactly
+one rank (its share is r plus a multiple of g): the rank that gives the lowest optimum.
+All ranks are tried when there are at most 64 free ranks (exact); above that, the 8 most
+promising ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .types import Constraints, InfeasibleError
+
+__all__ = ["NO_CONSTRAINTS", "solve", "predicted_step_ms", "rank_bounds", "Bounds", "check_placement"]
+
+NO_CONSTRAINTS = Constraints()
+_EXACT_REMAINDER_RANKS = 64
+_REMAINDER_CANDIDATES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """Per-rank share bounds derived from constraints (granularity applied to free ranks)."""
+
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    fixed: frozenset[int]  # pinned or drained ranks: lo == hi, exempt from granularity
+    granularity: int
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def rank_bounds(world_size: int, global_batch_size: int, constraints: Constraints) -> Bounds:
+    """Check constraints against each other and turn them into per-rank bounds.
+
+    Raises ``ValueError`` for malformed constraints (rank out of range, negative values)
+    and :class:`InfeasibleError` naming the constraint that breaks.
+    """
+    n, b_total, g = world_size, global_batch_size, constraints.granularity
+    if not isinstance(g, int) or g < 1:
+        raise ValueError(f"granularity must be an integer >= 1, got {g!r}.")
+    for label, mapping in (("pin", constraints.pins), ("cap", constraints.caps),
+                           ("floor", constraints.floors)):
+        for rank, value in mapping.items():
+            if not isinstance(rank, int) or not 0 <= rank < n:
+                raise ValueError(
+                    f"{label} for rank {rank!r}, but the job has {n} ranks (0-{n - 1})."
+                )
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"{label} for rank {rank} must be an integer >= 0, got {value!r}."
+                )
+    for rank in constraints.drains:
+        if not isinstance(rank, int) or not 0 <= rank < n:
+            raise ValueError(f"drain of rank {rank!r}, but the job has {n} ranks (0-{n - 1}).")
+
+    lo = [0] * n
+    hi = [b_total] * n
+    fixed: set[int] = set()
+    for rank in range(n):
+        pin = constraints.pins.get(rank)
+        cap = constraints.caps.get(rank)
+        floor = constraints.floors.get(rank, 0)
+        if rank in constraints.drains:
+            if pin not in (None, 0):
+                raise InfeasibleError(f"rank {rank} is both drained and pinned to {pin}.")
+            if floor > 0:
+                raise InfeasibleError(f"rank {rank} is drained but has a floor of {floor}.")
+            lo[rank] = hi[rank] = 0
+            fixed.add(rank)
+            continue
+        if pin is not None:
+            if cap is not None and pin > cap:
+                raise InfeasibleError(f"rank {rank} is pinned to {pin} above its cap of {cap}.")
+            if pin < floor:
+                raise InfeasibleError(f"rank {rank} is pinned to {pin} below its floor of {floor}.")
+            if pin > b_total:
+                raise InfeasibleError(
+                    f"rank {rank} is pinned to {pin}, more than the global batch {b_total}."
+                )
+            lo[rank] = hi[rank] = pin
+            fixed.add(rank)
+            continue
+        if cap is not None and floor > cap:
+            raise InfeasibleError(f"rank {rank} has a floor of {floor} above its cap of {cap}.")
+        lo[rank] = floor
+        hi[rank] = min(b_total, cap) if cap is not None else b_total
+
+    pinned_total = sum(lo[r] for r in fixed)
+    if pinned_total > b_total:
+        raise InfeasibleError(f"pins sum to {pinned_total} > global batch {b_total}.")
+    remaining = b_total - pinned_total
+    free = [r for r in range(n) if r not in fixed]
+    if not free:
+        if remaining:
+            raise InfeasibleError(
+                f"pins and drains leave 0 free ranks but {remaining} samples remain."
+            )
+        return Bounds(tuple(lo), tuple(hi), frozenset(fixed), g)
+    if g > 1:
+        rem = remaining % g
+        for r in free:
+            lo_g = -(-lo[r] // g) * g
+            hi_g = hi[r] // g * g
+            # The remainder rank may hold r + k*g, so a rank whose window has no multiple
+            # of g is only a problem when it cannot hold the remainder either.
+            if lo_g > hi_g and not (rem and _has_residue(lo[r], hi[r], g, rem)):
+                raise InfeasibleError(
+                    f"rank {r}: floor {lo[r]} and cap {hi[r]} admit no multiple of "
+                    f"granularity {g}."
+                )
+    hi_sum = sum(hi[r] for r in free)
+    if hi_sum < remaining:
+        what = "caps" if constraints.caps else "bounds"
+        left = "global batch" if not fixed else "samples left after pins and drains"
+        raise InfeasibleError(
+            f"{what} sum to {hi_sum} < {left} {remaining} on ranks {_ranks_text(free)}."
+        )
+    lo_sum = sum(lo[r] for r in free)
+    if lo_sum > remaining:
+        left = "global batch" if not fixed else "samples left after pins and drains"
+        raise InfeasibleError(f"floors sum to {lo_sum} > {left} {remaining}.")
+    return Bounds(tuple(lo), tuple(hi), frozenset(fixed), g)
+
+
+def _has_residue(lo: int, hi: int, g: int, rem: int) -> bool:
+    first = lo + (rem - lo) % g
+    return first <= hi
+
+
+def _check_costs(a_ms: Sequence[float], c_ms: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    if len(a_ms) != len(c_ms):
+        raise ValueError(
+            f"a_ms and c_ms must have one value per rank, got {len(a_ms)} and {len(c_ms)}."
+        )
+    a = np.asarray(a_ms, dtype=float)
+    c = np.asarray(c_ms, dtype=float)
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(c))):
+        raise ValueError("a_ms and c_ms must be finite numbers; got NaN or infinity.")
+    if np.any(c < 0):
+        bad = int(np.flatnonzero(c < 0)[0])
+        raise ValueError(
+            f"per-sample cost c_ms must be >= 0, got {c[bad]} for rank {bad}; "
+            "a negative cost usually means a bad fit."
+        )
+    return a, c
+
+
+def _water_fill(a: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                units: int) -> np.ndarray:
+    """Greedy min-max in units: ``lo <= k <= hi``, ``sum k == units``; cost a + c*k."""
+    need = units - int(lo.sum())
+    if need <= 0:
+        return lo.copy()
+    # A zero per-sample cost would make every unit of a rank tie; a tiny slope keeps the
+    # order well defined (round-robin between such ranks) without changing real optima.
+    c = np.where(c > 0, c, np.maximum(np.abs(a), 1.0) * 1e-12)
+
+    def count(t: float) -> tuple[np.ndarray, int]:
+        k = np.floor((t - a) / c)
+        k = np.clip(k, lo, hi)
+        return k, int((k - lo).sum())
+
+    # The continuous relaxation gives a good first bracket.
+    t_lo = float(np.min(a + c * (lo + 1)) - 1.0)
+    t_hi = float(np.max(np.where(hi > lo, a + c * hi, -np.inf)))
+    guess = (units + float((a / c).sum())) / float((1.0 / c).sum())
+    if t_lo < guess < t_hi:
+        if count(guess)[1] >= need:
+            t_hi = guess
+        else:
+            t_lo = guess
+    for _ in range(200):
+        mid = 0.5 * (t_lo + t_hi)
+        if not t_lo < mid < t_hi:
+            break
+        got = count(mid)[1]
+        if got == need:
+            return count(mid)[0].astype(np.int64)
+        if got > need:
+            t_hi = mid
+        else:
+            t_lo = mid
+    base, got = count(t_lo)
+    base = base.astype(np.int64)
+    top = count(t_hi)[0].astype(np.int64)
+    missing = need - got
+    extra = np.minimum(top - base, missing)
+    idx = np.flatnonzero(extra > 0)
+    if idx.size == 0:
+        return base
+    e = extra[idx]
+    ranks = np.repeat(idx, e)
+    k_next = np.repeat(base[idx] + 1, e) + np.arange(ranks.size) - np.repeat(np.cumsum(e) - e, e)
+    values = a[ranks] + c[ranks] * k_next
+    order = np.lexsort((ranks, k_next - lo[ranks], values))[:missing]
+    np.add.at(base, ranks[order], 1)
+    return base
+
+
+def _solve_free(a: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.ndarray, g: int,
+                total: int, rem_rank: int | None, rem: int) -> np.ndarray | None:
+    """Shares of the free ranks in samples; ``None`` when ``rem_rank`` cannot take ``rem``."""
+    off = np.zeros(a.size, dtype=np.int64)
+    if rem_rank is not None:
+        off[rem_rank] = rem
+    lo_u = -(-(lo - off) // g)
+    lo_u = np.maximum(lo_u, 0)
+    hi_u = (hi - off) // g
+    if np.any(hi_u < lo_u):
+        return None
+    units = (total - rem) // g
+    if lo_u.sum() > units or hi_u.sum() < units:
+        return None
+    k = _water_fill(a + c * off, c * g, lo_u.astype(float), hi_u.astype(float), units)
+    return off + k * g
+
+
+def solve(
+    a_ms: Sequence[float],
+    c_ms: Sequence[float],
+    global_batch_size: int,
+    constraints: Constraints = NO_CONSTRAINTS,
+) -> tuple[int, ...]:
+    """Shares minimising the predicted step time ``max_i a_ms[i] + c_ms[i] * shares[i]``.
+
+    Deterministic; see the module docstring for ties and granularity. Raises
+    :class:`InfeasibleError` (a ``ValueError``) naming the constraint that breaks.
+
+    >>> solve([0, 0], [1.0, 2.0], 12)
+    (8, 4)
+    """
+    a, c = _check_costs(a_ms, c_ms)
+    if not isinstance(global_batch_size, int) or global_batch_size < 0:
+        raise ValueError(f"global_batch_size must be an integer >= 0, got {global_batch_size!r}.")
+    n = a.size
+    if n == 0:
+        raise ValueError("the job has no ranks; a_ms and c_ms are empty.")
+    bounds = rank_bounds(n, global_batch_size, constraints)
+    shares = np.array(bounds.lo, dtype=np.int64)
+    free = np.array([r for r in range(n) if r not in bounds.fixed], dtype=np.int64)
+    if free.size == 0:
+        return tuple(int(s) for s in shares)
+    total = global_batch_size - int(sum(bounds.lo[r] for r in bounds.fixed))
+    g = bounds.granularity
+    lo = np.array(bounds.lo, dtype=np.int64)[free]
+    hi = np.array(bounds.hi, dtype=np.int64)[free]
+    af, cf = a[free], c[free]
+    rem = total % g
+    if rem == 0:
+        best = _solve_free(af, cf, lo, hi, g, total, None, 0)
+        if best is None:
+            raise InfeasibleError(
+                f"bounds on ranks {_ranks_text(free.tolist())} admit no split of {total} "
+                f"samples into multiples of granularity {g}."
+            )
+    else:
+        best = _best_remainder_split(af, cf, lo, hi, g, total, rem)
+        if best is None:
+            raise InfeasibleError(
+                f"{total} samples left after pins are not a multiple of granularity {g}, and "
+                f"no free rank can take the remainder {rem} within its bounds."
+            )
+    shares[free] = best
+    return tuple(int(s) for s in shares)
+
+
+def _best_remainder_split(a: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                          g: int, total: int, rem: int) -> np.ndarray | None:
+    n = a.size
+    if n <= _EXACT_REMAINDER_RANKS:
+        candidates = list(range(n))
+    else:
+        # Rank by the time after adding the remainder on top of the g-multiple split.
+        base = _solve_free(a, c, lo, hi, g, total - rem, None, 0)
+        if base is None:
+            candidates = list(range(min(n, _REMAINDER_CANDIDATES)))
+        else:
+            cost = a + c * (base + rem)
+            cost[(base + rem) > hi] = np.inf
+            candidates = np.argsort(cost, kind="stable")[:_REMAINDER_CANDIDATES].tolist()
+    best: np.ndarray | None = None
+    best_key: tuple | None = None
+    for j in candidates:
+        got = _solve_free(a, c, lo, hi, g, total, j, rem)
+        if got is None:
+            continue
+        t = a + c * got
+        key = (float(t.max()), tuple(np.sort(t)[::-1].tolist()), j)
+        if best_key is None or key < best_key:
+            best, best_key = got, key
+    return best
+
+
+def predicted_step_ms(a_ms: Sequence[float], c_ms: Sequence[float],
+                      shares: Sequence[int]) -> float:
+    """Predicted step compute time ``max_i a_i + c_i * b_i`` over ranks with work.
+
+    Ranks with share 0 run a zero-weight dummy step whose cost no split changes, so they
+    are left out; 0.0 when no rank has work.
+    """
+    if not (len(a_ms) == len(c_ms) == len(shares)):
+        raise ValueError(
+            f"a_ms, c_ms and shares must have one value per rank, got {len(a_ms)}, "
+            f"{len(c_ms)} and {len(shares)}."
+        )
+    times = [a + c * b for a, c, b in zip(a_ms, c_ms, shares, strict=True) if b > 0]
+    return float(max(times)) if times else 0.0
+
+
+def check_placement(shares: Sequence[int], global_batch_size: int,
+                    constraints: Constraints = NO_CONSTRAINTS) -> str | None:
+    """Why ``shares`` breaks the constraints, or ``None`` if it satisfies them."""
+    n = len(shares)
+    if sum(shares) != global_batch_size:
+        return f"shares sum to {sum(shares)}, not the global batch {global_batch_size}"
+    try:
+        bounds = rank_bounds(n, global_batch_size, constraints)
+    except ValueError as exc:
+        return str(exc).rstrip(".")
+    for r, s in enumerate(shares):
+        if s < bounds.lo[r] or s > bounds.hi[r]:
+            if r in constraints.drains:
+                return f"rank {r} is drained but has {s} samples"
+            if r in constraints.pins:
+                return f"rank {r} is pinned to {constraints.pins[r]} but has {s} samples"
+            return f"rank {r} has {s} samples outside its bounds {bounds.lo[r]}-{bounds.hi[r]}"
+    g = bounds.granularity
+    if g > 1:
+        odd = [r for r, s in enumerate(shares) if r not in bounds.fixed and s % g]
+        if len(odd) > 1 or (odd and sum(s for r, s in enumerate(shares)
+                                        if r not in bounds.fixed) % g == 0):
+            return f"rank {odd[0]} has {shares[odd[0]]} samples, not a multiple of granularity {g}"
+    return None
+

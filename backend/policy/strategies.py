@@ -1,0 +1,314 @@
+"""Strategies: from a job observation to per-rank cost estimates ``t_i(b) = a_i + c_i*b``.
+
+A strategy is a callable ``(obs, config, constraints) -> Estimate | NoProposal`` (or a class
+whose instances are such callables, or have an ``estimate`` method), registered by name.
+The engine (``engine.decide``) turns an estimate into a proposal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._fit import LinearFit, fit_steps, robust_trend, valid_steps
+from .devices import THROTTLE_REASONS, device_weights
+from .solver import NO_CONSTRAINTS, solve
+from .types import Constraints, DeviceSignals, JobObservation, NoProposal, PolicyConfig
+
+__all__ = [
+    "Estimate",
+    "Strategy",
+    "register_strategy",
+    "get_strategy",
+    "available_strategies",
+    "static_shares",
+    "static_strategy",
+    "profiled_strategy",
+    "predictive_strategy",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """Per-rank cost model a strategy hands to the engine."""
+
+    a_ms: tuple[float, ...]
+    c_ms: tuple[float, ...]
+    units: str = "ms"  # "relative" when no measurement sets the scale (static at start)
+    fit_r2: tuple[float | None, ...] = ()
+    n_steps: tuple[int, ...] = ()
+    # Relative standard error of each rank's predicted time: the engine asks for a gain
+    # that clears this noise, so estimates that merely wobble never trigger a change.
+    rel_error: tuple[float, ...] = ()
+    evidence: dict[str, object] = field(default_factory=dict)
+
+
+Strategy = Callable[[JobObservation, PolicyConfig, Constraints], "Estimate | NoProposal"]
+_REGISTRY: dict[str, Callable[[], Strategy]] = {}
+
+
+def register_strategy(name: str, fn_or_cls: Any) -> None:
+    """Register a strategy under ``name`` (replacing any earlier one of that name).
+
+    ``fn_or_cls`` is a function ``(obs, config, constraints) -> Estimate | NoProposal``, or
+    a class built with no arguments whose instances are such callables or have an
+    ``estimate(obs, config, constraints)`` method.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"strategy name must be a non-empty string, got {name!r}.")
+    if isinstance(fn_or_cls, type):
+        cls = fn_or_cls
+        if not (callable(getattr(cls, "estimate", None)) or "__call__" in vars(cls)):
+            raise ValueError(f"strategy class {cls.__name__} needs __call__ or estimate().")
+
+        def make() -> Strategy:
+            inst = cls()
+            return inst.estimate if hasattr(inst, "estimate") else inst
+
+        _REGISTRY[name] = make
+    elif callable(fn_or_cls):
+        fn = fn_or_cls
+        _REGISTRY[name] = lambda: fn
+    else:
+        raise ValueError(
+            f"strategy {name!r} must be a function or a class, got {type(fn_or_cls).__name__}."
+        )
+
+
+def get_strategy(name: str) -> Strategy:
+    """The strategy registered as ``name``; ``ValueError`` listing the choices otherwise."""
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown strategy {name!r}; available: {', '.join(available_strategies())}."
+        ) from None
+
+
+def available_strategies() -> list[str]:
+    """Names of the registered strategies, sorted."""
+    return sorted(_REGISTRY)
+
+
+# ---------------------------------------------------------------- static
+
+
+def static_shares(
+    device_types: Sequence[str | None],
+    global_batch_size: int,
+    workload: str = "llm",
+    custom_weights: Mapping[str, float] | None = None,
+    constraints: Constraints = NO_CONSTRAINTS,
+) -> tuple[int, ...]:
+    """Split ``global_batch_size`` in proportion to device power for ``workload``.
+
+    >>> static_shares(["H100", "H100", "A100-80GB", "A100-80GB"], 256)
+    (93, 93, 35, 35)
+    """
+    weights, _ = device_weights(device_types, workload, custom_weights)
+    return solve([0.0] * len(weights), [1.0 / w for w in weights], global_batch_size,
+                 constraints)
+
+
+def static_strategy(obs: JobObservation, config: PolicyConfig,
+                    constraints: Constraints) -> Estimate | NoProposal:
+    """Device table x workload profile; needs no measurement."""
+    weights, warnings = device_weights(
+        [r.device_type for r in obs.ranks], config.workload, config.custom_weights
+    )
+    # Measured steps, when there are any, only set the scale so times read in ms.
+    per_sample: list[float] = []
+    for r, w in zip(obs.ranks, weights, strict=True):
+        steps = valid_steps(r.steps, config.window_steps)
+        if steps:
+            per_sample.append(float(np.median([s.compute_ms / s.local_batch_size
+                                               for s in steps])) * w)
+    units = "ms" if per_sample else "relative"
+    scale = float(np.median(per_sample)) if per_sample else 1.0
+    return Estimate(
+        a_ms=tuple(0.0 for _ in weights),
+        c_ms=tuple(scale / w for w in weights),
+        units=units,
+        n_steps=tuple(0 for _ in weights),
+        rel_error=tuple(0.0 for _ in weights),
+        evidence={"workload": config.workload, "weights": [round(w, 3) for w in weights],
+                  "warnings": warnings},
+    )
+
+
+# ---------------------------------------------------------------- profiled
+
+
+def _fits(obs: JobObservation, config: PolicyConfig) -> list[LinearFit | None]:
+    p = config.params
+    out: list[LinearFit | None] = []
+    for r in obs.ranks:
+        steps = valid_steps(r.steps, config.window_steps)
+        out.append(fit_steps(
+            steps,
+            min_spread=float(p.get("min_spread", 0.1)),
+            shift_threshold=float(p.get("shift_threshold", 0.1)),
+            recent=max(int(config.min_steps), 3),
+        ) if steps else None)
+    return out
+
+
+def profiled_strategy(obs: JobObservation, config: PolicyConfig,
+                      constraints: Constraints) -> Estimate | NoProposal:
+    """Robust per-rank fit of measured compute time against local batch size."""
+    fits = _fits(obs, config)
+    short: list[tuple[int, int]] = []  # (missing steps, rank)
+    for rank, (r, fit) in enumerate(zip(obs.ranks, fits, strict=True)):
+        fixed = rank in constraints.drains or rank in constraints.pins
+        if fixed or (obs.shares[rank] == 0 and fit is None):
+            continue  # nothing to learn: its share is set, or it gets no work to measure
+        have = fit.n if fit is not None else 0
+        if have < config.min_steps:
+            short.append((config.min_steps - have, r.rank))
+    if short:
+        missing, rank = max(short)
+        more = f" ({len(short)} ranks short)" if len(short) > 1 else ""
+        return NoProposal("warming_up",
+                          f"warming up: {missing} more steps needed on rank {rank}{more}",
+                          steps_remaining=missing)
+    known = [f for f in fits if f is not None and f.n > 0]
+    if not known:
+        return NoProposal("no_data", "no valid steps measured on any rank yet")
+    # A rank with no samples (idle at share 0, or pinned/drained) borrows the median: it
+    # only matters if its bounds let the solver give it work.
+    med_a = float(np.median([f.a_ms for f in known]))
+    med_c = float(np.median([f.c_ms for f in known]))
+    a, c, r2, n, err, borrowed = [], [], [], [], [], []
+    for rank, fit in enumerate(fits):
+        if fit is None or fit.n == 0:
+            a.append(med_a)
+            c.append(med_c)
+            r2.append(None)
+            n.append(0)
+            err.append(0.0)
+            borrowed.append(rank)
+            continue
+        a.append(fit.a_ms)
+        c.append(fit.c_ms)
+        r2.append(fit.r2)
+        n.append(fit.n)
+        # Standard error of a median-based level: 1.25 sigma / sqrt(n).
+        err.append(1.25 * fit.rel_noise / math.sqrt(fit.n))
+    evidence: dict[str, object] = {
+        "steps_used": n,
+        "fit": [{"rank": i, "method": f.method, "r2": f.r2, "rel_noise": round(f.rel_noise, 4),
+                 "restarted": f.restarted} for i, f in enumerate(fits) if f is not None],
+    }
+    if borrowed:
+        evidence["median_for_ranks"] = borrowed
+    return Estimate(tuple(a), tuple(c), "ms", tuple(r2), tuple(n), tuple(err), evidence)
+
+
+# ---------------------------------------------------------------- predictive
+
+
+def _device_forecast(dev: Sequence[DeviceSignals], horizon_s: float, temp_limit_c: float,
+                     temp_penalty: float) -> dict[str, Any]:
+    """Expected slow-down factor of per-sample cost over the horizon from device signals."""
+    out: dict[str, Any] = {"factor": 1.0}
+    if not dev:
+        return out
+    last = dev[-1]
+    reasons = sorted(set(last.throttle_reasons) & THROTTLE_REASONS)
+    if reasons:
+        out["throttle"] = reasons
+    clocks = [(d.t, d.sm_clock_mhz, d.sm_clock_max_mhz) for d in dev[-60:]
+              if d.sm_clock_mhz and d.sm_clock_max_mhz]
+    if len(clocks) >= 3:
+        ts = [x[0] for x in clocks]
+        mhz = [x[1] for x in clocks]
+        peak = float(clocks[-1][2])
+        trend = robust_trend(ts, mhz)
+        if trend is not None:
+            slope, icpt = trend
+            now = min(max(icpt + slope * ts[-1], 0.3 * peak), peak)
+            # Only a falling clock with a throttle reason, or a clear fall, is a forecast;
+            # boost clocks wander a little by design.
+            falling = slope < 0 and (reasons or now < 0.97 * peak)
+            if falling:
+                ahead = min(max(now + slope * horizon_s, 0.3 * peak), peak)
+                out["factor"] = now / ahead
+            out["clock_ratio"] = round(now / peak, 4)
+    temps = [(d.t, d.temp_c) for d in dev[-60:] if d.temp_c is not None]
+    if len(temps) >= 3:
+        trend = robust_trend([x[0] for x in temps], [x[1] for x in temps])
+        if trend is not None:
+            slope, icpt = trend
+            now_c = icpt + slope * temps[-1][0]
+            ahead_c = now_c + slope * horizon_s
+            out["temp_c"] = round(now_c, 1)
+            if slope > 0 and ahead_c >= temp_limit_c and out["factor"] <= 1.0:
+                # Heading into the slowdown temperature, clocks not yet down: expect it.
+                out["factor"] = 1.0 + temp_penalty
+                out["temp_warning"] = f"temperature heading to {ahead_c:.0f} C"
+    return out
+
+
+def predictive_strategy(obs: JobObservation, config: PolicyConfig,
+                        constraints: Constraints) -> Estimate | NoProposal:
+    """Profiled fit, pushed ``horizon_steps`` ahead by each rank's trend and device signals."""
+    base = profiled_strategy(obs, config, constraints)
+    if isinstance(base, NoProposal):
+        return base
+    p = config.params
+    h = float(config.horizon_steps)
+    medians = [float(np.median([s.compute_ms for s in valid_steps(r.steps, config.window_steps)]))
+               for r in obs.ranks if valid_steps(r.steps, config.window_steps)]
+    step_s = float(p.get("step_s", max(medians) / 1000.0 if medians else 0.1))
+    temp_limit = float(p.get("temp_limit_c", 83.0))
+    c_new = list(base.c_ms)
+    forecasts = []
+    for i, r in enumerate(obs.ranks):
+        n = base.n_steps[i] if base.n_steps else 0
+        if n < 3:
+            continue
+        steps = valid_steps(r.steps, config.window_steps)[-n:]  # after any restart
+        a = base.a_ms[i]
+        x = [float(s.batch_index) for s in steps]
+        y = [max(s.compute_ms - a, 0.0) / s.local_batch_size for s in steps]
+        c_now = base.c_ms[i]
+        c_trend = c_now
+        info: dict[str, Any] = {"rank": r.rank}
+        if len(x) >= 2 * config.min_steps:
+            trend = robust_trend(x, y)
+            if trend is not None:
+                slope, icpt = trend
+                xa, ya = np.asarray(x), np.asarray(y)
+                resid = ya - (icpt + slope * xa)
+                sigma = 1.4826 * float(np.median(np.abs(resid - np.median(resid))))
+                spread = float(np.sqrt(((xa - xa.mean()) ** 2).sum())) or 1.0
+                se = 1.25 * sigma / spread
+                if abs(slope) > 3.0 * se:
+                    c_now = max(icpt + slope * x[-1], 1e-12)
+                    c_trend = max(c_now + slope * h, 0.5 * c_now)
+                    info["trend_per_step"] = slope
+        dev = _device_forecast(r.device, h * step_s, temp_limit,
+                               float(p.get("temp_penalty", 0.1)))
+        c_dev = c_now * float(dev["factor"])
+        c_pred = max(c_trend, c_dev)
+        if c_pred != base.c_ms[i]:
+            info.update({"c_fit": round(base.c_ms[i], 6), "c_forecast": round(c_pred, 6)})
+        info.update({k: v for k, v in dev.items() if k != "factor"})
+        if dev["factor"] != 1.0:
+            info["device_factor"] = round(float(dev["factor"]), 4)
+        if len(info) > 1:
+            forecasts.append(info)
+        c_new[i] = c_pred
+    evidence = dict(base.evidence)
+    evidence.update({"horizon_steps": config.horizon_steps, "forecasts": forecasts})
+    return Estimate(base.a_ms, tuple(c_new), base.units, base.fit_r2, base.n_steps,
+                    base.rel_error, evidence)
+
+
+register_strategy("static", static_strategy)
+register_strategy("profiled", profiled_strategy)
+register_strategy("predictive", predictive_strategy)
