@@ -1,0 +1,172 @@
+"""Control REST routes in process: the real app (create_app) on a SQLite file, hooks on
+real /ws/hook websockets through TestClient, bearer tokens with roles."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from backend.auth import create_token
+from backend.main import create_app
+from backend.settings import Settings
+from trainer_hook.protocol import Ack, Hello, Placement, Reject, decode, encode
+
+ADMIN = "admin-secret-0123456789"
+JOB = "api-job"
+
+
+@pytest.fixture
+def api(tmp_path: Path):
+    app = create_app(Settings(db=f"sqlite:///{tmp_path / 'r.db'}", admin_token=ADMIN))
+    with TestClient(app) as client:
+        services = app.state.services
+        with services.sessionmaker() as s:
+            _, op = create_token(s, role="operator", name="olga")
+            _, viewer = create_token(s, role="viewer", name="vic")
+            s.commit()
+        services.auth.invalidate()
+        yield client, {"admin": ADMIN, "operator": op, "viewer": viewer}
+
+
+def h(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@contextlib.contextmanager
+def hooks(client: TestClient, world: int = 3, b: int = 48):
+    with contextlib.ExitStack() as stack:
+        socks = []
+        for r in range(world):
+            ws = stack.enter_context(client.websocket_connect(f"/ws/hook?token={ADMIN}"))
+            ws.send_text(encode(Hello(job=JOB, rank=r, world_size=world, global_batch_size=b)))
+            first = decode(ws.receive_text())
+            assert isinstance(first, Placement) and first.version == 0
+            socks.append(ws)
+        yield socks
+
+
+def wait_for(check: Callable[[], bool]) -> None:
+    for _ in range(500):  # the app handles websocket frames on its own loop: poll, bounded
+        if check():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def test_manual_placement_approve_and_acks_over_rest(api):
+    client, tok = api
+    base = f"/api/v1/jobs/{JOB}"
+    with hooks(client) as socks:
+        r = client.post(f"{base}/proposals", json={"shares": [30, 30, 30]}, headers=h(tok["operator"]))
+        assert r.status_code == 422
+        assert r.json() == {"detail": "Invalid placement: shares sum to 90 but the global batch size is 48."}
+        r = client.post(f"{base}/proposals", json={"shares": [20, 20, 8], "reason": "rank 2 is slow"},
+                        headers=h(tok["operator"]))
+        assert r.status_code == 201, r.text
+        pid = r.json()["id"]
+        r = client.post(f"{base}/proposals/{pid}/approve", headers=h(tok["viewer"]))
+        assert (r.status_code, r.json()) == (403, {"detail": "This action needs the operator role."})
+        listed = client.get(f"{base}/proposals?status=proposed", headers=h(tok["viewer"])).json()
+        assert listed["count"] == 1 and listed["data"][0]["shares"] == [20, 20, 8]
+        r = client.post(f"{base}/proposals/{pid}/approve", json={"reason": "go"}, headers=h(tok["operator"]))
+        assert r.status_code == 200 and r.json()["status"] == "approved"
+        for ws in socks:
+            msg = decode(ws.receive_text())
+            assert isinstance(msg, Placement)
+            assert (msg.version, msg.shares, msg.proposal_id) == (1, [20, 20, 8], pid)
+        for rank, ws in enumerate(socks):
+            ws.send_text(encode(Ack(job=JOB, rank=rank, version=1, batch_index=12)))
+        wait_for(lambda: client.get(f"{base}/placements", headers=h(tok["viewer"])).json()["data"][0]["applied_at"] is not None)
+        placements = client.get(f"{base}/placements", headers=h(tok["viewer"])).json()
+        assert placements["count"] == 2
+        assert placements["data"][0]["acks"] == {"0": 12, "1": 12, "2": 12}
+        assert placements["data"][0]["effective_batch_index"] == 12
+        assert client.get(f"{base}/proposals/{pid}", headers=h(tok["viewer"])).json()["status"] == "applied"
+        r = client.post(f"{base}/proposals/{pid}/approve", headers=h(tok["operator"]))
+        assert (r.status_code, r.json()["detail"]) == (409, f"Proposal {pid} is applied; only a proposed one can be approved.")
+        job = client.get(f"/api/v1/jobs/{JOB}", headers=h(tok["viewer"])).json()
+        assert job["placement"] == {"version": 1, "shares": [20, 20, 8]}
+        audit = client.get(f"{base}/audit", headers=h(tok["viewer"])).json()["data"]
+        approve = next(a for a in audit if a["action"] == "proposal.approve")
+        assert (approve["actor"], approve["role"], approve["reason"]) == ("olga", "operator", "go")
+        assert approve["address"] and approve["time"] > 0
+
+
+def test_rollback_mode_and_policy_roles(api):
+    client, tok = api
+    base = f"/api/v1/jobs/{JOB}"
+    with hooks(client) as socks:
+        r = client.post(f"{base}/rollback", headers=h(tok["operator"]))
+        assert (r.status_code, r.json()["detail"]) == (409, f"Job '{JOB}' has no previous placement to roll back to.")
+        client.post(f"{base}/proposals", json={"shares": [24, 16, 8], "apply": True}, headers=h(tok["operator"]))
+        r = client.post(f"{base}/rollback", json={"reason": "undo"}, headers=h(tok["operator"]))
+        assert r.status_code == 200 and r.json()["shares"] == [16, 16, 16] and r.json()["version"] == 2
+        assert [decode(socks[0].receive_text()).shares for _ in range(2)] == [[24, 16, 8], [16, 16, 16]]
+        r = client.put(f"{base}/mode", json={"mode": "auto", "reason": "trust it"}, headers=h(tok["viewer"]))
+        assert r.status_code == 403
+        r = client.put(f"{base}/mode", json={"mode": "auto", "reason": "trust it"}, headers=h(tok["operator"]))
+        assert r.status_code == 200 and r.json()["mode"] == "auto"
+        r = client.put(f"{base}/policy", json={"strategy": "static"}, headers=h(tok["operator"]))
+        assert (r.status_code, r.json()) == (403, {"detail": "This action needs the admin role."})
+        r = client.put(f"{base}/policy", json={"strategy": "magic"}, headers=h(tok["admin"]))
+        assert r.status_code == 422 and r.json()["detail"].startswith("Unknown strategy 'magic'; choose one of")
+        r = client.put(f"{base}/policy", json={"min_gain": 0.1, "cooldown_steps": 5, "reason": "calmer"},
+                       headers=h(tok["admin"]))
+        assert r.status_code == 200 and (r.json()["min_gain"], r.json()["cooldown_steps"]) == (0.1, 5)
+        assert client.get(f"{base}/policy", headers=h(tok["viewer"])).json()["min_gain"] == 0.1
+        actions = [a["action"] for a in client.get(f"{base}/audit", headers=h(tok["viewer"])).json()["data"]]
+        assert actions[:4] == ["job.policy", "job.mode", "placement.rollback", "proposal.approve"]
+
+
+def test_overrides_are_validated_and_respected(api):
+    client, tok = api
+    base = f"/api/v1/jobs/{JOB}"
+    with hooks(client):
+        r = client.put(f"{base}/overrides", json={"drains": [5]}, headers=h(tok["operator"]))
+        assert (r.status_code, r.json()["detail"]) == (422, "drains names rank 5 but the job has ranks 0 to 2.")
+        r = client.put(f"{base}/overrides", json={"pins": {"0": 40, "1": 40}}, headers=h(tok["operator"]))
+        assert r.status_code == 422 and r.json()["detail"].startswith("The overrides admit no placement: ")
+        r = client.put(f"{base}/overrides", json={"drains": [2], "caps": {"0": 30}, "reason": "rank 2 flaky"},
+                       headers=h(tok["operator"]))
+        assert r.status_code == 200, r.text
+        pid = r.json()["proposal_id"]
+        prop = client.get(f"{base}/proposals/{pid}", headers=h(tok["viewer"])).json()
+        assert prop["source"] == "override" and prop["shares"][2] == 0 and prop["shares"][0] <= 30
+        assert sum(prop["shares"]) == 48
+        r = client.post(f"{base}/proposals", json={"shares": [20, 20, 8]}, headers=h(tok["operator"]))
+        assert (r.status_code, r.json()["detail"]) == (
+            422, "Placement breaks the overrides: rank 2 is drained but gets 8 samples.")
+        assert client.get(f"{base}/overrides", headers=h(tok["viewer"])).json()["drains"] == [2]
+        r = client.put(f"{base}/overrides", json={}, headers=h(tok["operator"]))  # clear them all
+        assert r.status_code == 200 and r.json()["drains"] == [] and r.json()["proposal_id"] is None
+
+
+def test_hook_reject_is_visible_with_its_reason(api):
+    client, tok = api
+    base = f"/api/v1/jobs/{JOB}"
+    with hooks(client) as socks:
+        r = client.post(f"{base}/proposals", json={"shares": [20, 20, 8], "apply": True}, headers=h(tok["operator"]))
+        pid = r.json()["id"]
+        socks[0].send_text(encode(Reject(job=JOB, rank=0, version=1, reason="placement is older than the one in force")))
+        wait_for(lambda: client.get(f"{base}/proposals?status=failed", headers=h(tok["viewer"])).json()["count"] == 1)
+        failed = client.get(f"{base}/proposals/{pid}", headers=h(tok["viewer"])).json()
+        assert failed["error"] == "rank 0 rejected placement version 1: placement is older than the one in force"
+        assert client.get(f"{base}/placements", headers=h(tok["viewer"])).json()["data"][0]["failed"] is True
+
+
+def test_unknown_job_and_proposal_are_404(api):
+    client, tok = api
+    r = client.get("/api/v1/jobs/ghost/proposals", headers=h(tok["viewer"]))
+    assert (r.status_code, r.json()) == (404, {"detail": "Job 'ghost' not found."})
+    with hooks(client):
+        r = client.post(f"/api/v1/jobs/{JOB}/proposals/77/approve", headers=h(tok["operator"]))
+        assert (r.status_code, r.json()) == (404, {"detail": f"Proposal 77 not found for job '{JOB}'."})
+        r = client.get(f"/api/v1/jobs/{JOB}/proposals?status=bogus", headers=h(tok["viewer"]))
+        assert r.status_code == 422
+    r = client.get(f"/api/v1/jobs/{JOB}/audit")
+    assert r.status_code == 401
