@@ -72,7 +72,7 @@ def hook_ws_url(server: str) -> str:
     path = parts.path.rstrip("/")
     if not path.endswith(WS_PATH):
         path += WS_PATH
-    return urlunsplit((schemes[parts.scheme], parts.netloc, path, "", ""))
+    return urlunsplit((schemes[parts.scheme], parts.netloc, path, parts.query, ""))
 
 
 class _Stop(Exception):
