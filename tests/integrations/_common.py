@@ -1,0 +1,128 @@
+"""Shared pieces of the integration jobs and their single-process reference.
+
+The jobs record, per rank and per trained batch, the dataset indices they used; the test
+rebuilds each global batch as the ranks' slices in rank order and trains the same model
+on it in one process. Equal final parameters then show that the split did not change
+the math (DESIGN.md invariant 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+N_SAMPLES = 60
+GLOBAL_BATCH = 12
+IN_DIM = 4
+LR = 0.1
+MOMENTUM = 0.9
+
+
+class IndexedData(torch.utils.data.Dataset):
+    """Deterministic regression data; each item carries its own index."""
+
+    def __init__(self, n: int = N_SAMPLES) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, IN_DIM, generator=g, dtype=torch.float64)
+        w = torch.randn(IN_DIM, 1, generator=g, dtype=torch.float64)
+        self.y = (self.x @ w).squeeze(-1) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"idx": torch.tensor(i), "x": self.x[i], "labels": self.y[i]}
+
+
+class TinyNet(nn.Module):
+    """A small MLP in float64 whose loss is the mean over the samples it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(IN_DIM, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor | None = None) -> dict[str, Any]:
+        out = self.net(x).squeeze(-1)
+        return {"loss": ((out - labels) ** 2).mean(), "logits": out}
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def dump(out_dir: str, rank: int, payload: dict[str, Any], model: nn.Module) -> None:
+    """Write this rank's record (JSON) and final parameters (torch.save, exact)."""
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    (path / f"rank{rank}.r{restart}.json").write_text(json.dumps(payload))
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, path / f"rank{rank}.r{restart}.pt")
+
+
+def load(out_dir: Path, world: int, restart: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, torch.Tensor]]]:
+    recs = [json.loads((out_dir / f"rank{r}.r{restart}.json").read_text()) for r in range(world)]
+    params = [torch.load(out_dir / f"rank{r}.r{restart}.pt") for r in range(world)]
+    return recs, params
+
+
+def global_batches(recs: list[dict[str, Any]]) -> list[list[int]]:
+    """Rank slices of each trained batch joined in rank order; drained ranks' dummies dropped."""
+    steps = [{int(k): v for k, v in r["batches"].items()} for r in recs]
+    ks = sorted(steps[0])
+    for s in steps[1:]:
+        assert sorted(s) == ks, "ranks trained different batch indices"
+    out = []
+    for k in ks:
+        whole: list[int] = []
+        for s in steps:
+            whole.extend(s[k]["idx"] if not s[k].get("dummy") else [])
+        out.append(whole)
+    return out
+
+
+def reference(batches: list[list[int]], accum: int = 1) -> dict[str, torch.Tensor]:
+    """One process, whole global batches, mean loss: what every split must reproduce.
+
+    With ``accum`` > 1 it follows Accelerate's accumulation: every loss is divided by
+    ``accum``; the optimizer steps every ``accum`` micro-batches of an epoch and at its end
+    (Accelerate restarts the count with each pass over the DataLoader).
+    """
+    data = IndexedData()
+    model = TinyNet()
+    opt = make_optimizer(model)
+    per_epoch = -(-N_SAMPLES // GLOBAL_BATCH)
+    for c, idx in enumerate(batches):
+        ix = torch.tensor(idx)
+        loss = model(data.x[ix], data.y[ix])["loss"] / accum
+        loss.backward()
+        j = c % per_epoch + 1  # position in the epoch, from 1
+        if j % accum == 0 or j == per_epoch:
+            opt.step()
+            opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def assert_close_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float = 1e-9) -> float:
+    """Largest relative difference; fails above ``rtol``."""
+    worst = 0.0
+    for k, w in want.items():
+        g = got[k]
+        diff = float((g - w).abs().max() / w.abs().max().clamp_min(1e-12))
+        worst = max(worst, diff)
+    assert worst <= rtol, f"parameters differ from the single-process reference by {worst:.3e} (> {rtol})"
+    return worst
+
+
+def check_every_sample_once(batches: list[list[int]], n: int = N_SAMPLES, b: int = GLOBAL_BATCH) -> None:
+    """Each epoch's global batches use every sample exactly once, B at a time."""
+    per_epoch = -(-n // b)
+    for e in range(len(batches) // per_epoch):
+        epoch = batches[e * per_epoch : (e + 1) * per_epoch]
+        flat = sorted(i for batch in epoch for i in batch)
+        assert flat == list(range(n)), f"epoch {e} does not use every sample exactly once"

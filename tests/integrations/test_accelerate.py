@@ -1,0 +1,89 @@
+"""Accelerate integration: exact training math with uneven, changing splits (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.helpers.torchrun import REPO_ROOT, job_env, run_torchrun
+from tests.integrations._common import (
+    assert_close_params,
+    check_every_sample_once,
+    global_batches,
+    load,
+    reference,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("accum", "workers"), [(1, 0), (2, 2)], ids=["comm-hook", "accum2-workers2"])
+def test_accelerate_matches_single_process_reference(tmp_path, accum, workers):
+    run_torchrun(2, ["-m", "tests.integrations._accelerate_job", str(tmp_path), "20", str(accum), str(workers)])
+    recs, params = load(tmp_path, 2)
+    assert recs[0]["mode"] == "MULTI_CPU" and recs[0]["world"] == 2
+    # Both requested placements applied, on both ranks at the same batch index.
+    assert [v for v, _ in recs[0]["acks"]] == [1, 2]
+    assert recs[0]["acks"] == recs[1]["acks"]
+    sizes = {b["version"]: len(b["idx"]) for b in recs[0]["batches"].values()}
+    assert sizes == {0: 6, 1: 9, 2: 2}
+    batches = global_batches(recs)
+    assert len(batches) == 20
+    check_every_sample_once(batches)
+    want = reference(batches, accum=accum)
+    for p in params:
+        assert_close_params(p, want, rtol=1e-9)
+    # The reference is sensitive: ignoring accumulation would not match.
+    if accum > 1:
+        with pytest.raises(AssertionError):
+            assert_close_params(params[0], reference(batches, accum=1), rtol=1e-9)
+
+
+_BAD_SETUPS = textwrap.dedent(
+    """
+    import torch
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from trainer_hook import RebalanceHook
+    from trainer_hook.integrations.accelerate import prepare_with_rebalancer
+
+    def err(fn):
+        try:
+            fn()
+        except (ValueError, RuntimeError) as exc:
+            return str(exc)
+        return "no error"
+
+    data = list(range(40))
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hook = RebalanceHook(global_batch_size=8, lookahead=2)
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
+    print("SPLIT", err(lambda: prepare_with_rebalancer(acc, hook, model, opt, data)))
+    acc.dataloader_config.split_batches = False
+    print("CLASH", err(lambda: prepare_with_rebalancer(acc, hook, model, opt, data, batch_size=4)))
+    print("LOOKAHEAD", err(lambda: prepare_with_rebalancer(acc, hook, model, opt, data, num_workers=2)))
+    pm = acc.prepare_model(torch.nn.Linear(2, 1))
+    print("PREPARED", err(lambda: prepare_with_rebalancer(acc, hook, pm, opt, data)))
+    m, o, loader = prepare_with_rebalancer(acc, hook, model, opt, data, shuffle=False)
+    print("ONE", next(iter(loader)).tolist())
+    """
+)
+
+
+def test_accelerate_rejects_setups_it_cannot_keep_exact():
+    # A subprocess: Accelerate's state is a process-wide singleton.
+    proc = subprocess.run(
+        [sys.executable, "-c", _BAD_SETUPS], env=job_env(), cwd=REPO_ROOT,
+        capture_output=True, text=True, timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+    assert "split_batches=True) is not supported" in lines["SPLIT"]
+    assert "DataLoader argument(s) ['batch_size'] cannot be set here" in lines["CLASH"]
+    assert "lookahead=6" in lines["LOOKAHEAD"]
+    assert "already passed to accelerator.prepare()" in lines["PREPARED"]
+    assert lines["ONE"] == "[0, 1, 2, 3, 4, 5, 6, 7]"
