@@ -104,10 +104,15 @@ async def hook_websocket(websocket: WebSocket) -> None:
                 hello = msg
                 await _on_hello(services, websocket, hello)
                 continue
-            if (msg.job, msg.rank) != (hello.job, hello.rank):  # type: ignore[union-attr]
+            if not isinstance(msg, (Metrics, Ack, Reject)):
+                await _refuse(websocket, "malformed",
+                              f"Hooks may not send '{msg.TYPE}' messages; expected metrics, ack or reject.",
+                              CLOSE_MALFORMED)
+                return
+            if (msg.job, msg.rank) != (hello.job, hello.rank):
                 await _refuse(websocket, "malformed",
                               f"This connection speaks for job '{hello.job}' rank {hello.rank}; "
-                              f"got a '{msg.TYPE}' for job '{msg.job}' rank {msg.rank}.",  # type: ignore[union-attr]
+                              f"got a '{msg.TYPE}' for job '{msg.job}' rank {msg.rank}.",
                               CLOSE_MALFORMED)
                 return
             if isinstance(msg, Metrics):
@@ -117,15 +122,10 @@ async def hook_websocket(websocket: WebSocket) -> None:
             elif isinstance(msg, Ack):
                 await services.controller.on_ack(msg)
                 services.notify(msg.job)
-            elif isinstance(msg, Reject):
+            else:
                 log.warning("job %s rank %d rejected placement %d: %s", msg.job, msg.rank, msg.version, msg.reason)
                 await services.controller.on_reject(msg)
                 services.notify(msg.job)
-            else:
-                await _refuse(websocket, "malformed",
-                              f"Hooks may not send '{msg.TYPE}' messages; expected metrics, ack or reject.",
-                              CLOSE_MALFORMED)
-                return
     except WebSocketDisconnect:
         pass
     except Exception:  # a bug in one handler must not take the server or other ranks down

@@ -1,0 +1,38 @@
+"""Builders for in-process backend tests: an app on a fresh SQLite file, hook frames."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+
+from backend.main import create_app
+from backend.settings import Settings
+from trainer_hook.protocol import Hello, Metrics, StepRecord, encode
+
+
+def make_app(tmp_path: Path, **settings: Any) -> FastAPI:
+    settings.setdefault("db", f"sqlite:///{tmp_path / 'rebalancer.db'}")
+    return create_app(Settings(**settings))
+
+
+def hello(job: str = "j", rank: int = 0, world_size: int = 2, global_batch_size: int = 32, **kw: Any) -> str:
+    return encode(Hello(job=job, rank=rank, world_size=world_size, global_batch_size=global_batch_size,
+                        host="h", device_type=kw.pop("device_type", "cpu"), **kw))
+
+
+def steps(first: int, n: int, *, compute_ms: float = 10.0, step_ms: float = 20.0,
+          local_batch_size: int = 16, t0: float | None = None) -> list[StepRecord]:
+    t0 = time.time() if t0 is None else t0
+    return [
+        StepRecord(batch_index=b, local_batch_size=local_batch_size, placement_version=0,
+                   data_wait_ms=0.5, compute_ms=compute_ms, sync_wait_ms=step_ms - compute_ms,
+                   optimizer_ms=1.0, step_ms=step_ms, t=t0 + (b - first) * step_ms / 1000.0)
+        for b in range(first, first + n)
+    ]
+
+
+def metrics(job: str = "j", rank: int = 0, first: int = 0, n: int = 5, dropped: int = 0, **kw: Any) -> str:
+    return encode(Metrics(job=job, rank=rank, steps=steps(first, n, **kw), dropped=dropped))
