@@ -206,7 +206,7 @@ class DeviceProbe:
             return None
 
     def _get_handle(self, index: int) -> Any:
-        nv = self._nvml
+        nv: Any = self._nvml
         target = _visible_device(index)
         try:
             if isinstance(target, str):

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
@@ -352,11 +353,7 @@ class Transport:
             n, m = n // 2, m // 2  # rare: only huge records get here; halve until it fits
         # Put back what did not fit, at the front, so order is kept; a full deque evicts
         # from its other end, which must be counted too.
-        for q, rest in ((self._steps, steps[n:]), (self._devices, devices[m:])):
-            if rest:
-                overflow = len(q) + len(rest) - (q.maxlen or 0)
-                q.extendleft(reversed(rest))
-                self._requeue_dropped += max(0, overflow)
+        self._requeue_dropped += _requeue(self._steps, steps[n:]) + _requeue(self._devices, devices[m:])
         self._reported += dropped
         return frame
 
@@ -396,6 +393,15 @@ class Transport:
                 log.info("Closing with unsent records: %s", exc)
                 return
             self._flush(ws, self._close_deadline)
+
+
+def _requeue(q: deque[Any], rest: list[Any]) -> int:
+    """Put ``rest`` back at the front of ``q`` in order; return how many fell off the back."""
+    if not rest:
+        return 0
+    overflow = len(q) + len(rest) - (q.maxlen or 0)
+    q.extendleft(reversed(rest))
+    return max(0, overflow)
 
 
 class _AuthRefused(Exception):

@@ -430,3 +430,27 @@ def test_bad_arguments(kwargs: dict[str, Any], text: str) -> None:
     with pytest.raises(ValueError) as exc:
         Transport(url="http://h:1", token=None, hello=HookState().hello, on_message=lambda m: None, **kwargs)
     assert str(exc.value) == text
+
+
+def test_frames_that_would_exceed_the_size_limit_are_split(backend: WsBackend) -> None:
+    state = HookState()
+    t = make(backend.port, state)
+    n_steps, n_dev = 3000, 600
+    for k in range(n_steps):
+        t.put_step(StepRecord(batch_index=k, local_batch_size=123456, placement_version=98765,
+                              data_wait_ms=1 / 3, compute_ms=1e6 / 7, sync_wait_ms=2 / 3, optimizer_ms=1 / 7,
+                              step_ms=1e6 / 3, t=1.7e9 + k / 7))
+    fat_reasons = [f"reason_{i}_".ljust(64, "x") for i in range(32)]  # the largest sample allowed
+    for i in range(n_dev):
+        t.put_device(DeviceSample(t=float(i), source="nvml", throttle_reasons=fat_reasons, util_pct=1 / 3))
+    t.start()
+    try:
+        backend.wait(lambda: len(backend.steps()) == n_steps
+                     and sum(len(m.device) for m in backend.of(Metrics)) == n_dev, "every record")
+        assert max(backend.raw_sizes) <= MAX_MESSAGE_BYTES
+        assert max(backend.raw_sizes) > MAX_MESSAGE_BYTES // 4  # frames are big, not one record each
+        assert [s.batch_index for s in backend.steps()] == list(range(n_steps))
+        assert [d.t for m in backend.of(Metrics) for d in m.device] == [float(i) for i in range(n_dev)]
+        assert t.dropped == 0
+    finally:
+        t.close()
