@@ -104,19 +104,24 @@ def limit_moves(current: Sequence[int], target: Sequence[int], max_move: int,
     diff = total - sum(out)
     order = sorted(range(len(out)), key=lambda i: (-abs(target[i] - out[i]), i))
     direction = 1 if diff > 0 else -1
-    # First ranks that want to move that way, then any rank with room.
+    # Round-robin in whole steps, first over ranks that want to move that way, then over
+    # any rank with room, so the correction is spread thin.
     for wanting in (True, False):
-        for i in order:
-            if diff == 0:
-                break
-            if i in bounds.fixed:
-                continue
-            if wanting and (target[i] - out[i]) * direction <= 0:
-                continue
-            room = (hi_w[i] - out[i]) if direction > 0 else (out[i] - lo_w[i])
-            take = min(room, abs(diff)) // step * step
-            out[i] += direction * take
-            diff -= direction * take
+        moved = True
+        while diff != 0 and moved:
+            moved = False
+            for i in order:
+                if diff == 0:
+                    break
+                if i in bounds.fixed:
+                    continue
+                if wanting and (target[i] - out[i]) * direction <= 0:
+                    continue
+                nxt = out[i] + direction * step
+                if lo_w[i] <= nxt <= hi_w[i] and abs(diff) >= step:
+                    out[i] = nxt
+                    diff -= direction * step
+                    moved = True
     if diff != 0 or check_placement(out, total, constraints) is not None:
         return tuple(target)
     return tuple(out)

@@ -16,6 +16,7 @@ promising ones.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -172,6 +173,9 @@ def _water_fill(a: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.ndarray,
 
     def count(t: float) -> tuple[np.ndarray, int]:
         k = np.floor((t - a) / c)
+        # Division rounds; make k agree with the direct test a + c*k <= t.
+        k = np.where(a + c * (k + 1) <= t, k + 1, k)
+        k = np.where(a + c * k > t, k - 1, k)
         k = np.clip(k, lo, hi)
         return k, int((k - lo).sum())
 
@@ -209,7 +213,23 @@ def _water_fill(a: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     values = a[ranks] + c[ranks] * k_next
     order = np.lexsort((ranks, k_next - lo[ranks], values))[:missing]
     np.add.at(base, ranks[order], 1)
+    short = need - int((base - lo).sum())
+    if short > 0:  # only if rounding hid units at t_hi: finish one unit at a time
+        base = _greedy(a, c, base, hi.astype(np.int64), short)
     return base
+
+
+def _greedy(a: np.ndarray, c: np.ndarray, k: np.ndarray, hi: np.ndarray,
+            units: int) -> np.ndarray:
+    heap = [(a[i] + c[i] * (k[i] + 1), 0, i) for i in range(k.size) if k[i] < hi[i]]
+    heapq.heapify(heap)
+    k = k.copy()
+    for _ in range(units):
+        _, taken, i = heapq.heappop(heap)
+        k[i] += 1
+        if k[i] < hi[i]:
+            heapq.heappush(heap, (a[i] + c[i] * (k[i] + 1), taken + 1, i))
+    return k
 
 
 def _solve_free(a: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.ndarray, g: int,
@@ -299,8 +319,9 @@ def _best_remainder_split(a: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.n
         got = _solve_free(a, c, lo, hi, g, total, j, rem)
         if got is None:
             continue
-        t = a + c * got
-        key = (float(t.max()), tuple(np.sort(t)[::-1].tolist()), j)
+        # Same objective as predicted_step_ms: ranks left idle do not count.
+        t = np.sort((a + c * got)[got > 0])[::-1]
+        key = (float(t[0]) if t.size else 0.0, tuple(t.tolist()), j)
         if best_key is None or key < best_key:
             best, best_key = got, key
     return best

@@ -210,6 +210,8 @@ def profiled_strategy(obs: JobObservation, config: PolicyConfig,
 
 # ---------------------------------------------------------------- predictive
 
+_MAD = 1.4826
+
 
 def _device_forecast(dev: Sequence[DeviceSignals], horizon_s: float, temp_limit_c: float,
                      temp_penalty: float) -> dict[str, Any]:
@@ -253,6 +255,27 @@ def _device_forecast(dev: Sequence[DeviceSignals], horizon_s: float, temp_limit_
     return out
 
 
+def _cost_trend(steps: Sequence[Any], a: float,
+                min_steps: int) -> tuple[float, float, bool, bool] | None:
+    """Per-sample cost trend: (slope per step, level at the last step, significant, linear)."""
+    if len(steps) < max(2 * min_steps, 6):
+        return None
+    xa = np.array([float(s.batch_index) for s in steps])
+    ya = np.array([max(s.compute_ms - a, 0.0) / s.local_batch_size for s in steps])
+    got = robust_trend(xa, ya)
+    if got is None:
+        return None
+    slope, icpt = got
+    resid = ya - (icpt + slope * xa)
+    sigma = _MAD * float(np.median(np.abs(resid - np.median(resid))))
+    # Noise from successive differences ignores any trend or single jump.
+    noise = _MAD * float(np.median(np.abs(np.diff(ya)))) / math.sqrt(2.0)
+    spread = float(np.sqrt(((xa - xa.mean()) ** 2).sum())) or 1.0
+    significant = abs(slope) > 3.0 * 1.25 * sigma / spread
+    linear = sigma <= 2.0 * noise + 1e-12
+    return slope, icpt + slope * float(xa[-1]), significant, linear
+
+
 def predictive_strategy(obs: JobObservation, config: PolicyConfig,
                         constraints: Constraints) -> Estimate | NoProposal:
     """Profiled fit, pushed ``horizon_steps`` ahead by each rank's trend and device signals."""
@@ -271,26 +294,21 @@ def predictive_strategy(obs: JobObservation, config: PolicyConfig,
         n = base.n_steps[i] if base.n_steps else 0
         if n < 3:
             continue
-        steps = valid_steps(r.steps, config.window_steps)[-n:]  # after any restart
+        window = valid_steps(r.steps, config.window_steps)
         a = base.a_ms[i]
-        x = [float(s.batch_index) for s in steps]
-        y = [max(s.compute_ms - a, 0.0) / s.local_batch_size for s in steps]
         c_now = base.c_ms[i]
         c_trend = c_now
         info: dict[str, Any] = {"rank": r.rank}
-        if len(x) >= 2 * config.min_steps:
-            trend = robust_trend(x, y)
-            if trend is not None:
-                slope, icpt = trend
-                xa, ya = np.asarray(x), np.asarray(y)
-                resid = ya - (icpt + slope * xa)
-                sigma = 1.4826 * float(np.median(np.abs(resid - np.median(resid))))
-                spread = float(np.sqrt(((xa - xa.mean()) ** 2).sum())) or 1.0
-                se = 1.25 * sigma / spread
-                if abs(slope) > 3.0 * se:
-                    c_now = max(icpt + slope * x[-1], 1e-12)
-                    c_trend = max(c_now + slope * h, 0.5 * c_now)
-                    info["trend_per_step"] = slope
+        # A ramp (drift) makes the profiled fit restart its window just like a jump does;
+        # the whole window tells them apart: a line fits a ramp down to the noise level.
+        trend = _cost_trend(window, a, config.min_steps)
+        if trend is None or not trend[3]:
+            trend = _cost_trend(window[-n:], a, config.min_steps)
+        if trend is not None and trend[2]:
+            slope, level, _, _ = trend
+            c_now = max(level, 1e-12)
+            c_trend = max(c_now + slope * h, 0.5 * c_now)
+            info["trend_per_step"] = slope
         dev = _device_forecast(r.device, h * step_s, temp_limit,
                                float(p.get("temp_penalty", 0.1)))
         c_dev = c_now * float(dev["factor"])

@@ -1,0 +1,1 @@
+"""Tests of backend/policy: pure functions, property tests, the simulator."""
