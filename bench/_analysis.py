@@ -14,6 +14,7 @@ __all__ = [
     "steps_until_within",
     "excess_ms",
     "oracle_shares",
+    "static_shares",
     "model_step_ms",
 ]
 
@@ -81,6 +82,16 @@ def oracle_shares(a_ms: Sequence[float], c_ms: Sequence[float], global_batch_siz
     from backend.policy.types import Constraints
 
     return list(solve(list(a_ms), list(c_ms), global_batch_size, Constraints()))
+
+
+def static_shares(speeds: Sequence[float], global_batch_size: int) -> list[int]:
+    """The static strategy's split (backend.policy.strategies.static_shares) when each rank's
+    relative device power is known and equals its injected speed."""
+    from backend.policy.strategies import static_shares as product_static_shares
+
+    names = [f"bench-device-{i}" for i in range(len(speeds))]
+    return list(product_static_shares(names, global_batch_size, "custom",
+                                      dict(zip(names, speeds, strict=True))))
 
 
 def model_step_ms(a_ms: Sequence[float], c_ms: Sequence[float], shares: Sequence[int]) -> float:

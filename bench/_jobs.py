@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench._analysis import oracle_shares, static_shares
 from bench._backend import REPO_ROOT, ApiError, Backend, free_port
 
 STRATEGIES = ("uniform", "static", "profiled", "predictive", "oracle")
@@ -105,17 +106,17 @@ def configure(backend: Backend, job: str, strategy: str, spec: JobSpec, policy: 
     notes: list[str] = []
     if strategy == "uniform":
         backend.put(f"/api/v1/jobs/{job}/mode", {"mode": "observe", "reason": "bench: uniform"})
-    elif strategy == "oracle":
-        from bench._analysis import oracle_shares
-
-        shares = oracle_shares(spec.a_ms, spec.c_ms, spec.global_batch_size)
-        backend.put(f"/api/v1/jobs/{job}/mode", {"mode": "observe", "reason": "bench: oracle"})
-        prop = backend.post(f"/api/v1/jobs/{job}/proposals",
-                            {"shares": shares, "reason": "bench: oracle from the true speeds"})
+    elif strategy in ("oracle", "static"):
+        # A hand-made placement, applied at once; approve mode so nothing else is applied.
+        shares = oracle_shares(spec.a_ms, spec.c_ms, spec.global_batch_size) if strategy == "oracle" \
+            else static_shares(spec.speeds, spec.global_batch_size)
+        backend.put(f"/api/v1/jobs/{job}/mode", {"mode": "approve", "reason": f"bench: {strategy}"})
+        prop = backend.post(f"/api/v1/jobs/{job}/proposals", {
+            "shares": shares, "apply": True,
+            "reason": f"bench: {strategy} split from the injected speeds"})
         if prop.get("status") == "proposed":
-            backend.post(f"/api/v1/jobs/{job}/proposals/{prop['id']}/approve",
-                         {"reason": "bench: oracle"})
-        notes.append(f"oracle shares {shares}")
+            backend.post(f"/api/v1/jobs/{job}/proposals/{prop['id']}/approve", {"reason": "bench"})
+        notes.append(f"{strategy} shares {shares} applied by hand")
     else:
         backend.put(f"/api/v1/jobs/{job}/policy", {"strategy": strategy, **policy,
                                                    "reason": f"bench: {strategy}"})

@@ -4,7 +4,10 @@ Each scenario is a real 4-rank torchrun/gloo CPU DDP job (trainer_hook.demo_work
 ranks have injected per-sample speeds; each runs once per strategy against one backend:
 
 - uniform: the version-0 split, job in ``observe`` mode (what plain DDP does);
-- static: the ``static`` strategy in ``auto`` mode, told each rank's relative power;
+- static: the static strategy's split (weighted by relative device power) when told each
+  rank's power = its injected speed. The demo ranks all report device type CPU, so the
+  backend's device table cannot tell them apart; the split is computed with the product's
+  ``static_shares`` and applied by hand as soon as the job registers;
 - profiled / predictive: the strategy in ``auto`` mode, starting from no knowledge;
 - oracle: the exact best split for the true speeds (the product's solver on the injected
   costs), applied by hand as soon as the job registers.
@@ -19,13 +22,14 @@ oracle steady / achieved steady (target >= 0.95), and steps until the rolling me
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from bench._analysis import model_step_ms, oracle_shares, steady_ms, steps_until_within
-from bench._backend import running_backend
+from bench._backend import Backend, running_backend
 from bench._jobs import JobRun, JobSpec, run_job
 from bench._report import RESULTS_DIR, print_table, write_json
 
@@ -77,13 +81,17 @@ def run_balance(
     scenarios: dict[str, tuple[float, ...]] | None = None, *, steps: int = 150,
     strategies: tuple[str, ...] = STRATEGY_ORDER, out_dir: Path = RESULTS_DIR,
     name: str = "balance", plot: bool = True, global_batch_size: int = 64,
-    per_sample_ms: float = 2.0, fixed_ms: float = 2.0,
+    per_sample_ms: float = 2.0, fixed_ms: float = 2.0, backend: Backend | None = None,
 ) -> dict[str, Any]:
-    """Run every scenario under every strategy; write ``<name>.json`` and ``<name>.png``."""
+    """Run every scenario under every strategy against one backend (a fresh one unless
+    ``backend`` is given); write ``<name>.json`` and ``<name>.png``."""
     scenarios = scenarios or SCENARIOS
     rows: list[BalanceRow] = []
     series: dict[str, dict[str, list[float]]] = {}
-    with tempfile.TemporaryDirectory(prefix="rb-bal-") as tmp, running_backend(Path(tmp)) as backend:
+    with contextlib.ExitStack() as stack:
+        if backend is None:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="rb-bal-"))
+            backend = stack.enter_context(running_backend(Path(tmp)))
         for si, (label, speeds) in enumerate(scenarios.items()):
             runs: dict[str, JobRun] = {}
             for strategy in strategies:
@@ -92,10 +100,7 @@ def run_balance(
                     global_batch_size=global_batch_size, per_sample_ms=per_sample_ms,
                     fixed_ms=fixed_ms,
                 )
-                policy: dict[str, Any] = {}
-                if strategy == "static":
-                    policy = _static_policy(speeds)
-                runs[strategy] = run_job(backend, spec, strategy, policy=policy)
+                runs[strategy] = run_job(backend, spec, strategy)
                 print(f"  {label:>14} {strategy:>10}: steady {steady_ms(runs[strategy].step_ms):7.1f} ms"
                       f"  ({runs[strategy].wall_s:.0f} s)", flush=True)
             oracle_ms = steady_ms(runs["oracle"].step_ms) if "oracle" in runs else _model_ref(speeds, global_batch_size, per_sample_ms, fixed_ms)
@@ -126,12 +131,6 @@ def _model_ref(speeds: tuple[float, ...], b: int, per_sample_ms: float, fixed_ms
     a = [fixed_ms] * len(speeds)
     c = [per_sample_ms / s for s in speeds]
     return model_step_ms(a, c, oracle_shares(a, c, b))
-
-
-def _static_policy(speeds: tuple[float, ...]) -> dict[str, Any]:
-    """Known relative device power: the speeds themselves (see docs/performance.md)."""
-    return {"workload": "custom",
-            "custom_weights": {f"bench-dev-{i}": float(s) for i, s in enumerate(speeds)}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -246,6 +246,7 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
     base = backend.ws_url
     server = psutil.Process(backend.pid)
     me = psutil.Process()
+    c_start = _ingest_counters(backend)  # the backend may have served others before
     dash = asyncio.create_task(_dashboard_client(load, base))
     readies = [asyncio.Event() for _ in range(ranks)]
     tasks: list[asyncio.Task[None]] = []
@@ -260,7 +261,10 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
             await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
 
-    await asyncio.gather(*(start(r) for r in range(ranks)))
+    # Rank 0 first: concurrent first hellos of a new job race on the jobs table insert in
+    # backend/storage/metrics.py upsert_hello (UNIQUE constraint failed: jobs.name).
+    await start(0)
+    await asyncio.gather(*(start(r) for r in range(1, ranks)))
     failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
     if failed:
         load.errors.append(f"{len(failed)} hook connections failed: {failed[0].exception()!r}")
@@ -294,7 +298,7 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
     sent_records = sent_steps + load.devices_total
     counted_rate: float | None = None
     if "rebalancer_ingest_records_total" in c2:
-        counted = int(c2["rebalancer_ingest_records_total"])
+        counted = int(c2["rebalancer_ingest_records_total"] - c_start.get("rebalancer_ingest_records_total", 0.0))
         lost: int | None = sent_records - counted
         source = "rebalancer_ingest_records_total (steps + device samples)"
         if "rebalancer_ingest_records_total" in c0:
@@ -334,13 +338,17 @@ def _round(x: float | None) -> float | None:
 
 def run_capacity(
     ranks_list: list[int], *, seconds: float = 15.0, warmup: float = 3.0,
-    out_dir: Path = RESULTS_DIR, name: str = "capacity",
+    out_dir: Path = RESULTS_DIR, name: str = "capacity", backend: Backend | None = None,
 ) -> list[CapacityResult]:
-    """Run the load for each world size against one fresh backend per size; write JSON."""
+    """Run the load for each world size against one fresh backend per size (or against
+    ``backend`` for all); write ``<name>.json``."""
     results: list[CapacityResult] = []
     for n in ranks_list:
-        with running_backend() as backend:
+        if backend is not None:
             results.append(asyncio.run(_run_one(backend, n, seconds, warmup)))
+            continue
+        with running_backend() as fresh:
+            results.append(asyncio.run(_run_one(fresh, n, seconds, warmup)))
     rows = [[
         r.ranks, r.sent_messages_per_s, r.sent_rank_steps_per_s,
         "-" if r.counted_records_per_s is None else r.counted_records_per_s,

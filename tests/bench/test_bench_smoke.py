@@ -4,11 +4,13 @@ these are smoke tests of the benchmark code, run against the real backend and jo
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bench._analysis import excess_ms, rolling_median, steady_ms, steps_until_within
+from bench._backend import Backend, running_backend
 from bench._report import markdown_table, table_lines
 from bench.reaction import cost_at
 from bench.run_all import summary_markdown
@@ -66,11 +68,17 @@ def test_tables_render() -> None:
     assert "## policy: FAILED" in md and "0.50 (80 ms; -)" in md
 
 
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
+    with running_backend(tmp_path_factory.mktemp("backend")) as b:
+        yield b
+
+
 @pytest.mark.timeout(60)
-def test_capacity_tiny_loses_nothing(tmp_path: Path) -> None:
+def test_capacity_tiny_loses_nothing(tmp_path: Path, backend: Backend) -> None:
     from bench.capacity import run_capacity
 
-    [res] = run_capacity([3], seconds=1.0, warmup=0.5, out_dir=tmp_path)
+    [res] = run_capacity([3], seconds=1.0, warmup=0.5, out_dir=tmp_path, backend=backend)
     assert res.errors == []
     assert res.records_sent > 0
     assert res.records_lost == 0, res
@@ -81,11 +89,12 @@ def test_capacity_tiny_loses_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-def test_balance_tiny_runs_a_real_job_under_the_oracle_split(tmp_path: Path) -> None:
+def test_balance_tiny_runs_a_real_job_under_the_oracle_split(tmp_path: Path, backend: Backend) -> None:
     from bench.balance import run_balance
 
-    out = run_balance({"1,0.5": (1.0, 0.5)}, steps=40, strategies=("oracle",), out_dir=tmp_path)
+    out = run_balance({"1,0.5": (1.0, 0.5)}, steps=20, strategies=("oracle",), out_dir=tmp_path,
+                      backend=backend)
     [row] = out["rows"]
     assert row["final_shares"] == [43, 21]  # solve([2, 2], [2, 4], 64): the oracle reached the job
-    assert len(out["step_ms"]["1,0.5"]["oracle"]) == 40
+    assert len(out["step_ms"]["1,0.5"]["oracle"]) == 20
     assert (tmp_path / "balance.png").stat().st_size > 0
