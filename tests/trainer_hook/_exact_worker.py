@@ -1,0 +1,143 @@
+"""torchrun target for the exactness and lockstep tests (float64, tiny MLP, gloo).
+
+Each rank trains ``--steps`` global batches with RebalanceHook, records which dataset
+indices it trained for every batch index, and writes ``OUT/rank{r}.json``; rank 0 also
+writes the final parameters. Placements are requested on rank 0 at the steps given by
+``--plan STEP=S0,S1,S2;...`` (through ``request_placement``) or delivered as backend
+``placement`` messages at a different step on each rank (``--deliver``), so that ranks
+learn of a placement at different moments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+from trainer_hook import RebalanceHook
+from trainer_hook.protocol import Placement
+
+N_SAMPLES = 100
+GLOBAL_BATCH = 12
+LR = 0.05
+
+
+class IndexedData(Dataset):  # type: ignore[type-arg]
+    """Deterministic float64 samples that also return their own index."""
+
+    def __init__(self, n: int = N_SAMPLES) -> None:
+        gen = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, 5, generator=gen, dtype=torch.float64)
+        self.y = torch.randn(n, 1, generator=gen, dtype=torch.float64)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(7)
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    ).to(torch.float64)
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+
+def parse_plan(text: str) -> dict[int, list[int]]:
+    plan: dict[int, list[int]] = {}
+    for item in filter(None, text.split(";")):
+        step, shares = item.split("=")
+        plan[int(step)] = [int(s) for s in shares.split(",")]
+    return plan
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--plan", default="")
+    p.add_argument("--deliver", default="", help="STEP0,STEP1,..:S0,S1,S2 per-rank delivery steps")
+    p.add_argument("--invalid", action="store_true", help="rank 0 also receives invalid placements")
+    p.add_argument("--slow-rank", type=int, default=-1)
+    args = p.parse_args()
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    hook = RebalanceHook(job="exact", global_batch_size=GLOBAL_BATCH, exchange_every=3, exchange_lag=1, lookahead=6)
+    model = DDP(build_model())
+    hook.attach(model)
+    opt = make_optimizer(model)
+    ds = IndexedData()
+    sampler = hook.batch_sampler(ds, shuffle=True, seed=3)
+    loader = DataLoader(ds, batch_sampler=sampler, num_workers=args.num_workers)
+    plan = parse_plan(args.plan)
+    deliver_at: int | None = None
+    deliver_shares: list[int] = []
+    if args.deliver:
+        steps, shares = args.deliver.split(":")
+        deliver_at = [int(s) for s in steps.split(",")][rank]
+        deliver_shares = [int(s) for s in shares.split(",")]
+    seen: list[dict[str, object]] = []
+    errors: list[str] = []
+    while hook.batch_index < args.steps:
+        for x, y, idx in loader:
+            k = hook.batch_index
+            if rank == 0 and k in plan:
+                hook.request_placement(plan[k], reason=f"plan@{k}")
+            if deliver_at == k:
+                # Every rank "receives" it; only rank 0 acts on it (it decides for all).
+                hook._on_message(Placement(job="exact", version=50, shares=deliver_shares, global_batch_size=GLOBAL_BATCH))
+            if rank == 0 and args.invalid and k == 4:
+                for bad in ([6, 6], [4, 4, 5], [13, -1, 0], [4, 4, 4.0]):
+                    hook._on_message(Placement(job="exact", version=90, shares=bad, global_batch_size=GLOBAL_BATCH))  # type: ignore[arg-type]
+                hook._on_message(Placement(job="exact", version=0, shares=[2, 2, 8], global_batch_size=GLOBAL_BATCH))
+                hook._on_message(Placement(job="exact", version=91, shares=[4, 4, 4], global_batch_size=24))
+                try:
+                    hook.request_placement([1, 2, 3])
+                except ValueError as exc:
+                    errors.append(str(exc))
+            with hook.step() as k2:
+                assert k2 == k
+                if rank == args.slow_rank:
+                    time.sleep(0.03)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            lo, hi = sampler.local_bounds(k)
+            seen.append({
+                "k": k, "indices": idx.tolist(), "dummy": hi == lo, "version": hook.placement_version,
+                "shares": hook.shares,
+            })
+            if hook.batch_index >= args.steps:
+                break
+    hook.close()
+    out = {
+        "rank": rank, "seen": seen, "acks": hook.acks, "rejections": hook.rejections,
+        "request_errors": errors,
+        "timeline": [[t.start_batch, t.version, list(t.shares)] for t in hook.schedule.timeline()],
+        "compute_ms": [r.compute_ms for r in hook.history],
+        "step_ms": [r.step_ms for r in hook.history],
+    }
+    if rank == 0:
+        out["params"] = [p.detach().tolist() for p in model.module.parameters()]
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Exactness and lockstep with real torchrun/gloo ranks (DESIGN.md invariants 1 and 2)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.torchrun import run_torchrun
+from tests.trainer_hook import _exact_worker as w
+from trainer_hook.placement import PlacementSchedule
+from trainer_hook.sampler import RebalanceBatchSampler
+
+pytestmark = pytest.mark.multiproc
+WORKER = ["tests/trainer_hook/_exact_worker.py"]
+STEPS = 20  # a bit over two epochs of 9 batches (the 9th holds 4 samples)
+
+
+def _run(tmp_path: Path, *extra: str, nproc: int = 3) -> list[dict]:
+    run_torchrun(nproc, [*WORKER, "--out", str(tmp_path), "--steps", str(STEPS), *extra], timeout=120)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def _reference_params(steps: int) -> list[torch.Tensor]:
+    """One process training on each whole global batch, the mean loss over it."""
+    ds = w.IndexedData()
+    order = RebalanceBatchSampler(ds, schedule=PlacementSchedule(1, w.GLOBAL_BATCH), rank=0, shuffle=True, seed=3)
+    model = w.build_model()
+    opt = w.make_optimizer(model)
+    for k in range(steps):
+        idx = torch.tensor(order.global_batch(k))
+        loss = torch.nn.functional.mse_loss(model(ds.x[idx]), ds.y[idx])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach() for p in model.parameters()]
+
+
+def _check_every_sample_once(ranks: list[dict]) -> None:
+    order = RebalanceBatchSampler(w.N_SAMPLES, schedule=PlacementSchedule(1, w.GLOBAL_BATCH), rank=0, seed=3)
+    for k in range(STEPS):
+        used: Counter[int] = Counter()
+        versions = set()
+        for r in ranks:
+            (entry,) = [e for e in r["seen"] if e["k"] == k]
+            versions.add((entry["version"], tuple(entry["shares"])))
+            if not entry["dummy"]:
+                used.update(entry["indices"])
+        assert used == Counter(order.global_batch(k)), f"batch {k}: samples used {used}"
+        assert len(versions) == 1, f"batch {k}: ranks trained under different placements {versions}"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_changing_placements_give_the_reference_parameters(tmp_path: Path, num_workers: int) -> None:
+    # Placements requested at steps 1, 5, 9 and 12 (one drains rank 2, one puts almost
+    # everything on rank 1); they take effect a few batches later, at rank 0's choice.
+    plan = "1=2,4,6;5=6,6,0;9=1,10,1;12=5,3,4"
+    ranks = _run(tmp_path, "--plan", plan, "--num-workers", str(num_workers))
+
+    timelines = [r["timeline"] for r in ranks]
+    assert all(t == timelines[0] for t in timelines)
+    assert [v for _, v, _ in timelines[0]] == [0, 1, 2, 3, 4]
+    starts = [s for s, _, _ in timelines[0]]
+    assert starts == sorted(starts) and starts[-1] < STEPS, "every placement was trained"
+    assert all(r["acks"] == ranks[0]["acks"] for r in ranks)
+    assert [v for v, _ in ranks[0]["acks"]] == [1, 2, 3, 4]
+
+    _check_every_sample_once(ranks)
+    drained = [e for e in ranks[2]["seen"] if e["shares"][2] == 0]
+    assert drained and all(e["dummy"] and len(e["indices"]) == 1 for e in drained)
+
+    got = [torch.tensor(p, dtype=torch.float64) for p in ranks[0]["params"]]
+    ref = _reference_params(STEPS)
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12)
+    # The run must have moved the parameters, or the comparison proves nothing.
+    init = [p.detach() for p in w.build_model().parameters()]
+    assert max((g - i).abs().max().item() for g, i in zip(got, init, strict=True)) > 1e-3
+
+
+def test_placement_delivered_at_different_moments_switches_everywhere_at_once(tmp_path: Path) -> None:
+    # Rank r "receives" the backend's placement at step 2 + 5 r; rank 1 is also slow, so
+    # ranks run at different paces. Only rank 0's copy counts; all switch together.
+    ranks = _run(tmp_path, "--deliver", "7,2,12:3,3,6", "--slow-rank", "1")
+    acks = [r["acks"] for r in ranks]
+    assert acks[0] == acks[1] == acks[2]
+    ((version, at),) = acks[0]
+    assert version == 50
+    # Rank 0 got it at step 7; the exchange at step 9 announces it for 9 + lag 1 + lookahead 6.
+    assert at == 16
+    for r in ranks:
+        for e in r["seen"]:
+            assert e["shares"] == ([3, 3, 6] if e["k"] >= at else [4, 4, 4])
+    _check_every_sample_once(ranks)
+
+
+def test_invalid_placements_are_rejected_and_training_goes_on(tmp_path: Path) -> None:
+    ranks = _run(tmp_path, "--invalid", "--plan", "6=2,5,5")
+    r0 = ranks[0]
+    reasons = dict((v, reason) for v, reason in r0["rejections"])
+    assert len(r0["rejections"]) == 7  # six messages and one request
+    assert "world_size 3" in r0["rejections"][0][1]
+    assert any("sum to 13" in reason for _, reason in r0["rejections"])
+    assert any("shares[1] must be >= 0" in reason for _, reason in r0["rejections"])
+    assert any("shares[2] must be an integer" in reason for _, reason in r0["rejections"])
+    assert "not newer" in reasons[0]
+    assert "global batch size 24" in reasons[91]
+    assert r0["request_errors"] and "sum to 6" in r0["request_errors"][0]
+    # Nothing invalid was applied; the later valid request still was, on every rank.
+    for r in ranks:
+        assert [v for _, v, _ in r["timeline"]] == [0, 1]
+        assert r["timeline"][1][2] == [2, 5, 5]
+        assert len(r["seen"]) == STEPS
+    assert ranks[1]["rejections"] == [] and ranks[2]["rejections"] == []
+    _check_every_sample_once(ranks)
