@@ -228,8 +228,22 @@ class Controller:
         st.last_metrics = self._clock()
         if st.status == "idle":
             st.status, st.status_detail = "warming_up", "waiting for the first steps"
+        if self._config(st).strategy == "static" and not st.static_checked:
+            await self._static_now(st)
         self._notify(job)
         return self._placement_msg(st)
+
+    async def _static_now(self, st: _JobState) -> None:
+        """The static strategy needs no measurement: propose its split as soon as every
+        rank has said hello (auto mode applies it before the first steps)."""
+        live = self.services.live
+        if any(live.hello(st.job, r) is None for r in range(st.world_size)):
+            return
+        st.static_checked = True
+        try:
+            await self._run_policy(st)
+        except Exception:
+            log.exception("static placement for job %s failed", st.job)
 
     def _placement_msg(self, st: _JobState, *, proposal_id: int | None = None, reason: str = "") -> Placement:
         return Placement(job=st.job, version=st.version, shares=list(st.shares),
@@ -447,7 +461,7 @@ class Controller:
 
         live = self.services.live
         view = live.view(st.job)
-        if view is None or view.batch_index is None:
+        if view is None or any(live.hello(st.job, r) is None for r in range(st.world_size)):
             return None
         window = self._config(st).window_steps
         ranks = []
@@ -468,13 +482,13 @@ class Controller:
             ))
         return JobObservation(
             job=st.job, world_size=st.world_size, global_batch_size=st.global_batch_size,
-            batch_index=view.batch_index, shares=tuple(st.shares), placement_version=st.version,
-            steps_since_change=max(0, view.batch_index - (st.effective or 0)), ranks=tuple(ranks),
+            batch_index=view.batch_index or 0, shares=tuple(st.shares), placement_version=st.version,
+            steps_since_change=max(0, (view.batch_index or 0) - (st.effective or 0)), ranks=tuple(ranks),
         )
 
     def _settled(self, st: _JobState) -> bool:
         """True once every rank trains under the placement in force (acked or seen in metrics)."""
-        if st.applied:
+        if st.applied or st.version == 0:  # version 0 is every hook's starting split
             return True
         view = self.services.live.view(st.job)
         if view is None or len(view.ranks) < st.world_size:
@@ -505,7 +519,8 @@ class Controller:
             st.status, st.status_detail = "imbalanced", f"the overrides admit no placement: {exc}"
             return
         if not isinstance(decision, PolicyProposal):
-            st.status = "warming_up" if decision.status in ("warming_up", "no_data") else "balanced"
+            st.status = ("warming_up" if decision.status in ("warming_up", "no_data")
+                         else "imbalanced" if decision.status == "infeasible" else "balanced")
             st.status_detail = decision.detail
             return
         shares = list(decision.shares)

@@ -1,0 +1,217 @@
+"""The controller driven by the real policy: measured steps in a real LiveState, a frozen
+clock, a SQLite file. ``_Socket`` stands in for the hooks' websockets to record sends."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from backend.auth import Actor
+from backend.controller import Controller
+from backend.services import build_services
+from backend.settings import Settings
+from trainer_hook.protocol import Ack, Hello, Metrics, Placement, StepRecord, decode
+
+JOB = "pol-job"
+B = 48
+OPERATOR = Actor(name="olga", role="operator", address="127.0.0.1")
+
+
+class _Socket:
+    def __init__(self) -> None:
+        self.sent: list[Placement] = []
+
+    async def send_text(self, text: str) -> None:
+        msg = decode(text)
+        assert isinstance(msg, Placement)
+        self.sent.append(msg)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 5000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Job:
+    """A job whose ranks take ``per_sample_ms[r] * share`` ms per step."""
+
+    def __init__(self, tmp_path: Path, mode: str = "approve", **settings):
+        self.svc = build_services(Settings(db=f"sqlite:///{tmp_path / 'r.db'}", default_mode=mode,
+                                          min_steps=5, cooldown_steps=8, effect_window_steps=6,
+                                          **settings))
+        self.clock = _Clock()
+        self.ctl = Controller(self.svc, clock=self.clock, wall=self.clock)
+        self.svc.controller = self.ctl
+        self.socks: list[_Socket] = []
+        self.k = 0
+
+    def hello(self, devices=("cpu", "cpu", "cpu")) -> None:
+        for r, name in enumerate(devices):
+            h = Hello(job=JOB, rank=r, world_size=len(devices), global_batch_size=B, device_name=name)
+            self.svc.live.register(h)
+            sock = _Socket()
+            self.svc.connections.add(JOB, r, sock)
+            self.socks.append(sock)
+            asyncio.run(self.ctl.on_hello(h))
+
+    def steps(self, n: int, per_sample_ms=(1.0, 1.0, 4.0), shares=None, version=None) -> None:
+        st = self.ctl.job_control(JOB)
+        shares = shares or st["placement"]["shares"]
+        version = st["placement"]["version"] if version is None else version
+        step_ms = max(c * b for c, b in zip(per_sample_ms, shares, strict=True)) + 2.0
+        for _ in range(n):
+            for r, share in enumerate(shares):
+                rec = StepRecord(batch_index=self.k, local_batch_size=share, placement_version=version,
+                                 data_wait_ms=0.1, compute_ms=per_sample_ms[r] * share + 0.5,
+                                 sync_wait_ms=step_ms - per_sample_ms[r] * share, optimizer_ms=0.3,
+                                 step_ms=step_ms, t=1000.0 + self.k * step_ms / 1e3)
+                self.svc.live.add_metrics(Metrics(job=JOB, rank=r, steps=[rec]))
+            self.k += 1
+
+    def tick(self) -> None:
+        self.clock.t += 1.0  # past the 0.5 s throttle
+        asyncio.run(self.ctl.on_metrics(JOB))
+
+    def ack_all(self, version: int) -> None:
+        for r in range(len(self.socks)):
+            asyncio.run(self.ctl.on_ack(Ack(job=JOB, rank=r, version=version, batch_index=self.k)))
+
+    def close(self) -> None:
+        self.svc.engine.dispose()
+
+
+@pytest.fixture
+def make(tmp_path):
+    jobs: list[Job] = []
+
+    def build(mode: str = "approve", **kw) -> Job:
+        j = Job(tmp_path / str(len(jobs)), mode, **kw)
+        jobs.append(j)
+        return j
+
+    yield build
+    for j in jobs:
+        j.close()
+
+
+def test_warming_up_then_a_proposal_that_waits_for_an_operator(make):
+    j = make("approve")
+    j.hello()
+    j.steps(2)
+    j.tick()
+    assert j.ctl.job_control(JOB)["status"] == "warming_up"
+    j.steps(10)
+    j.tick()
+    state = j.ctl.job_control(JOB)
+    prop = state["pending_proposal"]
+    assert state["status"] == "proposal_pending" and prop["source"] == "policy"
+    assert prop["shares"][2] < 16 and sum(prop["shares"]) == B
+    assert prop["predicted_step_ms_after"] < prop["predicted_step_ms_before"]
+    assert prop["explanation"]["strategy"] == "profiled" and prop["reason"]
+    assert all(s.sent == [] for s in j.socks)
+    j.tick()  # same measurements: no duplicate
+    assert len(j.ctl.proposals(JOB)) == 1
+
+
+def test_the_policy_is_throttled_per_job(make):
+    j = make("approve")
+    j.hello()
+    j.steps(12)
+    j.tick()
+    first = j.ctl.job_control(JOB)["pending_proposal"]
+    j.steps(40, per_sample_ms=(1.0, 1.0, 1.0))  # rank 2 recovered
+    asyncio.run(j.ctl.on_metrics(JOB))  # same instant: the policy does not run again
+    assert j.ctl.job_control(JOB)["pending_proposal"]["id"] == first["id"]
+
+
+def test_a_rejected_split_is_not_proposed_again(make):
+    j = make("approve")
+    j.hello()
+    j.steps(12)
+    j.tick()
+    pid = j.ctl.job_control(JOB)["pending_proposal_id"]
+    asyncio.run(j.ctl.reject(JOB, pid, actor=OPERATOR, reason="not during eval"))
+    j.steps(5)
+    j.tick()
+    state = j.ctl.job_control(JOB)
+    assert state["pending_proposal"] is None and state["status"] == "imbalanced"
+    assert f"proposal {pid}" in state["status_detail"]
+
+
+def test_observe_mode_computes_but_never_sends(make):
+    j = make("observe")
+    j.hello()
+    j.steps(12)
+    j.tick()
+    assert j.ctl.job_control(JOB)["pending_proposal"]["status"] == "proposed"
+    assert all(s.sent == [] for s in j.socks)
+
+
+def test_auto_mode_applies_under_the_move_cap_then_waits_out_the_cooldown(make):
+    j = make("auto", auto_max_move_fraction=0.125)  # at most 6 samples a rank per change
+    j.hello()
+    j.steps(12, per_sample_ms=(1.0, 1.0, 8.0))
+    j.tick()
+    sent = [m.shares for m in j.socks[0].sent]
+    assert len(sent) == 1 and sent[0][2] == 16 - 6  # the guardrail cut a bigger move
+    assert all(abs(a - b) <= 6 for a, b in zip(sent[0], [16, 16, 16], strict=True))
+    prop = j.ctl.proposals(JOB)[0]
+    assert (prop["status"], prop["decided_by"]) == ("approved", "auto")
+    j.ack_all(1)
+    assert j.ctl.proposals(JOB)[0]["status"] == "applied"
+    j.steps(4, per_sample_ms=(1.0, 1.0, 8.0))
+    j.tick()
+    assert len(j.socks[0].sent) == 1  # cooldown: 8 steps after the change
+    assert j.ctl.job_control(JOB)["status_detail"].startswith("cooldown")
+    j.steps(10, per_sample_ms=(1.0, 1.0, 8.0))
+    j.tick()
+    assert len(j.socks[0].sent) == 2 and j.socks[0].sent[1].shares[2] < sent[0][2]
+    audit = [a for a in j.ctl.audit(JOB) if a["action"] == "proposal.auto_apply"]
+    assert len(audit) == 2 and audit[0]["actor"] == "auto"
+
+
+def test_auto_rollback_when_the_measured_step_time_gets_worse(make):
+    j = make("auto", rollback_threshold=0.05)
+    j.hello()
+    j.steps(12)
+    j.tick()
+    new = j.socks[0].sent[-1]
+    j.ack_all(new.version)
+    # After the switch every step is slower than before (say the new shapes recompile).
+    j.steps(10, shares=new.shares, version=new.version, per_sample_ms=(6.0, 6.0, 6.0))
+    j.tick()
+    last = j.socks[0].sent[-1]
+    assert last.version == new.version + 1 and last.shares == [16, 16, 16]
+    rows = j.ctl.placements(JOB)
+    assert rows[0]["source"] == "rollback" and rows[1]["effect"]["rolled_back"] is True
+    assert rows[1]["effect"]["step_ms_after"] > rows[1]["effect"]["step_ms_before"]
+    assert any(a["action"] == "placement.auto_rollback" and a["actor"] == "controller"
+               for a in j.ctl.audit(JOB))
+    assert j.ctl.job_control(JOB)["last_effect"]["rolled_back"] is True
+    # The rolled-back split is not tried again.
+    j.ack_all(last.version)
+    j.steps(20, shares=last.shares, version=last.version)
+    j.tick()
+    assert [m.shares for m in j.socks[0].sent].count(new.shares) == 1
+
+
+def test_static_strategy_proposes_before_any_step(make):
+    j = make("auto", default_strategy="static")
+    j.hello(devices=("NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB"))
+    assert j.k == 0
+    sent = j.socks[0].sent
+    assert len(sent) == 1 and sent[0].shares[0] > sent[0].shares[2] and sum(sent[0].shares) == B
+
+
+def test_overrides_drive_a_new_placement_in_auto_mode(make):
+    j = make("auto")
+    j.hello()
+    j.steps(3)
+    out = asyncio.run(j.ctl.set_overrides(JOB, {"drains": [1]}, actor=OPERATOR, reason="rank 1 flaky"))
+    assert out["proposal_id"] is not None
+    assert j.socks[0].sent[-1].shares[1] == 0
