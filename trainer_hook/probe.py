@@ -171,8 +171,10 @@ class DeviceProbe:
         self._energy: tuple[float, float] | None = None  # (mJ, clock) of the previous read
         self._nvml = nvml if nvml is not None else (load_nvml() if use_nvml else None)
         self._handle: Any = None
+        self._explicit_index = device_index is not None
+        self._index = device_index if device_index is not None else _default_index()
         if self._nvml is not None:
-            index = device_index if device_index is not None else _default_index()
+            index = self._index
             self._handle = self._get_handle(index)
             if self._handle is None:
                 log.warning("NVML has no device for CUDA index %d; falling back to psutil.", index)
@@ -241,6 +243,9 @@ class DeviceProbe:
             total = _int_attr(mem, "total")
             name = str(name) if name else "NVIDIA GPU"
             return device_type_key(name, total), name, total
+        accel = self._torch_device()
+        if accel is not None:
+            return device_type_key(accel[0], accel[1]), accel[0], accel[1]
         total = None
         if self._psutil is not None:
             try:
@@ -248,6 +253,23 @@ class DeviceProbe:
             except Exception:  # noqa: BLE001
                 total = None
         return "CPU", _cpu_name(), total
+
+    def _torch_device(self) -> tuple[str, int | None] | None:
+        """(name, memory) of this rank's accelerator as torch sees it, when NVML cannot see
+        it (AMD GPUs under ROCm, NVIDIA without NVML); None for a CPU rank."""
+        torch = sys.modules.get("torch")  # a rank that never imported torch trains on no GPU
+        if torch is None:
+            return None
+        try:
+            if not torch.cuda.is_available():
+                return None
+            if not (self._explicit_index or torch.cuda.is_initialized()):
+                return None
+            props = torch.cuda.get_device_properties(self._index)
+            total = getattr(props, "total_memory", None)
+            return str(props.name), int(total) if isinstance(total, int) else None
+        except Exception:  # noqa: BLE001 - a read that fails returns the sentinel
+            return None
 
     def sample_now(self) -> DeviceSample:
         """Take one sample on the calling thread and store it as ``latest()``."""

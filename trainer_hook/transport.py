@@ -260,7 +260,7 @@ class Transport:
             raise _Stop from None
         self._ws = ws
         try:
-            hello = self._hello()
+            hello = self._make_hello()
             self._ident = (hello.job, hello.rank)
             ws.send(encode(hello))
             self._connected = True
@@ -281,6 +281,16 @@ class Transport:
             self._connected = False
             self._ws = None
             ws.close_socket()
+
+    def _make_hello(self) -> Hello:
+        try:
+            hello = self._hello()
+        except Exception as exc:
+            log.exception("hello() raised; the transport retries with back-off.")
+            raise ConnectionError(f"hello() raised {type(exc).__name__}") from exc
+        if not isinstance(hello, Hello):
+            raise ConnectionError(f"hello() must return a Hello, got {type(hello).__name__}")
+        return hello
 
     def _closed_by_server(self, exc: ConnectionClosed) -> None:
         code = exc.rcvd.code if exc.rcvd is not None else None
@@ -386,7 +396,7 @@ class Transport:
             return
         with ws:
             try:
-                hello = self._hello()
+                hello = self._make_hello()
                 self._ident = (hello.job, hello.rank)
                 ws.send(encode(hello))
             except Exception as exc:  # noqa: BLE001

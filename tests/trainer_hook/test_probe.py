@@ -262,3 +262,19 @@ def test_bad_arguments(kwargs: dict[str, object], text: str) -> None:
     with pytest.raises(ValueError) as exc:
         DeviceProbe(use_nvml=False, **kwargs)  # type: ignore[arg-type]
     assert str(exc.value) == text
+
+
+def test_accelerator_without_nvml_is_described_through_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A ROCm build reports AMD GPUs through torch.cuda; NVML does not see them. No such GPU
+    # here, so torch.cuda's answers are faked; the mapping and the fallback are real.
+    import torch
+
+    props = type("Props", (), {"name": "AMD Instinct MI300X", "total_memory": 192 * 2**30})()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props if i == 1 else None)
+    probe = DeviceProbe(use_nvml=False, device_index=1)
+    assert probe.describe() == ("MI300X", "AMD Instinct MI300X", 192 * 2**30)
+    assert probe.sample_now().source == "psutil"
+    # Without an explicit device and with CUDA never initialised, the rank is a CPU rank.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert DeviceProbe(use_nvml=False).describe()[0] == "CPU"

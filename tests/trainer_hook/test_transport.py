@@ -454,3 +454,57 @@ def test_frames_that_would_exceed_the_size_limit_are_split(backend: WsBackend) -
         assert t.dropped == 0
     finally:
         t.close()
+
+
+def test_malformed_close_reconnects_with_backoff() -> None:
+    b = WsBackend(close_on_hello=(4002, "The first message must be 'hello'.")).start()
+    state = HookState()
+    t = make(b.port, state)
+    t.start()
+    try:
+        b.wait(lambda: b.connections >= 3, "reconnects after close 4002")
+        assert all(isinstance(m, Hello) for _, m in b.frames)  # hello first on each connection
+    finally:
+        t.close()
+        b.stop()
+
+
+def test_hello_that_raises_is_contained(backend: WsBackend, caplog: pytest.LogCaptureFixture) -> None:
+    calls = {"n": 0}
+    state = HookState()
+
+    def flaky_hello() -> Hello:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("probe not ready")
+        return state.hello()
+
+    t = Transport(url=f"http://127.0.0.1:{backend.port}", token=None, hello=flaky_hello,
+                  on_message=state.on_message, backoff_initial_s=0.05, flush_interval_s=0.05)
+    t.start()
+    try:
+        t.put_step(step(0))
+        backend.wait(lambda: len(backend.steps()) == 1, "a step after hello recovered")
+        assert calls["n"] == 2 and "hello() raised" in caplog.text
+    finally:
+        t.close()
+
+
+def test_close_returns_when_the_backend_never_answers_the_handshake() -> None:
+    # A listener that accepts TCP connections but never speaks (a hung backend).
+    import socket
+
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(8)
+    try:
+        state = HookState()
+        t = make(lsock.getsockname()[1], state, open_timeout_s=3.0)
+        t.start()
+        for k in range(100):
+            t.put_step(step(k))
+        assert not t.connected
+        t.close(timeout=0.2)  # must come back although the thread is stuck in the handshake
+        assert not t.connected
+    finally:
+        lsock.close()
