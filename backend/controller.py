@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ class _JobState:
     applied: bool = False  # every rank acked the placement in force
     effective: int | None = None  # the batch index it took effect at
     measured: bool = False  # its effect is on record
+    busy: bool = False  # a policy run is in flight
 
 
 class Controller:
@@ -93,6 +95,7 @@ class Controller:
         self._wall = wall
         self._jobs: dict[str, _JobState] = {}
         self._task: asyncio.Task[None] | None = None
+        self._lock = threading.Lock()
         # Run the policy at most this often per job, whatever the metrics rate.
         self.min_interval_s = 0.5
 
@@ -168,8 +171,8 @@ class Controller:
                 st.applied = pl.applied_at is not None
                 st.effective = pl.effective_batch_index if st.applied else None
                 st.measured = pl.step_ms_after is not None
-        self._jobs[job] = st
-        return st
+        with self._lock:  # job_control is also read from worker threads
+            return self._jobs.setdefault(job, st)
 
     def _require(self, job: str) -> _JobState:
         st = self._load(job)
@@ -442,17 +445,12 @@ class Controller:
             **{k: self._knob(st, k) for k in ("rollback_threshold", "effect_window_steps", "proposal_ttl_s")},
         }
 
-    def _constraints(self, st: _JobState, obs: Any = None) -> Any:
+    def _constraints(self, st: _JobState) -> Any:
+        """The operator's overrides as policy constraints (``decide`` adds memory caps)."""
         from backend.policy.types import Constraints
 
         ov = st.overrides
-        caps = dict(ov["caps"])
-        if obs is not None:
-            from backend.policy import memory_caps
-
-            for r, cap in memory_caps(obs).items():
-                caps[r] = min(cap, caps.get(r, cap))
-        return Constraints(pins=dict(ov["pins"]), caps=caps, floors=dict(ov["floors"]),
+        return Constraints(pins=dict(ov["pins"]), caps=dict(ov["caps"]), floors=dict(ov["floors"]),
                            drains=frozenset(ov["drains"]), granularity=int(ov["granularity"]))
 
     def _observation(self, st: _JobState) -> Any:
@@ -508,16 +506,27 @@ class Controller:
             pending = self._pending(s, st.job)
             if pending is not None and pending.source != "policy":
                 return  # an operator's own proposal is not replaced by the policy
-        obs = self._observation(st)
-        if obs is None:
-            return
         cfg = self._config(st)
+
+        def think() -> Any:
+            obs = self._observation(st)
+            return None if obs is None else decide(obs, cfg, self._constraints(st))
+
+        if st.busy:
+            return
+        st.busy, version = True, st.version
         try:
-            constraints = self._constraints(st, obs)
-            decision = decide(obs, cfg, constraints)
+            # Off the event loop: at thousands of ranks building the observation and fitting
+            # takes long enough to stall every websocket.
+            decision = await asyncio.to_thread(think)
         except InfeasibleError as exc:
             st.status, st.status_detail = "imbalanced", f"the overrides admit no placement: {exc}"
             return
+        finally:
+            st.busy = False
+        if decision is None or st.version != version:
+            return  # no data yet, or the placement changed while the policy was thinking
+        constraints = self._constraints(st)
         if not isinstance(decision, PolicyProposal):
             st.status = ("warming_up" if decision.status in ("warming_up", "no_data")
                          else "imbalanced" if decision.status == "infeasible" else "balanced")

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, Float, Integer, String, Text, UniqueConstraint, select
+from sqlalchemy import JSON, Boolean, Float, Integer, String, Text, UniqueConstraint, func, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from backend.storage.base import Base
@@ -283,6 +283,8 @@ def list_audit(
 def proposal_counts(session: Session, job: str) -> dict[str, int]:
     """Number of proposals of ``job`` in each status (every status present, zeros too)."""
     out = dict.fromkeys(PROPOSAL_STATUSES, 0)
-    for (status,) in session.execute(select(ProposalRow.status).where(ProposalRow.job == job)):
-        out[status] = out.get(status, 0) + 1
+    stmt = (select(ProposalRow.status, func.count(ProposalRow.id))
+            .where(ProposalRow.job == job).group_by(ProposalRow.status))
+    for status, n in session.execute(stmt):
+        out[status] = int(n)
     return out
