@@ -10,8 +10,8 @@ it stops, so only the last few units are placed one by one: O(N log) with numpy.
 Granularity g: every share that is not pinned or drained is a multiple of g. When the
 samples left after pins are not a multiple of g, the remainder r = R mod g goes to exactly
 one rank (its share is r plus a multiple of g): the rank that gives the lowest optimum.
-All ranks are tried when there are at most 64 free ranks (exact); above that, the 8 most
-promising ones.
+All ranks are tried when there are at most 64 free ranks; above that an O(N) pass gives
+the same step time (see ``_fast_remainder``).
 """
 
 from __future__ import annotations
@@ -302,6 +302,10 @@ def solve(
 def _best_remainder_split(a: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.ndarray,
                           g: int, total: int, rem: int) -> np.ndarray | None:
     n = a.size
+    if n > _EXACT_REMAINDER_RANKS:
+        fast = _fast_remainder(a, c, lo, hi, g, total, rem)
+        if fast is not None:
+            return fast
     if n <= _EXACT_REMAINDER_RANKS:
         candidates = list(range(n))
     else:
@@ -325,6 +329,52 @@ def _best_remainder_split(a: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.n
         if best_key is None or key < best_key:
             best, best_key = got, key
     return best
+
+
+def _fast_remainder(a: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.ndarray, g: int,
+                    total: int, rem: int) -> np.ndarray | None:
+    """Remainder rank in O(N): exact in the step time, ties by lowest rank.
+
+    Giving rank j the remainder raises each of its unit costs by less than one unit step,
+    so against the split of the multiples alone, j either keeps its units (A) or hands
+    one unit to the cheapest next unit elsewhere (B). None when that split does not exist
+    (a rank can hold only the remainder, or the multiples alone are infeasible).
+    """
+    units = (total - rem) // g
+    lo_u = -(-lo // g)
+    hi_u = hi // g
+    if np.any(lo_u > hi_u) or lo_u.sum() > units or hi_u.sum() < units:
+        return None
+    u = _water_fill(a, c * g, lo_u.astype(float), hi_u.astype(float), units)
+    share = u * g
+    t = np.where(share > 0, a + c * share, -np.inf)
+    n = a.size
+    idx = np.arange(n)
+    top = int(np.argmax(t))
+    rest = np.delete(t, top)
+    second = float(rest.max()) if rest.size else -np.inf
+    m_excl = np.where(idx == top, second, t[top])
+    t_a = a + c * (share + rem)
+    key_a = np.where(share + rem <= hi, np.maximum(m_excl, t_a), np.inf)
+    nxt = np.where(u < hi_u, a + c * g * (u + 1), np.inf)
+    low = int(np.argmin(nxt))
+    rest = np.delete(nxt, low)
+    second_low = float(rest.min()) if rest.size else np.inf
+    n_excl = np.where(idx == low, second_low, nxt[low])
+    taker = np.where(idx == low, int(np.argmin(np.where(idx == low, np.inf, nxt))), low)
+    share_b = share - g + rem
+    ok_b = (u >= 1) & (share_b >= lo) & np.isfinite(n_excl)
+    key_b = np.where(ok_b, np.maximum(np.maximum(m_excl, a + c * share_b), n_excl), np.inf)
+    best_a, best_b = int(np.argmin(key_a)), int(np.argmin(key_b))
+    if not np.isfinite(key_a[best_a]) and not np.isfinite(key_b[best_b]):
+        return None
+    out = share.copy()
+    if key_a[best_a] <= key_b[best_b]:
+        out[best_a] += rem
+    else:
+        out[best_b] = share_b[best_b]
+        out[int(taker[best_b])] += g
+    return out
 
 
 def predicted_step_ms(a_ms: Sequence[float], c_ms: Sequence[float],
