@@ -193,13 +193,16 @@ class Controller:
         with self._session() as s:
             if st is None:
                 shares = uniform_shares(hello.world_size, hello.global_batch_size)
+                # A job that already runs a version this backend never recorded (its database
+                # was replaced) must get a newer one, or the hook would refuse it as stale.
+                first = hello.placement_version + 1 if hello.placement_version > 0 else 0
                 s.add(db.JobSettingsRow(
                     job=job, world_size=hello.world_size, global_batch_size=hello.global_batch_size,
                     mode=self._setting("default_mode", "approve"), policy={},
                     created_at=self._wall(), updated_at=self._wall(),
                 ))
                 s.add(db.PlacementRow(
-                    job=job, version=0, shares=shares, source="initial", actor=_SYSTEM,
+                    job=job, version=first, shares=shares, source="initial", actor=_SYSTEM,
                     reason="uniform split for a new job", created_at=self._wall(), acks={},
                 ))
                 db.record_audit(s, actor=_SYSTEM, action="job.create", job=job,

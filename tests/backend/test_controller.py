@@ -238,3 +238,10 @@ def test_proposal_counts_by_status(env):
     run(ctl.submit_manual(JOB, [18, 18, 12], actor=OPERATOR))
     counts = ctl.proposal_counts(JOB)
     assert counts["rejected"] == 1 and counts["proposed"] == 1 and counts["applied"] == 0
+
+
+def test_a_job_running_a_version_the_backend_never_saw_gets_a_newer_one(env):
+    svc, ctl, _, _ = env
+    h = Hello(job="orphan", rank=0, world_size=2, global_batch_size=8, placement_version=5)
+    p = run(ctl.on_hello(h))
+    assert (p.version, p.shares) == (6, [4, 4])
