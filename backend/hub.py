@@ -255,7 +255,9 @@ class DashboardHub:
         for recs in pending.values():
             for r, s in recs.items():
                 by_rank.setdefault(r, []).append(s.compute_ms)
-        col = [round(sum(v) / len(v), 3) if (v := by_rank.get(r)) else None for r in range(world)]
+        # A rank whose metrics batch has not arrived this tick keeps its previous value.
+        prev = feed.heat[-1]["compute"] if feed.heat else [None] * world
+        col = [round(sum(v) / len(v), 3) if (v := by_rank.get(r)) else prev[r] for r in range(world)]
         util = [None] * world
         for rv in view.ranks:
             if rv.device is not None and rv.rank < world:

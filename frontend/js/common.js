@@ -1,0 +1,167 @@
+// Shared helpers of the dashboard pages: token, REST calls, the live socket, formatting.
+
+const TOKEN_KEY = "rebalancer.token";
+
+/** The bearer token: `?token=` wins (and is remembered), else the one stored earlier. */
+export function getToken() {
+  const q = new URLSearchParams(location.search).get("token");
+  if (q) {
+    localStorage.setItem(TOKEN_KEY, q);
+    return q;
+  }
+  return localStorage.getItem(TOKEN_KEY) || "";
+}
+
+export function setToken(token) {
+  if (token) localStorage.setItem(TOKEN_KEY, token);
+  else localStorage.removeItem(TOKEN_KEY);
+}
+
+/** A REST call under /api/v1; throws Error(detail) on a non-2xx answer. */
+export async function api(path, { method = "GET", body } = {}) {
+  const headers = { Accept: "application/json" };
+  const token = getToken();
+  if (token) headers.Authorization = `Bearer ${token}`;
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  const res = await fetch(`/api/v1${path}`, {
+    method, headers, body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const text = await res.text();
+  let data = null;
+  try { data = text ? JSON.parse(text) : null; } catch { data = { detail: text }; }
+  if (!res.ok) {
+    let detail = data && data.detail !== undefined ? data.detail : `HTTP ${res.status}`;
+    if (Array.isArray(detail)) detail = detail.map((d) => d.msg || JSON.stringify(d)).join("; ");
+    const err = new Error(String(detail));
+    err.status = res.status;
+    throw err;
+  }
+  return data;
+}
+
+/** Who the token belongs to: {name, role, operator, open_mode}, or null when refused. */
+export async function whoami() {
+  try { return await api("/whoami"); } catch (e) { return { error: e.message, status: e.status }; }
+}
+
+/**
+ * Keep a /ws/dashboard socket open: reconnect with capped exponential backoff.
+ * onFrame(frame) gets every parsed frame; onState(state, detail) gets
+ * "connecting" | "open" | "closed".
+ */
+export function liveSocket(job, onFrame, onState) {
+  let delay = 500;
+  let ws = null;
+  let stopped = false;
+  const connect = () => {
+    const params = new URLSearchParams();
+    if (job) params.set("job", job);
+    const token = getToken();
+    if (token) params.set("token", token);
+    const proto = location.protocol === "https:" ? "wss" : "ws";
+    onState("connecting", "");
+    ws = new WebSocket(`${proto}://${location.host}/ws/dashboard?${params}`);
+    ws.onopen = () => { delay = 500; onState("open", ""); };
+    ws.onmessage = (ev) => {
+      let frame;
+      try { frame = JSON.parse(ev.data); } catch { return; }
+      onFrame(frame);
+    };
+    ws.onclose = (ev) => {
+      if (stopped) return;
+      const why = ev.code === 4401 ? "token missing or invalid" : ev.code === 4403 ? "token lacks the viewer role" : "";
+      onState("closed", why);
+      // Jitter keeps a room full of dashboards from reconnecting in lockstep.
+      setTimeout(connect, delay * (0.75 + Math.random() / 2));
+      delay = Math.min(delay * 2, 8000);
+    };
+  };
+  connect();
+  return { close() { stopped = true; if (ws) ws.close(); } };
+}
+
+// --- formatting -------------------------------------------------------------------------
+
+export const STATUS_LABEL = {
+  warming_up: "warming up", balanced: "balanced", imbalanced: "imbalanced",
+  proposal_pending: "proposal pending", idle: "idle",
+};
+
+export function fmt(v, digits = 1, unit = "") {
+  if (v === null || v === undefined || Number.isNaN(v)) return "–";
+  return `${Number(v).toFixed(digits)}${unit}`;
+}
+
+export function pct(v, digits = 1) {
+  return v === null || v === undefined ? "–" : `${(100 * v).toFixed(digits)}%`;
+}
+
+export function bytes(v) {
+  if (v === null || v === undefined) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (v >= 1024 && i < units.length - 1) { v /= 1024; i += 1; }
+  return `${v.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+export function duration(s) {
+  if (s === null || s === undefined || !Number.isFinite(s)) return "–";
+  if (Math.abs(s) < 10) return `${s.toFixed(1)} s`;
+  if (s < 60) return `${s.toFixed(0)} s`;
+  if (s < 3600) return `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
+  const h = Math.floor(s / 3600);
+  return `${h} h ${Math.round((s % 3600) / 60)} min`;
+}
+
+export function money(v) {
+  return v === null || v === undefined ? "–" : `$${v < 10 ? v.toFixed(2) : v.toFixed(0)}`;
+}
+
+export function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else if (v !== null && v !== undefined && v !== false) node.setAttribute(k, v === true ? "" : v);
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined) continue;
+    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return node;
+}
+
+/** The token box in the header: shows who you are, lets you paste another token. */
+export async function mountTokenBox(root, onChange) {
+  const me = await whoami();
+  const input = el("input", { type: "password", placeholder: "token", id: "token-input", size: 14 });
+  const label = me && me.role
+    ? el("span", { class: "who", id: "whoami" }, `${me.name} · ${me.role}${me.open_mode ? " (open mode)" : ""}`)
+    : el("span", { class: "who warn", id: "whoami" }, me && me.status === 401 ? "token needed" : "signed out");
+  const save = el("button", {
+    type: "button", class: "small", id: "token-save",
+    onclick: () => { setToken(input.value.trim()); onChange ? onChange() : location.reload(); },
+  }, input.value ? "Use" : "Use token");
+  const clear = el("button", {
+    type: "button", class: "small ghost",
+    onclick: () => { setToken(""); location.href = location.pathname; },
+  }, "Forget");
+  root.replaceChildren(label, input, save, clear);
+  return me;
+}
+
+/** Steps the user says the run will take in all (remembered per job in this browser). */
+export function totalSteps(job) {
+  const v = Number(localStorage.getItem(`rebalancer.total.${job}`));
+  return Number.isFinite(v) && v > 0 ? v : null;
+}
+
+export function setTotalSteps(job, n) {
+  if (n) localStorage.setItem(`rebalancer.total.${job}`, String(n));
+  else localStorage.removeItem(`rebalancer.total.${job}`);
+}
+
+export function etaSeconds(summary, total) {
+  if (!summary || !total || !summary.step_ms || summary.batch_index === null) return null;
+  return Math.max(total - (summary.batch_index + 1), 0) * summary.step_ms / 1000;
+}

@@ -1,0 +1,177 @@
+// Job view: wires the live socket to the charts, the tables and the operator controls.
+import { Charts } from "./charts.js";
+import {
+  STATUS_LABEL, bytes, duration, el, etaSeconds, fmt, getToken, liveSocket, money,
+  mountTokenBox, pct, setTotalSteps, totalSteps,
+} from "./common.js";
+import { Controls, stat } from "./controls.js";
+
+const $ = (id) => document.getElementById(id);
+const job = decodeURIComponent(location.pathname.replace(/^\/job\//, "").replace(/\/$/, ""));
+const STALE_MS = 5000;
+
+document.title = `Rebalancer · ${job}`;
+$("job-name").textContent = job;
+if (new URLSearchParams(location.search).get("token")) $("home-link").href = `/?token=${encodeURIComponent(getToken())}`;
+
+const charts = new Charts();
+// State the tests (and curious operators in the console) can read.
+const state = { frames: 0, lastFrameAt: 0, summary: null, control: {}, ranks: null, savings: null, me: null };
+window.rebalancer = { state, charts };
+let controls = null;
+
+function renderSummary(s, savings) {
+  if (!s) return;
+  $("status").className = `pill ${s.status}`;
+  $("status").textContent = STATUS_LABEL[s.status] || s.status;
+  $("status-detail").textContent = s.status_detail || "";
+  const thr = s.step_ms ? (s.global_batch_size * 1000) / s.step_ms : null;
+  $("stats").replaceChildren(
+    stat("ranks", `${s.connected_ranks}/${s.world_size}`),
+    stat("global batch", s.global_batch_size),
+    stat("batch", s.batch_index ?? "–"),
+    stat("step", fmt(s.step_ms, 1, " ms")),
+    stat("steps/s", fmt(s.step_rate_hz, 2)),
+    stat("samples/s", fmt(thr, 0)),
+    stat("imbalance", pct(s.imbalance), s.imbalance > 0.1 ? "bad" : "good"),
+    stat("idle", pct(s.idle_fraction)),
+    stat("placement", s.placement_version === null || s.placement_version === undefined ? "–" : `v${s.placement_version}`),
+    stat("cost/h", money(s.cost_per_hour)),
+  );
+  renderForecast(s, savings);
+}
+
+function renderForecast(s, savings) {
+  const total = totalSteps(job);
+  const eta = etaSeconds(s, total);
+  const cost = eta !== null && s.cost_per_hour ? (eta / 3600) * s.cost_per_hour : null;
+  $("forecast").replaceChildren(
+    stat("ETA", total ? duration(eta) : "set total steps"),
+    stat("cost/h", money(s.cost_per_hour)),
+    stat("cost to finish", money(cost)),
+  );
+  if (!savings) return;
+  const faster = savings.uniform_s > 0 ? 1 - savings.measured_s / savings.uniform_s : null;
+  $("savings").replaceChildren(
+    stat("time saved", duration(savings.saved_s), savings.saved_s > 0 ? "good" : ""),
+    stat("faster than uniform", pct(faster), faster > 0 ? "good" : ""),
+    stat("cost saved", money(savings.saved_cost)),
+  );
+}
+
+function renderDevices(r, shares) {
+  if (!r || !r.rank) return;
+  const worst = Math.max(...r.compute_ms.map((v) => v ?? 0));
+  const body = $("device-table").querySelector("tbody");
+  body.replaceChildren(...r.rank.map((rank, i) => {
+    const mem = r.mem_used_bytes[i] !== null && r.mem_used_bytes[i] !== undefined
+      ? `${bytes(r.mem_used_bytes[i])} / ${bytes(r.mem_total_bytes[i])}`
+      : r.rss_bytes[i] ? `rss ${bytes(r.rss_bytes[i])}` : "–";
+    const util = r.util_pct[i] ?? r.cpu_pct[i];
+    const clock = r.sm_clock_mhz[i] === null ? "–" : `${fmt(r.sm_clock_mhz[i], 0)}${r.sm_clock_max_mhz[i] ? ` / ${fmt(r.sm_clock_max_mhz[i], 0)}` : ""} MHz`;
+    const slow = r.compute_ms[i] === worst && worst > 0 && r.rank.length > 1;
+    return el("tr", { class: slow ? "straggler" : "", "data-rank": rank },
+      el("td", {}, `r${rank}`, r.connected[i] ? "" : " (disconnected)"),
+      el("td", {}, r.host[i] || ""),
+      el("td", { title: r.device_name[i] || "" }, r.device_type[i] || ""),
+      el("td", { class: "num" }, shares[i] ?? r.share[i] ?? "–"),
+      el("td", { class: "num" }, fmt(r.compute_ms[i], 1, " ms")),
+      el("td", { class: "num" }, fmt(r.sync_wait_ms[i], 1, " ms")),
+      el("td", { class: "num" }, fmt(r.data_wait_ms[i], 1, " ms")),
+      el("td", { class: "num" }, fmt(util, 0, r.util_pct[i] === null ? " % cpu" : " %")),
+      el("td", { class: "num" }, mem),
+      el("td", { class: "num" }, fmt(r.power_w[i], 0, " W")),
+      el("td", { class: "num" }, fmt(r.temp_c[i], 0, " °C")),
+      el("td", { class: "num" }, clock),
+      el("td", {}, (r.throttle_reasons[i] || []).join(", ")),
+      el("td", { class: "num" }, money(r.price_per_hour[i])),
+    );
+  }));
+}
+
+// Frames arrive at up to 10 Hz; drawing is slower than parsing (software rendering, 512
+// ranks), so frames are merged and drawn at most every DRAW_MS on an animation frame.
+const DRAW_MS = 250;
+let pending = null;
+let lastDraw = 0;
+let drawQueued = false;
+
+function merge(into, f) {
+  if (!into || f.full) return { ...f, series: { ...f.series }, heat: [...(f.heat || [])], markers: [...(f.markers || [])] };
+  for (const k of Object.keys(f.series)) into.series[k] = (into.series[k] || []).concat(f.series[k]);
+  into.heat.push(...(f.heat || []));
+  into.markers.push(...(f.markers || []));
+  for (const k of ["summary", "control", "ranks", "savings", "t"]) into[k] = f[k];
+  return into;
+}
+
+function onFrame(f) {
+  if (f.type !== "job") return;
+  state.frames += 1;
+  state.lastFrameAt = Date.now();
+  setConn("open", "");
+  if (!f.summary) {
+    $("status-detail").textContent = `No data for job ${job} yet: waiting for its ranks to connect.`;
+    return;
+  }
+  pending = merge(pending, f);
+  if (!drawQueued) {
+    drawQueued = true;
+    setTimeout(() => requestAnimationFrame(draw), Math.max(0, DRAW_MS - (Date.now() - lastDraw)));
+  }
+}
+
+function draw() {
+  drawQueued = false;
+  lastDraw = Date.now();
+  const f = pending;
+  pending = null;
+  if (!f) return;
+  state.summary = f.summary;
+  state.control = f.control || {};
+  state.ranks = f.ranks;
+  state.savings = f.savings;
+  state.draws = (state.draws || 0) + 1;
+  renderSummary(f.summary, f.savings);
+  charts.updateRanks(f.ranks);
+  charts.addHeat(f.heat || [], f.full);
+  charts.updateSeries(f.series, f.markers || [], f.full);
+  charts.updatePlacement(state.control, f.ranks);
+  renderDevices(f.ranks, (state.control.placement && state.control.placement.shares) || []);
+  if (controls) controls.update(state.control, f.ranks);
+  const stale = f.summary.age_s !== null && f.summary.age_s * 1000 > STALE_MS;
+  showStale(stale, stale ? `Data is stale: the job sent nothing for ${duration(f.summary.age_s)}.` : "");
+}
+
+function showStale(on, text) {
+  $("stale-banner").hidden = !on;
+  if (on) $("stale-banner").textContent = text;
+}
+
+function setConn(s, detail) {
+  const c = $("conn");
+  c.className = `conn ${s}`;
+  c.textContent = s === "open" ? "live" : s === "closed" ? `reconnecting${detail ? `: ${detail}` : ""}` : "connecting";
+}
+
+setInterval(() => {
+  if (state.lastFrameAt && Date.now() - state.lastFrameAt > STALE_MS) {
+    showStale(true, `Data is stale: no update from the server for ${duration((Date.now() - state.lastFrameAt) / 1000)}; reconnecting.`);
+  }
+}, 1000);
+
+$("heat-metric").addEventListener("change", (e) => charts.setHeatMetric(e.target.value));
+$("total-steps").value = totalSteps(job) || "";
+$("total-steps").addEventListener("change", (e) => {
+  const n = Math.floor(Number(e.target.value));
+  setTotalSteps(job, n > 0 ? n : null);
+  if (state.summary) renderForecast(state.summary, state.savings);
+});
+
+mountTokenBox($("token-box")).then((me) => {
+  state.me = me;
+  controls = new Controls(job, me);
+  if (state.ranks) controls.update(state.control, state.ranks);
+  document.body.dataset.role = me && me.role ? me.role : "none";
+});
+liveSocket(job, onFrame, setConn);
