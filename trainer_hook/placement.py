@@ -63,14 +63,20 @@ class PlacementSchedule:
     def add(self, start_batch: int, version: int, shares: list[int]) -> ScheduledPlacement:
         """Put ``shares`` in force from ``start_batch`` on. Raises ValueError if invalid.
 
-        The version must be newer than every scheduled one and ``start_batch`` must not
-        be earlier than the last scheduled start (placements only move forward).
+        The version must be newer than every scheduled one, ``start_batch`` must not be
+        earlier than the last scheduled start (placements only move forward) and must lie
+        past ``settled_until`` (a settled batch may already sit in a loader's prefetch).
         """
         checked = check_shares(shares, world_size=self.world_size, global_batch_size=self.global_batch_size)
         with self._lock:
             last = self._entries[-1]
             if version <= last.version:
                 raise ValueError(f"placement version {version} is not newer than version {last.version} already scheduled.")
+            if self._settled_until is not None and start_batch <= self._settled_until:
+                raise ValueError(
+                    f"placement version {version} would start at batch {start_batch}, but batches up "
+                    f"to {self._settled_until} are settled (a loader may already hold them)."
+                )
             if start_batch < last.start_batch:
                 raise ValueError(
                     f"placement version {version} would start at batch {start_batch}, before version "

@@ -1,0 +1,195 @@
+"""RebalanceHook in one process: offline steps, placements, rejects, attach errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainer_hook import RebalanceHook
+from trainer_hook.gradients import GradientState, register_comm_hook
+from trainer_hook.protocol import Error, Placement
+
+
+@pytest.fixture(autouse=True)
+def _offline_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("REBALANCER_SERVER", "REBALANCER_JOB", "REBALANCER_TOKEN", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _data(n: int = 32) -> TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 4, generator=gen), torch.randn(n, 1, generator=gen))
+
+
+def _train(hook: RebalanceHook, model: torch.nn.Module, steps: int, on_step=None) -> None:  # type: ignore[no-untyped-def]
+    ds = _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(ds, batch_sampler=hook.batch_sampler(ds, seed=1))
+    while hook.batch_index < steps:
+        for x, y in loader:
+            if on_step is not None:
+                on_step(hook.batch_index)
+            with hook.step():
+                loss = torch.nn.functional.mse_loss(model(x), y) * hook.loss_weight()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            if hook.batch_index >= steps:
+                break
+
+
+def test_offline_hook_times_every_step_and_keeps_history() -> None:
+    hook = RebalanceHook(global_batch_size=8)
+    model = hook.attach(torch.nn.Linear(4, 1))
+    _train(hook, model, 10)
+    hook.close()
+    assert hook.batch_index == 10 and len(hook.history) == 10
+    assert [r.batch_index for r in hook.history] == list(range(10))
+    last = hook.last_step
+    assert last is not None and last.local_batch_size == 8 and last.placement_version == 0
+    assert last.compute_ms > 0 and last.step_ms >= last.compute_ms
+    assert not hook.connected and hook.dropped == 0
+    assert (hook.rank, hook.world_size, hook.shares) == (0, 1, [8])
+
+
+def test_request_placement_applies_at_the_announced_batch_and_acks() -> None:
+    hook = RebalanceHook(global_batch_size=8, exchange_every=2, exchange_lag=1, lookahead=2)
+    model = hook.attach(torch.nn.Linear(4, 1))
+    versions = []
+
+    def on_step(k: int) -> None:
+        if k == 3:
+            assert hook.request_placement([8], reason="again") == 1
+        versions.append(hook.schedule.at(k).version)
+
+    _train(hook, model, 10, on_step)
+    hook.close()
+    # Requested before step 3; the exchange at step 4 announces batch 4 + 1 + 2 = 7.
+    assert hook.acks == [(1, 7)]
+    assert versions == [0] * 7 + [1] * 3
+    assert [r.placement_version for r in hook.history] == versions
+
+
+def test_invalid_placements_are_rejected_with_reasons_and_training_goes_on() -> None:
+    hook = RebalanceHook(global_batch_size=8, exchange_every=2, exchange_lag=1, lookahead=2)
+    model = hook.attach(torch.nn.Linear(4, 1))
+    raised: list[str] = []
+
+    def on_step(k: int) -> None:
+        if k == 2:
+            for bad in ([4, 4], [7], [-8]):
+                try:
+                    hook.request_placement(bad)
+                except ValueError as exc:
+                    raised.append(str(exc))
+            hook._on_message(Placement(job="local", version=5, shares=[9], global_batch_size=8))
+            hook._on_message(Placement(job="local", version=6, shares=[16], global_batch_size=16))
+            hook._on_message(Error(code="malformed", message="bad frame"))
+
+    _train(hook, model, 8, on_step)
+    hook.close()
+    assert raised == [
+        "placement version 1 is invalid: shares has 2 entries but the job has world_size 1.",
+        "placement version 1 is invalid: shares sum to 7 but the global batch size is 8.",
+        "placement version 1 is invalid: shares[0] must be >= 0, got -8.",
+    ]
+    assert [v for v, _ in hook.rejections] == [1, 1, 1, 5, 6]
+    assert "global batch size 16" in hook.rejections[-1][1]
+    assert hook.last_error is not None and hook.last_error.code == "malformed"
+    assert hook.batch_index == 8 and hook.acks == [] and hook.placement_version == 0
+
+
+def test_older_or_repeated_versions() -> None:
+    hook = RebalanceHook(global_batch_size=4)
+    assert hook.request_placement([4], version=3) == 3
+    with pytest.raises(ValueError, match="version 2 is not newer than version 3"):
+        hook.request_placement([4], version=2)
+    hook._on_message(Placement(job="local", version=3, shares=[4], global_batch_size=4))  # duplicate: ignored
+    assert [v for v, _ in hook.rejections] == [2]
+    hook.close()
+
+
+def test_attach_errors_are_clear() -> None:
+    hook = RebalanceHook(global_batch_size=4)
+    with pytest.raises(ValueError, match=r"gradients must be one of \('comm_hook', 'loss_scale'\)"):
+        hook.attach(torch.nn.Linear(2, 1), gradients="mean")
+    hook.attach(torch.nn.Linear(2, 1))
+    with pytest.raises(RuntimeError, match="attach\\(\\) was already called"):
+        hook.attach(torch.nn.Linear(2, 1))
+    hook.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        hook.step().__enter__()
+    with pytest.raises(ValueError, match="expected a torch.nn.parallel.DistributedDataParallel model, got Linear"):
+        register_comm_hook(torch.nn.Linear(2, 1), GradientState())
+
+
+def test_world_size_without_process_group_says_what_to_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        RebalanceHook(global_batch_size=8)
+
+
+def test_bad_global_batch_size_is_refused(one_rank_group: None) -> None:
+    with pytest.raises(ValueError, match="global_batch_size must be an integer >= 1, got 0"):
+        RebalanceHook(global_batch_size=0)
+
+
+def test_ddp_with_a_comm_hook_already_is_refused(one_rank_group: None) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = DDP(torch.nn.Linear(4, 1))
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    hook = RebalanceHook(global_batch_size=8)
+    with pytest.raises(RuntimeError, match="already has a communication hook registered"):
+        hook.attach(model)
+    hook.close()
+
+
+def test_accumulation_without_no_sync_is_reported(one_rank_group: None) -> None:
+    hook = RebalanceHook(global_batch_size=8)
+    model = hook.attach(DDP(torch.nn.Linear(4, 1)))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with pytest.raises(RuntimeError, match=r"more than once in one hook.step\(\).*no_sync"):
+        with hook.step():
+            for part in (slice(0, 4), slice(4, 8)):
+                torch.nn.functional.mse_loss(model(x[part]), y[part]).backward()
+    with hook.step():  # the right way: no_sync for all micro-batches but the last
+        with model.no_sync():
+            (torch.nn.functional.mse_loss(model(x[:4]), y[:4]) / 2).backward()
+        (torch.nn.functional.mse_loss(model(x[4:]), y[4:]) / 2).backward()
+    rec = hook.last_step
+    assert rec is not None and rec.batch_index == 1
+    hook.close()
+
+
+def test_ddp_comm_hook_weights_and_times_buckets(one_rank_group: None) -> None:
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(4, 1)
+    model = DDP(torch.nn.Linear(4, 1))
+    model.module.load_state_dict(plain.state_dict())
+    hook = RebalanceHook(global_batch_size=8)
+    hook.attach(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with hook.step():
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    torch.nn.functional.mse_loss(plain(x), y).backward()
+    for a, b in zip(model.module.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+    rec = hook.last_step
+    assert rec is not None and rec.compute_ms > 0 and rec.sync_wait_ms >= 0
+    assert hook._grads.last_bucket_t is not None and hook._grads.last_done_t is not None
+    hook.close()

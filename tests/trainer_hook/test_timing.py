@@ -1,0 +1,49 @@
+"""StepTimer and split_step with a frozen clock (no sleeps)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer_hook.gradients import GradientState
+from trainer_hook.timing import StepTimer, split_step
+
+
+def test_split_step_separates_compute_sync_and_optimizer() -> None:
+    assert split_step(10.0, 10.1, 10.04, 10.07) == pytest.approx((0.04, 0.03, 0.03))
+    assert split_step(10.0, 10.1, None, None) == pytest.approx((0.1, 0.0, 0.0))
+    assert split_step(10.0, 10.1, 10.04, None) == pytest.approx((0.04, 0.0, 0.06))
+    # A completion stamped after the step ended (clock skew between threads) is clipped.
+    assert split_step(10.0, 10.1, 10.04, 10.2) == pytest.approx((0.04, 0.06, 0.0))
+
+
+class FrozenClock:
+    def __init__(self, *values: float) -> None:
+        self.values = list(values)
+
+    def __call__(self) -> float:
+        return self.values.pop(0)
+
+
+def test_step_timer_records_data_wait_and_step_time() -> None:
+    clock = FrozenClock(1.000, 1.050, 1.060, 1.100)
+    timer = StepTimer(clock=clock, wall=lambda: 1700000000.0)
+    grads = GradientState()
+    timer.start(0, 8, 0)
+    grads.last_bucket_t, grads.last_done_t = 1.030, 1.045
+    r0 = timer.finish(grads)
+    assert r0 is not None
+    assert (r0.batch_index, r0.local_batch_size, r0.placement_version) == (0, 8, 0)
+    assert r0.data_wait_ms == 0.0
+    assert r0.compute_ms == pytest.approx(30.0)
+    assert r0.sync_wait_ms == pytest.approx(15.0)
+    assert r0.optimizer_ms == pytest.approx(5.0)
+    assert r0.step_ms == pytest.approx(50.0)
+    assert r0.t == 1700000000.0
+    grads.reset()
+    timer.start(1, 4, 2)
+    r1 = timer.finish(grads)
+    assert r1 is not None
+    assert r1.data_wait_ms == pytest.approx(10.0)
+    assert r1.compute_ms == pytest.approx(40.0)  # no gradient timestamps: all compute
+    assert r1.step_ms == pytest.approx(50.0)  # data wait + step body
+    assert clock.values == []
