@@ -148,3 +148,15 @@ def test_static_proposes_before_any_measurement():
     assert got.reason.startswith("device power differs across ranks; moving ")
     # Profiled cannot say anything yet.
     assert decide(obs, PolicyConfig(strategy="profiled")).status == "warming_up"
+
+
+def test_explanation_is_plain_json():
+    import dataclasses
+    import json
+
+    obs = observe(SLOW_RANK3["a"], SLOW_RANK3["c"], [32, 32, 32, 32], steps=30, noise=0.02)
+    for strategy in ("static", "profiled", "predictive"):
+        got = decide(obs, PolicyConfig(strategy=strategy))
+        expl = got.explanation
+        if expl is not None:
+            json.dumps(dataclasses.asdict(expl), allow_nan=False)

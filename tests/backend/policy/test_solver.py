@@ -169,3 +169,27 @@ def test_constraint_on_unknown_rank_is_a_value_error():
 def test_predicted_step_ignores_idle_ranks():
     assert predicted_step_ms([1.0, 100.0], [1.0, 1.0], [10, 0]) == 11.0
     assert predicted_step_ms([1.0], [1.0], [0]) == 0.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(65, 120), st.sampled_from([2, 4, 8]), st.integers(0, 10**6))
+def test_fast_remainder_path_matches_trying_every_rank(n, g, seed):
+    import random
+
+    import backend.policy.solver as solver_mod
+
+    rnd = random.Random(seed)
+    a = [rnd.choice([0.0, 2.0, rnd.uniform(0, 20)]) for _ in range(n)]
+    c = [rnd.choice([0.5, 1.0, rnd.uniform(0.05, 4)]) for _ in range(n)]
+    b_total = rnd.randint(n, 12 * n) // g * g + rnd.randint(1, g - 1)
+    cons = Constraints(granularity=g, caps={r: rnd.randint(g, 8 * g) for r in range(0, n, 9)})
+    fast = solve(a, c, b_total, cons)  # n > 64: the O(N) pass
+    old = solver_mod._EXACT_REMAINDER_RANKS
+    solver_mod._EXACT_REMAINDER_RANKS = 10**6
+    try:
+        every = solve(a, c, b_total, cons)
+    finally:
+        solver_mod._EXACT_REMAINDER_RANKS = old
+    assert check_placement(fast, b_total, cons) is None
+    assert predicted_step_ms(a, c, fast) == pytest.approx(predicted_step_ms(a, c, every),
+                                                          rel=1e-12)
