@@ -283,7 +283,8 @@ class Controller:
                 log.warning("ack for unknown placement %s of job %s", ack.version, ack.job)
                 return
             acks = dict(row.acks or {})
-            acks[str(ack.rank)] = ack.batch_index
+            # The first ack is the switch; a restarted rank acking again must not rewrite it.
+            acks.setdefault(str(ack.rank), ack.batch_index)
             row.acks = acks
             if row.applied_at is None and len(acks) >= st.world_size:
                 row.applied_at = self._wall()
