@@ -86,22 +86,25 @@ def global_batches(recs: list[dict[str, Any]]) -> list[list[int]]:
     return out
 
 
-def reference(batches: list[list[int]], accum: int = 1) -> dict[str, torch.Tensor]:
+def reference(batches: list[list[int]], accum: int = 1, *, short_window_mean: bool = False) -> dict[str, torch.Tensor]:
     """One process, whole global batches, mean loss: what every split must reproduce.
 
-    With ``accum`` > 1 it follows Accelerate's accumulation: every loss is divided by
-    ``accum``; the optimizer steps every ``accum`` micro-batches of an epoch and at its end
-    (Accelerate restarts the count with each pass over the DataLoader).
+    With ``accum`` > 1 the optimizer steps every ``accum`` micro-batches of an epoch and at
+    its end (both Accelerate and the Trainer restart the count each epoch). Each loss is
+    divided by ``accum`` (Accelerate) or, with ``short_window_mean``, by the size of its
+    window, which is shorter at the end of an epoch (the Trainer).
     """
     data = IndexedData()
     model = TinyNet()
     opt = make_optimizer(model)
     per_epoch = -(-N_SAMPLES // GLOBAL_BATCH)
+    full = per_epoch // accum * accum  # micro-batches of an epoch in full windows
     for c, idx in enumerate(batches):
-        ix = torch.tensor(idx)
-        loss = model(data.x[ix], data.y[ix])["loss"] / accum
-        loss.backward()
         j = c % per_epoch + 1  # position in the epoch, from 1
+        divisor = accum if (j <= full or not short_window_mean) else per_epoch - full
+        ix = torch.tensor(idx)
+        loss = model(data.x[ix], data.y[ix])["loss"] / divisor
+        loss.backward()
         if j % accum == 0 or j == per_epoch:
             opt.step()
             opt.zero_grad()

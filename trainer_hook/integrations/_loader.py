@@ -57,16 +57,17 @@ def check_accelerator(accelerator: Any) -> None:
         )
 
 
-def required_lookahead(num_workers: int, prefetch_factor: int | None) -> int:
+def required_lookahead(num_workers: int, prefetch_factor: int | None, held: int = 1) -> int:
     """Batches the sampler may be asked for ahead of training by a prepared loader.
 
     Workers prefetch ``num_workers * prefetch_factor`` batches; Accelerate's
-    ``DataLoaderShard`` reads one more ahead to see the end of the epoch, and the main
-    process holds one in hand.
+    ``DataLoaderShard`` reads one more ahead to see the end of the epoch, and the loop
+    holds ``held`` in hand (the Trainer fetches a whole accumulation window at once).
     """
+    base = held + 1
     if num_workers <= 0:
-        return 2
-    return num_workers * (prefetch_factor or 2) + 2
+        return base
+    return num_workers * (prefetch_factor or 2) + base
 
 
 def prepared_loader(
@@ -78,10 +79,12 @@ def prepared_loader(
     seed: int = 0,
     drop_last: bool = False,
     device_placement: bool | None = None,
+    held: int = 1,
     **dataloader_kwargs: Any,
 ) -> Any:
     """A DataLoader over ``hook.batch_sampler(...)``, prepared by ``accelerator`` without
-    re-sharding. ``dataloader_kwargs`` go to ``torch.utils.data.DataLoader``."""
+    re-sharding. ``dataloader_kwargs`` go to ``torch.utils.data.DataLoader``; ``held``
+    is how many batches the training loop fetches before it trains the first of them."""
     clash = sorted(k for k in _OWNED_BY_SAMPLER if k in dataloader_kwargs)
     if clash:
         raise ValueError(
@@ -90,12 +93,13 @@ def prepared_loader(
             "the placement). Pass shuffle=, seed= and drop_last= to this function instead."
         )
     workers = int(dataloader_kwargs.get("num_workers", 0) or 0)
-    need = required_lookahead(workers, dataloader_kwargs.get("prefetch_factor"))
+    need = required_lookahead(workers, dataloader_kwargs.get("prefetch_factor"), held)
     if hook.config.lookahead < need:
         raise ValueError(
             f"hook lookahead is {hook.config.lookahead} batches, but this DataLoader may read "
             f"{need} batches ahead (num_workers={workers}, prefetch_factor="
-            f"{dataloader_kwargs.get('prefetch_factor') or 2}, plus Accelerate's one-batch peek). "
+            f"{dataloader_kwargs.get('prefetch_factor') or 2}, {held} held by the loop, plus "
+            "Accelerate's one-batch peek). "
             f"Create the hook with RebalanceHook(..., lookahead={need}) or use fewer workers."
         )
     sampler = hook.batch_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)

@@ -1,0 +1,84 @@
+"""torchrun target: transformers Trainer + RebalancingTrainer, placements change mid-run.
+
+Usage: python -m tests.integrations._hf_job OUT_DIR MAX_STEPS [GRAD_ACCUM]
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback, TrainingArguments
+
+from tests.integrations._common import GLOBAL_BATCH, IndexedData, TinyNet, dump, make_optimizer
+from trainer_hook import RebalanceHook
+from trainer_hook.integrations.hf_trainer import RebalancingTrainer
+
+# (request at optimizer step, shares) for 2 ranks; B = 12.
+REQUESTS = {1: [9, 3], 5: [2, 10]}
+
+
+class RecordingNet(TinyNet):
+    """Remembers which samples each hook step trained on this rank."""
+
+    hook: Any = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[int, dict[str, Any]] = {}
+
+    def forward(self, x, labels, idx=None):  # type: ignore[override]
+        if self.training:
+            h = self.hook
+            self.seen[h.batch_index] = {
+                "idx": idx.tolist(), "version": h.placement_version, "dummy": h.shares[h.rank] == 0,
+            }
+        return super().forward(x, labels)
+
+
+class Requests(TrainerCallback):
+    def __init__(self, hook: RebalanceHook) -> None:
+        self.hook = hook
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.hook.rank == 0 and state.global_step in REQUESTS:
+            self.hook.request_placement(REQUESTS[state.global_step], reason="test")
+
+
+def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+
+
+def main() -> None:
+    out_dir, max_steps = sys.argv[1], int(sys.argv[2])
+    accum = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    dist.init_process_group("gloo")
+    hook = RebalanceHook(global_batch_size=GLOBAL_BATCH, exchange_every=2, exchange_lag=1, lookahead=1 + accum)
+    model = RecordingNet()
+    model.hook = hook
+    optimizer = make_optimizer(model)
+    constant = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    args = TrainingArguments(
+        output_dir=f"{out_dir}/trainer", use_cpu=True, max_steps=max_steps, gradient_accumulation_steps=accum,
+        max_grad_norm=0.0, report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        dataloader_pin_memory=False, ddp_find_unused_parameters=False, seed=3, data_seed=7,
+    )
+    trainer = RebalancingTrainer(
+        rebalance_hook=hook, model=model, args=args, train_dataset=IndexedData(), data_collator=collate,
+        optimizers=(optimizer, constant), callbacks=[Requests(hook)],
+    )
+    trainer.train()
+    payload = {
+        "batches": model.seen, "acks": hook.acks, "mode": trainer.accelerator.distributed_type.value,
+        "world": trainer.accelerator.num_processes, "gradients": trainer.rebalance_callback.gradients,
+        "global_step": trainer.state.global_step,
+    }
+    hook.close()
+    dump(out_dir, hook.rank, payload, model)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""transformers Trainer integration: RebalancingTrainer keeps the math exact (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.helpers.torchrun import REPO_ROOT, job_env, run_torchrun
+from tests.integrations._common import (
+    assert_close_params,
+    check_every_sample_once,
+    global_batches,
+    load,
+    reference,
+)
+
+pytestmark = pytest.mark.timeout(150)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("accum", "max_steps", "gradients"), [(1, 20, "comm_hook"), (2, 9, "loss_scale")], ids=["comm-hook", "accum2"]
+)
+def test_trainer_matches_single_process_reference(tmp_path, accum, max_steps, gradients):
+    run_torchrun(2, ["-m", "tests.integrations._hf_job", str(tmp_path), str(max_steps), str(accum)])
+    recs, params = load(tmp_path, 2)
+    assert recs[0]["mode"] == "MULTI_CPU" and recs[0]["world"] == 2
+    assert recs[0]["gradients"] == gradients
+    assert recs[0]["global_step"] == max_steps
+    # Both placements were applied, by both ranks at the same batch index.
+    assert [v for v, _ in recs[0]["acks"]] == [1, 2]
+    assert recs[0]["acks"] == recs[1]["acks"]
+    sizes = {b["version"]: len(b["idx"]) for b in recs[0]["batches"].values()}
+    assert sizes == {0: 6, 1: 9, 2: 2}
+    batches = global_batches(recs)
+    assert len(batches) == (20 if accum == 1 else 15)
+    check_every_sample_once(batches)
+    want = reference(batches, accum=accum, short_window_mean=True)
+    for p in params:
+        assert_close_params(p, want, rtol=1e-9)
+
+
+_CALLBACK_ALONE = textwrap.dedent(
+    """
+    import torch
+    from transformers import Trainer, TrainingArguments
+    from tests.integrations._common import IndexedData, TinyNet
+    from trainer_hook import RebalanceHook
+    from trainer_hook.integrations.hf_trainer import RebalanceCallback, RebalancingTrainer
+
+    hook = RebalanceHook(global_batch_size=12, lookahead=2)
+    args = TrainingArguments(output_dir="OUT", use_cpu=True, max_steps=2, report_to=[],
+                             save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False)
+    trainer = Trainer(model=TinyNet(), args=args, train_dataset=IndexedData(),
+                      callbacks=[RebalanceCallback(hook)])
+    try:
+        trainer.train()
+        print("ALONE no error")
+    except RuntimeError as exc:
+        print("ALONE", exc)
+    try:
+        RebalancingTrainer(model=TinyNet(), args=args, rebalance_hook=None)
+    except ValueError as exc:
+        print("NOHOOK", exc)
+    """
+)
+
+
+def test_callback_alone_refuses_to_train(tmp_path):
+    # A subprocess: Accelerate's state is a process-wide singleton.
+    code = _CALLBACK_ALONE.replace("OUT", str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=job_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+    assert lines["ALONE"].startswith("RebalanceCallback needs the rebalancer's batch sampler")
+    assert lines["NOHOOK"].startswith("rebalance_hook is required")
