@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tests.helpers.ports import free_port
 from tests.helpers.server import running_server
 from tests.helpers.torchrun import run_torchrun
+from trainer_hook import transport as transport_module
 from trainer_hook.hook import RebalanceHook
 
 STEPS = 40
@@ -84,6 +86,9 @@ def test_hook_counts_drops_offline_and_reports_them_after_reconnect(
 ) -> None:
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "REBALANCER_TOKEN"):
         monkeypatch.delenv(var, raising=False)
+    # Cap the reconnect back-off (30 s by default) so the test does not wait out a long retry
+    # while the backend starts; what is tested is the drop count, not the back-off.
+    monkeypatch.setattr(transport_module, "Transport", functools.partial(transport_module.Transport, backoff_max_s=1.0))
     port = free_port()  # the backend will start here later
     hook = RebalanceHook(server=f"http://127.0.0.1:{port}", job="drops", global_batch_size=8,
                          max_queue=10, startup_wait_s=0.2)
