@@ -62,12 +62,12 @@ def fit_steps(samples: Sequence[StepSample], *, min_spread: float = 0.1,
         same_side = float(np.mean(np.sign(rel) == np.sign(med)))
         if abs(med) > shift_threshold and same_side >= 0.8:
             # Keep everything after the first recent step that left the old fit.
-            shifted = fit_arrays_restart(b, t, fit, shift_threshold, recent, min_spread)
+            shifted = _restart(b, t, fit, shift_threshold, recent, min_spread)
             return shifted
     return fit
 
 
-def fit_arrays_restart(b: np.ndarray, t: np.ndarray, old: LinearFit, threshold: float,
+def _restart(b: np.ndarray, t: np.ndarray, old: LinearFit, threshold: float,
                        recent: int, min_spread: float) -> LinearFit:
     pred = old.a_ms + old.c_ms * b
     rel = (t - pred) / np.maximum(pred, 1e-9)
@@ -109,7 +109,8 @@ def _fit_arrays(b: np.ndarray, t: np.ndarray, min_spread: float) -> LinearFit:
     return LinearFit(float(a), float(c), n, r2, rel_noise, method)
 
 
-def robust_trend(x: Sequence[float], y: Sequence[float]) -> tuple[float, float] | None:
+def robust_trend(x: Sequence[float] | np.ndarray,
+                 y: Sequence[float] | np.ndarray) -> tuple[float, float] | None:
     """Theil-Sen slope and intercept of ``y`` over ``x`` (None with fewer than 3 points)."""
     if len(x) < 3:
         return None

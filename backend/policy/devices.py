@@ -153,12 +153,12 @@ def device_weights(
                 )
         else:
             per_device = {}
-            for key, w in custom_weights.items():
-                if not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            for name, value in custom_weights.items():
+                if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                     raise ValueError(
-                        f"custom weight for {key!r} must be a positive number, got {w!r}."
+                        f"custom weight for {name!r} must be a positive number, got {value!r}."
                     )
-                per_device[normalize_device(key) or key] = float(w)
+                per_device[normalize_device(name) or name] = float(value)
     elif workload in WORKLOAD_PROFILES:
         profile = WORKLOAD_PROFILES[workload]
     else:
@@ -170,15 +170,13 @@ def device_weights(
     weights: list[float | None] = []
     unknown: list[int] = []
     for rank, raw in enumerate(device_types):
-        key = normalize_device(raw) if raw is not None else None
+        key: str | None = normalize_device(raw) if raw is not None else None
+        w: float | None = None
         if per_device is not None:
             w = per_device.get(key) if key is not None else per_device.get(raw or "")
-        elif key is not None:
+        elif key is not None and profile is not None:
             spec = DEVICE_TABLE[key]
-            assert profile is not None
             w = spec.tflops_bf16 ** profile[0] * spec.mem_bw_gbs ** profile[1]
-        else:
-            w = None
         if w is None:
             unknown.append(rank)
         weights.append(w)

@@ -163,8 +163,10 @@ def _reason(est: Estimate, current: Sequence[int], target: Sequence[int], before
     elif strategy == "static" and est.units == "relative":
         lead = "device power differs across ranks"
     elif ratio >= 1.05:
-        forecast = any(isinstance(f, dict) and f.get("rank") == slowest and "c_forecast" in f
-                       for f in est.evidence.get("forecasts", ()) or ())  # type: ignore[union-attr]
+        forecasts = est.evidence.get("forecasts")
+        forecast = isinstance(forecasts, list) and any(
+            isinstance(f, dict) and f.get("rank") == slowest and "c_forecast" in f
+            for f in forecasts)
         verb = "is forecast to be" if forecast else "is"
         lead = f"rank {slowest} {verb} {ratio:.1f}x slower per sample than the median"
     else:

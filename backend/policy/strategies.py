@@ -115,7 +115,7 @@ def static_shares(
 
 
 def static_strategy(obs: JobObservation, config: PolicyConfig,
-                    constraints: Constraints) -> Estimate | NoProposal:
+                    constraints: Constraints) -> Estimate:
     """Device table x workload profile; needs no measurement."""
     weights, warnings = device_weights(
         [r.device_type for r in obs.ranks], config.workload, config.custom_weights
@@ -182,7 +182,12 @@ def profiled_strategy(obs: JobObservation, config: PolicyConfig,
     # only matters if its bounds let the solver give it work.
     med_a = float(np.median([f.a_ms for f in known]))
     med_c = float(np.median([f.c_ms for f in known]))
-    a, c, r2, n, err, borrowed = [], [], [], [], [], []
+    a: list[float] = []
+    c: list[float] = []
+    r2: list[float | None] = []
+    n: list[int] = []
+    err: list[float] = []
+    borrowed: list[int] = []
     for rank, fit in enumerate(fits):
         if fit is None or fit.n == 0:
             a.append(med_a)
