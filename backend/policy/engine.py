@@ -201,6 +201,25 @@ def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Seque
     return Explanation(strategy, before, after, gain, ranks, evidence)
 
 
+def _check_config(cfg: PolicyConfig) -> None:
+    def bad(key: str, want: str, got: object) -> ValueError:
+        return ValueError(f"policy.{key} must be {want}, got {got!r}.")
+
+    if not (isinstance(cfg.min_gain, (int, float)) and 0 <= cfg.min_gain < 1):
+        raise bad("min_gain", "a fraction in [0, 1)", cfg.min_gain)
+    for key, low in (("cooldown_steps", 0), ("min_steps", 1), ("window_steps", 1),
+                     ("horizon_steps", 0)):
+        value = getattr(cfg, key)
+        if not isinstance(value, int) or value < low:
+            raise bad(key, f"an integer >= {low}", value)
+    if cfg.window_steps < cfg.min_steps:
+        raise ValueError(f"policy.window_steps ({cfg.window_steps}) must be at least "
+                         f"policy.min_steps ({cfg.min_steps}).")
+    frac = cfg.max_move_fraction
+    if frac is not None and not (isinstance(frac, (int, float)) and 0 < frac <= 1):
+        raise bad("max_move_fraction", "a fraction in (0, 1] or None", frac)
+
+
 def decide(obs: JobObservation, config: PolicyConfig,
            constraints: Constraints = NO_CONSTRAINTS) -> Decision:
     """Propose a better placement for the job, or say why not.
@@ -223,6 +242,7 @@ def decide(obs: JobObservation, config: PolicyConfig,
             f"observation of job {obs.job!r}: shares sum to {sum(obs.shares)}, not the "
             f"global batch {b_total}."
         )
+    _check_config(config)
     strategy = get_strategy(config.strategy)
     eff = with_caps(constraints, memory_caps(obs))
     try:

@@ -160,3 +160,23 @@ def test_explanation_is_plain_json():
         expl = got.explanation
         if expl is not None:
             json.dumps(dataclasses.asdict(expl), allow_nan=False)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (PolicyConfig(min_gain=-0.1), "policy.min_gain must be a fraction in [0, 1), got -0.1."),
+        (PolicyConfig(cooldown_steps=-1), "policy.cooldown_steps must be an integer >= 0, got -1."),
+        (PolicyConfig(min_steps=50, window_steps=20),
+         "policy.window_steps (20) must be at least policy.min_steps (50)."),
+        (PolicyConfig(max_move_fraction=2.0),
+         "policy.max_move_fraction must be a fraction in (0, 1] or None, got 2.0."),
+        (PolicyConfig(strategy="fastest"), "unknown strategy 'fastest'; available: "),
+        (PolicyConfig(strategy="static", workload="nlp"), "unknown workload 'nlp'; expected one"),
+    ],
+)
+def test_bad_config_is_a_clear_value_error(config, message):
+    obs = observe([0.0] * 2, [1.0] * 2, [8, 8], steps=12)
+    with pytest.raises(ValueError) as err:
+        decide(obs, config)
+    assert str(err.value).startswith(message)
