@@ -11,31 +11,13 @@ import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["HookConfig", "hook_ws_url", "ENV_SERVER", "ENV_JOB", "ENV_TOKEN"]
+__all__ = ["HookConfig", "ENV_SERVER", "ENV_JOB", "ENV_TOKEN"]
 
 ENV_SERVER = "REBALANCER_SERVER"
 ENV_JOB = "REBALANCER_JOB"
 ENV_TOKEN = "REBALANCER_TOKEN"
 _OFFLINE_JOB = "local"
-
-
-def hook_ws_url(server: str) -> str:
-    """Turn ``http://host:port`` (or ``ws://host:port``) into the hook's websocket URL.
-
-    A URL that already names a path other than ``/`` is kept as given, so a proxy prefix
-    can be spelled out in full (``wss://example.org/rebalancer/ws/hook``).
-    """
-    parts = urlsplit(server.strip())
-    scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
-    if scheme is None or not parts.netloc:
-        raise ValueError(
-            f"server must be a URL like 'http://127.0.0.1:8000', got {server!r}; "
-            "set RebalanceHook(server=...) or REBALANCER_SERVER accordingly."
-        )
-    path = parts.path if parts.path not in ("", "/") else "/ws/hook"
-    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
 
 
 def _positive_int(name: str, value: Any, *, lo: int = 1) -> None:
@@ -91,6 +73,8 @@ class HookConfig:
         if self.server is not None and (not isinstance(self.server, str) or not self.server.strip()):
             raise ValueError(f"server must be a URL string or None, got {self.server!r}.")
         if self.server is not None:
+            from trainer_hook.transport import hook_ws_url
+
             hook_ws_url(self.server)  # raises with a clear message
             if not self.job:
                 raise ValueError(

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer_hook.config import HookConfig, hook_ws_url
+from trainer_hook.config import HookConfig
 from trainer_hook.control import ControlChannel, PendingPlacement
 from trainer_hook.gradients import GradientState, register_comm_hook, register_grad_timer
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
@@ -423,7 +423,7 @@ class RebalanceHook:
         if torch.cuda.is_available():
             device_index = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
         self._transport = Transport(
-            url=hook_ws_url(cfg.server or ""), token=cfg.token, hello=self._hello,
+            url=cfg.server or "", token=cfg.token, hello=self._hello,
             on_message=self._on_message, max_queue=cfg.max_queue, flush_interval_s=cfg.flush_interval_s,
         )
         self._probe = DeviceProbe(

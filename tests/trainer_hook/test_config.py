@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer_hook.config import HookConfig, hook_ws_url
+from trainer_hook.config import HookConfig
 
 
 def test_defaults_work_untouched() -> None:
@@ -54,18 +54,6 @@ def test_missing_global_batch_size_says_how_to_fix() -> None:
         HookConfig.from_env(env={})
 
 
-@pytest.mark.parametrize(
-    ("server", "url"),
-    [
-        ("http://127.0.0.1:8000", "ws://127.0.0.1:8000/ws/hook"),
-        ("https://r.example.org/", "wss://r.example.org/ws/hook"),
-        ("ws://h:1/prefix/ws/hook", "ws://h:1/prefix/ws/hook"),
-    ],
-)
-def test_ws_url(server: str, url: str) -> None:
-    assert hook_ws_url(server) == url
-
-
-def test_ws_url_rejects_non_urls() -> None:
+def test_server_must_be_a_url() -> None:
     with pytest.raises(ValueError, match="server must be a URL like 'http://127.0.0.1:8000'"):
-        hook_ws_url("127.0.0.1:8000")
+        HookConfig(global_batch_size=8, server="127.0.0.1:8000", job="a")
