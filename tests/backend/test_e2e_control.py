@@ -150,6 +150,7 @@ def test_approve_mode_with_restart(tmp_path: Path):
     with job(f"http://127.0.0.1:{port}", name) as (proc, out):
         with running_server(tmp_path, db_url=db_url, port=port, env=ENV) as server:
             prop, version, snapshot = approve_flow(server, name, tok, proc, out)
+            assert "Traceback" not in server.log(), server.log()
         # The first server is gone; the job trains on. A new one on the same port and database:
         with running_server(tmp_path, db_url=db_url, port=port, env=ENV) as server:
             check_restart(server, name, prop, version, snapshot, proc, out)
@@ -217,3 +218,4 @@ def test_auto_mode_applies_without_an_operator(tmp_path: Path):
         audit = call(server, "GET", f"{base}/audit", ADMIN)[1]["data"]
         auto = [a for a in audit if a["action"] == "proposal.auto_apply"]
         assert auto and auto[-1]["actor"] == "auto"
+        assert "Traceback" not in server.log(), server.log()
