@@ -42,6 +42,8 @@ SCENARIOS: dict[str, tuple[float, ...]] = {
     "1,0.8,0.6,0.4": (1.0, 0.8, 0.6, 0.4),
 }
 STRATEGY_ORDER = ("uniform", "static", "profiled", "predictive", "oracle")
+QUICK: dict[str, Any] = {"scenarios": {"1,1,0.5,0.25": SCENARIOS["1,1,0.5,0.25"]}, "steps": 60,
+                         "strategies": ("uniform", "profiled", "predictive", "oracle")}
 
 
 @dataclass
@@ -88,6 +90,7 @@ def run_balance(
     scenarios = scenarios or SCENARIOS
     rows: list[BalanceRow] = []
     series: dict[str, dict[str, list[float]]] = {}
+    timelines: dict[str, dict[str, list[dict[str, Any]]]] = {}
     with contextlib.ExitStack() as stack:
         if backend is None:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="rb-bal-"))
@@ -106,6 +109,7 @@ def run_balance(
             oracle_ms = steady_ms(runs["oracle"].step_ms) if "oracle" in runs else _model_ref(speeds, global_batch_size, per_sample_ms, fixed_ms)
             rows += [_row(label, runs[s], oracle_ms) for s in strategies]
             series[label] = {s: runs[s].step_ms for s in strategies}
+            timelines[label] = {s: runs[s].placements for s in strategies}
     print_table(
         f"Balance efficiency (4 ranks, B={global_batch_size}, {per_sample_ms:g} ms/sample at speed 1, "
         f"{fixed_ms:g} ms fixed; oracle/achieved, target >= 0.95)",
@@ -118,6 +122,7 @@ def run_balance(
                    "per_sample_ms": per_sample_ms, "fixed_ms": fixed_ms, "world_size": 4},
         "rows": [asdict(r) for r in rows],
         "step_ms": series,
+        "placements": timelines,
     }
     write_json(out_dir / f"{name}.json", payload)
     if plot:
@@ -144,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = 150
     strategies = STRATEGY_ORDER
     if args.quick:
-        scenarios = {"1,1,0.5,0.25": SCENARIOS["1,1,0.5,0.25"]}
-        steps = 80
+        scenarios, steps, strategies = QUICK["scenarios"], QUICK["steps"], QUICK["strategies"]
     if args.tiny:
         scenarios = {"1,1,0.5,0.25": SCENARIOS["1,1,0.5,0.25"]}
         steps, strategies = 20, ("uniform", "oracle")

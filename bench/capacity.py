@@ -339,6 +339,7 @@ def _round(x: float | None) -> float | None:
 def run_capacity(
     ranks_list: list[int], *, seconds: float = 15.0, warmup: float = 3.0,
     out_dir: Path = RESULTS_DIR, name: str = "capacity", backend: Backend | None = None,
+    plot: bool = True,
 ) -> list[CapacityResult]:
     """Run the load for each world size against one fresh backend per size (or against
     ``backend`` for all); write ``<name>.json``."""
@@ -367,6 +368,10 @@ def run_capacity(
         "steps_per_s_per_rank": STEPS_PER_S, "flush_s": FLUSH_S,
         "results": [asdict(r) for r in results],
     })
+    if plot:
+        from bench._plots import plot_capacity
+
+        plot_capacity(results, out_dir / f"{name}.png")
     return results
 
 
@@ -381,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         ranks, secs, warm = [4], 1.0, 1.0
     elif args.quick:
-        ranks, secs, warm = [8, 256], 5.0, 2.0
+        ranks, secs, warm = [8, 256], 4.0, 1.0
     else:
         ranks, secs, warm = [8, 64, 256, 1024], 15.0, 3.0
     if args.ranks:

@@ -34,6 +34,8 @@ __all__ = ["ReactionRow", "run_reaction", "cost_at", "main"]
 
 SPEEDS = (1.0, 1.0, 1.0, 1.0)
 SLOW_RANK = 3
+QUICK: dict[str, Any] = {"steps": 90, "event": 40, "strategies": ("profiled", "predictive"),
+                         "events": ("slowdown",)}
 
 
 @dataclass
@@ -86,7 +88,7 @@ def run_reaction(
                 fixed_ms=fixed_ms)
     with tempfile.TemporaryDirectory(prefix="rb-react-") as tmp, running_backend(Path(tmp)) as backend:
         # Overhead the split cannot remove: an oracle run of the starting speeds.
-        oracle_spec = JobSpec(job="react-oracle", steps=max(40, steps // 3), **base)  # type: ignore[arg-type]
+        oracle_spec = JobSpec(job="react-oracle", steps=max(40, min(60, steps // 3)), **base)  # type: ignore[arg-type]
         oracle_run = run_job(backend, oracle_spec, "oracle")
         model0 = model_step_ms(oracle_spec.a_ms, oracle_spec.c_ms,
                                oracle_shares(oracle_spec.a_ms, oracle_spec.c_ms, global_batch_size))
@@ -97,6 +99,7 @@ def run_reaction(
             what = {"slowdown": {"slowdown": f"{SLOW_RANK}:{event}:2"},
                     "drift": {"drift": f"{SLOW_RANK}:{event}:{drift_pct:g}"}}[ev]
             series: dict[str, list[float]] = {}
+            timelines: dict[str, list[dict[str, Any]]] = {}
             ref: list[float] = []
             for strategy in strategies:
                 spec = JobSpec(job=f"react-{ev}-{strategy}", steps=steps, **base, **what)  # type: ignore[arg-type]
@@ -113,9 +116,10 @@ def run_reaction(
                     placements_applied=max(0, len(run.placements) - 1),
                 ))
                 series[strategy] = ys
+                timelines[strategy] = run.placements
                 print(f"  {ev:>9} {strategy:>10}: excess {exc:8.0f} ms  ({run.wall_s:.0f} s)", flush=True)
             plots[f"{ev} of rank {SLOW_RANK} at step {event}"] = {
-                "reference_ms": ref, "step_ms": series, "event_step": event}
+                "reference_ms": ref, "step_ms": series, "event_step": event, "placements": timelines}
     print_table(
         "Reaction (4 ranks; steps until within 10% of the moving oracle; excess over it, ms)",
         ["event", "strategy", "steps to 10%", "excess ms", "excess ms/step", "final ms", "oracle ms"],
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         run_reaction(steps=30, event=10, strategies=("uniform",), events=("slowdown",), out_dir=args.out)
     elif args.quick:
-        run_reaction(steps=110, event=50, strategies=("profiled", "predictive"), out_dir=args.out)
+        run_reaction(**QUICK, out_dir=args.out)
     else:
         run_reaction(out_dir=args.out)
     return 0

@@ -31,7 +31,7 @@ def _balance(quick: bool, out: Path) -> dict[str, Any]:
     from bench import balance
 
     if quick:
-        return balance.run_balance({"1,1,0.5,0.25": balance.SCENARIOS["1,1,0.5,0.25"]}, steps=80, out_dir=out)
+        return balance.run_balance(**balance.QUICK, out_dir=out)
     return balance.run_balance(steps=150, out_dir=out)
 
 
@@ -39,8 +39,7 @@ def _reaction(quick: bool, out: Path) -> dict[str, Any]:
     from bench import reaction
 
     if quick:
-        return reaction.run_reaction(steps=110, event=50, strategies=("profiled", "predictive"),
-                                     out_dir=out)
+        return reaction.run_reaction(**reaction.QUICK, out_dir=out)
     return reaction.run_reaction(out_dir=out)
 
 
@@ -48,14 +47,18 @@ def _capacity(quick: bool, out: Path) -> dict[str, Any]:
     from dataclasses import asdict
 
     from bench import capacity
-    from bench._plots import plot_capacity
 
     if quick:
-        res = capacity.run_capacity([8, 256], seconds=5, warmup=2, out_dir=out)
+        res = capacity.run_capacity([8, 256], seconds=4, warmup=1, out_dir=out)
     else:
         res = capacity.run_capacity([8, 64, 256, 1024], seconds=15, warmup=3, out_dir=out)
-    plot_capacity(res, out / "capacity.png")
     return {"results": [asdict(r) for r in res]}
+
+
+def _policy(quick: bool, out: Path) -> dict[str, Any]:
+    from bench import policy  # the policy engineer's benchmark
+
+    return policy.run_policy(quick, out)
 
 
 def _external(module: str, quick: bool, out: Path) -> dict[str, Any]:
@@ -75,7 +78,7 @@ RUNNERS: dict[str, Callable[[bool, Path], dict[str, Any]]] = {
     "reaction": _reaction,
     "capacity": _capacity,
     "hook_overhead": lambda quick, out: _external("hook_overhead", quick, out),
-    "policy": lambda quick, out: _external("policy", quick, out),
+    "policy": lambda quick, out: _policy(quick, out),
 }
 
 
@@ -148,6 +151,20 @@ def summary_markdown(summary: dict[str, Any]) -> str:
                 [[r["ranks"], r["sent_messages_per_s"], r["sent_rank_steps_per_s"], r["records_lost"],
                   r["backend_cpu_pct"], r["generator_cpu_pct"], r["latency_p50_ms"], r["latency_p99_ms"]]
                  for r in res["results"]]), ""]
+        elif name == "policy" and "solve" in res:
+            parts += ["## Policy solve time (exact integer split; target < 20 ms at 10,000 ranks)", ""]
+            parts += [markdown_table(
+                ["ranks", "constraints", "wall median ms", "CPU median ms"],
+                [[r["ranks"], "yes" if r["constrained"] else "no", r["median_ms"], r["cpu_median_ms"]]
+                 for r in res["solve"]]), ""]
+            sim = res.get("simulator", {}).get("rows", [])
+            if sim:
+                parts += ["Simulator, mean step time / oracle over the whole run:", ""]
+                scen = list(dict.fromkeys(r["scenario"] for r in sim))
+                strat = list(dict.fromkeys(r["strategy"] for r in sim))
+                cell = {(r["scenario"], r["strategy"]): r["ratio"] for r in sim}
+                parts += [markdown_table(["scenario", *strat],
+                                         [[sc] + [cell.get((sc, st)) for st in strat] for sc in scen]), ""]
         else:
             text = entry["result"].get("stdout", "").strip() if isinstance(entry.get("result"), dict) else ""
             parts += [f"## {name}", "", "```", text[-3000:], "```", ""]

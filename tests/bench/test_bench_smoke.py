@@ -78,7 +78,7 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
 def test_capacity_tiny_loses_nothing(tmp_path: Path, backend: Backend) -> None:
     from bench.capacity import run_capacity
 
-    [res] = run_capacity([3], seconds=1.0, warmup=0.5, out_dir=tmp_path, backend=backend)
+    [res] = run_capacity([3], seconds=1.0, warmup=0.5, out_dir=tmp_path, backend=backend, plot=False)
     assert res.errors == []
     assert res.records_sent > 0
     assert res.records_lost == 0, res
