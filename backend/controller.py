@@ -545,6 +545,9 @@ class Controller:
             return
         with self._session() as s:
             if pending is not None and list(pending.shares) == shares and pending.base_version == st.version:
+                pid = pending.id  # already on the table (say, shown before the mode became auto)
+                if st.mode == "auto" and pending.status == "proposed":
+                    await self._apply(st.job, pid, actor="auto", reason="auto mode", auto=True)
                 return
             blocked = self._refused_before(s, st, shares)
             if blocked:

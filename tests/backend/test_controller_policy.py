@@ -215,3 +215,16 @@ def test_overrides_drive_a_new_placement_in_auto_mode(make):
     out = asyncio.run(j.ctl.set_overrides(JOB, {"drains": [1]}, actor=OPERATOR, reason="rank 1 flaky"))
     assert out["proposal_id"] is not None
     assert j.socks[0].sent[-1].shares[1] == 0
+
+
+def test_switching_to_auto_applies_the_proposal_on_the_table(make):
+    j = make("approve")
+    j.hello()
+    j.steps(12)
+    j.tick()
+    pid = j.ctl.job_control(JOB)["pending_proposal_id"]
+    asyncio.run(j.ctl.set_mode(JOB, "auto", actor=OPERATOR, reason="go hands-off"))
+    j.steps(1)
+    j.tick()
+    assert j.ctl.proposals(JOB)[0]["id"] == pid  # no new proposal: the same one was applied
+    assert j.ctl.proposals(JOB)[0]["status"] == "approved" and j.socks[0].sent[-1].proposal_id == pid
