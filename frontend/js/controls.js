@@ -84,13 +84,13 @@ export class Controls {
         el("button", { type: "button", class: "good", id: "approve", onclick: () => this.decide(p.id, "approve") }, "Approve"),
         el("button", { type: "button", class: "ghost", id: "reject", onclick: () => this.decide(p.id, "reject") }, "Reject")));
     }
-    box.replaceChildren(...nodes);
+    box.replaceChildren(...nodes.filter(Boolean));
   }
 
   async decide(id, verb) {
     for (const b of document.querySelectorAll("#approve, #reject")) b.disabled = true;
     await this.act("control-msg", `/jobs/${this.enc}/proposals/${id}/${verb}`,
-      { method: "POST", body: { reason: `${verb}d from the dashboard` } },
+      { method: "POST", body: { reason: `${verb === "approve" ? "approved" : "rejected"} from the dashboard` } },
       verb === "approve" ? `Proposal ${id} approved: the job switches at a step boundary.` : `Proposal ${id} rejected.`);
     this.proposalKey = null;
   }

@@ -1,0 +1,223 @@
+"""The dashboard in real Chromium against a real backend fed by a real 3-rank torchrun job.
+
+One backend, one job (rank 2 four times slower per sample) and one browser serve the whole
+module; the tests run in order: overview, live charts, approve, overrides + reject + manual
+placement, viewer. Screenshots go to test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.server import Server, running_server
+from tests.helpers.torchrun import REPO_ROOT, start_torchrun
+
+pytestmark = [pytest.mark.browser, pytest.mark.multiproc]
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+JOB = "dash-e2e"
+ARTIFACTS = Path(REPO_ROOT) / "test-artifacts"
+
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"{CHROMIUM} is missing; install Debian's chromium (make browser).", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api")
+
+
+@dataclass
+class Stack:
+    server: Server
+    admin: str
+    operator: str
+    viewer: str
+    browser: Any
+
+    def rest(self, path: str, *, token: str | None = None, method: str = "GET", body: Any = None) -> Any:
+        req = urllib.request.Request(self.server.url + "/api/v1" + path, method=method)
+        req.add_header("Authorization", f"Bearer {token or self.admin}")
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, data=data, timeout=10) as r:
+            return json.loads(r.read())
+
+    def page(self, path: str, token: str) -> Any:
+        ctx = self.browser.new_context(viewport={"width": 1400, "height": 1800})
+        page = ctx.new_page()
+        page.set_default_timeout(60_000)
+        sep = "&" if "?" in path else "?"
+        page.goto(f"{self.server.url}{path}{sep}token={token}")
+        return page
+
+
+def _wait(cond: Callable[[], Any], what: str, timeout: float = 60.0, stack: Stack | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.25)
+    log = stack.server.log()[-3000:] if stack else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{log}")
+
+
+def _shot(page: Any, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / name), full_page=True, timeout=60_000)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("dashboard")
+    admin = "admin-" + secrets.token_urlsafe(24)
+    with running_server(tmp, env={"REBALANCER_ADMIN_TOKEN": admin}) as srv:
+        probe = Stack(srv, admin, "", "", None)
+        tokens = {role: probe.rest("/tokens", method="POST", body={"role": role, "name": f"e2e-{role}"})["secret"]
+                  for role in ("operator", "viewer")}
+        hook = probe.rest("/tokens", method="POST", body={"role": "hook", "job": JOB, "name": "e2e-hook"})["secret"]
+        job = start_torchrun(3, ["-m", "trainer_hook.demo_worker", "--server", srv.url, "--job", JOB,
+                                 "--token", hook, "--steps", "0", "--global-batch-size", "48",
+                                 "--speeds", "1,1,0.25", "--per-sample-ms", "1.0"])
+        try:
+            with sync_api.sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+                try:
+                    yield Stack(srv, admin, tokens["operator"], tokens["viewer"], browser)
+                finally:
+                    browser.close()
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGTERM)
+                try:
+                    job.wait(timeout=15)
+                except Exception:
+                    os.killpg(job.pid, signal.SIGKILL)
+                    job.wait()
+
+
+def test_overview_lists_the_job(stack: Stack) -> None:
+    page = stack.page("/", stack.operator)
+    row = page.locator(f"tr[data-job='{JOB}']")
+    row.wait_for(timeout=90_000)  # torchrun start-up on a busy 2-core machine
+    _wait(lambda: "3/3" in row.inner_text(), "all 3 ranks connected in the overview", stack=stack)
+    text = row.inner_text()
+    assert JOB in text and "approve" in text
+    page.context.close()
+
+
+def test_job_view_charts_update(stack: Stack) -> None:
+    page = stack.page(f"/job/{JOB}", stack.operator)
+    page.wait_for_function("() => window.rebalancer && window.rebalancer.state.draws > 0")
+    npts = "() => (document.getElementById('series').data || [{x: []}])[0].x.length"
+    last_x = "() => { const d = document.getElementById('series').data[0].x; return d[d.length - 1]; }"
+    page.wait_for_function(f"() => ({npts})() > 0")
+    first_n, first_last = page.evaluate(npts), page.evaluate(last_x)
+    bars = page.evaluate("() => document.getElementById('rank-bars').data[0].y")
+    assert len(bars) == 3
+    # The series grows with new batches and the bars are redrawn with new numbers.
+    page.wait_for_function(f"() => ({last_x})() > {first_last} + 5")
+    assert page.evaluate(npts) > first_n
+    page.wait_for_function(f"() => JSON.stringify(document.getElementById('rank-bars').data[0].y) !== {json.dumps(json.dumps(bars))}")
+    heat_cols = page.evaluate("() => document.getElementById('heatmap').data[0].z[0].length")
+    assert heat_cols >= 1
+    # The slowest rank (2) is the straggler in the bars and the device table.
+    assert "straggler" in (page.locator("#device-table tr[data-rank='2']").get_attribute("class") or "")
+    _shot(page, "job-view-live.png")
+    page.context.close()
+
+
+def test_approve_switches_placement(stack: Stack) -> None:
+    page = stack.page(f"/job/{JOB}", stack.operator)
+    approve = page.locator("#approve")
+    approve.wait_for(timeout=60_000)
+    pid = int(page.locator("#proposal-title").inner_text().split()[-1])
+    prop = stack.rest(f"/jobs/{JOB}/proposals/{pid}")
+    assert prop["status"] == "proposed" and prop["shares"][2] < prop["shares"][0]
+    _shot(page, "job-view-proposal.png")
+    approve.click()
+    page.locator("#control-msg.ok").wait_for()
+
+    def switched() -> Any:
+        placement = stack.rest(f"/jobs/{JOB}")["placement"]
+        return placement if placement["shares"] == prop["shares"] else None
+
+    placement = _wait(switched, f"job {JOB} to take proposal {pid}'s shares", stack=stack)
+    assert placement["version"] >= 1
+    # Every rank applied it at one batch index (acks from the hook).
+    row = _wait(lambda: next((p for p in stack.rest(f"/jobs/{JOB}/placements")["data"]
+                              if p["version"] == placement["version"] and p["effective_batch_index"] is not None
+                              and len(p["acks"]) == 3), None), "acks from all 3 ranks", stack=stack)
+    assert len(set(row["acks"].values())) == 1
+    decided = stack.rest(f"/jobs/{JOB}/proposals/{pid}")
+    assert decided["decided_by"] == "e2e-operator" and decided["placement_version"] is not None
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "approve-placements.json").write_text(json.dumps(
+        {"proposal": decided, "placements": stack.rest(f"/jobs/{JOB}/placements")["data"]}, indent=1))
+    audit = stack.rest(f"/jobs/{JOB}/audit")["data"]
+    assert any(a["action"] == "proposal.approve" and a["actor"] == "e2e-operator" for a in audit)
+    # The time series marks the placement change once the new version's batches arrive.
+    page.wait_for_function("() => (document.getElementById('series').layout.shapes || []).length > 0")
+    page.context.close()
+
+
+def test_override_editor_reject_and_manual_placement(stack: Stack) -> None:
+    page = stack.page(f"/job/{JOB}", stack.operator)
+    page.locator("#override-table tr[data-rank='2'] .pin").wait_for()
+    current = stack.rest(f"/jobs/{JOB}")["placement"]["shares"]
+    pin = 4 if current[2] != 4 else 6
+    page.fill("#override-table tr[data-rank='2'] .pin", str(pin))
+    page.click("#apply-overrides")
+    page.locator("#override-msg.ok").wait_for()
+    assert stack.rest(f"/jobs/{JOB}/overrides")["pins"] in ({"2": pin}, {2: pin})
+    # The placement in force breaks the pin, so the controller proposes one that keeps it.
+    page.wait_for_function(f"() => {{ const p = window.rebalancer.state.control.pending_proposal;"
+                           f" return p && p.status === 'proposed' && p.shares[2] === {pin}; }}")
+    page.locator("#reject").wait_for()
+    pid = page.evaluate("() => window.rebalancer.state.control.pending_proposal.id")
+    page.click("#reject")
+    page.locator("#control-msg.ok").wait_for()
+    assert stack.rest(f"/jobs/{JOB}/proposals/{pid}")["status"] == "rejected"
+    # A manual placement that breaks the pin is refused with the reason ...
+    page.fill("#manual-shares", "20,20,8")
+    page.click("#submit-manual")
+    page.locator("#override-msg.err").wait_for()
+    assert "pinned" in page.locator("#override-msg").inner_text()
+    # ... and one that keeps it is applied.
+    shares = [24 - pin // 2, 24 - pin + pin // 2, pin]
+    page.fill("#manual-shares", ",".join(map(str, shares)))
+    page.click("#submit-manual")
+    page.locator("#override-msg.ok").wait_for()
+    _wait(lambda: stack.rest(f"/jobs/{JOB}")["placement"]["shares"] == shares, "the manual placement", stack=stack)
+    _shot(page, "job-view-operator.png")
+    page.context.close()
+
+
+def test_viewer_sees_no_controls(stack: Stack) -> None:
+    page = stack.page(f"/job/{JOB}", stack.viewer)
+    page.wait_for_function("() => window.rebalancer && window.rebalancer.state.draws > 0 && document.body.dataset.role")
+    assert page.evaluate("() => document.body.dataset.role") == "viewer"
+    assert "viewer" in page.locator("#whoami").inner_text()
+    assert page.locator("#override-card").is_hidden()
+    assert page.locator("#mode").is_hidden()
+    assert page.locator("#approve").count() == 0 and page.locator("#reject").count() == 0
+    assert page.locator("#series .main-svg").count() > 0  # the same charts
+    _shot(page, "job-view-viewer.png")
+    # The API agrees: a viewer cannot change the mode.
+    with pytest.raises(urllib.error.HTTPError) as err:
+        stack.rest(f"/jobs/{JOB}/mode", token=stack.viewer, method="PUT", body={"mode": "auto"})
+    assert err.value.code == 403
+    page.context.close()
