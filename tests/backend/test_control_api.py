@@ -170,3 +170,26 @@ def test_unknown_job_and_proposal_are_404(api):
         assert r.status_code == 422
     r = client.get(f"/api/v1/jobs/{JOB}/audit")
     assert r.status_code == 401
+
+
+def test_control_state_survives_an_app_restart(tmp_path: Path):
+    settings = Settings(db=f"sqlite:///{tmp_path / 'r.db'}", admin_token=ADMIN)
+    base = f"/api/v1/jobs/{JOB}"
+    with TestClient(create_app(settings)) as client, hooks(client):
+        client.put(f"{base}/overrides", json={"caps": {"2": 10}}, headers=h(ADMIN))
+        client.put(f"{base}/mode", json={"mode": "observe"}, headers=h(ADMIN))
+        client.put(f"{base}/policy", json={"min_gain": 0.2}, headers=h(ADMIN))
+        p = client.post(f"{base}/proposals", json={"shares": [20, 20, 8]}, headers=h(ADMIN)).json()
+        client.put(f"{base}/mode", json={"mode": "approve"}, headers=h(ADMIN))
+        client.post(f"{base}/proposals/{p['id']}/approve", headers=h(ADMIN))
+        before = {k: client.get(f"{base}/{k}", headers=h(ADMIN)).json() for k in ("proposals", "placements", "audit")}
+    with TestClient(create_app(settings)) as client:
+        after = {k: client.get(f"{base}/{k}", headers=h(ADMIN)).json() for k in ("proposals", "placements", "audit")}
+        assert after == before
+        state = client.get(f"/api/v1/jobs/{JOB}", headers=h(ADMIN)).json()
+        assert state["mode"] == "approve" and state["overrides"]["caps"] == {"2": 10}
+        assert client.get(f"{base}/policy", headers=h(ADMIN)).json()["min_gain"] == 0.2
+        with client.websocket_connect(f"/ws/hook?token={ADMIN}") as ws:
+            ws.send_text(encode(Hello(job=JOB, rank=1, world_size=3, global_batch_size=48, placement_version=1)))
+            msg = decode(ws.receive_text())
+            assert isinstance(msg, Placement) and (msg.version, msg.shares) == (1, [20, 20, 8])
