@@ -1,0 +1,78 @@
+"""Against the real backend process (uvicorn on a free loopback port): a real torchrun/gloo
+job with one slowed rank, and bad frames from a raw websocket client."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from tests.backend._app import hello, metrics
+from tests.helpers.server import running_server
+from tests.helpers.torchrun import run_torchrun
+from trainer_hook.protocol import MAX_MESSAGE_BYTES
+
+STEPS = 30
+
+
+@pytest.mark.multiproc
+def test_slowed_rank_computes_longer_while_wall_steps_match(tmp_path):
+    env = {"REBALANCER_DEFAULT_MODE": "observe"}  # measure only: the placement stays uniform
+    with running_server(tmp_path, env=env) as server:
+        run_torchrun(3, [
+            "-m", "trainer_hook.demo_worker", "--server", server.url, "--job", "e2e",
+            "--steps", str(STEPS), "--global-batch-size", "48", "--speeds", "1,1,0.25",
+            "--per-sample-ms", "2.0",
+        ], timeout=240)
+        job = server.get("/api/v1/jobs/e2e")
+        ranks = server.get("/api/v1/jobs/e2e/ranks")["data"]
+        points = server.get("/api/v1/jobs/e2e/metrics?source=live")["data"]
+        log = server.log()
+    assert (job["world_size"], job["global_batch_size"]) == (3, 48), job
+    assert job["placement"]["shares"] == [16, 16, 16]
+    by_rank: dict[int, list[dict]] = {0: [], 1: [], 2: []}
+    for p in points:
+        by_rank[p["rank"]].append(p)
+    for r, pts in by_rank.items():  # every rank's every step arrived
+        assert sorted(p["batch_index"] for p in pts) == list(range(STEPS)), (r, log[-3000:])
+        # 16 each, except the short last batch of an epoch (512 samples / 48).
+        assert all(p["local_batch_size"] <= 16 for p in pts)
+    # Skip the first steps (gloo and DDP warm-up) and compare within this one run.
+    compute = {r: statistics.median(p["compute_ms"] for p in pts[5:]) for r, pts in by_rank.items()}
+    wall = {r: statistics.median(p["step_ms"] for p in pts[5:]) for r, pts in by_rank.items()}
+    fast = max(compute[0], compute[1])
+    assert compute[2] > 2.5 * fast, compute  # injected 4x per-sample cost
+    assert max(wall.values()) < 1.25 * min(wall.values()), wall  # everyone waits for rank 2
+    assert {r["rank"] for r in ranks} == {0, 1, 2}
+    assert job["imbalance"] > 0.5
+
+
+@pytest.mark.multiproc
+def test_real_server_answers_bad_frames_and_keeps_serving(tmp_path):
+    with running_server(tmp_path) as server:
+        url = server.ws_url + "/ws/hook"
+        with connect(url) as good:
+            good.send(hello(job="w", rank=0))
+            assert json.loads(good.recv(timeout=10))["type"] == "placement"
+            with connect(url) as bad:
+                bad.send(hello(job="w", rank=1))
+                bad.recv(timeout=10)
+                bad.send("y" * (2 * MAX_MESSAGE_BYTES))
+                err = json.loads(bad.recv(timeout=10))
+                assert err["type"] == "error" and err["code"] == "too_big"
+                with pytest.raises(ConnectionClosed) as closed:
+                    bad.recv(timeout=10)
+                assert closed.value.rcvd.code == 1009
+            with connect(url) as bad:
+                bad.send('{"type": "hello", "v": 1, "job": "w"')
+                assert json.loads(bad.recv(timeout=10))["code"] == "malformed"
+                with pytest.raises(ConnectionClosed) as closed:
+                    bad.recv(timeout=10)
+                assert closed.value.rcvd.code == 4002
+            good.send(metrics(job="w", rank=0, n=9))
+        ranks = {r["rank"]: r for r in server.get("/api/v1/jobs/w/ranks")["data"]}
+        assert server.get("/healthz")["status"] == "ok"
+    assert ranks[0]["n_steps"] == 9 and ranks[1]["n_steps"] == 0
