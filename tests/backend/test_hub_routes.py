@@ -1,0 +1,111 @@
+"""The dashboard's routes in the real app: pages, static files, plotly, /ws/dashboard auth
+and frames fed through /ws/hook, whoami and forecast."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
+
+from backend.api.routes.pages import plotly_js_path
+from tests.backend._app import hello, make_app, metrics
+
+ADMIN = "admin-secret-0123456789abcdef"
+
+
+def _bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+@pytest.fixture
+def client(tmp_path):
+    with TestClient(make_app(tmp_path, admin_token=ADMIN)) as c:
+        yield c
+
+
+def _token(client: TestClient, role: str, job: str | None = None) -> str:
+    r = client.post("/api/v1/tokens", json={"role": role, "job": job}, headers=_bearer(ADMIN))
+    assert r.status_code == 201, r.text
+    return r.json()["secret"]
+
+
+def test_pages_and_static_files(client):
+    for path in ("/", "/job/some-job"):
+        r = client.get(path)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert 'src="/static/plotly.min.js"' in client.get("/job/x").text
+    js = client.get("/static/js/job.js")
+    assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
+    assert client.get("/static/css/app.css").headers["content-type"].startswith("text/css")
+    plotly = client.get("/static/plotly.min.js")
+    assert plotly.status_code == 200 and len(plotly.content) == plotly_js_path().stat().st_size
+    assert client.get("/static/nope.js").json() == {"detail": "No static file 'nope.js'."}
+    # Nothing outside frontend/ is reachable, however the path is spelled.
+    for evil in ("/static/../backend/settings.py", "/static/%2e%2e/backend/settings.py",
+                 "/static/..%2fpyproject.toml"):
+        assert client.get(evil).status_code == 404
+
+
+def test_dashboard_socket_refuses_missing_bad_and_hook_tokens(client):
+    for query in ("", "?token=wrong"):
+        with client.websocket_connect(f"/ws/dashboard{query}") as ws, pytest.raises(WebSocketDisconnect) as exc:
+            ws.receive_text()
+        assert exc.value.code == 4401
+    hook = _token(client, "hook", job="j")
+    with client.websocket_connect(f"/ws/dashboard?token={hook}") as ws, pytest.raises(WebSocketDisconnect) as exc:
+        ws.receive_text()
+    assert exc.value.code == 4403
+
+
+def test_dashboard_socket_streams_a_fed_job(client):
+    viewer = _token(client, "viewer")
+    with client.websocket_connect("/ws/hook", headers=_bearer(ADMIN)) as h0, \
+            client.websocket_connect("/ws/hook", headers=_bearer(ADMIN)) as h1:
+        for rank, ws in enumerate((h0, h1)):
+            ws.send_text(hello(rank=rank))
+            ws.receive_text()  # the placement in force
+        with client.websocket_connect(f"/ws/dashboard?job=j&token={viewer}") as dash:
+            first = dash.receive_json()
+            assert first["type"] == "job" and first["full"] is True and first["job"] == "j"
+            seen: list[int] = []
+            deadline = time.monotonic() + 20
+            b = 0
+            while len(seen) < 20 and time.monotonic() < deadline:
+                h0.send_text(metrics(rank=0, first=b, n=5, compute_ms=10.0))
+                h1.send_text(metrics(rank=1, first=b, n=5, compute_ms=30.0, step_ms=40.0))
+                b += 5
+                frame = dash.receive_json()
+                seen += frame["series"]["b"]
+            assert seen[:20] == list(range(20))  # every batch once, in order, across deltas
+            assert frame["ranks"]["rank"] == [0, 1]
+            assert frame["ranks"]["compute_ms"] == [10.0, 30.0]
+            assert frame["control"]["placement"]["shares"] == [16, 16]
+        with client.websocket_connect(f"/ws/dashboard?token={viewer}") as overview:
+            jobs = overview.receive_json()["jobs"]
+            assert [j["job"] for j in jobs] == ["j"] and jobs[0]["world_size"] == 2
+
+
+def test_whoami_and_forecast(client):
+    viewer, operator = _token(client, "viewer"), _token(client, "operator")
+    assert client.get("/api/v1/whoami").status_code == 401
+    me = client.get("/api/v1/whoami", headers=_bearer(viewer)).json()
+    assert me["role"] == "viewer" and me["operator"] is False and me["open_mode"] is False
+    assert client.get("/api/v1/whoami", headers=_bearer(operator)).json()["operator"] is True
+    assert client.get("/api/v1/jobs/j/forecast", headers=_bearer(viewer)).json() == {"detail": "Job 'j' not found."}
+    with client.websocket_connect("/ws/hook", headers=_bearer(ADMIN)) as h0:
+        h0.send_text(hello(rank=0, world_size=1, device_type="H100"))
+        h0.receive_text()
+        h0.send_text(metrics(rank=0, first=0, n=10, step_ms=100.0))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            f = client.get("/api/v1/jobs/j/forecast?total_steps=1010", headers=_bearer(viewer)).json()
+            if f["batch_index"] == 9:
+                break
+            time.sleep(0.05)
+    assert f["remaining_steps"] == 1000 and f["eta_s"] == pytest.approx(100.0)
+    assert f["cost_per_hour"] == pytest.approx(3.0)  # the H100 default price
+    assert f["cost_to_finish"] == pytest.approx(3.0 * 100 / 3600)
+    bad = client.get("/api/v1/jobs/j/forecast?total_steps=0", headers=_bearer(viewer))
+    assert bad.status_code == 422
