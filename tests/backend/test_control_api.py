@@ -193,3 +193,12 @@ def test_control_state_survives_an_app_restart(tmp_path: Path):
             ws.send_text(encode(Hello(job=JOB, rank=1, world_size=3, global_batch_size=48, placement_version=1)))
             msg = decode(ws.receive_text())
             assert isinstance(msg, Placement) and (msg.version, msg.shares) == (1, [20, 20, 8])
+
+
+def test_control_routes_are_in_the_openapi_docs(api):
+    client, _ = api
+    paths = client.get("/openapi.json").json()["paths"]
+    for path, method in [("/mode", "put"), ("/policy", "put"), ("/proposals", "get"), ("/proposals", "post"),
+                         ("/proposals/{proposal_id}/approve", "post"), ("/proposals/{proposal_id}/reject", "post"),
+                         ("/overrides", "put"), ("/rollback", "post"), ("/placements", "get"), ("/audit", "get")]:
+        assert method in paths[f"/api/v1/jobs/{{job}}{path}"], path

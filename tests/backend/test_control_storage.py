@@ -96,3 +96,34 @@ def test_a_version_is_unique_per_job(sessions):
         s.add(db.PlacementRow(job=job, version=0, shares=[2, 0], source="manual", acks={}))
         with pytest.raises(IntegrityError):
             s.commit()
+
+
+def test_controller_lifecycle_on_this_database(sessions):
+    """The controller's own queries (versions, pending proposals, acks) on each database."""
+    import asyncio
+    import types
+
+    from backend.controller import Controller
+    from backend.live import LiveState
+    from backend.settings import Settings
+    from trainer_hook.protocol import Ack, Hello
+
+    sm, job = sessions
+    svc = types.SimpleNamespace(settings=Settings(), sessionmaker=sm, live=LiveState(), connections=None)
+    ctl = Controller(svc)
+    op = Actor("olga", "operator", None, "127.0.0.1")
+
+    async def story() -> None:
+        for r in range(2):
+            assert (await ctl.on_hello(Hello(job=job, rank=r, world_size=2, global_batch_size=10))).version == 0
+        p = await ctl.submit_manual(job, [7, 3], actor=op, reason="r1 slow", apply=True)
+        for r in range(2):
+            await ctl.on_ack(Ack(job=job, rank=r, version=1, batch_index=9))
+        assert ctl.proposals(job, "applied")[0]["id"] == p["id"]
+        restarted = Controller(svc)
+        assert (await restarted.on_hello(Hello(job=job, rank=0, world_size=2, global_batch_size=10))).shares == [7, 3]
+        assert restarted.placements(job)[0]["acks"] == {0: 9, 1: 9}
+        assert restarted.proposal_counts(job)["applied"] == 1
+        assert [a["action"] for a in restarted.audit(job)] == ["proposal.approve", "proposal.create", "job.create"]
+
+    asyncio.run(story())
