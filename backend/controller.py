@@ -813,9 +813,9 @@ class Controller:
         from backend.policy import available_strategies
 
         st = self._require(job)
-        strategy = changes.get("strategy")
-        if strategy is not None and strategy not in available_strategies():
-            raise InvalidError(f"Unknown strategy {strategy!r}; choose one of {', '.join(available_strategies())}.")
+        for key, value in changes.items():
+            if value is not None:
+                _check_policy_value(key, value, available_strategies())
         policy = dict(st.policy)
         for k, v in changes.items():
             if v is None:
@@ -965,6 +965,54 @@ class Controller:
         self._require(job)
         with self._session() as s:
             return [r.public() for r in db.list_audit(s, job, limit=limit)]
+
+
+# Policy settings an admin may change: (kind, lowest, highest).
+_POLICY_NUMBERS: dict[str, tuple[type, float, float]] = {
+    "min_gain": (float, 0.0, 0.99),
+    "cooldown_steps": (int, 0, 1_000_000),
+    "min_steps": (int, 1, 1_000_000),
+    "window_steps": (int, 2, 100_000),
+    "max_move_fraction": (float, 0.001, 1.0),
+    "horizon_steps": (int, 1, 100_000),
+    "rollback_threshold": (float, 0.0, 1.0),
+    "effect_window_steps": (int, 2, 10_000),
+    "proposal_ttl_s": (float, 1.0, 7 * 86400.0),
+}
+_WORKLOADS = ("llm", "vision", "diffusion", "recsys", "custom")
+
+
+def _check_policy_value(key: str, v: Any, strategies: Sequence[str]) -> None:
+    """Raise InvalidError saying what a policy setting must be."""
+    if key == "strategy":
+        if v not in strategies:
+            raise InvalidError(f"Unknown strategy {v!r}; choose one of {', '.join(strategies)}.")
+    elif key == "workload":
+        if v not in _WORKLOADS:
+            raise InvalidError(f"workload must be one of {', '.join(_WORKLOADS)}; got {v!r}.")
+    elif key in ("custom_weights", "params"):
+        ok = isinstance(v, dict) and all(
+            isinstance(k, str) and _is_number(x) and (key == "params" or x > 0) for k, x in v.items())
+        if not ok:
+            what = "device types to weights > 0" if key == "custom_weights" else "names to numbers"
+            raise InvalidError(f"{key} must map {what}, got {v!r}.")
+    elif key in _POLICY_NUMBERS:
+        kind, lo, hi = _POLICY_NUMBERS[key]
+        fits = isinstance(v, int) if kind is int else _is_number(v)
+        if isinstance(v, bool) or not fits or not lo <= v <= hi:
+            noun = "an integer" if kind is int else "a number"
+            raise InvalidError(f"{key} must be {noun} between {_num(lo)} and {_num(hi)}, got {v!r}.")
+    else:
+        known = ", ".join(["strategy", "workload", "custom_weights", "params", *_POLICY_NUMBERS])
+        raise InvalidError(f"Unknown policy setting {key!r}; known settings: {known}.")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _actor_name(actor: Any) -> str:

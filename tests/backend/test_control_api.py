@@ -202,3 +202,30 @@ def test_control_routes_are_in_the_openapi_docs(api):
                          ("/proposals/{proposal_id}/approve", "post"), ("/proposals/{proposal_id}/reject", "post"),
                          ("/overrides", "put"), ("/rollback", "post"), ("/placements", "get"), ("/audit", "get")]:
         assert method in paths[f"/api/v1/jobs/{{job}}{path}"], path
+
+
+def test_bad_input_gets_one_plain_sentence(api):
+    client, tok = api
+    base = f"/api/v1/jobs/{JOB}"
+    with hooks(client):
+        cases = [
+            ("PUT", "/mode", {"mode": "yolo"}, "Mode must be one of observe, approve, auto; got 'yolo'."),
+            ("PUT", "/policy", {"min_gain": 2}, "min_gain must be a number between 0 and 0.99, got 2."),
+            ("PUT", "/policy", {"cooldown_steps": 1.5}, "cooldown_steps must be an integer between 0 and 1000000, got 1.5."),
+            ("PUT", "/policy", {"workload": "chess"}, "workload must be one of llm, vision, diffusion, recsys, custom; got 'chess'."),
+            ("PUT", "/policy", {"speed": 3}, "Unknown policy setting 'speed'; known settings: strategy, workload, "
+             "custom_weights, params, min_gain, cooldown_steps, min_steps, window_steps, max_move_fraction, "
+             "horizon_steps, rollback_threshold, effect_window_steps, proposal_ttl_s."),
+            ("PUT", "/policy", {"custom_weights": {"H100": -1}}, "custom_weights must map device types to weights > 0, got {'H100': -1}."),
+            ("POST", "/proposals", {"shares": "20,20,8"}, "Invalid placement: shares must be a list of integers, got str."),
+            ("PUT", "/overrides", {"pins": {"zero": 4}}, "pins keys must be rank numbers, got 'zero'."),
+            ("PUT", "/overrides", {"caps": {"1": 99}}, "caps[1] must be an integer between 0 and 48, got 99."),
+            ("PUT", "/overrides", {"granularity": 0}, "granularity must be an integer between 1 and 48, got 0."),
+            ("PUT", "/overrides", {"pins": {"1": 4}, "drains": [1]}, "Rank 1 is both pinned and drained; choose one."),
+        ]
+        for method, path, body, detail in cases:
+            r = client.request(method, base + path, json=body, headers=h(ADMIN))
+            assert (r.status_code, r.json()) == (422, {"detail": detail}), (path, body)
+        # Nothing invalid reached the record.
+        actions = [a["action"] for a in client.get(f"{base}/audit", headers=h(ADMIN)).json()["data"]]
+        assert actions == ["job.create"]

@@ -8,10 +8,10 @@ submits placements; admin changes the policy.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, HTTPException, Query
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import AdminDep, OperatorDep, ServicesDep, ViewerDep
 from backend.controller import ControlError, Controller
@@ -36,32 +36,36 @@ T = TypeVar("T")
 
 
 class ModeIn(BaseModel):
-    mode: Literal["observe", "approve", "auto"]
+    # str, not Literal: the controller answers a wrong mode with one plain sentence.
+    mode: str = Field(description="observe | approve | auto")
     reason: str | None = Field(default=None, max_length=2048)
 
 
 class PolicyIn(BaseModel):
-    """Fields left out keep their value; an explicit null returns a field to the default."""
+    """Fields left out keep their value; an explicit null returns a field to the default.
+    Values are checked by the controller, which names the setting and its range."""
 
-    strategy: str | None = Field(default=None, max_length=32)
-    workload: Literal["llm", "vision", "diffusion", "recsys", "custom"] | None = None
-    custom_weights: dict[str, float] | None = None
-    min_gain: float | None = Field(default=None, ge=0, lt=1)
-    cooldown_steps: int | None = Field(default=None, ge=0, le=1_000_000)
-    min_steps: int | None = Field(default=None, ge=1, le=1_000_000)
-    window_steps: int | None = Field(default=None, ge=2, le=100_000)
-    max_move_fraction: float | None = Field(default=None, gt=0, le=1)
-    horizon_steps: int | None = Field(default=None, ge=1, le=100_000)
-    rollback_threshold: float | None = Field(default=None, ge=0, le=1)
-    effect_window_steps: int | None = Field(default=None, ge=2, le=10_000)
-    proposal_ttl_s: float | None = Field(default=None, gt=0)
-    params: dict[str, float] | None = None
+    model_config = ConfigDict(extra="allow")
+
+    strategy: Any = Field(default=None, description="a registered strategy: static, profiled, predictive")
+    workload: Any = Field(default=None, description="llm | vision | diffusion | recsys | custom")
+    custom_weights: Any = Field(default=None, description="device type -> weight > 0, for workload custom")
+    min_gain: Any = Field(default=None, description="propose only above this predicted gain, 0-0.99")
+    cooldown_steps: Any = Field(default=None, description="steps to wait after each change")
+    min_steps: Any = Field(default=None, description="valid steps per rank before measuring strategies propose")
+    window_steps: Any = Field(default=None, description="recent steps used for a fit")
+    max_move_fraction: Any = Field(default=None, description="auto mode: most of B one change moves a rank")
+    horizon_steps: Any = Field(default=None, description="predictive: steps to forecast ahead")
+    rollback_threshold: Any = Field(default=None, description="auto mode: roll back when steps get this much slower")
+    effect_window_steps: Any = Field(default=None, description="steps before/after a change to measure its effect")
+    proposal_ttl_s: Any = Field(default=None, description="seconds a proposal stays approvable")
+    params: Any = Field(default=None, description="strategy-specific numbers")
     reason: str | None = Field(default=None, max_length=2048)
 
 
 class ManualPlacementIn(BaseModel):
     # Any: the controller's check says exactly which entry is wrong and why.
-    shares: list[Any]
+    shares: Any = Field(description="one integer share per rank, summing to the global batch size")
     reason: str | None = Field(default=None, max_length=2048)
     apply: bool = False  # approve it in the same call
 
@@ -73,10 +77,11 @@ class DecisionIn(BaseModel):
 class OverridesIn(BaseModel):
     """The full set of overrides (PUT replaces); send empty values to clear them."""
 
-    pins: dict[int, Any] = Field(default_factory=dict)  # rank -> exact share
-    caps: dict[int, Any] = Field(default_factory=dict)  # rank -> max share
-    floors: dict[int, Any] = Field(default_factory=dict)  # rank -> min share
-    drains: list[int] = Field(default_factory=list)  # ranks that get 0
+    # Loose types: the controller names the rank and the rule a bad value breaks.
+    pins: dict[str, Any] = Field(default_factory=dict, description="rank -> exact share")
+    caps: dict[str, Any] = Field(default_factory=dict, description="rank -> most samples")
+    floors: dict[str, Any] = Field(default_factory=dict, description="rank -> fewest samples")
+    drains: list[Any] = Field(default_factory=list, description="ranks that get no samples")
     granularity: Any = 1
     reason: str | None = Field(default=None, max_length=2048)
 
