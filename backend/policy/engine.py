@@ -265,7 +265,12 @@ def decide(obs: JobObservation, config: PolicyConfig,
         est = static_strategy(obs, config, eff)
     strategy_name = config.strategy
     try:
-        target = solve(est.a_ms, est.c_ms, b_total, eff)
+        # Plan with each rank's cost two standard errors high: a rank whose estimate is
+        # shaky (few steps, heavy noise) should not be handed extra work on a lucky streak.
+        k_se = float(config.params.get("plan_margin_se", 2.0))
+        plan_c = [c * (1.0 + k_se * e) for c, e in zip(est.c_ms, est.rel_error, strict=True)] \
+            if est.rel_error else list(est.c_ms)
+        target = solve(est.a_ms, plan_c, b_total, eff)
     except InfeasibleError as exc:
         return NoProposal("infeasible", str(exc))
     extra: dict[str, object] = {}

@@ -132,7 +132,10 @@ class JobSimulator:
                              drift_steps=120, drift_factor=1.8)
                      for i in range(8)]
         elif name == "noisy_rank":
-            ranks = [SimRank(4.0, 0.8, "A100-80GB", noise=0.25 if i == 3 else 0.03)
+            # Rank 3 is noisy but as fast as the others; rank 6 is really 1.5x slower;
+            # rank 7 is drained (maintenance).
+            ranks = [SimRank(4.0, 1.2 if i == 6 else 0.8, "A100-80GB",
+                             noise=0.25 if i == 3 else 0.03)
                      for i in range(8)]
             kwargs.setdefault("constraints", Constraints(drains=frozenset({7})))
         else:
