@@ -3,10 +3,32 @@
 Start with :class:`RebalanceHook`; see its docstring for the training-loop pattern.
 """
 
-from trainer_hook.config import HookConfig
-from trainer_hook.hook import RebalanceHook
-from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
-from trainer_hook.sampler import RebalanceBatchSampler
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer_hook.config import HookConfig
+    from trainer_hook.hook import RebalanceHook
+    from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
+    from trainer_hook.sampler import RebalanceBatchSampler
+
+# Imported on first use, so that the backend can import trainer_hook.protocol (stdlib only)
+# without pulling in torch: the server image installs no torch.
+_LAZY = {
+    "HookConfig": "trainer_hook.config",
+    "RebalanceHook": "trainer_hook.hook",
+    "PlacementSchedule": "trainer_hook.placement",
+    "ScheduledPlacement": "trainer_hook.placement",
+    "RebalanceBatchSampler": "trainer_hook.sampler",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'trainer_hook' has no attribute {name!r}")
 
 __all__ = [
     "RebalanceHook",
