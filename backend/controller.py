@@ -282,25 +282,51 @@ class Controller:
             if row is None:
                 log.warning("ack for unknown placement %s of job %s", ack.version, ack.job)
                 return
-            acks = dict(row.acks or {})
-            # The first ack is the switch; a restarted rank acking again must not rewrite it.
-            acks.setdefault(str(ack.rank), ack.batch_index)
-            row.acks = acks
-            if row.applied_at is None and len(acks) >= st.world_size:
-                row.applied_at = self._wall()
-                row.effective_batch_index = max(acks.values())
-                e = row.effective_batch_index
-                w = int(self._knob(st, "effect_window_steps"))
-                row.step_ms_before = self._window_step_ms(st.job, lo=e - w, hi=e - 1)
-                if row.proposal_id is not None:
-                    prop = s.get(db.ProposalRow, row.proposal_id)
-                    if prop is not None and prop.status == "approved":
-                        prop.status = "applied"
-            if row.version == st.version and row.applied_at is not None:
-                st.applied, st.effective = True, row.effective_batch_index
-                st.measured = row.step_ms_after is not None
+            self._record_acks(s, st, row, {ack.rank: ack.batch_index})
             s.commit()
         self._notify(ack.job)
+
+    def _record_acks(self, s: Any, st: _JobState, row: db.PlacementRow, new: dict[int, int]) -> None:
+        acks = dict(row.acks or {})
+        for rank, k in new.items():
+            # The first ack is the switch; a restarted rank acking again must not rewrite it.
+            acks.setdefault(str(rank), k)
+        row.acks = acks
+        if row.applied_at is None and len(acks) >= st.world_size:
+            row.applied_at = self._wall()
+            row.effective_batch_index = e = max(acks.values())
+            w = int(self._knob(st, "effect_window_steps"))
+            row.step_ms_before = self._window_step_ms(st.job, lo=e - w, hi=e - 1)
+            if row.proposal_id is not None:
+                prop = s.get(db.ProposalRow, row.proposal_id)
+                if prop is not None and prop.status == "approved":
+                    prop.status = "applied"
+        if row.version == st.version and row.applied_at is not None:
+            st.applied, st.effective = True, row.effective_batch_index
+            st.measured = row.step_ms_after is not None
+
+    def _acks_from_metrics(self, st: _JobState) -> None:
+        """Acks lost on the way (say, sent while the backend restarted): every rank's steps
+        show the version in force, so take the first batch index each trained under it."""
+        if st.applied or st.version == 0:
+            return
+        live = self.services.live
+        view = live.view(st.job)
+        if view is None or len(view.ranks) < st.world_size or any(
+                r.placement_version is None or r.placement_version < st.version for r in view.ranks):
+            return
+        first: dict[int, int] = {}
+        for rank, rec in live.steps(st.job):
+            if rec.placement_version == st.version and rank not in first:
+                first[rank] = rec.batch_index
+        if len(first) < st.world_size:
+            return  # the switch fell out of the buffers; acks that still arrive will do
+        with self._session() as s:
+            row = db.get_placement(s, st.job, st.version)
+            if row is not None:
+                missing = {r: k for r, k in first.items() if str(r) not in (row.acks or {})}
+                self._record_acks(s, st, row, missing)
+                s.commit()
 
     async def on_reject(self, reject: Reject) -> None:
         """A rank refused a placement: mark it and its proposal failed, with the reason."""
@@ -499,6 +525,7 @@ class Controller:
                    for r in view.ranks)
 
     async def _run_policy(self, st: _JobState) -> None:
+        self._acks_from_metrics(st)
         await self._measure_effect(st)
         from backend.policy import InfeasibleError, decide, limit_moves
         from backend.policy.types import Proposal as PolicyProposal

@@ -245,3 +245,17 @@ def test_a_job_running_a_version_the_backend_never_saw_gets_a_newer_one(env):
     h = Hello(job="orphan", rank=0, world_size=2, global_batch_size=8, placement_version=5)
     p = run(ctl.on_hello(h))
     assert (p.version, p.shares) == (6, [4, 4])
+
+
+def test_lost_acks_are_recovered_from_the_steps(env):
+    svc, ctl, clock, _ = env
+    run(join(svc, ctl))
+    feed(svc, [16, 16, 16], 0, range(0, 20), step_ms=80.0)
+    run(ctl.submit_manual(JOB, [20, 20, 8], actor=OPERATOR, apply=True))
+    run(ctl.on_ack(Ack(job=JOB, rank=1, version=1, batch_index=20)))  # the others' acks got lost
+    feed(svc, [20, 20, 8], 1, range(20, 30), step_ms=40.0)
+    clock.t += 1
+    run(ctl.on_metrics(JOB))
+    row = ctl.placements(JOB)[0]
+    assert row["acks"] == {0: 20, 1: 20, 2: 20} and row["effective_batch_index"] == 20
+    assert row["applied_at"] is not None and ctl.proposals(JOB)[0]["status"] == "applied"
