@@ -1,0 +1,17 @@
+# The Rebalancer backend (no torch: the training hook runs in the training job's image).
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY backend ./backend
+COPY trainer_hook ./trainer_hook
+COPY frontend ./frontend
+# Editable, so the dashboard finds /app/frontend next to the backend package.
+RUN pip install -e ".[server]" && useradd --system --uid 1000 rebalancer
+USER rebalancer
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --retries=5 \
+    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"
+ENTRYPOINT ["rebalancer"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
