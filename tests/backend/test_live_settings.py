@@ -1,0 +1,107 @@
+"""LiveState's derived numbers and persistence windows; Settings' start-up refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from backend.live import LiveState
+from backend.settings import Settings, is_loopback
+from tests.backend._app import steps
+from tests.helpers.torchrun import REPO_ROOT
+from trainer_hook.protocol import DeviceSample, Hello, Metrics
+
+
+def _live(world: int = 3, window: int = 4) -> LiveState:
+    live = LiveState(step_buffer=8, device_buffer=2, window_steps=window)
+    for r in range(world):
+        live.register(Hello(job="j", rank=r, world_size=world, global_batch_size=30), now=100.0)
+    return live
+
+
+def test_derived_numbers_use_the_recent_window():
+    live = _live()
+    live.add_metrics(Metrics(job="j", rank=0, steps=steps(0, 4, compute_ms=99.0, step_ms=100.0, t0=0.0)))
+    for r, c in ((0, 10.0), (1, 10.0), (2, 40.0)):
+        live.add_metrics(Metrics(job="j", rank=r, steps=steps(4 if r == 0 else 0, 4, compute_ms=c,
+                                                              step_ms=50.0, t0=0.0)))
+    v = live.view("j")
+    assert [r.compute_ms for r in v.ranks] == [10.0, 10.0, 40.0]  # rank 0's old 99s left the window
+    assert v.imbalance == pytest.approx(40 / 20 - 1)
+    assert v.idle_fraction == pytest.approx(1 - 20 / 40)
+    assert v.step_ms == 50.0 and v.batch_index == 7
+    assert v.ranks[1].step_rate_hz == pytest.approx(20.0)  # 3 intervals of 50 ms
+    assert v.connected_ranks == 3
+
+
+def test_ring_buffers_bound_memory_and_count_drops():
+    live = _live(world=1)
+    dev = [DeviceSample(t=float(i), source="psutil", cpu_pct=float(i)) for i in range(5)]
+    live.add_metrics(Metrics(job="j", rank=0, steps=steps(0, 20), device=dev, dropped=7))
+    assert len(live.recent_steps("j", 0)) == 8
+    assert [s.batch_index for s in live.recent_steps("j", 0, 3)] == [17, 18, 19]
+    assert [d.cpu_pct for d in live.recent_device("j", 0)] == [3.0, 4.0]
+    assert live.view("j").ranks[0].dropped == 7 and live.dropped_total == 7
+    assert live.records_total == 25 and live.messages_total == 1
+
+
+def test_steps_filter_and_windows_cover_everything_once():
+    live = _live(world=2)
+    live.add_metrics(Metrics(job="j", rank=0, steps=steps(0, 6)))
+    live.add_metrics(Metrics(job="j", rank=1, steps=steps(0, 6)))
+    picked = live.steps("j", ranks={1}, batch_from=2, batch_to=4)
+    assert [(r, s.batch_index) for r, s in picked] == [(1, 2), (1, 3), (1, 4)]
+    assert [s.batch_index for _, s in live.steps("j", limit=2)] == [5, 5]
+    w = live.drain_windows()
+    assert sorted((x.rank, x.n_steps, x.batch_index_start, x.batch_index_end) for x in w) == [(0, 6, 0, 5), (1, 6, 0, 5)]
+    assert live.drain_windows() == []
+
+
+def test_new_run_with_other_shape_resets_ranks_but_reconnect_keeps_history():
+    live = _live(world=2)
+    live.add_metrics(Metrics(job="j", rank=0, steps=steps(0, 3)))
+    live.set_connected("j", 0, False)
+    assert live.register(Hello(job="j", rank=0, world_size=2, global_batch_size=30)) is False
+    assert live.view("j").ranks[0].n_steps == 3 and live.view("j").ranks[0].connected
+    assert live.register(Hello(job="j", rank=0, world_size=4, global_batch_size=30)) is True
+    assert [r.rank for r in live.view("j").ranks] == [0] and live.view("j").ranks[0].n_steps == 0
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"port": 70000}, "REBALANCER_PORT must be between 0 and 65535, got 70000."),
+        ({"db": "mysql://x"}, "REBALANCER_DB must be a sqlite:///path or postgresql://user@host/db URL"),
+        ({"admin_token": "short"}, "REBALANCER_ADMIN_TOKEN must be at least 16 characters"),
+        ({"dashboard_max_hz": 0}, "REBALANCER_DASHBOARD_MAX_HZ must be above 0 and at most 10"),
+        ({"device_prices": {"H100": -1}}, "REBALANCER_DEVICE_PRICES must map device types to prices >= 0"),
+        ({"proposal_ttl_s": 0}, "REBALANCER_PROPOSAL_TTL_S must be a positive number of seconds, got 0.0."),
+        ({"min_gain": 2}, "REBALANCER_MIN_GAIN must be a fraction between 0 and 1, got 2.0."),
+        ({"ws_max_bytes": 1000}, "REBALANCER_WS_MAX_BYTES must exceed the protocol limit"),
+        ({"default_mode": "yolo"}, "Input should be 'observe', 'approve' or 'auto'"),
+    ],
+)
+def test_unsafe_settings_are_refused(env, message):
+    with pytest.raises(ValidationError) as exc:
+        Settings(**env)
+    assert message in str(exc.value)
+
+
+def test_settings_from_environment_and_prices(monkeypatch):
+    monkeypatch.setenv("REBALANCER_PORT", "9001")
+    monkeypatch.setenv("REBALANCER_DEVICE_PRICES", '{"H100": 2.5, "A100": 1.0}')
+    s = Settings()
+    assert s.port == 9001 and s.default_mode == "approve"
+    assert s.price_for("H100") == 2.5
+    assert s.price_for("cuda", "NVIDIA A100-SXM4-80GB") == 1.0
+    assert s.price_for("cuda", "Mystery GPU") is None
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+
+
+def test_backend_import_does_not_pull_in_torch():
+    code = "import sys, backend.main, backend.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=60).returncode == 0
