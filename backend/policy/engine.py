@@ -201,6 +201,18 @@ def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Seque
     return Explanation(strategy, before, after, gain, ranks, evidence)
 
 
+def _held_ranks(est: Estimate, obs: JobObservation, cfg: PolicyConfig,
+                cons: Constraints) -> list[int]:
+    """Ranks whose estimate is still too noisy to move: relative standard error above half
+    the gain threshold, and fewer than 3 x min_steps steps seen."""
+    if not est.rel_error or not est.n_steps:
+        return []
+    return [i for i in range(obs.world_size)
+            if i not in cons.pins and i not in cons.drains
+            and 0 < est.n_steps[i] < 3 * cfg.min_steps
+            and est.rel_error[i] > 0.5 * cfg.min_gain]
+
+
 def _check_config(cfg: PolicyConfig) -> None:
     def bad(key: str, want: str, got: object) -> ValueError:
         return ValueError(f"policy.{key} must be {want}, got {got!r}.")
@@ -264,13 +276,21 @@ def decide(obs: JobObservation, config: PolicyConfig,
         # Constraints must hold now: fall back to device weights until measurements exist.
         est = static_strategy(obs, config, eff)
     strategy_name = config.strategy
+    plan_cons = eff
+    held = _held_ranks(est, obs, config, eff) if violation is None else []
+    if held:
+        # Too noisy to trust yet: keep these ranks where they are and balance the rest.
+        pins = dict(eff.pins)
+        pins.update({i: obs.shares[i] for i in held})
+        plan_cons = Constraints(pins=pins, caps=eff.caps, floors=eff.floors, drains=eff.drains,
+                                granularity=eff.granularity)
     try:
         # Plan with each rank's cost two standard errors high: a rank whose estimate is
         # shaky (few steps, heavy noise) should not be handed extra work on a lucky streak.
         k_se = float(config.params.get("plan_margin_se", 2.0))
         plan_c = [c * (1.0 + k_se * e) for c, e in zip(est.c_ms, est.rel_error, strict=True)] \
             if est.rel_error else list(est.c_ms)
-        target = solve(est.a_ms, plan_c, b_total, eff)
+        target = solve(est.a_ms, plan_c, b_total, plan_cons)
     except InfeasibleError as exc:
         return NoProposal("infeasible", str(exc))
     extra: dict[str, object] = {}
@@ -280,11 +300,14 @@ def decide(obs: JobObservation, config: PolicyConfig,
         if limited != target:
             extra["limited_by_max_move"] = max_move
             target = limited
+    if held:
+        extra["held_noisy_ranks"] = held
     expl = _explain(est, strategy_name, obs.shares, target, extra)
     if target == tuple(obs.shares):
         return NoProposal("balanced", f"balanced: the {strategy_name} split equals the "
                           "placement in force", explanation=expl)
-    working = [i for i in range(n) if obs.shares[i] > 0 or target[i] > 0]
+    # Held ranks keep their share: their noise does not make the others' gain uncertain.
+    working = [i for i in range(n) if (obs.shares[i] > 0 or target[i] > 0) and i not in held]
     noise = 2.0 * max((est.rel_error[i] for i in working), default=0.0) if est.rel_error else 0.0
     threshold = config.min_gain + noise
     if violation is None and expl.gain < threshold:

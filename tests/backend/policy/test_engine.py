@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from backend.policy import (
@@ -66,11 +68,27 @@ def test_balanced_and_insufficient_gain():
 
 
 def test_noise_margin_raises_the_bar():
-    # 4% true imbalance with 30% noise on 12 steps: not a stable estimate, no proposal.
-    obs = observe([0.0] * 4, [1.0, 1.0, 1.0, 1.12], [32] * 4, steps=12, noise=0.3, seed=4)
+    # An 8% predicted gain, but 30% noise: not a stable estimate, no proposal.
+    obs = observe([0.0] * 4, [1.0, 1.0, 1.0, 1.12], [32] * 4, steps=40, noise=0.3, seed=4)
     got = decide(obs, PolicyConfig(min_steps=10))
     assert isinstance(got, NoProposal), got
+    assert got.status == "insufficient_gain"
     assert "for measurement noise" in got.detail
+    # The same imbalance measured cleanly is proposed.
+    obs = observe([0.0] * 4, [1.0, 1.0, 1.0, 1.12], [32] * 4, steps=40, noise=0.01, seed=4)
+    assert isinstance(decide(obs, PolicyConfig(min_steps=10)), Proposal)
+
+
+def test_noisy_ranks_are_held_until_their_estimate_settles():
+    # Rank 1 is slow and clean, rank 3 looks fast but is noisy and has few steps.
+    a, c = [0.0] * 4, [1.0, 1.5, 1.0, 1.0]
+    clean = observe(a, c, [32] * 4, steps=12, noise=0.01, seed=1)
+    noisy = observe(a, c, [32] * 4, steps=12, noise=0.4, seed=2)
+    obs = dataclasses.replace(clean, ranks=(*clean.ranks[:3], noisy.ranks[3]))
+    got = decide(obs, PolicyConfig(min_steps=10))
+    assert isinstance(got, Proposal)
+    assert got.shares[3] == 32 and got.shares[1] < 32
+    assert got.explanation.evidence["held_noisy_ranks"] == [3]
 
 
 def test_max_move_fraction_limits_each_rank():

@@ -77,3 +77,14 @@ def test_drained_rank_never_gets_work_and_runs_are_seeded():
 def test_unknown_scenario_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown scenario 'x'; expected one of static_mix"):
         JobSimulator.scenario("x")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_noisy_rank_is_not_handed_work_on_a_lucky_streak(seed):
+    sim = JobSimulator.scenario("noisy_rank", seed=seed)
+    oracle = sim.oracle_shares(0)
+    res = sim.run("profiled", 120)
+    assert res.proposals, "the really slow rank 6 must lose work"
+    assert all(shares[3] <= oracle[3] + 1 for _, shares, _ in res.proposals)
+    assert res.shares[-1][6] < res.shares[0][6]
+    assert res.ratio(40) < 1.03
