@@ -63,12 +63,12 @@ def _policy(quick: bool, out: Path) -> dict[str, Any]:
 
 def _external(module: str, quick: bool, out: Path) -> dict[str, Any]:
     """A benchmark another module owns: run it as a subprocess, keep its table and JSON."""
-    cmd = [sys.executable, "-m", f"bench.{module}"] + (["--quick"] if quick else [])
+    path = out / f"{module}.json"
+    cmd = [sys.executable, "-m", f"bench.{module}", "--out", str(path)] + (["--quick"] if quick else [])
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     print(proc.stdout, end="", flush=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[1:])} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    path = out / f"{module}.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     return {"stdout": proc.stdout, **data}
 
@@ -151,6 +151,14 @@ def summary_markdown(summary: dict[str, Any]) -> str:
                 [[r["ranks"], r["sent_messages_per_s"], r["sent_rank_steps_per_s"], r["records_lost"],
                   r["backend_cpu_pct"], r["generator_cpu_pct"], r["latency_p50_ms"], r["latency_p99_ms"]]
                  for r in res["results"]]), ""]
+        elif name == "hook_overhead" and "overhead_ratio_median" in res:
+            parts += ["## Hook overhead (one rank, gloo, 20 ms steps; targets <= 1 % and <= 50 us)", ""]
+            parts += [markdown_table(
+                ["baseline step ms", "hooked step ms", "overhead (median)", "overhead (mean)",
+                 "training-thread time added per step"],
+                [[res["baseline_step_ms"]["median"], res["hooked_step_ms"]["median"],
+                  f"{res['overhead_ratio_median'] * 100:+.2f} %", f"{res['overhead_ratio_mean'] * 100:+.2f} %",
+                  f"{res['training_thread_added_us_per_step']:.1f} us"]]), ""]
         elif name == "policy" and "solve" in res:
             parts += ["## Policy solve time (exact integer split; target < 20 ms at 10,000 ranks)", ""]
             parts += [markdown_table(
