@@ -19,6 +19,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_LOGGED: set[str] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +187,9 @@ def device_weights(
             f"unknown device type {', '.join(names)} on rank(s) "
             f"{', '.join(map(str, unknown))}; using equal weights for all ranks"
         )
-        log.warning(msg)
+        if msg not in _LOGGED:  # the policy runs every few seconds: say it once
+            _LOGGED.add(msg)
+            log.warning(msg)
         warnings.append(msg)
         return tuple(1.0 for _ in device_types), warnings
     return tuple(float(w) for w in weights if w is not None), warnings
