@@ -143,8 +143,10 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return "ranks " + ", ".join(parts)
 
 
-def _ms(x: float, units: str) -> str:
-    return f"{x:.0f} ms" if units == "ms" else f"{x:.3g} units"
+def _ms(x: float, units: str = "ms") -> str:
+    if units != "ms":
+        return f"{x:.3g} units"
+    return f"{x:.0f} ms" if x >= 100 else f"{x:.1f} ms"
 
 
 def _reason(est: Estimate, current: Sequence[int], target: Sequence[int], before: float,
@@ -174,8 +176,7 @@ def _reason(est: Estimate, current: Sequence[int], target: Sequence[int], before
     src = f" from {_ranks_text(donors)}" if donors and len(donors) <= 3 else ""
     dst = _ranks_text(takers) if takers else "no rank"
     if est.units == "ms":
-        effect = (f"cuts the predicted step from {before:.0f} ms to {after:.0f} ms "
-                  f"({gain:.0%})")
+        effect = f"cuts the predicted step from {_ms(before)} to {_ms(after)} ({gain:.0%})"
     else:
         effect = f"cuts the predicted step by {gain:.0%}"
     return f"{lead}; moving {moved} samples{src} to {dst} {effect}"

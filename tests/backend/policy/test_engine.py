@@ -39,7 +39,7 @@ def test_proposal_explains_itself():
     assert got.reason == (
         f"rank 3 is {ex.ranks[3].c_ms / ex.ranks[0].c_ms:.1f}x slower per sample than the "
         f"median; moving {moved} samples from rank 3 to ranks 0-2 cuts the predicted step "
-        f"from {ex.step_ms_before:.0f} ms to {ex.step_ms_after:.0f} ms ({ex.gain:.0%})"
+        f"from {ex.step_ms_before:.1f} ms to {ex.step_ms_after:.1f} ms ({ex.gain:.0%})"
     )
 
 
