@@ -40,6 +40,9 @@ class _Rank:
     pending: list[StepRecord] = field(default_factory=list)
     pending_device: list[DeviceSample] = field(default_factory=list)
     pending_dropped: int = 0
+    # Bumped on every change; views of unchanged ranks are reused (1,024 ranks at 10 Hz).
+    rev: int = 0
+    cached: tuple[int, RankView] | None = None
 
 
 @dataclass(slots=True)
@@ -159,6 +162,7 @@ class LiveState:
                 )
             else:  # a reconnect keeps the history in the buffers
                 old.hello, old.connected, old.last_seen = hello, True, now
+                old.rev += 1
             return new_run
 
     def add_metrics(self, msg: Metrics, now: float | None = None) -> None:
@@ -174,6 +178,7 @@ class LiveState:
             r.dropped += msg.dropped
             r.pending_dropped += msg.dropped
             r.messages += 1
+            r.rev += 1
             r.last_seen = job.last_seen = now
             self.messages_total += 1
             self.records_total += len(msg.steps) + len(msg.device)
@@ -184,6 +189,7 @@ class LiveState:
             j = self._jobs.get(job)
             if j is not None and rank in j.ranks:
                 j.ranks[rank].connected = connected
+                j.ranks[rank].rev += 1
 
     def forget(self, job: str) -> None:
         with self._lock:
@@ -233,6 +239,8 @@ class LiveState:
         )
 
     def _rank_view(self, rank: int, r: _Rank) -> RankView:
+        if r.cached is not None and r.cached[0] == r.rev:
+            return r.cached[1]
         n = min(self.window_steps, len(r.steps))
         win = [r.steps[-i] for i in range(n, 0, -1)] if n else []
         last = win[-1] if win else None
@@ -240,7 +248,7 @@ class LiveState:
         if len(win) >= 2 and win[-1].t > win[0].t:
             rate = (len(win) - 1) / (win[-1].t - win[0].t)
         h = r.hello
-        return RankView(
+        view = RankView(
             rank=rank, host=h.host, device_type=h.device_type, device_name=h.device_name,
             mem_total_bytes=h.mem_total_bytes, connected=r.connected, first_seen=r.first_seen,
             last_seen=r.last_seen,
@@ -255,6 +263,8 @@ class LiveState:
             step_rate_hz=rate, n_steps=len(r.steps), dropped=r.dropped,
             device=r.device[-1] if r.device else None,
         )
+        r.cached = (r.rev, view)
+        return view
 
     def recent_steps(self, job: str, rank: int, n: int | None = None) -> tuple[StepRecord, ...]:
         """The last ``n`` (default: all buffered) step records of a rank, oldest first."""
