@@ -93,6 +93,7 @@ def plot_capacity(results: Sequence[Any], path: Path) -> None:
     ax1.legend()
     ax2.plot(ranks, [r.backend_cpu_pct for r in results], "o-", label="backend")
     ax2.plot(ranks, [r.generator_cpu_pct for r in results], "o-", label="load generator")
+    ax2.plot(ranks, [r.dashboard_client_cpu_pct for r in results], "o-", label="dashboard client")
     ax2.set_xscale("log", base=2)
     ax2.set_xlabel("ranks (10 steps/s each)")
     ax2.set_ylabel("CPU, % of one core")

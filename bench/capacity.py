@@ -6,10 +6,12 @@ way the hook's transport batches them) and one dashboard client on ``/ws/dashboa
 Frames are pre-encoded templates, so the generator spends its CPU on sockets, not JSON.
 
 Reported per world size: sustained messages/s and rank-steps/s (sent, and counted by the
-backend), backend CPU (psutil on the server process), generator CPU, records lost (sent
-minus counted by the backend: must be 0), and dashboard latency p50/p99: from the moment a
-hook frame is sent to the moment a dashboard frame showing that rank at that batch index
-(or a later one) arrives.
+backend), backend CPU (psutil on the server process), CPU of the load generator and of the
+dashboard client, records lost (sent minus counted by the backend's
+``rebalancer_ingest_records_total``: must be 0), and dashboard latency p50/p99: from the
+moment a hook frame is handed to its socket to the moment a dashboard frame first shows
+that rank at that frame's newest batch index or later. The dashboard client runs in its
+own process so that the generator's busy event loop does not delay what it sees.
 
     python -m bench.capacity [--quick | --tiny] [--ranks 8,64,256,1024] [--seconds 15]
 """
@@ -20,10 +22,10 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing as mp
 import os
 import re
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +66,8 @@ class CapacityResult:
     records_lost: int | None
     loss_source: str
     backend_cpu_pct: float  # 100 = one core busy
-    generator_cpu_pct: float
+    generator_cpu_pct: float  # the hook load generator process
+    dashboard_client_cpu_pct: float  # the dashboard client, its own process
     latency_p50_ms: float | None
     latency_p99_ms: float | None
     latency_samples: int
@@ -89,23 +92,20 @@ class _Load:
         self.job = job
         self.ranks = ranks
         self.batch = [0] * ranks  # next batch index per rank
-        self.sent_at: list[deque[tuple[int, float]]] = [deque() for _ in range(ranks)]
-        self.shown = [-1] * ranks  # newest batch index the dashboard has shown
+        # Per rank: (newest batch index in the frame, wall time it was handed to the socket).
+        self.sent_at: list[list[tuple[int, float]]] = [[] for _ in range(ranks)]
         self.measuring = False
         self.stop = False
         self.messages = 0
         self.records = 0
         self.devices_total = 0  # device samples sent over the whole run (for the loss count)
         self.lags: list[float] = []
-        self.latencies: list[float] = []
-        self.frames = 0
-        self.frame_bytes = 0
         self.errors: list[str] = []
+        self.no_reply = 0  # ranks whose hello got no placement back within 30 s
 
     def reset_counters(self) -> None:
-        self.messages = self.records = self.frames = self.frame_bytes = 0
+        self.messages = self.records = 0
         self.lags.clear()
-        self.latencies.clear()
 
 
 async def _hook_client(load: _Load, base: str, rank: int, t0: float, ready: asyncio.Event) -> None:
@@ -125,10 +125,10 @@ async def _hook_client(load: _Load, base: str, rank: int, t0: float, ready: asyn
     async with websockets.connect(base + "/ws/hook", max_size=None, open_timeout=60,
                                   ping_interval=None) as ws:
         await ws.send(hello)
-        try:  # the placement in force; the real hook does not wait for it, so neither do we long
-            await asyncio.wait_for(ws.recv(), timeout=10)
-        except TimeoutError:
-            load.errors.append(f"rank {rank}: no reply to hello within 10 s")
+        try:  # the placement in force (the real hook does not wait for it either)
+            await asyncio.wait_for(ws.recv(), timeout=30)
+        except asyncio.TimeoutError:
+            load.no_reply += 1
         ready.set()
 
         async def drain() -> None:
@@ -189,29 +189,61 @@ def _rank_positions(frame: Any) -> list[tuple[int, int]]:
     return out
 
 
-async def _dashboard_client(load: _Load, base: str) -> None:
-    async with websockets.connect(f"{base}/ws/dashboard?job={load.job}", max_size=None,
-                                  open_timeout=60, ping_interval=None) as ws:
-        async for raw in ws:
+async def _watch_dashboard(url: str, ranks: int, stop: Any, seen: list[tuple[int, int, float]],
+                           frames: list[tuple[float, int]]) -> None:
+    async with websockets.connect(url, max_size=None, open_timeout=60, ping_interval=None) as ws:
+        shown = [-1] * ranks
+        while not stop.is_set():
+            try:
+                raw = await asyncio.wait_for(ws.recv(), timeout=0.5)
+            except asyncio.TimeoutError:
+                continue
             now = time.time()
-            if load.measuring:
-                load.frames += 1
-                load.frame_bytes += len(raw)
+            frames.append((now, len(raw)))
             try:
                 frame = json.loads(raw)
             except ValueError:
                 continue
             for rank, k in _rank_positions(frame):
-                if not 0 <= rank < load.ranks or k <= load.shown[rank]:
-                    continue
-                load.shown[rank] = k
-                q = load.sent_at[rank]
-                while q and q[0][0] <= k:  # every hook frame this position now shows
-                    sent = q.popleft()[1]
-                    if load.measuring:
-                        load.latencies.append((now - sent) * 1000.0)
-            if load.stop:
-                return
+                if 0 <= rank < ranks and k > shown[rank]:
+                    shown[rank] = k
+                    seen.append((rank, k, now))
+
+
+def _dashboard_process(url: str, ranks: int, stop: Any, conn: Any) -> None:
+    """One dashboard client in its own process, so that the load generator's busy event
+    loop does not delay the moment a frame is seen: it records (rank, batch index, time)
+    each time a frame first shows a rank further on, and sends the log back at the end."""
+    seen: list[tuple[int, int, float]] = []
+    frames: list[tuple[float, int]] = []
+    error = ""
+    try:
+        asyncio.run(_watch_dashboard(url, ranks, stop, seen, frames))
+    except Exception as exc:  # noqa: BLE001 - reported by the parent
+        error = repr(exc)
+    conn.send((seen, frames, error))
+    conn.close()
+
+
+def _latencies(sent_at: list[list[tuple[int, float]]], seen: list[tuple[int, int, float]],
+               t_lo: float, t_hi: float) -> list[float]:
+    """For every hook frame sent in [t_lo, t_hi): ms until a dashboard frame first showed
+    its rank at its newest batch index or later (frames never shown are left out)."""
+    by_rank: dict[int, list[tuple[int, float]]] = {}
+    for rank, k, t in seen:
+        by_rank.setdefault(rank, []).append((k, t))
+    out: list[float] = []
+    for rank, sends in enumerate(sent_at):
+        shows = by_rank.get(rank, [])  # increasing k and t
+        j = 0
+        for k, t_sent in sends:
+            while j < len(shows) and shows[j][0] < k:
+                j += 1
+            if j == len(shows):
+                break
+            if t_lo <= t_sent < t_hi:
+                out.append((shows[j][1] - t_sent) * 1000.0)
+    return out
 
 
 def _ingest_counters(backend: Backend) -> dict[str, float]:
@@ -247,7 +279,12 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
     server = psutil.Process(backend.pid)
     me = psutil.Process()
     c_start = _ingest_counters(backend)  # the backend may have served others before
-    dash = asyncio.create_task(_dashboard_client(load, base))
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    parent_conn, child_conn = ctx.Pipe(duplex=False)
+    dash = ctx.Process(target=_dashboard_process, daemon=True,
+                       args=(f"{base}/ws/dashboard?job={job}", ranks, stop, child_conn))
+    dash.start()
     readies = [asyncio.Event() for _ in range(ranks)]
     tasks: list[asyncio.Task[None]] = []
     t0 = time.time() + 1.0
@@ -273,14 +310,17 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
     c0 = _ingest_counters(backend)
     cpu_s0 = sum(server.cpu_times()[:2])
     cpu_g0 = sum(me.cpu_times()[:2])
-    w0 = time.monotonic()
+    viewer = psutil.Process(dash.pid)
+    cpu_d0 = sum(viewer.cpu_times()[:2])
+    w0, wall0 = time.monotonic(), time.time()
     load.measuring = True
     await asyncio.sleep(seconds)
     load.measuring = False
-    elapsed = time.monotonic() - w0
+    elapsed, wall1 = time.monotonic() - w0, time.time()
     c1 = _ingest_counters(backend)
     cpu_s = sum(server.cpu_times()[:2]) - cpu_s0
     cpu_g = sum(me.cpu_times()[:2]) - cpu_g0
+    cpu_d = sum(viewer.cpu_times()[:2]) - cpu_d0
     load.stop = True
     await asyncio.sleep(3 * FLUSH_S)  # senders stop; let the last frames land
     for t in tasks:
@@ -291,8 +331,15 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
         load.errors.append(f"{len(crashed)} hook connections ended with an error, e.g. {crashed[0]!r}")
     await asyncio.sleep(1.0)
     c2 = _ingest_counters(backend)
-    dash.cancel()
-    await asyncio.gather(dash, return_exceptions=True)
+    stop.set()
+    seen, frames, dash_error = await asyncio.to_thread(parent_conn.recv)
+    dash.join(timeout=10)
+    if dash_error:
+        load.errors.append(f"dashboard client: {dash_error}")
+    if load.no_reply:
+        load.errors.append(f"{load.no_reply} ranks got no reply to hello within 30 s")
+    latencies = _latencies(load.sent_at, seen, wall0, wall1)
+    in_window = [n for t, n in frames if wall0 <= t < wall1]
 
     sent_steps = sum(load.batch)
     sent_records = sent_steps + load.devices_total
@@ -322,11 +369,12 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
         loss_source=source,
         backend_cpu_pct=round(100.0 * cpu_s / elapsed, 1),
         generator_cpu_pct=round(100.0 * cpu_g / elapsed, 1),
-        latency_p50_ms=_round(_pct(load.latencies, 50)),
-        latency_p99_ms=_round(_pct(load.latencies, 99)),
-        latency_samples=len(load.latencies),
-        dashboard_frames=load.frames,
-        dashboard_bytes_per_s=round(load.frame_bytes / elapsed, 1),
+        dashboard_client_cpu_pct=round(100.0 * cpu_d / elapsed, 1),
+        latency_p50_ms=_round(_pct(latencies, 50)),
+        latency_p99_ms=_round(_pct(latencies, 99)),
+        latency_samples=len(latencies),
+        dashboard_frames=len(in_window),
+        dashboard_bytes_per_s=round(sum(in_window) / elapsed, 1),
         send_lag_p99_ms=_round(_pct([x * 1000 for x in load.lags], 99)) or 0.0,
         errors=load.errors,
     )
