@@ -229,3 +229,18 @@ def test_bad_input_gets_one_plain_sentence(api):
         # Nothing invalid reached the record.
         actions = [a["action"] for a in client.get(f"{base}/audit", headers=h(ADMIN)).json()["data"]]
         assert actions == ["job.create"]
+
+
+def test_the_whole_audit_log_is_for_admins(api):
+    client, tok = api
+    r = client.post("/api/v1/tokens", json={"role": "viewer", "name": "bob", "reason": "new analyst"}, headers=h(ADMIN))
+    assert r.status_code == 201, r.text
+    with hooks(client):
+        pass
+    assert client.get("/api/v1/audit", headers=h(tok["operator"])).status_code == 403
+    rows = client.get("/api/v1/audit?action=token.create", headers=h(ADMIN)).json()["data"]
+    assert [(a["job"], a["reason"], a["params"]["name"]) for a in rows] == [(None, "new analyst", "bob")]
+    everything = client.get("/api/v1/audit", headers=h(ADMIN)).json()["data"]
+    assert {a["action"] for a in everything} >= {"token.create", "job.create"}
+    only_job = client.get(f"/api/v1/audit?job={JOB}", headers=h(ADMIN)).json()["data"]
+    assert [a["action"] for a in only_job] == ["job.create"]
