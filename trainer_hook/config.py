@@ -60,7 +60,7 @@ class HookConfig:
     job: str | None = None
     global_batch_size: int
     token: str | None = None
-    exchange_every: int = 4
+    exchange_every: int = 8
     exchange_lag: int = 2
     lookahead: int = 8
     startup_wait_s: float = 2.0

@@ -54,7 +54,11 @@ class ControlChannel:
         self.group = group
         self._lock = threading.Lock()
         self._pending: PendingPlacement | None = None
-        self._inflight: tuple[int, Any, torch.Tensor] | None = None
+        self._inflight: tuple[int, Any, torch.Tensor | None] | None = None
+        # One buffer, reused: at most one exchange is in flight (lag < every), and
+        # allocating a tensor per exchange costs more than the rest of the step hook.
+        self._buf = torch.full((2 + world_size,), -1, dtype=torch.int64) if group is not None else None
+        self._buf_dirty = False
         self.exchanges = 0
         # Before the first collection, the exchange launched at step 0 may start a
         # placement at lag + lookahead, so everything before it is final.
@@ -79,32 +83,39 @@ class ControlChannel:
             self._launch(batch_index)
 
     def _launch(self, step: int) -> None:
-        buf = torch.full((2 + self.world_size,), -1, dtype=torch.int64)
+        pending = None
         if self.rank == 0:
             with self._lock:
                 pending, self._pending = self._pending, None
-            if pending is not None:
-                buf[0] = pending.version
-                buf[1] = step + self.lag + self.lookahead
-                buf[2:] = torch.tensor(pending.shares, dtype=torch.int64)
-        work = None
-        if self.group is not None:
+        payload = None
+        if pending is not None:
+            payload = [pending.version, step + self.lag + self.lookahead, *pending.shares]
+        buf, work = self._buf, None
+        if buf is not None:
             import torch.distributed as dist
 
+            if self.rank == 0 and payload is not None:
+                buf.copy_(torch.tensor(payload, dtype=torch.int64))
+                self._buf_dirty = True
+            elif self.rank == 0 and self._buf_dirty:
+                buf.fill_(-1)
+                self._buf_dirty = False
             work = dist.broadcast(buf, src=0, group=self.group, async_op=True)
-        self._inflight = (step, work, buf)
+        self._inflight = (step, work, payload)
         self.exchanges += 1
 
     def _collect(self) -> None:
         assert self._inflight is not None
-        step, work, buf = self._inflight
+        step, work, payload = self._inflight
         self._inflight = None
         if work is not None:
             work.wait()  # launched L steps ago; normally complete already
-        values = buf.tolist()
-        version, effective = values[0], values[1]
+            values = self._buf.tolist() if self._buf is not None else [-1]
+        else:
+            values = payload if payload is not None else [-1]
+        version = values[0]
         if version >= 0 and version > self.schedule.latest.version:
-            self.schedule.add(effective, version, values[2:])
+            self.schedule.add(values[1], version, values[2:])
         self.schedule.settle(step + self.every + self.lag + self.lookahead - 1)
 
     def sync_initial(self, version: int | None, shares: list[int] | None) -> tuple[int, list[int]] | None:

@@ -32,12 +32,14 @@ class GradientState:
     """
 
     __slots__ = (
-        "process_group", "weight", "last_bucket_t", "last_done_t", "buckets_seen",
+        "process_group", "weight", "_pg", "_opts", "last_bucket_t", "last_done_t", "buckets_seen",
         "repeated_bucket", "grad_event", "done_event", "cuda",
     )
 
     def __init__(self, process_group: Any = None) -> None:
         self.process_group = process_group
+        self._pg: Any = None
+        self._opts: Any = None
         self.weight = 1.0
         self.cuda = False
         self.reset()
@@ -84,8 +86,14 @@ def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     else:
         state.last_bucket_t = time.perf_counter()
     buf.mul_(state.weight)
-    work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True)
-    return work.get_future().then(state._mark_done)
+    pg = state._pg
+    if pg is None:
+        # Straight to the ProcessGroup: dist.all_reduce's Python checks and logging cost
+        # more than the reduction launch itself on the hot path.
+        pg = state._pg = state.process_group if state.process_group is not None else dist.group.WORLD
+        opts = state._opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+    return pg.allreduce([buf], state._opts).get_future().then(state._mark_done)
 
 
 def _is_ddp(model: Any) -> bool:

@@ -262,13 +262,15 @@ class RebalanceHook:
         self._control.on_step(k)
         p = self.schedule.at(k)
         sampler = self._sampler
-        if sampler is not None:
-            lo, hi = sampler.local_bounds(k)
-            local = hi - lo
-            weight = local / sampler.batch_length(k)
-        else:
+        b = self.config.global_batch_size
+        n = sampler.batch_length(k) if sampler is not None else b
+        if n == b:
             local = p.shares[self._rank]
-            weight = local / self.config.global_batch_size
+            weight = local / b
+        else:  # an epoch's short last batch, split in proportion by the sampler
+            lo, hi = sampler.local_bounds(k)  # type: ignore[union-attr]
+            local = hi - lo
+            weight = local / n
         grads = self._grads
         grads.reset()
         grads.weight = weight

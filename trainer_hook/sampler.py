@@ -70,13 +70,14 @@ class RebalanceBatchSampler:
         self._before_iter = before_iter
         self._on_batch = on_batch
         self._yielded = 0
+        b = schedule.global_batch_size
+        self._per_epoch = n // b if drop_last else -(-n // b)
         self._lock = threading.Lock()
         self._orders: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
         """Global batches per epoch (the same on every rank)."""
-        b = self.schedule.global_batch_size
-        return self.num_samples // b if self.drop_last else -(-self.num_samples // b)
+        return self._per_epoch
 
     def global_order(self, epoch: int) -> list[int]:
         """Epoch ``epoch``'s order of all dataset indices (the same on every rank)."""
@@ -104,7 +105,7 @@ class RebalanceBatchSampler:
 
     def batch_length(self, batch_index: int) -> int:
         """How many samples global batch ``batch_index`` holds (B, or less at epoch end)."""
-        j = batch_index % len(self)
+        j = batch_index % self._per_epoch
         b = self.schedule.global_batch_size
         return min(b, self.num_samples - j * b)
 
