@@ -36,6 +36,8 @@ export class Controls {
   }
 
   async act(msgId, path, opts, okText, reloadOverrides = false) {
+    $(msgId).className = "msg";
+    $(msgId).textContent = "sending…";
     try {
       await api(path, opts);
       say(msgId, okText, true);
