@@ -60,15 +60,17 @@ def fit_steps(samples: Sequence[StepSample], *, min_spread: float = 0.1,
         rel = (t[-recent:] - pred) / np.maximum(pred, 1e-9)
         med = float(np.median(rel))
         same_side = float(np.mean(np.sign(rel) == np.sign(med)))
-        if abs(med) > shift_threshold and same_side >= 0.8:
-            # Keep everything after the first recent step that left the old fit.
-            shifted = _restart(b, t, fit, shift_threshold, recent, min_spread)
-            return shifted
+        # On a noisy rank the median of a few steps wanders by itself: ask for 3 of its
+        # standard errors as well as the fixed threshold.
+        threshold = max(shift_threshold, 3.0 * 1.25 * fit.rel_noise / math.sqrt(recent))
+        if abs(med) > threshold and same_side >= 0.8:
+            return _restart(b, t, fit, threshold, recent, min_spread)
     return fit
 
 
-def _restart(b: np.ndarray, t: np.ndarray, old: LinearFit, threshold: float,
-                       recent: int, min_spread: float) -> LinearFit:
+def _restart(b: np.ndarray, t: np.ndarray, old: LinearFit, threshold: float, recent: int,
+             min_spread: float) -> LinearFit:
+    """Refit on the steps since the speed changed."""
     pred = old.a_ms + old.c_ms * b
     rel = (t - pred) / np.maximum(pred, 1e-9)
     sign = 1.0 if np.median(rel[-recent:]) > 0 else -1.0
