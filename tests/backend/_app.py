@@ -36,3 +36,14 @@ def steps(first: int, n: int, *, compute_ms: float = 10.0, step_ms: float = 20.0
 
 def metrics(job: str = "j", rank: int = 0, first: int = 0, n: int = 5, dropped: int = 0, **kw: Any) -> str:
     return encode(Metrics(job=job, rank=rank, steps=steps(first, n, **kw), dropped=dropped))
+
+
+def sync(ws: Any, hello_frame: str) -> None:
+    """Wait until the server handled every frame sent so far on ``ws``.
+
+    Frames of one connection are handled in order and a repeated hello is answered with the
+    placement, so its reply proves the earlier frames are in live state.
+    """
+    ws.send_text(hello_frame)
+    reply = ws.receive_json()
+    assert reply["type"] == "placement", reply

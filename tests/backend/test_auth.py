@@ -12,7 +12,7 @@ from backend.auth import AuthService, create_token, hash_secret, list_tokens
 from backend.cli import main as cli_main
 from backend.services import init_db
 from backend.storage import make_engine, make_sessionmaker
-from tests.backend._app import hello, make_app, metrics
+from tests.backend._app import hello, make_app, metrics, sync
 from tests.helpers.torchrun import REPO_ROOT
 
 ADMIN = "admin-secret-0123456789abcdef"
@@ -91,6 +91,7 @@ def test_hook_token_speaks_only_for_its_job(client):
         ws.send_text(hello(job="mine"))
         assert ws.receive_json()["type"] == "placement"
         ws.send_text(metrics(job="mine", n=2))
+        sync(ws, hello(job="mine"))
     assert client.get("/api/v1/jobs/mine", headers=_bearer(ADMIN)).json()["batch_index"] == 1
 
 

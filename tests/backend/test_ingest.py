@@ -7,7 +7,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.backend._app import hello, make_app, metrics
+from tests.backend._app import hello, make_app, metrics, sync
 from trainer_hook.protocol import MAX_MESSAGE_BYTES, Ack, Reject, encode
 
 
@@ -33,6 +33,7 @@ def test_hello_gets_placement_then_metrics_reach_live_state(client):
         assert reply["version"] == 0 and reply["shares"] == [16, 16]
         ws.send_text(metrics(rank=1, first=0, n=7, compute_ms=12.0, dropped=3))
         ws.send_text(encode(Ack(job="j", rank=1, version=0, batch_index=0)))
+        sync(ws, hello(rank=1, world_size=2, global_batch_size=32))
         # The placement reply follows registration, so the rank reads as connected now.
         rank = client.get("/api/v1/jobs/j/ranks").json()["data"][0]
         assert rank["connected"] is True
@@ -83,6 +84,7 @@ def test_oversized_frame_gets_1009_and_others_keep_serving(client):
             assert _closed(bad)[0] == 1009
         good.send_text(metrics(rank=0, n=4))
         good.send_text(metrics(rank=0, first=4, n=4))
+        sync(good, hello(rank=0))
     data = client.get("/api/v1/jobs/j/ranks").json()["data"]
     by_rank = {r["rank"]: r for r in data}
     assert by_rank[0]["n_steps"] == 8
@@ -123,6 +125,7 @@ def test_reject_is_accepted_and_connection_stays_open(client):
         ws.receive_json()
         ws.send_text(encode(Reject(job="j", rank=0, version=7, reason="older than the one in force")))
         ws.send_text(metrics(n=2))
+        sync(ws, hello())
     assert client.get("/api/v1/jobs/j/ranks").json()["data"][0]["n_steps"] == 2
 
 
@@ -137,6 +140,7 @@ def test_reconnect_of_same_rank_replaces_old_socket(client):
             # The old handler's exit must not mark the rank disconnected under the new socket.
             assert client.get("/api/v1/jobs/j/ranks").json()["data"][0]["connected"] is True
             second.send_text(metrics(n=3))
+            sync(second, hello())
     assert client.get("/api/v1/jobs/j/ranks").json()["data"][0]["n_steps"] == 3
 
 
@@ -148,8 +152,10 @@ def test_prometheus_metrics_reflect_ingest(client):
         b.receive_json()
         a.send_text(metrics(rank=0, n=5, compute_ms=10.0, step_ms=40.0, dropped=2))
         b.send_text(metrics(rank=1, n=5, compute_ms=30.0, step_ms=40.0))
+        sync(a, hello(rank=0))
+        sync(b, hello(rank=1))
         assert "rebalancer_hook_connections 2.0" in client.get("/metrics").text
-    # Leaving the blocks waits for both handlers, so every frame has been ingested.
+    # Every frame was handled before the syncs returned.
     text = client.get("/metrics").text
     assert 'rebalancer_rank_compute_seconds{job="j",rank="0"} 0.01' in text
     assert 'rebalancer_rank_compute_seconds{job="j",rank="1"} 0.03' in text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.backend._app import hello, make_app, metrics
+from tests.backend._app import hello, make_app, metrics, sync
 
 
 @pytest.fixture
@@ -18,6 +18,8 @@ def client(tmp_path):
             b.receive_json()
             a.send_text(metrics(rank=0, n=10, compute_ms=10.0, step_ms=40.0))
             b.send_text(metrics(rank=1, n=10, compute_ms=30.0, step_ms=40.0))
+            sync(a, hello(rank=0, device_type="H100"))
+            sync(b, hello(rank=1, device_type="cuda", device_name="NVIDIA A100-SXM4-80GB"))
         yield c
 
 

@@ -18,7 +18,7 @@ from backend.live import LiveState
 from backend.services import init_db
 from backend.storage import make_engine, make_sessionmaker
 from backend.storage import metrics as store
-from tests.backend._app import hello, make_app, metrics, steps
+from tests.backend._app import hello, make_app, metrics, steps, sync
 from trainer_hook.protocol import Hello, Metrics
 
 PG = "postgresql://postgres@127.0.0.1:5432/test"
@@ -92,6 +92,7 @@ def test_history_survives_a_backend_restart(db_url, tmp_path):
             ws.send_text(hello(rank=0, world_size=1, global_batch_size=8))
             ws.receive_json()
             ws.send_text(metrics(rank=0, n=6, compute_ms=7.0, local_batch_size=8))
+            sync(ws, hello(rank=0, world_size=1, global_batch_size=8))
     # The lifespan's stop flushes what the flusher had not written yet.
     with TestClient(make_app(tmp_path, db=db_url)) as c:
         job = c.get("/api/v1/jobs/j").json()
