@@ -122,12 +122,12 @@ def _token(args: argparse.Namespace) -> int:
                     print(f"{r.id}\t{r.role}\t{r.job or '-'}\t{r.name}\t{r.hint}...\t"
                           f"{epoch(r.created_at):.0f}{revoked}")
             else:
-                row = revoke_token(s, args.id)
-                if row is None:
+                gone = revoke_token(s, args.id)
+                if gone is None:
                     print(f"rebalancer: token {args.id} not found; see `rebalancer token list`.", file=sys.stderr)
                     return 1
                 s.commit()
-                print(f"Revoked token {row.id} '{row.name}'.")
+                print(f"Revoked token {gone.id} '{gone.name}'.")
     finally:
         engine.dispose()
     return 0
