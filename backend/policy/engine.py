@@ -104,9 +104,9 @@ def limit_moves(current: Sequence[int], target: Sequence[int], max_move: int,
     diff = total - sum(out)
     order = sorted(range(len(out)), key=lambda i: (-abs(target[i] - out[i]), i))
     direction = 1 if diff > 0 else -1
-    # Round-robin in whole steps, first over ranks that want to move that way, then over
-    # any rank with room, so the correction is spread thin.
-    for wanting in (True, False):
+    # Round-robin in whole steps, so the correction is spread thin: first ranks that want
+    # to move that way, then ranks taking back part of their own move, then any rank.
+    for rule in ("toward_target", "toward_current", "any"):
         moved = True
         while diff != 0 and moved:
             moved = False
@@ -115,7 +115,8 @@ def limit_moves(current: Sequence[int], target: Sequence[int], max_move: int,
                     break
                 if i in bounds.fixed:
                     continue
-                if wanting and (target[i] - out[i]) * direction <= 0:
+                goal = target[i] if rule == "toward_target" else current[i]
+                if rule != "any" and (goal - out[i]) * direction <= 0:
                     continue
                 nxt = out[i] + direction * step
                 if lo_w[i] <= nxt <= hi_w[i] and abs(diff) >= step:

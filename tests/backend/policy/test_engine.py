@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from backend.policy import (
     Constraints,
     NoProposal,
     PolicyConfig,
     Proposal,
+    check_placement,
     decide,
     limit_moves,
     memory_caps,
@@ -198,3 +201,22 @@ def test_bad_config_is_a_clear_value_error(config, message):
     with pytest.raises(ValueError) as err:
         decide(obs, config)
     assert str(err.value).startswith(message)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 64), st.sampled_from([1, 1, 2, 4]),
+       st.integers(0, 24), st.randoms(use_true_random=False))
+def test_limit_moves_properties(n, per_rank, g, max_move, rnd):
+    b_total = n * per_rank * g
+    cons = Constraints(granularity=g, caps={0: b_total} if n > 1 else {})
+    current = solve([0.0] * n, [1.0] * n, b_total, cons)
+    c = [rnd.choice([0.5, 1.0, 2.0, 4.0]) for _ in range(n)]
+    target = solve([0.0] * n, c, b_total, cons)
+    got = limit_moves(current, target, max_move, cons)
+    assert sum(got) == b_total
+    assert check_placement(got, b_total, cons) is None
+    step = max_move // g * g
+    assert all(abs(x - y) <= step for x, y in zip(got, current, strict=True)) or got == target
+    # Never moves a rank the wrong way.
+    assert all(min(cu, ta) <= x <= max(cu, ta) or got == target
+               for x, cu, ta in zip(got, current, target, strict=True))
