@@ -1,0 +1,85 @@
+"""The hook against a real backend: placements applied in lockstep and acked, resumed
+after a restart, and the README example streaming to the backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.server import Server, running_server
+from tests.helpers.torchrun import run_torchrun, start_torchrun
+
+pytestmark = pytest.mark.multiproc
+
+
+def _post(server: Server, path: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _wait(pred: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _training(server: Server, job: str, n: int) -> bool:
+    try:
+        body: Any = server.get(f"/api/v1/jobs/{job}")
+    except OSError:
+        return False
+    return bool(body.get("connected_ranks") == n and (body.get("batch_index") or 0) >= 5)
+
+
+def test_placement_from_the_backend_is_acked_by_every_rank_at_one_batch_and_resumed(tmp_path: Path) -> None:
+    with running_server(tmp_path) as server:
+        args = ["-m", "trainer_hook.demo_worker", "--server", server.url, "--job", "lock",
+                "--global-batch-size", "16", "--speeds", "1,0.5", "--per-sample-ms", "1", "--fixed-ms", "0"]
+        proc = start_torchrun(2, [*args, "--steps", "0"])
+        try:
+            _wait(lambda: _training(server, "lock", 2), 60, "both ranks to connect and train")
+            _post(server, "/api/v1/jobs/lock/proposals", {"shares": [11, 5], "reason": "test", "apply": True})
+
+            def acked() -> Any:
+                rows: Any = server.get("/api/v1/jobs/lock/placements")
+                done = [p for p in rows["data"] if p["version"] >= 1 and len(p["acks"]) == 2]
+                return done[0] if done else None
+
+            placement = _wait(acked, 60, "acks from both ranks")
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        acks = {int(r): k for r, k in placement["acks"].items()}
+        assert acks[0] == acks[1] > 0, f"ranks switched at different batches: {acks}"
+        assert placement["shares"] == [11, 5]
+
+        # A restarted job resumes the placement in force from its first batch.
+        out = tmp_path / "second.json"
+        run_torchrun(2, [*args, "--steps", "6", "--result", str(out)], timeout=120)
+        result = json.loads(out.read_text())
+        assert result["placements"][0] == {"version": placement["version"], "start_batch": 0, "shares": [11, 5]}
+        assert result["acks"] == [[placement["version"], 0]]
+        assert [r["local_batch_size"] for r in result["records"][1]] == [5] * 6
+
+
+def test_readme_example_streams_every_rank_to_the_backend(tmp_path: Path) -> None:
+    with running_server(tmp_path) as server:
+        proc = run_torchrun(2, ["examples/ddp_train.py", "--server", server.url, "--job", "readme",
+                                "--epochs", "1", "--global-batch-size", "256"], timeout=120)
+        assert "epoch 0: batch 16" in proc.stdout
+        ranks: Any = _wait(lambda: server.get("/api/v1/jobs/readme/ranks"), 10, "ranks")
+        assert sorted(r["rank"] for r in ranks["data"]) == [0, 1]
+        assert all(r["batch_index"] == 15 for r in ranks["data"])
