@@ -253,7 +253,9 @@ def _device_forecast(dev: Sequence[DeviceSignals], horizon_s: float, temp_limit_
             now_c = icpt + slope * temps[-1][0]
             ahead_c = now_c + slope * horizon_s
             out["temp_c"] = round(now_c, 1)
-            if slope > 0 and ahead_c >= temp_limit_c and out["factor"] <= 1.0:
+            # A card that runs hot but steady is not a forecast: ask for a real climb.
+            climbing = temps[-1][1] - temps[0][1] >= 2.0 and slope * horizon_s >= 1.0
+            if climbing and ahead_c >= temp_limit_c and out["factor"] <= 1.0:
                 # Heading into the slowdown temperature, clocks not yet down: expect it.
                 out["factor"] = 1.0 + temp_penalty
                 out["temp_warning"] = f"temperature heading to {ahead_c:.0f} C"
@@ -283,7 +285,16 @@ def _cost_trend(steps: Sequence[Any], a: float,
 
 def predictive_strategy(obs: JobObservation, config: PolicyConfig,
                         constraints: Constraints) -> Estimate | NoProposal:
-    """Profiled fit, pushed ``horizon_steps`` ahead by each rank's trend and device signals."""
+    """Profiled fit, pushed ``horizon_steps`` ahead by each rank's trend and device signals.
+
+    Per rank, the forecast per-sample cost is the larger of: the robust trend of measured
+    cost extrapolated over the horizon (when the trend is significant), and the cost scaled
+    by how far the SM clock is expected to fall (a falling clock with a thermal or power
+    clock-event reason, or below 97% of max). A temperature climbing to ``temp_limit_c``
+    within the horizon, clocks still up, adds ``temp_penalty``. ``config.params``:
+    ``step_s`` (seconds per step, default: slowest rank's median compute time),
+    ``temp_limit_c`` (83), ``temp_penalty`` (0.1).
+    """
     base = profiled_strategy(obs, config, constraints)
     if isinstance(base, NoProposal):
         return base

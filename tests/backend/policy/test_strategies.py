@@ -137,3 +137,18 @@ def test_registry_takes_functions_and_classes():
         get_strategy("nope")
     with pytest.raises(ValueError, match="must be a function or a class, got int"):
         register_strategy("bad", 3)
+
+
+def test_predictive_ignores_a_card_that_runs_hot_but_steady():
+    steady = [DeviceSignals(t=float(s), sm_clock_mhz=1980.0, sm_clock_max_mhz=1980.0,
+                            temp_c=84.0 + (0.3 if s % 2 else -0.3)) for s in range(30)]
+    climbing = [DeviceSignals(t=float(s), sm_clock_mhz=1980.0, sm_clock_max_mhz=1980.0,
+                              temp_c=70.0 + 0.5 * s) for s in range(30)]
+    cfg = PolicyConfig(horizon_steps=20, params={"step_s": 1.0})
+    for device, slower in ((steady, False), (climbing, True)):
+        ranks = [_varied_rank(0, 2.0, 1.0, steps=60, seed=6, device=device),
+                 _varied_rank(1, 2.0, 1.0, steps=60, seed=7)]
+        obs = _job(ranks, [32, 32])
+        prof = get_strategy("profiled")(obs, cfg, NONE)
+        pred = get_strategy("predictive")(obs, cfg, NONE)
+        assert (pred.c_ms[0] > prof.c_ms[0]) is slower
