@@ -240,6 +240,21 @@ def decide(obs: JobObservation, config: PolicyConfig,
 
     Pure: the same observation, config and constraints give the same decision. Memory caps
     derived from the observation (:func:`memory_caps`) are added to ``constraints``.
+    In order:
+
+    - the placement in force breaks a constraint: propose a fix at once (no cooldown;
+      static weights stand in while measurements are missing);
+    - ``cooldown`` while ``steps_since_change < cooldown_steps`` (not at version 0);
+    - the strategy's ``warming_up`` / ``no_data`` until every working rank has
+      ``min_steps`` valid steps;
+    - solve with each cost two standard errors high (``params["plan_margin_se"]``), holding
+      ranks still too noisy to trust at their share; cap moves by ``max_move_fraction``;
+    - ``balanced`` if that is the placement in force; ``insufficient_gain`` unless the
+      predicted gain clears ``min_gain`` plus twice the largest relative standard error;
+    - otherwise a :class:`Proposal` with a one-sentence reason and the explanation.
+
+    ``infeasible`` when the constraints admit no placement. Bad observations or config
+    raise ``ValueError`` naming what is wrong.
 
     >>> d = decide(obs, PolicyConfig(strategy="profiled"))   # doctest: +SKIP
     >>> d.reason if isinstance(d, Proposal) else d.detail    # doctest: +SKIP
