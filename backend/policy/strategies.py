@@ -218,6 +218,10 @@ def profiled_strategy(obs: JobObservation, config: PolicyConfig,
 _MAD = 1.4826
 
 
+def _finite(*values: float) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
 def _device_forecast(dev: Sequence[DeviceSignals], horizon_s: float, temp_limit_c: float,
                      temp_penalty: float) -> dict[str, Any]:
     """Expected slow-down factor of per-sample cost over the horizon from device signals."""
@@ -229,7 +233,8 @@ def _device_forecast(dev: Sequence[DeviceSignals], horizon_s: float, temp_limit_
     if reasons:
         out["throttle"] = reasons
     clocks = [(d.t, d.sm_clock_mhz, d.sm_clock_max_mhz) for d in dev[-60:]
-              if d.sm_clock_mhz and d.sm_clock_max_mhz]
+              if d.sm_clock_mhz and d.sm_clock_max_mhz and _finite(d.t, d.sm_clock_mhz,
+                                                                     d.sm_clock_max_mhz)]
     if len(clocks) >= 3:
         ts = [x[0] for x in clocks]
         mhz = [x[1] for x in clocks]
@@ -245,7 +250,8 @@ def _device_forecast(dev: Sequence[DeviceSignals], horizon_s: float, temp_limit_
                 ahead = min(max(now + slope * horizon_s, 0.3 * peak), peak)
                 out["factor"] = now / ahead
             out["clock_ratio"] = round(now / peak, 4)
-    temps = [(d.t, d.temp_c) for d in dev[-60:] if d.temp_c is not None]
+    temps = [(d.t, d.temp_c) for d in dev[-60:]
+             if d.temp_c is not None and _finite(d.t, d.temp_c)]
     if len(temps) >= 3:
         trend = robust_trend([x[0] for x in temps], [x[1] for x in temps])
         if trend is not None:

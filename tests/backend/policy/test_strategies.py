@@ -152,3 +152,21 @@ def test_predictive_ignores_a_card_that_runs_hot_but_steady():
         prof = get_strategy("profiled")(obs, cfg, NONE)
         pred = get_strategy("predictive")(obs, cfg, NONE)
         assert (pred.c_ms[0] > prof.c_ms[0]) is slower
+
+
+def test_garbage_measurements_are_skipped_not_fatal():
+    import json
+    from dataclasses import asdict
+
+    bad_steps = tuple(StepSample(k, b, t) for k, (b, t) in enumerate(
+        [(0, 5.0), (-3, 5.0), (8, float("nan")), (8, float("inf")), (8, -1.0)] * 3))
+    good = _varied_rank(0, 2.0, 1.0, steps=40, seed=8)
+    weird_dev = tuple(DeviceSignals(t=float(s), sm_clock_mhz=float("nan"), sm_clock_max_mhz=0.0,
+                                    temp_c=float("inf")) for s in range(10))
+    ranks = [RankObservation(rank=0, steps=good.steps + bad_steps, device=weird_dev),
+             _varied_rank(1, 2.0, 3.0, steps=40, seed=9)]
+    obs = _job(ranks, [16, 16])
+    for name in ("profiled", "predictive"):
+        got = decide(obs, PolicyConfig(strategy=name))
+        assert got.explanation is not None
+        json.dumps(asdict(got.explanation), allow_nan=False)
