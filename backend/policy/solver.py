@@ -11,7 +11,8 @@ Granularity g: every share that is not pinned or drained is a multiple of g. Whe
 samples left after pins are not a multiple of g, the remainder r = R mod g goes to exactly
 one rank (its share is r plus a multiple of g): the rank that gives the lowest optimum.
 All ranks are tried when there are at most 64 free ranks; above that an O(N) pass gives
-the same step time (see ``_fast_remainder``).
+the same step time (see ``_fast_remainder``), except in the rare case where some rank's
+bounds admit no multiple of g, when the 8 most promising ranks are tried.
 """
 
 from __future__ import annotations
