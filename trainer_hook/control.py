@@ -54,7 +54,7 @@ class ControlChannel:
         self.group = group
         self._lock = threading.Lock()
         self._pending: PendingPlacement | None = None
-        self._inflight: tuple[int, Any, torch.Tensor | None] | None = None
+        self._inflight: tuple[int, Any, list[int] | None] | None = None
         # One buffer, reused: at most one exchange is in flight (lag < every), and
         # allocating a tensor per exchange costs more than the rest of the step hook.
         self._buf = torch.full((2 + world_size,), -1, dtype=torch.int64) if group is not None else None
@@ -108,9 +108,10 @@ class ControlChannel:
         assert self._inflight is not None
         step, work, payload = self._inflight
         self._inflight = None
-        if work is not None:
+        values: list[int]
+        if work is not None and self._buf is not None:
             work.wait()  # launched L steps ago; normally complete already
-            values = self._buf.tolist() if self._buf is not None else [-1]
+            values = self._buf.tolist()
         else:
             values = payload if payload is not None else [-1]
         version = values[0]

@@ -238,7 +238,8 @@ class RebalanceHook:
 
         On entry it runs the placement exchange when due, sets this rank's gradient
         weight for the batch and starts the timers; on exit it queues the StepRecord.
-        No network or file I/O and no device sync happen here.
+        No network or file I/O and no device sync happen here. ``with hook.step() as k:``
+        gives the global batch index being trained.
         """
         return self._ctx
 
@@ -297,6 +298,13 @@ class RebalanceHook:
             )
 
     def _on_new_version(self, p: ScheduledPlacement, k: int) -> None:
+        if self._gradients_mode is None and self._world_size > 1 and len(set(p.shares)) > 1:
+            log.warning(
+                "placement version %d splits the batch unevenly but attach() was never called: "
+                "gradients are not weighted by share, so training math changes. Call "
+                "hook.attach(ddp_model) (or use gradients='loss_scale' with hook.loss_weight()).",
+                p.version,
+            )
         first = self._trained_version is None
         self._trained_version = p.version
         if first and p.version == 0:

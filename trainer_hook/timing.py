@@ -21,6 +21,12 @@ from trainer_hook.protocol import StepRecord
 __all__ = ["StepTimer", "split_step"]
 
 
+def _cuda_event() -> Any:
+    import torch
+
+    return torch.cuda.Event(enable_timing=True)
+
+
 def split_step(
     t0: float, t_end: float, t_grad: float | None, t_done: float | None
 ) -> tuple[float, float, float]:
@@ -43,9 +49,11 @@ class StepTimer:
         *,
         clock: Callable[[], float] = time.perf_counter,
         wall: Callable[[], float] = time.time,
+        event_factory: Callable[[], Any] | None = None,
     ) -> None:
         self._clock = clock
         self._wall = wall
+        self._event = event_factory or _cuda_event
         self._prev_end: float | None = None
         self._t0 = 0.0
         self._meta: tuple[int, int, int] = (0, 0, 0)
@@ -59,9 +67,7 @@ class StepTimer:
         self._data_wait = 0.0 if self._prev_end is None else max(0.0, t0 - self._prev_end)
         self._meta = (batch_index, local_batch_size, placement_version)
         if cuda:
-            import torch
-
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = self._event()
             ev.record()
             self._start_event = ev
         else:
@@ -72,9 +78,7 @@ class StepTimer:
         self._prev_end = t_end
         k, local, version = self._meta
         if self._start_event is not None and grads is not None and grads.grad_event is not None:
-            import torch
-
-            end_ev = torch.cuda.Event(enable_timing=True)
+            end_ev = self._event()
             end_ev.record()
             self._pending_cuda.append(
                 (self._start_event, grads.grad_event, grads.done_event, end_ev, k, local, version,

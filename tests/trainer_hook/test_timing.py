@@ -47,3 +47,48 @@ def test_step_timer_records_data_wait_and_step_time() -> None:
     assert r1.compute_ms == pytest.approx(40.0)  # no gradient timestamps: all compute
     assert r1.step_ms == pytest.approx(50.0)  # data wait + step body
     assert clock.values == []
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event (no GPU here): a device time and a done flag."""
+
+    log: list[str] = []
+
+    def __init__(self, at: float, done: bool = True) -> None:
+        self.at, self.done = at, done
+
+    def record(self) -> None:
+        FakeEvent.log.append("record")
+
+    def query(self) -> bool:
+        FakeEvent.log.append("query")
+        return self.done
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return (other.at - self.at) * 1e3
+
+    def synchronize(self) -> None:  # pragma: no cover - must never be called
+        raise AssertionError("the timer must not synchronise the device")
+
+
+def test_cuda_path_reads_events_a_step_later_without_synchronising() -> None:
+    # Device times (s) handed out in order: start of step 0, end of step 0, start of step 1, ...
+    events = iter([FakeEvent(0.0), FakeEvent(0.050, done=False), FakeEvent(0.060), FakeEvent(0.110)])
+    timer = StepTimer(clock=FrozenClock(1.0, 1.01, 1.02, 1.03), wall=lambda: 5.0, event_factory=lambda: next(events))
+    grads = GradientState()
+    timer.start(0, 8, 0, cuda=True)
+    grads.grad_event, grads.done_event = FakeEvent(0.020), FakeEvent(0.045)
+    assert timer.finish(grads) is None  # step 0's end event has not completed yet
+    end0 = timer._pending_cuda[0][3]
+    end0.done = True
+    grads.reset()
+    timer.start(1, 8, 0, cuda=True)
+    grads.grad_event, grads.done_event = FakeEvent(0.080), FakeEvent(0.100)
+    rec = timer.finish(grads)
+    assert rec is not None and rec.batch_index == 0
+    assert rec.compute_ms == pytest.approx(20.0)
+    assert rec.sync_wait_ms == pytest.approx(25.0)
+    assert rec.optimizer_ms == pytest.approx(5.0)
+    assert rec.step_ms == pytest.approx(50.0)
+    rec1 = timer._read_cuda()
+    assert rec1 is not None and rec1.batch_index == 1 and rec1.compute_ms == pytest.approx(20.0)
