@@ -152,13 +152,14 @@ def test_approve_switches_placement(stack: Stack) -> None:
     # it and the click; the backend then answers 409 and the page shows the newer one.
     for _attempt in range(4):
         page.locator("#approve").wait_for(timeout=60_000)
-        pid = int(page.locator("#proposal-title").inner_text().split()[-1])
-        prop = stack.rest(f"/jobs/{JOB}/proposals/{pid}")
         if _attempt == 0:
             _shot(page, "job-view-proposal.png")
         page.click("#approve")
         page.locator("#control-msg.ok, #control-msg.err").wait_for()
         if page.locator("#control-msg.ok").count():
+            # The message names the proposal the click approved ("Proposal N approved: ...").
+            pid = int(page.locator("#control-msg").inner_text().split()[1])
+            prop = stack.rest(f"/jobs/{JOB}/proposals/{pid}")
             break
         page.wait_for_timeout(500)
     else:
@@ -201,13 +202,20 @@ def test_override_editor_reject_and_manual_placement(stack: Stack) -> None:
     page.locator("#override-msg.ok").wait_for()
     assert stack.rest(f"/jobs/{JOB}/overrides")["pins"] in ({"2": pin}, {2: pin})
     # The placement in force breaks the pin, so the controller proposes one that keeps it.
-    page.wait_for_function(f"() => {{ const p = window.rebalancer.state.control.pending_proposal;"
-                           f" return p && p.status === 'proposed' && p.shares[2] === {pin}; }}")
-    page.locator("#reject").wait_for()
-    pid = page.evaluate("() => window.rebalancer.state.control.pending_proposal.id")
-    page.click("#reject")
-    page.locator("#control-msg.ok").wait_for()
-    assert stack.rest(f"/jobs/{JOB}/proposals/{pid}")["status"] == "rejected"
+    for _attempt in range(4):
+        page.wait_for_function(f"() => {{ const p = window.rebalancer.state.control.pending_proposal;"
+                               f" return p && p.status === 'proposed' && p.shares[2] === {pin}; }}")
+        page.locator("#reject").wait_for()
+        page.click("#reject")
+        page.locator("#control-msg.ok, #control-msg.err").wait_for()
+        if page.locator("#control-msg.ok").count():
+            pid = int(page.locator("#control-msg").inner_text().split()[1])
+            break
+        page.wait_for_timeout(500)  # a newer proposal replaced it: reject that one
+    else:
+        raise AssertionError(f"no proposal could be rejected:\n{_control_dump(stack)}")
+    rejected = stack.rest(f"/jobs/{JOB}/proposals/{pid}")
+    assert rejected["status"] == "rejected" and rejected["shares"][2] == pin
     # A manual placement that breaks the pin is refused with the reason ...
     page.fill("#manual-shares", "20,20,8")
     page.click("#submit-manual")
