@@ -1,0 +1,34 @@
+"""The integration examples run as documented (2 CPU ranks) and apply a requested split."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.torchrun import REPO_ROOT, job_env, run_torchrun
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(150)]
+
+REQUEST = ["--request", "3:96,32"]
+
+
+@pytest.mark.parametrize("script", ["examples/accelerate_train.py", "examples/hf_trainer_train.py"])
+def test_torchrun_example_applies_the_requested_split(script):
+    proc = run_torchrun(2, [script, *REQUEST])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(lines) == 2, proc.stdout
+    assert lines[0].endswith("placement v0 [64, 64]")
+    assert lines[-1].endswith("placement v1 [96, 32]")
+
+
+def test_notebook_example_runs_two_ranks():
+    proc = subprocess.run(
+        [sys.executable, "examples/notebook_launch.py", "--num-processes", "2", *REQUEST],
+        env=job_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(lines) == 2 and "world 2" in lines[-1], proc.stdout
+    assert lines[-1].endswith("placement v1 [96, 32]")
