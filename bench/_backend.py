@@ -21,6 +21,16 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (``timeout``, a CI runner) unwind like Ctrl-C, so that every backend and
+    job a benchmark started is stopped by its ``finally`` instead of being orphaned."""
+
+    def _raise(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _raise)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

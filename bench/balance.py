@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._analysis import model_step_ms, oracle_shares, steady_ms, steps_until_within
-from bench._backend import Backend, running_backend
+from bench._backend import Backend, running_backend, stop_on_sigterm
 from bench._jobs import JobRun, JobSpec, run_job
 from bench._report import RESULTS_DIR, print_table, write_json
 
@@ -139,6 +139,7 @@ def _model_ref(speeds: tuple[float, ...], b: int, per_sample_ms: float, fixed_ms
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="smoke-test size")

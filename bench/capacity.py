@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 import websockets
 
-from bench._backend import Backend, running_backend
+from bench._backend import Backend, running_backend, stop_on_sigterm
 from bench._report import RESULTS_DIR, print_table, write_json
 from trainer_hook.config import HookConfig
 
@@ -424,6 +424,7 @@ def run_capacity(
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", default=None, help="comma-separated world sizes")
     ap.add_argument("--seconds", type=float, default=None, help="measured window per size")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench._backend import REPO_ROOT
+from bench._backend import REPO_ROOT, stop_on_sigterm
 from bench._report import RESULTS_DIR, machine, markdown_table
 
 __all__ = ["BENCHMARKS", "run_all", "summary_markdown", "main"]
@@ -65,12 +66,22 @@ def _external(module: str, quick: bool, out: Path) -> dict[str, Any]:
     """A benchmark another module owns: run it as a subprocess, keep its table and JSON."""
     path = out / f"{module}.json"
     cmd = [sys.executable, "-m", f"bench.{module}", "--out", str(path)] + (["--quick"] if quick else [])
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
-    print(proc.stdout, end="", flush=True)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    except BaseException:
+        proc.send_signal(signal.SIGINT)  # lets it stop the backend it started
+        try:
+            proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+    print(stdout, end="", flush=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[1:])} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(cmd[1:])} exited {proc.returncode}:\n{stderr[-3000:]}")
     data = json.loads(path.read_text()) if path.exists() else {}
-    return {"stdout": proc.stdout, **data}
+    return {"stdout": stdout, **data}
 
 
 RUNNERS: dict[str, Callable[[bool, Path], dict[str, Any]]] = {
@@ -187,6 +198,7 @@ def _eff(r: dict[str, Any] | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()
     ap = argparse.ArgumentParser(description="Run all Rebalancer benchmarks.")
     ap.add_argument("--quick", action="store_true", help="smaller sizes: under 3 minutes")
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
