@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.result:
         _write_result(args, hook, records, world, time.time() - started, distributed)
     if distributed:
+        dist.barrier()  # nobody tears down gloo pairs while a peer still uses them
         dist.destroy_process_group()
     return 0
 

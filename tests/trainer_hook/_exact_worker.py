@@ -136,6 +136,7 @@ def main() -> None:
         out["params"] = [p.detach().tolist() for p in model.module.parameters()]
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
+    dist.barrier()  # nobody tears down gloo pairs while a peer still uses them
     dist.destroy_process_group()
 
 
