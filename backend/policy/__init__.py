@@ -5,6 +5,7 @@ with :func:`solve` / :func:`check_placement`; benchmarks and tests drive
 :class:`JobSimulator`.
 """
 
+from .bounds import NO_CONSTRAINTS, check_placement, rank_bounds
 from .devices import (
     DEVICE_TABLE,
     THROTTLE_REASONS,
@@ -15,7 +16,7 @@ from .devices import (
 )
 from .engine import decide, limit_moves, memory_caps, with_caps
 from .simulator import SCENARIOS, JobSimulator, SimRank, SimResult
-from .solver import NO_CONSTRAINTS, check_placement, predicted_step_ms, rank_bounds, solve
+from .solver import predicted_step_ms, solve
 from .strategies import (
     Estimate,
     Strategy,
