@@ -15,7 +15,7 @@ from trainer_hook import RebalanceHook
 from trainer_hook.integrations.accelerate import prepare_with_rebalancer
 
 # (request at step, shares) for 2 ranks; B = 12.
-REQUESTS = {1: [9, 3], 7: [2, 10]}
+REQUESTS = {1: [9, 3], 5: [2, 10]}
 
 
 def main() -> None:
