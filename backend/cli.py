@@ -90,7 +90,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                ws_max_size=settings.ws_max_bytes, ws="websockets-sansio")
+                ws_max_size=settings.ws_max_bytes, ws="websockets-sansio",
+                ws_ping_interval=settings.ws_ping_interval_s, ws_ping_timeout=settings.ws_ping_timeout_s)
     return 0
 
 

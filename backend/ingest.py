@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from sqlalchemy.exc import IntegrityError
 
 from backend.api.deps import websocket_actor
 from backend.services import Services
@@ -46,10 +48,22 @@ async def _refuse(ws: WebSocket, code: str, message: str, close_code: int) -> No
         await ws.close(close_code, reason=message[:120])
 
 
+_hello_lock = threading.Lock()
+
+
 def _store_hello(services: Services, hello: Hello, new_run: bool) -> None:
-    with services.sessionmaker() as s:
-        upsert_hello(s, hello, new_run=new_run)
-        s.commit()
+    # All ranks of a new job say hello at once; serialise so their inserts of the job row
+    # do not race on its unique name (one retry covers a second backend process).
+    with _hello_lock:
+        for attempt in (1, 2):
+            try:
+                with services.sessionmaker() as s:
+                    upsert_hello(s, hello, new_run=new_run)
+                    s.commit()
+                return
+            except IntegrityError:
+                if attempt == 2:
+                    raise
 
 
 @router.websocket("/ws/hook")

@@ -68,6 +68,10 @@ class Settings(BaseSettings):
     stale_after_s: float = 30.0
     # uvicorn's frame limit; above the protocol's so the app itself answers with 1009.
     ws_max_bytes: int = 4 * MAX_MESSAGE_BYTES
+    # Keepalive pings to hooks and dashboards. A training node at 100% CPU (or 1,024 ranks
+    # connecting at once) can answer late; the hook reconnects when it is dropped anyway.
+    ws_ping_interval_s: float = 20.0
+    ws_ping_timeout_s: float = 60.0
 
     dashboard_max_hz: float = 10.0
     device_prices: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_DEVICE_PRICES))
@@ -129,7 +133,8 @@ class Settings(BaseSettings):
             )
         return v
 
-    @field_validator("persist_interval_s", "stale_after_s", "proposal_ttl_s", "controller_tick_s")
+    @field_validator("persist_interval_s", "stale_after_s", "proposal_ttl_s", "controller_tick_s",
+                     "ws_ping_interval_s", "ws_ping_timeout_s")
     @classmethod
     def _positive_seconds(cls, v: float, info) -> float:  # type: ignore[no-untyped-def]
         if not math.isfinite(v) or v <= 0:

@@ -76,3 +76,29 @@ def test_real_server_answers_bad_frames_and_keeps_serving(tmp_path):
         ranks = {r["rank"]: r for r in server.get("/api/v1/jobs/w/ranks")["data"]}
         assert server.get("/healthz")["status"] == "ok"
     assert ranks[0]["n_steps"] == 9 and ranks[1]["n_steps"] == 0
+
+
+@pytest.mark.multiproc
+def test_all_ranks_of_a_new_job_say_hello_at_once(tmp_path):
+    import asyncio
+
+    from websockets.asyncio.client import connect as aconnect
+
+    world = 32
+
+    async def rank(url: str, r: int) -> dict:
+        async with aconnect(url) as ws:
+            await ws.send(hello(job="burst", rank=r, world_size=world, global_batch_size=64))
+            return json.loads(await asyncio.wait_for(ws.recv(), 30))
+
+    async def all_ranks(url: str) -> list[dict]:
+        return await asyncio.gather(*(rank(url, r) for r in range(world)))
+
+    with running_server(tmp_path) as server:
+        replies = asyncio.run(all_ranks(server.ws_url + "/ws/hook"))
+        ranks = server.get("/api/v1/jobs/burst/ranks")
+        log = server.log()
+    assert [r["type"] for r in replies] == ["placement"] * world, log[-3000:]
+    assert {tuple(r["shares"]) for r in replies} == {(2,) * world}
+    assert ranks["count"] == world
+    assert "Traceback" not in log, log[-3000:]
