@@ -52,6 +52,36 @@ class TinyNet(nn.Module):
         return {"loss": ((out - labels) ** 2).mean(), "logits": out}
 
 
+class TokenData(IndexedData):
+    """Three targets per sample, of which only the first ``i % 3 + 1`` count (-100 elsewhere),
+    so samples carry different numbers of "tokens", like padded sequences."""
+
+    def __init__(self, n: int = N_SAMPLES) -> None:
+        super().__init__(n)
+        g = torch.Generator().manual_seed(99)
+        self.y = self.x @ torch.randn(IN_DIM, 3, generator=g, dtype=torch.float64)
+        for i in range(n):
+            self.y[i, i % 3 + 1 :] = -100.0
+
+
+class TokenNet(nn.Module):
+    """Loss = squared error summed over valid targets, divided by the number of valid
+    targets in the whole global batch when the Trainer passes ``num_items_in_batch``
+    (as HF language models do), else by the count in the batch it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(IN_DIM, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor | None = None, **kwargs: Any) -> dict[str, Any]:
+        out = self.net(x)
+        valid = labels != -100
+        total = ((out - labels) ** 2 * valid).sum()
+        count = kwargs.get("num_items_in_batch")
+        return {"loss": total / (count if count is not None else valid.sum()), "logits": out}
+
+
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
@@ -86,16 +116,19 @@ def global_batches(recs: list[dict[str, Any]]) -> list[list[int]]:
     return out
 
 
-def reference(batches: list[list[int]], accum: int = 1, *, short_window_mean: bool = False) -> dict[str, torch.Tensor]:
+def reference(
+    batches: list[list[int]], accum: int = 1, *, short_window_mean: bool = False, tokens: bool = False
+) -> dict[str, torch.Tensor]:
     """One process, whole global batches, mean loss: what every split must reproduce.
 
     With ``accum`` > 1 the optimizer steps every ``accum`` micro-batches of an epoch and at
     its end (both Accelerate and the Trainer restart the count each epoch). Each loss is
     divided by ``accum`` (Accelerate) or, with ``short_window_mean``, by the size of its
-    window, which is shorter at the end of an epoch (the Trainer).
+    window, which is shorter at the end of an epoch (the Trainer). ``tokens`` trains
+    TokenNet on TokenData: the loss is the mean over the global batch's valid targets.
     """
-    data = IndexedData()
-    model = TinyNet()
+    data = TokenData() if tokens else IndexedData()
+    model = TokenNet() if tokens else TinyNet()
     opt = make_optimizer(model)
     per_epoch = -(-N_SAMPLES // GLOBAL_BATCH)
     full = per_epoch // accum * accum  # micro-batches of an epoch in full windows

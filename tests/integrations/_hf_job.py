@@ -1,6 +1,6 @@
 """torchrun target: transformers Trainer + RebalancingTrainer, placements change mid-run.
 
-Usage: python -m tests.integrations._hf_job OUT_DIR MAX_STEPS [GRAD_ACCUM]
+Usage: python -m tests.integrations._hf_job OUT_DIR MAX_STEPS [GRAD_ACCUM] [tokens]
 """
 
 from __future__ import annotations
@@ -12,7 +12,15 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback, TrainingArguments
 
-from tests.integrations._common import GLOBAL_BATCH, IndexedData, TinyNet, dump, make_optimizer
+from tests.integrations._common import (
+    GLOBAL_BATCH,
+    IndexedData,
+    TinyNet,
+    TokenData,
+    TokenNet,
+    dump,
+    make_optimizer,
+)
 from trainer_hook import RebalanceHook
 from trainer_hook.integrations.hf_trainer import RebalancingTrainer
 
@@ -20,22 +28,37 @@ from trainer_hook.integrations.hf_trainer import RebalancingTrainer
 REQUESTS = {1: [9, 3], 5: [2, 10]}
 
 
-class RecordingNet(TinyNet):
+class Recording:
     """Remembers which samples each hook step trained on this rank."""
 
     hook: Any = None
 
+    def record(self, idx: torch.Tensor) -> None:
+        if self.training:  # type: ignore[attr-defined]
+            h = self.hook
+            self.seen[h.batch_index] = {  # type: ignore[attr-defined]
+                "idx": idx.tolist(), "version": h.placement_version, "dummy": h.shares[h.rank] == 0,
+            }
+
+
+class RecordingNet(Recording, TinyNet):
     def __init__(self) -> None:
         super().__init__()
         self.seen: dict[int, dict[str, Any]] = {}
 
     def forward(self, x, labels, idx=None):  # type: ignore[override]
-        if self.training:
-            h = self.hook
-            self.seen[h.batch_index] = {
-                "idx": idx.tolist(), "version": h.placement_version, "dummy": h.shares[h.rank] == 0,
-            }
+        self.record(idx)
         return super().forward(x, labels)
+
+
+class RecordingTokenNet(Recording, TokenNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[int, dict[str, Any]] = {}
+
+    def forward(self, x, labels, idx=None, **kwargs):  # type: ignore[override]
+        self.record(idx)
+        return super().forward(x, labels, **kwargs)
 
 
 class Requests(TrainerCallback):
@@ -54,9 +77,10 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 def main() -> None:
     out_dir, max_steps = sys.argv[1], int(sys.argv[2])
     accum = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    tokens = len(sys.argv) > 4 and sys.argv[4] == "tokens"
     dist.init_process_group("gloo")
     hook = RebalanceHook(global_batch_size=GLOBAL_BATCH, exchange_every=2, exchange_lag=1, lookahead=1 + accum)
-    model = RecordingNet()
+    model = RecordingTokenNet() if tokens else RecordingNet()
     model.hook = hook
     optimizer = make_optimizer(model)
     constant = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -66,14 +90,14 @@ def main() -> None:
         dataloader_pin_memory=False, ddp_find_unused_parameters=False, seed=3, data_seed=7,
     )
     trainer = RebalancingTrainer(
-        rebalance_hook=hook, model=model, args=args, train_dataset=IndexedData(), data_collator=collate,
+        rebalance_hook=hook, model=model, args=args, train_dataset=TokenData() if tokens else IndexedData(), data_collator=collate,
         optimizers=(optimizer, constant), callbacks=[Requests(hook)],
     )
     trainer.train()
     payload = {
         "batches": model.seen, "acks": hook.acks, "mode": trainer.accelerator.distributed_type.value,
         "world": trainer.accelerator.num_processes, "gradients": trainer.rebalance_callback.gradients,
-        "global_step": trainer.state.global_step,
+        "global_step": trainer.state.global_step, "loss_is_global": trainer._loss_is_global(),
     }
     hook.close()
     dump(out_dir, hook.rank, payload, model)

@@ -22,13 +22,18 @@ pytestmark = pytest.mark.timeout(150)
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    ("accum", "max_steps", "gradients"), [(1, 20, "comm_hook"), (2, 9, "loss_scale")], ids=["comm-hook", "accum2"]
+    ("accum", "max_steps", "gradients", "loss"),
+    [(1, 20, "comm_hook", "samples"), (2, 9, "loss_scale", "samples"), (1, 20, "loss_scale", "tokens")],
+    ids=["comm-hook", "accum2", "global-token-mean"],
 )
-def test_trainer_matches_single_process_reference(tmp_path, accum, max_steps, gradients):
-    run_torchrun(2, ["-m", "tests.integrations._hf_job", str(tmp_path), str(max_steps), str(accum)])
+def test_trainer_matches_single_process_reference(tmp_path, accum, max_steps, gradients, loss):
+    # "tokens": a model taking num_items_in_batch, samples with 1 to 3 valid targets; the
+    # Trainer divides by the global batch's count, so no extra weight may be applied.
+    run_torchrun(2, ["-m", "tests.integrations._hf_job", str(tmp_path), str(max_steps), str(accum), loss])
     recs, params = load(tmp_path, 2)
     assert recs[0]["mode"] == "MULTI_CPU" and recs[0]["world"] == 2
     assert recs[0]["gradients"] == gradients
+    assert recs[0]["loss_is_global"] == (loss == "tokens")
     assert recs[0]["global_step"] == max_steps
     # Both placements were applied, by both ranks at the same batch index.
     assert [v for v, _ in recs[0]["acks"]] == [1, 2]
@@ -40,7 +45,7 @@ def test_trainer_matches_single_process_reference(tmp_path, accum, max_steps, gr
     batches = global_batches(recs)
     assert len(batches) == (20 if accum == 1 else 15)
     check_every_sample_once(batches)
-    want = reference(batches, accum=accum, short_window_mean=True)
+    want = reference(batches, accum=accum, short_window_mean=True, tokens=loss == "tokens")
     for p in params:
         assert_close_params(p, want, rtol=1e-9)
 
