@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 _SERIES_MAX = 3000  # per-batch points kept per job (the page's sliding window is smaller)
 _HEAT_MAX = 240  # heatmap columns kept per job (one per tick with new data)
-_LAG_LIMIT = 16  # a batch missing some ranks is closed once the newest is this far ahead
+_LAG_LIMIT = 256  # a batch a connected rank never sent closes once the newest is this far on
 _COST_WINDOW = 64  # steps per rank used to fit its per-sample cost
 _CONTROL_EVERY_S = 0.25  # control state reads SQL: refresh it at most this often per job
 _IDLE_REFRESH_S = 1.0  # watched jobs refresh this often even without metrics (stale flag)
@@ -229,13 +229,17 @@ class DashboardHub:
             return
         newest = max(feed.open)
         world = view.world_size
+        live_seen = [feed.seen.get(rv.rank, -1) for rv in view.ranks if rv.connected]
+        ready = min(live_seen) if live_seen and len(view.ranks) == world else -1
         fits = {r: fit_rank_cost(list(c)) for r, c in feed.costs.items()}
         gbs = view.global_batch_size
         uni = uniform_shares(world, gbs) if gbs >= world else None
         for b in sorted(feed.open):
             recs = feed.open[b]
-            # Wait for every rank, unless the batch is far behind (a rank died or lags).
-            if len(recs) < world and b > newest - _LAG_LIMIT:
+            # Wait for every rank: ranks send in batches at their own moments. A batch closes
+            # without a rank only when that rank is gone, or when it already sent later batches
+            # (its record for this one was dropped), or when it fell hopelessly behind.
+            if len(recs) < world and b > ready and b > newest - _LAG_LIMIT:
                 break
             del feed.open[b]
             if b <= feed.closed:

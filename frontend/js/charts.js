@@ -29,6 +29,11 @@ function base(extra) {
     legend: { orientation: "h", y: 1.12, x: 0 }, ...extra };
 }
 
+// About 1.2 px per rank beyond 200 ranks, so that one slow rank in 512 still shows as a line.
+function heatHeight(nRanks) {
+  return Math.max(300, Math.min(900, Math.round(nRanks * 1.2 + 90)));
+}
+
 export class Charts {
   constructor() {
     this.rankBars = document.getElementById("rank-bars");
@@ -95,10 +100,11 @@ export class Charts {
     const z = Array.from({ length: nRanks }, (_, r) => this.heat.map((c) => c[m][r] ?? null));
     Plotly.react(this.heatmap, [{
       type: "heatmap", z, x: this.heat.map((c) => c.b), y: Array.from({ length: nRanks }, (_, r) => r),
-      colorscale: m === "util" ? "Viridis" : "YlOrRd", reversescale: false, zsmooth: false,
+      // Dark means slow (long compute) or busy: the straggler's row stands out on light ground.
+      colorscale: m === "util" ? "Viridis" : "YlOrRd", reversescale: m !== "util", zsmooth: false,
       colorbar: { title: { text: m === "util" ? "%" : "ms" }, thickness: 10 },
       hovertemplate: `rank %{y}, batch %{x}: %{z:.1f}${m === "util" ? " %" : " ms"}<extra></extra>`,
-    }], base({ showlegend: false, xaxis: { title: { text: "batch" } },
+    }], base({ showlegend: false, height: heatHeight(nRanks), xaxis: { title: { text: "batch" } },
       yaxis: { title: { text: "rank" }, autorange: "reversed", dtick: nRanks > 32 ? undefined : 1 } }), CONFIG);
   }
 

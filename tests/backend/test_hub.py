@@ -220,3 +220,19 @@ def test_fit_rank_cost():
     assert fit_rank_cost([(8, 16.0), (8, 16.0)]) == (0.0, 2.0)
     a, c = fit_rank_cost([(4, 7.0), (8, 11.0), (12, 15.0)])  # 3 + 1*b
     assert a == pytest.approx(3.0) and c == pytest.approx(1.0)
+
+
+def test_disconnected_rank_does_not_hold_the_series():
+    svc = _services()
+    _register(svc.live)
+    hub = DashboardHub(svc, clock=lambda: 0.0)
+    for b in range(3):
+        _feed(svc.live, b)
+    svc.live.set_connected("j", 2, False)  # rank 2 died after batch 2
+    for b in range(3, 6):
+        _feed(svc.live, b, ranks=[0, 1])
+    hub.notify("j")
+    hub.tick()
+    pts = list(hub._feeds["j"].series)
+    assert [p["b"] for p in pts] == [0, 1, 2, 3, 4, 5]
+    assert pts[2]["max_compute_ms"] == 32.0 and pts[3]["max_compute_ms"] == 8.0
