@@ -1,8 +1,10 @@
 """Rebalanced training with Hugging Face Accelerate.
 
     rebalancer serve &                      # the backend (optional: without it, offline)
-    accelerate launch --cpu --num_processes 2 examples/accelerate_train.py --server http://127.0.0.1:8000
-    torchrun --nproc-per-node 2 examples/accelerate_train.py                # works too
+    torchrun --nproc-per-node 2 examples/accelerate_train.py --server http://127.0.0.1:8000
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py   # on GPUs
+
+(On CPU, ``accelerate launch --cpu`` starts a single process unless MPI is set up; use torchrun.)
 
 A tiny regression model on synthetic data, so it runs on any CPU. ``prepare_with_rebalancer``
 lets Accelerate wrap the model in DDP and place batches on the device, while the hook

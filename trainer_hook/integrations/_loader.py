@@ -103,9 +103,9 @@ def prepared_loader(
             f"Create the hook with RebalanceHook(..., lookahead={need}) or use fewer workers."
         )
     sampler = hook.batch_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
-    loader = DataLoader(dataset, batch_sampler=sampler, **dataloader_kwargs)
+    loader: DataLoader[Any] = DataLoader(dataset, batch_sampler=sampler, **dataloader_kwargs)  # type: ignore[arg-type]
     prepared = accelerator.prepare_data_loader(loader, device_placement=device_placement)
-    wrapper = getattr(prepared, "batch_sampler", None)
+    wrapper: Any = getattr(prepared, "batch_sampler", None)
     if wrapper is sampler:
         return prepared  # one process: Accelerate left the sampler alone
     if getattr(wrapper, "batch_sampler", None) is not sampler or not hasattr(wrapper, "num_processes"):

@@ -169,7 +169,9 @@ class RebalancingTrainer(Trainer):
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
         """The Trainer's loss, weighted by ``hook.loss_weight()`` on the loss-scaling path."""
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        result: Any = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
         if not model.training or self.rebalance_callback.gradients != "loss_scale":
             return result
         loss, outputs = result if return_outputs else (result, None)
