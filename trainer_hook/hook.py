@@ -222,7 +222,10 @@ class RebalanceHook:
         Global batch k is the same samples on every rank and under every placement; the
         sampler yields this rank's contiguous slice of it. Works with ``num_workers > 0``
         as long as the loader prefetches at most ``lookahead`` batches. A drained rank
-        (share 0) gets a one-sample dummy batch whose gradient weight is 0.
+        (share 0) gets a one-sample dummy batch whose gradient weight is 0. Each
+        ``iter()`` starts at ``hook.batch_index``, so breaking out of an epoch and looping
+        again continues with the next untrained batch. The hook takes the batch sizes of
+        an epoch's short last batch from the sampler created last.
         """
         sampler = RebalanceBatchSampler(
             dataset, schedule=self.schedule, rank=self._rank, shuffle=shuffle, seed=seed,
