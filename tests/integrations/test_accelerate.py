@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from tests.helpers.torchrun import REPO_ROOT, job_env, run_torchrun
 from tests.integrations._common import (
@@ -89,3 +90,16 @@ def test_accelerate_rejects_setups_it_cannot_keep_exact():
     assert "lookahead=6" in lines["LOOKAHEAD"]
     assert "already passed to accelerator.prepare()" in lines["PREPARED"]
     assert lines["ONE"] == "[0, 1, 2, 3, 4, 5, 6, 7]"
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the mistake only exists without GPUs")
+def test_accelerator_without_cpu_mode_is_refused():
+    # Without cpu=True each torchrun process would be its own single-process Accelerator.
+    proc = run_torchrun(2, ["-m", "tests.integrations._mismatch_job"])
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert lines == [
+        f"rank {r}: Accelerate runs 1 process(es) but the hook sees world size 2. On a machine "
+        "without GPUs create Accelerator(cpu=True) (or set ACCELERATE_USE_CPU=true), otherwise "
+        "every process trains alone." for r in (0, 1)
+    ]

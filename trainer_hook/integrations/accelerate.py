@@ -78,6 +78,12 @@ def prepare_with_rebalancer(
     loader's prefetch.
     """
     check_accelerator(accelerator)
+    if int(getattr(accelerator, "num_processes", 1)) != hook.world_size:
+        raise ValueError(
+            f"Accelerate runs {accelerator.num_processes} process(es) but the hook sees world size "
+            f"{hook.world_size}. On a machine without GPUs create Accelerator(cpu=True) (or set "
+            "ACCELERATE_USE_CPU=true), otherwise every process trains alone."
+        )
     if getattr(model, "_is_accelerate_prepared", False):
         raise ValueError(
             "model was already passed to accelerator.prepare(); pass the bare model to "
