@@ -175,7 +175,10 @@ class DashboardHub:
         if not dirty:
             return 0
         for job in dirty:
-            self._update(job, now)
+            try:
+                self._update(job, now)
+            except Exception:  # one job's bad state must not freeze the others' dashboards
+                log.exception("dashboard update of job %s failed", job)
         woken = 0
         for c in self._clients:
             if c.job is None or c.job in dirty:
@@ -339,7 +342,7 @@ class DashboardHub:
 
     # --- clients ------------------------------------------------------------------------
 
-    def _frame(self, c: _Client) -> dict[str, Any] | None:
+    def _frame(self, c: _Client) -> dict[str, Any]:
         t = self._wall()
         if c.job is None:
             jobs = [f.summary for _, f in sorted(self._feeds.items()) if f.summary]
@@ -391,10 +394,13 @@ class DashboardHub:
             while True:
                 await c.wake.wait()
                 c.wake.clear()
-                frame = self._frame(c)
-                if frame is not None:
-                    await send(json.dumps(frame, separators=(",", ":"), allow_nan=False))
-                    c.frames += 1
+                try:
+                    text = json.dumps(self._frame(c), separators=(",", ":"), allow_nan=False)
+                except ValueError:  # a non-finite number; browsers cannot parse NaN in JSON
+                    log.exception("dashboard frame for %s not serialisable; skipped", c.job)
+                    continue
+                await send(text)
+                c.frames += 1
         finally:
             self._clients.discard(c)
 
