@@ -222,12 +222,22 @@ def test_override_editor_reject_and_manual_placement(stack: Stack) -> None:
     page.locator("#override-msg.err").wait_for()
     assert "pinned" in page.locator("#override-msg").inner_text()
     # ... and one that keeps it is applied.
+    before_manual = stack.rest(f"/jobs/{JOB}")["placement"]["shares"]
     shares = [24 - pin // 2, 24 - pin + pin // 2, pin]
     page.fill("#manual-shares", ",".join(map(str, shares)))
     page.click("#submit-manual")
     page.locator("#override-msg.ok").wait_for()
     _wait(lambda: stack.rest(f"/jobs/{JOB}")["placement"]["shares"] == shares, "the manual placement", stack=stack)
     _shot(page, "job-view-operator.png")
+    # Rollback (after a confirm dialog) returns exactly the shares in force before.
+    page.once("dialog", lambda d: d.accept())
+    page.click("#rollback")
+    page.locator("#override-msg.ok").wait_for()
+    _wait(lambda: stack.rest(f"/jobs/{JOB}")["placement"]["shares"] == before_manual, "the rollback", stack=stack)
+    # The mode switch.
+    page.select_option("#mode", "observe")
+    page.locator("#control-msg.ok").wait_for()
+    assert stack.rest(f"/jobs/{JOB}")["mode"] == "observe"
     page.context.close()
 
 
