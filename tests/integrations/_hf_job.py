@@ -24,8 +24,9 @@ from tests.integrations._common import (
 from trainer_hook import RebalanceHook
 from trainer_hook.integrations.hf_trainer import RebalancingTrainer
 
-# (request at optimizer step, shares) for 2 ranks; B = 12.
+# (request at optimizer step, shares) for 2 ranks; B = 12. The token run also drains rank 1.
 REQUESTS = {1: [9, 3], 5: [2, 10]}
+TOKEN_REQUESTS = {1: [9, 3], 5: [12, 0]}
 
 
 class Recording:
@@ -62,12 +63,13 @@ class RecordingTokenNet(Recording, TokenNet):
 
 
 class Requests(TrainerCallback):
-    def __init__(self, hook: RebalanceHook) -> None:
+    def __init__(self, hook: RebalanceHook, requests: dict[int, list[int]]) -> None:
         self.hook = hook
+        self.requests = requests
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self.hook.rank == 0 and state.global_step in REQUESTS:
-            self.hook.request_placement(REQUESTS[state.global_step], reason="test")
+        if self.hook.rank == 0 and state.global_step in self.requests:
+            self.hook.request_placement(self.requests[state.global_step], reason="test")
 
 
 def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -91,7 +93,7 @@ def main() -> None:
     )
     trainer = RebalancingTrainer(
         rebalance_hook=hook, model=model, args=args, train_dataset=TokenData() if tokens else IndexedData(), data_collator=collate,
-        optimizers=(optimizer, constant), callbacks=[Requests(hook)],
+        optimizers=(optimizer, constant), callbacks=[Requests(hook, TOKEN_REQUESTS if tokens else REQUESTS)],
     )
     trainer.train()
     payload = {

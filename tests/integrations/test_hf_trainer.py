@@ -28,7 +28,8 @@ pytestmark = pytest.mark.timeout(150)
 )
 def test_trainer_matches_single_process_reference(tmp_path, accum, max_steps, gradients, loss):
     # "tokens": a model taking num_items_in_batch, samples with 1 to 3 valid targets; the
-    # Trainer divides by the global batch's count, so no extra weight may be applied.
+    # Trainer divides by the global batch's count, so no extra weight may be applied, and
+    # a drained rank's dummy sample must not count among the tokens.
     run_torchrun(2, ["-m", "tests.integrations._hf_job", str(tmp_path), str(max_steps), str(accum), loss])
     recs, params = load(tmp_path, 2)
     assert recs[0]["mode"] == "MULTI_CPU" and recs[0]["world"] == 2
@@ -39,7 +40,11 @@ def test_trainer_matches_single_process_reference(tmp_path, accum, max_steps, gr
     assert [v for v, _ in recs[0]["acks"]] == [1, 2]
     assert recs[0]["acks"] == recs[1]["acks"]
     sizes = {b["version"]: len(b["idx"]) for b in recs[0]["batches"].values()}
-    assert sizes == {0: 6, 1: 9, 2: 2}
+    if loss == "tokens":  # version 2 drains rank 1: it trains a zero-weight dummy sample
+        assert sizes == {0: 6, 1: 9, 2: 12}
+        assert {b["version"]: b["dummy"] for b in recs[1]["batches"].values()} == {0: False, 1: False, 2: True}
+    else:
+        assert sizes == {0: 6, 1: 9, 2: 2}
     if accum > 1:  # one switch falls on the second micro-batch of an accumulation window
         assert any(k % 5 % accum == 1 and k % 5 < 4 for _, k in recs[0]["acks"]), recs[0]["acks"]
     batches = global_batches(recs)

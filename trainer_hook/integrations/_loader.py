@@ -16,7 +16,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-__all__ = ["check_accelerator", "prepared_loader", "required_lookahead"]
+__all__ = ["check_accelerator", "prepared_loader", "required_lookahead", "sampler_of"]
 
 # Distributed types whose gradients go through DistributedDataParallel (or no DP at all).
 _DDP_TYPES = {
@@ -120,3 +120,9 @@ def prepared_loader(
     wrapper.process_index = 0
     wrapper.batch_size = None  # with a batch size it would hold back batches of other lengths
     return prepared
+
+
+def sampler_of(loader: Any) -> Any:
+    """The hook's batch sampler inside a loader made by ``prepared_loader``."""
+    wrapper = getattr(loader, "batch_sampler", None)
+    return getattr(wrapper, "batch_sampler", wrapper)

@@ -21,9 +21,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import torch
 from transformers import Trainer, TrainerCallback
 
-from trainer_hook.integrations._loader import check_accelerator, prepared_loader
+from trainer_hook.integrations._loader import check_accelerator, prepared_loader, sampler_of
 
 __all__ = ["RebalanceCallback", "RebalancingTrainer"]
 
@@ -155,11 +156,35 @@ class RebalancingTrainer(Trainer):
             if args.dataloader_prefetch_factor is not None:
                 kwargs["prefetch_factor"] = args.dataloader_prefetch_factor
         seed = args.data_seed if args.data_seed is not None else args.seed
-        return prepared_loader(
+        loader = prepared_loader(
             self.accelerator, self.rebalance_hook, dataset,
             shuffle=True, seed=seed, drop_last=args.dataloader_drop_last,
             held=max(1, int(args.gradient_accumulation_steps)), **kwargs,
         )
+        self._rebalance_sampler = sampler_of(loader)
+        return loader
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list[Any], Any]:
+        """The Trainer's window of micro-batches; on the global token-mean path, a drained
+        rank's one-sample dummy batch gets its labels set to -100 before tokens are
+        counted, so it adds nothing to the global count nor to the loss."""
+        if not self._loss_is_global():
+            return super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[no-any-return]
+        batches: list[Any] = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        sampler = getattr(self, "_rebalance_sampler", None)
+        first = self.rebalance_hook.batch_index  # the window's first batch is trained next
+        for i, batch in enumerate(batches):
+            labels = batch.get("labels") if isinstance(batch, dict) else None
+            if sampler is not None and torch.is_tensor(labels):
+                lo, hi = sampler.local_bounds(first + i)
+                if hi == lo:
+                    batch["labels"] = torch.full_like(labels, -100)
+        return batches, self._get_num_items_in_batch(batches, device)
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         """One micro-batch; with gradient accumulation it is one ``hook.step()`` of its own."""
