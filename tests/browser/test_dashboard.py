@@ -133,6 +133,11 @@ def test_job_view_charts_update(stack: Stack) -> None:
     page.wait_for_function(f"() => ({last_x})() > {first_last} + 5")
     assert page.evaluate(npts) > first_n
     page.wait_for_function(f"() => JSON.stringify(document.getElementById('rank-bars').data[0].y) !== {json.dumps(json.dumps(bars))}")
+    # A user's zoom survives redraws (Plotly.react with layout.uirevision).
+    page.evaluate("() => Plotly.relayout('rank-bars', {'yaxis.range': [0, 500]})")
+    draws = page.evaluate("() => window.rebalancer.state.draws")
+    page.wait_for_function(f"() => window.rebalancer.state.draws > {draws} + 3")
+    assert page.evaluate("() => document.getElementById('rank-bars').layout.yaxis.range") == [0, 500]
     heat_cols = page.evaluate("() => document.getElementById('heatmap').data[0].z[0].length")
     assert heat_cols >= 1
     # The slowest rank (2) is the straggler in the bars and the device table.
