@@ -268,7 +268,8 @@ class DashboardHub:
         util = [None] * world
         for rv in view.ranks:
             if rv.device is not None and rv.rank < world:
-                util[rv.rank] = rv.device.util_pct
+                d = rv.device  # CPU ranks (psutil) have no device utilisation: use CPU %
+                util[rv.rank] = d.util_pct if d.util_pct is not None else d.cpu_pct
         feed.heat_seq += 1
         feed.heat.append({"seq": feed.heat_seq, "b": max(pending), "compute": col, "util": util})
 

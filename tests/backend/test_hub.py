@@ -178,6 +178,7 @@ async def test_job_frame_content_and_uniform_counterfactual():
     assert f["ranks"]["price_per_hour"] == [1.6, 3.0, 3.0]
     assert f["summary"]["cost_per_hour"] == pytest.approx(7.6)
     assert len(f["heat"]) == 1 and len(f["heat"][0]["compute"]) == WORLD
+    assert f["heat"][0]["util"] == [50.0, 51.0, 52.0]
 
 
 @_run_async
