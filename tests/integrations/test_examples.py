@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +34,15 @@ def test_notebook_example_runs_two_ranks():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
     assert len(lines) == 2 and "world 2" in lines[-1], proc.stdout
     assert lines[-1].endswith("placement v1 [96, 32]")
+
+
+def test_notebook_file_cells_run_in_order():
+    # The notebook's code cells, run top to bottom in one interpreter (as a kernel would).
+    cells = json.loads((Path(REPO_ROOT) / "examples" / "notebook.ipynb").read_text())["cells"]
+    code = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=job_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(lines) == 2 and lines[-1].endswith("world 2, placement v1 [96, 32]"), proc.stdout
