@@ -33,7 +33,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group("gloo")
-    hook = RebalanceHook(global_batch_size=GLOBAL_BATCH, exchange_every=2, exchange_lag=1, lookahead=2)
+    # startup_wait_s: a ceiling, not a delay; generous because the test machine is shared.
+    hook = RebalanceHook(
+        global_batch_size=GLOBAL_BATCH, exchange_every=2, exchange_lag=1, lookahead=2, startup_wait_s=10.0
+    )
     model = DDP(TinyNet())
     hook.attach(model)
     optimizer = make_optimizer(model)
