@@ -1,3 +1,4 @@
+/* global Plotly */
 // Job view: wires the live socket to the charts, the tables and the operator controls.
 import { Charts } from "./charts.js";
 import {
@@ -180,5 +181,8 @@ mountTokenBox($("token-box")).then((me) => {
   controls = new Controls(job, me);
   if (state.ranks) controls.update(state.control, state.ranks);
   document.body.dataset.role = me && me.role ? me.role : "none";
+  document.body.classList.toggle("no-controls", !controls.operator);
+  // The placement card may have changed width; plotly only follows window resizes by itself.
+  if (charts.placement.data) Plotly.Plots.resize(charts.placement);
 });
 liveSocket(job, onFrame, setConn);
