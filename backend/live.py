@@ -314,15 +314,13 @@ class LiveState:
         with self._lock:
             for j in self._jobs.values():
                 for rank, r in j.ranks.items():
-                    if r.pending or r.pending_dropped:
+                    if r.pending:
                         taken.append((j.job, rank, r.pending, r.pending_device, r.pending_dropped))
                         r.pending, r.pending_device, r.pending_dropped = [], [], 0
-                    elif r.pending_device:
+                    elif r.pending_device:  # no steps yet: keep the newest reading (and drops) for later
                         r.pending_device = r.pending_device[-1:]
         out = []
         for job, rank, steps, device, dropped in taken:
-            if not steps:
-                continue
             n = len(steps)
             out.append(Window(
                 job=job, rank=rank, t_start=steps[0].t, t_end=steps[-1].t,

@@ -58,6 +58,10 @@ def test_steps_filter_and_windows_cover_everything_once():
     w = live.drain_windows()
     assert sorted((x.rank, x.n_steps, x.batch_index_start, x.batch_index_end) for x in w) == [(0, 6, 0, 5), (1, 6, 0, 5)]
     assert live.drain_windows() == []
+    live.add_metrics(Metrics(job="j", rank=0, dropped=5))  # drops with no steps wait for the next window
+    assert live.drain_windows() == []
+    live.add_metrics(Metrics(job="j", rank=0, steps=steps(6, 1)))
+    assert [(x.n_steps, x.dropped) for x in live.drain_windows()] == [(1, 5)]
 
 
 def test_new_run_with_other_shape_resets_ranks_but_reconnect_keeps_history():
