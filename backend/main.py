@@ -55,6 +55,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not settings.loopback and services.auth.token_count() == 0:
+            # The CLI refuses earlier; this covers apps served some other way.
+            raise RuntimeError(
+                f"Refusing to serve on {settings.host} with no access tokens. Create an admin token "
+                f"first: rebalancer token create --role admin --db {settings.db}")
         if services.auth.open_mode:
             log.warning(
                 "OPEN MODE: no access tokens exist and the server is bound to loopback (%s), so every "

@@ -198,3 +198,13 @@ def test_invalid_settings_refuse_to_start_with_reason(tmp_path, capsys, monkeypa
     assert exc.value.code == 2
     assert ("REBALANCER_DASHBOARD_MAX_HZ must be above 0 and at most 10 pushes a second, got 50.0."
             in capsys.readouterr().err)
+
+
+def test_app_on_public_address_without_tokens_refuses_to_start(tmp_path):
+    app = make_app(tmp_path, host="0.0.0.0")
+    with pytest.raises(RuntimeError, match="Refusing to serve on 0.0.0.0 with no access tokens"):
+        with TestClient(app):
+            pass
+    with TestClient(make_app(tmp_path, host="0.0.0.0", admin_token=ADMIN)) as c:
+        assert c.get("/healthz").json()["open_mode"] is False
+        assert c.get("/api/v1/jobs").status_code == 401
