@@ -245,6 +245,31 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepRecord:
+        # Fast path: step records are most of what the backend parses (thousands a second),
+        # so check the common, valid shape in one pass; anything off takes the slow path,
+        # which names the field that is wrong.
+        if type(d) is dict and len(d) == 9:
+            try:
+                bi, lb, pv = d["batch_index"], d["local_batch_size"], d["placement_version"]
+                dw, cm, sw = d["data_wait_ms"], d["compute_ms"], d["sync_wait_ms"]
+                om, sm, t = d["optimizer_ms"], d["step_ms"], d["t"]
+            except KeyError:
+                pass
+            else:
+                num, inf = _NUMBER_TYPES, math.inf
+                if (
+                    type(bi) is int and type(lb) is int and type(pv) is int
+                    and bi >= 0 and lb >= 0 and pv >= 0
+                    and type(dw) in num and type(cm) in num and type(sw) in num
+                    and type(om) in num and type(sm) in num and type(t) in num
+                    and 0 <= dw < inf and 0 <= cm < inf and 0 <= sw < inf
+                    and 0 <= om < inf and 0 <= sm < inf and 0 <= t < inf
+                ):
+                    return cls(
+                        batch_index=bi, local_batch_size=lb, placement_version=pv,
+                        data_wait_ms=float(dw), compute_ms=float(cm), sync_wait_ms=float(sw),
+                        optimizer_ms=float(om), step_ms=float(sm), t=float(t),
+                    )
         return cls(
             batch_index=_int(d, "batch_index"),
             local_batch_size=_int(d, "local_batch_size"),
@@ -256,6 +281,9 @@ class StepRecord:
             step_ms=_float(d, "step_ms"),
             t=_float(d, "t"),
         )
+
+
+_NUMBER_TYPES = frozenset((int, float))
 
 
 @dataclass(kw_only=True, slots=True)
