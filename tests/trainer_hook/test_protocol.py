@@ -1,0 +1,91 @@
+"""The wire protocol refuses what it cannot trust, with a message naming the field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from trainer_hook.protocol import (
+    CLOSE_MALFORMED,
+    CLOSE_TOO_BIG,
+    CLOSE_UNSUPPORTED_VERSION,
+    MAX_MESSAGE_BYTES,
+    Metrics,
+    ProtocolError,
+    StepRecord,
+    check_shares,
+    decode,
+    encode,
+    uniform_shares,
+)
+
+GOOD = dict(batch_index=4, local_batch_size=8, placement_version=1, data_wait_ms=0.5, compute_ms=20,
+            sync_wait_ms=1.5, optimizer_ms=0.25, step_ms=23.0, t=1.7e9)
+
+
+def test_step_record_round_trips_through_a_frame() -> None:
+    msg = Metrics(job="j", rank=2, steps=[StepRecord(**GOOD)])
+    back = decode(encode(msg))
+    assert back == msg
+    assert isinstance(back, Metrics) and type(back.steps[0].compute_ms) is float
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("compute_ms", math.nan, "'compute_ms' must be a finite number >= 0.0, got nan."),
+        ("compute_ms", math.inf, "'compute_ms' must be a finite number >= 0.0, got inf."),
+        ("sync_wait_ms", -1.0, "'sync_wait_ms' must be a finite number >= 0.0, got -1.0."),
+        ("step_ms", True, "'step_ms' must be a number, got bool."),
+        ("t", "now", "'t' must be a number, got str."),
+        ("batch_index", 1.0, "'batch_index' must be an integer, got float."),
+        ("batch_index", -3, "'batch_index' must be >= 0, got -3."),
+        ("local_batch_size", None, "'local_batch_size' is required."),
+    ],
+)
+def test_bad_step_fields_are_named(key: str, value: object, expected: str) -> None:
+    bad = {**GOOD, key: value}
+    with pytest.raises(ProtocolError) as err:
+        StepRecord.from_dict(bad)
+    assert str(err.value) == expected
+
+
+def test_missing_step_field_is_named() -> None:
+    bad = {k: v for k, v in GOOD.items() if k != "optimizer_ms"}
+    with pytest.raises(ProtocolError, match="'optimizer_ms' is required."):
+        StepRecord.from_dict(bad)
+
+
+@pytest.mark.parametrize(
+    ("raw", "code", "close"),
+    [
+        ("{not json", "malformed", CLOSE_MALFORMED),
+        ('{"type": "hello", "v": 2}', "unsupported_version", CLOSE_UNSUPPORTED_VERSION),
+        ('{"type": "nope", "v": 1}', "malformed", CLOSE_MALFORMED),
+        ("x" * (MAX_MESSAGE_BYTES + 1), "too_big", CLOSE_TOO_BIG),
+    ],
+)
+def test_frames_that_break_the_envelope(raw: str, code: str, close: int) -> None:
+    with pytest.raises(ProtocolError) as err:
+        decode(raw)
+    assert (err.value.code, err.value.close_code) == (code, close)
+
+
+def test_check_shares_says_what_is_wrong() -> None:
+    assert check_shares([3, 0, 5], world_size=3, global_batch_size=8) == [3, 0, 5]
+    with pytest.raises(ValueError, match="shares has 2 entries but the job has world_size 3."):
+        check_shares([4, 4], world_size=3, global_batch_size=8)
+    with pytest.raises(ValueError, match="shares sum to 7 but the global batch size is 8."):
+        check_shares([3, 3, 1], world_size=3, global_batch_size=8)
+    with pytest.raises(ValueError, match=r"shares\[1\] must be >= 0, got -1."):
+        check_shares([5, -1, 4], world_size=3, global_batch_size=8)
+    with pytest.raises(ValueError, match=r"shares\[0\] must be an integer, got 2.5."):
+        check_shares([2.5, 2.5, 3], world_size=3, global_batch_size=8)
+
+
+def test_uniform_shares_spread_the_remainder_over_the_lowest_ranks() -> None:
+    assert uniform_shares(3, 8) == [3, 3, 2]
+    assert sum(uniform_shares(7, 1000)) == 1000
+    with pytest.raises(ValueError, match=r"global_batch_size \(2\) must be >= world_size \(3\)."):
+        uniform_shares(3, 2)
