@@ -298,10 +298,7 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
             await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
 
-    # Rank 0 first: concurrent first hellos of a new job race on the jobs table insert in
-    # backend/storage/metrics.py upsert_hello (UNIQUE constraint failed: jobs.name).
-    await start(0)
-    await asyncio.gather(*(start(r) for r in range(1, ranks)))
+    await asyncio.gather(*(start(r) for r in range(ranks)))
     failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
     if failed:
         load.errors.append(f"{len(failed)} hook connections failed: {failed[0].exception()!r}")
