@@ -36,14 +36,15 @@ def plot_balance(rows: Sequence[Any], series: Mapping[str, Mapping[str, Sequence
     for j, s in enumerate(strategies):
         xs = [i + (j - (len(strategies) - 1) / 2) * width for i in range(len(scenarios))]
         ys = [eff.get((sc, s), 0.0) for sc in scenarios]
-        ax1.bar(xs, ys, width, label=s, color=COLORS.get(s))
+        bars = ax1.bar(xs, ys, width, label=s, color=COLORS.get(s))
+        ax1.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
     ax1.axhline(0.95, color="black", lw=0.8, ls="--")
     ax1.text(len(scenarios) - 0.5, 0.955, "target 0.95", ha="right", va="bottom", fontsize=8)
     ax1.set_xticks(range(len(scenarios)), [f"speeds {s}" for s in scenarios], fontsize=8)
     ax1.set_ylabel("efficiency = oracle step time / achieved")
-    ax1.set_ylim(0, 1.1)
+    ax1.set_ylim(0, 1.2)
     ax1.set_title("Steady-state efficiency, 4 CPU ranks")
-    ax1.legend(fontsize=8, ncol=len(strategies), loc="lower center")
+    ax1.legend(fontsize=8, ncol=len(strategies), loc="upper center")
 
     # The most heterogeneous scenario shows the convergence best.
     pick = "1,1,0.5,0.25" if "1,1,0.5,0.25" in series else scenarios[-1]

@@ -399,14 +399,14 @@ def run_capacity(
         r.ranks, r.sent_messages_per_s, r.sent_rank_steps_per_s,
         "-" if r.counted_records_per_s is None else r.counted_records_per_s,
         "-" if r.records_lost is None else r.records_lost,
-        r.backend_cpu_pct, r.generator_cpu_pct,
+        r.backend_cpu_pct, r.generator_cpu_pct, round(r.dashboard_frames / max(r.seconds, 1e-9), 1),
         "-" if r.latency_p50_ms is None else r.latency_p50_ms,
         "-" if r.latency_p99_ms is None else r.latency_p99_ms,
     ] for r in results]
     print_table(
         "Backend capacity (simulated hooks, 10 steps/s per rank)",
         ["ranks", "msg/s", "rank-steps/s", "counted rec/s", "lost", "backend CPU %",
-         "generator CPU %", "dash p50 ms", "dash p99 ms"],
+         "generator CPU %", "dash frames/s", "dash p50 ms", "dash p99 ms"],
         rows,
     )
     write_json(out_dir / f"{name}.json", {

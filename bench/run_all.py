@@ -23,7 +23,7 @@ from typing import Any
 from bench._backend import REPO_ROOT, stop_on_sigterm
 from bench._report import RESULTS_DIR, machine, markdown_table
 
-__all__ = ["BENCHMARKS", "run_all", "summary_markdown", "main"]
+__all__ = ["BENCHMARKS", "run_all", "summary_markdown", "headline_rows", "main"]
 
 BENCHMARKS = ("balance", "reaction", "hook_overhead", "capacity", "policy")
 
@@ -135,6 +135,9 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     parts += [f"Machine: {m.get('cpus')} CPU cores, {m.get('memory_gib')} GiB, Python {m.get('python')}, "
               f"load average at start {m.get('load_avg_1m')}.", ""]
     b = summary["benchmarks"]
+    rows = headline_rows(summary)
+    if rows:
+        parts += ["## Headline", "", markdown_table(["measure", "result", "target"], rows), ""]
     for name, entry in b.items():
         if not entry.get("ok"):
             parts += [f"## {name}: FAILED", "", "```", entry.get("error", "")[:1500], "```", ""]
@@ -158,9 +161,11 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             parts += ["## Backend capacity (simulated hooks at 10 steps/s per rank)", ""]
             parts += [markdown_table(
                 ["ranks", "msg/s", "rank-steps/s", "lost", "backend CPU %", "generator CPU %",
-                 "dashboard p50 ms", "dashboard p99 ms"],
+                 "dashboard frames/s", "dashboard p50 ms", "dashboard p99 ms"],
                 [[r["ranks"], r["sent_messages_per_s"], r["sent_rank_steps_per_s"], r["records_lost"],
-                  r["backend_cpu_pct"], r["generator_cpu_pct"], r["latency_p50_ms"], r["latency_p99_ms"]]
+                  r["backend_cpu_pct"], r["generator_cpu_pct"],
+                  round(r["dashboard_frames"] / max(r["seconds"], 1e-9), 1),
+                  r["latency_p50_ms"], r["latency_p99_ms"]]
                  for r in res["results"]]), ""]
         elif name == "hook_overhead" and "overhead_ratio_median" in res:
             parts += ["## Hook overhead (one rank, gloo, 20 ms steps; targets <= 1 % and <= 50 us)", ""]
@@ -188,6 +193,69 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             text = entry["result"].get("stdout", "").strip() if isinstance(entry.get("result"), dict) else ""
             parts += [f"## {name}", "", "```", text[-3000:], "```", ""]
     return "\n".join(parts) + "\n"
+
+
+def _ok(summary: dict[str, Any], name: str) -> dict[str, Any] | None:
+    entry = summary["benchmarks"].get(name)
+    return entry["result"] if entry and entry.get("ok") else None
+
+
+def _span(values: list[float], fmt: str) -> str:
+    if not values:
+        return "-"
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)} to {fmt.format(hi)}"
+
+
+def headline_rows(summary: dict[str, Any]) -> list[list[Any]]:
+    """The few numbers a reader wants first, each with its target."""
+    rows: list[list[Any]] = []
+    bal = _ok(summary, "balance")
+    if bal:
+        by = {(r["scenario"], r["strategy"]): r for r in bal["rows"]}
+        hetero = [sc for sc in dict.fromkeys(r["scenario"] for r in bal["rows"]) if sc != "1,1,1,1"]
+        for strat in ("profiled", "predictive", "static"):
+            rs = [by[(sc, strat)] for sc in hetero if (sc, strat) in by]
+            if not rs:
+                continue
+            rows.append([f"{strat} efficiency, oracle/achieved ({len(rs)} heterogeneous scenario{'s' if len(rs) > 1 else ''})",
+                         _span([r["efficiency"] for r in rs], "{:.2f}"), ">= 0.95"])
+            if strat != "static":
+                steps = [r["steps_to_within_5pct"] for r in rs]
+                rows.append([f"{strat}: steps until within 5% of the oracle",
+                             _span([x for x in steps if x is not None], "{:.0f}")
+                             + ("" if None not in steps else " (some never)"), "<= 30"])
+        for sc in hetero:
+            if (sc, "uniform") in by and (sc, "profiled") in by:
+                speedup = by[(sc, "uniform")]["steady_ms"] / by[(sc, "profiled")]["steady_ms"]
+                rows.append([f"speed-up of profiled over the uniform split, speeds {sc}",
+                             f"{speedup:.2f}x", ""])
+    rea = _ok(summary, "reaction")
+    if rea:
+        for r in rea["rows"]:
+            if r["strategy"] in ("profiled", "predictive"):
+                steps = r["steps_to_within_10pct"]
+                rows.append([f"{r['event']} of one rank: {r['strategy']} steps until within 10% of the oracle",
+                             "never" if steps is None else steps, ""])
+    hook = _ok(summary, "hook_overhead")
+    if hook and "overhead_ratio_median" in hook:
+        rows.append(["hook overhead on a 20 ms step (median)",
+                     f"{hook['overhead_ratio_median'] * 100:+.2f} %", "<= 1 %"])
+        rows.append(["training-thread time the hook adds per step",
+                     f"{hook['training_thread_added_us_per_step']:.0f} us", "<= 50 us"])
+    cap = _ok(summary, "capacity")
+    if cap and cap.get("results"):
+        r = max(cap["results"], key=lambda x: x["ranks"])
+        rows.append([f"backend at {r['ranks']} ranks x 10 steps/s: rank-steps/s sustained, lost",
+                     f"{r['sent_rank_steps_per_s']:.0f}/s, {r['records_lost']} lost", f"{r['ranks'] * 10}/s, 0 lost"])
+        rows.append([f"dashboard latency at {r['ranks']} ranks, p50 / p99",
+                     f"{r['latency_p50_ms']} / {r['latency_p99_ms']} ms", "p99 < 500 ms"])
+    pol = _ok(summary, "policy")
+    if pol and pol.get("solve"):
+        r = next((x for x in pol["solve"] if x["ranks"] == 10000 and not x["constrained"]), None)
+        if r:
+            rows.append(["policy solve time at 10,000 ranks (CPU, median)", f"{r['cpu_median_ms']:.1f} ms", "< 20 ms"])
+    return rows
 
 
 def _eff(r: dict[str, Any] | None) -> str:
