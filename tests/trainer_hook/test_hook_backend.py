@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -83,3 +84,38 @@ def test_readme_example_streams_every_rank_to_the_backend(tmp_path: Path) -> Non
         ranks: Any = _wait(lambda: server.get("/api/v1/jobs/readme/ranks"), 10, "ranks")
         assert sorted(r["rank"] for r in ranks["data"]) == [0, 1]
         assert all(r["batch_index"] == 15 for r in ranks["data"])
+
+
+def test_torchelastic_restart_resumes_the_placement_in_force(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    with running_server(tmp_path) as server:
+        proc = start_torchrun(2, ["tests/trainer_hook/_elastic_worker.py", "--server", server.url, "--out", str(out)],
+                              max_restarts=1)
+        try:
+            _wait(lambda: _training(server, "elastic", 2), 60, "both ranks to connect and train")
+            _post(server, "/api/v1/jobs/elastic/proposals", {"shares": [9, 3], "apply": True})
+
+            def acked() -> Any:
+                rows: Any = server.get("/api/v1/jobs/elastic/placements")
+                done = [p for p in rows["data"] if p["version"] >= 1 and len(p["acks"]) == 2]
+                return done[0] if done else None
+
+            placement = _wait(acked, 60, "acks from both ranks")
+            (out / "crash").touch()  # rank 1 dies; torchrun restarts both workers
+            try:
+                rc = proc.wait(timeout=150)
+            except subprocess.TimeoutExpired:
+                rc = None
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+        log = proc.stdout.read() if proc.stdout else ""
+        assert rc == 0, f"rc={rc}\n{log[-6000:]}"
+    for rank, share in ((0, 9), (1, 3)):
+        got = json.loads((out / f"restart{rank}.json").read_text())
+        assert got["restart"] == 1
+        assert got["first"] == [placement["version"], [9, 3]]
+        assert got["acks"] == [[placement["version"], 0]]
+        assert got["local"] == [share] * 6
