@@ -118,11 +118,26 @@ class _SlowMLP(torch.nn.Module):
         return self.net(x)  # type: ignore[no-any-return]
 
 
+def _init_process_group() -> None:
+    timeout = timedelta(seconds=60)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # One key prefix per restart attempt in torchrun's store: with plain env:// a
+        # restarted worker could read the dead attempt's gloo addresses (torch 2.13).
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"demo_worker/attempt{attempt}", store),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        _init_process_group()
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     if args.speeds is not None and len(args.speeds) not in (1, world):
