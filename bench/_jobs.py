@@ -7,6 +7,7 @@ wrote to its ``--result`` file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -126,11 +127,39 @@ def configure(backend: Backend, job: str, strategy: str, spec: JobSpec, policy: 
 
 def run_job(
     backend: Backend, spec: JobSpec, strategy: str, *, policy: dict[str, Any] | None = None,
-    timeout: float = 600.0,
+    timeout: float = 600.0, retries: int = 1,
 ) -> JobRun:
-    """Run one job to the end under ``strategy`` (one of STRATEGIES)."""
+    """Run one job to the end under ``strategy`` (one of STRATEGIES).
+
+    A job that fails without a complete result is run again (as ``<job>-retry<n>``, a new
+    job for the backend) up to ``retries`` times; the failure is kept in ``notes``, so a
+    flaky job shows in the results instead of silently disappearing.
+    """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    failures: list[str] = []
+    for attempt in range(retries + 1):
+        job = spec.job if attempt == 0 else f"{spec.job}-retry{attempt}"
+        try:
+            run = _run_once(backend, dataclasses.replace(spec, job=job), strategy, policy, timeout)
+        except JobFailed as exc:
+            failures.append(str(exc)[-1500:])
+            print(f"  job {job} failed ({exc.reason}); {'retrying' if attempt < retries else 'giving up'}",
+                  flush=True)
+            continue
+        run.notes = [f"earlier attempt failed: {f}" for f in failures] + run.notes
+        return run
+    raise RuntimeError(f"job {spec.job} failed {retries + 1} times; last failure:\n{failures[-1]}")
+
+
+class JobFailed(RuntimeError):
+    def __init__(self, reason: str, output: str):
+        super().__init__(f"{reason}\n{output}")
+        self.reason = reason
+
+
+def _run_once(backend: Backend, spec: JobSpec, strategy: str, policy: dict[str, Any] | None,
+              timeout: float) -> JobRun:
     with tempfile.TemporaryDirectory(prefix="rb-job-") as tmp:
         result = Path(tmp) / "result.json"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
@@ -142,7 +171,10 @@ def run_job(
             start_new_session=True,
         )
         try:
-            _wait_job(backend, spec.job, proc, timeout=120)
+            try:
+                _wait_job(backend, spec.job, proc, timeout=120)
+            except RuntimeError as exc:
+                raise JobFailed(str(exc), proc.communicate(timeout=30)[0] if proc.poll() is not None else "") from None
             notes = configure(backend, spec.job, strategy, spec, policy or {})
             out, _ = proc.communicate(timeout=timeout)
         except BaseException:
@@ -151,9 +183,17 @@ def run_job(
                 proc.wait()
             raise
         wall = time.monotonic() - t0
+        data = json.loads(result.read_text()) if result.exists() else None
+        complete = data is not None and len(data.get("step_ms", [])) >= spec.steps
         if proc.returncode != 0:
-            raise RuntimeError(f"job {spec.job} exited {proc.returncode}:\n{out[-4000:]}")
-        data = json.loads(result.read_text())
+            if not complete:
+                raise JobFailed(f"exit code {proc.returncode}, no complete result", out[-3000:])
+            # Every step ran and rank 0 wrote its result; the crash came while tearing down.
+            notes.append(f"job exited {proc.returncode} after writing a complete result: "
+                         + " | ".join(line for line in out.splitlines()[-40:] if "terminate" in line
+                                      or "exitcode" in line)[:500])
+        if data is None:
+            raise JobFailed("the job exited 0 but wrote no result file", out[-3000:])
     try:
         hist = backend.get(f"/api/v1/jobs/{spec.job}/placements")
         backend_placements = list(hist.get("data", [])) if isinstance(hist, dict) else []

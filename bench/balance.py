@@ -58,6 +58,7 @@ class BalanceRow:
     final_shares: list[int] | None
     placements_applied: int
     wall_s: float
+    notes: list[str]  # retries, a crash at teardown: anything that was not a clean run
 
 
 def _final_shares(run: JobRun) -> list[int] | None:
@@ -76,6 +77,7 @@ def _row(scenario: str, run: JobRun, oracle_ms: float) -> BalanceRow:
         steps_to_within_5pct=steps_until_within(run.step_ms, oracle_ms, 0.05),
         model_oracle_ms=round(model, 2), final_shares=_final_shares(run),
         placements_applied=max(0, len(run.placements) - 1), wall_s=round(run.wall_s, 1),
+        notes=[n for n in run.notes if "applied by hand" not in n],
     )
 
 

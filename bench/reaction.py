@@ -48,6 +48,7 @@ class ReactionRow:
     steady_after_ms: float
     reference_end_ms: float
     placements_applied: int
+    notes: list[str]  # retries, a crash at teardown: anything that was not a clean run
 
 
 def cost_at(spec: JobSpec, step: int) -> tuple[list[float], list[float]]:
@@ -114,6 +115,7 @@ def run_reaction(
                     excess_ms=round(exc, 1), excess_ms_per_step=round(exc / max(1, n - event), 2),
                     steady_after_ms=round(steady_ms(ys, 0.15, 10), 2), reference_end_ms=round(r[-1], 2),
                     placements_applied=max(0, len(run.placements) - 1),
+                    notes=[n for n in run.notes if "applied by hand" not in n],
                 ))
                 series[strategy] = ys
                 timelines[strategy] = run.placements
