@@ -228,3 +228,17 @@ def test_switching_to_auto_applies_the_proposal_on_the_table(make):
     j.tick()
     assert j.ctl.proposals(JOB)[0]["id"] == pid  # no new proposal: the same one was applied
     assert j.ctl.proposals(JOB)[0]["status"] == "approved" and j.socks[0].sent[-1].proposal_id == pid
+
+
+def test_auto_mode_moves_whole_granules_when_the_move_cap_is_smaller_than_one(make):
+    # 0.125 * 48 = 6 samples, but with granularity 8 a rank moves 8 at a time: the cap is
+    # raised to one granule (as the policy's own guardrail does), or nothing could move.
+    j = make("auto", auto_max_move_fraction=0.125)
+    j.hello()
+    out = asyncio.run(j.ctl.set_overrides(JOB, {"granularity": 8}, actor=OPERATOR, reason="tiles"))
+    assert out["proposal_id"] is None  # 16/16/16 already respects it
+    j.steps(12, per_sample_ms=(1.0, 1.0, 8.0))
+    j.tick()
+    sent = [m.shares for m in j.socks[0].sent]
+    assert len(sent) == 1 and sent[0][2] == 8 and sum(sent[0]) == B
+    assert all(v % 8 == 0 and abs(v - 16) <= 8 for v in sent[0])

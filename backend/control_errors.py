@@ -1,0 +1,35 @@
+"""Refused control actions. Each carries the HTTP status the API answers with.
+
+``backend.controller`` re-exports these names; routes and tests import them from there.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ControlError", "NotFoundError", "ConflictError", "InvalidError", "error_detail"]
+
+
+class ControlError(Exception):
+    """A refused control action; ``status_code`` is the HTTP status the API answers with."""
+
+    status_code = 400
+
+    def __init__(self, detail: str):
+        super().__init__(detail)
+        self.detail = detail
+
+
+class NotFoundError(ControlError):
+    status_code = 404
+
+
+class ConflictError(ControlError):
+    status_code = 409
+
+
+class InvalidError(ControlError):
+    status_code = 422
+
+
+def error_detail(exc: Exception) -> str:
+    """The sentence an exception says: ``detail`` for a ControlError, else its text."""
+    return exc.detail if isinstance(exc, ControlError) else str(exc)

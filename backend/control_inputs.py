@@ -1,0 +1,282 @@
+"""What the controller hands the policy, and the checks on what an operator may set.
+
+Functions of a job's stored settings, its overrides and live measurements: the policy's
+``PolicyConfig``, ``Constraints`` and ``JobObservation``, per-sample costs, and validation
+of policy settings and overrides (``InvalidError`` naming the key and the rule it breaks).
+Nothing here writes; the controller acts on what these return.
+
+``backend.policy`` (numpy) is imported where it is used, as the controller always did.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from backend.control_errors import InvalidError
+
+if TYPE_CHECKING:
+    from backend.policy.types import Constraints, JobObservation, PolicyConfig
+    from backend.storage.control import OverridesRow
+
+__all__ = [
+    "POLICY_NUMBERS", "WORKLOADS", "OVERRIDE_KEYS", "policy_config", "knob", "policy_settings",
+    "constraints_from", "auto_max_move", "all_said_hello", "observation", "step_costs",
+    "predict_step_ms", "check_policy_value", "validate_overrides", "check_overrides",
+    "overrides_dict", "median",
+]
+
+# Policy settings an admin may change: (kind, lowest, highest).
+POLICY_NUMBERS: dict[str, tuple[type, float, float]] = {
+    "min_gain": (float, 0.0, 0.99),
+    "cooldown_steps": (int, 0, 1_000_000),
+    "min_steps": (int, 1, 1_000_000),
+    "window_steps": (int, 2, 100_000),
+    "max_move_fraction": (float, 0.001, 1.0),
+    "horizon_steps": (int, 1, 100_000),
+    "rollback_threshold": (float, 0.0, 1.0),
+    "effect_window_steps": (int, 2, 10_000),
+    "proposal_ttl_s": (float, 1.0, 7 * 86400.0),
+}
+WORKLOADS = ("llm", "vision", "diffusion", "recsys", "custom")
+OVERRIDE_KEYS = ("pins", "caps", "floors", "drains", "granularity")
+
+# Controller knobs the policy never sees: backend default of each.
+_KNOB_DEFAULTS = {"rollback_threshold": 0.05, "effect_window_steps": 20, "proposal_ttl_s": 300.0}
+
+
+def _setting(settings: Any, name: str, default: Any) -> Any:
+    return getattr(settings, name, default)
+
+
+def _max_move_fraction(policy: Mapping[str, Any], settings: Any) -> Any:
+    return policy.get("max_move_fraction", _setting(settings, "auto_max_move_fraction", 0.25))
+
+
+# --- policy settings ------------------------------------------------------------------------
+
+def policy_config(policy: Mapping[str, Any], mode: str, settings: Any) -> PolicyConfig:
+    """The job's stored policy settings over the backend defaults, as a ``PolicyConfig``."""
+    from backend.policy.types import PolicyConfig
+
+    p = policy
+
+    def g(name: str, default: Any) -> Any:
+        return _setting(settings, name, default)
+
+    return PolicyConfig(
+        strategy=p.get("strategy", g("default_strategy", "profiled")),
+        workload=p.get("workload", g("default_workload", "llm")),
+        custom_weights=p.get("custom_weights"),
+        min_gain=float(p.get("min_gain", g("min_gain", 0.05))),
+        cooldown_steps=int(p.get("cooldown_steps", g("cooldown_steps", 20))),
+        min_steps=int(p.get("min_steps", g("min_steps", 10))),
+        window_steps=int(p.get("window_steps", g("policy_window_steps", 100))),
+        # The move cap is an auto-mode guardrail; an operator reviews the full change.
+        max_move_fraction=_max_move_fraction(p, settings) if mode == "auto" else None,
+        horizon_steps=int(p.get("horizon_steps", 20)),
+        params=dict(p.get("params", {})),
+    )
+
+
+def knob(policy: Mapping[str, Any], settings: Any, name: str) -> Any:
+    """A controller knob (rollback_threshold, effect_window_steps, proposal_ttl_s)."""
+    return policy.get(name, _setting(settings, name, _KNOB_DEFAULTS[name]))
+
+
+def policy_settings(policy: Mapping[str, Any], mode: str, settings: Any) -> dict[str, Any]:
+    """Effective policy settings of a job (stored values over the backend defaults)."""
+    cfg = policy_config(policy, mode, settings)
+    return {
+        "strategy": cfg.strategy, "workload": cfg.workload, "custom_weights": cfg.custom_weights,
+        "min_gain": cfg.min_gain, "cooldown_steps": cfg.cooldown_steps,
+        "min_steps": cfg.min_steps, "window_steps": cfg.window_steps,
+        "max_move_fraction": _max_move_fraction(policy, settings),
+        "horizon_steps": cfg.horizon_steps, "params": cfg.params,
+        **{k: knob(policy, settings, k) for k in _KNOB_DEFAULTS},
+    }
+
+
+def constraints_from(overrides: Mapping[str, Any]) -> Constraints:
+    """The operator's overrides as policy constraints (``decide`` adds memory caps)."""
+    from backend.policy.types import Constraints
+
+    ov = overrides
+    return Constraints(pins=dict(ov["pins"]), caps=dict(ov["caps"]), floors=dict(ov["floors"]),
+                       drains=frozenset(ov["drains"]), granularity=int(ov["granularity"]))
+
+
+def auto_max_move(max_move_fraction: float, global_batch_size: int, granularity: int) -> int:
+    """Samples one auto-mode change may move a rank: a fraction of the batch, at least one
+    granule (``limit_moves`` moves whole granules only; a smaller cap would move nothing)."""
+    return max(granularity, int(max_move_fraction * global_batch_size))
+
+
+# --- measurements ---------------------------------------------------------------------------
+
+def all_said_hello(live: Any, job: str, world_size: int) -> bool:
+    return all(live.hello(job, r) is not None for r in range(world_size))
+
+
+def observation(live: Any, job: str, *, world_size: int, global_batch_size: int,
+                shares: Sequence[int], version: int, effective: int | None,
+                window_steps: int) -> JobObservation | None:
+    """The policy's snapshot of a job from ``LiveState``; None until every rank said hello."""
+    from backend.policy import normalize_device
+    from backend.policy.types import DeviceSignals, JobObservation, RankObservation, StepSample
+
+    view = live.view(job)
+    if view is None or not all_said_hello(live, job, world_size):
+        return None
+    ranks = []
+    for r in range(world_size):
+        h = live.hello(job, r)
+        steps = live.recent_steps(job, r, window_steps)
+        dev = live.recent_device(job, r, 120)
+        ranks.append(RankObservation(
+            rank=r,
+            device_type=normalize_device(h.device_name or h.device_type, h.mem_total_bytes) if h else None,
+            mem_total_bytes=h.mem_total_bytes if h else None,
+            steps=tuple(StepSample(s.batch_index, s.local_batch_size, s.compute_ms) for s in steps),
+            device=tuple(DeviceSignals(
+                t=d.t, util_pct=d.util_pct, mem_used_bytes=d.mem_used_bytes,
+                mem_total_bytes=d.mem_total_bytes, temp_c=d.temp_c, sm_clock_mhz=d.sm_clock_mhz,
+                sm_clock_max_mhz=d.sm_clock_max_mhz, power_w=d.power_w,
+                throttle_reasons=tuple(d.throttle_reasons)) for d in dev),
+        ))
+    return JobObservation(
+        job=job, world_size=world_size, global_batch_size=global_batch_size,
+        batch_index=view.batch_index or 0, shares=tuple(shares), placement_version=version,
+        steps_since_change=max(0, (view.batch_index or 0) - (effective or 0)), ranks=tuple(ranks),
+    )
+
+
+def step_costs(live: Any, job: str, world_size: int) -> list[float] | None:
+    """Per-sample compute cost of each rank (median of recent steps), None without data."""
+    if live is None:
+        return None
+    out = []
+    for r in range(world_size):
+        per = [s.compute_ms / s.local_batch_size
+               for s in live.recent_steps(job, r, 50) if s.local_batch_size > 0]
+        if not per:
+            return None
+        out.append(median(per))
+    return out
+
+
+def predict_step_ms(costs: Sequence[float] | None, shares: Sequence[int]) -> float | None:
+    """Slowest rank's compute time under ``shares``; None without costs."""
+    return max(c * b for c, b in zip(costs, shares, strict=True)) if costs else None
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+# --- validation -----------------------------------------------------------------------------
+
+def check_policy_value(key: str, v: Any, strategies: Sequence[str]) -> None:
+    """Raise InvalidError saying what a policy setting must be."""
+    if key == "strategy":
+        if v not in strategies:
+            raise InvalidError(f"Unknown strategy {v!r}; choose one of {', '.join(strategies)}.")
+    elif key == "workload":
+        if v not in WORKLOADS:
+            raise InvalidError(f"workload must be one of {', '.join(WORKLOADS)}; got {v!r}.")
+    elif key in ("custom_weights", "params"):
+        ok = isinstance(v, dict) and all(
+            isinstance(k, str) and _is_number(x) and (key == "params" or x > 0) for k, x in v.items())
+        if not ok:
+            what = "device types to weights > 0" if key == "custom_weights" else "names to numbers"
+            raise InvalidError(f"{key} must map {what}, got {v!r}.")
+    elif key in POLICY_NUMBERS:
+        kind, lo, hi = POLICY_NUMBERS[key]
+        fits = isinstance(v, int) if kind is int else _is_number(v)
+        if isinstance(v, bool) or not fits or not lo <= v <= hi:
+            noun = "an integer" if kind is int else "a number"
+            raise InvalidError(f"{key} must be {noun} between {_num(lo)} and {_num(hi)}, got {v!r}.")
+    else:
+        known = ", ".join(["strategy", "workload", "custom_weights", "params", *POLICY_NUMBERS])
+        raise InvalidError(f"Unknown policy setting {key!r}; known settings: {known}.")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def validate_overrides(o: Mapping[str, Any], *, world_size: int,
+                       global_batch_size: int) -> dict[str, Any]:
+    """Overrides as sent by an operator -> the normalised dict (int rank keys, sorted
+    drains), or InvalidError naming the first entry that is wrong."""
+    n, b = world_size, global_batch_size
+
+    def rank(r: Any, what: str) -> int:
+        try:
+            r = int(r)
+        except (TypeError, ValueError):
+            raise InvalidError(f"{what} keys must be rank numbers, got {r!r}.") from None
+        if not 0 <= r < n:
+            raise InvalidError(f"{what} names rank {r} but the job has ranks 0 to {n - 1}.")
+        return r
+
+    out: dict[str, Any] = {}
+    for key in ("pins", "caps", "floors"):
+        m = {}
+        for r, v in (o.get(key) or {}).items():
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= b:
+                raise InvalidError(f"{key}[{r}] must be an integer between 0 and {b}, got {v!r}.")
+            m[rank(r, key)] = v
+        out[key] = m
+    out["drains"] = sorted({rank(r, "drains") for r in (o.get("drains") or [])})
+    g = o.get("granularity", 1)
+    if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= b:
+        raise InvalidError(f"granularity must be an integer between 1 and {b}, got {g!r}.")
+    out["granularity"] = g
+    both = sorted(set(out["pins"]) & set(out["drains"]))
+    if both:
+        raise InvalidError(f"Rank {both[0]} is both pinned and drained; choose one.")
+    return out
+
+
+def check_overrides(overrides: Mapping[str, Any], shares: Sequence[int], *,
+                    global_batch_size: int) -> None:
+    """Raise InvalidError naming the first override that ``shares`` breaks."""
+    ov, g = overrides, overrides["granularity"]
+    for r, v in ov["pins"].items():
+        if shares[r] != v:
+            raise InvalidError(f"Placement breaks the overrides: rank {r} is pinned to {v} samples but gets {shares[r]}.")
+    for r in ov["drains"]:
+        if shares[r] != 0:
+            raise InvalidError(f"Placement breaks the overrides: rank {r} is drained but gets {shares[r]} samples.")
+    for r, v in ov["caps"].items():
+        if shares[r] > v:
+            raise InvalidError(f"Placement breaks the overrides: rank {r} is capped at {v} samples but gets {shares[r]}.")
+    for r, v in ov["floors"].items():
+        if shares[r] < v:
+            raise InvalidError(f"Placement breaks the overrides: rank {r} needs at least {v} samples but gets {shares[r]}.")
+    if g > 1:
+        fixed = set(ov["pins"]) | set(ov["drains"])
+        off = [r for r, v in enumerate(shares) if r not in fixed and v % g]
+        # When B is no multiple of g one rank must carry the remainder.
+        if len(off) > (1 if global_batch_size % g else 0):
+            raise InvalidError(f"Placement breaks the overrides: rank {off[0]} gets {shares[off[0]]} samples, not a multiple of the granularity {g}.")
+
+
+def overrides_dict(row: OverridesRow | None) -> dict[str, Any]:
+    """Stored overrides (string rank keys) -> the controller's dict; none stored -> empty."""
+    if row is None:
+        return {"pins": {}, "caps": {}, "floors": {}, "drains": [], "granularity": 1}
+    return {
+        "pins": {int(k): int(v) for k, v in (row.pins or {}).items()},
+        "caps": {int(k): int(v) for k, v in (row.caps or {}).items()},
+        "floors": {int(k): int(v) for k, v in (row.floors or {}).items()},
+        "drains": sorted(int(r) for r in (row.drains or [])),
+        "granularity": int(row.granularity or 1),
+    }

@@ -1,0 +1,68 @@
+"""What the controller hands the policy: move cap, constraints, settings and override checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.control_errors import InvalidError
+from backend.control_inputs import (
+    auto_max_move,
+    check_overrides,
+    constraints_from,
+    knob,
+    policy_config,
+    policy_settings,
+    validate_overrides,
+)
+from backend.policy import limit_moves
+from backend.policy.types import Constraints
+
+
+def test_auto_max_move_is_a_fraction_of_the_batch():
+    assert auto_max_move(0.25, 48, 1) == 12
+    assert auto_max_move(0.001, 48, 1) == 1
+
+
+def test_auto_max_move_is_at_least_one_granule():
+    assert auto_max_move(0.125, 48, 8) == 8  # 6 samples would be no whole granule
+    assert auto_max_move(0.5, 48, 8) == 24
+
+
+def test_a_granule_sized_cap_lets_limit_moves_move():
+    cons = Constraints(granularity=8)
+    cap = auto_max_move(0.125, 48, cons.granularity)
+    assert limit_moves((16, 16, 16), (24, 16, 8), cap, cons) == (24, 16, 8)
+    # The old cap, max(1, 0.125 * 48) = 6, rounds down to no granule: nothing moves.
+    assert limit_moves((16, 16, 16), (24, 16, 8), 6, cons) == (16, 16, 16)
+
+
+def test_policy_config_caps_moves_in_auto_mode_only():
+    settings = type("S", (), {"auto_max_move_fraction": 0.2, "min_gain": 0.1})()
+    assert policy_config({}, "auto", settings).max_move_fraction == 0.2
+    assert policy_config({}, "approve", settings).max_move_fraction is None
+    assert policy_config({"min_gain": 0.3}, "auto", settings).min_gain == 0.3
+    assert policy_config({}, "auto", settings).min_gain == 0.1
+    assert policy_settings({}, "approve", settings)["max_move_fraction"] == 0.2
+
+
+def test_knob_defaults_when_settings_lack_it():
+    assert knob({}, object(), "proposal_ttl_s") == 300.0
+    assert knob({"rollback_threshold": 0.2}, object(), "rollback_threshold") == 0.2
+
+
+def test_overrides_validate_and_become_constraints():
+    ov = validate_overrides({"pins": {"0": 8}, "drains": [2], "granularity": 4},
+                            world_size=3, global_batch_size=48)
+    assert ov == {"pins": {0: 8}, "caps": {}, "floors": {}, "drains": [2], "granularity": 4}
+    cons = constraints_from(ov)
+    assert cons.pins == {0: 8} and cons.drains == frozenset({2}) and cons.granularity == 4
+    check_overrides(ov, [8, 40, 0], global_batch_size=48)
+    with pytest.raises(InvalidError, match="rank 2 is drained but gets 4 samples"):
+        check_overrides(ov, [8, 36, 4], global_batch_size=48)
+
+
+def test_overrides_name_the_bad_entry():
+    with pytest.raises(InvalidError, match=r"drains names rank 3 but the job has ranks 0 to 2\."):
+        validate_overrides({"drains": [3]}, world_size=3, global_batch_size=48)
+    with pytest.raises(InvalidError, match="Rank 1 is both pinned and drained; choose one."):
+        validate_overrides({"pins": {1: 0}, "drains": [1]}, world_size=3, global_batch_size=48)
