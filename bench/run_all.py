@@ -3,6 +3,7 @@
     python -m bench.run_all            # full: about 15 minutes on 2 cores
     python -m bench.run_all --quick    # smaller: under 3 minutes
     python -m bench.run_all --only balance,capacity
+    python -m bench.run_all --docs     # and rewrite the tables in docs/performance.md
 
 One benchmark failing does not stop the others: its entry in the summary says what broke.
 """
@@ -23,7 +24,7 @@ from typing import Any
 from bench._backend import REPO_ROOT, stop_on_sigterm
 from bench._report import RESULTS_DIR, machine, markdown_table
 
-__all__ = ["BENCHMARKS", "run_all", "summary_markdown", "headline_rows", "main"]
+__all__ = ["BENCHMARKS", "run_all", "summary_markdown", "headline_rows", "update_docs", "main"]
 
 BENCHMARKS = ("balance", "reaction", "hook_overhead", "capacity", "policy")
 
@@ -195,6 +196,43 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
+DOCS = REPO_ROOT / "docs" / "performance.md"
+
+
+def update_docs(summary: dict[str, Any], path: Path = DOCS) -> bool:
+    """Replace the generated blocks of docs/performance.md with this run's tables.
+
+    The page keeps its prose; only the text between ``<!-- bench:NAME -->`` and
+    ``<!-- /bench:NAME -->`` (NAME = headline or tables) is rewritten. Returns False when
+    the page has no such block.
+    """
+    if not path.exists():
+        return False
+    text = path.read_text()
+    md = summary_markdown(summary)
+    _, _, rest = md.partition("## Headline\n\n")
+    headline, _, tables = rest.partition("\n\n## ")
+    m = summary.get("machine", {})
+    when = (f"*{'Quick' if summary.get('quick') else 'Full'} run of {summary.get('started', '?')} "
+            f"(`python -m bench.run_all{' --quick' if summary.get('quick') else ''}`) on "
+            f"{m.get('cpus')} CPU cores, load average {m.get('load_avg_1m')} at start.*")
+    blocks = {
+        "headline": when + "\n\n" + headline.strip(),
+        "tables": "### " + tables.strip().replace("\n## ", "\n### "),
+    }
+    changed = False
+    for name, body in blocks.items():
+        start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+        if start in text and end in text:
+            before, _, after = text.partition(start)
+            _, _, after = after.partition(end)
+            text = f"{before}{start}\n{body}\n{end}{after}"
+            changed = True
+    if changed:
+        path.write_text(text)
+    return changed
+
+
 def _ok(summary: dict[str, Any], name: str) -> dict[str, Any] | None:
     entry = summary["benchmarks"].get(name)
     return entry["result"] if entry and entry.get("ok") else None
@@ -271,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller sizes: under 3 minutes")
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--docs", action="store_true",
+                    help="also rewrite the generated tables in docs/performance.md")
     args = ap.parse_args(argv)
     names = tuple(args.only.split(",")) if args.only else BENCHMARKS
     bad = [n for n in names if n not in RUNNERS]
@@ -278,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown benchmark(s) {bad}; expected some of {list(BENCHMARKS)}")
     t0 = time.monotonic()
     summary = run_all(names, quick=args.quick, out=args.out)
+    if args.docs and update_docs(summary):
+        print(f"Updated the tables in {DOCS}.")
     print(f"All benchmarks done in {time.monotonic() - t0:.0f} s.")
     return 0 if all(e["ok"] for e in summary["benchmarks"].values()) else 1
 

@@ -68,6 +68,23 @@ def test_tables_render() -> None:
     assert "## policy: FAILED" in md and "0.50 (80 ms; -)" in md
 
 
+def test_update_docs_rewrites_only_the_generated_blocks(tmp_path: Path) -> None:
+    from bench.run_all import update_docs
+
+    page = tmp_path / "performance.md"
+    page.write_text("intro\n<!-- bench:headline -->\nold\n<!-- /bench:headline -->\nprose\n")
+    summary = {"quick": False, "machine": {"cpus": 2, "load_avg_1m": 1.0}, "started": "today",
+               "benchmarks": {"hook_overhead": {"ok": True, "seconds": 1.0, "result": {
+                   "overhead_ratio_median": 0.004, "overhead_ratio_mean": 0.005,
+                   "training_thread_added_us_per_step": 31.0,
+                   "baseline_step_ms": {"median": 21.0}, "hooked_step_ms": {"median": 21.1}}}}}
+    assert update_docs(summary, page) and update_docs(summary, page)
+    text = page.read_text()
+    assert text.startswith("intro\n<!-- bench:headline -->\n*Full run of today")
+    assert "| hook overhead on a 20 ms step (median) | +0.40 % | <= 1 % |" in text
+    assert "old" not in text and text.endswith("<!-- /bench:headline -->\nprose\n")
+
+
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     with running_backend(tmp_path_factory.mktemp("backend")) as b:
