@@ -1,4 +1,4 @@
-"""The control loop's records: placement versions and proposals as they are written.
+"""The control loop's records: a new job, placement versions, proposals, overrides.
 
 Functions over an open session of ``backend.storage.control``; the caller commits. Each
 closes or adds rows the way the proposal lifecycle says (``proposed`` -> ``approved`` ->
@@ -15,12 +15,66 @@ from sqlalchemy import select
 
 from backend.control_effect import effect_record
 from backend.control_errors import ConflictError, NotFoundError
+from backend.control_inputs import OVERRIDE_KEYS
 from backend.storage import control as db
+from trainer_hook.protocol import Hello, uniform_shares
 
 __all__ = [
-    "actor_name", "pending_proposal", "proposal_to_decide", "decide", "close_pending",
+    "create_job", "fail_placement", "store_overrides", "actor_name", "pending_proposal", "proposal_to_decide", "decide", "close_pending",
     "expire_due", "new_placement", "add_proposal", "refused_before", "last_effect",
 ]
+
+
+_PENDING = ("proposed", "approved")
+
+
+def create_job(s: Any, hello: Hello, *, mode: str, actor: str, at: float) -> None:
+    """Settings and the first placement (the uniform split) of a job new to this backend."""
+    job = hello.job
+    shares = uniform_shares(hello.world_size, hello.global_batch_size)
+    # A job that already runs a version this backend never recorded (its database
+    # was replaced) must get a newer one, or the hook would refuse it as stale.
+    first = hello.placement_version + 1 if hello.placement_version > 0 else 0
+    s.add(db.JobSettingsRow(
+        job=job, world_size=hello.world_size, global_batch_size=hello.global_batch_size,
+        mode=mode, policy={}, created_at=at, updated_at=at,
+    ))
+    s.add(db.PlacementRow(
+        job=job, version=first, shares=shares, source="initial", actor=actor,
+        reason="uniform split for a new job", created_at=at, acks={},
+    ))
+    db.record_audit(s, actor=actor, action="job.create", job=job,
+                    params={"world_size": hello.world_size,
+                            "global_batch_size": hello.global_batch_size},
+                    reason="first hello from the job")
+
+
+def fail_placement(s: Any, row: db.PlacementRow, *, rank: int, reason: str, actor: str) -> None:
+    """A rank refused placement ``row``: it, and its proposal if still pending, failed."""
+    error = f"rank {rank} rejected placement version {row.version}: {reason}"
+    row.failed = True
+    row.error = error
+    if row.proposal_id is not None:
+        prop = s.get(db.ProposalRow, row.proposal_id)
+        if prop is not None and prop.status in _PENDING:
+            prop.status = "failed"
+            prop.error = error
+    db.record_audit(s, actor=actor, action="placement.failed", job=row.job,
+                    params={"version": row.version, "rank": rank}, reason=reason)
+
+
+def store_overrides(s: Any, job: str, ov: dict[str, Any], *, actor: Any, reason: str | None,
+                    at: float) -> None:
+    """Replace the job's overrides (as ``validate_overrides`` returns them), audited."""
+    row = s.get(db.OverridesRow, job) or db.OverridesRow(job=job)
+    row.pins = {str(k): v for k, v in ov["pins"].items()}
+    row.caps = {str(k): v for k, v in ov["caps"].items()}
+    row.floors = {str(k): v for k, v in ov["floors"].items()}
+    row.drains, row.granularity = list(ov["drains"]), ov["granularity"]
+    row.actor, row.reason, row.updated_at = actor_name(actor), reason or "", at
+    s.add(row)
+    db.record_audit(s, actor=actor, action="job.overrides", job=job,
+                    params={k: ov[k] for k in OVERRIDE_KEYS}, reason=reason)
 
 
 def actor_name(actor: Any) -> str:

@@ -42,7 +42,6 @@ __all__ = ["Controller", "ControlError", "NotFoundError", "ConflictError", "Inva
 log = logging.getLogger(__name__)
 
 MODES = ("observe", "approve", "auto")
-_PENDING = ("proposed", "approved")
 _SYSTEM = "controller"
 
 
@@ -201,23 +200,8 @@ class Controller:
         st = self._load(job)
         with self._session() as s:
             if st is None:
-                shares = uniform_shares(hello.world_size, hello.global_batch_size)
-                # A job that already runs a version this backend never recorded (its database
-                # was replaced) must get a newer one, or the hook would refuse it as stale.
-                first = hello.placement_version + 1 if hello.placement_version > 0 else 0
-                s.add(db.JobSettingsRow(
-                    job=job, world_size=hello.world_size, global_batch_size=hello.global_batch_size,
-                    mode=self._setting("default_mode", "approve"), policy={},
-                    created_at=self._wall(), updated_at=self._wall(),
-                ))
-                s.add(db.PlacementRow(
-                    job=job, version=first, shares=shares, source="initial", actor=_SYSTEM,
-                    reason="uniform split for a new job", created_at=self._wall(), acks={},
-                ))
-                db.record_audit(s, actor=_SYSTEM, action="job.create", job=job,
-                                params={"world_size": hello.world_size,
-                                        "global_batch_size": hello.global_batch_size},
-                                reason="first hello from the job")
+                records.create_job(s, hello, mode=self._setting("default_mode", "approve"),
+                                   actor=_SYSTEM, at=self._wall())
                 s.commit()
                 st = None
             elif (hello.world_size, hello.global_batch_size) != (st.world_size, st.global_batch_size):
@@ -329,22 +313,12 @@ class Controller:
         st = self._load(reject.job)
         if st is None:
             return
-        error = f"rank {reject.rank} rejected placement version {reject.version}: {reject.reason}"
         with self._session() as s:
             row = db.get_placement(s, reject.job, reject.version)
             if row is None:
                 return
             if not row.failed:
-                row.failed = True
-                row.error = error
-                if row.proposal_id is not None:
-                    prop = s.get(db.ProposalRow, row.proposal_id)
-                    if prop is not None and prop.status in _PENDING:
-                        prop.status = "failed"
-                        prop.error = error
-                db.record_audit(s, actor=_SYSTEM, action="placement.failed", job=reject.job,
-                                params={"version": reject.version, "rank": reject.rank},
-                                reason=reject.reason)
+                records.fail_placement(s, row, rank=reject.rank, reason=reject.reason, actor=_SYSTEM)
             s.commit()
             if st.version == reject.version:
                 prev = db.latest_placement(s, reject.job)
@@ -751,15 +725,7 @@ class Controller:
         except InfeasibleError as exc:
             raise InvalidError(f"The overrides admit no placement: {exc}") from None
         with self._session() as s:
-            row = s.get(db.OverridesRow, job) or db.OverridesRow(job=job)
-            row.pins = {str(k): v for k, v in ov["pins"].items()}
-            row.caps = {str(k): v for k, v in ov["caps"].items()}
-            row.floors = {str(k): v for k, v in ov["floors"].items()}
-            row.drains, row.granularity = list(ov["drains"]), ov["granularity"]
-            row.actor, row.reason, row.updated_at = records.actor_name(actor), reason or "", self._wall()
-            s.add(row)
-            db.record_audit(s, actor=actor, action="job.overrides", job=job,
-                            params={k: ov[k] for k in inputs.OVERRIDE_KEYS}, reason=reason)
+            records.store_overrides(s, job, ov, actor=actor, reason=reason, at=self._wall())
             s.commit()
         st.overrides, st.last_run = ov, -math.inf
         pid = None
