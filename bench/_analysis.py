@@ -12,6 +12,8 @@ __all__ = [
     "steady_ms",
     "rolling_median",
     "steps_until_within",
+    "steps_until_split_within",
+    "shares_at",
     "excess_ms",
     "oracle_shares",
     "static_shares",
@@ -45,17 +47,69 @@ def steps_until_within(
     *,
     start: int = 0,
     window: int = 10,
+    settled: float = 0.9,
 ) -> int | None:
-    """Steps after ``start`` until the step time stays within ``tolerance`` of the reference.
+    """Steps after ``start`` until the measured step time settles within ``tolerance`` of
+    the reference.
 
-    Returns the smallest ``k - start`` (k >= start) such that for every later window, the
-    median of ``window`` consecutive step times is at most ``(1 + tolerance)`` times the
-    reference at that window's first step; None when the run never settles there. A rolling
-    median ignores single scheduling spikes but not a split that is really off.
+    Returns the smallest ``k - start`` (k >= start) such that the window at k is good and at
+    least ``settled`` of the windows from k on are good, a window being good when the median
+    of its ``window`` step times is at most ``(1 + tolerance)`` times the reference at its
+    first step; None when the run never settles there.
     """
     ref = reference_ms if callable(reference_ms) else (lambda _k, r=reference_ms: r)
     med = rolling_median(step_ms, window)
     ok = [m <= (1.0 + tolerance) * ref(k) for k, m in enumerate(med)]
+    if len(ok) <= start:
+        return None
+    # From k on, at least `settled` of the windows must be good: a neighbour's burst of load
+    # may lift a few windows above the line, a split that is off lifts nearly all of them.
+    bad_after = 0
+    first: int | None = None
+    for k in range(len(ok) - 1, start - 1, -1):
+        bad_after += not ok[k]
+        if ok[k] and bad_after <= (1.0 - settled) * (len(ok) - k):
+            first = k
+    return None if first is None else first - start
+
+
+def shares_at(timeline: Sequence[dict[str, object]], step: int, world_size: int,
+              global_batch_size: int) -> list[int]:
+    """The shares in force at ``step`` from a job's placement timeline
+    (``[{"version", "start_batch", "shares"}, ...]``); the even split before the first."""
+    best: list[int] | None = None
+    start = -1
+    for p in timeline:
+        b = int(p["start_batch"])  # type: ignore[call-overload]
+        if start < b <= step:
+            best, start = list(p["shares"]), b  # type: ignore[call-overload]
+    if best is None:
+        q, r = divmod(global_batch_size, world_size)
+        best = [q + (1 if i < r else 0) for i in range(world_size)]
+    return best
+
+
+def steps_until_split_within(
+    timeline: Sequence[dict[str, object]],
+    costs_at: Callable[[int], tuple[list[float], list[float]]],
+    n_steps: int,
+    global_batch_size: int,
+    tolerance: float,
+    *,
+    start: int = 0,
+) -> int | None:
+    """Steps after ``start`` until the split in force stays within ``tolerance`` of the best
+    split for the true costs, judged by the model ``max_i a_i + c_i * b_i`` at every step.
+
+    Noise-free: it reads which shares each batch ran with, not how long the machine took,
+    so it measures the policy, not the neighbours' load. None when it never settles.
+    """
+    ok = []
+    for k in range(n_steps):
+        a, c = costs_at(k)
+        best = model_step_ms(a, c, oracle_shares(a, c, global_batch_size))
+        now = model_step_ms(a, c, shares_at(timeline, k, len(a), global_batch_size))
+        ok.append(now <= (1.0 + tolerance) * best)
     if len(ok) <= start or not ok[-1]:
         return None
     k = len(ok) - 1
