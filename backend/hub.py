@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from trainer_hook.protocol import uniform_shares
@@ -54,19 +55,94 @@ def fit_rank_cost(samples: list[tuple[int, float]]) -> tuple[float, float] | Non
     With one batch size only the slope is identifiable, so ``a`` is taken as 0; a negative
     fitted ``a`` or ``c`` (noise) falls back to the same proportional model.
     """
-    pts = [(b, ms) for b, ms in samples if b > 0]
-    if not pts:
+    n = sb = sbb = 0
+    st = sbt = 0.0
+    for b, ms in samples:
+        if b > 0:
+            n += 1
+            sb += b
+            sbb += b * b
+            st += ms
+            sbt += b * ms
+    return _fit_sums(n, sb, sbb, st, sbt)
+
+
+def _fit_sums(n: int, sb: float, sbb: float, st: float, sbt: float) -> tuple[float, float] | None:
+    # Least squares from running sums. Batch sizes are integers, so n, sb and sbb are exact
+    # and one batch size gives var == 0 exactly.
+    if n <= 0:
         return None
-    n = len(pts)
-    mb = sum(b for b, _ in pts) / n
-    mt = sum(ms for _, ms in pts) / n
-    var = sum((b - mb) ** 2 for b, _ in pts)
+    mb, mt = sb / n, st / n
+    var = sbb - sb * sb / n
     if var > 0:
-        c = sum((b - mb) * (ms - mt) for b, ms in pts) / var
+        c = (sbt - sb * st / n) / var
         a = mt - c * mb
         if c > 0 and a >= 0:
             return a, c
     return 0.0, mt / mb
+
+
+class _CostWindow:
+    """A rank's last ``_COST_WINDOW`` (local_batch_size, compute_ms) pairs and their sums,
+    so that a tick refits a rank in O(1), and only when it sent something new."""
+
+    __slots__ = ("pts", "n", "sb", "sbb", "st", "sbt", "adds", "_fit", "_dirty")
+
+    def __init__(self) -> None:
+        self.pts: deque[tuple[int, float]] = deque(maxlen=_COST_WINDOW)
+        self.n = self.sb = self.sbb = self.adds = 0
+        self.st = self.sbt = 0.0
+        self._fit: tuple[float, float] | None = None
+        self._dirty = False
+
+    def add(self, b: int, ms: float) -> None:
+        pts = self.pts
+        if len(pts) == _COST_WINDOW:
+            self._bump(*pts[0], -1)
+        pts.append((b, ms))
+        self._bump(b, ms, 1)
+        self._dirty = True
+        self.adds += 1
+        if self.adds >= 16 * _COST_WINDOW:  # re-add from scratch now and then: no float drift
+            self.adds = self.n = self.sb = self.sbb = 0
+            self.st = self.sbt = 0.0
+            for ob, oms in pts:
+                self._bump(ob, oms, 1)
+
+    def _bump(self, b: int, ms: float, sign: int) -> None:
+        if b > 0:
+            self.n += sign
+            self.sb += sign * b
+            self.sbb += sign * b * b
+            self.st += sign * ms
+            self.sbt += sign * b * ms
+
+    def fit(self) -> tuple[float, float] | None:
+        if self._dirty:
+            self._fit = _fit_sums(self.n, self.sb, self.sbb, self.st, self.sbt)
+            self._dirty = False
+        return self._fit
+
+
+_RANK_COLUMNS = ("rank", "host", "device_type", "device_name", "connected", "share", "dropped",
+                 *_RANK_FIELDS, *_DEVICE_FIELDS, "throttle_reasons", "price_per_hour")
+
+
+_rank_fields = attrgetter(*_RANK_FIELDS)
+_device_fields = attrgetter(*_DEVICE_FIELDS)
+_NO_DEVICE = (None,) * len(_DEVICE_FIELDS)
+_MEM_TOTAL = _DEVICE_FIELDS.index("mem_total_bytes")
+
+
+def _rank_row(rv: Any, share: Any, price: float | None) -> tuple[Any, ...]:
+    """One rank's values in ``_RANK_COLUMNS`` order."""
+    d = rv.device
+    dev = [round(v, 2) if type(v) is float else v for v in (_device_fields(d) if d is not None else _NO_DEVICE)]
+    if d is not None and dev[_MEM_TOTAL] is None:
+        dev[_MEM_TOTAL] = rv.mem_total_bytes
+    return (rv.rank, rv.host, rv.device_type, rv.device_name, rv.connected, share, rv.dropped,
+            *[round(v, 3) if type(v) is float else v for v in _rank_fields(rv)], *dev,
+            list(d.throttle_reasons) if d is not None else [], price)
 
 
 @dataclass(eq=False)
@@ -82,7 +158,10 @@ class _Feed:
     last_version: int | None = None
     seen: dict[int, int] = field(default_factory=dict)  # rank -> newest batch index read
     open: dict[int, dict[int, Any]] = field(default_factory=dict)  # batches missing ranks
-    costs: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
+    costs: dict[int, _CostWindow] = field(default_factory=dict)
+    # rank -> (the RankView, its share, its row of the ``ranks`` columns): rows of ranks
+    # whose view did not change are reused.
+    rows: dict[int, tuple[Any, Any, tuple[Any, ...]]] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     ranks: dict[str, list[Any]] = field(default_factory=dict)
     control: dict[str, Any] = field(default_factory=dict)
@@ -124,6 +203,7 @@ class DashboardHub:
         self._clients: set[_Client] = set()
         self._task: asyncio.Task[None] | None = None
         self._last_refresh = float("-inf")
+        self._prices: dict[tuple[str, str], float | None] = {}  # settings are fixed at start
         self.ticks = 0
 
     # --- called by ingest and the controller ------------------------------------------
@@ -212,19 +292,25 @@ class DashboardHub:
 
     def _fold_steps(self, feed: _Feed, view: Any) -> None:
         live = self.services.live
-        pending: dict[int, dict[int, Any]] = {}  # batch index -> rank -> StepRecord
+        after: dict[int, tuple[int, int]] = {}  # ranks that sent something since the last tick
         for rv in view.ranks:
             last = feed.seen.get(rv.rank, -1)
             if rv.batch_index is None or rv.batch_index <= last:
                 continue
-            want = min(rv.batch_index - last, live.step_buffer)
-            costs = feed.costs.setdefault(rv.rank, deque(maxlen=_COST_WINDOW))
-            for s in live.recent_steps(feed.job, rv.rank, want + 8):
-                if s.batch_index > last:
-                    costs.append((s.local_batch_size, s.compute_ms))
-                    if s.batch_index > feed.closed:
-                        pending.setdefault(s.batch_index, {})[rv.rank] = s
+            after[rv.rank] = (last, min(rv.batch_index - last, live.step_buffer) + 8)
             feed.seen[rv.rank] = rv.batch_index
+        if not after:
+            return
+        pending: dict[int, dict[int, Any]] = {}  # batch index -> rank -> StepRecord
+        closed = feed.closed
+        for rank, recs in live.steps_after(feed.job, after).items():
+            costs = feed.costs.get(rank)
+            if costs is None:
+                costs = feed.costs[rank] = _CostWindow()
+            for s in recs:
+                costs.add(s.local_batch_size, s.compute_ms)
+                if s.batch_index > closed:
+                    pending.setdefault(s.batch_index, {})[rank] = s
         # Batches read earlier but still waiting for a rank stay open in feed.open.
         for b, recs in pending.items():
             feed.open.setdefault(b, {}).update(recs)
@@ -234,9 +320,13 @@ class DashboardHub:
         world = view.world_size
         live_seen = [feed.seen.get(rv.rank, -1) for rv in view.ranks if rv.connected]
         ready = min(live_seen) if live_seen and len(view.ranks) == world else -1
-        fits = {r: fit_rank_cost(list(c)) for r, c in feed.costs.items()}
         gbs = view.global_batch_size
+        pred: float | None = None  # slowest rank's compute under the uniform split (fits)
         uni = uniform_shares(world, gbs) if gbs >= world else None
+        if uni is not None and len(feed.costs) == world:
+            fits = [(r, c.fit()) for r, c in feed.costs.items()]
+            if all(f is not None for _, f in fits):
+                pred = max(f[0] + f[1] * uni[r] for r, f in fits if f is not None)
         for b in sorted(feed.open):
             recs = feed.open[b]
             # Wait for every rank: ranks send in batches at their own moments. A batch closes
@@ -247,7 +337,7 @@ class DashboardHub:
             del feed.open[b]
             if b <= feed.closed:
                 continue
-            point = self._point(b, list(recs.values()), gbs, fits, uni, world)
+            point = self._point(b, list(recs.values()), gbs, pred)
             feed.series.append(point)
             feed.closed = b
             if feed.last_version is not None and point["version"] != feed.last_version:
@@ -274,15 +364,13 @@ class DashboardHub:
         feed.heat.append({"seq": feed.heat_seq, "b": max(pending), "compute": col, "util": util})
 
     @staticmethod
-    def _point(b: int, recs: list[Any], gbs: int, fits: dict[int, tuple[float, float] | None],
-               uni: list[int] | None, world: int) -> dict[str, Any]:
+    def _point(b: int, recs: list[Any], gbs: int, pred: float | None) -> dict[str, Any]:
         step_ms = max(s.step_ms for s in recs)
         max_c = max(s.compute_ms for s in recs)
         mean_c = sum(s.compute_ms for s in recs) / len(recs)
         uniform = None
-        if uni is not None and len(fits) == world and all(f is not None for f in fits.values()):
+        if pred is not None:
             # Sync and overheads stay; only the slowest rank's compute changes with the split.
-            pred = max(a + c * uni[r] for r, (a, c) in ((r, f) for r, f in fits.items() if f))
             uniform = round(max(step_ms - max_c + pred, 0.0), 3)
         return {
             "b": b, "step_ms": round(step_ms, 3), "max_compute_ms": round(max_c, 3),
@@ -293,34 +381,30 @@ class DashboardHub:
 
     def _fold_ranks(self, feed: _Feed, view: Any) -> None:
         shares = (feed.control.get("placement") or {}).get("shares") or []
-        cols: dict[str, list[Any]] = {k: [] for k in ("rank", "host", "device_type", "device_name",
-                                                       "connected", "share", "dropped",
-                                                       *_RANK_FIELDS, *_DEVICE_FIELDS,
-                                                       "throttle_reasons", "price_per_hour")}
-        settings = getattr(self.services, "settings", None)
+        cache, rows = feed.rows, []
         for rv in view.ranks:
-            cols["rank"].append(rv.rank)
-            cols["host"].append(rv.host)
-            cols["device_type"].append(rv.device_type)
-            cols["device_name"].append(rv.device_name)
-            cols["connected"].append(rv.connected)
-            cols["share"].append(shares[rv.rank] if rv.rank < len(shares) else rv.local_batch_size)
-            cols["dropped"].append(rv.dropped)
-            for k in _RANK_FIELDS:
-                v = getattr(rv, k)
-                cols[k].append(round(v, 3) if isinstance(v, float) else v)
-            d = rv.device
-            for k in _DEVICE_FIELDS:
-                v = getattr(d, k) if d is not None else None
-                cols[k].append(round(v, 2) if isinstance(v, float) else v)
-            if d is not None and cols["mem_total_bytes"][-1] is None:
-                cols["mem_total_bytes"][-1] = rv.mem_total_bytes
-            cols["throttle_reasons"].append(list(d.throttle_reasons) if d is not None else [])
-            price = None
-            if settings is not None and hasattr(settings, "price_for"):
-                price = settings.price_for(rv.device_type, rv.device_name)
-            cols["price_per_hour"].append(price)
-        feed.ranks = cols
+            share = shares[rv.rank] if rv.rank < len(shares) else rv.local_batch_size
+            hit = cache.get(rv.rank)
+            if hit is not None and hit[0] is rv and hit[1] == share:
+                rows.append(hit[2])
+                continue
+            row = _rank_row(rv, share, self._price(rv.device_type, rv.device_name))
+            cache[rv.rank] = (rv, share, row)
+            rows.append(row)
+        if len(cache) > len(rows):  # ranks gone from the view (a new run of the job)
+            keep = {rv.rank for rv in view.ranks}
+            for r in [r for r in cache if r not in keep]:
+                del cache[r]
+        feed.ranks = ({k: list(col) for k, col in zip(_RANK_COLUMNS, zip(*rows, strict=True), strict=True)}
+                      if rows else {k: [] for k in _RANK_COLUMNS})
+
+    def _price(self, device_type: str, device_name: str) -> float | None:
+        key = (device_type, device_name)
+        if key not in self._prices:
+            settings = getattr(self.services, "settings", None)
+            self._prices[key] = (settings.price_for(device_type, device_name)
+                                 if settings is not None and hasattr(settings, "price_for") else None)
+        return self._prices[key]
 
     def _summary(self, feed: _Feed, view: Any) -> dict[str, Any]:
         ctl = feed.control

@@ -20,6 +20,8 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
+from operator import attrgetter
 
 from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
 
@@ -117,6 +119,9 @@ class Window:
     step_ms: float
     dropped: int
     device: DeviceSample | None
+
+
+_TIMES = attrgetter("compute_ms", "sync_wait_ms", "data_wait_ms", "optimizer_ms", "step_ms")
 
 
 def _mean(vals: list[float]) -> float:
@@ -242,11 +247,14 @@ class LiveState:
         if r.cached is not None and r.cached[0] == r.rev:
             return r.cached[1]
         n = min(self.window_steps, len(r.steps))
-        win = [r.steps[-i] for i in range(n, 0, -1)] if n else []
-        last = win[-1] if win else None
+        win = list(islice(reversed(r.steps), n))  # newest first
+        last = win[0] if win else None
         rate = None
-        if len(win) >= 2 and win[-1].t > win[0].t:
-            rate = (len(win) - 1) / (win[-1].t - win[0].t)
+        if n >= 2 and win[0].t > win[-1].t:
+            rate = (n - 1) / (win[0].t - win[-1].t)
+        # Means oldest first, as before: the same float sums whatever the ring's layout.
+        win.reverse()
+        means: list[float | None] = [sum(c) / n for c in zip(*map(_TIMES, win), strict=True)] if n else [None] * 5
         h = r.hello
         view = RankView(
             rank=rank, host=h.host, device_type=h.device_type, device_name=h.device_name,
@@ -255,11 +263,11 @@ class LiveState:
             batch_index=last.batch_index if last else None,
             placement_version=last.placement_version if last else None,
             local_batch_size=last.local_batch_size if last else None,
-            compute_ms=_mean([s.compute_ms for s in win]) if win else None,
-            sync_wait_ms=_mean([s.sync_wait_ms for s in win]) if win else None,
-            data_wait_ms=_mean([s.data_wait_ms for s in win]) if win else None,
-            optimizer_ms=_mean([s.optimizer_ms for s in win]) if win else None,
-            step_ms=_mean([s.step_ms for s in win]) if win else None,
+            compute_ms=means[0],
+            sync_wait_ms=means[1],
+            data_wait_ms=means[2],
+            optimizer_ms=means[3],
+            step_ms=means[4],
             step_rate_hz=rate, n_steps=len(r.steps), dropped=r.dropped,
             device=r.device[-1] if r.device else None,
         )
@@ -277,6 +285,24 @@ class LiveState:
                 return tuple(r.steps)
             return tuple(r.steps[i] for i in range(len(r.steps) - n, len(r.steps)))
 
+    def steps_after(self, job: str, after: dict[int, tuple[int, int]]) -> dict[int, list[StepRecord]]:
+        """For each ``rank: (batch_index, n)`` in ``after``: those of the rank's newest ``n``
+        step records whose batch index is above ``batch_index``, oldest first. One lock for
+        all ranks (the dashboard reads ~1,000 ranks per tick)."""
+        out: dict[int, list[StepRecord]] = {}
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None:
+                return out
+            for rank, (last, n) in after.items():
+                r = j.ranks.get(rank)
+                if r is None:
+                    continue
+                recs = [s for s in islice(reversed(r.steps), n) if s.batch_index > last]
+                recs.reverse()
+                out[rank] = recs
+        return out
+
     def recent_device(self, job: str, rank: int, n: int | None = None) -> tuple[DeviceSample, ...]:
         """The last ``n`` (default: all buffered) device samples of a rank, oldest first."""
         with self._lock:
@@ -284,6 +310,8 @@ class LiveState:
             r = j.ranks.get(rank) if j else None
             if r is None:
                 return ()
+            if n is not None and 0 < n < len(r.device):  # copy only the tail
+                return tuple(islice(r.device, len(r.device) - n, None))
             items = tuple(r.device)
         return items if n is None else items[-n:]
 
