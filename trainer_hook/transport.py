@@ -105,7 +105,7 @@ class Transport:
         hello: Callable[[], Hello],
         on_message: Callable[[Message], None],
         max_queue: int = 10000,
-        flush_interval_s: float = 0.2,
+        flush_interval_s: float = 0.5,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         auth_backoff_s: float = 60.0,
