@@ -38,6 +38,10 @@ class HookConnections:
     def ranks(self, job: str) -> list[int]:
         return sorted(self._by_job.get(job, {}))
 
+    def has(self, job: str, rank: int) -> bool:
+        """True while ``rank`` of ``job`` has an open socket (O(1): every rank checks on close)."""
+        return rank in self._by_job.get(job, {})
+
     def count(self) -> int:
         return sum(len(r) for r in self._by_job.values())
 

@@ -150,7 +150,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
     finally:
         if hello is not None:
             services.connections.remove(hello.job, hello.rank, websocket)
-            if hello.rank not in services.connections.ranks(hello.job):
+            if not services.connections.has(hello.job, hello.rank):
                 services.live.set_connected(hello.job, hello.rank, False)
             with contextlib.suppress(Exception):
                 services.notify(hello.job)
