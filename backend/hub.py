@@ -231,9 +231,41 @@ class DashboardHub:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
+                await self._refresh_control()
                 self.tick()
             except Exception:  # one bad read must not stop every dashboard
                 log.exception("dashboard tick failed")
+
+    async def _refresh_control(self) -> None:
+        """Read the control state (SQL) of the jobs the next tick shows on a worker thread,
+        so that tick() finds it fresh and the event loop never waits for the database.
+        A job's first read still happens in tick(); tick() alone (tests) reads it too."""
+        controller = getattr(self.services, "controller", None)
+        if controller is None:
+            return
+        now = self._clock()
+        jobs = self._dirty | {c.job for c in self._clients if c.job is not None}
+        if any(c.job is None for c in self._clients):
+            jobs |= set(self._feeds)
+        due = [j for j in jobs if (f := self._feeds.get(j)) is not None and f.control
+               and now - f.control_at >= _CONTROL_EVERY_S]
+        if not due:
+            return
+
+        def read() -> dict[str, dict[str, Any]]:
+            out = {}
+            for job in due:
+                try:
+                    out[job] = dict(controller.job_control(job))
+                except Exception:  # the job may be unknown to the controller for a moment
+                    log.debug("job_control(%s) failed", job, exc_info=True)
+            return out
+
+        got = await asyncio.to_thread(read)
+        at = self._clock()
+        for job, control in got.items():
+            if (f := self._feeds.get(job)) is not None:
+                f.control, f.control_at = control, at
 
     @property
     def client_count(self) -> int:
