@@ -53,8 +53,8 @@ class HookConfig:
     - ``startup_wait_s``: how long rank 0 waits at start for the backend's placement.
     - ``probe_interval_s``: device sampling period (about 1 Hz; NVML serialises).
     - ``max_queue``, ``flush_interval_s``: the transport's bounded queue and send period
-      (0.5 s: 5 steps a frame at 10 steps/s; a backend pays mostly per frame, and the
-      dashboard still moves twice a second).
+      (0.5 s, or sooner once 5 steps wait: a backend pays mostly per frame, and the
+      dashboard still moves at least twice a second).
     - ``history``: how many recent StepRecords the hook keeps locally (``hook.history``).
     """
 

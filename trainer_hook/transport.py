@@ -106,6 +106,7 @@ class Transport:
         on_message: Callable[[Message], None],
         max_queue: int = 10000,
         flush_interval_s: float = 0.5,
+        flush_steps: int = 5,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         auth_backoff_s: float = 60.0,
@@ -113,6 +114,8 @@ class Transport:
     ) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue must be an integer >= 1, got {max_queue!r}.")
+        if isinstance(flush_steps, bool) or not isinstance(flush_steps, int) or flush_steps < 1:
+            raise ValueError(f"flush_steps must be an integer >= 1, got {flush_steps!r}.")
         for name, val in (
             ("flush_interval_s", flush_interval_s),
             ("backoff_initial_s", backoff_initial_s),
@@ -128,6 +131,9 @@ class Transport:
         self._on_message = on_message
         self._max_queue = max_queue
         self._flush_s = float(flush_interval_s)
+        # A frame goes out every flush interval, or sooner once this many steps wait: the
+        # backend pays per frame, so frames carry several steps, yet fast jobs stay live.
+        self._flush_steps = flush_steps
         self._backoff0 = float(backoff_initial_s)
         self._backoff_max = float(backoff_max_s)
         self._auth_backoff = float(auth_backoff_s)
@@ -269,7 +275,7 @@ class Transport:
             next_flush = time.monotonic() + self._flush_s
             while not self._closing.is_set():
                 self._send_control(ws)
-                if time.monotonic() >= next_flush:
+                if time.monotonic() >= next_flush or len(self._steps) >= self._flush_steps:
                     self._send_metrics(ws)
                     next_flush = time.monotonic() + self._flush_s
                 self._receive(ws, _POLL_S)
