@@ -283,7 +283,11 @@ class LiveState:
                 return ()
             if n is None or n >= len(r.steps):
                 return tuple(r.steps)
-            return tuple(r.steps[i] for i in range(len(r.steps) - n, len(r.steps)))
+            if n <= 0:
+                return ()
+            tail = list(islice(reversed(r.steps), n))  # O(n) from the newest end
+        tail.reverse()
+        return tuple(tail)
 
     def steps_after(self, job: str, after: dict[int, tuple[int, int]]) -> dict[int, list[StepRecord]]:
         """For each ``rank: (batch_index, n)`` in ``after``: those of the rank's newest ``n``
