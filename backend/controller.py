@@ -68,6 +68,7 @@ class _JobState:
     effective: int | None = None  # the batch index it took effect at
     measured: bool = False  # its effect is on record
     busy: bool = False  # a policy run is in flight
+    think_s: float = 0.0  # how long the last policy run took (thread time, wall clock)
 
     def follow(self, row: db.PlacementRow) -> None:
         """Take applied / effective / measured from the placement row in force."""
@@ -255,7 +256,9 @@ class Controller:
             return
         now = self._clock()
         st.last_metrics = now
-        if now - st.last_run < self.min_interval_s:
+        # At thousands of ranks one run takes a good fraction of a second; spacing runs by
+        # their own cost keeps the policy thread under a fifth of a core.
+        if now - st.last_run < max(self.min_interval_s, 5.0 * st.think_s):
             return
         st.last_run = now
         try:
@@ -472,7 +475,9 @@ class Controller:
         try:
             # Off the event loop: at thousands of ranks building the observation and fitting
             # takes long enough to stall every websocket.
+            started = time.perf_counter()
             decision = await asyncio.to_thread(think)
+            st.think_s = time.perf_counter() - started
         except InfeasibleError as exc:
             st.status, st.status_detail = "imbalanced", f"the overrides admit no placement: {exc}"
             return

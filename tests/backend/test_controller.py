@@ -259,3 +259,19 @@ def test_lost_acks_are_recovered_from_the_steps(env):
     row = ctl.placements(JOB)[0]
     assert row["acks"] == {0: 20, 1: 20, 2: 20} and row["effective_batch_index"] == 20
     assert row["applied_at"] is not None and ctl.proposals(JOB)[0]["status"] == "applied"
+
+
+def test_policy_runs_are_spaced_by_their_own_cost(env):
+    svc, ctl, clock, _ = env
+    run(join(svc, ctl))
+    feed(svc, [16, 16, 16], 0, range(0, 20), step_ms=80.0)
+    run(ctl.on_metrics(JOB))
+    st = ctl._load(JOB)
+    first = st.last_run
+    st.think_s = 1.0  # as if one run took a second, as at thousands of ranks
+    clock.t += 2.0  # past the 0.5 s floor, not past five times the run's cost
+    run(ctl.on_metrics(JOB))
+    assert st.last_run == first
+    clock.t += 3.5
+    run(ctl.on_metrics(JOB))
+    assert st.last_run == clock.t
