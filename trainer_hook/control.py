@@ -60,6 +60,9 @@ class ControlChannel:
         self._buf = torch.full((2 + world_size,), -1, dtype=torch.int64) if group is not None else None
         self._buf_dirty = False
         self.exchanges = 0
+        # The first batch index at which on_step has anything to do (collect or launch);
+        # every other step costs one integer compare. Batch indices never go back.
+        self.due = 0
         # Before the first collection, the exchange launched at step 0 may start a
         # placement at lag + lookahead, so everything before it is final.
         schedule.settle(self.lag + self.lookahead - 1)
@@ -77,10 +80,14 @@ class ControlChannel:
 
     def on_step(self, batch_index: int) -> None:
         """Collect an exchange that is due, then launch one if this is an exchange step."""
+        if batch_index < self.due:
+            return
         if self._inflight is not None and batch_index >= self._inflight[0] + self.lag:
             self._collect()
         if batch_index % self.every == 0 and self._inflight is None:
             self._launch(batch_index)
+        inflight = self._inflight
+        self.due = inflight[0] + self.lag if inflight is not None else (batch_index // self.every + 1) * self.every
 
     def _launch(self, step: int) -> None:
         pending = None
@@ -142,5 +149,6 @@ class ControlChannel:
     def close(self) -> None:
         """Wait for an exchange still in flight (every rank launched it) and drop it."""
         inflight, self._inflight = self._inflight, None
+        self.due = 0
         if inflight is not None and inflight[1] is not None:
             inflight[1].wait()

@@ -33,7 +33,7 @@ class GradientState:
 
     __slots__ = (
         "process_group", "weight", "_pg", "_opts", "last_bucket_t", "last_done_t", "buckets_seen",
-        "repeated_bucket", "grad_event", "done_event", "cuda",
+        "repeated_bucket", "grad_event", "done_event", "cuda", "_done_cb",
     )
 
     def __init__(self, process_group: Any = None) -> None:
@@ -42,25 +42,31 @@ class GradientState:
         self._opts: Any = None
         self.weight = 1.0
         self.cuda = False
+        self._done_cb = self._mark_done  # bound once, not per bucket
         self.reset()
 
     def reset(self) -> None:
         self.last_bucket_t: float | None = None
         self.last_done_t: float | None = None
-        self.buckets_seen: set[int] = set()
+        # Bit i set: bucket i was all-reduced in this step (an int, so a reset allocates nothing).
+        self.buckets_seen = 0
         self.repeated_bucket = False
         self.grad_event: Any = None
         self.done_event: Any = None
 
-    # Called on the gloo/NCCL completion thread.
+    # Called on the gloo/NCCL completion thread (or inline when the reduction is already
+    # complete): it holds the GIL the training thread wants, so it does as little as it can.
     def _mark_done(self, fut: torch.futures.Future[Any]) -> torch.Tensor:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             self.done_event = ev
         else:
-            self.last_done_t = time.perf_counter()
+            self.last_done_t = _now()
         return fut.value()[0]  # type: ignore[no-any-return]
+
+
+_now = time.perf_counter
 
 
 # No annotations: DDP compares them with the real classes, and this module's
@@ -71,12 +77,13 @@ def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     ``state`` is a GradientState, ``bucket`` a ``dist.GradBucket``; returns a
     ``torch.futures.Future[torch.Tensor]``.
     """
-    idx = bucket.index()
-    if idx in state.buckets_seen:
+    bit = 1 << bucket.index()
+    seen = state.buckets_seen
+    if seen & bit:
         # A second all-reduce of the same bucket inside one step means gradient
         # accumulation without no_sync(); the step's exit reports it.
         state.repeated_bucket = True
-    state.buckets_seen.add(idx)
+    state.buckets_seen = seen | bit
     buf = bucket.buffer()
     if buf.is_cuda:
         state.cuda = True
@@ -84,7 +91,7 @@ def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
         ev.record()
         state.grad_event = ev
     else:
-        state.last_bucket_t = time.perf_counter()
+        state.last_bucket_t = _now()
     buf.mul_(state.weight)
     pg = state._pg
     if pg is None:
@@ -93,7 +100,7 @@ def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
         pg = state._pg = state.process_group if state.process_group is not None else dist.group.WORLD
         opts = state._opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-    return pg.allreduce([buf], state._opts).get_future().then(state._mark_done)
+    return pg.allreduce([buf], state._opts).get_future().then(state._done_cb)
 
 
 def _is_ddp(model: Any) -> bool:

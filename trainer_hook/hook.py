@@ -119,6 +119,8 @@ class RebalanceHook:
         self._next_batch = 0
         self._trained_version: int | None = None
         self._trained: ScheduledPlacement = self.schedule.at(0)
+        self._full_for: ScheduledPlacement | None = None  # placement self._full was computed for
+        self._full: tuple[int, float] = (0, 0.0)  # (local samples, weight) of a full batch under it
         self._started = False
         self._closed = False
         self._gradients_mode: str | None = None
@@ -263,16 +265,22 @@ class RebalanceHook:
         if not self._started:
             self._ensure_started()
         k = self._next_batch
-        self._control.on_step(k)
+        control = self._control
+        if k >= control.due:  # an exchange to collect or launch; otherwise nothing to do
+            control.on_step(k)
         p = self.schedule.at(k)
         sampler = self._sampler
         b = self.config.global_batch_size
-        n = sampler.batch_length(k) if sampler is not None else b
-        if n == b:
-            local = p.shares[self._rank]
-            weight = local / b
+        if sampler is None or sampler.batch_length(k) == b:
+            # Full batch: this rank's share and weight only change with the placement.
+            if p is not self._full_for:
+                local = p.shares[self._rank]
+                self._full = (local, local / b)
+                self._full_for = p
+            local, weight = self._full
         else:  # an epoch's short last batch, split in proportion by the sampler
-            lo, hi = sampler.local_bounds(k)  # type: ignore[union-attr]
+            n = sampler.batch_length(k)
+            lo, hi = sampler.local_bounds(k)
             local = hi - lo
             weight = local / n
         grads = self._grads

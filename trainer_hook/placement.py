@@ -59,6 +59,9 @@ class PlacementSchedule:
         self._entries = [ScheduledPlacement(0, version, tuple(first))]
         self._starts = [0]
         self._settled_until = settled_until
+        # (lo, hi, entry): entry is in force and settled for every batch in [lo, hi). Read
+        # without the lock by at() (one tuple load is atomic); replaced under the lock.
+        self._hint: tuple[int, int, ScheduledPlacement | None] = (0, 0, None)
 
     def add(self, start_batch: int, version: int, shares: list[int]) -> ScheduledPlacement:
         """Put ``shares`` in force from ``start_batch`` on. Raises ValueError if invalid.
@@ -83,6 +86,7 @@ class PlacementSchedule:
                     f"{last.version} at batch {last.start_batch}."
                 )
             entry = ScheduledPlacement(start_batch, version, tuple(checked))
+            self._hint = (0, 0, None)
             if start_batch == last.start_batch:
                 self._entries[-1] = entry
             else:
@@ -96,18 +100,33 @@ class PlacementSchedule:
         with self._lock:
             self._entries = [ScheduledPlacement(0, version, tuple(checked))]
             self._starts = [0]
+            self._hint = (0, 0, None)
 
     def at(self, batch_index: int) -> ScheduledPlacement:
         """The placement in force for ``batch_index``; RuntimeError past ``settled_until``."""
+        lo, hi, entry = self._hint  # fast path: the range asked last, no lock, no search
+        if lo <= batch_index < hi:
+            return entry  # type: ignore[return-value]
         with self._lock:
-            if self._settled_until is not None and batch_index > self._settled_until:
+            settled = self._settled_until
+            if settled is not None and batch_index > settled:
                 raise RuntimeError(
                     f"The placement for batch {batch_index} is not settled yet (settled up to batch "
-                    f"{self._settled_until}): the data loader runs further ahead of training than "
+                    f"{settled}): the data loader runs further ahead of training than "
                     "HookConfig.lookahead allows. Raise lookahead to at least "
                     "num_workers * prefetch_factor + 1, or lower the DataLoader's prefetch."
                 )
-            return self._entries[bisect.bisect_right(self._starts, batch_index) - 1]
+            i = bisect.bisect_right(self._starts, batch_index) - 1
+            entry = self._entries[i]
+            # Valid until the next placement starts or the settled range ends, whichever
+            # comes first; add() and replace_initial() drop it, settle() only widens what
+            # is settled, so a hint never outlives its answer.
+            hi = self._starts[i + 1] if i + 1 < len(self._starts) else batch_index + (1 << 62)
+            if settled is not None:
+                hi = min(hi, settled + 1)
+            if i >= 0 and batch_index >= 0:
+                self._hint = (entry.start_batch, hi, entry)
+            return entry
 
     def settle(self, batch_index: int | None) -> None:
         """Declare every batch up to ``batch_index`` final (None: all of them)."""

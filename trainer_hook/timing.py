@@ -64,7 +64,8 @@ class StepTimer:
     def start(self, batch_index: int, local_batch_size: int, placement_version: int, *, cuda: bool = False) -> None:
         t0 = self._clock()
         self._t0 = t0
-        self._data_wait = 0.0 if self._prev_end is None else max(0.0, t0 - self._prev_end)
+        prev = self._prev_end
+        self._data_wait = 0.0 if prev is None or t0 < prev else t0 - prev
         self._meta = (batch_index, local_batch_size, placement_version)
         if cuda:
             ev = self._event()
@@ -85,13 +86,25 @@ class StepTimer:
                  self._data_wait, t_end - self._t0, self._wall())
             )
             return self._read_cuda()
-        t_grad = grads.last_bucket_t if grads is not None else None
-        t_done = grads.last_done_t if grads is not None else None
-        compute, sync, opt = split_step(self._t0, t_end, t_grad, t_done)
+        t0 = self._t0
+        if grads is None:
+            t_grad = t_done = None
+        else:
+            t_grad, t_done = grads.last_bucket_t, grads.last_done_t
+        # split_step(), inlined: this runs on the training thread every step.
+        if t_grad is None or t_grad < t0 or t_grad > t_end:
+            compute, sync, opt = t_end - t0, 0.0, 0.0
+        elif t_done is None or t_done < t_grad:
+            compute, sync, opt = t_grad - t0, 0.0, t_end - t_grad
+        else:
+            if t_done > t_end:
+                t_done = t_end
+            compute, sync, opt = t_grad - t0, t_done - t_grad, t_end - t_done
+        data_wait = self._data_wait
         return StepRecord(
             batch_index=k, local_batch_size=local, placement_version=version,
-            data_wait_ms=self._data_wait * 1e3, compute_ms=compute * 1e3, sync_wait_ms=sync * 1e3,
-            optimizer_ms=opt * 1e3, step_ms=(self._data_wait + t_end - self._t0) * 1e3, t=self._wall(),
+            data_wait_ms=data_wait * 1e3, compute_ms=compute * 1e3, sync_wait_ms=sync * 1e3,
+            optimizer_ms=opt * 1e3, step_ms=(data_wait + t_end - t0) * 1e3, t=self._wall(),
         )
 
     def _read_cuda(self) -> StepRecord | None:
