@@ -485,12 +485,28 @@ class RebalanceHook:
             if wait_for_peers:
                 self._control.close()
         finally:
+            self._release_process_groups()
             if self._probe is not None:
                 self._probe.stop()
             if self._transport is not None:
                 self._transport.close()
             for h in self._grad_handles:
                 h.remove()
+
+    def _release_process_groups(self) -> None:
+        # A process group that Python still references outlives destroy_process_group()
+        # and is torn down during interpreter finalisation, where gloo's worker threads
+        # can abort the process (SIGABRT, "terminate called without an active
+        # exception"). Destroy the hook's own control group now and drop the cached
+        # handle to the gradient group, so both die while the interpreter is whole.
+        self._grads._pg = None
+        self._grads._opts = None
+        group, self._control.group = self._control.group, None
+        if group is not None and dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError) as exc:  # already gone with the default group
+                log.debug("control group was already destroyed: %s", exc)
 
     def __enter__(self) -> RebalanceHook:
         return self
