@@ -1,6 +1,6 @@
 """The control loop in process: real SQLite file, real LiveState, the controller's own calls.
 
-The only stand-in is ``_Socket``, which takes the place of a hook's websocket so the test
+The only stand-in is ``PlacementSocket``, which takes the place of a hook's websocket so the test
 can read exactly what the controller sent.
 """
 
@@ -15,34 +15,17 @@ from backend.auth import Actor
 from backend.controller import ConflictError, Controller, InvalidError, NotFoundError
 from backend.services import build_services
 from backend.settings import Settings
-from trainer_hook.protocol import Ack, Hello, Metrics, Placement, Reject, StepRecord, decode
+from tests.helpers.fakes import FrozenClock, PlacementSocket
+from trainer_hook.protocol import Ack, Hello, Metrics, Reject, StepRecord
 
 OPERATOR = Actor(name="alice", role="operator", address="10.0.0.7")
 JOB = "job-a"
 
 
-class _Socket:
-    def __init__(self) -> None:
-        self.sent: list[Placement] = []
-
-    async def send_text(self, text: str) -> None:
-        msg = decode(text)
-        assert isinstance(msg, Placement)
-        self.sent.append(msg)
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 @pytest.fixture
 def env(tmp_path: Path):
     svc = build_services(Settings(db=f"sqlite:///{tmp_path / 'r.db'}", proposal_ttl_s=60.0))
-    clock, wall = _Clock(), _Clock()
+    clock, wall = FrozenClock(1000.0), FrozenClock(1000.0)
     ctl = Controller(svc, clock=clock, wall=wall)
     svc.controller = ctl
     yield svc, ctl, clock, wall
@@ -57,12 +40,12 @@ def hello(rank: int, world: int = 3, b: int = 48, job: str = JOB) -> Hello:
     return Hello(job=job, rank=rank, world_size=world, global_batch_size=b, device_name="cpu")
 
 
-async def join(svc, ctl, world: int = 3, b: int = 48) -> list[_Socket]:
+async def join(svc, ctl, world: int = 3, b: int = 48) -> list[PlacementSocket]:
     socks = []
     for r in range(world):
         h = hello(r, world, b)
         svc.live.register(h)
-        sock = _Socket()
+        sock = PlacementSocket()
         svc.connections.add(JOB, r, sock)
         socks.append(sock)
         assert (await ctl.on_hello(h)).version >= 0

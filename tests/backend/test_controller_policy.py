@@ -1,5 +1,5 @@
 """The controller driven by the real policy: measured steps in a real LiveState, a frozen
-clock, a SQLite file. ``_Socket`` stands in for the hooks' websockets to record sends."""
+clock, a SQLite file. ``PlacementSocket`` stands in for the hooks' websockets to record sends."""
 
 from __future__ import annotations
 
@@ -12,29 +12,12 @@ from backend.auth import Actor
 from backend.controller import Controller
 from backend.services import build_services
 from backend.settings import Settings
-from trainer_hook.protocol import Ack, Hello, Metrics, Placement, StepRecord, decode
+from tests.helpers.fakes import FrozenClock, PlacementSocket
+from trainer_hook.protocol import Ack, Hello, Metrics, StepRecord
 
 JOB = "pol-job"
 B = 48
 OPERATOR = Actor(name="olga", role="operator", address="127.0.0.1")
-
-
-class _Socket:
-    def __init__(self) -> None:
-        self.sent: list[Placement] = []
-
-    async def send_text(self, text: str) -> None:
-        msg = decode(text)
-        assert isinstance(msg, Placement)
-        self.sent.append(msg)
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 5000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Job:
@@ -44,17 +27,17 @@ class Job:
         self.svc = build_services(Settings(db=f"sqlite:///{tmp_path / 'r.db'}", default_mode=mode,
                                           min_steps=5, cooldown_steps=8, effect_window_steps=6,
                                           **settings))
-        self.clock = _Clock()
+        self.clock = FrozenClock(5000.0)
         self.ctl = Controller(self.svc, clock=self.clock, wall=self.clock)
         self.svc.controller = self.ctl
-        self.socks: list[_Socket] = []
+        self.socks: list[PlacementSocket] = []
         self.k = 0
 
     def hello(self, devices=("cpu", "cpu", "cpu")) -> None:
         for r, name in enumerate(devices):
             h = Hello(job=JOB, rank=r, world_size=len(devices), global_batch_size=B, device_name=name)
             self.svc.live.register(h)
-            sock = _Socket()
+            sock = PlacementSocket()
             self.svc.connections.add(JOB, r, sock)
             self.socks.append(sock)
             asyncio.run(self.ctl.on_hello(h))

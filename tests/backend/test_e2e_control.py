@@ -9,14 +9,11 @@ auto mode: the same with no operator.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,16 +43,7 @@ ENV = {
 
 
 def call(server: Server, method: str, path: str, token: str, body: Any = None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(server.url + path, data=data, method=method)
-    req.add_header("Authorization", f"Bearer {token}")
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return server.call(method, path, token, body)
 
 
 def wait_for(what: str, fn: Callable[[], Any], timeout: float = 120.0, proc: subprocess.Popen | None = None,

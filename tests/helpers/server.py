@@ -9,10 +9,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tests.helpers.ports import free_port
 
@@ -35,6 +37,20 @@ class Server:
             req.add_header("Authorization", f"Bearer {token}")
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())
+
+    def call(self, method: str, path: str, token: str | None = None, body: object = None) -> tuple[int, Any]:
+        """One REST call; returns (status, decoded JSON body), error statuses included."""
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

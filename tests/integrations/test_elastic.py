@@ -15,8 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 import pytest
@@ -53,16 +51,7 @@ def start_elastic(nproc: int, target: list[str], env: dict[str, str]) -> subproc
 
 
 def call(server: Server, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(server.url + path, data=data, method=method)
-    req.add_header("Authorization", f"Bearer {ADMIN}")
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return server.call(method, path, ADMIN, body)
 
 
 def wait_for(what: str, fn: Any, proc: Any, log: list[str], timeout: float = 90.0) -> Any:
