@@ -76,8 +76,10 @@ def test_job_view_with_512_ranks(tmp_path, browser) -> None:
             page.goto(f"{srv.url}/job/big")
             page.wait_for_function("() => { const s = window.rebalancer.state;"
                                    " return s.summary && s.summary.connected_ranks === 512 && s.summary.batch_index >= 29; }")
+            # Ranks join one by one; read the heatmap once its newest column has every rank.
             page.wait_for_function("() => { const z = document.getElementById('heatmap').data[0].z;"
-                                   " return z.length === 512 && z[0].length >= 2; }")
+                                   " return z.length === 512 && z[0].length >= 2"
+                                   " && z.every((row) => row[row.length - 1] !== null); }")
             z = page.evaluate("() => document.getElementById('heatmap').data[0].z")
             last = [row[-1] for row in z]
             # The two slow ranks are the two hottest rows of the heatmap.

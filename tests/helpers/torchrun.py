@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
+
+import psutil
 
 from tests.helpers.ports import free_port
 
@@ -34,18 +38,59 @@ def run_torchrun(
     target: Sequence[str],
     *,
     env: dict[str, str] | None = None,
-    timeout: float = 240.0,
+    timeout: float = 100.0,
     max_restarts: int = 0,
     check: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    """Run a torchrun job to completion; on failure raise with its whole output."""
-    proc = subprocess.run(
-        torchrun_cmd(nproc, target, max_restarts=max_restarts),
-        env=job_env(env), capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT,
+    """Run a torchrun job to completion; on failure raise with its whole output.
+
+    A job still running after ``timeout`` seconds is a hang: its workers are sent SIGABRT
+    (``PYTHONFAULTHANDLER`` makes each print every thread's Python stack), the whole
+    process group is killed, and the error carries those stacks. Keep ``timeout`` below
+    the test's own pytest timeout so that this report, not pytest's, explains a hang.
+    """
+    cmd = torchrun_cmd(nproc, target, max_restarts=max_restarts)
+    proc = subprocess.Popen(
+        cmd, env=job_env({"PYTHONFAULTHANDLER": "1", **(env or {})}), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, start_new_session=True,
     )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"torchrun exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
-    return proc
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = _abort_hung_job(proc)
+        raise AssertionError(
+            f"torchrun did not finish in {timeout:.0f}s (hung); every worker's stacks follow."
+            f"\nstdout:\n{out}\nstderr:\n{err}"
+        ) from None
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc)
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and done.returncode != 0:
+        raise AssertionError(f"torchrun exited {done.returncode}\nstdout:\n{out}\nstderr:\n{err}")
+    return done
+
+
+def _abort_hung_job(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """SIGABRT the workers (they dump their stacks), then kill everything; return the output."""
+    try:
+        workers = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        workers = []
+    for w in workers:
+        with contextlib.suppress(psutil.Error):
+            w.send_signal(signal.SIGABRT)
+    try:
+        return proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return proc.communicate()
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def start_torchrun(

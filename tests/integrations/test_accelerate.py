@@ -18,7 +18,7 @@ from tests.integrations._common import (
     reference,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(150)
 
 
 @pytest.mark.multiproc
