@@ -455,6 +455,7 @@ class DashboardHub:
             "pending_proposal_id": ctl.get("pending_proposal_id"),
             "last_seen": view.last_seen, "age_s": _r(max(self._wall() - view.last_seen, 0.0)),
             "cost_per_hour": _r(sum(prices)) if prices else None,
+            "total_steps": view.total_steps, "eta_s": _r(view.eta_s),
         }
 
     # --- clients ------------------------------------------------------------------------

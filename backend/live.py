@@ -25,7 +25,7 @@ from operator import attrgetter
 
 from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
 
-__all__ = ["LiveState", "RankView", "JobView", "Window"]
+__all__ = ["LiveState", "RankView", "JobView", "Window", "eta_seconds"]
 
 
 @dataclass(slots=True)
@@ -55,6 +55,7 @@ class _Job:
     created_at: float
     last_seen: float
     ranks: dict[int, _Rank] = field(default_factory=dict)
+    total_steps: int | None = None  # the newest a hook said (hello or metrics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,12 @@ class JobView:
     imbalance: float | None
     idle_fraction: float | None
     ranks: tuple[RankView, ...]
+    total_steps: int | None = None
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds to finish: steps left times the recent step time (None if unknown)."""
+        return eta_seconds(self.total_steps, self.batch_index, self.step_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +129,14 @@ class Window:
 
 
 _TIMES = attrgetter("compute_ms", "sync_wait_ms", "data_wait_ms", "optimizer_ms", "step_ms")
+
+
+def eta_seconds(total_steps: int | None, batch_index: int | None, step_ms: float | None) -> float | None:
+    """Steps left after ``batch_index`` (0-based, trained) times ``step_ms``, in seconds."""
+    if total_steps is None or not step_ms:
+        return None
+    done = batch_index + 1 if batch_index is not None else 0
+    return max(total_steps - done, 0) * step_ms / 1000.0
 
 
 def _mean(vals: list[float]) -> float:
@@ -159,6 +174,8 @@ class LiveState:
                 self._jobs[hello.job] = job
             assert job is not None
             job.last_seen = now
+            if hello.total_steps is not None:
+                job.total_steps = hello.total_steps
             old = job.ranks.get(hello.rank)
             if old is None:
                 job.ranks[hello.rank] = _Rank(
@@ -182,6 +199,8 @@ class LiveState:
             r.pending_device.extend(msg.device)
             r.dropped += msg.dropped
             r.pending_dropped += msg.dropped
+            if msg.total_steps is not None:
+                job.total_steps = msg.total_steps
             r.messages += 1
             r.rev += 1
             r.last_seen = job.last_seen = now
@@ -224,6 +243,7 @@ class LiveState:
                 return None
             ranks = tuple(self._rank_view(rank, r) for rank, r in sorted(j.ranks.items()))
             meta = (j.job, j.world_size, j.global_batch_size, j.created_at, j.last_seen)
+            total_steps = j.total_steps
         with_data = [r for r in ranks if r.compute_ms is not None]
         compute = [r.compute_ms for r in with_data if r.compute_ms is not None]
         imbalance = idle = None
@@ -240,7 +260,7 @@ class LiveState:
             batch_index=max(idx) if idx else None,
             step_ms=statistics.median(step_ms) if step_ms else None,
             step_rate_hz=_mean(rates) if rates else None,
-            imbalance=imbalance, idle_fraction=idle, ranks=ranks,
+            imbalance=imbalance, idle_fraction=idle, ranks=ranks, total_steps=total_steps,
         )
 
     def _rank_view(self, rank: int, r: _Rank) -> RankView:

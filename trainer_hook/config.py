@@ -1,8 +1,9 @@
 """HookConfig: every knob of the training hook, validated at construction.
 
 Defaults are meant to work untouched (DESIGN.md: over-tuning is a pitfall). ``server``,
-``job`` and ``token`` also come from the environment (``REBALANCER_SERVER``,
-``REBALANCER_JOB``, ``REBALANCER_TOKEN``) so that a launcher can set them for every rank.
+``job``, ``token`` and ``total_steps`` also come from the environment
+(``REBALANCER_SERVER``, ``REBALANCER_JOB``, ``REBALANCER_TOKEN``,
+``REBALANCER_TOTAL_STEPS``) so that a launcher can set them for every rank.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["HookConfig", "ENV_SERVER", "ENV_JOB", "ENV_TOKEN"]
+__all__ = ["HookConfig", "ENV_SERVER", "ENV_JOB", "ENV_TOKEN", "ENV_TOTAL_STEPS"]
 
 ENV_SERVER = "REBALANCER_SERVER"
 ENV_JOB = "REBALANCER_JOB"
 ENV_TOKEN = "REBALANCER_TOKEN"
+ENV_TOTAL_STEPS = "REBALANCER_TOTAL_STEPS"
 _OFFLINE_JOB = "local"
 
 
@@ -45,6 +47,9 @@ class HookConfig:
       means offline: no network, placements only from ``request_placement``.
     - ``job``: the job name the backend files this run under (required with a server).
     - ``global_batch_size``: B, fixed for the job.
+    - ``total_steps``: how many steps (global batches) the run takes in all, if known;
+      the backend shows the job's ETA and cost to finish from it. Optional; the HF
+      Trainer callback fills it from ``max_steps``, ``hook.set_total_steps(n)`` changes it.
     - ``exchange_every`` (K): ranks exchange placements every K steps.
     - ``exchange_lag`` (L): an exchange launched at step s is collected at step s + L
       (L < K), so no step blocks on a collective that has not had time to finish.
@@ -62,6 +67,7 @@ class HookConfig:
     job: str | None = None
     global_batch_size: int
     token: str | None = None
+    total_steps: int | None = None
     exchange_every: int = 8
     exchange_lag: int = 2
     lookahead: int = 8
@@ -91,6 +97,8 @@ class HookConfig:
         if self.token is not None and not isinstance(self.token, str):
             raise ValueError(f"token must be a string or None, got {type(self.token).__name__}.")
         _positive_int("global_batch_size", self.global_batch_size)
+        if self.total_steps is not None:
+            _positive_int("total_steps", self.total_steps)
         _positive_int("exchange_every", self.exchange_every)
         _positive_int("exchange_lag", self.exchange_lag, lo=0)
         if self.exchange_lag >= self.exchange_every:
@@ -130,6 +138,12 @@ class HookConfig:
         for key, var in (("server", ENV_SERVER), ("job", ENV_JOB), ("token", ENV_TOKEN)):
             if kwargs.get(key) is None and env.get(var):
                 kwargs[key] = env[var]
+        if kwargs.get("total_steps") is None and env.get(ENV_TOTAL_STEPS):
+            raw = env[ENV_TOTAL_STEPS].strip()
+            try:
+                kwargs["total_steps"] = int(raw)
+            except ValueError:
+                raise ValueError(f"{ENV_TOTAL_STEPS} must be a whole number of steps, got {raw!r}.") from None
         if "global_batch_size" not in kwargs or kwargs["global_batch_size"] is None:
             raise ValueError("global_batch_size is required: RebalanceHook(global_batch_size=256).")
         return cls(**kwargs)

@@ -176,6 +176,21 @@ class RebalanceHook:
         return self.history[-1] if self.history else None
 
     @property
+    def total_steps(self) -> int | None:
+        """How many steps the run takes in all, if known (the backend's ETA needs it)."""
+        return self.config.total_steps
+
+    def set_total_steps(self, total_steps: int | None) -> None:
+        """Tell the backend how many steps the run will take (None: unknown); any time."""
+        if total_steps is not None and (
+            isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1
+        ):
+            raise ValueError(f"total_steps must be an integer >= 1 or None, got {total_steps!r}.")
+        self.config.total_steps = total_steps
+        if self._transport is not None:
+            self._transport.total_steps = total_steps
+
+    @property
     def connected(self) -> bool:
         """True while the transport holds a live websocket (always False offline)."""
         return bool(self._transport is not None and self._transport.connected)
@@ -450,6 +465,7 @@ class RebalanceHook:
         self._probe = DeviceProbe(
             interval_s=cfg.probe_interval_s, device_index=device_index, on_sample=self._transport.put_device
         )
+        self._transport.total_steps = cfg.total_steps
         self._transport.start()
         self._probe.start()
 
@@ -468,7 +484,7 @@ class RebalanceHook:
             mem_total_bytes=mem_total, placement_version=self._trained.version,
             batch_index=self._next_batch,
             restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-            hook_version=HOOK_VERSION,
+            hook_version=HOOK_VERSION, total_steps=self.config.total_steps,
         )
 
     def close(self, *, wait_for_peers: bool = True) -> None:

@@ -202,6 +202,7 @@ class Hello:
     batch_index: int = 0
     restart_count: int = 0
     hook_version: str = ""
+    total_steps: int | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Hello:
@@ -222,6 +223,7 @@ class Hello:
             batch_index=_int(d, "batch_index", default=0),
             restart_count=_int(d, "restart_count", default=0),
             hook_version=_str(d, "hook_version", default=""),
+            total_steps=_int(d, "total_steps", lo=1, default=None),
         )
 
 
@@ -333,6 +335,8 @@ class Metrics:
     """A batch of step records and device samples from one rank.
 
     ``dropped`` counts records the hook could not buffer since its last successful send.
+    ``total_steps`` (optional) is how many steps the run will take in all, when the
+    training loop knows it; the backend turns it into the job's ETA.
     """
 
     TYPE: ClassVar[str] = "metrics"
@@ -341,6 +345,7 @@ class Metrics:
     steps: list[StepRecord] = field(default_factory=list)
     device: list[DeviceSample] = field(default_factory=list)
     dropped: int = 0
+    total_steps: int | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Metrics:
@@ -352,6 +357,7 @@ class Metrics:
             steps=steps,
             device=device,
             dropped=_int(d, "dropped", default=0),
+            total_steps=_int(d, "total_steps", lo=1, default=None),
         )
 
 
@@ -447,6 +453,8 @@ _TYPES: dict[str, Any] = {c.TYPE: c for c in (Hello, Metrics, Ack, Reject, Place
 def encode(msg: Message) -> str:
     """Serialise a message to one compact JSON text frame."""
     body = {f.name: getattr(msg, f.name) for f in fields(msg)}
+    if body.get("total_steps", 0) is None:
+        del body["total_steps"]  # optional and rarely set: absent rather than null
     if isinstance(msg, Metrics):
         body["steps"] = [asdict(s) for s in msg.steps]
         body["device"] = [asdict(s) for s in msg.device]

@@ -158,6 +158,7 @@ class Transport:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards start/close only
         self.connects = 0  # successful connections so far (diagnostics and tests)
+        self.total_steps: int | None = None  # sent with every metrics frame (the job's ETA)
 
     # --- training-thread side ------------------------------------------------------------
 
@@ -363,7 +364,8 @@ class Transport:
         devices = [self._devices.popleft() for _ in range(m)]
         job, rank = self._ident
         while True:
-            frame = encode(Metrics(job=job, rank=rank, steps=steps[:n], device=devices[:m], dropped=dropped))
+            frame = encode(Metrics(job=job, rank=rank, steps=steps[:n], device=devices[:m], dropped=dropped,
+                                   total_steps=self.total_steps))
             if len(frame) <= MAX_MESSAGE_BYTES or (n <= 1 and m <= 1):
                 break
             n, m = n // 2, m // 2  # rare: only huge records get here; halve until it fits

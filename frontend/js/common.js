@@ -161,7 +161,9 @@ export function setTotalSteps(job, n) {
   else localStorage.removeItem(`rebalancer.total.${job}`);
 }
 
+/** Seconds to finish; `total` (the user's entry) wins over what the job's hooks reported. */
 export function etaSeconds(summary, total) {
+  if (summary && !total) total = summary.total_steps;
   if (!summary || !total || !summary.step_ms || summary.batch_index === null) return null;
   return Math.max(total - (summary.batch_index + 1), 0) * summary.step_ms / 1000;
 }

@@ -43,7 +43,8 @@ function renderSummary(s, savings) {
 }
 
 function renderForecast(s, savings) {
-  const total = totalSteps(job);
+  const total = totalSteps(job) || s.total_steps;
+  $("total-steps").placeholder = s.total_steps ? String(s.total_steps) : "";
   const eta = etaSeconds(s, total);
   const cost = eta !== null && s.cost_per_hour ? (eta / 3600) * s.cost_per_hour : null;
   $("forecast").replaceChildren(

@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from backend.api.routes.pages import plotly_js_path
-from tests.backend._app import hello, make_app, metrics
+from tests.backend._app import hello, make_app, metrics, steps, sync
+from trainer_hook.protocol import Metrics, encode
 
 ADMIN = "admin-secret-0123456789abcdef"
 
@@ -109,3 +110,35 @@ def test_whoami_and_forecast(client):
     assert f["cost_to_finish"] == pytest.approx(3.0 * 100 / 3600)
     bad = client.get("/api/v1/jobs/j/forecast?total_steps=0", headers=_bearer(viewer))
     assert bad.status_code == 422
+
+
+def test_eta_from_the_total_steps_the_hooks_report(client):
+    viewer = _token(client, "viewer")
+    auth = _bearer(viewer)
+    with client.websocket_connect("/ws/hook", headers=_bearer(ADMIN)) as h0:
+        h0.send_text(hello(rank=0, world_size=1, total_steps=1010))
+        h0.receive_text()
+        h0.send_text(metrics(rank=0, first=0, n=10, step_ms=100.0))
+        sync(h0, hello(rank=0, world_size=1))  # a hello without total_steps keeps the known one
+        job = client.get("/api/v1/jobs/j", headers=auth).json()
+        assert job["batch_index"] == 9 and job["total_steps"] == 1010
+        assert job["eta_s"] == pytest.approx(1000 * 0.1)
+        f = client.get("/api/v1/jobs/j/forecast", headers=auth).json()
+        assert f["total_steps"] == 1010 and f["remaining_steps"] == 1000
+        assert f["eta_s"] == pytest.approx(100.0)
+        # The loop learns a longer run (set_total_steps): metrics carry the new total.
+        h0.send_text(encode(Metrics(job="j", rank=0, steps=steps(10, 10, step_ms=100.0), total_steps=2020)))
+        sync(h0, hello(rank=0, world_size=1))
+        job = client.get("/api/v1/jobs/j", headers=auth).json()
+        assert job["total_steps"] == 2020 and job["eta_s"] == pytest.approx(2000 * 0.1)
+        # The query parameter still wins over the reported total.
+        f = client.get("/api/v1/jobs/j/forecast?total_steps=120", headers=auth).json()
+        assert f["remaining_steps"] == 100 and f["eta_s"] == pytest.approx(10.0)
+        # An invalid total is refused like any malformed frame; the connection's job is untouched.
+        h0.send_text(encode(Metrics(job="j", rank=0, steps=steps(20, 1))).replace('"dropped":0', '"dropped":0,"total_steps":0'))
+        err = h0.receive_json()
+        assert err["type"] == "error" and "'total_steps' must be >= 1" in err["message"]
+    with client.websocket_connect("/ws/hook", headers=_bearer(ADMIN)) as h0:
+        h0.send_text(hello(rank=0, world_size=1))
+        h0.receive_text()
+        assert client.get("/api/v1/jobs/j", headers=auth).json()["total_steps"] == 2020

@@ -100,6 +100,7 @@ def main() -> None:
         "batches": model.seen, "acks": hook.acks, "mode": trainer.accelerator.distributed_type.value,
         "world": trainer.accelerator.num_processes, "gradients": trainer.rebalance_callback.gradients,
         "global_step": trainer.state.global_step, "loss_is_global": trainer._loss_is_global(),
+        "total_steps": hook.total_steps, "hook_steps": hook.batch_index,
     }
     hook.close()
     dump(out_dir, hook.rank, payload, model)

@@ -36,6 +36,9 @@ def test_trainer_matches_single_process_reference(tmp_path, accum, max_steps, gr
     assert recs[0]["gradients"] == gradients
     assert recs[0]["loss_is_global"] == (loss == "tokens")
     assert recs[0]["global_step"] == max_steps
+    # The ETA's total comes from max_steps, counted in hook steps (micro-batches, with the
+    # short last accumulation window of each epoch): exactly the steps the run took.
+    assert recs[0]["total_steps"] == recs[0]["hook_steps"]
     # Both placements were applied, by both ranks at the same batch index.
     assert [v for v, _ in recs[0]["acks"]] == [1, 2]
     assert recs[0]["acks"] == recs[1]["acks"]

@@ -29,6 +29,22 @@ from trainer_hook.integrations._loader import check_accelerator, prepared_loader
 __all__ = ["RebalanceCallback", "RebalancingTrainer"]
 
 
+def hook_steps_for(max_steps: int, accum: int, per_epoch: int) -> int:
+    """Hook steps (micro-batches) in ``max_steps`` optimizer steps of ``accum`` micro-batches.
+
+    The Trainer ends each epoch's last accumulation window early when the epoch's
+    ``per_epoch`` batches do not divide by ``accum``; 0 for ``per_epoch`` means unknown
+    (then every window is taken as full).
+    """
+    if accum <= 1:
+        return max_steps
+    if per_epoch <= 0:
+        return max_steps * accum
+    updates_per_epoch = -(-per_epoch // accum)
+    epochs, rest = divmod(max_steps, updates_per_epoch)
+    return epochs * per_epoch + min(rest * accum, per_epoch)
+
+
 class RebalanceCallback(TrainerCallback):
     """Times each optimizer step with ``hook.step()`` and attaches the gradient weighting.
 
@@ -63,6 +79,14 @@ class RebalanceCallback(TrainerCallback):
                 "The Trainer re-wrapped the model after the rebalancer attached to it; a hook "
                 "serves one DDP model. Create a new RebalanceHook and trainer to train again."
             )
+        # The job's ETA: the Trainer knows how long the run is. A total the user gave the
+        # hook wins.
+        max_steps = int(getattr(state, "max_steps", 0) or 0)
+        sampler = getattr(trainer, "_rebalance_sampler", None)
+        if self.hook.total_steps is None and max_steps > 0:
+            per_epoch = len(sampler) if sampler is not None else 0
+            accum = int(args.gradient_accumulation_steps) if self.per_micro_batch else 1
+            self.hook.set_total_steps(hook_steps_for(max_steps, accum, per_epoch))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.per_micro_batch:

@@ -12,7 +12,7 @@ import logging
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import ServicesDep, ViewerDep
 from backend.live import JobView, RankView
@@ -56,7 +56,8 @@ class JobPublic(BaseModel):
     connected_ranks: int = 0
     created_at: float | None = None
     last_seen: float | None = None
-    eta_s: float | None = None
+    total_steps: int | None = Field(None, description="Steps the run takes in all, as its hooks reported.")
+    eta_s: float | None = Field(None, description="Seconds to finish: steps left times the recent step time.")
     cost_per_hour: float | None = None
     idle_cost_per_hour: float | None = None
 
@@ -174,6 +175,7 @@ def _job_from_live(services: Services, view: JobView) -> dict[str, Any]:
         "idle_fraction": view.idle_fraction, "connected_ranks": view.connected_ranks,
         "created_at": view.created_at, "last_seen": view.last_seen,
         "cost_per_hour": cost, "idle_cost_per_hour": idle_cost,
+        "total_steps": view.total_steps, "eta_s": view.eta_s,
     }
 
 

@@ -20,6 +20,7 @@ from fastapi.responses import FileResponse, Response
 
 from backend.api.deps import ServicesDep, ViewerDep, websocket_actor
 from backend.auth import role_allows
+from backend.live import eta_seconds
 from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED
 
 __all__ = ["router", "FRONTEND_DIR", "plotly_js_path"]
@@ -112,18 +113,22 @@ def whoami_route(actor: ViewerDep, services: ServicesDep) -> dict[str, Any]:
 @router.get("/api/v1/jobs/{job}/forecast", tags=["jobs"])
 def forecast(
     job: str, actor: ViewerDep, services: ServicesDep,
-    total_steps: int | None = Query(None, ge=1, description="Steps the run will take in all."),
+    total_steps: int | None = Query(
+        None, ge=1, description="Steps the run will take in all (default: what its hooks reported)."
+    ),
 ) -> dict[str, Any]:
     """ETA and cost: the recent step time times the steps left; prices from settings."""
     view = services.live.view(job)
     if view is None:
         raise HTTPException(404, f"Job {job!r} not found.")
+    if total_steps is None:
+        total_steps = view.total_steps
     prices = [services.settings.price_for(r.device_type, r.device_name) for r in view.ranks]
     known = [p for p in prices if p is not None]
     cost_h = sum(known) if known else None
     done = (view.batch_index + 1) if view.batch_index is not None else 0
     remaining = max(total_steps - done, 0) if total_steps is not None else None
-    eta = remaining * view.step_ms / 1000.0 if remaining is not None and view.step_ms else None
+    eta = eta_seconds(total_steps, view.batch_index, view.step_ms)
     return {
         "job": job, "batch_index": view.batch_index, "total_steps": total_steps,
         "remaining_steps": remaining, "step_ms": view.step_ms, "eta_s": eta,

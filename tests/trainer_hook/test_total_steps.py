@@ -1,0 +1,85 @@
+"""The run's length (total_steps) travels from the hook to the backend's ETA, end to end."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.server import running_server
+from trainer_hook import RebalanceHook
+from trainer_hook.config import HookConfig
+
+
+def test_total_steps_from_argument_or_environment() -> None:
+    assert HookConfig(global_batch_size=8).total_steps is None
+    assert HookConfig.from_env(env={"REBALANCER_TOTAL_STEPS": " 500 "}, global_batch_size=8).total_steps == 500
+    cfg = HookConfig.from_env(env={"REBALANCER_TOTAL_STEPS": "500"}, global_batch_size=8, total_steps=7)
+    assert cfg.total_steps == 7  # an argument wins over the environment
+    with pytest.raises(ValueError, match="REBALANCER_TOTAL_STEPS must be a whole number of steps, got '1e3'"):
+        HookConfig.from_env(env={"REBALANCER_TOTAL_STEPS": "1e3"}, global_batch_size=8)
+    with pytest.raises(ValueError, match="total_steps must be an integer >= 1"):
+        HookConfig(global_batch_size=8, total_steps=0)
+
+
+def test_set_total_steps_validates() -> None:
+    hook = RebalanceHook(global_batch_size=8)
+    try:
+        hook.set_total_steps(40)
+        assert hook.total_steps == 40
+        hook.set_total_steps(None)
+        assert hook.total_steps is None
+        for bad in (0, -3, 2.5, True, "10"):
+            with pytest.raises(ValueError, match="total_steps must be an integer >= 1 or None"):
+                hook.set_total_steps(bad)  # type: ignore[arg-type]
+    finally:
+        hook.close()
+
+
+def _train(hook: RebalanceHook, steps: int) -> None:
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randn(256, 1))
+    loader = torch.utils.data.DataLoader(data, batch_sampler=hook.batch_sampler(data, shuffle=False))
+    for done, (x, y) in enumerate(loader):
+        if done == steps:
+            break
+        with hook.step():
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            time.sleep(0.01)
+            opt.step()
+            opt.zero_grad()
+
+
+def test_the_job_shows_an_eta_from_the_hooks_total(tmp_path: Path) -> None:
+    with running_server(tmp_path) as server:
+        hook = RebalanceHook(server=server.url, job="eta", global_batch_size=8, total_steps=400,
+                             flush_interval_s=0.1)
+        try:
+            def job() -> Any:
+                return server.get("/api/v1/jobs/eta")
+
+            _train(hook, 6)
+            got = _wait(lambda: (j := job()).get("batch_index") == 5 and j, server)
+            assert got["total_steps"] == 400
+            assert got["eta_s"] == pytest.approx(394 * got["step_ms"] / 1000.0)
+            hook.set_total_steps(1000)  # the loop learns it runs longer
+            _train(hook, 3)
+            got = _wait(lambda: (j := job()).get("batch_index") == 8 and j, server)
+            assert got["total_steps"] == 1000
+            assert got["eta_s"] == pytest.approx(991 * got["step_ms"] / 1000.0)
+        finally:
+            hook.close()
+
+
+def _wait(pred: Any, server: Any, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"the backend never showed the expected job state\n{server.log()[-3000:]}")
