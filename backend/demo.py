@@ -10,33 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
+
+from backend.process import free_port, port_free, spawn_backend, stop_process, wait_healthy
 
 __all__ = ["run_demo", "DEFAULT_SPEEDS"]
 
 DEFAULT_SPEEDS = "1,1,0.5,0.25"
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _speeds(text: str, ranks: int) -> list[float]:
@@ -53,37 +37,10 @@ def _speeds(text: str, ranks: int) -> list[float]:
     return speeds
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(url + "/healthz", timeout=1) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            time.sleep(0.2)
-    return False
-
-
 def _stop(proc: subprocess.Popen[bytes], name: str, timeout: float) -> None:
-    """SIGINT to the child's process group, then SIGKILL if it lingers."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        print(f"rebalancer demo: {name} did not stop in {timeout:.0f}s; killing it.", file=sys.stderr)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    """SIGINT to the child's process group, then SIGKILL if it lingers (and say so)."""
+    stop_process(proc, timeout, group=True, on_kill=lambda: print(
+        f"rebalancer demo: {name} did not stop in {timeout:.0f}s; killing it.", file=sys.stderr))
 
 
 def _summary(url: str, job: str) -> str:
@@ -116,8 +73,8 @@ def run_demo(
     except ValueError as exc:
         print(f"rebalancer demo: {exc}", file=sys.stderr)
         return 2
-    if not _port_free(port):
-        new = _free_port()
+    if not port_free(port):
+        new = free_port()
         print(f"rebalancer demo: port {port} is busy; using {new} instead.")
         port = new
     workdir = Path(tempfile.mkdtemp(prefix="rebalancer-demo-"))
@@ -126,16 +83,13 @@ def run_demo(
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "REBALANCER_DEFAULT_MODE": mode}
     env.pop("REBALANCER_ADMIN_TOKEN", None)  # loopback open mode: the demo needs no tokens
     server_log = workdir / "server.log"
-    with open(server_log, "wb") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "backend", "serve", "--host", "127.0.0.1", "--port", str(port), "--db", db],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
+    server = spawn_backend(port=port, db_url=db, log_path=server_log, env=env, new_session=True)
     job_proc: subprocess.Popen[bytes] | None = None
     interrupted = False
     try:
-        if not _wait_healthy(url, server, 60.0):
-            print(f"rebalancer demo: the backend did not start; its log:\n{server_log.read_text(errors='replace')}",
+        failed = wait_healthy(url, server, 60.0)
+        if failed:
+            print(f"rebalancer demo: {failed}; its log:\n{server_log.read_text(errors='replace')}",
                   file=sys.stderr)
             return 1
         print(f"Rebalancer backend: {url}  (mode {mode}, log {server_log})")
@@ -144,7 +98,7 @@ def run_demo(
               f"{f' for {steps} steps' if steps else '; Ctrl-C stops everything'}.", flush=True)
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
-            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
             "-m", "trainer_hook.demo_worker", "--server", url, "--job", job, "--steps", str(steps or 0),
             "--global-batch-size", str(global_batch_size), "--speeds", ",".join(map(str, speed_list)),
             "--per-sample-ms", str(per_sample_ms),

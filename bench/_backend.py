@@ -6,17 +6,18 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from backend.process import free_port, spawn_backend, stop_process, wait_healthy
+
+__all__ = ["ApiError", "Backend", "REPO_ROOT", "free_port", "running_backend", "stop_on_sigterm"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,13 +30,6 @@ def stop_on_sigterm() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, _raise)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ApiError(RuntimeError):
@@ -90,20 +84,6 @@ class Backend:
         return self.log_path.read_text(errors="replace")
 
 
-def _wait_healthy(backend: Backend, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if backend.proc.poll() is not None:
-            raise RuntimeError(f"backend exited with {backend.proc.returncode}:\n{backend.log()}")
-        try:
-            with urllib.request.urlopen(backend.url + "/healthz", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"backend did not become healthy in {timeout}s:\n{backend.log()}")
-
-
 @contextlib.contextmanager
 def running_backend(
     workdir: Path | None = None, *, env: dict[str, str] | None = None, timeout: float = 60.0
@@ -116,21 +96,13 @@ def running_backend(
         port = free_port()
         db_url = f"sqlite:///{workdir / f'bench-{port}.db'}"
         log_path = workdir / f"backend-{port}.log"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        cmd = [sys.executable, "-m", "backend", "serve", "--host", "127.0.0.1",
-               "--port", str(port), "--db", db_url]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                    cwd=REPO_ROOT)
+        proc = spawn_backend(port=port, db_url=db_url, log_path=log_path,
+                             env={**os.environ, **(env or {})}, cwd=REPO_ROOT)
         backend = Backend(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path)
         try:
-            _wait_healthy(backend, timeout)
+            failed = wait_healthy(backend.url, proc, timeout)
+            if failed:
+                raise RuntimeError(f"{failed}:\n{backend.log()}")
             yield backend
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_process(proc, 10.0)

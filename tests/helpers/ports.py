@@ -1,10 +1,7 @@
+"""Free loopback ports for test servers and torchrun rendezvous (one helper, the product's)."""
+
 from __future__ import annotations
 
-import socket
+from backend.process import free_port
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["free_port"]

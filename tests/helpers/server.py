@@ -5,10 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -16,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.ports import free_port
+from backend.process import free_port, spawn_backend, stop_process, wait_healthy
 
 
 @dataclass
@@ -56,20 +53,6 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"backend exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            with urllib.request.urlopen(url + "/healthz", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"backend did not become healthy in {timeout}s:\n{log_path.read_text()}")
-
-
 @contextlib.contextmanager
 def running_server(
     tmp_path: Path,
@@ -77,26 +60,18 @@ def running_server(
     db_url: str | None = None,
     port: int | None = None,
     env: dict[str, str] | None = None,
-    args: list[str] | None = None,
     timeout: float = 30.0,
 ) -> Iterator[Server]:
     """Start the backend, wait for /healthz, yield it, stop it (SIGINT, then SIGKILL)."""
     port = port or free_port()
     db_url = db_url or f"sqlite:///{tmp_path / 'rebalancer.db'}"
     log_path = tmp_path / f"server-{port}.log"
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "backend", "serve", "--host", "127.0.0.1", "--port", str(port), "--db", db_url]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    proc = spawn_backend(port=port, db_url=db_url, log_path=log_path, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc, log_path, timeout)
+        failed = wait_healthy(url, proc, timeout)
+        if failed:
+            raise RuntimeError(f"{failed}:\n{log_path.read_text(errors='replace')}")
         yield Server(url=url, port=port, db_url=db_url, proc=proc, log_path=log_path)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 10.0)

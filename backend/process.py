@@ -1,0 +1,104 @@
+"""``rebalancer serve`` as a child process: start it, wait until it answers, stop it.
+
+``rebalancer demo``, the benchmarks and the test suite all run the real backend this
+way, on a loopback port with its own database and log file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+__all__ = ["free_port", "port_free", "spawn_backend", "wait_healthy", "stop_process"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_free(port: int) -> bool:
+    """True when ``port`` on 127.0.0.1 can be bound now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def spawn_backend(
+    *,
+    port: int,
+    db_url: str,
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    host: str = "127.0.0.1",
+    new_session: bool = False,
+    cwd: str | Path | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``python -m backend serve`` with its output in ``log_path``; returns at once.
+
+    ``env`` replaces the environment (PYTHONUNBUFFERED is added so the log is live);
+    ``new_session`` puts the server in its own process group (for ``stop_process(group=True)``).
+    """
+    full_env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "backend", "serve", "--host", host, "--port", str(port), "--db", db_url]
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=new_session, cwd=cwd,
+        )
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> str | None:
+    """Poll ``url``/healthz until it answers 200. Returns None when it did, else why not."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"the backend exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return None
+        except OSError:
+            time.sleep(0.1)
+    return f"the backend did not become healthy in {timeout:g}s"
+
+
+def stop_process(
+    proc: subprocess.Popen[bytes], timeout: float, *, group: bool = False,
+    on_kill: Callable[[], None] | None = None,
+) -> None:
+    """SIGINT (to the process group with ``group``), then SIGKILL if it outlives ``timeout``.
+
+    ``on_kill`` is called before the SIGKILL (to say so). Idempotent.
+    """
+    if proc.poll() is not None:
+        return
+
+    def signal_it(sig: signal.Signals) -> None:
+        try:
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    signal_it(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if on_kill is not None:
+            on_kill()
+        signal_it(signal.SIGKILL)
+        proc.wait()
