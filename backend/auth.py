@@ -153,6 +153,15 @@ class AuthService:
             self._cache.clear()
             self._count = None
 
+    def revoked_among(self, token_ids: list[int]) -> set[int]:
+        """Those of ``token_ids`` that are revoked now (or deleted), straight from the database."""
+        if not token_ids:
+            return set()
+        with self._sf() as s:
+            active = set(s.scalars(select(TokenRow.id).where(
+                TokenRow.id.in_(token_ids), TokenRow.revoked_at.is_(None))))
+        return set(token_ids) - active
+
     def token_count(self) -> int:
         now = time.monotonic()
         with self._lock:

@@ -83,6 +83,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
                       CLOSE_FORBIDDEN)
         return
     hello: Hello | None = None
+    services.sockets.add(actor, websocket)
     try:
         while True:
             frame = await websocket.receive()
@@ -148,6 +149,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
         await _refuse(websocket, "internal", "The backend failed to handle this message; see its log.",
                       CLOSE_INTERNAL)
     finally:
+        services.sockets.discard(actor, websocket)
         if hello is not None:
             services.connections.remove(hello.job, hello.rank, websocket)
             if not services.connections.has(hello.job, hello.rank):

@@ -22,6 +22,7 @@ from backend.connections import HookConnections
 from backend.live import LiveState
 from backend.settings import Settings
 from backend.storage import Base, insert_windows, make_engine, make_sessionmaker
+from backend.token_sockets import TokenSockets
 
 __all__ = ["Services", "build_services", "init_db"]
 
@@ -55,6 +56,7 @@ class Services:
     hub: Any = None
     registry: Any = None  # prometheus CollectorRegistry, set by backend.prom
     persisted_windows: int = 0
+    sockets: TokenSockets = field(default_factory=TokenSockets)  # open websockets by token
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def notify(self, job: str) -> None:
@@ -81,8 +83,29 @@ class Services:
             except Exception:  # the database may be briefly away; keep the live path serving
                 log.exception("persisting metrics failed; will retry")
 
+    async def close_revoked(self) -> int:
+        """Close the sockets of tokens revoked since they opened; returns how many closed."""
+        ids = self.sockets.token_ids()
+        if not ids:
+            return 0
+        revoked = await asyncio.to_thread(self.auth.revoked_among, ids)
+        closed = 0
+        for token_id in sorted(revoked):
+            closed += await self.sockets.close_token(token_id)
+        return closed
+
+    async def _revocation_loop(self) -> None:
+        # Revocations by another process (the CLI) reach open sockets within this period.
+        while True:
+            await asyncio.sleep(self.auth.cache_s)
+            try:
+                await self.close_revoked()
+            except Exception:  # the database may be briefly away; sockets stay until next time
+                log.exception("checking open sockets for revoked tokens failed; will retry")
+
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._persist_loop(), name="rebalancer-persist"))
+        self._tasks.append(asyncio.create_task(self._revocation_loop(), name="rebalancer-revocations"))
         for part in (self.controller, self.hub):
             if part is not None:
                 await part.start()

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 from fastapi.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
 
-from backend.auth import AuthService, create_token, hash_secret, list_tokens
+from backend.auth import AuthService, create_token, hash_secret, list_tokens, revoke_token
 from backend.cli import main as cli_main
 from backend.services import init_db
 from backend.storage import make_engine, make_sessionmaker
@@ -208,3 +209,59 @@ def test_app_on_public_address_without_tokens_refuses_to_start(tmp_path):
     with TestClient(make_app(tmp_path, host="0.0.0.0", admin_token=ADMIN)) as c:
         assert c.get("/healthz").json()["open_mode"] is False
         assert c.get("/api/v1/jobs").status_code == 401
+
+
+def _token_id(client: TestClient, secret_name: str) -> int:
+    listed = client.get("/api/v1/tokens", headers=_bearer(ADMIN)).json()["data"]
+    return next(t["id"] for t in listed if t["name"] == secret_name)
+
+
+def test_revoking_a_token_closes_its_open_sockets(client, tmp_path):
+    def make(role: str, name: str, job: str | None = None) -> tuple[str, int]:
+        r = client.post("/api/v1/tokens", json={"role": role, "job": job, "name": name}, headers=_bearer(ADMIN))
+        assert r.status_code == 201, r.text
+        return r.json()["secret"], r.json()["id"]
+
+    hook_secret, hook_id = make("hook", "rank0", job="j")
+    viewer_secret, viewer_id = make("viewer", "wallboard")
+    other_secret, _ = make("viewer", "other")
+    with client.websocket_connect("/ws/hook", headers=_bearer(hook_secret)) as h0, \
+            client.websocket_connect(f"/ws/dashboard?job=j&token={viewer_secret}") as dash, \
+            client.websocket_connect(f"/ws/dashboard?token={other_secret}") as other:
+        h0.send_text(hello(rank=0, world_size=1))
+        assert h0.receive_json()["type"] == "placement"
+        assert dash.receive_json()["type"] == "job"
+        assert other.receive_json()["type"] == "overview"
+        # Revoked over REST: its dashboard socket is closed at once, with the reason.
+        assert client.delete(f"/api/v1/tokens/{viewer_id}", headers=_bearer(ADMIN)).status_code == 200
+        with pytest.raises(WebSocketDisconnect) as closed:
+            while True:
+                dash.receive_json()
+        assert closed.value.code == 4401 and "revoked" in closed.value.reason
+        # The hook token too: the rank's socket closes with 4401 (the hook backs off and
+        # training goes on; see the transport tests).
+        assert client.delete(f"/api/v1/tokens/{hook_id}", headers=_bearer(ADMIN)).status_code == 200
+        with pytest.raises(WebSocketDisconnect) as closed:
+            while True:
+                h0.receive_json()
+        assert closed.value.code == 4401
+        # A token revoked by another process (the CLI writes the database directly) is
+        # found by the periodic sweep; the sweep leaves every other socket open.
+        engine = make_engine(f"sqlite:///{tmp_path / 'rebalancer.db'}")
+        with make_sessionmaker(engine)() as s:
+            other_id = _token_id(client, "other")
+            assert revoke_token(s, other_id) is not None
+            s.commit()
+        engine.dispose()
+        services = client.app.state.services
+        assert client.portal.call(services.close_revoked) == 1
+        with pytest.raises(WebSocketDisconnect) as closed:
+            while True:
+                other.receive_json()
+        assert closed.value.code == 4401
+        assert services.sockets.count() == 0
+    # Admin sockets are untouched by all this, and nothing is left registered.
+    with client.websocket_connect("/ws/hook", headers=_bearer(ADMIN)) as h0:
+        h0.send_text(hello(rank=0, world_size=1))
+        assert h0.receive_json()["type"] == "placement"
+        assert client.portal.call(client.app.state.services.close_revoked) == 0

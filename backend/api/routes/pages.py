@@ -93,11 +93,16 @@ async def dashboard_ws(websocket: WebSocket, job: str | None = None) -> None:
     if not role_allows(actor.role, "viewer"):
         await websocket.close(CLOSE_FORBIDDEN, "The dashboard needs the viewer role.")
         return
-    hub = websocket.app.state.services.hub
+    services = websocket.app.state.services
+    hub = services.hub
     if hub is None:
         await websocket.close(1011, "The dashboard hub is not running.")
         return
-    await hub.serve(websocket, job or None, actor)
+    services.sockets.add(actor, websocket)
+    try:
+        await hub.serve(websocket, job or None, actor)
+    finally:
+        services.sockets.discard(actor, websocket)
 
 
 @router.get("/api/v1/whoami", tags=["auth"])

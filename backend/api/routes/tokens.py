@@ -114,4 +114,5 @@ async def revoke(
     if found is None:
         raise HTTPException(404, f"Token {token_id} not found.")
     services.auth.invalidate()
+    await services.sockets.close_token(token_id)  # its open hook and dashboard sockets
     return found
