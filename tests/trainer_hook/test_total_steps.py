@@ -83,3 +83,19 @@ def _wait(pred: Any, server: Any, timeout: float = 30.0) -> Any:
             return got
         time.sleep(0.1)
     raise AssertionError(f"the backend never showed the expected job state\n{server.log()[-3000:]}")
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "accum", "per_epoch", "want"),
+    [
+        (20, 1, 5, 20),  # no accumulation: one hook step per optimizer step
+        (9, 2, 5, 15),  # windows 2,2,1 per epoch of 5: three epochs
+        (4, 2, 5, 7),  # one epoch (5) and one full window of the next
+        (10, 4, 8, 40),  # windows 4,4 per epoch of 8: 10 updates are 5 epochs, 40 micro-batches
+        (3, 3, 0, 9),  # epoch length unknown: full windows
+    ],
+)
+def test_hf_trainer_total_in_hook_steps(max_steps: int, accum: int, per_epoch: int, want: int) -> None:
+    from trainer_hook.integrations.hf_trainer import hook_steps_for
+
+    assert hook_steps_for(max_steps, accum, per_epoch) == want
