@@ -78,6 +78,26 @@ def test_profiled_warms_up_with_steps_remaining():
                              steps_remaining=6)
 
 
+def test_a_tight_fit_is_ready_at_half_of_min_steps_a_noisy_one_is_not():
+    a, c, shares = [2.0] * 4, [2.0, 2.0, 4.0, 8.0], [16] * 4
+    steady = observe(a, c, shares, steps=5, noise=0.005, seed=1)
+    got = decide(steady, PolicyConfig(strategy="profiled", min_steps=10))
+    assert isinstance(got, Proposal) and got.shares[3] < got.shares[0]
+    assert decide(observe(a, c, shares, steps=4, noise=0.005, seed=1),
+                  PolicyConfig(min_steps=10)).status == "warming_up"  # below half
+    # 10% noise: a relative standard error of ~5% at 5 steps; wait for all 10.
+    noisy = observe(a, c, shares, steps=5, noise=0.1, seed=1)
+    got = decide(noisy, PolicyConfig(strategy="profiled", min_steps=10))
+    assert got.status == "warming_up" and got.steps_remaining == 5
+    # One noisy rank holds back the first proposal for everyone.
+    mixed = JobObservation(job="job", world_size=4, global_batch_size=64, batch_index=4,
+                           shares=tuple(shares), placement_version=0, steps_since_change=5,
+                           ranks=(*steady.ranks[:3], noisy.ranks[3]))
+    got = decide(mixed, PolicyConfig(strategy="predictive", min_steps=10))
+    assert got == NoProposal("warming_up", "warming up: 5 more steps needed on rank 3",
+                             steps_remaining=5)
+
+
 def test_profiled_restarts_its_window_at_a_level_shift():
     rank = _varied_rank(0, 2.0, 1.0, steps=100, c_of_step=lambda k: 1.0 if k < 80 else 2.0)
     est = get_strategy("profiled")(_job([rank], [32]), PolicyConfig(), NONE)
