@@ -68,6 +68,7 @@ class _JobState:
     effective: int | None = None  # the batch index it took effect at
     measured: bool = False  # its effect is on record
     busy: bool = False  # a policy run is in flight
+    again: bool = False  # metrics came while warming up that the last run may have missed
     think_s: float = 0.0  # how long the last policy run took (thread time, wall clock)
 
     def follow(self, row: db.PlacementRow) -> None:
@@ -250,22 +251,36 @@ class Controller:
                          reason=reason)
 
     async def on_metrics(self, job: str) -> None:
-        """Run the policy for ``job`` at most every ``min_interval_s`` seconds."""
+        """Run the policy for ``job`` at most every ``min_interval_s`` seconds; while the
+        job warms up, on every metrics frame (the first proposal is due as soon as the last
+        rank's steps are in, not up to ``min_interval_s`` later)."""
         st = self._load(job)
         if st is None:
             return
         now = self._clock()
         st.last_metrics = now
+        warming = st.status == "warming_up"
         # At thousands of ranks one run takes a good fraction of a second; spacing runs by
         # their own cost keeps the policy thread under a fifth of a core.
-        if now - st.last_run < max(self.min_interval_s, 5.0 * st.think_s):
+        if st.busy or now - st.last_run < max(0.0 if warming else self.min_interval_s,
+                                              5.0 * st.think_s):
+            # Lockstep ranks send their frames together: the one that completes the
+            # warm-up may land while a run is in flight, so that run goes again.
+            st.again = st.again or warming
             return
-        st.last_run = now
-        try:
-            await self._run_policy(st)
-        except Exception:  # a policy bug must not take ingest down with it
-            log.exception("policy run for job %s failed", job)
-            st.status_detail = "the policy failed; see the backend log"
+        while True:
+            st.last_run, st.again = self._clock(), False
+            try:
+                await self._run_policy(st)
+            except Exception:  # a policy bug must not take ingest down with it
+                log.exception("policy run for job %s failed", job)
+                st.status_detail = "the policy failed; see the backend log"
+                return
+            if not (st.again and st.status == "warming_up"):
+                return
+            await asyncio.sleep(5.0 * st.think_s)
+            if st.busy:
+                return  # a newer frame's run took over
 
     async def on_ack(self, ack: Ack) -> None:
         """Record the batch index at which a rank applied a version; all acked -> applied."""
@@ -470,6 +485,7 @@ class Controller:
             return None if obs is None else decide(obs, cfg, inputs.constraints_from(st.overrides))
 
         if st.busy:
+            st.again = True
             return
         st.busy, version = True, st.version
         try:

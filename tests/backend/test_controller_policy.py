@@ -112,6 +112,51 @@ def test_the_policy_is_throttled_per_job(make):
     assert j.ctl.job_control(JOB)["pending_proposal"]["id"] == first["id"]
 
 
+def test_while_warming_up_every_frame_may_bring_the_first_proposal(make):
+    j = make("approve")
+    j.hello()
+    j.steps(2)
+    j.tick()
+    assert j.ctl.job_control(JOB)["status"] == "warming_up"
+    j.ctl._load(JOB).think_s = 0.01  # runs stay spaced by five times their own cost
+    j.steps(3)
+    j.clock.t += 0.1  # well inside the 0.5 s that spaces runs once warmed up
+    asyncio.run(j.ctl.on_metrics(JOB))
+    assert j.ctl.job_control(JOB)["pending_proposal"] is not None
+
+
+def test_a_frame_that_lands_during_a_warm_up_run_makes_it_run_again(make, monkeypatch):
+    import threading
+
+    import backend.policy
+
+    j = make("approve")
+    j.hello()
+    j.steps(2)
+    thinking, go = threading.Event(), threading.Event()
+    decide = backend.policy.decide
+
+    def slow_decide(*args, **kwargs):
+        thinking.set()
+        go.wait(10)
+        return decide(*args, **kwargs)
+
+    monkeypatch.setattr(backend.policy, "decide", slow_decide)
+
+    async def scenario() -> None:
+        j.clock.t += 1.0
+        first = asyncio.create_task(j.ctl.on_metrics(JOB))
+        while not thinking.is_set():
+            await asyncio.sleep(0.005)
+        j.steps(3)  # the frame that completes the warm-up, after the run read its steps
+        await j.ctl.on_metrics(JOB)  # a run is in flight: noted, not started
+        go.set()
+        await first
+
+    asyncio.run(scenario())
+    assert j.ctl.job_control(JOB)["pending_proposal"] is not None
+
+
 def test_a_rejected_split_is_not_proposed_again(make):
     j = make("approve")
     j.hello()
