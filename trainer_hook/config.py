@@ -50,7 +50,9 @@ class HookConfig:
     - ``total_steps``: how many steps (global batches) the run takes in all, if known;
       the backend shows the job's ETA and cost to finish from it. Optional; the HF
       Trainer callback fills it from ``max_steps``, ``hook.set_total_steps(n)`` changes it.
-    - ``exchange_every`` (K): ranks exchange placements every K steps.
+    - ``exchange_every`` (K): ranks exchange placements every K steps. A new placement
+      takes effect ``L + lookahead`` to ``K + L + lookahead`` batches after it reaches
+      rank 0 (10 to 14 by default); each exchange is one async broadcast of a few ints.
     - ``exchange_lag`` (L): an exchange launched at step s is collected at step s + L
       (L < K), so no step blocks on a collective that has not had time to finish.
     - ``lookahead``: how many batches the sampler may run ahead of training; must cover
@@ -68,7 +70,7 @@ class HookConfig:
     global_batch_size: int
     token: str | None = None
     total_steps: int | None = None
-    exchange_every: int = 8
+    exchange_every: int = 4
     exchange_lag: int = 2
     lookahead: int = 8
     startup_wait_s: float = 2.0

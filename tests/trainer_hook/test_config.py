@@ -12,6 +12,9 @@ def test_defaults_work_untouched() -> None:
     assert cfg.offline and cfg.job_name == "local"
     assert cfg.exchange_lag < cfg.exchange_every
     assert cfg.lookahead >= 5  # covers num_workers=2 * prefetch_factor=2 plus one
+    # A placement reaching rank 0 starts within K + L + lookahead batches (issue 7: the
+    # split settles within 30 steps, readiness and reporting included).
+    assert cfg.exchange_every + cfg.exchange_lag + cfg.lookahead <= 14
 
 
 @pytest.mark.parametrize(
