@@ -7,6 +7,7 @@ wrote to its ``--result`` file.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import os
@@ -57,6 +58,12 @@ class JobRun:
     wall_s: float
     backend_placements: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    step_t: list[float] = field(default_factory=list)  # rank 0's Unix time at each step's end
+    proposals: list[dict[str, Any]] = field(default_factory=list)  # the backend's, oldest first
+
+    def batch_at(self, t: float) -> int:
+        """Rank 0's batch index in progress at Unix time ``t`` (steps it had finished)."""
+        return bisect.bisect_right(self.step_t, t)
 
 
 def _torchrun_cmd(nproc: int, args: Sequence[str]) -> list[str]:
@@ -194,13 +201,21 @@ def _run_once(backend: Backend, spec: JobSpec, strategy: str, policy: dict[str, 
                                       or "exitcode" in line)[:500])
         if data is None:
             raise JobFailed("the job exited 0 but wrote no result file", out[-3000:])
-    try:
-        hist = backend.get(f"/api/v1/jobs/{spec.job}/placements")
-        backend_placements = list(hist.get("data", [])) if isinstance(hist, dict) else []
-    except ApiError:
-        backend_placements = []
+    backend_placements = _listed(backend, f"/api/v1/jobs/{spec.job}/placements")
+    proposals = sorted(_listed(backend, f"/api/v1/jobs/{spec.job}/proposals"),
+                       key=lambda p: float(p.get("created_at") or 0.0))
+    rank0 = (data.get("records") or [[]])[0]
     return JobRun(
         spec=spec, strategy=strategy, step_ms=[float(x) for x in data["step_ms"]],
         placements=list(data.get("placements", [])), wall_s=wall,
         backend_placements=backend_placements, notes=notes,
+        step_t=[float(r["t"]) for r in rank0], proposals=proposals,
     )
+
+
+def _listed(backend: Backend, path: str) -> list[dict[str, Any]]:
+    try:
+        got = backend.get(path)
+    except ApiError:
+        return []
+    return list(got.get("data", [])) if isinstance(got, dict) else []

@@ -19,7 +19,9 @@ oracle steady / achieved steady (target >= 0.95), and steps until the rolling me
 is, for good, within 5% of the best split's model step time for the true costs (noise-free:
 it measures the policy, not the machine). "measured" is the same from the measured step
 times: the first step from which 90% of the rolling medians of 10 steps are within 5% of
-the oracle run's steady step time.
+the oracle run's steady step time. "proposed at" (rank 0's batch index when the backend
+made its first policy proposal) and "steps used" (valid steps per rank behind it) say where
+the steps to 5% went: readiness and reporting before it, the lockstep exchange after it.
 
     python -m bench.balance [--quick | --tiny] [--steps N]
 """
@@ -67,6 +69,10 @@ class BalanceRow:
     steps_to_within_5pct: int | None  # split in force within 5% of the oracle's (model), for good
     steps_to_within_5pct_measured: int | None  # rolling median step time settles within 5%
     model_oracle_ms: float  # slowest rank's injected compute under the oracle split
+    # Where the steps to 5% went: rank 0's batch index when the backend made its first
+    # policy proposal, and how many valid steps of each rank that proposal was fitted on.
+    first_proposal_batch: int | None
+    first_proposal_steps_used: list[int] | None
     final_shares: list[int] | None
     placements_applied: int
     wall_s: float
@@ -79,8 +85,17 @@ def _final_shares(run: JobRun) -> list[int] | None:
     return None
 
 
+def _first_proposal(run: JobRun) -> tuple[int | None, list[int] | None]:
+    for p in run.proposals:
+        if p.get("source") == "policy" and p.get("created_at") is not None:
+            ranks = (p.get("explanation") or {}).get("ranks") or []
+            return run.batch_at(float(p["created_at"])), [int(r.get("n_steps", 0)) for r in ranks] or None
+    return None, None
+
+
 def _row(scenario: str, run: JobRun, oracle_ms: float) -> BalanceRow:
     s = steady_ms(run.step_ms)
+    proposed_at, steps_used = _first_proposal(run)
     spec = run.spec
     model = model_step_ms(spec.a_ms, spec.c_ms, oracle_shares(spec.a_ms, spec.c_ms, spec.global_batch_size))
     return BalanceRow(
@@ -90,7 +105,8 @@ def _row(scenario: str, run: JobRun, oracle_ms: float) -> BalanceRow:
             run.placements, lambda _k: (spec.a_ms, spec.c_ms), len(run.step_ms),
             spec.global_batch_size, 0.05),
         steps_to_within_5pct_measured=steps_until_within(run.step_ms, oracle_ms, 0.05),
-        model_oracle_ms=round(model, 2), final_shares=_final_shares(run),
+        model_oracle_ms=round(model, 2), first_proposal_batch=proposed_at,
+        first_proposal_steps_used=steps_used, final_shares=_final_shares(run),
         placements_applied=max(0, len(run.placements) - 1), wall_s=round(run.wall_s, 1),
         notes=[n for n in run.notes if "applied by hand" not in n],
     )
@@ -131,9 +147,10 @@ def run_balance(
         f"Balance efficiency (4 ranks, B={global_batch_size}, {per_sample_ms:g} ms/sample at speed 1, "
         f"{fixed_ms:g} ms fixed; oracle/achieved, target >= 0.95)",
         ["speeds", "strategy", "steady ms", "oracle ms", "efficiency", "steps to 5%",
-         "measured", "final shares"],
+         "measured", "proposed at", "steps used", "final shares"],
         [[r.scenario, r.strategy, r.steady_ms, r.oracle_ms, r.efficiency,
-          r.steps_to_within_5pct, r.steps_to_within_5pct_measured, r.final_shares] for r in rows],
+          r.steps_to_within_5pct, r.steps_to_within_5pct_measured, r.first_proposal_batch,
+          r.first_proposal_steps_used, r.final_shares] for r in rows],
     )
     payload = {
         "config": {"steps": steps, "global_batch_size": global_batch_size,
