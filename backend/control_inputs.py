@@ -16,6 +16,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from backend.control_errors import InvalidError
+from backend.live import STEP_BATCH as _BATCH
+from backend.live import STEP_COMPUTE as _COMPUTE
+from backend.live import STEP_LOCAL_BATCH as _LOCAL_BATCH
 
 if TYPE_CHECKING:
     from backend.policy.types import Constraints, JobObservation, PolicyConfig
@@ -133,18 +136,19 @@ def observation(live: Any, job: str, *, world_size: int, global_batch_size: int,
     ranks = []
     for r in range(world_size):
         h = live.hello(job, r)
-        steps = live.recent_steps(job, r, window_steps)
-        dev = live.recent_device(job, r, 120)
+        steps = live.recent_step_rows(job, r, window_steps)
+        dev = live.recent_device_rows(job, r, 120)
         ranks.append(RankObservation(
             rank=r,
             device_type=normalize_device(h.device_name or h.device_type, h.mem_total_bytes) if h else None,
             mem_total_bytes=h.mem_total_bytes if h else None,
-            steps=tuple(StepSample(s.batch_index, s.local_batch_size, s.compute_ms) for s in steps),
+            steps=tuple(StepSample(s[_BATCH], s[_LOCAL_BATCH], s[_COMPUTE]) for s in steps),
+            # DEVICE_FIELDS order: t, source, util, mem used, mem total, power, temp, sm clock,
+            # sm clock max, throttle reasons (a tuple), cpu %, rss.
             device=tuple(DeviceSignals(
-                t=d.t, util_pct=d.util_pct, mem_used_bytes=d.mem_used_bytes,
-                mem_total_bytes=d.mem_total_bytes, temp_c=d.temp_c, sm_clock_mhz=d.sm_clock_mhz,
-                sm_clock_max_mhz=d.sm_clock_max_mhz, power_w=d.power_w,
-                throttle_reasons=tuple(d.throttle_reasons)) for d in dev),
+                t=d[0], util_pct=d[2], mem_used_bytes=d[3], mem_total_bytes=d[4], temp_c=d[6],
+                sm_clock_mhz=d[7], sm_clock_max_mhz=d[8], power_w=d[5], throttle_reasons=d[9])
+                for d in dev),
         ))
     return JobObservation(
         job=job, world_size=world_size, global_batch_size=global_batch_size,
@@ -159,8 +163,8 @@ def step_costs(live: Any, job: str, world_size: int) -> list[float] | None:
         return None
     out = []
     for r in range(world_size):
-        per = [s.compute_ms / s.local_batch_size
-               for s in live.recent_steps(job, r, 50) if s.local_batch_size > 0]
+        per = [s[_COMPUTE] / s[_LOCAL_BATCH]
+               for s in live.recent_step_rows(job, r, 50) if s[_LOCAL_BATCH] > 0]
         if not per:
             return None
         out.append(median(per))

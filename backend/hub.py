@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
+from backend.live import STEP_BATCH, STEP_COMPUTE, STEP_LOCAL_BATCH, STEP_MS, STEP_VERSION
 from trainer_hook.protocol import uniform_shares
 
 __all__ = ["DashboardHub", "fit_rank_cost"]
@@ -333,16 +334,16 @@ class DashboardHub:
             feed.seen[rv.rank] = rv.batch_index
         if not after:
             return
-        pending: dict[int, dict[int, Any]] = {}  # batch index -> rank -> StepRecord
+        pending: dict[int, dict[int, Any]] = {}  # batch index -> rank -> step row
         closed = feed.closed
         for rank, recs in live.steps_after(feed.job, after).items():
             costs = feed.costs.get(rank)
             if costs is None:
                 costs = feed.costs[rank] = _CostWindow()
             for s in recs:
-                costs.add(s.local_batch_size, s.compute_ms)
-                if s.batch_index > closed:
-                    pending.setdefault(s.batch_index, {})[rank] = s
+                costs.add(s[STEP_LOCAL_BATCH], s[STEP_COMPUTE])
+                if s[STEP_BATCH] > closed:
+                    pending.setdefault(s[STEP_BATCH], {})[rank] = s
         # Batches read earlier but still waiting for a rank stay open in feed.open.
         for b, recs in pending.items():
             feed.open.setdefault(b, {}).update(recs)
@@ -383,7 +384,7 @@ class DashboardHub:
         by_rank: dict[int, list[float]] = {}
         for recs in pending.values():
             for r, s in recs.items():
-                by_rank.setdefault(r, []).append(s.compute_ms)
+                by_rank.setdefault(r, []).append(s[STEP_COMPUTE])
         # A rank whose metrics batch has not arrived this tick keeps its previous value.
         prev = feed.heat[-1]["compute"] if feed.heat else [None] * world
         col = [round(sum(v) / len(v), 3) if (v := by_rank.get(r)) else prev[r] for r in range(world)]
@@ -397,9 +398,9 @@ class DashboardHub:
 
     @staticmethod
     def _point(b: int, recs: list[Any], gbs: int, pred: float | None) -> dict[str, Any]:
-        step_ms = max(s.step_ms for s in recs)
-        max_c = max(s.compute_ms for s in recs)
-        mean_c = sum(s.compute_ms for s in recs) / len(recs)
+        step_ms = max(s[STEP_MS] for s in recs)
+        max_c = max(s[STEP_COMPUTE] for s in recs)
+        mean_c = sum(s[STEP_COMPUTE] for s in recs) / len(recs)
         uniform = None
         if pred is not None:
             # Sync and overheads stay; only the slowest rank's compute changes with the split.
@@ -408,7 +409,7 @@ class DashboardHub:
             "b": b, "step_ms": round(step_ms, 3), "max_compute_ms": round(max_c, 3),
             "mean_compute_ms": round(mean_c, 3),
             "throughput": round(gbs * 1000.0 / step_ms, 2) if step_ms > 0 else None,
-            "uniform_step_ms": uniform, "version": max(s.placement_version for s in recs),
+            "uniform_step_ms": uniform, "version": max(s[STEP_VERSION] for s in recs),
         }
 
     def _fold_ranks(self, feed: _Feed, view: Any) -> None:

@@ -11,6 +11,14 @@ Derived numbers use each rank's last ``window_steps`` steps:
   (0 = perfectly balanced; 1.0 = the slowest rank computes twice as long as the average).
 - job ``idle_fraction``: ``1 - mean_i compute_i / max_i compute_i``, the share of paid
   accelerator time spent waiting for the slowest rank.
+
+The ring buffers hold plain tuples of numbers and strings, not ``StepRecord`` /
+``DeviceSample`` objects: the cyclic garbage collector stops tracking such tuples, so two
+million buffered steps (1,024 ranks) cost a full collection nothing. As objects they made
+every full collection walk them all, stopping every thread for 0.4 s and more (1,024
+ranks, 30 s in; seconds once the buffers are full). Readers get objects back
+(``recent_steps``, ``steps``, ``recent_device``) or the rows themselves (``*_rows``, with
+the ``STEP_*`` indices) where they read many.
 """
 
 from __future__ import annotations
@@ -21,26 +29,62 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
-from operator import attrgetter
+from operator import attrgetter, itemgetter
+from typing import Any, Final
 
 from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
 
-__all__ = ["LiveState", "RankView", "JobView", "Window", "eta_seconds"]
+__all__ = ["LiveState", "RankView", "JobView", "Window", "eta_seconds", "STEP_FIELDS",
+           "DEVICE_FIELDS", "STEP_BATCH", "STEP_LOCAL_BATCH", "STEP_VERSION", "STEP_COMPUTE",
+           "STEP_MS", "StepRow", "DeviceRow"]
+
+STEP_FIELDS = ("batch_index", "local_batch_size", "placement_version", "data_wait_ms",
+               "compute_ms", "sync_wait_ms", "optimizer_ms", "step_ms", "t")
+STEP_BATCH: Final = 0
+STEP_LOCAL_BATCH: Final = 1
+STEP_VERSION: Final = 2
+STEP_COMPUTE: Final = 4
+STEP_MS: Final = 7
+DEVICE_FIELDS = ("t", "source", "util_pct", "mem_used_bytes", "mem_total_bytes", "power_w",
+                 "temp_c", "sm_clock_mhz", "sm_clock_max_mhz", "throttle_reasons", "cpu_pct",
+                 "rss_bytes")
+StepRow = tuple[int, int, int, float, float, float, float, float, float]  # STEP_FIELDS
+DeviceRow = tuple[Any, ...]  # DEVICE_FIELDS, throttle_reasons as a tuple
+_step_row = attrgetter(*STEP_FIELDS)
+_device_attrs = attrgetter(*DEVICE_FIELDS)
+
+
+def _device_row(d: DeviceSample) -> DeviceRow:
+    row = _device_attrs(d)
+    return (*row[:9], tuple(row[9]), *row[10:])
+
+
+def _step(row: StepRow) -> StepRecord:
+    return StepRecord(batch_index=row[0], local_batch_size=row[1], placement_version=row[2],
+                      data_wait_ms=row[3], compute_ms=row[4], sync_wait_ms=row[5],
+                      optimizer_ms=row[6], step_ms=row[7], t=row[8])
+
+
+def _device(row: DeviceRow) -> DeviceSample:
+    return DeviceSample(t=row[0], source=row[1], util_pct=row[2], mem_used_bytes=row[3],
+                        mem_total_bytes=row[4], power_w=row[5], temp_c=row[6], sm_clock_mhz=row[7],
+                        sm_clock_max_mhz=row[8], throttle_reasons=list(row[9]), cpu_pct=row[10],
+                        rss_bytes=row[11])
 
 
 @dataclass(slots=True)
 class _Rank:
     hello: Hello
-    steps: deque[StepRecord]
-    device: deque[DeviceSample]
+    steps: deque[StepRow]
+    device: deque[DeviceRow]
     connected: bool = True
     first_seen: float = 0.0
     last_seen: float = 0.0
     dropped: int = 0
     messages: int = 0
     # Records since the last persistence flush (swapped out whole by drain_windows).
-    pending: list[StepRecord] = field(default_factory=list)
-    pending_device: list[DeviceSample] = field(default_factory=list)
+    pending: list[StepRow] = field(default_factory=list)
+    pending_device: list[DeviceRow] = field(default_factory=list)
     pending_dropped: int = 0
     # Bumped on every change; views of unchanged ranks are reused (1,024 ranks at 10 Hz).
     rev: int = 0
@@ -128,7 +172,8 @@ class Window:
     device: DeviceSample | None
 
 
-_TIMES = attrgetter("compute_ms", "sync_wait_ms", "data_wait_ms", "optimizer_ms", "step_ms")
+_TIMES = itemgetter(*(STEP_FIELDS.index(f) for f in
+                      ("compute_ms", "sync_wait_ms", "data_wait_ms", "optimizer_ms", "step_ms")))
 
 
 def eta_seconds(total_steps: int | None, batch_index: int | None, step_ms: float | None) -> float | None:
@@ -193,10 +238,13 @@ class LiveState:
         with self._lock:
             job = self._jobs[msg.job]
             r = job.ranks[msg.rank]
-            r.steps.extend(msg.steps)
-            r.device.extend(msg.device)
-            r.pending.extend(msg.steps)
-            r.pending_device.extend(msg.device)
+            rows = list(map(_step_row, msg.steps))
+            r.steps.extend(rows)
+            r.pending.extend(rows)
+            if msg.device:
+                dev = list(map(_device_row, msg.device))
+                r.device.extend(dev)
+                r.pending_device.extend(dev)
             r.dropped += msg.dropped
             r.pending_dropped += msg.dropped
             if msg.total_steps is not None:
@@ -270,8 +318,8 @@ class LiveState:
         win = list(islice(reversed(r.steps), n))  # newest first
         last = win[0] if win else None
         rate = None
-        if n >= 2 and win[0].t > win[-1].t:
-            rate = (n - 1) / (win[0].t - win[-1].t)
+        if n >= 2 and win[0][8] > win[-1][8]:
+            rate = (n - 1) / (win[0][8] - win[-1][8])
         # Means oldest first, as before: the same float sums whatever the ring's layout.
         win.reverse()
         means: list[float | None] = [sum(c) / n for c in zip(*map(_TIMES, win), strict=True)] if n else [None] * 5
@@ -280,22 +328,26 @@ class LiveState:
             rank=rank, host=h.host, device_type=h.device_type, device_name=h.device_name,
             mem_total_bytes=h.mem_total_bytes, connected=r.connected, first_seen=r.first_seen,
             last_seen=r.last_seen,
-            batch_index=last.batch_index if last else None,
-            placement_version=last.placement_version if last else None,
-            local_batch_size=last.local_batch_size if last else None,
+            batch_index=last[STEP_BATCH] if last else None,
+            placement_version=last[STEP_VERSION] if last else None,
+            local_batch_size=last[STEP_LOCAL_BATCH] if last else None,
             compute_ms=means[0],
             sync_wait_ms=means[1],
             data_wait_ms=means[2],
             optimizer_ms=means[3],
             step_ms=means[4],
             step_rate_hz=rate, n_steps=len(r.steps), dropped=r.dropped,
-            device=r.device[-1] if r.device else None,
+            device=_device(r.device[-1]) if r.device else None,
         )
         r.cached = (r.rev, view)
         return view
 
     def recent_steps(self, job: str, rank: int, n: int | None = None) -> tuple[StepRecord, ...]:
         """The last ``n`` (default: all buffered) step records of a rank, oldest first."""
+        return tuple(map(_step, self.recent_step_rows(job, rank, n)))
+
+    def recent_step_rows(self, job: str, rank: int, n: int | None = None) -> tuple[StepRow, ...]:
+        """``recent_steps`` as rows in ``STEP_FIELDS`` order (no objects built)."""
         with self._lock:
             j = self._jobs.get(job)
             r = j.ranks.get(rank) if j else None
@@ -309,11 +361,11 @@ class LiveState:
         tail.reverse()
         return tuple(tail)
 
-    def steps_after(self, job: str, after: dict[int, tuple[int, int]]) -> dict[int, list[StepRecord]]:
+    def steps_after(self, job: str, after: dict[int, tuple[int, int]]) -> dict[int, list[StepRow]]:
         """For each ``rank: (batch_index, n)`` in ``after``: those of the rank's newest ``n``
-        step records whose batch index is above ``batch_index``, oldest first. One lock for
-        all ranks (the dashboard reads ~1,000 ranks per tick)."""
-        out: dict[int, list[StepRecord]] = {}
+        step rows (``STEP_FIELDS`` order) whose batch index is above ``batch_index``, oldest
+        first. One lock for all ranks (the dashboard reads ~1,000 ranks per tick)."""
+        out: dict[int, list[StepRow]] = {}
         with self._lock:
             j = self._jobs.get(job)
             if j is None:
@@ -322,13 +374,17 @@ class LiveState:
                 r = j.ranks.get(rank)
                 if r is None:
                     continue
-                recs = [s for s in islice(reversed(r.steps), n) if s.batch_index > last]
+                recs = [s for s in islice(reversed(r.steps), n) if s[0] > last]
                 recs.reverse()
                 out[rank] = recs
         return out
 
     def recent_device(self, job: str, rank: int, n: int | None = None) -> tuple[DeviceSample, ...]:
         """The last ``n`` (default: all buffered) device samples of a rank, oldest first."""
+        return tuple(map(_device, self.recent_device_rows(job, rank, n)))
+
+    def recent_device_rows(self, job: str, rank: int, n: int | None = None) -> tuple[DeviceRow, ...]:
+        """``recent_device`` as rows in ``DEVICE_FIELDS`` order (no objects built)."""
         with self._lock:
             j = self._jobs.get(job)
             r = j.ranks.get(rank) if j else None
@@ -352,17 +408,17 @@ class LiveState:
             picked = [
                 (rank, s) for rank, r in j.ranks.items() if ranks is None or rank in ranks
                 for s in r.steps
-                if (batch_from is None or s.batch_index >= batch_from)
-                and (batch_to is None or s.batch_index <= batch_to)
+                if (batch_from is None or s[0] >= batch_from)
+                and (batch_to is None or s[0] <= batch_to)
             ]
-        picked.sort(key=lambda p: (p[1].batch_index, p[0]))
-        return picked[-limit:] if limit else []
+        picked.sort(key=lambda p: (p[1][0], p[0]))
+        return [(rank, _step(s)) for rank, s in picked[-limit:]] if limit else []
 
     # --- persistence --------------------------------------------------------------------
 
     def drain_windows(self) -> list[Window]:
         """Aggregate and clear what each rank sent since the previous call."""
-        taken: list[tuple[str, int, list[StepRecord], list[DeviceSample], int]] = []
+        taken: list[tuple[str, int, list[StepRow], list[DeviceRow], int]] = []
         with self._lock:
             for j in self._jobs.values():
                 for rank, r in j.ranks.items():
@@ -374,17 +430,13 @@ class LiveState:
         out = []
         for job, rank, steps, device, dropped in taken:
             n = len(steps)
+            bi, lb, _pv, dw, cm, sw, om, sm, _t = zip(*steps, strict=True)
             out.append(Window(
-                job=job, rank=rank, t_start=steps[0].t, t_end=steps[-1].t,
-                batch_index_start=min(s.batch_index for s in steps),
-                batch_index_end=max(s.batch_index for s in steps), n_steps=n,
-                placement_version=steps[-1].placement_version,
-                local_batch_size=sum(s.local_batch_size for s in steps) / n,
-                compute_ms=sum(s.compute_ms for s in steps) / n,
-                sync_wait_ms=sum(s.sync_wait_ms for s in steps) / n,
-                data_wait_ms=sum(s.data_wait_ms for s in steps) / n,
-                optimizer_ms=sum(s.optimizer_ms for s in steps) / n,
-                step_ms=sum(s.step_ms for s in steps) / n,
-                dropped=dropped, device=device[-1] if device else None,
+                job=job, rank=rank, t_start=steps[0][8], t_end=steps[-1][8],
+                batch_index_start=min(bi), batch_index_end=max(bi), n_steps=n,
+                placement_version=steps[-1][STEP_VERSION],
+                local_batch_size=sum(lb) / n, compute_ms=sum(cm) / n, sync_wait_ms=sum(sw) / n,
+                data_wait_ms=sum(dw) / n, optimizer_ms=sum(om) / n, step_ms=sum(sm) / n,
+                dropped=dropped, device=_device(device[-1]) if device else None,
             ))
         return out
