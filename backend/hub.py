@@ -14,6 +14,12 @@ Frames (JSON text):
   "markers", "heat", "savings"}`` for ``?job=NAME``: the first frame is a full snapshot
   (``full: true``), later ones carry only the series points and heatmap columns added since
   the client's previous frame. ``ranks`` and ``series`` are columnar (dict of lists).
+  Above ``_RANKS_FULL_RATE_MAX`` ranks the per-rank columns are rebuilt and sent at most
+  once every ``_RANKS_EVERY_S`` (the page redraws per-rank panels no faster): a frame
+  without them carries ``positions`` (``{"rank": [...], "batch_index": [...]}``), every
+  rank's newest batch index, and the page keeps the last ``ranks`` it got. At 1,024 ranks
+  the columns are ~160 kB of JSON; ``positions`` ~7 kB.
+  The ``ranks`` JSON is encoded once per rebuild and spliced into every client's frame.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ _LAG_LIMIT = 256  # a batch a connected rank never sent closes once the newest i
 _COST_WINDOW = 64  # steps per rank used to fit its per-sample cost
 _CONTROL_EVERY_S = 0.25  # control state reads SQL: refresh it at most this often per job
 _IDLE_REFRESH_S = 1.0  # watched jobs refresh this often even without metrics (stale flag)
+_RANKS_FULL_RATE_MAX = 128  # up to this many ranks, per-rank columns go out every tick
+_RANKS_EVERY_S = 1.0  # above it, at most this often
 _RANK_FIELDS = ("compute_ms", "sync_wait_ms", "data_wait_ms", "optimizer_ms", "step_ms",
                 "batch_index", "local_batch_size", "placement_version", "step_rate_hz")
 _DEVICE_FIELDS = ("util_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "temp_c",
@@ -165,7 +173,13 @@ class _Feed:
     rows: dict[int, tuple[Any, Any, tuple[Any, ...]]] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     ranks: dict[str, list[Any]] = field(default_factory=dict)
+    ranks_json: str = "{}"  # ``ranks`` encoded once per rebuild, shared by every client
+    ranks_seq: int = 0  # bumped on every rebuild of ``ranks``
+    ranks_at: float = float("-inf")
+    positions: dict[str, list[Any]] = field(default_factory=dict)
     control: dict[str, Any] = field(default_factory=dict)
+    control_json: str = "{}"  # like ranks_json: encoded once per change
+    control_seq: int = 0
     control_at: float = float("-inf")
     saved_ms: float = 0.0
     measured_ms: float = 0.0
@@ -182,6 +196,8 @@ class _Client:
     series_cursor: int = -1  # last batch index sent
     heat_cursor: int = 0  # last heat column seq sent
     marker_cursor: int = -1
+    ranks_cursor: int = 0  # ranks_seq last sent
+    control_cursor: int = 0  # control_seq last sent
     frames: int = 0
 
 
@@ -266,7 +282,8 @@ class DashboardHub:
         at = self._clock()
         for job, control in got.items():
             if (f := self._feeds.get(job)) is not None:
-                f.control, f.control_at = control, at
+                _set_control(f, control)
+                f.control_at = at
 
     @property
     def client_count(self) -> int:
@@ -317,11 +334,17 @@ class DashboardHub:
             feed.control_at = now
             controller = getattr(self.services, "controller", None)
             try:
-                feed.control = dict(controller.job_control(job)) if controller is not None else {}
+                _set_control(feed, dict(controller.job_control(job)) if controller is not None else {})
             except Exception:  # the job may be unknown to the controller for a moment
                 log.debug("job_control(%s) failed", job, exc_info=True)
-        self._fold_ranks(feed, view)
+        if (len(view.ranks) <= _RANKS_FULL_RATE_MAX or now - feed.ranks_at >= _RANKS_EVERY_S
+                or not feed.ranks_seq):
+            feed.ranks_at = now
+            self._fold_ranks(feed, view)
+        feed.positions = {"rank": [rv.rank for rv in view.ranks],
+                          "batch_index": [rv.batch_index for rv in view.ranks]}
         feed.summary = self._summary(feed, view)
+
 
     def _fold_steps(self, feed: _Feed, view: Any) -> None:
         live = self.services.live
@@ -430,6 +453,12 @@ class DashboardHub:
                 del cache[r]
         feed.ranks = ({k: list(col) for k, col in zip(_RANK_COLUMNS, zip(*rows, strict=True), strict=True)}
                       if rows else {k: [] for k in _RANK_COLUMNS})
+        try:
+            feed.ranks_json = json.dumps(feed.ranks, separators=(",", ":"), allow_nan=False)
+        except ValueError:  # a non-finite number; browsers cannot parse NaN in JSON
+            log.exception("per-rank columns of %s not serialisable; sent empty", feed.job)
+            feed.ranks_json = "{}"
+        feed.ranks_seq += 1
 
     def _price(self, device_type: str, device_name: str) -> float | None:
         key = (device_type, device_name)
@@ -483,9 +512,15 @@ class DashboardHub:
             c.marker_cursor = markers[-1]["b"]
         c.full_sent = True
         cost = feed.summary.get("cost_per_hour")
+        # ``ranks`` and ``control`` go out when the client has not seen their newest version
+        # (_encode splices in their shared JSON); a frame without ``ranks`` has ``positions``.
+        with_ranks = full or c.ranks_cursor != feed.ranks_seq
+        with_control = full or c.control_cursor != feed.control_seq
+        c.ranks_cursor, c.control_cursor = feed.ranks_seq, feed.control_seq
         return {
             "type": "job", "full": full, "job": c.job, "t": t, "summary": feed.summary,
-            "control": feed.control, "ranks": feed.ranks,
+            **({"control": _CONTROL} if with_control else {}),
+            **({"ranks": _RANKS} if with_ranks else {"positions": feed.positions}),
             "series": {k: [p[k] for p in pts] for k in _SERIES_FIELDS},
             "markers": markers, "heat": heat,
             "savings": {
@@ -495,6 +530,19 @@ class DashboardHub:
                 "saved_cost": round(feed.saved_ms / 3.6e6 * cost, 6) if cost else None,
             },
         }
+
+    def _encode(self, c: _Client) -> str:
+        """The client's next frame as JSON text (ValueError if a number is not finite)."""
+        frame = self._frame(c)
+        shared = [(k, v) for k, v in (("ranks", _RANKS), ("control", _CONTROL)) if frame.get(k) is v]
+        if not shared:
+            return json.dumps(frame, separators=(",", ":"), allow_nan=False)
+        feed = self._feeds[frame["job"]]
+        for k, _ in shared:
+            del frame[k]
+        head = json.dumps(frame, separators=(",", ":"), allow_nan=False)
+        tail = "".join(f',"{k}":{feed.ranks_json if v is _RANKS else feed.control_json}' for k, v in shared)
+        return f"{head[:-1]}{tail}}}"
 
     async def attach(self, send: Callable[[str], Any], job: str | None, actor: Any = None) -> None:
         """Push frames through ``send`` until it raises or the task is cancelled."""
@@ -514,7 +562,7 @@ class DashboardHub:
                 await c.wake.wait()
                 c.wake.clear()
                 try:
-                    text = json.dumps(self._frame(c), separators=(",", ":"), allow_nan=False)
+                    text = self._encode(c)
                 except ValueError:  # a non-finite number; browsers cannot parse NaN in JSON
                     log.exception("dashboard frame for %s not serialisable; skipped", c.job)
                     continue
@@ -544,6 +592,24 @@ async def _drain(websocket: Any) -> None:
             msg = await websocket.receive()
             if msg.get("type") == "websocket.disconnect":
                 return
+
+
+_RANKS: Any = object()  # placeholders in a frame dict for the feed's shared JSON
+_CONTROL: Any = object()
+
+
+def _set_control(feed: _Feed, control: dict[str, Any]) -> None:
+    """Keep a job's control state; re-encode it (at 1,024 ranks a pending proposal makes it
+    ~250 kB of JSON) and bump its version only when it changed."""
+    if control == feed.control and feed.control_seq:
+        return
+    try:
+        text = json.dumps(control, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # a non-finite number; browsers cannot parse NaN in JSON
+        log.exception("control state of %s not serialisable; kept the previous one", feed.job)
+        return
+    feed.control, feed.control_json = control, text
+    feed.control_seq += 1
 
 
 def _r(v: float | None, nd: int = 4) -> float | None:

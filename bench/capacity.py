@@ -170,8 +170,9 @@ async def _hook_client(load: _Load, base: str, rank: int, t0: float, ready: asyn
 
 def _rank_positions(frame: Any) -> list[tuple[int, int]]:
     """(rank, batch_index) pairs a dashboard frame shows: the hub's columnar ``ranks``
-    (``{"rank": [...], "batch_index": [...]}``), or any object holding both keys."""
-    cols = frame.get("ranks") if isinstance(frame, dict) else None
+    (``{"rank": [...], "batch_index": [...]}``) or, in frames between two of those on big
+    jobs, its ``positions`` (the same two columns), or any object holding both keys."""
+    cols = (frame.get("ranks") or frame.get("positions")) if isinstance(frame, dict) else None
     if isinstance(cols, dict) and isinstance(cols.get("rank"), list):
         return [(r, k) for r, k in zip(cols["rank"], cols.get("batch_index") or [], strict=False)
                 if isinstance(r, int) and isinstance(k, int)]

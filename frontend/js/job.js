@@ -98,13 +98,18 @@ let pending = null;
 let lastDraw = 0;
 let drawQueued = false;
 let lastHeavy = 0;
+let ranksDirty = false;
 
 function merge(into, f) {
   if (!into || f.full) return { ...f, series: { ...f.series }, heat: [...(f.heat || [])], markers: [...(f.markers || [])] };
   for (const k of Object.keys(f.series)) into.series[k] = (into.series[k] || []).concat(f.series[k]);
   into.heat.push(...(f.heat || []));
   into.markers.push(...(f.markers || []));
-  for (const k of ["summary", "control", "ranks", "savings", "t"]) into[k] = f[k];
+  for (const k of ["summary", "savings", "t"]) into[k] = f[k];
+  // Big jobs get the per-rank columns about once a second, and the control state comes
+  // only when it changed: a frame without them keeps the last ones.
+  if (f.ranks) into.ranks = f.ranks;
+  if ("control" in f) into.control = f.control;
   return into;
 }
 
@@ -131,23 +136,30 @@ function draw() {
   pending = null;
   if (!f) return;
   state.summary = f.summary;
-  state.control = f.control || {};
-  state.ranks = f.ranks;
+  if ("control" in f) state.control = f.control || {};
+  if (f.ranks) {
+    state.ranks = f.ranks;
+    ranksDirty = true;
+  }
   state.savings = f.savings;
   state.draws = (state.draws || 0) + 1;
   renderSummary(f.summary, f.savings);
   charts.addHeat(f.heat || [], f.full);
   charts.updateSeries(f.series, f.markers || [], f.full);
   // Per-rank panels cost ~0.25 ms per rank to redraw: refresh them less often on big jobs.
-  const nRanks = f.ranks && f.ranks.rank ? f.ranks.rank.length : 0;
+  const ranks = state.ranks;
+  const nRanks = ranks && ranks.rank ? ranks.rank.length : 0;
   const heavyEvery = nRanks > 128 ? 1000 : 0;
-  if (f.full || Date.now() - lastHeavy >= heavyEvery) {
+  if (ranks && (f.full || (ranksDirty && Date.now() - lastHeavy >= heavyEvery))) {
     lastHeavy = Date.now();
-    charts.updateRanks(f.ranks);
-    renderDevices(f.ranks, (state.control.placement && state.control.placement.shares) || []);
+    ranksDirty = false;
+    charts.updateRanks(ranks);
+    renderDevices(ranks, (state.control.placement && state.control.placement.shares) || []);
   }
-  charts.updatePlacement(state.control, f.ranks);
-  if (controls) controls.update(state.control, f.ranks);
+  if (ranks) {
+    charts.updatePlacement(state.control, ranks);
+    if (controls) controls.update(state.control, ranks);
+  }
   const stale = f.summary.age_s !== null && f.summary.age_s * 1000 > STALE_MS;
   showStale(stale, stale ? `Data is stale: the job sent nothing for ${duration(f.summary.age_s)}.` : "");
 }

@@ -237,3 +237,42 @@ def test_disconnected_rank_does_not_hold_the_series():
     pts = list(hub._feeds["j"].series)
     assert [p["b"] for p in pts] == [0, 1, 2, 3, 4, 5]
     assert pts[2]["max_compute_ms"] == 32.0 and pts[3]["max_compute_ms"] == 8.0
+
+
+@_run_async
+async def test_big_job_sends_rank_columns_once_a_second_and_positions_between():
+    world = 200  # above the per-tick limit for per-rank columns
+    svc = _services()
+    for r in range(world):
+        svc.live.register(Hello(job="j", rank=r, world_size=world, global_batch_size=8 * world,
+                                device_type="H100", host="h"))
+    control = {"mode": "observe", "placement": {"version": 0, "shares": [8] * world}}
+    svc.controller = SimpleNamespace(job_control=lambda job: control)
+    now = [0.0]
+    hub = DashboardHub(svc, clock=lambda: now[0])
+    sock = FakeSocket()
+    task = asyncio.create_task(hub.attach(sock.send, "j"))
+    await _settle()
+    for b in range(12):  # ten ticks a second for 1.2 s
+        _feed(svc.live, b, per_sample=(1.0,) * world, shares=(8,) * world)
+        now[0] = (b + 1) * 0.1
+        hub.notify("j")
+        hub.tick()
+        await _settle()
+    first, later = sock.frames[0], sock.frames[1:]
+    assert first["full"] and len(first["ranks"]["rank"]) == world and first["control"] == control
+    with_ranks = [f for f in later if "ranks" in f]
+    assert len(with_ranks) == 1  # one rebuild in 1.2 s after the snapshot's
+    for f in later:  # every frame shows where every rank is, one way or the other
+        cols = f["ranks"] if "ranks" in f else f["positions"]
+        assert cols["rank"] == list(range(world))
+        assert cols["batch_index"] == [f["summary"]["batch_index"]] * world
+    assert all("control" not in f for f in later)  # unchanged: not sent again
+    control = {**control, "mode": "approve"}
+    now[0] += 0.3  # past the control refresh interval
+    hub.notify("j")
+    hub.tick()
+    await _settle()
+    task.cancel()
+    assert len(sock.frames) == 1 + len(later) + 1
+    assert sock.frames[-1]["control"]["mode"] == "approve"  # changed: sent once more
