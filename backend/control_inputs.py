@@ -46,6 +46,8 @@ POLICY_NUMBERS: dict[str, tuple[type, float, float]] = {
 WORKLOADS = ("llm", "vision", "diffusion", "recsys", "custom")
 OVERRIDE_KEYS = ("pins", "caps", "floors", "drains", "granularity")
 
+_DEVICE_SAMPLES = 60  # device samples per rank in an observation (~1 minute at 1 Hz)
+
 # Controller knobs the policy never sees: backend default of each.
 _KNOB_DEFAULTS = {"rollback_threshold": 0.05, "effect_window_steps": 20, "proposal_ttl_s": 300.0}
 
@@ -137,7 +139,9 @@ def observation(live: Any, job: str, *, world_size: int, global_batch_size: int,
     for r in range(world_size):
         h = live.hello(job, r)
         steps = live.recent_step_rows(job, r, window_steps)
-        dev = live.recent_device_rows(job, r, 120)
+        # The strategies read the newest 60 device samples (clock and temperature trends);
+        # each one costs an object per rank per run (1,024 ranks: 60k a run).
+        dev = live.recent_device_rows(job, r, _DEVICE_SAMPLES)
         ranks.append(RankObservation(
             rank=r,
             device_type=normalize_device(h.device_name or h.device_type, h.mem_total_bytes) if h else None,
