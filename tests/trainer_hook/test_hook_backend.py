@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 
 from tests.helpers.server import Server, running_server
 from tests.helpers.torchrun import run_torchrun, start_torchrun
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.multiproc
 
@@ -25,16 +25,6 @@ def _post(server: Server, path: str, body: dict[str, Any]) -> Any:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
-
-
-def _wait(pred: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _training(server: Server, job: str, n: int) -> bool:
@@ -51,7 +41,7 @@ def test_placement_from_the_backend_is_acked_by_every_rank_at_one_batch_and_resu
                 "--global-batch-size", "16", "--speeds", "1,0.5", "--per-sample-ms", "1", "--fixed-ms", "0"]
         proc = start_torchrun(2, [*args, "--steps", "0"])
         try:
-            _wait(lambda: _training(server, "lock", 2), 60, "both ranks to connect and train")
+            wait_until(lambda: _training(server, "lock", 2), "both ranks to connect and train", 60, interval=0.3)
             _post(server, "/api/v1/jobs/lock/proposals", {"shares": [11, 5], "reason": "test", "apply": True})
 
             def acked() -> Any:
@@ -59,7 +49,7 @@ def test_placement_from_the_backend_is_acked_by_every_rank_at_one_batch_and_resu
                 done = [p for p in rows["data"] if p["version"] >= 1 and len(p["acks"]) == 2]
                 return done[0] if done else None
 
-            placement = _wait(acked, 60, "acks from both ranks")
+            placement = wait_until(acked, "acks from both ranks", 60, interval=0.3)
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
@@ -81,7 +71,7 @@ def test_readme_example_streams_every_rank_to_the_backend(tmp_path: Path) -> Non
         proc = run_torchrun(2, ["examples/ddp_train.py", "--server", server.url, "--job", "readme",
                                 "--epochs", "1", "--global-batch-size", "256"], timeout=120)
         assert "epoch 0: batch 16" in proc.stdout
-        ranks: Any = _wait(lambda: server.get("/api/v1/jobs/readme/ranks"), 10, "ranks")
+        ranks: Any = wait_until(lambda: server.get("/api/v1/jobs/readme/ranks"), "ranks", 10, interval=0.3)
         assert sorted(r["rank"] for r in ranks["data"]) == [0, 1]
         assert all(r["batch_index"] == 15 for r in ranks["data"])
 
@@ -93,7 +83,7 @@ def test_torchelastic_restart_resumes_the_placement_in_force(tmp_path: Path) -> 
         proc = start_torchrun(2, ["tests/trainer_hook/_elastic_worker.py", "--server", server.url, "--out", str(out)],
                               max_restarts=1)
         try:
-            _wait(lambda: _training(server, "elastic", 2), 60, "both ranks to connect and train")
+            wait_until(lambda: _training(server, "elastic", 2), "both ranks to connect and train", 60, interval=0.3)
             _post(server, "/api/v1/jobs/elastic/proposals", {"shares": [9, 3], "apply": True})
 
             def acked() -> Any:
@@ -101,7 +91,7 @@ def test_torchelastic_restart_resumes_the_placement_in_force(tmp_path: Path) -> 
                 done = [p for p in rows["data"] if p["version"] >= 1 and len(p["acks"]) == 2]
                 return done[0] if done else None
 
-            placement = _wait(acked, 60, "acks from both ranks")
+            placement = wait_until(acked, "acks from both ranks", 60, interval=0.3)
             (out / "crash").touch()  # rank 1 dies; torchrun restarts both workers
             try:
                 rc = proc.wait(timeout=150)

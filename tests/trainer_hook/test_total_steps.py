@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers.server import running_server
+from tests.helpers.waiting import wait_until
 from trainer_hook import RebalanceHook
 from trainer_hook.config import HookConfig
 
@@ -63,26 +64,16 @@ def test_the_job_shows_an_eta_from_the_hooks_total(tmp_path: Path) -> None:
                 return server.get("/api/v1/jobs/eta")
 
             _train(hook, 6)
-            got = _wait(lambda: (j := job()).get("batch_index") == 5 and j, server)
+            got = wait_until(lambda: (j := job()).get("batch_index") == 5 and j, "batch 5 in the job", log=server.log)
             assert got["total_steps"] == 400
             assert got["eta_s"] == pytest.approx(394 * got["step_ms"] / 1000.0)
             hook.set_total_steps(1000)  # the loop learns it runs longer
             _train(hook, 3)
-            got = _wait(lambda: (j := job()).get("batch_index") == 8 and j, server)
+            got = wait_until(lambda: (j := job()).get("batch_index") == 8 and j, "batch 8 in the job", log=server.log)
             assert got["total_steps"] == 1000
             assert got["eta_s"] == pytest.approx(991 * got["step_ms"] / 1000.0)
         finally:
             hook.close()
-
-
-def _wait(pred: Any, server: Any, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"the backend never showed the expected job state\n{server.log()[-3000:]}")
 
 
 @pytest.mark.parametrize(

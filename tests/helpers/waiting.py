@@ -1,0 +1,20 @@
+"""Poll until a condition holds: every wait ends early on success; a timeout says what it was for."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def wait_until(pred: Callable[[], Any], what: str, timeout: float = 30.0, *, interval: float = 0.1,
+               log: Callable[[], str] | None = None) -> Any:
+    """Return ``pred()``'s first truthy value; raise AssertionError (with ``log()``'s tail) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(interval)
+    tail = f"\n{log()[-3000:]}" if log is not None else ""
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{tail}")
