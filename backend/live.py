@@ -36,7 +36,7 @@ from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
 
 __all__ = ["LiveState", "RankView", "JobView", "Window", "eta_seconds", "STEP_FIELDS",
            "DEVICE_FIELDS", "STEP_BATCH", "STEP_LOCAL_BATCH", "STEP_VERSION", "STEP_COMPUTE",
-           "STEP_MS", "StepRow", "DeviceRow"]
+           "STEP_MS", "STEP_T", "StepRow", "DeviceRow"]
 
 STEP_FIELDS = ("batch_index", "local_batch_size", "placement_version", "data_wait_ms",
                "compute_ms", "sync_wait_ms", "optimizer_ms", "step_ms", "t")
@@ -45,6 +45,7 @@ STEP_LOCAL_BATCH: Final = 1
 STEP_VERSION: Final = 2
 STEP_COMPUTE: Final = 4
 STEP_MS: Final = 7
+STEP_T: Final = 8
 DEVICE_FIELDS = ("t", "source", "util_pct", "mem_used_bytes", "mem_total_bytes", "power_w",
                  "temp_c", "sm_clock_mhz", "sm_clock_max_mhz", "throttle_reasons", "cpu_pct",
                  "rss_bytes")
@@ -318,8 +319,8 @@ class LiveState:
         win = list(islice(reversed(r.steps), n))  # newest first
         last = win[0] if win else None
         rate = None
-        if n >= 2 and win[0][8] > win[-1][8]:
-            rate = (n - 1) / (win[0][8] - win[-1][8])
+        if n >= 2 and win[0][STEP_T] > win[-1][STEP_T]:
+            rate = (n - 1) / (win[0][STEP_T] - win[-1][STEP_T])
         # Means oldest first, as before: the same float sums whatever the ring's layout.
         win.reverse()
         means: list[float | None] = [sum(c) / n for c in zip(*map(_TIMES, win), strict=True)] if n else [None] * 5
@@ -374,7 +375,7 @@ class LiveState:
                 r = j.ranks.get(rank)
                 if r is None:
                     continue
-                recs = [s for s in islice(reversed(r.steps), n) if s[0] > last]
+                recs = [s for s in islice(reversed(r.steps), n) if s[STEP_BATCH] > last]
                 recs.reverse()
                 out[rank] = recs
         return out
@@ -408,10 +409,10 @@ class LiveState:
             picked = [
                 (rank, s) for rank, r in j.ranks.items() if ranks is None or rank in ranks
                 for s in r.steps
-                if (batch_from is None or s[0] >= batch_from)
-                and (batch_to is None or s[0] <= batch_to)
+                if (batch_from is None or s[STEP_BATCH] >= batch_from)
+                and (batch_to is None or s[STEP_BATCH] <= batch_to)
             ]
-        picked.sort(key=lambda p: (p[1][0], p[0]))
+        picked.sort(key=lambda p: (p[1][STEP_BATCH], p[0]))
         return [(rank, _step(s)) for rank, s in picked[-limit:]] if limit else []
 
     # --- persistence --------------------------------------------------------------------
@@ -432,7 +433,7 @@ class LiveState:
             n = len(steps)
             bi, lb, _pv, dw, cm, sw, om, sm, _t = zip(*steps, strict=True)
             out.append(Window(
-                job=job, rank=rank, t_start=steps[0][8], t_end=steps[-1][8],
+                job=job, rank=rank, t_start=steps[0][STEP_T], t_end=steps[-1][STEP_T],
                 batch_index_start=min(bi), batch_index_end=max(bi), n_steps=n,
                 placement_version=steps[-1][STEP_VERSION],
                 local_batch_size=sum(lb) / n, compute_ms=sum(cm) / n, sync_wait_ms=sum(sw) / n,

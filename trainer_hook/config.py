@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["HookConfig", "ENV_SERVER", "ENV_JOB", "ENV_TOKEN", "ENV_TOTAL_STEPS"]
+__all__ = ["HookConfig", "ENV_SERVER", "ENV_JOB", "ENV_TOKEN", "ENV_TOTAL_STEPS", "check_total_steps"]
 
 ENV_SERVER = "REBALANCER_SERVER"
 ENV_JOB = "REBALANCER_JOB"
@@ -25,6 +25,12 @@ _OFFLINE_JOB = "local"
 def _positive_int(name: str, value: Any, *, lo: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}.")
+
+
+def check_total_steps(value: Any) -> None:
+    """``total_steps`` is a whole number of steps >= 1, or None (unknown)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"total_steps must be an integer >= 1 or None, got {value!r}.")
 
 
 def _positive_float(name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -99,8 +105,7 @@ class HookConfig:
         if self.token is not None and not isinstance(self.token, str):
             raise ValueError(f"token must be a string or None, got {type(self.token).__name__}.")
         _positive_int("global_batch_size", self.global_batch_size)
-        if self.total_steps is not None:
-            _positive_int("total_steps", self.total_steps)
+        check_total_steps(self.total_steps)
         _positive_int("exchange_every", self.exchange_every)
         _positive_int("exchange_lag", self.exchange_lag, lo=0)
         if self.exchange_lag >= self.exchange_every:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer_hook.config import HookConfig
+from trainer_hook.config import HookConfig, check_total_steps
 from trainer_hook.control import ControlChannel, PendingPlacement
 from trainer_hook.gradients import GradientState, register_comm_hook, register_grad_timer
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
@@ -182,10 +182,7 @@ class RebalanceHook:
 
     def set_total_steps(self, total_steps: int | None) -> None:
         """Tell the backend how many steps the run will take (None: unknown); any time."""
-        if total_steps is not None and (
-            isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1
-        ):
-            raise ValueError(f"total_steps must be an integer >= 1 or None, got {total_steps!r}.")
+        check_total_steps(total_steps)
         self.config.total_steps = total_steps
         if self._transport is not None:
             self._transport.total_steps = total_steps
