@@ -1,4 +1,8 @@
-"""The ``rebalancer`` command: ``serve``, ``demo`` and ``token create|list|revoke``."""
+"""The ``rebalancer`` command: ``serve``, ``demo``, ``token create|list|revoke``, and the
+REST client's commands (``jobs``, ``approve``, ``watch``, ... in ``backend.cli_client``).
+
+Server packages (pydantic, FastAPI) are imported only by the server commands, so the
+client commands work where only the client is installed."""
 
 from __future__ import annotations
 
@@ -6,10 +10,12 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
+from backend import cli_client
 
-from backend.settings import Settings
+if TYPE_CHECKING:
+    from backend.settings import Settings
 
 __all__ = ["main", "build_parser", "load_settings"]
 
@@ -47,11 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     rev.add_argument("id", type=int)
     for sp in (create, lst, rev):
         sp.add_argument("--db", help="database URL (env REBALANCER_DB)")
+    cli_client.add_commands(sub)
     return p
 
 
 def load_settings(**overrides: object) -> Settings:
     """Settings from env with the given (non-None) overrides; exits 2 with the reasons."""
+    from pydantic import ValidationError
+
+    from backend.settings import Settings
+
     given = {k: v for k, v in overrides.items() if v is not None}
     try:
         return Settings(**given)  # type: ignore[arg-type]
@@ -140,6 +151,8 @@ def _token(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in cli_client.COMMANDS:
+        return cli_client.run(args)
     if args.command == "serve":
         return _serve(args)
     if args.command == "token":

@@ -1,0 +1,368 @@
+"""``rebalancer jobs|job|proposals|approve|reject|mode|override|place|rollback|watch``: the
+REST client from a shell. Standard library only (``watch`` adds ``websockets``), so it runs
+where the server's packages are not installed.
+
+Exit codes scripts can rely on: 0 done; 1 the server refused (4xx; its reason on stderr);
+2 bad usage; 3 the server cannot be reached; 4 the server failed (5xx).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TextIO
+
+from backend.client import APIError, Client, ServerUnreachable
+
+__all__ = ["COMMANDS", "add_commands", "run", "EXIT_OK", "EXIT_REFUSED", "EXIT_USAGE",
+           "EXIT_UNREACHABLE", "EXIT_SERVER_ERROR", "render_watch"]
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_SERVER_ERROR = 0, 1, 2, 3, 4
+COMMANDS = ("jobs", "job", "proposals", "approve", "reject", "mode", "override", "place", "rollback", "watch")
+MODES = ("observe", "approve", "auto")
+
+
+class UsageError(ValueError):
+    """A value the command line cannot mean (exit 2)."""
+
+
+# --- parser -----------------------------------------------------------------------------
+
+
+def _common() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("server")
+    g.add_argument("--server", help="backend URL (env REBALANCER_SERVER; default http://127.0.0.1:8000)")
+    g.add_argument("--token", help="bearer token (env REBALANCER_TOKEN; prefer the env, argv is visible to ps)")
+    g.add_argument("--json", action="store_true", help="print the server's JSON instead of text")
+    g.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default 10)")
+    return p
+
+
+def add_commands(sub: Any) -> None:
+    """Register the client commands on ``rebalancer``'s subparsers."""
+    common = [_common()]
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".",
+                              parents=common)  # type: ignore[no-any-return]
+
+    add("jobs", "list jobs with their status, step time, imbalance and ETA")
+    add("job", "one job: status, placement, pending proposal, ETA and cost").add_argument("name")
+    p = add("proposals", "a job's proposals, newest first")
+    p.add_argument("name")
+    p.add_argument("--status", help="only this status (proposed, approved, applied, rejected, ...)")
+    p.add_argument("--limit", type=int, default=20)
+    for verb in ("approve", "reject"):
+        p = add(verb, f"{verb} a proposal by id")
+        p.add_argument("name")
+        p.add_argument("id", type=int)
+        p.add_argument("--reason")
+    p = add("mode", "set a job's mode")
+    p.add_argument("name")
+    p.add_argument("mode", choices=MODES)
+    p.add_argument("--reason")
+    p = add("override", "pin, cap, floor or drain ranks (added to the overrides in force)")
+    p.add_argument("name")
+    p.add_argument("--pin", action="append", default=[], metavar="RANK=N", help="rank trains exactly N samples")
+    p.add_argument("--cap", action="append", default=[], metavar="RANK=N", help="rank trains at most N samples")
+    p.add_argument("--floor", action="append", default=[], metavar="RANK=N", help="rank trains at least N samples")
+    p.add_argument("--drain", action="append", default=[], metavar="RANK[,RANK]", help="rank gets no samples")
+    p.add_argument("--granularity", type=int, help="shares are multiples of this")
+    p.add_argument("--clear", action="store_true", help="drop the overrides in force first")
+    p.add_argument("--reason")
+    p = add("place", "submit a placement by hand and apply it")
+    p.add_argument("name")
+    p.add_argument("shares", help="one share per rank, e.g. 12,12,8 (must sum to the global batch)")
+    p.add_argument("--propose", action="store_true", help="only create the proposal; approve it later")
+    p.add_argument("--reason")
+    p = add("rollback", "return to exactly the shares in force before the current placement")
+    p.add_argument("name")
+    p.add_argument("--reason")
+    p = add("watch", "live view of a job's ranks and shares (dashboard feed; Ctrl-C ends)")
+    p.add_argument("name")
+    p.add_argument("--count", type=int, default=0, help="stop after N updates (default: until Ctrl-C)")
+
+
+# --- formatting ---------------------------------------------------------------------------
+
+
+def _num(v: Any, fmt: str = "{:.1f}", none: str = "-") -> str:
+    return none if v is None else fmt.format(v)
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{sec:02d}s" if m else f"{sec}s")
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+
+
+def _job_row(j: dict[str, Any]) -> list[Any]:
+    imb = j.get("imbalance")
+    return [j["job"], j.get("status", "-"), j.get("mode") or "-",
+            f"{j.get('connected_ranks', 0)}/{j.get('world_size', '?')}", _num(j.get("batch_index"), "{}"),
+            _num(j.get("step_ms")), _num(imb, "{:.0%}"), _duration(j.get("eta_s")),
+            _num(j.get("cost_per_hour"), "${:.2f}")]
+
+
+def _job_text(j: dict[str, Any]) -> str:
+    placement = j.get("placement") or {}
+    lines = [
+        ("job", f"{j['job']}: {j.get('status', '-')}" + (f" ({j['status_detail']})" if j.get("status_detail") else "")),
+        ("mode", f"{j.get('mode') or '-'}, strategy {j.get('strategy') or '-'}"),
+        ("ranks", f"{j.get('connected_ranks', 0)}/{j.get('world_size')} connected, "
+                  f"global batch {j.get('global_batch_size')}"),
+        ("progress", f"batch {_num(j.get('batch_index'), '{}')}"
+                     + (f" of {j['total_steps']}" if j.get("total_steps") else "")
+                     + f", step {_num(j.get('step_ms'))} ms, {_num(j.get('step_rate_hz'), '{:.2f}')} steps/s"),
+        ("imbalance", f"{_num(j.get('imbalance'), '{:.1%}')}, idle {_num(j.get('idle_fraction'), '{:.1%}')}"),
+        ("placement", f"v{placement.get('version', '-')} {placement.get('shares', '-')}"),
+        ("pending", f"proposal {j['pending_proposal_id']}" if j.get("pending_proposal_id") is not None else "none"),
+        ("eta", _duration(j.get("eta_s"))),
+        ("cost", f"{_num(j.get('cost_per_hour'), '${:.2f}')}/h, idle {_num(j.get('idle_cost_per_hour'), '${:.2f}')}/h"),
+    ]
+    return "\n".join(f"{k + ':':<11}{v}" for k, v in lines)
+
+
+def _proposal_row(p: dict[str, Any]) -> list[Any]:
+    gain = p.get("predicted_gain")
+    return [p["id"], p["status"], p["source"], _num(gain, "{:+.1%}"), p["base_version"],
+            ",".join(map(str, p["shares"])), time.strftime("%H:%M:%S", time.localtime(p["created_at"]))]
+
+
+def _proposal_line(verb: str, p: dict[str, Any]) -> str:
+    extra = f", placement version {p['placement_version']}" if p.get("placement_version") is not None else ""
+    return f"Proposal {p['id']} of {p['job']} {verb}: shares {p['shares']}{extra}."
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        rank, sep, n = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[str(int(rank))] = int(n)
+        except ValueError:
+            raise UsageError(f"{flag} expects RANK=N with whole numbers, like {flag} 2=16; got {item!r}.") from None
+    return out
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise UsageError(f"{what} expects whole numbers separated by commas, like 12,12,8; got {text!r}.") from None
+
+
+# --- the watch view -----------------------------------------------------------------------
+
+
+def _merge_frame(state: dict[str, Any], frame: dict[str, Any]) -> None:
+    """Fold a dashboard frame into ``state`` (a frame without ``ranks`` keeps the last ones)."""
+    if frame.get("type") != "job":
+        return
+    for key in ("summary", "control", "ranks", "savings"):
+        if key in frame and frame[key] is not None:
+            state[key] = frame[key]
+    pos = frame.get("positions")
+    ranks = state.get("ranks")
+    if pos and ranks and ranks.get("rank") == pos.get("rank"):
+        ranks["batch_index"] = pos["batch_index"]
+
+
+def _rank_rows(cols: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    n = len(cols.get("rank", []))
+    return [{k: v[i] for k, v in cols.items() if i < len(v)} for i in range(n)]
+
+
+def render_watch(state: dict[str, Any], width: int = 20) -> str:
+    """The watch view of a merged dashboard state, as plain text."""
+    s = state.get("summary")
+    if not s:
+        return "waiting for the job's first metrics..."
+    head = (f"{s['job']}  {s.get('status', '-')}  mode {s.get('mode') or '-'}  "
+            f"batch {_num(s.get('batch_index'), '{}')}  step {_num(s.get('step_ms'))} ms  "
+            f"{_num(s.get('step_rate_hz'), '{:.2f}')} steps/s  imbalance {_num(s.get('imbalance'), '{:.0%}')}  "
+            f"placement v{_num(s.get('placement_version'), '{}')}  ETA {_duration(s.get('eta_s'))}  "
+            f"{_num(s.get('cost_per_hour'), '${:.2f}')}/h")
+    lines = [head]
+    if s.get("status_detail"):
+        lines.append(s["status_detail"])
+    pending = (state.get("control") or {}).get("pending_proposal")
+    if pending:
+        lines.append(f"pending proposal {pending.get('id')}: {pending.get('shares')} "
+                     f"(predicted gain {_num(pending.get('predicted_gain'), '{:+.1%}')}) -> "
+                     f"rebalancer approve {s['job']} {pending.get('id')}")
+    rows = _rank_rows(state.get("ranks") or {})
+    biggest = max([r.get("share") or 0 for r in rows] + [1])
+    table = []
+    for r in rows:
+        share = r.get("share")
+        bar = "#" * round((share or 0) / biggest * width)
+        mem = (f"{r['mem_used_bytes'] / 2**30:.1f}/{r['mem_total_bytes'] / 2**30:.0f}G"
+               if r.get("mem_used_bytes") is not None and r.get("mem_total_bytes") else "-")
+        util = r.get("util_pct") if r.get("util_pct") is not None else r.get("cpu_pct")
+        table.append([r.get("rank"), ("" if r.get("connected", True) else "x ") + str(r.get("host") or "-"),
+                      r.get("device_type") or "-", _num(share, "{}"), bar.ljust(width),
+                      _num(r.get("compute_ms")), _num(r.get("sync_wait_ms")), _num(r.get("data_wait_ms")),
+                      _num(util, "{:.0f}%"), mem])
+    lines.append("")
+    lines.append(_table(["RANK", "HOST", "DEVICE", "SHARE", "", "COMPUTE ms", "SYNC ms", "DATA ms", "UTIL", "MEM"],
+                        table))
+    return "\n".join(lines)
+
+
+def _watch(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    state: dict[str, Any] = {}
+    shown, delay, ever = 0, 0.5, False
+    tty = out.isatty() and not args.json
+    while True:
+        try:
+            for frame in client.watch(args.name):
+                ever = True
+                delay = 0.5
+                _merge_frame(state, frame)
+                if args.json:
+                    out.write(json.dumps({"summary": state.get("summary"), "savings": state.get("savings"),
+                                          "ranks": _rank_rows(state.get("ranks") or {})}) + "\n")
+                else:
+                    out.write(("\x1b[H\x1b[2J" if tty else "") + render_watch(state) + "\n" + ("" if tty else "\n"))
+                out.flush()
+                shown += 1
+                if args.count and shown >= args.count:
+                    return EXIT_OK
+        except ServerUnreachable:
+            if not ever:
+                raise
+        print(f"rebalancer watch: connection to {client.server} lost; reconnecting in {delay:g}s.",
+              file=sys.stderr)
+        time.sleep(delay)
+        delay = min(delay * 2, 8.0)
+
+
+# --- commands -------------------------------------------------------------------------------
+
+
+def _emit(args: argparse.Namespace, out: TextIO, data: Any, text: Callable[[], str]) -> int:
+    out.write((json.dumps(data, indent=2) if args.json else text()) + "\n")
+    return EXIT_OK
+
+
+def _override(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    pins, caps, floors = _pairs(args.pin, "--pin"), _pairs(args.cap, "--cap"), _pairs(args.floor, "--floor")
+    drains = [d for text in args.drain for d in _ints(text, "--drain")]
+    if not (args.clear or pins or caps or floors or drains or args.granularity is not None):
+        raise UsageError("override needs at least one of --pin, --cap, --floor, --drain, --granularity "
+                         "or --clear.")
+    cur: dict[str, Any] = {} if args.clear else dict(client.overrides(args.name))
+    merged_pins = {**{str(k): v for k, v in (cur.get("pins") or {}).items()}, **pins}
+    merged_caps = {**{str(k): v for k, v in (cur.get("caps") or {}).items()}, **caps}
+    merged_floors = {**{str(k): v for k, v in (cur.get("floors") or {}).items()}, **floors}
+    merged_drains = sorted({int(d) for d in (cur.get("drains") or [])} | set(drains))
+    granularity = args.granularity if args.granularity is not None else int(cur.get("granularity") or 1)
+    res = client.set_overrides(
+        args.name, pins={int(k): v for k, v in merged_pins.items()},
+        caps={int(k): v for k, v in merged_caps.items()},
+        floors={int(k): v for k, v in merged_floors.items()},
+        drains=merged_drains, granularity=granularity, reason=args.reason)
+
+    def text() -> str:
+        line = (f"Overrides of {args.name}: pins {res.get('pins') or {}}, caps {res.get('caps') or {}}, "
+                f"floors {res.get('floors') or {}}, drains {res.get('drains') or []}, "
+                f"granularity {res.get('granularity', 1)}.")
+        pid = res.get("proposal_id")
+        if pid is not None:
+            line += (f"\nThe placement in force breaks them: proposal {pid} respects them "
+                     f"(rebalancer approve {args.name} {pid}; in auto mode it applies by itself).")
+        return line
+
+    return _emit(args, out, res, text)
+
+
+def _dispatch(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    cmd, name = args.command, str(getattr(args, "name", ""))
+    if cmd == "jobs":
+        jobs = client.jobs()
+        return _emit(args, out, jobs, lambda: _table(
+            ["JOB", "STATUS", "MODE", "RANKS", "BATCH", "STEP ms", "IMBALANCE", "ETA", "COST/h"],
+            [_job_row(dict(j)) for j in jobs]) if jobs else "No jobs yet.")
+    if cmd == "job":
+        j = client.job(name)
+        return _emit(args, out, j, lambda: _job_text(dict(j)))
+    if cmd == "proposals":
+        if args.limit < 1:
+            raise UsageError(f"--limit must be at least 1, got {args.limit}.")
+        props = client.proposals(name, status=args.status, limit=args.limit)
+        return _emit(args, out, props, lambda: _table(
+            ["ID", "STATUS", "SOURCE", "GAIN", "BASE", "SHARES", "CREATED"],
+            [_proposal_row(dict(p)) for p in props]) if props else f"No proposals for {name}.")
+    if cmd in ("approve", "reject"):
+        fn = client.approve if cmd == "approve" else client.reject
+        p = fn(name, args.id, reason=args.reason)
+        return _emit(args, out, p, lambda: _proposal_line("approved" if cmd == "approve" else "rejected", dict(p)))
+    if cmd == "mode":
+        ctl = client.set_mode(name, args.mode, reason=args.reason)
+        return _emit(args, out, ctl, lambda: f"Job {name} is now in {ctl.get('mode', args.mode)} mode.")
+    if cmd == "override":
+        return _override(client, args, out)
+    if cmd == "place":
+        shares = _ints(args.shares, "place")
+        if not shares:
+            raise UsageError("place needs one share per rank, like 12,12,8.")
+        p = client.submit_placement(name, shares, reason=args.reason, apply=not args.propose)
+        verb = "proposed (approve it to apply)" if args.propose else "approved; the job switches at a step boundary"
+        return _emit(args, out, p, lambda: _proposal_line(verb, dict(p)))
+    if cmd == "rollback":
+        pl = client.rollback(name, reason=args.reason)
+        return _emit(args, out, pl, lambda: f"Rolled {name} back: placement version {pl['version']} "
+                                            f"restores shares {pl['shares']}.")
+    if cmd == "watch":
+        if args.count < 0:
+            raise UsageError(f"--count must be 0 (no end) or more, got {args.count}.")
+        return _watch(client, args, out)
+    raise UsageError(f"unknown command {cmd!r}.")
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run one parsed client command; returns the exit code (messages go to stderr)."""
+    out = out or sys.stdout
+    try:
+        try:
+            client = Client(args.server, args.token, timeout=args.timeout)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if getattr(args, "name", "x") == "":
+            raise UsageError("the job name must not be empty.")
+        return _dispatch(client, args, out)
+    except UsageError as exc:
+        print(f"rebalancer {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except APIError as exc:
+        print(f"rebalancer {args.command}: {exc.detail} (HTTP {exc.status})", file=sys.stderr)
+        return EXIT_SERVER_ERROR if exc.status >= 500 else EXIT_REFUSED
+    except ServerUnreachable as exc:
+        print(f"rebalancer {args.command}: {exc} Is `rebalancer serve` running there? "
+              f"Set --server or REBALANCER_SERVER.", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except ImportError as exc:
+        print(f"rebalancer {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_OK
+    except BrokenPipeError:  # `rebalancer jobs | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK

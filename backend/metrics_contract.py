@@ -1,0 +1,152 @@
+"""The Prometheus metric contract: every series ``/metrics`` exports (or will), in one list.
+
+docs/metrics.md embeds ``markdown_table()``; the Grafana dashboard and the alert rules in
+deploy/ may only name metrics listed here; tests check all three against this list and
+check that each metric marked ``exported`` really appears in a real backend's ``/metrics``.
+Pure data and the standard library only: the client, the docs check and the exporter all
+import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "MetricSpec", "CONTRACT", "GPU_LABELS", "THROTTLE_REASONS", "STEP_BUCKETS_S",
+    "by_name", "exposed_names", "markdown_table",
+]
+
+Kind = Literal["gauge", "counter", "histogram"]
+
+# dcgm-exporter's label names, so that a rank's series join its DCGM series
+# (``on(UUID)``, or ``on(Hostname, gpu)``).
+GPU_LABELS: tuple[str, ...] = ("Hostname", "gpu", "UUID", "modelName")
+_RANK = ("job", "rank")
+_DEVICE = (*_RANK, *GPU_LABELS)
+
+# The clock-event (throttle) reasons NVML reports (trainer_hook.probe.CLOCK_EVENT_NAMES).
+THROTTLE_REASONS: tuple[str, ...] = (
+    "gpu_idle", "applications_clocks", "sw_power_cap", "hw_slowdown", "sync_boost", "sw_thermal",
+    "hw_thermal", "hw_power_brake", "display_clocks", "board_limit", "reliability",
+)
+
+# Buckets of the per-job step-time histogram, in seconds.
+STEP_BUCKETS_S: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One metric family. ``name`` is as scraped (counters end in ``_total``; a histogram's
+    name is its base, exposed as ``_bucket``, ``_sum`` and ``_count``)."""
+
+    name: str
+    kind: Kind
+    labels: tuple[str, ...]
+    unit: str  # base unit ("seconds", "bytes", ...) or "1" for ratios and counts
+    help: str
+    exported: bool  # True once the backend's /metrics carries it
+
+
+CONTRACT: tuple[MetricSpec, ...] = (
+    # --- per rank: time split of a step ----------------------------------------------
+    MetricSpec("rebalancer_rank_compute_seconds", "gauge", _RANK, "seconds",
+               "Mean time until the rank's gradients are ready, over its recent steps.", True),
+    MetricSpec("rebalancer_rank_sync_wait_seconds", "gauge", _RANK, "seconds",
+               "Mean time the rank waits inside gradient synchronisation, over its recent steps.", False),
+    MetricSpec("rebalancer_rank_data_wait_seconds", "gauge", _RANK, "seconds",
+               "Mean time the rank waits for its next batch from the data loader.", False),
+    MetricSpec("rebalancer_rank_local_batch_size", "gauge", _RANK, "1",
+               "Samples of the global batch the rank trains per step (its share in the placement in force).",
+               False),
+    MetricSpec("rebalancer_rank_batch_share_ratio", "gauge", _RANK, "1",
+               "The rank's share divided by the global batch size (0 to 1).", False),
+    MetricSpec("rebalancer_rank_connected", "gauge", _RANK, "1",
+               "1 while the rank's hook is connected, 0 once it is gone.", False),
+    # --- per rank: its device (NVML); absent for CPU ranks ---------------------------
+    MetricSpec("rebalancer_device_utilization_ratio", "gauge", _DEVICE, "1",
+               "GPU utilisation, 0 to 1 (NVML).", False),
+    MetricSpec("rebalancer_device_memory_used_bytes", "gauge", _DEVICE, "bytes",
+               "Device memory in use.", False),
+    MetricSpec("rebalancer_device_memory_total_bytes", "gauge", _DEVICE, "bytes",
+               "Device memory in all.", False),
+    MetricSpec("rebalancer_device_power_watts", "gauge", _DEVICE, "watts",
+               "Average power draw since the previous sample (energy counter).", False),
+    MetricSpec("rebalancer_device_temperature_celsius", "gauge", _DEVICE, "celsius",
+               "GPU temperature.", False),
+    MetricSpec("rebalancer_device_sm_clock_hertz", "gauge", _DEVICE, "hertz",
+               "SM clock.", False),
+    MetricSpec("rebalancer_device_sm_clock_max_hertz", "gauge", _DEVICE, "hertz",
+               "Highest SM clock the device allows.", False),
+    MetricSpec("rebalancer_device_throttle_reason", "gauge", (*_DEVICE, "reason"), "1",
+               "1 for each clock-event (throttle) reason active now, 0 for the others.", False),
+    # --- per job -----------------------------------------------------------------------
+    MetricSpec("rebalancer_step_seconds", "gauge", ("job",), "seconds",
+               "Median wall time of one step over the job's ranks.", True),
+    MetricSpec("rebalancer_step_duration_seconds", "histogram", ("job",), "seconds",
+               "Wall time of each step (median over ranks), buckets STEP_BUCKETS_S.", False),
+    MetricSpec("rebalancer_imbalance_ratio", "gauge", ("job",), "1",
+               "Slowest rank's compute time over the mean, minus 1 (0 = balanced).", True),
+    MetricSpec("rebalancer_placement_version", "gauge", ("job",), "1",
+               "Version of the placement in force.", True),
+    MetricSpec("rebalancer_connected_ranks", "gauge", ("job",), "1",
+               "Ranks with an open hook connection.", True),
+    MetricSpec("rebalancer_world_size", "gauge", ("job",), "1",
+               "Ranks the job has.", False),
+    MetricSpec("rebalancer_global_batch_size", "gauge", ("job",), "1",
+               "Samples per step over all ranks (fixed for the job).", False),
+    MetricSpec("rebalancer_mode", "gauge", ("job", "mode"), "1",
+               "1 for the job's mode (observe, approve, auto), 0 for the others.", False),
+    MetricSpec("rebalancer_eta_seconds", "gauge", ("job",), "seconds",
+               "Time to finish: steps left times the recent step time.", False),
+    MetricSpec("rebalancer_hourly_cost_dollars", "gauge", ("job",), "dollars",
+               "What the job's accelerators cost per hour (REBALANCER_DEVICE_PRICES).", False),
+    MetricSpec("rebalancer_cost_to_finish_dollars", "gauge", ("job",), "dollars",
+               "Cost of the time left: ETA times the hourly cost.", False),
+    MetricSpec("rebalancer_savings_seconds", "gauge", ("job",), "seconds",
+               "Training time saved so far against the uniform split (negative when it lost).", False),
+    MetricSpec("rebalancer_savings_dollars", "gauge", ("job",), "dollars",
+               "The saved time priced at the job's hourly cost.", False),
+    MetricSpec("rebalancer_proposals", "gauge", ("job", "status"), "1",
+               "Proposals of the job by status (proposed, approved, applied, rejected, ...).", True),
+    MetricSpec("rebalancer_proposals_created_total", "counter", ("job", "source"), "1",
+               "Proposals made, by source (policy, manual, override); every source from 0.", False),
+    MetricSpec("rebalancer_placements_total", "counter", ("job", "source"), "1",
+               "Placement versions issued, by source (policy, auto, manual, override, rollback); "
+               "every source from 0.", False),
+    MetricSpec("rebalancer_placement_failures_total", "counter", ("job",), "1",
+               "Placements a rank's hook rejected.", False),
+    # --- the backend -------------------------------------------------------------------
+    MetricSpec("rebalancer_ingest_messages_total", "counter", (), "1",
+               "Hook messages ingested.", True),
+    MetricSpec("rebalancer_ingest_records_total", "counter", (), "1",
+               "Step and device records ingested.", True),
+    MetricSpec("rebalancer_dropped_records_total", "counter", (), "1",
+               "Records the hooks reported as dropped.", True),
+    MetricSpec("rebalancer_hook_connections", "gauge", (), "1",
+               "Open hook websockets.", True),
+)
+
+
+def by_name() -> dict[str, MetricSpec]:
+    return {m.name: m for m in CONTRACT}
+
+
+def exposed_names(spec: MetricSpec) -> tuple[str, ...]:
+    """The sample names a scrape shows for ``spec``."""
+    if spec.kind == "histogram":
+        return (f"{spec.name}_bucket", f"{spec.name}_sum", f"{spec.name}_count")
+    return (spec.name,)
+
+
+def markdown_table() -> str:
+    """The contract as the Markdown table docs/metrics.md carries (a test compares them)."""
+    rows = ["| metric | type | labels | unit | meaning | exported |",
+            "|---|---|---|---|---|---|"]
+    for m in CONTRACT:
+        labels = ", ".join(f"`{label}`" for label in m.labels) or "-"
+        rows.append(f"| `{m.name}` | {m.kind} | {labels} | {m.unit} | {m.help} | "
+                    f"{'yes' if m.exported else 'planned'} |")
+    return "\n".join(rows) + "\n"
