@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 PORT   ?= 8000
 STEPS  ?=
 
-.PHONY: setup demo test check lint typecheck bench bench-quick browser serve clean
+.PHONY: setup demo test check lint typecheck bench bench-quick browser prometheus serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,13 +23,23 @@ setup: $(STAMP)
 browser:
 	@test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
+# Debian's Prometheus (prometheus, promtool) and docker-compose for the deploy/ tests. The
+# package's own Prometheus service is stopped and disabled: tests start theirs on free ports.
+prometheus:
+	@test -x /usr/bin/prometheus -a -x /usr/bin/promtool -a -x /usr/bin/docker-compose || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+		prometheus docker-compose >/dev/null)
+	@-if [ -d /run/systemd/system ]; then systemctl disable --now prometheus >/dev/null 2>&1; fi; \
+		if [ -x /etc/init.d/prometheus ]; then /etc/init.d/prometheus stop >/dev/null 2>&1; \
+		update-rc.d prometheus disable >/dev/null 2>&1; fi; true
+
 demo: $(STAMP)
 	$(BIN)/rebalancer demo --port $(PORT) $(if $(STEPS),--steps $(STEPS),)
 
 serve: $(STAMP)
 	$(BIN)/rebalancer serve --port $(PORT)
 
-test: $(STAMP) browser
+test: $(STAMP) browser prometheus
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)

@@ -1,13 +1,25 @@
-"""docker-compose.yml and the Dockerfile, checked with a parser (no Docker engine here)."""
+"""docker-compose.yml and the Dockerfile, checked with a parser (no Docker engine here), with
+`docker compose config` / `docker-compose config` where one of them is installed, and the
+stack's scrape-token step run for real against a local backend."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 
+from tests.helpers.server import running_server
+
 ROOT = Path(__file__).resolve().parents[1]
+STACK = {"backend", "postgres", "scrape-token", "prometheus", "grafana"}
+COMPOSE_ENV = {"REBALANCER_ADMIN_TOKEN": "compose-admin-secret-0123", "GRAFANA_ADMIN_PASSWORD": "pw"}
 
 
 def _compose() -> dict:
@@ -16,7 +28,7 @@ def _compose() -> dict:
 
 def test_services_ports_and_dependency():
     c = _compose()
-    assert set(c["services"]) == {"backend", "postgres"}
+    assert set(c["services"]) == STACK
     backend, pg = c["services"]["backend"], c["services"]["postgres"]
     assert backend["build"] == "."
     assert backend["ports"] == ["8000:8000"]
@@ -48,3 +60,85 @@ def test_dockerfile_installs_the_server_extra_and_runs_the_cli():
     assert 'ENTRYPOINT ["rebalancer"]' in text
     for path in ("backend", "trainer_hook", "frontend", "pyproject.toml"):
         assert path in text and (ROOT / path).exists()
+
+
+def _mounts(service: dict) -> dict[str, str]:
+    """Container path -> host path (or volume name) of a service's volumes."""
+    out = {}
+    for v in service.get("volumes", []):
+        host, container = v.split(":")[:2]
+        out[container] = host
+    return out
+
+
+def test_prometheus_and_grafana_get_the_deploy_files():
+    c = _compose()
+    prom, graf = c["services"]["prometheus"], c["services"]["grafana"]
+    pm, gm = _mounts(prom), _mounts(graf)
+    assert pm["/etc/prometheus"] == "./deploy/prometheus"
+    cfg = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    (scrape,) = cfg["scrape_configs"]
+    assert scrape["static_configs"] == [{"targets": ["backend:8000"]}]
+    token_path = Path(scrape["authorization"]["credentials_file"])
+    assert pm[str(token_path.parent)] == "scrape-token"  # the volume the one-shot writes
+    assert _mounts(c["services"]["scrape-token"])["/run/rebalancer"] == "scrape-token"
+    assert f"/run/rebalancer/{token_path.name}" in c["services"]["scrape-token"]["command"][0]
+    assert prom["depends_on"]["scrape-token"] == {"condition": "service_completed_successfully"}
+    for rule_file in cfg["rule_files"]:
+        assert (ROOT / "deploy/prometheus" / rule_file).is_file()
+    assert gm["/etc/grafana/provisioning"] == "./deploy/grafana/provisioning"
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/rebalancer.yml").read_text())
+    (prov,) = provider["providers"]
+    assert gm[prov["options"]["path"]] == "./deploy/grafana/dashboards"
+    assert graf["environment"]["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
+    assert {"promdata", "grafana", "scrape-token"} <= set(c["volumes"])
+    for svc in c["services"].values():
+        for host in _mounts(svc).values():
+            if host.startswith("./"):
+                assert (ROOT / host).exists(), host
+
+
+def _compose_commands() -> list[list[str]]:
+    cmds = []
+    if shutil.which("docker-compose"):
+        cmds.append(["docker-compose"])
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        cmds.append(["docker", "compose"])
+    return cmds
+
+
+@pytest.mark.skipif(not _compose_commands(), reason="neither docker-compose nor docker compose is installed")
+def test_compose_config_validates():
+    for cmd in _compose_commands():
+        got = subprocess.run([*cmd, "config", "--quiet"], cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, **COMPOSE_ENV})
+        assert got.returncode == 0, (cmd, got.stdout, got.stderr)
+        # Without the secrets it refuses, naming the variable.
+        env = {k: v for k, v in os.environ.items() if k not in COMPOSE_ENV}
+        got = subprocess.run([*cmd, "config", "--quiet"], cwd=ROOT, capture_output=True, text=True, env=env)
+        assert got.returncode != 0 and "REBALANCER_ADMIN_TOKEN" in got.stdout + got.stderr, (cmd, got)
+
+
+def test_scrape_token_step_makes_a_viewer_token_once(tmp_path: Path):
+    """The one-shot's shell command, with a SQLite database and a temporary directory in
+    place of PostgreSQL and the volume: it writes a token the backend accepts for /metrics,
+    and a second run keeps it."""
+    cmd = _compose()["services"]["scrape-token"]["command"][0]
+    db = f"sqlite:///{tmp_path / 'rebalancer.db'}"
+    cmd = cmd.replace("postgresql://rebalancer:rebalancer@postgres:5432/rebalancer", db)
+    cmd = cmd.replace("/run/rebalancer", str(tmp_path))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    tokens = []
+    for _ in range(2):
+        got = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, env=env, timeout=60)
+        assert got.returncode == 0, got
+        tokens.append((tmp_path / "scrape.token").read_text())
+    token = tokens[0]
+    assert token.startswith("rb_") and token.count("\n") == 1 and tokens[1] == token
+    with running_server(tmp_path, db_url=db) as server:
+        req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {token.strip()}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert b"rebalancer_hook_connections" in r.read()
+        status, _ = server.call("POST", "/api/v1/tokens", token.strip(), {"role": "viewer"})
+        assert status == 403
