@@ -78,6 +78,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         summary="Live rebalancing of the global batch across heterogeneous data-parallel ranks.",
         lifespan=lifespan,
+        docs_url=None,  # /docs comes from routes/docs.py with local assets
+        redoc_url=None,
     )
     app.state.services = services
     app.state.settings = settings
