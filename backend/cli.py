@@ -32,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="backend plus a real 4-rank CPU job with uneven speeds")
     demo.add_argument("--port", type=int, default=8000, help="backend port (a free one if busy)")
-    demo.add_argument("--steps", type=int, default=None, help="stop after N steps (default: run until Ctrl-C)")
+    demo.add_argument("--steps", type=int, default=None,
+                      help="the job stops after N steps; the backend stays up until Ctrl-C (default: "
+                           "train until Ctrl-C)")
+    demo.add_argument("--exit-when-done", action="store_true",
+                      help="with --steps: stop the backend too when the job ends (scripts, CI)")
     demo.add_argument("--ranks", type=int, default=4)
     demo.add_argument("--speeds", default="1,1,0.5,0.25", help="relative speed of each rank")
     demo.add_argument("--mode", choices=["auto", "approve", "observe"], default="approve")
@@ -161,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     return run_demo(port=args.port, steps=args.steps, ranks=args.ranks, speeds=args.speeds, mode=args.mode,
                     global_batch_size=args.global_batch_size, per_sample_ms=args.per_sample_ms,
-                    db=args.db, job=args.job)
+                    db=args.db, job=args.job, exit_when_done=args.exit_when_done)
 
 
 if __name__ == "__main__":

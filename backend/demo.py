@@ -1,9 +1,10 @@
 """``rebalancer demo``: the backend plus a real multi-rank CPU DDP job with uneven speeds.
 
 Starts ``rebalancer serve`` as a child process on the port (a free one if it is busy),
-then ``torchrun -m trainer_hook.demo_worker`` with gloo on loopback, prints the dashboard
-URL, and on Ctrl-C (or when ``--steps`` are done) stops the job's process group first and
-the server second.
+then ``torchrun -m trainer_hook.demo_worker`` with gloo on loopback, and prints the
+dashboard URL. When ``--steps`` are done the backend and the finished job's page stay up
+until Ctrl-C (``--exit-when-done`` stops instead, for scripts). Ctrl-C stops the job's
+process group first and the server second.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -59,7 +61,7 @@ def _summary(url: str, job: str) -> str:
 def run_demo(
     *, port: int = 8000, steps: int | None = None, ranks: int = 4, speeds: str = DEFAULT_SPEEDS,
     mode: str = "approve", global_batch_size: int = 64, per_sample_ms: float = 2.0,
-    db: str | None = None, job: str = "demo",
+    db: str | None = None, job: str = "demo", exit_when_done: bool = False,
 ) -> int:
     """Run the demo; returns the exit status (0 when ``steps`` completed or on Ctrl-C)."""
     try:
@@ -110,15 +112,24 @@ def run_demo(
         if code != 0:
             print(f"rebalancer demo: the training job exited with {code}.", file=sys.stderr)
             return 1
-        return 0
+        if exit_when_done:
+            return 0
+        print(f"The job finished. The backend and its page stay up: {url}/job/{job}\n"
+              f"Press Ctrl-C to stop the backend.", flush=True)
+        while server.poll() is None:
+            time.sleep(0.5)
+        print(f"rebalancer demo: the backend exited with {server.returncode}; its log: {server_log}",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         interrupted = True
-        print("\nrebalancer demo: stopping the job and the backend...", flush=True)
+        running = job_proc is not None and job_proc.poll() is None
+        print(f"\nrebalancer demo: stopping {'the job and ' if running else ''}the backend...", flush=True)
         return 0
     finally:
         if job_proc is not None:
             _stop(job_proc, "the training job", 20.0)
-        if interrupted:
+        if interrupted and server.poll() is None:
             print(_summary(url, job))
         _stop(server, "the backend", 15.0)
         print("rebalancer demo: stopped.")

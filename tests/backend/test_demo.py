@@ -1,4 +1,6 @@
-"""`rebalancer demo --steps 30`: backend plus a real 4-rank job, ends by itself, exits 0."""
+"""`rebalancer demo`: backend plus a real job. With `--steps` the job ends by itself and the
+backend (and the finished job's page) stays up until Ctrl-C, or stops with it given
+`--exit-when-done`."""
 
 from __future__ import annotations
 
@@ -14,19 +16,64 @@ from tests.helpers.ports import free_port
 from tests.helpers.torchrun import REPO_ROOT
 
 
-@pytest.mark.multiproc
-def test_demo_runs_to_the_end_and_cleans_up():
-    port = free_port()
+def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REBALANCER_")}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
-    proc = subprocess.run([sys.executable, "-m", "backend", "demo", "--steps", "30", "--port", str(port)],
-                          capture_output=True, text=True, timeout=240, cwd=REPO_ROOT, env=env)
+    return env
+
+
+@pytest.mark.multiproc
+def test_demo_keeps_the_finished_jobs_page_up_until_ctrl_c():
+    import signal
+    import threading
+    import urllib.request
+
+    from tests.helpers.waiting import wait_until
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "backend", "demo", "--steps", "30", "--ranks", "2",
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=REPO_ROOT, env=_env())
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: any("Press Ctrl-C to stop the backend." in ln for ln in lines),
+                   "the demo to say the backend stays up", 180, log=lambda: "".join(lines))
+        out = "".join(lines)
+        assert f"Dashboard:          {url}/job/demo" in out
+        assert "job demo: batch_index 29" in out, out  # the summary read back over REST
+        assert f"The job finished. The backend and its page stay up: {url}/job/demo" in out
+        with urllib.request.urlopen(f"{url}/job/demo", timeout=10) as r:
+            assert r.status == 200 and b"<html" in r.read().lower()
+        with urllib.request.urlopen(f"{url}/api/v1/jobs/demo", timeout=10) as r:
+            assert json.loads(r.read())["batch_index"] == 29
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=5)
+    out = "".join(lines)
+    assert proc.returncode == 0, out
+    assert "rebalancer demo: stopping the backend..." in out and "rebalancer demo: stopped." in out, out
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):  # the backend is gone
+        s.connect(("127.0.0.1", port))
+
+
+@pytest.mark.multiproc
+def test_demo_exit_when_done_stops_with_the_job():
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "backend", "demo", "--steps", "10", "--ranks", "2",
+                           "--exit-when-done", "--port", str(port)],
+                          capture_output=True, text=True, timeout=240, cwd=REPO_ROOT, env=_env())
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert f"Dashboard:          http://127.0.0.1:{port}/job/demo" in proc.stdout
-    assert "job demo: batch_index 29" in proc.stdout, out  # the summary read back over REST
-    assert "rebalancer demo: stopped." in proc.stdout
-    with socket.socket() as s, pytest.raises(ConnectionRefusedError):  # the backend is gone
+    assert "job demo: batch_index 9" in proc.stdout and "rebalancer demo: stopped." in proc.stdout, out
+    assert "stay up" not in out
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
         s.connect(("127.0.0.1", port))
 
 
