@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 PORT   ?= 8000
 STEPS  ?=
 
-.PHONY: setup demo test check lint typecheck bench bench-quick browser prometheus serve clean
+.PHONY: setup demo test check check-min-versions lint typecheck bench bench-quick browser prometheus serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ typecheck: $(STAMP)
 	$(BIN)/mypy trainer_hook backend
 
 check: lint typecheck test
+
+# pyproject's lower bounds installed into a fresh venv and tested (about 4 minutes).
+check-min-versions: $(STAMP)
+	REBALANCER_CHECK_MIN_VERSIONS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -s tests/test_min_versions.py
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all
