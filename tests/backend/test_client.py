@@ -21,7 +21,7 @@ from backend import client as client_mod
 from backend.client import APIError, Client, ServerUnreachable
 from tests.helpers.ports import free_port
 from tests.helpers.server import Server, running_server
-from tests.helpers.torchrun import REPO_ROOT, start_torchrun
+from tests.helpers.torchrun import REPO_ROOT, running_torchrun
 from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
@@ -53,27 +53,14 @@ sys.meta_path.insert(0, _Blocked())
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A backend with a 2-rank job (rank 1 four times slower) that trains until the module ends."""
     tmp = tmp_path_factory.mktemp("client")
-    with running_server(tmp, env=ENV) as server:
-        proc = start_torchrun(2, ["-m", "trainer_hook.demo_worker", "--server", server.url, "--job", JOB,
-                                  "--token", ADMIN, "--steps", "0", "--global-batch-size", str(B),
-                                  "--speeds", "1,0.25", "--per-sample-ms", "1.0", "--fixed-ms", "1.0"])
-        out: list[str] = []
-        reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
-        reader.start()
-        try:
-            rb = Client(server.url, ADMIN)
-            wait_until(lambda: rb.proposals(JOB, status="proposed") if JOB in {j["job"] for j in rb.jobs()} else None,
-                       "a proposal for the slow rank", 120, log=lambda: "".join(out) + server.log())
-            yield server
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 15)
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, 9)
-                    proc.wait()
-            reader.join(timeout=5)
+    with running_server(tmp, env=ENV) as server, running_torchrun(
+            2, ["-m", "trainer_hook.demo_worker", "--server", server.url, "--job", JOB, "--token", ADMIN,
+                "--steps", "0", "--global-batch-size", str(B), "--speeds", "1,0.25", "--per-sample-ms", "1.0",
+                "--fixed-ms", "1.0"]) as (_, out):
+        rb = Client(server.url, ADMIN)
+        wait_until(lambda: rb.proposals(JOB, status="proposed") if JOB in {j["job"] for j in rb.jobs()} else None,
+                   "a proposal for the slow rank", 120, log=lambda: "".join(out) + server.log())
+        yield server
 
 
 def cli(*args: str, env: dict[str, str] | None = None, prelude: str = "") -> subprocess.CompletedProcess[str]:

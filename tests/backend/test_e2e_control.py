@@ -9,10 +9,7 @@ auto mode: the same with no operator.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,7 +22,7 @@ from backend.auth import create_token
 from backend.storage.base import make_engine, make_sessionmaker
 from tests.helpers.ports import free_port
 from tests.helpers.server import Server, running_server
-from tests.helpers.torchrun import start_torchrun
+from tests.helpers.torchrun import running_torchrun
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
@@ -61,23 +58,10 @@ def wait_for(what: str, fn: Callable[[], Any], timeout: float = 120.0, proc: sub
 
 @contextmanager
 def job(url: str, name: str) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
-    proc = start_torchrun(3, ["-m", "trainer_hook.demo_worker", "--server", url, "--job", name,
+    with running_torchrun(3, ["-m", "trainer_hook.demo_worker", "--server", url, "--job", name,
                               "--token", ADMIN, "--steps", "0", "--global-batch-size", str(B),
-                              "--speeds", SPEEDS, "--per-sample-ms", "1.0", "--fixed-ms", "1.0"])
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
-    try:
-        yield proc, out
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        reader.join(timeout=5)
+                              "--speeds", SPEEDS, "--per-sample-ms", "1.0", "--fixed-ms", "1.0"]) as running:
+        yield running
 
 
 def tokens(db_url: str) -> dict[str, str]:

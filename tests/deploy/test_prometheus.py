@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
-import threading
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +28,7 @@ from backend.client import Client
 from backend.metrics_contract import CONTRACT, MetricSpec, exposed_names
 from tests.helpers import prometheus as promh
 from tests.helpers.server import Server, running_server
-from tests.helpers.torchrun import REPO_ROOT, start_torchrun
+from tests.helpers.torchrun import REPO_ROOT, running_torchrun
 from tests.helpers.waiting import wait_until
 
 pytestmark = [
@@ -73,13 +71,10 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
         token_file = tmp / "scrape.token"
         token_file.write_text(viewer + "\n")  # as `rebalancer token create > file` writes it
         env = {"PYTHONPATH": f"{FAKE_NVML}{os.pathsep}{REPO_ROOT}", "REBALANCER_TOTAL_STEPS": "100000"}
-        proc = start_torchrun(2, ["-m", "trainer_hook.demo_worker", "--server", server.url, "--job", JOB,
+        with running_torchrun(2, ["-m", "trainer_hook.demo_worker", "--server", server.url, "--job", JOB,
                                   "--token", ADMIN, "--steps", "0", "--global-batch-size", str(B),
-                                  "--speeds", "1,0.25", "--per-sample-ms", "1.0", "--fixed-ms", "1.0"], env=env)
-        out: list[str] = []
-        reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
-        reader.start()
-        try:
+                                  "--speeds", "1,0.25", "--per-sample-ms", "1.0", "--fixed-ms", "1.0"],
+                              env=env) as (_, out):
             target = server.url.removeprefix("http://")
             with promh.running_prometheus(tmp, shipped_config_for(target, token_file)) as prom:
                 full = subprocess.run([promh.PROMTOOL, "check", "config", str(tmp / "prometheus.yml")],
@@ -91,15 +86,6 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
                 wait_until(lambda: Client(server.url, ADMIN).proposals(JOB, status="proposed"),
                            "a proposal for the slow rank", 60, log=logs)
                 yield Scraped(server=server, prom=prom, viewer=viewer)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-            reader.join(timeout=5)
 
 
 def test_prometheus_scrapes_the_jobs_series_with_the_shipped_config(scraped: Scraped):

@@ -7,7 +7,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 import psutil
 
@@ -102,3 +103,26 @@ def start_torchrun(
         env=job_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
         start_new_session=True,
     )
+
+
+@contextlib.contextmanager
+def running_torchrun(
+    nproc: int, target: Sequence[str], *, env: dict[str, str] | None = None,
+) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
+    """A background torchrun job and its output lines (read on a thread as they come);
+    on exit SIGTERM to its process group, then SIGKILL after 20 s."""
+    proc = start_torchrun(nproc, target, env=env)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        yield proc, out
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+        reader.join(timeout=5)
