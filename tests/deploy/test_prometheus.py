@@ -133,10 +133,14 @@ def test_every_grafana_query_runs_on_prometheus(scraped: Scraped):
     names = re.compile(r"\b(rebalancer_[a-z_]+)\b")
     with_data = 0
     for expr in _grafana_exprs():
-        result = scraped.prom.query(_substitute(expr))  # raises on invalid PromQL
+        query = _substitute(expr)
+        scraped.prom.query(query)  # raises on invalid PromQL
         used = set(names.findall(expr))
         if used <= exported and not re.search(r"[<>=]=?\s*\d", expr) and "rebalancer_proposals" not in expr:
-            assert result, f"no data for {expr!r}"
+            # rate() and increase() need two samples of a series inside their window: a query
+            # made right after the first scrape of a new series is empty, so wait for data.
+            wait_until(lambda q=query: scraped.prom.query(q), f"data for {expr!r}", 30, interval=0.5,
+                       log=scraped.prom.log)
             with_data += 1
     assert with_data >= 6
 
