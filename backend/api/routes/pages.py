@@ -18,9 +18,10 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Query, WebSocket
 from fastapi.responses import FileResponse, Response
 
-from backend.api.deps import ServicesDep, ViewerDep, websocket_actor
+from backend.api.deps import PartsDep, ViewerDep, websocket_actor
 from backend.auth.tokens import role_allows
-from backend.live.state import eta_seconds
+from backend.live.forecast import forecast as job_forecast
+from backend.parts import Parts
 from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED
 
 __all__ = ["router", "FRONTEND_DIR", "plotly_js_path"]
@@ -85,7 +86,7 @@ def static_file(path: str) -> Response:
 @router.websocket("/ws/dashboard")
 async def dashboard_ws(websocket: WebSocket, job: str | None = None) -> None:
     """Live frames for the overview (no ``job``) or one job; needs the viewer role."""
-    actor = websocket_actor(websocket)
+    actor = await websocket_actor(websocket)
     await websocket.accept()
     if actor is None:
         await websocket.close(CLOSE_UNAUTHORIZED, "Missing or invalid token; pass ?token=.")
@@ -93,50 +94,35 @@ async def dashboard_ws(websocket: WebSocket, job: str | None = None) -> None:
     if not role_allows(actor.role, "viewer"):
         await websocket.close(CLOSE_FORBIDDEN, "The dashboard needs the viewer role.")
         return
-    services = websocket.app.state.services
-    hub = services.hub
-    if hub is None:
-        await websocket.close(1011, "The dashboard hub is not running.")
-        return
-    services.sockets.add(actor, websocket)
+    parts: Parts = websocket.app.state.parts
+    parts.sockets.add(actor, websocket)
     try:
-        await hub.serve(websocket, job or None, actor)
+        await parts.hub.serve(websocket, job or None, actor)
     finally:
-        services.sockets.discard(actor, websocket)
+        parts.sockets.discard(actor, websocket)
 
 
 @router.get("/api/v1/whoami", tags=["auth"])
-def whoami_route(actor: ViewerDep, services: ServicesDep) -> dict[str, Any]:
+def whoami_route(actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
     """Who the bearer token belongs to; the page shows operator controls from ``role``."""
     return {
         "name": actor.name, "role": actor.role,
         "operator": role_allows(actor.role, "operator"),
-        "open_mode": bool(services.auth.open_mode),
+        "open_mode": bool(parts.auth.open_mode),
     }
 
 
 @router.get("/api/v1/jobs/{job}/forecast", tags=["jobs"])
 def forecast(
-    job: str, actor: ViewerDep, services: ServicesDep,
+    job: str, actor: ViewerDep, parts: PartsDep,
     total_steps: int | None = Query(
         None, ge=1, description="Steps the run will take in all (default: what its hooks reported)."
     ),
 ) -> dict[str, Any]:
-    """ETA and cost: the recent step time times the steps left; prices from settings."""
-    view = services.live.view(job)
+    """ETA and cost: the recent step time times the steps left; prices from settings
+    (``backend.live.forecast``, the same figures the job resource and the dashboard show)."""
+    view = parts.live.view(job)
     if view is None:
         raise HTTPException(404, f"Job {job!r} not found.")
-    if total_steps is None:
-        total_steps = view.total_steps
-    prices = [services.settings.price_for(r.device_type, r.device_name) for r in view.ranks]
-    known = [p for p in prices if p is not None]
-    cost_h = sum(known) if known else None
-    done = (view.batch_index + 1) if view.batch_index is not None else 0
-    remaining = max(total_steps - done, 0) if total_steps is not None else None
-    eta = eta_seconds(total_steps, view.batch_index, view.step_ms)
-    return {
-        "job": job, "batch_index": view.batch_index, "total_steps": total_steps,
-        "remaining_steps": remaining, "step_ms": view.step_ms, "eta_s": eta,
-        "cost_per_hour": cost_h, "unpriced_ranks": len(prices) - len(known),
-        "cost_to_finish": eta / 3600.0 * cost_h if eta is not None and cost_h is not None else None,
-    }
+    fc = job_forecast(view, parts.settings.price_for, total_steps)
+    return {"job": job, **fc.as_dict()}
