@@ -68,5 +68,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     for router in ROUTERS:  # pages includes /ws/dashboard (the hub's feed)
         app.include_router(router)
+    app.mount("/static", pages.FrontendFiles(), name="static")  # after /static/plotly.min.js
 
     return app

@@ -2,7 +2,8 @@
 
 - ``GET /``: jobs overview; ``GET /job/{job}``: job view (both plain HTML from frontend/).
 - ``GET /static/plotly.min.js``: served from the installed ``plotly`` package (no CDN).
-- ``GET /static/{path}``: the rest of frontend/ (ES modules, CSS).
+- ``GET /static/{path}``: the rest of frontend/ (ES modules, CSS): ``FrontendFiles``,
+  mounted by ``create_app`` after this router (plotly's route comes first).
 - ``WS /ws/dashboard?job=NAME&token=T``: live frames from the DashboardHub (viewer role).
 - ``GET /api/v1/whoami``: the caller's name and role, so the page shows operator controls.
 - ``GET /api/v1/jobs/{job}/forecast?total_steps=N``: ETA and cost to finish.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import importlib.util
 import mimetypes
 from pathlib import Path
@@ -17,6 +19,9 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query, WebSocket
 from fastapi.responses import FileResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 from backend.api.deps import PartsDep, ViewerDep, websocket_actor
 from backend.auth.tokens import role_allows
@@ -24,12 +29,32 @@ from backend.live.forecast import forecast as job_forecast
 from backend.parts import Parts
 from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED
 
-__all__ = ["router", "FRONTEND_DIR", "plotly_js_path"]
+__all__ = ["router", "FRONTEND_DIR", "plotly_js_path", "FrontendFiles"]
 
-FRONTEND_DIR = Path(__file__).resolve().parents[2] / "frontend"
+# Package data: found the same way in a source tree and in a plain (non-editable) install.
+FRONTEND_DIR = Path(str(importlib.resources.files("backend").joinpath("frontend")))
 _NO_CACHE = {"Cache-Control": "no-cache"}
 
 router = APIRouter()
+mimetypes.add_type("text/javascript", ".js")  # ES modules need a JavaScript type whatever the OS table says
+
+
+class FrontendFiles(StaticFiles):
+    """``/static/*``: the dashboard's files (Starlette's StaticFiles: no path escapes the
+    folder), never cached stale, and a missing file answered with one sentence."""
+
+    def __init__(self) -> None:
+        super().__init__(directory=FRONTEND_DIR)
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        try:
+            response = await super().get_response(path, scope)
+        except StarletteHTTPException as exc:
+            if exc.status_code == 404:
+                raise StarletteHTTPException(404, f"No static file {path!r}.") from None
+            raise
+        response.headers.update(_NO_CACHE)
+        return response
 
 
 def plotly_js_path() -> Path:
@@ -69,18 +94,6 @@ def plotly_js() -> FileResponse:
     # The file changes only with the plotly package: let browsers keep it for a day.
     return FileResponse(path, media_type="text/javascript",
                         headers={"Cache-Control": "public, max-age=86400"})
-
-
-@router.get("/static/{path:path}", include_in_schema=False)
-def static_file(path: str) -> Response:
-    root = FRONTEND_DIR.resolve()
-    target = (root / path).resolve()
-    if root not in target.parents or not target.is_file():
-        raise HTTPException(404, f"No static file {path!r}.")
-    media = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
-    if target.suffix == ".js":
-        media = "text/javascript"  # ES modules need a JavaScript type whatever the OS table says
-    return FileResponse(target, media_type=media, headers=_NO_CACHE)
 
 
 @router.websocket("/ws/dashboard")
