@@ -10,10 +10,9 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from backend.api.routes.pages import plotly_js_path
-from tests.backend._app import hello, make_app, metrics, steps, sync
+from tests.backend._app import hello, metrics, steps, sync
+from tests.conftest import ADMIN
 from trainer_hook.protocol import Metrics, encode
-
-ADMIN = "admin-secret-0123456789abcdef"
 
 
 def _bearer(secret: str) -> dict[str, str]:
@@ -21,9 +20,8 @@ def _bearer(secret: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def client(tmp_path):
-    with TestClient(make_app(tmp_path, admin_token=ADMIN)) as c:
-        yield c
+def client(app_client):
+    return app_client
 
 
 def _token(client: TestClient, role: str, job: str | None = None) -> str:
