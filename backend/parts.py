@@ -218,7 +218,8 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
         settings=settings, sql=sql, live=live, connections=connections, notify=changes.mark,
         policy=policy if policy is not None else PolicyRunner(process=settings.policy_process),
         clock=clock, wall=wall)
-    hub = DashboardHub(settings=settings, live=live, control=controller.job_control, changes=changes)
+    hub = DashboardHub(settings=settings, live=live, control=controller.job_control,
+                       cost_fit=controller.cost_fit, changes=changes)
     registry = make_registry(live=live, connections=connections, controller=controller)
     return Parts(settings=settings, engine=engine, sql=sql, live=live, connections=connections,
                  auth=auth, sockets=TokenSockets(), controller=controller, hub=hub,

@@ -94,6 +94,7 @@ class _JobState:
     pending: dict[str, Any] | None = None  # the pending proposal (public form)
     counts: dict[str, int] = field(default_factory=dict)  # proposals by status
     snapshot: dict[str, Any] = field(default_factory=dict)
+    cost_fit: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # the policy's, per rank
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def follow(self, row: db.PlacementRow) -> None:
@@ -479,6 +480,12 @@ class Controller:
             metrics_age_s=age, stale_after_s=self.settings.stale_after_s)
         return {**snap, "status": status, "status_detail": detail}
 
+    def cost_fit(self, job: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """Per-rank (a_ms, c_ms) from the policy's last decision that fitted the job (the
+        one per-rank cost fit; the dashboard's uniform-split estimate uses it)."""
+        st = self._jobs.get(job)
+        return st.cost_fit if st is not None else None
+
     def proposal_counts(self, job: str) -> dict[str, int]:
         """Proposals of ``job`` by status, for Prometheus ({} if unknown)."""
         st = self._jobs.get(job)
@@ -608,6 +615,10 @@ class Controller:
             return
         finally:
             st.think_s = time.perf_counter() - started
+        expl = decision.explanation
+        if expl is not None and len(expl.ranks) == st.world_size:
+            ranks = sorted(expl.ranks, key=lambda r: r.rank)
+            st.cost_fit = (tuple(r.a_ms for r in ranks), tuple(r.c_ms for r in ranks))
         if st.version != version:
             return  # the placement changed while the policy was thinking
         if not isinstance(decision, PolicyProposal):
@@ -627,7 +638,7 @@ class Controller:
             if st.mode == "auto" and pending["status"] == "proposed":
                 await self._apply(st, pending["id"], actor="auto", reason="auto mode", auto=True)
             return
-        expl = decision.explanation
+        assert expl is not None  # a Proposal always explains itself
 
         def work(s: Session) -> int | str:
             blocked = records.refused_before(s, st.job, st.version, shares)
