@@ -20,6 +20,7 @@ from backend.parts import Parts
 __all__ = [
     "get_parts",
     "get_actor",
+    "authenticate",
     "require",
     "bearer_secret",
     "websocket_actor",
@@ -54,9 +55,17 @@ def bearer_secret(headers: object, query: object | None = None) -> str | None:
     return None
 
 
-def get_actor(request: Request, parts: PartsDep) -> Actor:
+async def authenticate(parts: Parts, secret: str | None, address: str | None) -> Actor | None:
+    """The caller's actor: from the auth cache, else looked up on the SQL gateway thread."""
+    known, actor = parts.auth.cached(secret, address)
+    if known:  # 1,024 ranks connecting at once: one lookup, then the cache
+        return actor
+    return await parts.sql.run(lambda _s: parts.auth.authenticate(secret, address))
+
+
+async def get_actor(request: Request, parts: PartsDep) -> Actor:
     address = request.client.host if request.client else None
-    actor = parts.auth.authenticate(bearer_secret(request.headers), address)
+    actor = await authenticate(parts, bearer_secret(request.headers), address)
     if actor is None:
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED, "Missing or invalid bearer token.",
@@ -92,8 +101,4 @@ async def websocket_actor(websocket: WebSocket) -> Actor | None:
     not in the auth cache is looked up on the SQL gateway thread, off the event loop."""
     parts: Parts = websocket.app.state.parts
     address = websocket.client.host if websocket.client else None
-    secret = bearer_secret(websocket.headers, websocket.query_params)
-    known, actor = parts.auth.cached(secret, address)
-    if known:  # 1,024 ranks connecting at once: one lookup, then the cache
-        return actor
-    return await parts.sql.run(lambda _s: parts.auth.authenticate(secret, address))
+    return await authenticate(parts, bearer_secret(websocket.headers, websocket.query_params), address)

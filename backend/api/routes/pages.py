@@ -116,12 +116,12 @@ async def dashboard_ws(websocket: WebSocket, job: str | None = None) -> None:
 
 
 @router.get("/api/v1/whoami", tags=["auth"])
-def whoami_route(actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
+async def whoami_route(actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
     """Who the bearer token belongs to; the page shows operator controls from ``role``."""
     return {
         "name": actor.name, "role": actor.role,
         "operator": role_allows(actor.role, "operator"),
-        "open_mode": bool(parts.auth.open_mode),
+        "open_mode": await parts.sql.run(lambda _s: bool(parts.auth.open_mode)),
     }
 
 
