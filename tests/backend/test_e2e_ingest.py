@@ -13,6 +13,7 @@ from websockets.sync.client import connect
 from tests.backend._app import hello, metrics
 from tests.helpers.server import running_server
 from tests.helpers.torchrun import run_torchrun
+from tests.helpers.waiting import wait_until
 from trainer_hook.protocol import MAX_MESSAGE_BYTES
 
 STEPS = 30
@@ -73,7 +74,12 @@ def test_real_server_answers_bad_frames_and_keeps_serving(tmp_path):
                     bad.recv(timeout=10)
                 assert closed.value.rcvd.code == 4002
             good.send(metrics(job="w", rank=0, n=9))
-        ranks = {r["rank"]: r for r in server.get("/api/v1/jobs/w/ranks")["data"]}
+
+            def ranks_after_the_metrics() -> dict | None:  # the frame and the GET race otherwise
+                got = {r["rank"]: r for r in server.get("/api/v1/jobs/w/ranks")["data"]}
+                return got if got[0]["n_steps"] == 9 else None
+
+            ranks = wait_until(ranks_after_the_metrics, "rank 0's 9 steps", timeout=20)
         assert server.get("/healthz")["status"] == "ok"
     assert ranks[0]["n_steps"] == 9 and ranks[1]["n_steps"] == 0
 
