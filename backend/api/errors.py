@@ -18,20 +18,17 @@ __all__ = ["install_error_handlers", "validation_sentence"]
 
 
 def validation_sentence(exc: RequestValidationError) -> str:
-    """One sentence for the first error: ``<field>: <pydantic's message>.``"""
+    """The first error as ``<where>.<field>: <pydantic's message>`` (the form the client
+    used to build from FastAPI's list), or a model's own sentence (``control/models.py``)."""
     errors = exc.errors()
     if not errors:
         return "Invalid request."
     err = errors[0]
     msg = str(err.get("msg", "invalid value"))
-    if err.get("type") == "policy":  # models that phrase their own sentence (control/models.py)
+    if err.get("type") == "policy":  # models that phrase their own sentence
         return msg
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
-    ctx = err.get("ctx") or {}
-    if "error" in ctx and msg.startswith("Value error, "):
-        msg = str(ctx["error"])
-    text = f"{'.'.join(loc)}: {msg}" if loc else msg
-    return text if text.endswith(".") else text + "."
+    loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+    return f"{loc}: {msg}" if loc else msg
 
 
 def install_error_handlers(app: FastAPI) -> None:
