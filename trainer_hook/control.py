@@ -77,6 +77,11 @@ class ControlChannel:
         # placement at lag + lookahead, so everything before it is final.
         schedule.settle(self.lag + self.lookahead - 1)
 
+    def set_lookahead(self, start: int, lookahead: int) -> None:
+        """Start at batch ``start`` with the agreed ``lookahead`` (before any exchange)."""
+        self.lookahead = lookahead
+        self.schedule.restart_settled(start + self.lag + lookahead - 1)
+
     @property
     def pending(self) -> PendingPlacement | None:
         with self._lock:

@@ -72,17 +72,27 @@ def main() -> None:
     p.add_argument("--deliver", default="", help="STEP0,STEP1,..:S0,S1,S2 per-rank delivery steps")
     p.add_argument("--invalid", action="store_true", help="rank 0 also receives invalid placements")
     p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--lookahead", default="6", help="an int, or 'default' for HookConfig's own")
+    p.add_argument("--loader", choices=("plain", "hook"), default="plain",
+                   help="plain: DataLoader(batch_sampler=hook.batch_sampler(ds)); hook: hook.data_loader(ds)")
+    p.add_argument("--persistent", action="store_true")
     args = p.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    hook = RebalanceHook(job="exact", global_batch_size=GLOBAL_BATCH, exchange_every=3, exchange_lag=1, lookahead=6)
+    extra = {} if args.lookahead == "default" else {"lookahead": int(args.lookahead)}
+    hook = RebalanceHook(job="exact", global_batch_size=GLOBAL_BATCH, exchange_every=3, exchange_lag=1, **extra)
     model = DDP(build_model())
     hook.attach(model)
     opt = make_optimizer(model)
     ds = IndexedData()
-    sampler = hook.batch_sampler(ds, shuffle=True, seed=3)
-    loader = DataLoader(ds, batch_sampler=sampler, num_workers=args.num_workers)
+    persistent = {"persistent_workers": True} if args.persistent else {}
+    if args.loader == "hook":
+        loader = hook.data_loader(ds, shuffle=True, seed=3, num_workers=args.num_workers, **persistent)
+        sampler = loader.batch_sampler
+    else:
+        sampler = hook.batch_sampler(ds, shuffle=True, seed=3)
+        loader = DataLoader(ds, batch_sampler=sampler, num_workers=args.num_workers, **persistent)
     plan = parse_plan(args.plan)
     deliver_at: int | None = None
     deliver_shares: list[int] = []
@@ -92,7 +102,13 @@ def main() -> None:
         deliver_shares = [int(s) for s in shares.split(",")]
     seen: list[dict[str, object]] = []
     errors: list[str] = []
+    epoch = 0
     while hook.batch_index < args.steps:
+        # The DDP tutorial's habit: both must be accepted (the epoch follows the batch index).
+        if args.loader == "hook":
+            loader.sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)
+        epoch += 1
         for x, y, idx in loader:
             k = hook.batch_index
             if rank == 0 and k in plan:
@@ -129,6 +145,7 @@ def main() -> None:
         "rank": rank, "seen": seen, "acks": hook.acks, "rejections": hook.rejections,
         "request_errors": errors,
         "timeline": [[t.start_batch, t.version, list(t.shares)] for t in hook.schedule.timeline()],
+        "lookahead": hook.lookahead,
         "compute_ms": [r.compute_ms for r in hook.history],
         "step_ms": [r.step_ms for r in hook.history],
     }

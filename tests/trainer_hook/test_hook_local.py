@@ -138,9 +138,16 @@ def test_attach_errors_are_clear() -> None:
 
 
 def test_world_size_without_process_group_says_what_to_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 10: the hook may be created before the HF TrainingArguments / Accelerator
+    # (which start the process group); using it before then says what to create first.
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(RuntimeError, match="init_process_group"):
-        RebalanceHook(global_batch_size=8)
+    hook = RebalanceHook(global_batch_size=8)
+    assert hook.lookahead is None
+    for use in (lambda: hook.world_size, lambda: hook.attach(torch.nn.Linear(2, 1)),
+                lambda: hook.batch_sampler(8), lambda: hook.step().__enter__()):
+        with pytest.raises(RuntimeError, match="WORLD_SIZE is 4.*init_process_group.*TrainingArguments.*Accelerator"):
+            use()
+    hook.close()
 
 
 def test_bad_global_batch_size_is_refused(one_rank_group: None) -> None:

@@ -94,7 +94,9 @@ def prepared_loader(
         )
     workers = int(dataloader_kwargs.get("num_workers", 0) or 0)
     need = required_lookahead(workers, dataloader_kwargs.get("prefetch_factor"), held)
-    if hook.config.lookahead < need:
+    # A measured lookahead (the default) sees all of this at the first step; a given one
+    # must cover it.
+    if isinstance(hook.config.lookahead, int) and hook.config.lookahead < need:
         raise ValueError(
             f"hook lookahead is {hook.config.lookahead} batches, but this DataLoader may read "
             f"{need} batches ahead (num_workers={workers}, prefetch_factor="
