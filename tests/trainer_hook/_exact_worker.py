@@ -76,6 +76,9 @@ def main() -> None:
     p.add_argument("--loader", choices=("plain", "hook"), default="plain",
                    help="plain: DataLoader(batch_sampler=hook.batch_sampler(ds)); hook: hook.data_loader(ds)")
     p.add_argument("--persistent", action="store_true")
+    p.add_argument("--ckpt", default="", help="checkpoint file to write at --save-at, or to --resume from")
+    p.add_argument("--save-at", type=int, default=-1, help="checkpoint after this many steps, then die 2 steps later")
+    p.add_argument("--resume", action="store_true")
     args = p.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -93,6 +96,11 @@ def main() -> None:
     else:
         sampler = hook.batch_sampler(ds, shuffle=True, seed=3)
         loader = DataLoader(ds, batch_sampler=sampler, num_workers=args.num_workers, **persistent)
+    if args.resume:
+        ckpt = torch.load(args.ckpt, weights_only=True)
+        model.module.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        hook.load_state_dict(ckpt["rebalancer"])
     plan = parse_plan(args.plan)
     deliver_at: int | None = None
     deliver_shares: list[int] = []
@@ -138,6 +146,17 @@ def main() -> None:
                 "k": k, "indices": idx.tolist(), "dummy": hi == lo, "version": hook.placement_version,
                 "shares": hook.shares,
             })
+            if hook.batch_index == args.save_at:
+                if rank == 0:
+                    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
+                                "rebalancer": hook.state_dict()}, args.ckpt)
+                dist.barrier()
+            if args.save_at >= 0 and hook.batch_index == args.save_at + 2:
+                # Killed between checkpoints: what it trained after the checkpoint is lost.
+                with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+                    json.dump({"seen": seen}, f)
+                dist.barrier()
+                os._exit(0)
             if hook.batch_index >= args.steps:
                 break
     hook.close()
