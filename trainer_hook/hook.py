@@ -107,6 +107,7 @@ class RebalanceHook:
         # The lookahead in force: given, or measured at the first step (None until then).
         self._lookahead: int | None = cfg.lookahead if isinstance(cfg.lookahead, int) else None
         self._known_lookahead = 0  # what hook.data_loader() knows its loader needs
+        self._agree_at = 0  # the batch index at which to measure and agree on it
         self._grads = GradientState()
         self._timer = StepTimer()
         self._ctx = _StepContext(self)
@@ -407,9 +408,11 @@ class RebalanceHook:
         if not self._started:
             self._ensure_started()
         k = self._next_batch
+        control = self._control
         if self._lookahead is None:
             self._agree_lookahead(k)
-        control = self._control
+            if self._lookahead is None:  # postponed: no exchange may start a placement yet
+                control = _NO_EXCHANGE
         if k >= control.due:  # an exchange to collect or launch; otherwise nothing to do
             control.on_step(k)
         p = self._schedule.at(k)
@@ -437,20 +440,34 @@ class RebalanceHook:
         return k
 
     def _agree_lookahead(self, k: int) -> None:
-        """First step: how far the loader asked the sampler ahead, agreed across ranks.
+        """How far the loader asks the sampler ahead of training, agreed across ranks.
 
-        One blocking all-reduce (MAX) on the control group, once. Every batch asked for
-        so far is at most ``k + lookahead - 1``; the first exchange's placement starts at
-        ``k + lag + lookahead`` or later, so nothing a loader holds can change.
+        At the first step, one blocking all-reduce (MAX) on the control group of
+        ``[ahead + 1, truncated]``. Every batch asked for so far is at most ``k +
+        lookahead - 1``, and the first exchange's placement starts at ``k + lag +
+        lookahead`` or later, so nothing a loader holds can change. A loader can only run
+        ahead to the end of its epoch; when a run starts (resumes) so near the end that
+        the sampler ran out, the measure is short, so it is taken again at the first
+        step of the next epoch, with no exchange before (placements wait, a few steps).
         """
+        if k < self._agree_at:
+            return
         sampler = self._sampler
-        ahead = sampler.furthest - k if sampler is not None else 0
+        ahead, truncated = 0, 0
+        if sampler is not None:
+            ahead = sampler.furthest - k
+            per_epoch = len(sampler)
+            epoch_end = (k // per_epoch + 1) * per_epoch - 1
+            truncated = int(sampler.furthest >= epoch_end and k % per_epoch != 0 and self._agree_at == 0)
         lookahead = max(1, ahead + 1, self._known_lookahead)
         group = self._control.group
         if group is not None:
-            buf = torch.tensor([lookahead], dtype=torch.int64)
+            buf = torch.tensor([lookahead, truncated], dtype=torch.int64)
             dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
-            lookahead = int(buf.item())
+            lookahead, truncated = (int(v) for v in buf.tolist())
+        if truncated and sampler is not None:
+            self._agree_at = (k // len(sampler) + 1) * len(sampler)
+            return
         self._lookahead = lookahead
         self._control.set_lookahead(k, lookahead)
 
@@ -759,6 +776,18 @@ class RebalanceHook:
 
 
 _STATE_FORMAT = 1
+
+
+class _NoExchange:
+    """Stands in for the control channel while the lookahead is not agreed yet."""
+
+    due = 1 << 62
+
+    def on_step(self, batch_index: int) -> None:  # never reached: due is unreachable
+        pass
+
+
+_NO_EXCHANGE: Any = _NoExchange()
 
 
 def _check_state(

@@ -110,3 +110,22 @@ def test_iterable_datasets_and_foreign_batch_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="batch_sampler"):
         hook.data_loader(_indexed(), batch_sampler=[[0]])
     hook.close()
+
+
+def test_a_run_resumed_near_an_epoch_end_measures_again_at_the_next_epoch() -> None:
+    # The loader can only run ahead to the end of its epoch: resumed 2 batches before it,
+    # the first step sees the sampler 1 batch ahead, which says nothing about the next
+    # epoch's prefetch (2 workers x 2). The hook measures again when that epoch starts.
+    hook = RebalanceHook(global_batch_size=4)
+    ds = _indexed()  # 16 batches an epoch
+    loader = DataLoader(ds, batch_sampler=hook.batch_sampler(ds, seed=2), num_workers=2)
+    hook.load_state_dict({
+        "format": 1, "batch_index": 14, "global_batch_size": 4, "world_size": 1,
+        "placement": {"version": 3, "shares": [4]}, "next_placement": None,
+    })
+    _consume(hook, loader, 36, plan={15: [4]})
+    hook.close()
+    assert hook.lookahead == 5
+    # Requested at step 15; no exchange before the agreement at 16, whose exchange
+    # announces it for 16 + lag 2 + 5.
+    assert hook.acks == [(3, 14), (4, 23)]
