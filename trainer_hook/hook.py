@@ -633,7 +633,7 @@ class RebalanceHook:
         k = self._next_batch
         current = self._schedule.at(k)
         nxt = self._schedule.latest
-        pending = self._control.pending if self._rank == 0 else None
+        pending = self._control.undelivered if self._rank == 0 else None
         upcoming = pending if pending is not None and pending.version > nxt.version else nxt
         sampler = self._sampler
         return {

@@ -78,6 +78,7 @@ class RebalanceBatchSampler:
         self._on_batch = on_batch
         self._yielded = 0
         self.furthest = -1  # the highest batch index yielded so far (how far a loader ran ahead)
+        self._rewind_once = False
         b = schedule.global_batch_size
         self._per_epoch = n // b if drop_last else -(-n // b)
         self._lock = threading.Lock()
@@ -146,9 +147,12 @@ class RebalanceBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         if self._before_iter is not None:
             self._before_iter()
+        per_epoch = len(self)
         with self._lock:
             start = self._position() if self._position is not None else self._yielded
-        per_epoch = len(self)
+            if self._rewind_once:  # a framework skips the epoch's trained batches itself
+                self._rewind_once = False
+                start -= start % per_epoch
         end = (start // per_epoch + 1) * per_epoch
         for k in range(start, end):
             indices, dummy = self.local_batch(k)
@@ -159,6 +163,13 @@ class RebalanceBatchSampler:
             if self._on_batch is not None:
                 self._on_batch(k, indices, dummy)
             yield indices
+
+    def start_next_iter_at_epoch_start(self) -> None:
+        """The next ``iter()`` starts at the first batch of the current epoch, once: for a
+        framework that resumes by skipping the epoch's trained batches itself (the HF
+        Trainer's ``skip_first_batches``)."""
+        with self._lock:
+            self._rewind_once = True
 
     def set_epoch(self, epoch: int) -> None:
         """Accepted for DistributedSampler compatibility (the DDP tutorial's

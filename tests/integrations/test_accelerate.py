@@ -60,7 +60,10 @@ def test_accelerate_save_state_and_load_state_resume_the_hook(tmp_path):
     before, _ = load(first, 2)
     recs, params = load(second, 2)
     assert min(int(k) for k in recs[0]["batches"]) == 10
-    assert recs[0]["batches"]["10"]["version"] == before[0]["batches"]["9"]["version"] == 2
+    # Version 1 was in force at batch 9; version 2, agreed for batch 12 before the
+    # checkpoint, is offered again at the resumed run's first exchange.
+    assert recs[0]["batches"]["10"]["version"] == before[0]["batches"]["9"]["version"] == 1
+    assert [v for v, _ in recs[0]["acks"]] == [1, 2] and recs[0]["acks"][0] == [1, 10]
     for b, r in zip(before, recs, strict=True):
         r["batches"] = {**{k: v for k, v in b["batches"].items() if int(k) < 10}, **r["batches"]}
     batches = global_batches(recs)
