@@ -121,6 +121,8 @@ class RebalanceHook:
         self._closed = False
         self._gradients_mode: str | None = None
         self._grad_handles: list[Any] = []
+        self._norms: list[torch.nn.Module] = []  # batch norms kept out of dummy steps
+        self._frozen: list[torch.nn.Module] = []
         self.history: deque[StepRecord] = deque(maxlen=cfg.history)
         self.acks: list[tuple[int, int]] = []
         self.rejections: list[tuple[int, str]] = []
@@ -295,6 +297,14 @@ class RebalanceHook:
             if mode == "local":
                 self._grad_handles = register_grad_timer(model, self._grads)
         self._gradients_mode = mode
+        # A drained rank trains a one-sample dummy batch (weight 0); batch norm would fold
+        # it into its running statistics (and BatchNorm1d refuses one sample in training).
+        # SyncBatchNorm is left alone: in eval it would skip its collective and hang peers.
+        self._norms = [
+            m for m in model.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            and not isinstance(m, torch.nn.SyncBatchNorm)
+        ]
         self._ensure_started()
         return model
 
@@ -433,6 +443,8 @@ class RebalanceHook:
         grads = self._grads
         grads.reset()
         grads.weight = weight
+        if local == 0 and self._norms:
+            self._freeze_norms()
         if p.version != self._trained_version:
             self._on_new_version(p, k)
         self._trained = p
@@ -471,7 +483,17 @@ class RebalanceHook:
         self._lookahead = lookahead
         self._control.set_lookahead(k, lookahead)
 
+    def _freeze_norms(self) -> None:
+        # Eval mode for the dummy step: normalise with the running statistics, update none.
+        self._frozen = [m for m in self._norms if m.training]
+        for m in self._frozen:
+            m.train(False)
+
     def _end_step(self, *, failed: bool) -> None:
+        if self._frozen:
+            for m in self._frozen:
+                m.train(True)
+            self._frozen = []
         rec = self._timer.finish(self._grads)
         if failed:
             return

@@ -62,3 +62,16 @@ def test_sharded_models_are_exact_under_changing_placements(tmp_path: Path, wrap
     assert ranks[0]["shares"] == [[6, 6], [3, 9], [12, 0], [7, 5]], "every placement was trained"
     assert ranks[0]["acks"] == ranks[1]["acks"]
     _check_params(ranks[0], _replay(STEPS))
+
+
+def test_a_drained_rank_leaves_batch_norm_statistics_alone(tmp_path: Path) -> None:
+    # A drained rank trains a one-sample dummy batch (weight 0): BatchNorm1d refused it
+    # in training mode, and any norm would fold it into its running statistics. The hook
+    # runs batch norms in eval mode for that step only.
+    ranks = _run(tmp_path, "--wrap", "ddp", "--batchnorm")
+    steps = ranks[1]["bn"]["steps"]
+    dummies = [s for s in steps if s["dummy"]]
+    assert dummies and not any(s["changed"] for s in dummies)
+    assert all(s["changed"] and s["training"] for s in steps if not s["dummy"])
+    assert ranks[1]["bn"]["tracked"] == len(steps) - len(dummies)
+    assert ranks[0]["bn"]["tracked"] == STEPS
