@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--plan", default="")
     p.add_argument("--batchnorm", action="store_true")
     p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--mark-dynamic", action="store_true", help="mark the batch dimension dynamic up front")
     args = p.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -112,6 +113,8 @@ def main() -> None:
                 # forward), some possibly empty when a rank's share is small.
                 pieces = list(zip(x.tensor_split(args.accum), y.tensor_split(args.accum), strict=True))
                 for i, (xi, yi) in enumerate(pieces):
+                    if args.mark_dynamic and len(xi) > 1:
+                        torch._dynamo.mark_dynamic(xi, 0)
                     with no_sync(model, args.wrap, last=i == len(pieces) - 1):
                         # The mean over this rank's whole local batch, spread over micro-batches.
                         loss = torch.nn.functional.mse_loss(model(xi), yi, reduction="sum") / len(x)
