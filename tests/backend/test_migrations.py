@@ -94,3 +94,26 @@ def test_db_upgrade_and_current_commands(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == f"Database at revision {HEAD} (was empty)."
     assert main(["db", "current", "--db", url]) == 0
     assert capsys.readouterr().out.strip() == f"{HEAD} (head)"
+
+
+def _schema(engine) -> dict:
+    insp = inspect(engine)
+    out = {}
+    for table in sorted(insp.get_table_names()):
+        cols = {c["name"]: (type(c["type"]).__name__.upper()[:4], c["nullable"]) for c in insp.get_columns(table)}
+        idx = sorted((i["name"], tuple(i["column_names"]), bool(i["unique"])) for i in insp.get_indexes(table))
+        out[table] = (cols, idx)
+    return out
+
+
+def test_a_new_database_gets_the_schema_the_migrations_build(tmp_path):
+    """create_head (models + stamp) and the migrations step by step give the same tables."""
+    fresh = make_engine(f"sqlite:///{tmp_path / 'fresh.db'}")
+    upgrade(fresh)  # empty: create_head
+    stepped = make_engine(f"sqlite:///{tmp_path / 'stepped.db'}")
+    upgrade(stepped, FIRST)
+    upgrade(stepped)  # 0001 -> 0002 by the migrations
+    assert current(fresh) == current(stepped) == HEAD
+    assert _schema(fresh) == _schema(stepped)
+    fresh.dispose()
+    stepped.dispose()

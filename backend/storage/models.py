@@ -1,0 +1,13 @@
+"""``load_models()``: import every module that declares tables on ``Base``, so that
+``Base.metadata`` knows the whole schema (migrations' create_head, tests)."""
+
+from __future__ import annotations
+
+__all__ = ["load_models"]
+
+
+def load_models() -> None:
+    import backend.auth.tokens  # noqa: F401  (auth_tokens)
+    import backend.storage.control  # noqa: F401
+    import backend.storage.metrics  # noqa: F401
+    import backend.storage.summaries  # noqa: F401
