@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 PORT   ?= 8000
 STEPS  ?=
 
-.PHONY: setup demo test check check-min-versions lint typecheck bench bench-quick browser prometheus serve clean
+.PHONY: setup demo test test-unit check check-min-versions lint typecheck bench bench-quick browser prometheus serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ serve: $(STAMP)
 
 test: $(STAMP) browser prometheus
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The fast lane: in-process tests only (no torchrun, servers, browser or installs), < 1 minute.
+test-unit: $(STAMP)
+	REBALANCER_UNIT_LANE=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not multiproc and not browser and not install"
 
 lint: $(STAMP)
 	$(BIN)/ruff check trainer_hook backend tests bench examples

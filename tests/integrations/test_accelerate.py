@@ -105,6 +105,7 @@ _BAD_SETUPS = textwrap.dedent(
 )
 
 
+@pytest.mark.multiproc
 def test_accelerate_rejects_setups_it_cannot_keep_exact():
     # A subprocess: Accelerate's state is a process-wide singleton.
     proc = subprocess.run(

@@ -111,6 +111,7 @@ _CALLBACK_ALONE = textwrap.dedent(
 )
 
 
+@pytest.mark.multiproc
 def test_callback_alone_refuses_to_train(tmp_path):
     # A subprocess: Accelerate's state is a process-wide singleton.
     code = _CALLBACK_ALONE.replace("OUT", str(tmp_path))
