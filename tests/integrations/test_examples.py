@@ -13,9 +13,10 @@ from tests.helpers.torchrun import REPO_ROOT, job_env, run_torchrun
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(150)]
 
-# Asked at batch 7, announced at the exchange at batch 8 (exchange_every 4), in force from
-# batch 8 + 2 + 8 = 18: after epoch 0 (16 batches), before the end of epoch 1.
-REQUEST = ["--request", "7:96,32"]
+# Asked at batch 13, announced at the exchange at batch 16 (exchange_every 4), in force from
+# batch 16 + 2 + 2 = 20 (the measured lookahead is 2: Accelerate's one-batch peek): after
+# epoch 0 (16 batches), before the end of epoch 1.
+REQUEST = ["--request", "13:96,32"]
 
 
 @pytest.mark.parametrize("script", ["examples/accelerate_train.py", "examples/hf_trainer_train.py"])
