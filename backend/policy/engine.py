@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ._guards import rollback_blocks
 from .devices import DEVICE_TABLE, normalize_device
 from .solver import NO_CONSTRAINTS, check_placement, predicted_step_ms, rank_bounds, solve
 from .strategies import Estimate, get_strategy, static_strategy
@@ -295,11 +296,21 @@ def decide(obs: JobObservation, config: PolicyConfig,
     strategy_name = config.strategy
     plan_cons = eff
     held = _held_ranks(est, obs, config, eff) if violation is None else []
-    if held:
-        # Too noisy to trust yet: keep these ranks where they are and balance the rest.
+    # No evidence (an idle rank never measured): keep it where it is.
+    held += [i for i in est.hold if i not in held] if violation is None else []
+    blocks = rollback_blocks(obs, est.a_ms, config.window_steps) if violation is None else {}
+    if held or blocks:
+        # Too noisy to trust yet, or unknown: keep these ranks where they are and balance
+        # the rest. A rank whose earlier move was rolled back may only move the other way.
         pins = dict(eff.pins)
         pins.update({i: obs.shares[i] for i in held})
-        plan_cons = Constraints(pins=pins, caps=eff.caps, floors=eff.floors, drains=eff.drains,
+        caps, floors = dict(eff.caps), dict(eff.floors)
+        for i, d in blocks.items():
+            if d > 0:
+                caps[i] = min(caps.get(i, obs.shares[i]), obs.shares[i])
+            else:
+                floors[i] = max(floors.get(i, obs.shares[i]), obs.shares[i])
+        plan_cons = Constraints(pins=pins, caps=caps, floors=floors, drains=eff.drains,
                                 granularity=eff.granularity)
     try:
         # Plan with each rank's cost two standard errors high: a rank whose estimate is
@@ -317,8 +328,12 @@ def decide(obs: JobObservation, config: PolicyConfig,
         if limited != target:
             extra["limited_by_max_move"] = max_move
             target = limited
-    if held:
-        extra["held_noisy_ranks"] = held
+    noisy = [i for i in held if i not in est.hold]
+    if noisy:
+        extra["held_noisy_ranks"] = noisy
+    if blocks:
+        extra["rolled_back_directions"] = {str(i): "up" if d > 0 else "down"
+                                           for i, d in sorted(blocks.items())}
     expl = _explain(est, strategy_name, obs.shares, target, extra)
     if target == tuple(obs.shares):
         return NoProposal("balanced", f"balanced: the {strategy_name} split equals the "

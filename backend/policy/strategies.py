@@ -45,6 +45,8 @@ class Estimate:
     # that clears this noise, so estimates that merely wobble never trigger a change.
     rel_error: tuple[float, ...] = ()
     evidence: dict[str, object] = field(default_factory=dict)
+    # Ranks the engine keeps at their current share: no evidence to move them on.
+    hold: tuple[int, ...] = ()
 
 
 Strategy = Callable[[JobObservation, PolicyConfig, Constraints], "Estimate | NoProposal"]
@@ -200,8 +202,11 @@ def profiled_strategy(obs: JobObservation, config: PolicyConfig,
     known = [f for f in fits if f is not None and f.n > 0]
     if not known:
         return NoProposal("no_data", "no valid steps measured on any rank yet")
-    # A rank with no samples (idle at share 0, or pinned/drained) borrows the median: it
-    # only matters if its bounds let the solver give it work.
+    # A rank with no samples borrows the median cost only where that changes nothing (its
+    # share is pinned or drained). An idle rank (share 0) without a measured step keeps
+    # share 0: assuming the median for it handed a very slow rank work back, which auto
+    # mode rolled back, again and again (issue 13). Its last measured steps, however old,
+    # are its cost (the controller keeps them in the window).
     med_a = float(np.median([f.a_ms for f in known]))
     med_c = float(np.median([f.c_ms for f in known]))
     a: list[float] = []
@@ -210,6 +215,7 @@ def profiled_strategy(obs: JobObservation, config: PolicyConfig,
     n: list[int] = []
     err: list[float] = []
     borrowed: list[int] = []
+    idle: list[int] = []
     for rank, fit in enumerate(fits):
         if fit is None or fit.n == 0:
             a.append(med_a)
@@ -218,6 +224,8 @@ def profiled_strategy(obs: JobObservation, config: PolicyConfig,
             n.append(0)
             err.append(0.0)
             borrowed.append(rank)
+            if rank not in constraints.drains and rank not in constraints.pins:
+                idle.append(rank)
             continue
         a.append(fit.a_ms)
         c.append(fit.c_ms)
@@ -231,7 +239,10 @@ def profiled_strategy(obs: JobObservation, config: PolicyConfig,
     }
     if borrowed:
         evidence["median_for_ranks"] = borrowed
-    return Estimate(tuple(a), tuple(c), "ms", tuple(r2), tuple(n), tuple(err), evidence)
+    if idle:
+        evidence["idle_without_evidence"] = idle
+    return Estimate(tuple(a), tuple(c), "ms", tuple(r2), tuple(n), tuple(err), evidence,
+                    hold=tuple(idle))
 
 
 # ---------------------------------------------------------------- predictive
@@ -367,7 +378,7 @@ def predictive_strategy(obs: JobObservation, config: PolicyConfig,
     evidence = dict(base.evidence)
     evidence.update({"horizon_steps": config.horizon_steps, "forecasts": forecasts})
     return Estimate(base.a_ms, tuple(c_new), base.units, base.fit_r2, base.n_steps,
-                    base.rel_error, evidence)
+                    base.rel_error, evidence, base.hold)
 
 
 register_strategy("static", static_strategy)
