@@ -81,8 +81,8 @@ def _serve(args: argparse.Namespace) -> int:
     settings = load_settings(host=args.host, port=args.port, db=args.db, log_level=args.log_level)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not settings.loopback and settings.admin_token is None:
-        from backend.auth import active_token_count
-        from backend.services import init_db
+        from backend.auth.tokens import active_token_count
+        from backend.parts import init_db
         from backend.storage import make_engine, make_sessionmaker
 
         engine = make_engine(settings.db)
@@ -115,8 +115,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _token(args: argparse.Namespace) -> int:
-    from backend.auth import create_token, list_tokens, revoke_token
-    from backend.services import init_db
+    from backend.auth.tokens import create_token, list_tokens, revoke_token
+    from backend.parts import init_db
     from backend.storage import make_engine, make_sessionmaker
     from backend.storage.metrics import epoch
 

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
-import pkgutil
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 
-import backend.api.routes as routes_pkg
-from backend import ingest, prom
-from backend.services import Services, build_services
+from backend.api.routes import audit, control, docs, health, jobs, metrics, pages, tokens
+from backend.control.controller import Controller
+from backend.dashboard.hub import DashboardHub
+from backend.ingest import websocket as ingest
+from backend.parts import Services, build_services
 from backend.settings import Settings
 
 __all__ = ["create_app"]
@@ -20,26 +20,11 @@ __all__ = ["create_app"]
 log = logging.getLogger("rebalancer")
 
 
-def _optional(module: str, attr: str) -> type | None:
-    """A class from another part of the backend, or None while that part is not installed."""
-    try:
-        return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
-    except ModuleNotFoundError as exc:
-        if exc.name != module:
-            raise
-        log.warning("%s is not installed; running without it", module)
-        return None
-
-
-def _include_routes(app: FastAPI) -> None:
-    # One APIRouter per resource: every module under backend/api/routes with a `router`.
-    for info in sorted(pkgutil.iter_modules(routes_pkg.__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{routes_pkg.__name__}.{info.name}")
-        router = getattr(module, "router", None)
-        if router is not None:
-            app.include_router(router)
+# Every router, listed: the hook websocket, then one per REST resource and the dashboard's pages.
+ROUTERS: tuple[APIRouter, ...] = (
+    ingest.router, metrics.router, audit.router, control.router, docs.router, health.router,
+    jobs.router, pages.router, tokens.router,
+)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -47,11 +32,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     background tasks (persistence, controller tick, hub pushers) run during the lifespan."""
     settings = settings or Settings()
     services: Services = build_services(settings)
-    controller_cls = _optional("backend.controller", "Controller")
-    hub_cls = _optional("backend.hub", "DashboardHub")
-    services.controller = controller_cls(services) if controller_cls else None
-    services.hub = hub_cls(services) if hub_cls else None
-    services.registry = prom.make_registry(services)
+    services.controller = Controller(services)
+    services.hub = DashboardHub(services)
+    services.registry = metrics.make_registry(services)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -83,8 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.services = services
     app.state.settings = settings
-    app.include_router(ingest.router)
-    app.include_router(prom.router)
-    _include_routes(app)  # includes /ws/dashboard from routes/pages.py (the hub's feed)
+    for router in ROUTERS:  # pages includes /ws/dashboard (the hub's feed)
+        app.include_router(router)
 
     return app

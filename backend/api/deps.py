@@ -14,8 +14,8 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, WebSocket, status
 
-from backend.auth import ROLE_LEVEL, Actor, role_allows
-from backend.services import Services
+from backend.auth.tokens import ROLE_LEVEL, Actor, role_allows
+from backend.parts import Services
 
 __all__ = [
     "get_services",

@@ -1,7 +1,7 @@
 """SQL storage: the shared declarative base, engines, and the metrics tables.
 
 Control tables (placements, proposals, overrides, audit, job settings) live in
-``backend.storage.control``; the tokens table lives in ``backend.auth``.
+``backend.storage.control``; the tokens table lives in ``backend.auth.tokens``.
 """
 
 from backend.storage.base import Base, make_engine, make_sessionmaker

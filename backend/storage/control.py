@@ -213,7 +213,7 @@ def record_audit(
 ) -> AuditRow:
     """Add an audit record to ``session`` (the caller commits with its own change).
 
-    ``actor`` is an ``Actor`` (name, role, address) from ``backend.auth`` or a plain
+    ``actor`` is an ``Actor`` (name, role, address) from ``backend.auth.tokens`` or a plain
     string such as ``"controller"`` for the backend's own decisions.
     """
     if isinstance(actor, str):

@@ -22,7 +22,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-from backend.live import Window
+from backend.live.state import Window
 from backend.storage.base import Base
 from trainer_hook.protocol import Hello
 

@@ -9,9 +9,9 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from backend.auth import AuthService, create_token, hash_secret, list_tokens, revoke_token
+from backend.auth.tokens import AuthService, create_token, hash_secret, list_tokens, revoke_token
 from backend.cli import main as cli_main
-from backend.services import init_db
+from backend.parts import init_db
 from backend.storage import make_engine, make_sessionmaker
 from tests.backend._app import hello, make_app, metrics, sync
 from tests.helpers.torchrun import REPO_ROOT

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from backend.auth import create_token
+from backend.auth.tokens import create_token
 from backend.main import create_app
 from backend.settings import Settings
 from trainer_hook.protocol import Ack, Hello, Placement, Reject, decode, encode

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import delete
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from backend.auth import Actor
+from backend.auth.tokens import Actor
 from backend.storage import control as db
 from backend.storage.base import Base, make_engine, make_sessionmaker
 
@@ -103,8 +103,8 @@ def test_controller_lifecycle_on_this_database(sessions):
     import asyncio
     import types
 
-    from backend.controller import Controller
-    from backend.live import LiveState
+    from backend.control.controller import Controller
+    from backend.live.state import LiveState
     from backend.settings import Settings
     from trainer_hook.protocol import Ack, Hello
 

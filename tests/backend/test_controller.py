@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.auth import Actor
-from backend.controller import ConflictError, Controller, InvalidError, NotFoundError
-from backend.services import build_services
+from backend.auth.tokens import Actor
+from backend.control.controller import ConflictError, Controller, InvalidError, NotFoundError
+from backend.parts import build_services
 from backend.settings import Settings
 from tests.helpers.fakes import FrozenClock, PlacementSocket
 from trainer_hook.protocol import Ack, Hello, Metrics, Reject, StepRecord

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from backend.hub import DashboardHub, fit_rank_cost
-from backend.live import LiveState
+from backend.dashboard.hub import DashboardHub, fit_rank_cost
+from backend.live.state import LiveState
 from backend.settings import Settings
 from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
 

@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from backend.live import LiveState
-from backend.services import init_db
+from backend.live.state import LiveState
+from backend.parts import init_db
 from backend.storage import make_engine, make_sessionmaker
 from backend.storage import metrics as store
 from tests.backend._app import hello, make_app, metrics, steps, sync

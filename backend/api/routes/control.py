@@ -14,7 +14,7 @@ from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import AdminDep, OperatorDep, ServicesDep, ViewerDep
-from backend.controller import ControlError, Controller
+from backend.control.controller import ControlError, Controller
 
 __all__ = [
     "router",

@@ -15,8 +15,8 @@ from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import ServicesDep, ViewerDep
-from backend.live import JobView, RankView
-from backend.services import Services
+from backend.live.state import JobView, RankView
+from backend.parts import Services
 from backend.storage import metrics as store
 from backend.storage.metrics import epoch
 

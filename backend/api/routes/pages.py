@@ -19,13 +19,13 @@ from fastapi import APIRouter, HTTPException, Query, WebSocket
 from fastapi.responses import FileResponse, Response
 
 from backend.api.deps import ServicesDep, ViewerDep, websocket_actor
-from backend.auth import role_allows
-from backend.live import eta_seconds
+from backend.auth.tokens import role_allows
+from backend.live.state import eta_seconds
 from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED
 
 __all__ = ["router", "FRONTEND_DIR", "plotly_js_path"]
 
-FRONTEND_DIR = Path(__file__).resolve().parents[3] / "frontend"
+FRONTEND_DIR = Path(__file__).resolve().parents[2] / "frontend"
 _NO_CACHE = {"Cache-Control": "no-cache"}
 
 router = APIRouter()

@@ -10,8 +10,8 @@ from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, Field
 
 from backend.api.deps import AdminDep, ServicesDep
-from backend.auth import Actor, TokenRow, create_token, list_tokens, revoke_token
-from backend.services import Services
+from backend.auth.tokens import Actor, TokenRow, create_token, list_tokens, revoke_token
+from backend.parts import Services
 from backend.storage.metrics import epoch
 
 __all__ = ["router", "TokenCreate", "TokenPublic", "TokenCreated", "TokensPublic"]

@@ -13,9 +13,9 @@ from typing import Any
 
 from sqlalchemy import select
 
-from backend.control_effect import effect_record
-from backend.control_errors import ConflictError, NotFoundError
-from backend.control_inputs import OVERRIDE_KEYS
+from backend.control.effect import effect_record
+from backend.control.errors import ConflictError, NotFoundError
+from backend.control.inputs import OVERRIDE_KEYS
 from backend.storage import control as db
 from trainer_hook.protocol import Hello, uniform_shares
 

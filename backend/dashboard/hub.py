@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
-from backend.live import STEP_BATCH, STEP_COMPUTE, STEP_LOCAL_BATCH, STEP_MS, STEP_VERSION
+from backend.live.state import STEP_BATCH, STEP_COMPUTE, STEP_LOCAL_BATCH, STEP_MS, STEP_VERSION
 from trainer_hook.protocol import uniform_shares
 
 __all__ = ["DashboardHub", "fit_rank_cost"]

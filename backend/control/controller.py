@@ -3,9 +3,9 @@
 The policy (``backend.policy``) only decides; this module acts on its decisions. Per job it
 keeps a small cache in memory and everything that matters in SQL
 (``backend.storage.control``), so a restarted backend resumes where it stopped. What the
-policy is handed, and the checks on operator settings, are in ``backend.control_inputs``;
-measured effect and the rollback decision in ``backend.control_effect``; the errors in
-``backend.control_errors`` (re-exported here).
+policy is handed, and the checks on operator settings, are in ``backend.control.inputs``;
+measured effect and the rollback decision in ``backend.control.effect``; the errors in
+``backend.control.errors`` (re-exported here).
 
 Modes: ``observe`` (proposals are shown, never sent), ``approve`` (they wait for an
 operator), ``auto`` (applied under guardrails: a cap on how far one change moves a rank, the
@@ -24,10 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend import control_effect as effect
-from backend import control_inputs as inputs
-from backend import control_records as records
-from backend.control_errors import (
+from backend.control import effect, inputs, records
+from backend.control.errors import (
     ConflictError,
     ControlError,
     InvalidError,

@@ -18,7 +18,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from sqlalchemy.exc import IntegrityError
 
 from backend.api.deps import websocket_actor
-from backend.services import Services
+from backend.parts import Services
 from backend.storage.metrics import upsert_hello
 from trainer_hook.protocol import (
     CLOSE_FORBIDDEN,

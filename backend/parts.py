@@ -17,12 +17,12 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
 
-from backend.auth import AuthService
-from backend.connections import HookConnections
-from backend.live import LiveState
+from backend.auth.sockets import TokenSockets
+from backend.auth.tokens import AuthService
+from backend.ingest.connections import HookConnections
+from backend.live.state import LiveState
 from backend.settings import Settings
 from backend.storage import Base, insert_windows, make_engine, make_sessionmaker
-from backend.token_sockets import TokenSockets
 
 __all__ = ["Services", "build_services", "init_db"]
 
@@ -31,7 +31,7 @@ log = logging.getLogger("rebalancer")
 
 def init_db(engine: Engine) -> None:
     """Create every table the backend knows (metrics, tokens, and control if installed)."""
-    import backend.auth  # noqa: F401  (registers auth_tokens)
+    import backend.auth.tokens  # noqa: F401  (registers auth_tokens)
     import backend.storage.metrics  # noqa: F401
 
     try:
@@ -54,7 +54,7 @@ class Services:
     auth: AuthService
     controller: Any = None
     hub: Any = None
-    registry: Any = None  # prometheus CollectorRegistry, set by backend.prom
+    registry: Any = None  # prometheus CollectorRegistry, set by backend.api.routes.metrics
     persisted_windows: int = 0
     sockets: TokenSockets = field(default_factory=TokenSockets)  # open websockets by token
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
