@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from backend.control_effect import SETTLE_STEPS, judge_effect
+from backend.control.effect import SETTLE_STEPS, judge_effect
 from backend.policy import (
     JobObservation,
     PolicyConfig,
