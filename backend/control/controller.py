@@ -462,7 +462,7 @@ class Controller:
     async def _run_policy(self, st: _JobState) -> None:
         self._acks_from_metrics(st)
         await self._measure_effect(st)
-        from backend.policy import InfeasibleError, decide, limit_moves
+        from backend.policy import InfeasibleError, Rollback, decide, limit_moves
         from backend.policy.types import Proposal as PolicyProposal
 
         if not self._settled(st):
@@ -472,6 +472,9 @@ class Controller:
             pending = records.pending_proposal(s, st.job)
             if pending is not None and pending.source != "policy":
                 return  # an operator's own proposal is not replaced by the policy
+            # The policy does not retry a rolled-back direction until the cost changed.
+            rollbacks = [Rollback(k, tuple(before), tuple(after))
+                         for k, before, after in records.recent_rollbacks(s, st.job)]
         cfg = self._config(st)
         live = self.services.live
 
@@ -479,7 +482,7 @@ class Controller:
             obs = inputs.observation(
                 live, st.job, world_size=st.world_size, global_batch_size=st.global_batch_size,
                 shares=st.shares, version=st.version, effective=st.effective,
-                window_steps=cfg.window_steps)
+                window_steps=cfg.window_steps, rollbacks=rollbacks)
             return None if obs is None else decide(obs, cfg, inputs.constraints_from(st.overrides))
 
         if st.busy:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.ma  # noqa: F401  np.median imports it on first use: pay that at import, not in a timed policy run
 
 from .types import StepSample
 
