@@ -248,16 +248,18 @@ class Controller:
                          global_batch_size=st.global_batch_size, proposal_id=proposal_id,
                          reason=reason)
 
-    async def on_metrics(self, job: str) -> None:
+    async def on_metrics(self, job: str, *, urgent: bool = False) -> None:
         """Run the policy for ``job`` at most every ``min_interval_s`` seconds; while the
-        job warms up, on every metrics frame (the first proposal is due as soon as the last
-        rank's steps are in, not up to ``min_interval_s`` later)."""
+        job warms up, and on an ``urgent`` frame (a rank's step deviated strongly from its
+        recent median: a slowdown), on every frame, spaced only by the policy's own cost
+        (the first proposal, or the answer to a slowdown, is due as soon as the steps are
+        in, not up to ``min_interval_s`` later)."""
         st = self._load(job)
         if st is None:
             return
         now = self._clock()
         st.last_metrics = now
-        warming = st.status == "warming_up"
+        warming = st.status == "warming_up" or urgent
         # At thousands of ranks one run takes a good fraction of a second; spacing runs by
         # their own cost keeps the policy thread under a fifth of a core.
         if st.busy or now - st.last_run < max(0.0 if warming else self.min_interval_s,
@@ -274,7 +276,7 @@ class Controller:
                 log.exception("policy run for job %s failed", job)
                 st.status_detail = "the policy failed; see the backend log"
                 return
-            if not (st.again and st.status == "warming_up"):
+            if not st.again:  # only warm-up and urgent frames that landed meanwhile set it
                 return
             await asyncio.sleep(5.0 * st.think_s)
             if st.busy:

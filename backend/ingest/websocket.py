@@ -132,7 +132,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
                 return
             if isinstance(msg, Metrics):
                 services.live.add_metrics(msg)
-                await services.controller.on_metrics(msg.job)
+                await services.controller.on_metrics(msg.job, urgent=msg.urgent)
                 services.notify(msg.job)
             elif isinstance(msg, Ack):
                 await services.controller.on_ack(msg)

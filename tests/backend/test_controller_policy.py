@@ -110,6 +110,15 @@ def test_the_policy_is_throttled_per_job(make):
     j.steps(40, per_sample_ms=(1.0, 1.0, 1.0))  # rank 2 recovered
     asyncio.run(j.ctl.on_metrics(JOB))  # same instant: the policy does not run again
     assert j.ctl.job_control(JOB)["pending_proposal"]["id"] == first["id"]
+    # An urgent frame (a step far off its rank's median) is not held by the 0.5 s pacing,
+    # only by five times the policy's own cost.
+    st = j.ctl._load(JOB)
+    st.think_s = 0.01
+    j.clock.t += 0.1
+    asyncio.run(j.ctl.on_metrics(JOB))
+    assert st.last_run == j.clock.t - 0.1  # a plain frame: still paced
+    asyncio.run(j.ctl.on_metrics(JOB, urgent=True))
+    assert st.last_run == j.clock.t  # the urgent one ran the policy
 
 
 def test_while_warming_up_every_frame_may_bring_the_first_proposal(make):
