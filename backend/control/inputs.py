@@ -81,7 +81,7 @@ def policy_config(policy: Mapping[str, Any], mode: str, settings: Any) -> Policy
         window_steps=int(p.get("window_steps", g("policy_window_steps", 100))),
         # The move cap is an auto-mode guardrail; an operator reviews the full change.
         max_move_fraction=_max_move_fraction(p, settings) if mode == "auto" else None,
-        horizon_steps=int(p.get("horizon_steps", 20)),
+        horizon_steps=int(p.get("horizon_steps", 30)),
         params=dict(p.get("params", {})),
     )
 
