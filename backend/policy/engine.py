@@ -216,6 +216,20 @@ def _held_ranks(est: Estimate, obs: JobObservation, cfg: PolicyConfig,
             and est.rel_error[i] > 0.5 * cfg.min_gain]
 
 
+# Steps after a switch that still pay its one-off costs (as the controller's effect window).
+_SETTLE = 2
+
+
+def _shifted_since(est: Estimate | NoProposal, batch_index: int) -> list[int]:
+    """Ranks whose fit restarted at a level shift that began at or after ``batch_index``."""
+    if isinstance(est, NoProposal):
+        return []
+    shifts = est.evidence.get("shift_at")
+    if not isinstance(shifts, dict):
+        return []
+    return sorted(int(r) for r, k in shifts.items() if isinstance(k, int) and k >= batch_index)
+
+
 def _check_config(cfg: PolicyConfig) -> None:
     def bad(key: str, want: str, got: object) -> ValueError:
         return ValueError(f"policy.{key} must be {want}, got {got!r}.")
@@ -245,7 +259,9 @@ def decide(obs: JobObservation, config: PolicyConfig,
 
     - the placement in force breaks a constraint: propose a fix at once (no cooldown;
       static weights stand in while measurements are missing);
-    - ``cooldown`` while ``steps_since_change < cooldown_steps`` (not at version 0);
+    - ``cooldown`` while ``steps_since_change < cooldown_steps`` (not at version 0), unless
+      a rank's cost shifted (a confirmed level shift, see ``_fit.detect_shift``) after the
+      placement took effect: the explanation then says ``cooldown_ended_by_shift``;
     - the strategy's ``warming_up`` / ``no_data`` until every working rank has
       ``min_steps`` valid steps;
     - solve with each cost two standard errors high (``params["plan_margin_se"]``), holding
@@ -281,13 +297,21 @@ def decide(obs: JobObservation, config: PolicyConfig,
         return NoProposal("infeasible", str(exc))
     violation = check_placement(obs.shares, b_total, eff)
 
-    if violation is None and obs.placement_version > 0 and \
-            obs.steps_since_change < config.cooldown_steps:
-        left = config.cooldown_steps - obs.steps_since_change
-        return NoProposal("cooldown",
-                          f"cooldown: {left} more steps after placement v{obs.placement_version}",
-                          steps_remaining=left)
+    cooling = violation is None and obs.placement_version > 0 and \
+        obs.steps_since_change < config.cooldown_steps
     est = strategy(obs, config, eff)
+    extra: dict[str, object] = {}
+    if cooling:
+        # A confirmed level shift that began after the placement took effect (not the
+        # placement's own doing) ends the cooldown: waiting it out is paid at the slow pace.
+        effective = obs.batch_index - obs.steps_since_change
+        shifted = _shifted_since(est, effective + _SETTLE)
+        if not shifted:
+            left = config.cooldown_steps - obs.steps_since_change
+            return NoProposal("cooldown",
+                              f"cooldown: {left} more steps after placement v{obs.placement_version}",
+                              steps_remaining=left)
+        extra["cooldown_ended_by_shift"] = shifted
     if isinstance(est, NoProposal):
         if violation is None:
             return est
@@ -321,7 +345,6 @@ def decide(obs: JobObservation, config: PolicyConfig,
         target = solve(est.a_ms, plan_c, b_total, plan_cons)
     except InfeasibleError as exc:
         return NoProposal("infeasible", str(exc))
-    extra: dict[str, object] = {}
     if config.max_move_fraction is not None and violation is None:
         max_move = max(eff.granularity, int(config.max_move_fraction * b_total))
         limited = limit_moves(obs.shares, target, max_move, eff)

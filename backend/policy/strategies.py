@@ -256,6 +256,10 @@ def profiled_strategy(obs: JobObservation, config: PolicyConfig,
         "fit": [{"rank": i, "method": f.method, "r2": f.r2, "rel_noise": round(f.rel_noise, 4),
                  "restarted": f.restarted} for i, f in enumerate(fits) if f is not None],
     }
+    shifts = {i: valid_steps(obs.ranks[i].steps, config.window_steps)[f.start].batch_index
+              for i, f in enumerate(fits) if f is not None and f.restarted and f.n > 0}
+    if shifts:
+        evidence["shift_at"] = shifts  # rank -> first batch index at its new level
     if borrowed:
         evidence["median_for_ranks"] = borrowed
     if idle:

@@ -68,3 +68,27 @@ def test_detect_shift_on_residuals():
     assert detect_shift(rel[:-1], 0.03) is None
     assert detect_shift(np.array([0.0] * 20 + [9.0] + [0.0] * 5), 0.03) is None
     assert detect_shift(np.array([-0.5] * 10 + [0.0] * 20), 0.03) == 10
+
+
+def _cooling_job(shift_from: int, *, effective: int = 100, now: int = 109):
+    from backend.policy import JobObservation, RankObservation
+
+    ranks = []
+    for i in range(4):
+        rows = _series(now + 1, seed=i, noise=0.02,
+                       level=(lambda k: 2.0 if k >= shift_from else 1.0) if i == 1 else (lambda k: 1.0))
+        ranks.append(RankObservation(rank=i, steps=tuple(rows)))
+    return JobObservation(job="j", world_size=4, global_batch_size=128, batch_index=now,
+                          shares=(32, 32, 32, 32), placement_version=2,
+                          steps_since_change=now - effective, ranks=tuple(ranks))
+
+
+def test_a_shift_after_the_placement_took_effect_ends_the_cooldown():
+    from backend.policy import PolicyConfig, Proposal, decide
+
+    got = decide(_cooling_job(shift_from=105), PolicyConfig(cooldown_steps=20))
+    assert isinstance(got, Proposal) and got.shares[1] < 32
+    assert got.explanation.evidence["cooldown_ended_by_shift"] == [1]
+    # Steady ranks in cooldown wait it out; so does a change that began with the placement.
+    assert decide(_cooling_job(shift_from=10_000), PolicyConfig(cooldown_steps=20)).status == "cooldown"
+    assert decide(_cooling_job(shift_from=100), PolicyConfig(cooldown_steps=20)).status == "cooldown"
