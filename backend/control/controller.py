@@ -556,10 +556,16 @@ class Controller:
             row = db.get_placement(s, st.job, st.version)
             if row is None or after is None:
                 return
+            factor = 1.0
+            if row.previous_shares is not None and st.effective is not None:
+                factor = effect.speed_factor(
+                    getattr(self.services, "live", None), st.job, shares=row.previous_shares,
+                    before=effect.before_window(st.effective, w), after=(lo, hi))
             verdict = effect.judge_effect(
                 version=row.version, step_ms_before=row.step_ms_before, step_ms_after=after,
                 rollback_threshold=float(self._knob(st, "rollback_threshold")),
-                may_roll_back=row.auto and st.mode == "auto" and row.previous_shares is not None)
+                may_roll_back=row.auto and st.mode == "auto" and row.previous_shares is not None,
+                speed_factor=factor)
             row.step_ms_after = verdict.step_ms_after
             if verdict.measured_gain is not None:
                 row.measured_gain = verdict.measured_gain
