@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sim:
         from bench import reaction_sim
 
-        return reaction_sim.main([])
+        return reaction_sim.main(["--out", str(args.out / "reaction_sim.json")])
     if args.tiny:
         run_reaction(steps=30, event=10, strategies=("uniform",), events=("slowdown",), out_dir=args.out,
                      lookahead=args.lookahead)

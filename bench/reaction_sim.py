@@ -29,7 +29,7 @@ import heapq
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -356,13 +356,48 @@ def run_cases(cadences: Sequence[Cadence] = (TODAY, LEVERS),
     return rows
 
 
+def summary(rows: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    """Per cadence and strategy: the issue-13 figures."""
+    out = []
+    keys = sorted({(r["cadence"], r["strategy"]) for r in rows}, key=lambda k: (k[0] != "today", k))
+    for cad, strategy in keys:
+        mine = [r for r in rows if r["cadence"] == cad and r["strategy"] == strategy]
+
+        def of(kind: str, key: str, mine: list[dict[str, Any]] = mine) -> list[Any]:
+            return [r[key] for r in mine if r["kind"] == kind]
+
+        slow = [x if x is not None else 10_000 for x in of("slowdown", "steps_to_10pct")]
+        out.append([cad, strategy, statistics.median(slow) if slow else None, max(slow, default=None),
+                    of("no_knowledge", "steps_to_5pct")[0], of("drift", "steps_to_10pct")[0],
+                    of("equal", "proposals")[0], of("outliers", "proposals")[0],
+                    of("drained", "rollbacks")[0]])
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+    import json
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog="python -m bench.reaction --sim")
+    ap.add_argument("--out", type=Path, default=None, help="write rows and summary as JSON here")
+    args = ap.parse_args(list(argv or []))
     rows = run_cases()
     head = f"{'case':38} {'cadence':8} {'strategy':10} {'to10%':>6} {'to5%':>6} {'props':>5} {'rb':>3}"
     print(head)
     for r in rows:
         print(f"{r['case']:38} {r['cadence']:8} {r['strategy']:10} {str(r['steps_to_10pct']):>6} "
               f"{str(r['steps_to_5pct']):>6} {r['proposals']:>5} {r['rollbacks']:>3}")
+    table = summary(rows)
+    print("\ncadence  strategy    slowdown to 10% (median, max)  no knowledge to 5%  drift to 10%  "
+          "equal: proposals  outlier: proposals  drained: rollbacks")
+    for c in table:
+        print(f"{c[0]:8} {c[1]:10} {str(c[2]):>14} {str(c[3]):>6} {str(c[4]):>19} {str(c[5]):>13} "
+              f"{c[6]:>17} {c[7]:>19} {c[8]:>19}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"rows": rows, "summary": table,
+                                        "cadences": [asdict(TODAY), asdict(LEVERS)]}, indent=1))
     return 0
 
 
