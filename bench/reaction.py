@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", action="store_true",
                     help="every slowdown factor, rank and batch size, drift and equal ranks")
     ap.add_argument("--sim", action="store_true",
-                    help="the closed-loop simulator instead of real jobs (seconds, no backend)")
+                    help="the closed-loop simulator instead of real jobs (a minute or two, no backend)")
     ap.add_argument("--lookahead", type=int, default=None, help="HookConfig.lookahead of the jobs")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--event", type=int, default=None)
