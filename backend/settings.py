@@ -86,7 +86,9 @@ class Settings(BaseSettings):
     cooldown_steps: int = 20
     min_steps: int = 10
     policy_window_steps: int = 100
-    horizon_steps: int = 20  # predictive strategy: steps to forecast ahead
+    # predictive strategy: steps to forecast ahead (a placement lives about a cooldown plus
+    # the steps it takes to apply; aimed at the end of that it stays ahead of a drift)
+    horizon_steps: int = 30
     auto_max_move_fraction: float = 0.25
     rollback_threshold: float = 0.05
     effect_window_steps: int = 20

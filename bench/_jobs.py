@@ -39,6 +39,7 @@ class JobSpec:
     fixed_ms: float = 2.0
     slowdown: str | None = None  # RANK:STEP:FACTOR
     drift: str | None = None  # RANK:START_STEP:PCT_PER_STEP
+    lookahead: int | None = None  # HookConfig.lookahead (None: the hook's default)
 
     @property
     def a_ms(self) -> list[float]:
@@ -87,6 +88,8 @@ def _worker_args(spec: JobSpec, backend: Backend, result: Path) -> list[str]:
         args += ["--slowdown", spec.slowdown]
     if spec.drift:
         args += ["--drift", spec.drift]
+    if spec.lookahead is not None:
+        args += ["--lookahead", str(spec.lookahead)]
     return args
 
 

@@ -62,9 +62,13 @@ def plot_balance(rows: Sequence[Any], series: Mapping[str, Mapping[str, Sequence
 
 
 def plot_reaction(runs: Mapping[str, Mapping[str, Any]], path: Path) -> None:
-    """Step time against the moving oracle, one panel per event (slowdown, drift)."""
-    fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4.5), squeeze=False)
-    for ax, (event, data) in zip(axes[0], runs.items(), strict=False):
+    """Step time against the moving oracle, one panel per case (up to 3 a row)."""
+    cols = min(3, max(1, len(runs)))
+    rows = -(-len(runs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(runs):]:
+        ax.set_visible(False)
+    for ax, (event, data) in zip(axes.flat, runs.items(), strict=False):
         ref = data["reference_ms"]
         ax.plot(range(len(ref)), ref, color="black", lw=1, ls="--", label="oracle (moving)")
         for s, ys in data["step_ms"].items():

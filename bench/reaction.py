@@ -1,22 +1,26 @@
 """Reaction: how fast a strategy follows when a rank's speed changes during the run.
 
 Real 4-rank torchrun/gloo CPU jobs (trainer_hook.demo_worker), all ranks equally fast at
-first, in ``auto`` mode from no knowledge:
+first, in ``auto`` mode from no knowledge. Each case is an event:
 
-- slowdown: rank 3 becomes 2x slower at step ``event`` (``--slowdown 3:EVENT:2``);
-- drift: rank 3 gets slower by 1% of its original time every step from step ``event``
-  (``--drift 3:EVENT:1``: linear, 2x after 100 steps).
+- ``slowdown[:RANK:FACTOR[:B]]``: RANK becomes FACTOR x slower at step ``event``
+  (default rank 3, 2x, the run's global batch);
+- ``drift``: rank 3 gets slower by 1% of its original time every step from step ``event``
+  (linear, 2x after 100 steps);
+- ``equal``: nothing happens (equal ranks, real CPU timing noise): any proposal is churn.
 
 The reference is the moving oracle: the exact best split's step time for the true costs
 at each step (the product's solver on the injected costs) plus the fixed overhead the
 split cannot change (sync, framework), measured once as an oracle run's steady step time
-minus its model step time. Reported per strategy: steps after the event until the split in
-force stays within 10% of the moving oracle's model step time (from the placement
+minus its model step time. Reported per case and strategy: steps after the event until the
+split in force stays within 10% of the moving oracle's model step time (from the placement
 timeline; noise-free), the same judged from measured step times (90% of rolling medians
-of 10 steps within 10% of the reference), and the excess time paid over the reference
-from the event to the end of the run (uniform shows what doing nothing costs).
+of 10 steps within 10% of the reference), the excess time paid over the reference from the
+event to the end of the run (uniform shows what doing nothing costs), placements applied
+and rollbacks.
 
-    python -m bench.reaction [--quick | --tiny]
+    python -m bench.reaction [--quick | --tiny | --cases] [--lookahead N]
+    python -m bench.reaction --sim      # the closed-loop simulator (bench/reaction_sim.py)
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class ReactionRow:
     reference_end_ms: float
     placements_applied: int
     notes: list[str]  # retries, a crash at teardown: anything that was not a clean run
+    rollbacks: int = 0
+    global_batch_size: int = 64
 
 
 def cost_at(spec: JobSpec, step: int) -> tuple[list[float], list[float]]:
@@ -78,6 +84,33 @@ def cost_at(spec: JobSpec, step: int) -> tuple[list[float], list[float]]:
     return [x * f for x, f in zip(a, factor, strict=True)], [x * f for x, f in zip(c, factor, strict=True)]
 
 
+# The issue-13 cases: slowdowns of 1.5x, 2x and 4x at several ranks and batch sizes (profiled,
+# the default), the 1%/step drift under every strategy, and equal ranks for churn.
+CASES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("slowdown:3:1.5", ("profiled",)), ("slowdown:3:2", ("profiled",)),
+    ("slowdown:3:4", ("profiled",)), ("slowdown:0:2", ("profiled",)),
+    ("slowdown:3:2:128", ("profiled",)), ("slowdown:1:4:128", ("profiled",)),
+    ("drift", ("uniform", "profiled", "predictive")), ("equal", ("profiled",)),
+)
+
+
+def event_spec(ev: str, event: int, drift_pct: float, global_batch_size: int) -> tuple[dict[str, str], int, str]:
+    """JobSpec fields, global batch and a title for an event name (see the module doc)."""
+    parts = ev.split(":")
+    if parts[0] == "slowdown":
+        rank = int(parts[1]) if len(parts) > 1 else SLOW_RANK
+        factor = float(parts[2]) if len(parts) > 2 else 2.0
+        b = int(parts[3]) if len(parts) > 3 else global_batch_size
+        return ({"slowdown": f"{rank}:{event}:{factor:g}"}, b,
+                f"{factor:g}x slowdown of rank {rank} at step {event}, B={b}")
+    if parts[0] == "drift":
+        return ({"drift": f"{SLOW_RANK}:{event}:{drift_pct:g}"}, global_batch_size,
+                f"drift {drift_pct:g}%/step of rank {SLOW_RANK} from step {event}")
+    if parts[0] == "equal":
+        return {}, global_batch_size, "equal ranks (churn check)"
+    raise ValueError(f"unknown event {ev!r}; expected slowdown[:RANK:FACTOR[:B]], drift or equal.")
+
+
 def _reference(spec: JobSpec, overhead_ms: float) -> list[float]:
     out = []
     for k in range(spec.steps):
@@ -91,63 +124,78 @@ def run_reaction(
     events: tuple[str, ...] = ("slowdown", "drift"), out_dir: Path = RESULTS_DIR,
     name: str = "reaction", plot: bool = True, global_batch_size: int = 64,
     per_sample_ms: float = 2.0, fixed_ms: float = 2.0, drift_pct: float = 1.0,
+    cases: tuple[tuple[str, tuple[str, ...]], ...] | None = None, lookahead: int | None = None,
 ) -> dict[str, Any]:
-    """Run each event under each strategy; write ``<name>.json`` and ``<name>.png``."""
+    """Run each event under each strategy (or each of ``cases``: event, its strategies);
+    write ``<name>.json`` and ``<name>.png``."""
+    plan = cases if cases is not None else tuple((ev, strategies) for ev in events)
     rows: list[ReactionRow] = []
     plots: dict[str, dict[str, Any]] = {}
-    base = dict(speeds=SPEEDS, global_batch_size=global_batch_size, per_sample_ms=per_sample_ms,
-                fixed_ms=fixed_ms)
+    base = dict(speeds=SPEEDS, per_sample_ms=per_sample_ms, fixed_ms=fixed_ms, lookahead=lookahead)
     with tempfile.TemporaryDirectory(prefix="rb-react-") as tmp, running_backend(Path(tmp)) as backend:
-        # Overhead the split cannot remove: an oracle run of the starting speeds.
-        oracle_spec = JobSpec(job="react-oracle", steps=max(40, min(60, steps // 3)), **base)  # type: ignore[arg-type]
-        oracle_run = run_job(backend, oracle_spec, "oracle")
-        model0 = model_step_ms(oracle_spec.a_ms, oracle_spec.c_ms,
-                               oracle_shares(oracle_spec.a_ms, oracle_spec.c_ms, global_batch_size))
-        overhead = max(0.0, steady_ms(oracle_run.step_ms) - model0)
-        print(f"  overhead outside the split: {overhead:.1f} ms (oracle run steady "
-              f"{steady_ms(oracle_run.step_ms):.1f} ms, model {model0:.1f} ms)", flush=True)
-        for ev in events:
-            what = {"slowdown": {"slowdown": f"{SLOW_RANK}:{event}:2"},
-                    "drift": {"drift": f"{SLOW_RANK}:{event}:{drift_pct:g}"}}[ev]
+        overheads: dict[int, float] = {}
+
+        def overhead_for(b: int) -> float:
+            # Overhead the split cannot remove: an oracle run of the starting speeds.
+            if b not in overheads:
+                oracle_spec = JobSpec(job=f"react-oracle-{b}", steps=max(40, min(60, steps // 3)),
+                                      global_batch_size=b, **base)  # type: ignore[arg-type]
+                oracle_run = run_job(backend, oracle_spec, "oracle")
+                model0 = model_step_ms(oracle_spec.a_ms, oracle_spec.c_ms,
+                                       oracle_shares(oracle_spec.a_ms, oracle_spec.c_ms, b))
+                overheads[b] = max(0.0, steady_ms(oracle_run.step_ms) - model0)
+                print(f"  overhead outside the split (B={b}): {overheads[b]:.1f} ms (oracle run "
+                      f"steady {steady_ms(oracle_run.step_ms):.1f} ms, model {model0:.1f} ms)", flush=True)
+            return overheads[b]
+
+        for ev, ev_strategies in plan:
+            what, b, title = event_spec(ev, event, drift_pct, global_batch_size)
+            overhead = overhead_for(b)
             series: dict[str, list[float]] = {}
             timelines: dict[str, list[dict[str, Any]]] = {}
             ref: list[float] = []
-            for strategy in strategies:
-                spec = JobSpec(job=f"react-{ev}-{strategy}", steps=steps, **base, **what)  # type: ignore[arg-type]
+            for strategy in ev_strategies:
+                tag = ev.replace(":", "-").replace(".", "p")
+                spec = JobSpec(job=f"react-{tag}-{strategy}", steps=steps, global_batch_size=b,
+                               **base, **what)  # type: ignore[arg-type]
                 run = run_job(backend, spec, strategy)
                 ref = _reference(spec, overhead)
                 n = min(len(run.step_ms), len(ref))
                 ys, r = run.step_ms[:n], ref[:n]
                 exc = excess_ms(ys, lambda k, r=r: r[k], start=event)
+                rolled = sum(1 for p in run.backend_placements if p.get("source") == "rollback")
                 rows.append(ReactionRow(
                     event=ev, strategy=strategy,
                     steps_to_within_10pct=steps_until_split_within(
-                        run.placements, lambda k, spec=spec: cost_at(spec, k), n,
-                        global_batch_size, 0.10, start=event),
+                        run.placements, lambda k, spec=spec: cost_at(spec, k), n, b, 0.10,
+                        start=event),
                     steps_to_within_10pct_measured=steps_until_within(
                         ys, lambda k, r=r: r[k], 0.10, start=event),
                     excess_ms=round(exc, 1), excess_ms_per_step=round(exc / max(1, n - event), 2),
                     steady_after_ms=round(steady_ms(ys, 0.15, 10), 2), reference_end_ms=round(r[-1], 2),
                     placements_applied=max(0, len(run.placements) - 1),
                     notes=[n for n in run.notes if "applied by hand" not in n],
+                    rollbacks=rolled, global_batch_size=b,
                 ))
                 series[strategy] = ys
                 timelines[strategy] = run.placements
-                print(f"  {ev:>9} {strategy:>10}: excess {exc:8.0f} ms  ({run.wall_s:.0f} s)", flush=True)
-            plots[f"{ev} of rank {SLOW_RANK} at step {event}"] = {
-                "reference_ms": ref, "step_ms": series, "event_step": event, "placements": timelines}
+                print(f"  {ev:>16} {strategy:>10}: excess {exc:8.0f} ms, "
+                      f"{max(0, len(run.placements) - 1)} placements ({run.wall_s:.0f} s)", flush=True)
+            plots[title] = {"reference_ms": ref, "step_ms": series, "event_step": event,
+                            "placements": timelines}
     print_table(
         "Reaction (4 ranks; steps until within 10% of the moving oracle; excess over it, ms)",
         ["event", "strategy", "steps to 10%", "measured", "excess ms", "excess ms/step", "final ms",
-         "oracle ms"],
+         "oracle ms", "placements", "rollbacks"],
         [[r.event, r.strategy, r.steps_to_within_10pct, r.steps_to_within_10pct_measured, r.excess_ms,
-          r.excess_ms_per_step, r.steady_after_ms, r.reference_end_ms] for r in rows],
+          r.excess_ms_per_step, r.steady_after_ms, r.reference_end_ms, r.placements_applied,
+          r.rollbacks] for r in rows],
     )
     payload = {
         "config": {"steps": steps, "event_step": event, "slow_rank": SLOW_RANK,
                    "global_batch_size": global_batch_size, "per_sample_ms": per_sample_ms,
-                   "fixed_ms": fixed_ms, "drift_pct_per_step": drift_pct,
-                   "overhead_ms": round(overhead, 2)},
+                   "fixed_ms": fixed_ms, "drift_pct_per_step": drift_pct, "lookahead": lookahead,
+                   "overhead_ms": {str(k): round(v, 2) for k, v in overheads.items()}},
         "rows": [asdict(r) for r in rows],
         "series": plots,
     }
@@ -164,14 +212,29 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="smoke-test size")
+    ap.add_argument("--cases", action="store_true",
+                    help="every slowdown factor, rank and batch size, drift and equal ranks")
+    ap.add_argument("--sim", action="store_true",
+                    help="the closed-loop simulator instead of real jobs (a minute or two, no backend)")
+    ap.add_argument("--lookahead", type=int, default=None, help="HookConfig.lookahead of the jobs")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--event", type=int, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
+    if args.sim:
+        from bench import reaction_sim
+
+        return reaction_sim.main(["--out", str(args.out / "reaction_sim.json")])
     if args.tiny:
-        run_reaction(steps=30, event=10, strategies=("uniform",), events=("slowdown",), out_dir=args.out)
+        run_reaction(steps=30, event=10, strategies=("uniform",), events=("slowdown",), out_dir=args.out,
+                     lookahead=args.lookahead)
     elif args.quick:
-        run_reaction(**QUICK, out_dir=args.out)
+        run_reaction(**QUICK, out_dir=args.out, lookahead=args.lookahead)
+    elif args.cases:
+        run_reaction(steps=args.steps or 150, event=args.event or 60, cases=CASES,
+                     out_dir=args.out, name="reaction_cases", lookahead=args.lookahead)
     else:
-        run_reaction(out_dir=args.out)
+        run_reaction(out_dir=args.out, lookahead=args.lookahead)
     return 0
 
 

@@ -73,6 +73,9 @@ class HookConfig:
     - ``max_queue``, ``flush_interval_s``: the transport's bounded queue and send period
       (0.5 s, or sooner once 5 steps wait: a backend pays mostly per frame, and the
       dashboard still moves at least twice a second).
+    - ``flush_on_deviation``: a step whose time per sample is this fraction off the rank's
+      recent median (0.2: 20%) is sent at once and marked urgent, so the backend answers a
+      slowdown within a few steps; 0 turns it off. The first 20 steps go out one by one.
     - ``history``: how many recent StepRecords the hook keeps locally (``hook.history``).
     """
 
@@ -88,6 +91,7 @@ class HookConfig:
     probe_interval_s: float = 1.0
     max_queue: int = 10000
     flush_interval_s: float = 0.5
+    flush_on_deviation: float = 0.2
     history: int = 256
 
     def __post_init__(self) -> None:
@@ -126,6 +130,10 @@ class HookConfig:
         _positive_float("probe_interval_s", self.probe_interval_s)
         _positive_int("max_queue", self.max_queue)
         _positive_float("flush_interval_s", self.flush_interval_s)
+        fod = self.flush_on_deviation
+        if isinstance(fod, bool) or not isinstance(fod, (int, float)) or not 0 <= fod <= 10:
+            raise ValueError(f"flush_on_deviation must be a number between 0 and 10 (0 turns it "
+                             f"off), got {fod!r}.")
         _positive_int("history", self.history)
 
     @property

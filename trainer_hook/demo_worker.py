@@ -82,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--result", default=None, help="rank 0 writes a JSON result here")
     p.add_argument("--exchange-every", type=int, default=None, help="HookConfig.exchange_every")
+    p.add_argument("--lookahead", type=int, default=None, help="HookConfig.lookahead")
     args = p.parse_args(argv)
     if args.steps < 0:
         p.error(f"--steps must be >= 0, got {args.steps}.")
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     y = x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(n, 1, generator=gen)
     dataset = TensorDataset(x, y)
     extra: dict[str, int] = {"exchange_every": args.exchange_every} if args.exchange_every else {}
+    if args.lookahead is not None:
+        extra["lookahead"] = args.lookahead
     if args.steps:
         extra["total_steps"] = args.steps  # the dashboard's ETA
     job = args.job or os.environ.get("REBALANCER_JOB") or "demo"

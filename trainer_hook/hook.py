@@ -725,6 +725,7 @@ class RebalanceHook:
         self._transport = Transport(
             url=cfg.server or "", token=cfg.token, hello=self._hello,
             on_message=self._on_message, max_queue=cfg.max_queue, flush_interval_s=cfg.flush_interval_s,
+            flush_on_deviation=cfg.flush_on_deviation,
         )
         self._probe = DeviceProbe(
             interval_s=cfg.probe_interval_s, device_index=device_index, on_sample=self._transport.put_device

@@ -88,6 +88,17 @@ def _int(obj: Mapping[str, Any], key: str, *, lo: int = 0, hi: int | None = None
     return val
 
 
+def _bool(obj: Mapping[str, Any], key: str, *, default: Any = ...) -> Any:
+    if key not in obj or obj[key] is None:
+        if default is ...:
+            raise ProtocolError(f"'{key}' is required.")
+        return default
+    val = obj[key]
+    if not isinstance(val, bool):
+        raise ProtocolError(f"'{key}' must be true or false, got {type(val).__name__}.")
+    return val
+
+
 def _float(obj: Mapping[str, Any], key: str, *, lo: float = 0.0, default: Any = ...) -> Any:
     if key not in obj or obj[key] is None:
         if default is ...:
@@ -346,6 +357,9 @@ class Metrics:
     device: list[DeviceSample] = field(default_factory=list)
     dropped: int = 0
     total_steps: int | None = None
+    # The hook flushed this frame early: a step's time per sample deviated strongly from
+    # the rank's recent median (a slowdown). The backend runs the policy on it at once.
+    urgent: bool = False
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Metrics:
@@ -358,6 +372,7 @@ class Metrics:
             device=device,
             dropped=_int(d, "dropped", default=0),
             total_steps=_int(d, "total_steps", lo=1, default=None),
+            urgent=_bool(d, "urgent", default=False),
         )
 
 
@@ -455,6 +470,8 @@ def encode(msg: Message) -> str:
     body = {f.name: getattr(msg, f.name) for f in fields(msg)}
     if body.get("total_steps", 0) is None:
         del body["total_steps"]  # optional and rarely set: absent rather than null
+    if body.get("urgent", True) is False:
+        del body["urgent"]  # likewise
     if isinstance(msg, Metrics):
         body["steps"] = [asdict(s) for s in msg.steps]
         body["device"] = [asdict(s) for s in msg.device]

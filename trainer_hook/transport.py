@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import logging
 import random
+import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import islice
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -107,6 +109,8 @@ class Transport:
         max_queue: int = 10000,
         flush_interval_s: float = 0.5,
         flush_steps: int = 5,
+        flush_on_deviation: float = 0.2,
+        eager_steps: int = 20,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         auth_backoff_s: float = 60.0,
@@ -116,6 +120,12 @@ class Transport:
             raise ValueError(f"max_queue must be an integer >= 1, got {max_queue!r}.")
         if isinstance(flush_steps, bool) or not isinstance(flush_steps, int) or flush_steps < 1:
             raise ValueError(f"flush_steps must be an integer >= 1, got {flush_steps!r}.")
+        if isinstance(eager_steps, bool) or not isinstance(eager_steps, int) or eager_steps < 0:
+            raise ValueError(f"eager_steps must be an integer >= 0, got {eager_steps!r}.")
+        if isinstance(flush_on_deviation, bool) or not isinstance(flush_on_deviation, (int, float)) \
+                or not 0 <= flush_on_deviation <= 10:
+            raise ValueError(f"flush_on_deviation must be a number between 0 and 10 (0: off), got "
+                             f"{flush_on_deviation!r}.")
         for name, val in (
             ("flush_interval_s", flush_interval_s),
             ("backoff_initial_s", backoff_initial_s),
@@ -134,6 +144,15 @@ class Transport:
         # A frame goes out every flush interval, or sooner once this many steps wait: the
         # backend pays per frame, so frames carry several steps, yet fast jobs stay live.
         self._flush_steps = flush_steps
+        # A step whose time per sample is this far off the median of the last few goes out
+        # at once, marked urgent (the backend runs the policy on it without pacing): a
+        # slowdown reaches the policy within a step, not a frame interval later. The first
+        # ``eager_steps`` go out one by one, so the policy's warm-up is not held back.
+        self._deviation = float(flush_on_deviation)
+        self._eager_steps = eager_steps
+        self._per_sample: deque[float] = deque(maxlen=8)
+        self._scanned = 0  # records at the front of _steps already looked at
+        self._urgent = False
         self._backoff0 = float(backoff_initial_s)
         self._backoff_max = float(backoff_max_s)
         self._auth_backoff = float(auth_backoff_s)
@@ -276,7 +295,8 @@ class Transport:
             next_flush = time.monotonic() + self._flush_s
             while not self._closing.is_set():
                 self._send_control(ws)
-                if time.monotonic() >= next_flush or len(self._steps) >= self._flush_steps:
+                now_due = self._scan()
+                if now_due or time.monotonic() >= next_flush or len(self._steps) >= self._flush_steps:
                     self._send_metrics(ws)
                     next_flush = time.monotonic() + self._flush_s
                 self._receive(ws, _POLL_S)
@@ -352,6 +372,28 @@ class Transport:
             ws.send(frame)
             self._unsent.pop()
 
+    def _scan(self) -> bool:
+        """Look at the steps queued since the last look (sender thread): True when one
+        deviates from this rank's recent time per sample, or falls in the eager start."""
+        q = self._steps
+        new = list(islice(q, min(self._scanned, len(q)), None))
+        self._scanned = len(q)
+        due = False
+        for rec in new:
+            if rec.batch_index < self._eager_steps:
+                due = True
+            b = rec.local_batch_size
+            if b <= 0 or not rec.compute_ms > 0:
+                continue
+            per = rec.compute_ms / b
+            recent = self._per_sample
+            if self._deviation > 0 and len(recent) >= 3:
+                med = statistics.median(recent)
+                if med > 0 and abs(per / med - 1.0) >= self._deviation:
+                    self._urgent = due = True
+            recent.append(per)
+        return due
+
     def _build_frame(self) -> str | None:
         if self._ident is None:
             return None
@@ -362,16 +404,19 @@ class Transport:
         m = min(len(self._devices), _MAX_DEVICE_PER_MESSAGE)
         steps = [self._steps.popleft() for _ in range(n)]
         devices = [self._devices.popleft() for _ in range(m)]
+        scanned = self._scanned
+        urgent, self._urgent = self._urgent, False
         job, rank = self._ident
         while True:
             frame = encode(Metrics(job=job, rank=rank, steps=steps[:n], device=devices[:m], dropped=dropped,
-                                   total_steps=self.total_steps))
+                                   total_steps=self.total_steps, urgent=urgent))
             if len(frame) <= MAX_MESSAGE_BYTES or (n <= 1 and m <= 1):
                 break
             n, m = n // 2, m // 2  # rare: only huge records get here; halve until it fits
         # Put back what did not fit, at the front, so order is kept; a full deque evicts
         # from its other end, which must be counted too.
         self._requeue_dropped += _requeue(self._steps, steps[n:]) + _requeue(self._devices, devices[m:])
+        self._scanned = max(0, scanned - n)  # what went back to the front was looked at
         self._reported += dropped
         return frame
 

@@ -93,6 +93,9 @@ class _JobState:
     measured: bool = False  # its effect is on record
     think_s: float = 0.0  # how long the last policy run took (wall clock)
     pending: dict[str, Any] | None = None  # the pending proposal (public form)
+    # Recent rolled-back policy changes: (batch index, shares before, shares undone).
+    rollbacks: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    urgent: bool = False  # an urgent metrics frame came since the last policy run
     counts: dict[str, int] = field(default_factory=dict)  # proposals by status
     snapshot: dict[str, Any] = field(default_factory=dict)
     cost_fit: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # the policy's, per rank
@@ -255,6 +258,7 @@ class Controller:
         pending = records.pending_proposal(s, st.job)
         st.pending = pending.public() if pending is not None else None
         st.counts = db.proposal_counts(s, st.job)
+        st.rollbacks = records.recent_rollbacks(s, st.job)
 
     async def _require(self, job: str) -> _JobState:
         st = await self._load(job)
@@ -355,12 +359,16 @@ class Controller:
                          global_batch_size=st.global_batch_size, proposal_id=proposal_id,
                          reason=reason)
 
-    def on_metrics(self, job: str) -> None:
-        """New metrics for ``job``: the next policy tick runs the policy when it is due."""
+    def on_metrics(self, job: str, *, urgent: bool = False) -> None:
+        """New metrics for ``job``: the next policy tick runs the policy when it is due.
+        An ``urgent`` frame (a rank's step far off its recent median: a slowdown) makes it
+        due at once, as during the warm-up: the answer to a slowdown should not wait out
+        ``policy_min_interval_s``."""
         st = self._jobs.get(job)
         if st is None:
             return
         st.last_metrics = self._wall()
+        st.urgent = st.urgent or urgent
         self._dirty.add(job)
 
     def _due(self, st: _JobState, now: float) -> bool:
@@ -368,7 +376,7 @@ class Controller:
         # readiness steps at once); then at most every policy_min_interval_s. At thousands
         # of ranks a run costs a good fraction of a second: spacing runs by five times
         # their cost keeps the policy worker under a fifth of a core.
-        warming = st.status == "warming_up"
+        warming = st.status == "warming_up" or st.urgent
         spacing = max(0.0 if warming else self.settings.policy_min_interval_s, 5.0 * st.think_s)
         return now - st.last_run >= spacing
 
@@ -384,7 +392,7 @@ class Controller:
             if job in self._running or not self._due(st, now):
                 continue  # stays dirty: a frame that landed during a run gets its own run
             self._dirty.discard(job)
-            st.last_run = now
+            st.last_run, st.urgent = now, False
             task = asyncio.create_task(self._policy_task(st), name=f"rebalancer-policy-{job}")
             self._running[job] = task
             started.append(task)
@@ -611,7 +619,7 @@ class Controller:
         self.policy_runs += 1
         await self._acks_from_metrics(st)
         await self._measure_effect(st)
-        from backend.policy import InfeasibleError
+        from backend.policy import InfeasibleError, Rollback
         from backend.policy.types import Proposal as PolicyProposal
 
         if not self._settled(st):
@@ -630,7 +638,9 @@ class Controller:
         obs = await asyncio.to_thread(
             inputs.observation, self.live, st.job, world_size=st.world_size,
             global_batch_size=st.global_batch_size, shares=list(st.shares), version=st.version,
-            effective=st.effective, window_steps=cfg.window_steps)
+            effective=st.effective, window_steps=cfg.window_steps,
+            # The policy does not retry a rolled-back direction until the cost changed.
+            rollbacks=[Rollback(k, tuple(before), tuple(after)) for k, before, after in st.rollbacks])
         if obs is None:
             return  # no data yet
         try:
@@ -707,10 +717,16 @@ class Controller:
             row = db.get_placement(s, st.job, st.version)
             if row is None:
                 return None
+            factor = 1.0
+            if row.previous_shares is not None and st.effective is not None:
+                factor = effect.speed_factor(
+                    self.live, st.job, shares=row.previous_shares,
+                    before=effect.before_window(st.effective, w), after=(lo, hi))
             verdict = effect.judge_effect(
                 version=row.version, step_ms_before=row.step_ms_before, step_ms_after=after,
                 rollback_threshold=threshold,
-                may_roll_back=row.auto and may_auto and row.previous_shares is not None)
+                may_roll_back=row.auto and may_auto and row.previous_shares is not None,
+                speed_factor=factor)
             row.step_ms_after = verdict.step_ms_after
             if verdict.measured_gain is not None:
                 row.measured_gain = verdict.measured_gain

@@ -9,7 +9,7 @@ slower by more than the rollback threshold goes back. These functions only read
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ from backend.control.inputs import median
 
 __all__ = [
     "SETTLE_STEPS", "Effect", "window_step_ms", "before_window", "after_window", "judge_effect",
+    "speed_factor",
     "merge_acks", "first_batches_under", "effect_record",
 ]
 
@@ -58,17 +59,63 @@ def after_window(effective: int, window_steps: int) -> tuple[int, int]:
 
 
 def judge_effect(*, version: int, step_ms_before: float | None, step_ms_after: float,
-                 rollback_threshold: float, may_roll_back: bool) -> Effect:
+                 rollback_threshold: float, may_roll_back: bool,
+                 speed_factor: float = 1.0) -> Effect:
     """The gain of a placement, and whether it goes back: only when ``may_roll_back`` (an
-    auto change in auto mode with shares to return to) and it is slower beyond the threshold."""
+    auto change in auto mode with shares to return to) and it is slower beyond the threshold
+    than the old split would have been. ``speed_factor`` (see :func:`speed_factor`) is how
+    much slower the old split got on its own meanwhile: a card that kept slowing down
+    while a change answered it does not make the change look bad."""
     before, after = step_ms_before, step_ms_after
     gain = (before - after) / before if before else None
-    worse = before is not None and after > before * (1 + rollback_threshold)
+    expected = before * speed_factor if before is not None else None
+    worse = expected is not None and after > expected * (1 + rollback_threshold)
     reason = None
     if worse and may_roll_back:
+        assert before is not None
+        scaled = (f" (the old split would have taken {expected:.1f} ms at the speeds measured "
+                  f"since)") if abs(speed_factor - 1.0) >= 0.005 else ""
         reason = (f"measured step time rose from {before:.1f} ms to {after:.1f} ms "
-                  f"after version {version}; rolling back")
+                  f"after version {version}{scaled}; rolling back")
     return Effect(step_ms_after=after, measured_gain=gain, rollback_reason=reason)
+
+
+# Per-sample cost also moves with the batch size (fixed costs spread thinner or thicker):
+# a rank counts as having changed speed only past this.
+_SPEED_CHANGE = 0.2
+
+
+def speed_factor(live: Any, job: str, *, shares: Sequence[int], before: tuple[int, int],
+                 after: tuple[int, int]) -> float:
+    """How much slower ``shares`` (the split before a change) would have run in the window
+    ``after`` than in the window ``before``, from each rank's median time per sample in
+    each (ranks idle in either window, or changed by less than 20%, count as unchanged).
+    1.0 without data; clipped to [0.5, 4]."""
+    if live is None:
+        return 1.0
+    per: dict[int, tuple[list[float], list[float]]] = {}
+    for rank, rec in live.steps(job, batch_from=max(0, before[0]), batch_to=after[1]):
+        b = rec.local_batch_size
+        if b <= 0 or not rec.compute_ms > 0:
+            continue
+        k = rec.batch_index
+        side = 0 if before[0] <= k <= before[1] else 1 if after[0] <= k <= after[1] else -1
+        if side >= 0:
+            per.setdefault(rank, ([], []))[side].append(rec.compute_ms / b)
+    old = new = 0.0
+    for rank, share in enumerate(shares):
+        got = per.get(rank)
+        if share <= 0 or got is None or not got[0]:
+            continue
+        c0 = median(got[0])
+        ratio = median(got[1]) / c0 if got[1] and c0 > 0 else 1.0
+        if abs(ratio - 1.0) < _SPEED_CHANGE:
+            ratio = 1.0
+        old = max(old, c0 * share)
+        new = max(new, c0 * ratio * share)
+    if old <= 0:
+        return 1.0
+    return min(max(new / old, 0.5), 4.0)
 
 
 def merge_acks(acks: Mapping[str, int] | None, new: Mapping[int, int]) -> dict[str, int]:

@@ -21,7 +21,7 @@ from backend.live.state import STEP_COMPUTE as _COMPUTE
 from backend.live.state import STEP_LOCAL_BATCH as _LOCAL_BATCH
 
 if TYPE_CHECKING:
-    from backend.policy.types import Constraints, JobObservation, PolicyConfig
+    from backend.policy.types import Constraints, JobObservation, PolicyConfig, Rollback
     from backend.settings import Settings
     from backend.storage.control import OverridesRow
 
@@ -103,8 +103,11 @@ def all_said_hello(live: Any, job: str, world_size: int) -> bool:
 
 def observation(live: Any, job: str, *, world_size: int, global_batch_size: int,
                 shares: Sequence[int], version: int, effective: int | None,
-                window_steps: int) -> JobObservation | None:
-    """The policy's snapshot of a job from ``LiveState``; None until every rank said hello."""
+                window_steps: int, rollbacks: Sequence[Rollback] = ()) -> JobObservation | None:
+    """The policy's snapshot of a job from ``LiveState``; None until every rank said hello.
+
+    Each rank's steps are its newest ``window_steps`` steps with samples: a rank drained to
+    share 0 keeps its last measured cost instead of looking unmeasured."""
     from backend.policy import normalize_device
     from backend.policy.types import DeviceSignals, JobObservation, RankObservation, StepSample
 
@@ -114,7 +117,7 @@ def observation(live: Any, job: str, *, world_size: int, global_batch_size: int,
     ranks = []
     for r in range(world_size):
         h = live.hello(job, r)
-        steps = live.recent_step_rows(job, r, window_steps)
+        steps = live.recent_work_rows(job, r, window_steps)
         # The strategies read the newest 60 device samples (clock and temperature trends);
         # each one costs an object per rank per run (1,024 ranks: 60k a run).
         dev = live.recent_device_rows(job, r, _DEVICE_SAMPLES)
@@ -134,6 +137,7 @@ def observation(live: Any, job: str, *, world_size: int, global_batch_size: int,
         job=job, world_size=world_size, global_batch_size=global_batch_size,
         batch_index=view.batch_index or 0, shares=tuple(shares), placement_version=version,
         steps_since_change=max(0, (view.batch_index or 0) - (effective or 0)), ranks=tuple(ranks),
+        rollbacks=tuple(rollbacks),
     )
 
 

@@ -22,6 +22,7 @@ from trainer_hook.protocol import Hello, uniform_shares
 __all__ = [
     "create_job", "fail_placement", "store_overrides", "actor_name", "pending_proposal", "proposal_to_decide", "decide", "close_pending",
     "expire_due", "new_placement", "add_proposal", "refused_before", "last_effect",
+    "recent_rollbacks",
 ]
 
 
@@ -180,6 +181,28 @@ def refused_before(s: Any, job: str, version: int, shares: list[int]) -> str | N
         if row.rolled_back and list(row.shares) == shares:
             return f"this split (version {row.version}) was rolled back because it made steps slower"
     return None
+
+
+def recent_rollbacks(s: Any, job: str, limit: int = 4) -> list[tuple[int, list[int], list[int]]]:
+    """Policy changes rolled back among the last 20 placements, oldest first, as
+    ``(batch_index, shares_before, shares_after)``: the batch at which the restored split
+    took effect (steps after it show whether a moved rank's cost changed), or the undone
+    one's when the rollback is not applied yet."""
+    rows = list(db.list_placements(s, job, limit=20))
+    out = []
+    for i, row in enumerate(rows):
+        if not (row.rolled_back and row.previous_shares is not None and row.proposal_id is not None):
+            continue
+        newer = rows[i - 1] if i > 0 else None
+        at = newer.effective_batch_index if newer is not None else None
+        if at is None:
+            at = row.effective_batch_index
+        if at is None:
+            continue
+        out.append((int(at), list(row.previous_shares), list(row.shares)))
+        if len(out) >= limit:
+            break
+    return out[::-1]
 
 
 def last_effect(s: Any, job: str) -> dict[str, Any] | None:

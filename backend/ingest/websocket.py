@@ -130,7 +130,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
                 return
             if isinstance(msg, Metrics):
                 parts.live.add_metrics(msg)
-                parts.controller.on_metrics(msg.job)
+                parts.controller.on_metrics(msg.job, urgent=msg.urgent)
                 parts.hub.notify(msg.job)
             elif isinstance(msg, Ack):
                 await parts.controller.on_ack(msg)

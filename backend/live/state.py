@@ -362,6 +362,21 @@ class LiveState:
         tail.reverse()
         return tuple(tail)
 
+    def recent_work_rows(self, job: str, rank: int, n: int) -> tuple[StepRow, ...]:
+        """The newest ``n`` step rows in which ``rank`` had samples (local batch > 0), oldest
+        first: a rank idle at share 0 keeps its last measured steps while the buffer holds
+        them."""
+        if n <= 0:
+            return ()
+        with self._lock:
+            j = self._jobs.get(job)
+            r = j.ranks.get(rank) if j else None
+            if r is None:
+                return ()
+            tail = list(islice((s for s in reversed(r.steps) if s[STEP_LOCAL_BATCH] > 0), n))
+        tail.reverse()
+        return tuple(tail)
+
     def steps_after(self, job: str, after: dict[int, tuple[int, int]]) -> dict[int, list[StepRow]]:
         """For each ``rank: (batch_index, n)`` in ``after``: those of the rank's newest ``n``
         step rows (``STEP_FIELDS`` order) whose batch index is above ``batch_index``, oldest

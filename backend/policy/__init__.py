@@ -37,6 +37,7 @@ from .types import (
     Proposal,
     RankExplanation,
     RankObservation,
+    Rollback,
     StepSample,
 )
 
@@ -60,6 +61,7 @@ __all__ = [
     "Proposal",
     "RankExplanation",
     "RankObservation",
+    "Rollback",
     "SimRank",
     "SimResult",
     "StepSample",

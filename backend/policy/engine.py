@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ._guards import rollback_blocks
 from .devices import DEVICE_TABLE, normalize_device
 from .solver import NO_CONSTRAINTS, check_placement, predicted_step_ms, rank_bounds, solve
 from .strategies import Estimate, get_strategy, static_strategy
@@ -215,6 +216,20 @@ def _held_ranks(est: Estimate, obs: JobObservation, cfg: PolicyConfig,
             and est.rel_error[i] > 0.5 * cfg.min_gain]
 
 
+# Steps after a switch that still pay its one-off costs (as the controller's effect window).
+_SETTLE = 2
+
+
+def _shifted_since(est: Estimate | NoProposal, batch_index: int) -> list[int]:
+    """Ranks whose fit restarted at a level shift that began at or after ``batch_index``."""
+    if isinstance(est, NoProposal):
+        return []
+    shifts = est.evidence.get("shift_at")
+    if not isinstance(shifts, dict):
+        return []
+    return sorted(int(r) for r, k in shifts.items() if isinstance(k, int) and k >= batch_index)
+
+
 def _check_config(cfg: PolicyConfig) -> None:
     def bad(key: str, want: str, got: object) -> ValueError:
         return ValueError(f"policy.{key} must be {want}, got {got!r}.")
@@ -244,7 +259,9 @@ def decide(obs: JobObservation, config: PolicyConfig,
 
     - the placement in force breaks a constraint: propose a fix at once (no cooldown;
       static weights stand in while measurements are missing);
-    - ``cooldown`` while ``steps_since_change < cooldown_steps`` (not at version 0);
+    - ``cooldown`` while ``steps_since_change < cooldown_steps`` (not at version 0), unless
+      a rank's cost shifted (a confirmed level shift, see ``_fit.detect_shift``) after the
+      placement took effect: the explanation then says ``cooldown_ended_by_shift``;
     - the strategy's ``warming_up`` / ``no_data`` until every working rank has
       ``min_steps`` valid steps;
     - solve with each cost two standard errors high (``params["plan_margin_se"]``), holding
@@ -280,13 +297,21 @@ def decide(obs: JobObservation, config: PolicyConfig,
         return NoProposal("infeasible", str(exc))
     violation = check_placement(obs.shares, b_total, eff)
 
-    if violation is None and obs.placement_version > 0 and \
-            obs.steps_since_change < config.cooldown_steps:
-        left = config.cooldown_steps - obs.steps_since_change
-        return NoProposal("cooldown",
-                          f"cooldown: {left} more steps after placement v{obs.placement_version}",
-                          steps_remaining=left)
+    cooling = violation is None and obs.placement_version > 0 and \
+        obs.steps_since_change < config.cooldown_steps
     est = strategy(obs, config, eff)
+    extra: dict[str, object] = {}
+    if cooling:
+        # A confirmed level shift that began after the placement took effect (not the
+        # placement's own doing) ends the cooldown: waiting it out is paid at the slow pace.
+        effective = obs.batch_index - obs.steps_since_change
+        shifted = _shifted_since(est, effective + _SETTLE)
+        if not shifted:
+            left = config.cooldown_steps - obs.steps_since_change
+            return NoProposal("cooldown",
+                              f"cooldown: {left} more steps after placement v{obs.placement_version}",
+                              steps_remaining=left)
+        extra["cooldown_ended_by_shift"] = shifted
     if isinstance(est, NoProposal):
         if violation is None:
             return est
@@ -295,11 +320,21 @@ def decide(obs: JobObservation, config: PolicyConfig,
     strategy_name = config.strategy
     plan_cons = eff
     held = _held_ranks(est, obs, config, eff) if violation is None else []
-    if held:
-        # Too noisy to trust yet: keep these ranks where they are and balance the rest.
+    # No evidence (an idle rank never measured): keep it where it is.
+    held += [i for i in est.hold if i not in held] if violation is None else []
+    blocks = rollback_blocks(obs, est.a_ms, config.window_steps) if violation is None else {}
+    if held or blocks:
+        # Too noisy to trust yet, or unknown: keep these ranks where they are and balance
+        # the rest. A rank whose earlier move was rolled back may only move the other way.
         pins = dict(eff.pins)
         pins.update({i: obs.shares[i] for i in held})
-        plan_cons = Constraints(pins=pins, caps=eff.caps, floors=eff.floors, drains=eff.drains,
+        caps, floors = dict(eff.caps), dict(eff.floors)
+        for i, d in blocks.items():
+            if d > 0:
+                caps[i] = min(caps.get(i, obs.shares[i]), obs.shares[i])
+            else:
+                floors[i] = max(floors.get(i, obs.shares[i]), obs.shares[i])
+        plan_cons = Constraints(pins=pins, caps=caps, floors=floors, drains=eff.drains,
                                 granularity=eff.granularity)
     try:
         # Plan with each rank's cost two standard errors high: a rank whose estimate is
@@ -310,15 +345,18 @@ def decide(obs: JobObservation, config: PolicyConfig,
         target = solve(est.a_ms, plan_c, b_total, plan_cons)
     except InfeasibleError as exc:
         return NoProposal("infeasible", str(exc))
-    extra: dict[str, object] = {}
     if config.max_move_fraction is not None and violation is None:
         max_move = max(eff.granularity, int(config.max_move_fraction * b_total))
         limited = limit_moves(obs.shares, target, max_move, eff)
         if limited != target:
             extra["limited_by_max_move"] = max_move
             target = limited
-    if held:
-        extra["held_noisy_ranks"] = held
+    noisy = [i for i in held if i not in est.hold]
+    if noisy:
+        extra["held_noisy_ranks"] = noisy
+    if blocks:
+        extra["rolled_back_directions"] = {str(i): "up" if d > 0 else "down"
+                                           for i, d in sorted(blocks.items())}
     expl = _explain(est, strategy_name, obs.shares, target, extra)
     if target == tuple(obs.shares):
         return NoProposal("balanced", f"balanced: the {strategy_name} split equals the "

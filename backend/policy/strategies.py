@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._fit import LinearFit, fit_steps, robust_trend, valid_steps
+from ._fit import SHIFT_STEPS, LinearFit, fit_steps, robust_trend, valid_steps
 from .devices import THROTTLE_REASONS, device_weights
 from .solver import NO_CONSTRAINTS, solve
 from .types import Constraints, DeviceSignals, JobObservation, NoProposal, PolicyConfig
@@ -45,6 +45,8 @@ class Estimate:
     # that clears this noise, so estimates that merely wobble never trigger a change.
     rel_error: tuple[float, ...] = ()
     evidence: dict[str, object] = field(default_factory=dict)
+    # Ranks the engine keeps at their current share: no evidence to move them on.
+    hold: tuple[int, ...] = ()
 
 
 Strategy = Callable[[JobObservation, PolicyConfig, Constraints], "Estimate | NoProposal"]
@@ -161,18 +163,37 @@ def _fits(obs: JobObservation, config: PolicyConfig) -> list[LinearFit | None]:
 _EARLY_SE = 0.25
 
 
+# After a restart, below this many steps the residuals' spread says little about the noise: assume
+# at least _SMALL_N_NOISE (3%, CPU and GPU step times alike) so a lucky streak of a few
+# steps is not taken for a precise estimate.
+_SMALL_N = 10
+_SMALL_N_NOISE = 0.03
+
+
 def _rel_error(fit: LinearFit) -> float:
     # Standard error of a median-based level: 1.25 sigma / sqrt(n).
-    return 1.25 * fit.rel_noise / math.sqrt(fit.n) if fit.n > 0 else math.inf
+    if fit.n <= 0:
+        return math.inf
+    noise = max(fit.rel_noise, _SMALL_N_NOISE) if fit.restarted and fit.n < _SMALL_N \
+        else fit.rel_noise
+    return 1.25 * noise / math.sqrt(fit.n)
 
 
 def _ready_early(fit: LinearFit | None, config: PolicyConfig) -> bool:
     """Half of ``min_steps`` (at least 3) is enough for a rank whose estimate is already
     tight: relative standard error within a quarter of ``min_gain`` (1.25% by default), so
     the first split lands within about two of them (2.5%) of the best one. A rank with 3%
-    step-time noise (1.7% at 5 steps) waits for ``min_steps``, a steady one (~1%) does not."""
+    step-time noise (1.7% at 5 steps) waits for ``min_steps``, a steady one (~1%) does not.
+    After a confirmed level shift (``SHIFT_STEPS`` steps at the new level) a rank is ready
+    at once."""
     early = max(3, -(-config.min_steps // 2))
-    return fit is not None and fit.n >= early and _rel_error(fit) <= _EARLY_SE * config.min_gain
+    if fit is None:
+        return False
+    if fit.restarted and fit.n >= SHIFT_STEPS:
+        # A confirmed level shift on a rank measured before: act on the steps since (their
+        # standard error widens the plan margin and the gain threshold instead).
+        return True
+    return fit.n >= early and _rel_error(fit) <= _EARLY_SE * config.min_gain
 
 
 def profiled_strategy(obs: JobObservation, config: PolicyConfig,
@@ -200,8 +221,11 @@ def profiled_strategy(obs: JobObservation, config: PolicyConfig,
     known = [f for f in fits if f is not None and f.n > 0]
     if not known:
         return NoProposal("no_data", "no valid steps measured on any rank yet")
-    # A rank with no samples (idle at share 0, or pinned/drained) borrows the median: it
-    # only matters if its bounds let the solver give it work.
+    # A rank with no samples borrows the median cost only where that changes nothing (its
+    # share is pinned or drained). An idle rank (share 0) without a measured step keeps
+    # share 0: assuming the median for it handed a very slow rank work back, which auto
+    # mode rolled back, again and again (issue 13). Its last measured steps, however old,
+    # are its cost (the controller keeps them in the window).
     med_a = float(np.median([f.a_ms for f in known]))
     med_c = float(np.median([f.c_ms for f in known]))
     a: list[float] = []
@@ -210,6 +234,7 @@ def profiled_strategy(obs: JobObservation, config: PolicyConfig,
     n: list[int] = []
     err: list[float] = []
     borrowed: list[int] = []
+    idle: list[int] = []
     for rank, fit in enumerate(fits):
         if fit is None or fit.n == 0:
             a.append(med_a)
@@ -218,6 +243,8 @@ def profiled_strategy(obs: JobObservation, config: PolicyConfig,
             n.append(0)
             err.append(0.0)
             borrowed.append(rank)
+            if rank not in constraints.drains and rank not in constraints.pins:
+                idle.append(rank)
             continue
         a.append(fit.a_ms)
         c.append(fit.c_ms)
@@ -229,9 +256,16 @@ def profiled_strategy(obs: JobObservation, config: PolicyConfig,
         "fit": [{"rank": i, "method": f.method, "r2": f.r2, "rel_noise": round(f.rel_noise, 4),
                  "restarted": f.restarted} for i, f in enumerate(fits) if f is not None],
     }
+    shifts = {i: valid_steps(obs.ranks[i].steps, config.window_steps)[f.start].batch_index
+              for i, f in enumerate(fits) if f is not None and f.restarted and f.n > 0}
+    if shifts:
+        evidence["shift_at"] = shifts  # rank -> first batch index at its new level
     if borrowed:
         evidence["median_for_ranks"] = borrowed
-    return Estimate(tuple(a), tuple(c), "ms", tuple(r2), tuple(n), tuple(err), evidence)
+    if idle:
+        evidence["idle_without_evidence"] = idle
+    return Estimate(tuple(a), tuple(c), "ms", tuple(r2), tuple(n), tuple(err), evidence,
+                    hold=tuple(idle))
 
 
 # ---------------------------------------------------------------- predictive
@@ -289,25 +323,66 @@ def _device_forecast(dev: Sequence[DeviceSignals], horizon_s: float, temp_limit_
     return out
 
 
-def _cost_trend(steps: Sequence[Any], a: float,
-                min_steps: int) -> tuple[float, float, bool, bool] | None:
-    """Per-sample cost trend: (slope per step, level at the last step, significant, linear)."""
-    if len(steps) < max(2 * min_steps, 6):
+_TREND_MIN = 8  # steps: the shortest segment a trend is fitted on
+_TREND_LENGTHS = (200, 100, 60, 40, 30, 24, 20, 16, 12, _TREND_MIN)
+
+
+@dataclass(frozen=True, slots=True)
+class _Trend:
+    slope: float  # per-sample cost per step
+    level: float  # per-sample cost at the last step, on the line
+    significant: bool
+    n: int  # steps in the segment
+    rel_se: float  # relative standard error of ``level``
+
+
+def _cost_trend(steps: Sequence[Any], a: float, since_shift: int = 0,
+                min_window: int = 2 * _TREND_MIN) -> _Trend | None:
+    """The per-sample cost's trend: a line over the newest steps, flat before them.
+
+    A drift that started inside the window is a hinge: flat, then a ramp. Each candidate
+    length of the newest segment (``_TREND_LENGTHS``, the whole window, and the steps since
+    a detected shift) is scored by the absolute residuals of "median level before it, a
+    Theil-Sen line over it"; the best one wins, the longer one on a near tie (within 3%).
+    The slope counts when it is three standard errors from zero (four when a segment
+    shorter than the window was picked: picking the best of several flatters the fit).
+    No trend from fewer than ``min_window`` steps in all.
+    """
+    n = len(steps)
+    if n < max(_TREND_MIN, min_window):
         return None
-    xa = np.array([float(s.batch_index) for s in steps])
-    ya = np.array([max(s.compute_ms - a, 0.0) / s.local_batch_size for s in steps])
-    got = robust_trend(xa, ya)
-    if got is None:
+    xs = np.array([float(s.batch_index) for s in steps])
+    ys = np.array([max(s.compute_ms - a, 0.0) / s.local_batch_size for s in steps])
+    lengths = {min(length, n) for length in _TREND_LENGTHS} | {since_shift}
+    best: tuple[float, int, float, float] | None = None  # (cost, m, slope, icpt)
+    for m in sorted((m for m in lengths if m >= _TREND_MIN), reverse=True):
+        got = robust_trend(xs[-m:], ys[-m:])
+        if got is None:
+            continue
+        slope, icpt = got
+        cost = float(np.abs(ys[-m:] - (icpt + slope * xs[-m:])).sum())
+        if m < n:
+            head = ys[:-m]
+            cost += float(np.abs(head - np.median(head)).sum())
+        if best is None or cost < 0.97 * best[0]:
+            best = (cost, m, slope, icpt)
+    if best is None:
         return None
-    slope, icpt = got
+    _, m, slope, icpt = best
+    xa, ya = xs[-m:], ys[-m:]
     resid = ya - (icpt + slope * xa)
-    sigma = _MAD * float(np.median(np.abs(resid - np.median(resid))))
-    # Noise from successive differences ignores any trend or single jump.
-    noise = _MAD * float(np.median(np.abs(np.diff(ya)))) / math.sqrt(2.0)
+    # The picked segment is the one whose residuals looked smallest: take the noise from
+    # successive differences of the whole window as well, which no pick can flatter.
+    noise = _MAD * float(np.median(np.abs(np.diff(ys)))) / math.sqrt(2.0)
+    sigma = max(_MAD * float(np.median(np.abs(resid - np.median(resid)))), noise)
     spread = float(np.sqrt(((xa - xa.mean()) ** 2).sum())) or 1.0
-    significant = abs(slope) > 3.0 * 1.25 * sigma / spread
-    linear = sigma <= 2.0 * noise + 1e-12
-    return slope, icpt + slope * float(xa[-1]), significant, linear
+    level = icpt + slope * float(xa[-1])
+    if level <= 0:
+        return None
+    k_se = 3.0 if m == n else 4.0
+    return _Trend(slope=slope, level=level,
+                  significant=abs(slope) > k_se * 1.25 * max(sigma, 1e-12) / spread,
+                  n=m, rel_se=1.25 * 2.0 * sigma / math.sqrt(m) / level)
 
 
 def predictive_strategy(obs: JobObservation, config: PolicyConfig,
@@ -332,6 +407,8 @@ def predictive_strategy(obs: JobObservation, config: PolicyConfig,
     step_s = float(p.get("step_s", max(medians) / 1000.0 if medians else 0.1))
     temp_limit = float(p.get("temp_limit_c", 83.0))
     c_new = list(base.c_ms)
+    a_new = list(base.a_ms)
+    err = list(base.rel_error) if base.rel_error else [0.0] * len(c_new)
     forecasts = []
     for i, r in enumerate(obs.ranks):
         n = base.n_steps[i] if base.n_steps else 0
@@ -343,15 +420,23 @@ def predictive_strategy(obs: JobObservation, config: PolicyConfig,
         c_trend = c_now
         info: dict[str, Any] = {"rank": r.rank}
         # A ramp (drift) makes the profiled fit restart its window just like a jump does;
-        # the whole window tells them apart: a line fits a ramp down to the noise level.
-        trend = _cost_trend(window, a, config.min_steps)
-        if trend is None or not trend[3]:
-            trend = _cost_trend(window[-n:], a, config.min_steps)
-        if trend is not None and trend[2]:
-            slope, level, _, _ = trend
-            c_now = max(level, 1e-12)
-            c_trend = max(c_now + slope * h, 0.5 * c_now)
-            info["trend_per_step"] = slope
+        # the trend over the longest segment a line fits tells them apart.
+        # The batch size changes only with the placement, in blocks: a drift across such a
+        # change makes a + c*b confound the two (a large a, a small c, a rank that seems
+        # not to care how much work it gets). Unless the sizes interleave, the trend is of
+        # time per sample (a = 0), which overstates the marginal cost a little: the safe side.
+        switches = sum(1 for x, y in zip(window, window[1:], strict=False)
+                       if x.local_batch_size != y.local_batch_size)
+        a_trend = a if switches >= len(window) // 4 else 0.0
+        trend = _cost_trend(window, a_trend, n if n < len(window) else 0, 2 * config.min_steps)
+        if trend is not None and trend.significant:
+            c_now = trend.level
+            # Extrapolate no further than twice the segment the trend was seen over.
+            c_trend = max(c_now + trend.slope * min(h, 2.0 * trend.n), 0.5 * c_now)
+            a_new[i] = a_trend
+            info["trend_per_step"] = trend.slope
+            info["trend_steps"] = trend.n
+            err[i] = trend.rel_se
         dev = _device_forecast(r.device, h * step_s, temp_limit,
                                float(p.get("temp_penalty", 0.1)))
         c_dev = c_now * float(dev["factor"])
@@ -366,8 +451,8 @@ def predictive_strategy(obs: JobObservation, config: PolicyConfig,
         c_new[i] = c_pred
     evidence = dict(base.evidence)
     evidence.update({"horizon_steps": config.horizon_steps, "forecasts": forecasts})
-    return Estimate(base.a_ms, tuple(c_new), base.units, base.fit_r2, base.n_steps,
-                    base.rel_error, evidence)
+    return Estimate(tuple(a_new), tuple(c_new), base.units, base.fit_r2, base.n_steps,
+                    tuple(err), evidence, base.hold)
 
 
 register_strategy("static", static_strategy)

@@ -10,6 +10,7 @@ __all__ = [
     "DeviceSignals",
     "RankObservation",
     "JobObservation",
+    "Rollback",
     "Constraints",
     "PolicyConfig",
     "RankExplanation",
@@ -50,13 +51,29 @@ class RankObservation:
     rank: int
     device_type: str | None = None  # key into the device table, e.g. "H100", "A100-80GB", "CPU"
     mem_total_bytes: int | None = None
-    # Recent valid steps, oldest first (the controller keeps a window, e.g. the last 200).
+    # Recent valid steps (with work), oldest first: the controller keeps the last
+    # ``window_steps`` steps in which the rank had samples, so a rank idle at share 0 keeps
+    # its last measured cost.
     steps: tuple[StepSample, ...] = ()
     # Device history, oldest first (about 1 Hz), for the predictive strategy.
     device: tuple[DeviceSignals, ...] = ()
     # Observed peak memory per sample, for memory caps (None when unknown).
     mem_bytes_per_sample: float | None = None
     mem_fixed_bytes: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """A placement that was rolled back because the measured step time got worse.
+
+    ``shares_after`` is the placement that was undone, ``shares_before`` the one restored;
+    ``batch_index`` the step at which the rollback was decided. The policy does not move a
+    rank again the way this change moved it until the rank's measured cost has changed.
+    """
+
+    batch_index: int
+    shares_before: tuple[int, ...]
+    shares_after: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +86,8 @@ class JobObservation:
     placement_version: int
     steps_since_change: int  # batch indices since the placement in force took effect
     ranks: tuple[RankObservation, ...]
+    # Recent automatic rollbacks, oldest first (the controller keeps a few).
+    rollbacks: tuple[Rollback, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +111,9 @@ class PolicyConfig:
     min_steps: int = 10  # valid steps per rank before profiled/predictive propose
     window_steps: int = 100  # most recent steps used for a fit
     max_move_fraction: float | None = None  # auto mode: cap |new-old|/B per rank per change
-    horizon_steps: int = 20  # predictive: how far ahead to forecast
+    # predictive: how far ahead to forecast; a placement lives about a cooldown plus the
+    # steps it takes to apply, and one aimed at the end of that stays ahead of a drift.
+    horizon_steps: int = 30
     params: dict[str, float] = field(default_factory=dict)  # strategy-specific extras
 
 

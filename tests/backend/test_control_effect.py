@@ -33,3 +33,36 @@ def test_without_a_before_there_is_no_gain_and_no_rollback():
 def test_the_first_ack_of_a_rank_is_kept():
     assert merge_acks({"0": 10}, {0: 12, 1: 11}) == {"0": 10, "1": 11}
     assert merge_acks(None, {2: 5}) == {"2": 5}
+
+
+def _live_with(per_sample: dict[int, list[float]], shares=(16, 16)):
+    from backend.live.state import LiveState
+    from trainer_hook.protocol import Hello, Metrics, StepRecord
+
+    live = LiveState()
+    for r in range(len(shares)):
+        live.register(Hello(job="j", rank=r, world_size=len(shares), global_batch_size=sum(shares)))
+        for k, c in enumerate(per_sample[r]):
+            rec = StepRecord(batch_index=k, local_batch_size=shares[r], placement_version=0,
+                             data_wait_ms=0.0, compute_ms=c * shares[r], sync_wait_ms=0.0,
+                             optimizer_ms=0.0, step_ms=40.0, t=1000.0 + k)
+            live.add_metrics(Metrics(job="j", rank=r, steps=[rec]))
+    return live
+
+
+def test_a_rank_that_slowed_on_its_own_scales_what_the_old_split_would_have_taken():
+    from backend.control.effect import speed_factor
+
+    live = _live_with({0: [1.0] * 22, 1: [1.0] * 10 + [2.0] * 12})
+    f = speed_factor(live, "j", shares=(16, 16), before=(0, 9), after=(12, 21))
+    assert f == 2.0
+    # A change that took the step from 20 to 30 ms is no worse than the old split at the
+    # new speeds (40 ms): it stays. Without the factor it would go back.
+    kw = {"version": 4, "step_ms_before": 20.0, "step_ms_after": 30.0,
+          "rollback_threshold": 0.05, "may_roll_back": True}
+    assert judge_effect(speed_factor=f, **kw).rollback_reason is None
+    assert judge_effect(**kw).rollback_reason is not None
+    # Wobbles under 20% (per-sample cost moves with the batch size too) count as none.
+    live = _live_with({0: [1.0] * 22, 1: [1.0] * 10 + [1.1] * 12})
+    assert speed_factor(live, "j", shares=(16, 16), before=(0, 9), after=(12, 21)) == 1.0
+    assert speed_factor(None, "j", shares=(16, 16), before=(0, 9), after=(12, 21)) == 1.0

@@ -113,6 +113,16 @@ def test_the_policy_is_throttled_per_job(make):
     j.steps(40, per_sample_ms=(1.0, 1.0, 1.0))  # rank 2 recovered
     asyncio.run(policy_tick(j.ctl, JOB))  # same instant: the policy does not run again
     assert j.ctl.job_control(JOB)["pending_proposal"]["id"] == first["id"]
+    # An urgent frame (a step far off its rank's median) is not held by the 0.5 s pacing,
+    # only by five times the policy's own cost.
+    st = j.ctl._jobs[JOB]
+    st.think_s = 0.01
+    j.clock.t += 0.1
+    j.ctl.on_metrics(JOB)
+    assert asyncio.run(j.ctl.run_due()) == 0  # a plain frame: still paced
+    j.ctl.on_metrics(JOB, urgent=True)
+    assert asyncio.run(j.ctl.run_due()) == 1  # the urgent one runs the policy
+    assert not st.urgent
 
 
 def test_while_warming_up_every_frame_may_bring_the_first_proposal(make):
@@ -273,3 +283,48 @@ def test_auto_mode_moves_whole_granules_when_the_move_cap_is_smaller_than_one(ma
     sent = [m.shares for m in j.socks[0].sent]
     assert len(sent) == 1 and sent[0][2] == 8 and sum(sent[0]) == B
     assert all(v % 8 == 0 and abs(v - 16) <= 8 for v in sent[0])
+
+
+def test_a_rolled_back_direction_is_not_retried_with_a_slightly_different_split(make):
+    # Issue 13: only exact repeats of a rolled-back split were blocked, so a nearly
+    # identical one went out again. The direction stays blocked until a moved rank's
+    # measured cost changes.
+    j = make("auto", rollback_threshold=0.05)
+    j.hello()
+    j.steps(12)
+    j.tick()
+    new = j.socks[0].sent[-1]
+    j.ack_all(new.version)
+    j.steps(10, shares=new.shares, version=new.version, per_sample_ms=(6.0, 6.0, 6.0))
+    j.tick()
+    back = j.socks[0].sent[-1]
+    assert back.shares == [16, 16, 16]
+    j.ack_all(back.version)
+    # Rank 2 a little slower than before (7%): the policy's split differs from the undone
+    # one, but it moves work the same way; nothing goes out.
+    j.steps(30, shares=back.shares, version=back.version, per_sample_ms=(1.0, 1.0, 4.3))
+    j.tick()
+    assert j.socks[0].sent[-1].version == back.version
+    # Once rank 2 is measured 2x slower than when the change was undone, it may move again.
+    j.steps(30, shares=back.shares, version=back.version, per_sample_ms=(1.0, 1.0, 8.0))
+    j.tick()
+    again = j.socks[0].sent[-1]
+    assert again.version == back.version + 1 and again.shares[2] < 16
+
+
+def test_a_drained_rank_keeps_its_last_measured_cost(make):
+    # Issue 13: once a very slow rank was drained to 0 and its measured steps left the
+    # window, the policy assumed the median speed for it and auto mode gave it work back.
+    j = make("auto", auto_max_move_fraction=1.0, policy_window_steps=20)
+    j.hello()
+    slow = (1.0, 1.0, 100.0)
+    j.steps(12, per_sample_ms=slow)
+    j.tick()
+    drained = j.socks[0].sent[-1]
+    assert drained.shares[2] == 0
+    j.ack_all(drained.version)
+    j.steps(60, shares=drained.shares, version=drained.version, per_sample_ms=slow)
+    j.tick()
+    assert j.socks[0].sent[-1].version == drained.version
+    control = j.ctl.job_control(JOB)
+    assert control["status"] == "balanced", control

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -424,6 +425,9 @@ def test_bad_url_is_a_clear_error(bad: str) -> None:
     [
         ({"max_queue": 0}, "max_queue must be an integer >= 1, got 0."),
         ({"flush_interval_s": 0}, "flush_interval_s must be a number > 0, got 0."),
+        ({"eager_steps": -1}, "eager_steps must be an integer >= 0, got -1."),
+        ({"flush_on_deviation": -0.1},
+         "flush_on_deviation must be a number between 0 and 10 (0: off), got -0.1."),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], text: str) -> None:
@@ -508,3 +512,38 @@ def test_close_returns_when_the_backend_never_answers_the_handshake() -> None:
         assert not t.connected
     finally:
         lsock.close()
+
+
+def test_a_step_that_deviates_from_the_recent_median_goes_out_at_once_marked_urgent(
+        backend: WsBackend) -> None:
+    # Interval and step count too large to fire: only the deviation sends the frame.
+    state = HookState()
+    t = make(backend.port, state, flush_interval_s=30.0, flush_steps=10_000, eager_steps=0)
+    t.start()
+    try:
+        backend.wait(lambda: bool(backend.of(Hello)), "hello")
+        for k in range(10):
+            t.put_step(step(k))
+        slow = dataclasses.replace(step(10), compute_ms=2 * step(10).compute_ms)
+        t.put_step(slow)
+        backend.wait(lambda: bool(backend.of(Metrics)), "the urgent frame")
+        first = backend.of(Metrics)[0]
+        assert first.urgent is True
+        assert [s.batch_index for s in first.steps] == list(range(11))
+    finally:
+        t.close()
+    # Off the wire, urgent is absent unless set (older backends never see it).
+    assert '"urgent"' not in encode(Metrics(job="j", rank=0, steps=[step(0)]))
+
+
+def test_the_first_steps_go_out_one_by_one(backend: WsBackend) -> None:
+    state = HookState()
+    t = make(backend.port, state, flush_interval_s=30.0, flush_steps=10_000, eager_steps=3)
+    t.start()
+    try:
+        backend.wait(lambda: bool(backend.of(Hello)), "hello")
+        t.put_step(step(0))
+        backend.wait(lambda: len(backend.steps()) == 1, "step 0 alone")
+        assert not backend.of(Metrics)[0].urgent
+    finally:
+        t.close()
