@@ -54,12 +54,15 @@ class LaunchResult:
     findings: list[str] = field(default_factory=list)  # ABNORMAL_PATTERNS seen in the output
 
 
-def torchrun_cmd(nproc: int, target: Sequence[str], *, max_restarts: int = 0) -> list[str]:
-    """``target`` is ``["-m", "module", ...args]`` or ``["script.py", ...args]``."""
+def torchrun_cmd(nproc: int, target: Sequence[str], *, max_restarts: int = 0, rdzv_c10d: bool = False) -> list[str]:
+    """``target`` is ``["-m", "module", ...args]`` or ``["script.py", ...args]``; ``rdzv_c10d``:
+    the c10d rendezvous instead of the static one (restartable jobs)."""
+    port = str(free_port())
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"] if rdzv_c10d else \
+        ["--master-addr", "127.0.0.1", "--master-port", port]
     return [
         sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "--nnodes", "1", "--nproc-per-node", str(nproc), *rdzv,
         "--max-restarts", str(max_restarts),
         *target,
     ]

@@ -41,7 +41,7 @@ from bench._backend import free_port, running_backend, stop_on_sigterm
 from bench._launch import LaunchResult, first_stacks, launch, torchrun_cmd
 from bench._report import RESULTS_DIR, machine
 
-__all__ = ["PATHS", "MAIN_PATHS", "Path_", "classify", "run_soak", "main"]
+__all__ = ["PATHS", "MAIN_PATHS", "CI_PATHS", "Path_", "classify", "run_soak", "main"]
 
 WORKER = ["-m", "bench._soak_worker"]
 
@@ -55,7 +55,11 @@ class Path_:
     what: str
     backend: str = "live"  # live | absent | killed | none (offline)
     max_restarts: int = 0
-    # Exit codes a worker may end with: (0,) unless the user's own error ends the run.
+    # c10d rendezvous with an unshared store: how docs/integrations.md says to launch
+    # restartable gloo jobs (the static rendezvous cannot restart them in torch 2.13).
+    rdzv_c10d: bool = False
+    # Exit codes a worker may end with: (0,) unless the user's own error ends the run
+    # (then also -15: torchrun SIGTERMs the ranks still running when one has failed).
     worker_codes: tuple[int, ...] = (0,)
     expect_text: str = "[soak] done"  # must appear in the output
     timeout_s: float = 120.0
@@ -81,7 +85,7 @@ PATHS: dict[str, Path_] = {p.name: p for p in [
     Path_("fsdp2", ("--mode", "fsdp2",), "FSDP2 (fully_shard), gradients='loss_scale'"),
     Path_("elastic-restart", ("--mode", "elastic", "--steps", "30", "--fail-at", "12"),
           "rank 1 dies at step 12 of the first attempt; torchrun restarts both ranks",
-          max_restarts=1),
+          max_restarts=1, rdzv_c10d=True),
     Path_("backend-absent", ("--mode", "ddp", "--num-workers", "2"),
           "the backend URL points at a closed port", backend="absent"),
     Path_("backend-killed", ("--mode", "ddp", "--num-workers", "2", "--steps", "60", "--kill-backend-at", "20"),
@@ -92,15 +96,18 @@ PATHS: dict[str, Path_] = {p.name: p for p in [
           "no hook.close() and no destroy_process_group(): the interpreter's exit"),
     Path_("end-exception", ("--mode", "ddp", "--num-workers", "2", "--end", "exception"),
           "every rank raises the user's error from the loop at step 10",
-          worker_codes=(1,), expect_text="SoakUserError"),
+          worker_codes=(1, -15), expect_text="SoakUserError"),
     Path_("end-interrupt", ("--mode", "ddp", "--end", "interrupt"),
           "KeyboardInterrupt from the loop at step 10 on every rank",
-          worker_codes=(1, -2, 130), expect_text="KeyboardInterrupt"),
+          worker_codes=(1, -2, 130, -15), expect_text="KeyboardInterrupt"),
 ]}
-# One run each of these is the CI soak: the DataLoader start methods, the integrations,
-# a restart, the backend failing, and the exits that once aborted.
-MAIN_PATHS = ("ddp-w0", "ddp-w2-fork", "ddp-w2-spawn", "accelerate", "elastic-restart", "backend-killed",
-              "end-no-close", "end-exception")
+# The main paths: the DataLoader start methods, the integrations, a restart, the backend
+# failing, and the exits that once aborted.
+MAIN_PATHS = ("ddp-w0", "ddp-w2-fork", "ddp-w2-spawn", "accelerate", "hf-trainer", "elastic-restart",
+              "backend-killed", "end-no-close", "end-exception")
+# CI runs each of these once (tests/bench/test_soak.py); the ends of a script each run once
+# in tests/trainer_hook/test_clean_exit.py.
+CI_PATHS = ("ddp-w2-fork", "ddp-w2-spawn", "accelerate", "elastic-restart", "backend-killed")
 
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 
@@ -241,7 +248,9 @@ def run_soak(
 def _run_once(path: Path_, i: int, *, live_url: str | None, log_dir: Path, timeout_s: float) -> LaunchResult:
     env = {"REBALANCER_JOB": f"soak-{path.name}-{i}-{os.getpid()}"}
     log_path = log_dir / f"{path.name}-{i}.log"
-    cmd = torchrun_cmd(2, [*WORKER, *path.args], max_restarts=path.max_restarts)
+    cmd = torchrun_cmd(2, [*WORKER, *path.args], max_restarts=path.max_restarts, rdzv_c10d=path.rdzv_c10d)
+    if path.rdzv_c10d:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if path.backend == "live":
         assert live_url is not None
         env["REBALANCER_SERVER"] = live_url
