@@ -6,9 +6,8 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY backend ./backend
 COPY trainer_hook ./trainer_hook
-COPY frontend ./frontend
-# Editable, so the dashboard finds /app/frontend next to the backend package.
-RUN pip install -e ".[server]" && useradd --system --uid 1000 rebalancer
+# The dashboard's files are package data (backend/frontend), so a plain install serves them.
+RUN pip install ".[server]" && useradd --system --uid 1000 rebalancer
 USER rebalancer
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --retries=5 \

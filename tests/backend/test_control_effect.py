@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backend.control_effect import after_window, before_window, judge_effect, merge_acks
+from backend.control.effect import after_window, before_window, judge_effect, merge_acks
 
 
 def test_windows_around_the_switch_skip_the_settle_steps():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.control_errors import InvalidError
-from backend.control_inputs import (
+from backend.control.errors import InvalidError
+from backend.control.inputs import (
     auto_max_move,
     check_overrides,
     constraints_from,

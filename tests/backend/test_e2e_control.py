@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from backend.auth import create_token
+from backend.auth.tokens import create_token
 from backend.storage.base import make_engine, make_sessionmaker
 from tests.helpers.ports import free_port
 from tests.helpers.server import Server, running_server
@@ -66,7 +66,7 @@ def job(url: str, name: str) -> Iterator[tuple[subprocess.Popen[str], list[str]]
 
 def tokens(db_url: str) -> dict[str, str]:
     engine = make_engine(db_url)
-    from backend.services import init_db
+    from backend.parts import init_db
 
     init_db(engine)
     with make_sessionmaker(engine)() as s:

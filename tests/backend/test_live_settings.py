@@ -8,7 +8,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from backend.live import LiveState
+from backend.live.state import LiveState
 from backend.settings import Settings, is_loopback
 from tests.backend._app import steps
 from tests.helpers.torchrun import REPO_ROOT

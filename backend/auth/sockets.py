@@ -13,7 +13,7 @@ import logging
 
 from starlette.websockets import WebSocket
 
-from backend.auth import Actor
+from backend.auth.tokens import Actor
 from trainer_hook.protocol import CLOSE_UNAUTHORIZED
 
 __all__ = ["TokenSockets", "REVOKED_REASON"]

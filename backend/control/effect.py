@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from backend.control_inputs import median
+from backend.control.inputs import median
 
 __all__ = [
     "SETTLE_STEPS", "Effect", "window_step_ms", "before_window", "after_window", "judge_effect",

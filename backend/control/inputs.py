@@ -15,10 +15,10 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from backend.control_errors import InvalidError
-from backend.live import STEP_BATCH as _BATCH
-from backend.live import STEP_COMPUTE as _COMPUTE
-from backend.live import STEP_LOCAL_BATCH as _LOCAL_BATCH
+from backend.control.errors import InvalidError
+from backend.live.state import STEP_BATCH as _BATCH
+from backend.live.state import STEP_COMPUTE as _COMPUTE
+from backend.live.state import STEP_LOCAL_BATCH as _LOCAL_BATCH
 
 if TYPE_CHECKING:
     from backend.policy.types import Constraints, JobObservation, PolicyConfig

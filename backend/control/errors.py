@@ -1,6 +1,6 @@
 """Refused control actions. Each carries the HTTP status the API answers with.
 
-``backend.controller`` re-exports these names; routes and tests import them from there.
+``backend.control.controller`` re-exports these names; routes and tests import them from there.
 """
 
 from __future__ import annotations
