@@ -521,6 +521,8 @@ class RebalanceHook:
                 self._transport.close()
             for h in self._grad_handles:
                 h.remove()
+            if not self._grads.release_callbacks():
+                log.warning("a gradient all-reduce callback was still held by a communication thread at close()")
 
     def _close_at_exit(self) -> None:
         """The atexit path (trainer_hook._lifecycle): close with a bounded wait for peers."""
