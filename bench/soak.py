@@ -147,6 +147,7 @@ class PathStats:
     reasons: Counter[str] = field(default_factory=Counter)
     wall_s: list[float] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
+    infra_errors: list[str] = field(default_factory=list)  # runs not made (the backend did not start)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -156,6 +157,8 @@ class PathStats:
             "wall_s_median": round(statistics.median(self.wall_s), 2) if self.wall_s else None,
             "wall_s_max": round(max(self.wall_s), 2) if self.wall_s else None,
             "failures": self.failures,
+            "not_run": len(self.infra_errors),
+            "not_run_errors": self.infra_errors[:3],
         }
 
 
@@ -205,9 +208,14 @@ def run_soak(
                 break
             for name in paths:
                 path = stats[name].path
-                res = _run_once(path, i, live_url=live.url if live else None, log_dir=log_dir,
-                                timeout_s=timeout_s or path.timeout_s)
                 st = stats[name]
+                try:
+                    res = _run_once(path, i, live_url=live.url if live else None, log_dir=log_dir,
+                                    timeout_s=timeout_s or path.timeout_s)
+                except RuntimeError as exc:  # the soak's own backend did not start: not a run
+                    st.infra_errors.append(str(exc)[:2000])
+                    progress(f"soak: round {i + 1}/{runs} {name:18s} not run: {str(exc)[:200]}")
+                    continue
                 st.runs += 1
                 st.wall_s.append(res.wall_s)
                 reasons = classify(path, res)
