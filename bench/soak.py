@@ -286,6 +286,19 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def markdown_table(report: dict[str, Any]) -> str:
+    """The report as the Markdown table README.md and docs/reliability.md show."""
+    rows = ["| path | runs | hangs | abnormal | median / max s |", "|---|---|---|---|---|"]
+    for p in report["paths"]:
+        why = "; ".join(f"{n} x {r}" for r, n in p["reasons"].items())
+        abnormal = f"{p['abnormal']} ({why})" if p["abnormal"] and why else str(p["abnormal"])
+        rows.append(f"| `{p['path']}` | {p['runs']} | {p['hangs']} | {abnormal} | "
+                    f"{p['wall_s_median']} / {p['wall_s_max']} |")
+    t = report["totals"]
+    rows.append(f"| **all** | **{t['runs']}** | **{t['hangs']}** | **{t['abnormal']}** | |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=5, help="rounds over the paths (runs per path)")
@@ -297,7 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.json")
     p.add_argument("--log-dir", type=Path, default=None, help="failed runs' logs (default: a temp dir)")
     p.add_argument("--list", action="store_true", help="print the paths and exit")
+    p.add_argument("--markdown", type=Path, default=None, metavar="JSON",
+                   help="print a soak report (bench/results/soak.json) as a Markdown table and exit")
     args = p.parse_args(argv)
+    if args.markdown is not None:
+        print(markdown_table(json.loads(args.markdown.read_text())))
+        return 0
     if args.list:
         for path in PATHS.values():
             print(f"{path.name:20s} {path.what}")

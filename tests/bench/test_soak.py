@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench._launch import LaunchResult, launch
-from bench.soak import CI_PATHS, PATHS, classify
+from bench.soak import CI_PATHS, PATHS, classify, markdown_table
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,6 +41,18 @@ def test_verdicts_name_every_kind_of_bad_end() -> None:
     assert classify(user, _res("SoakUserError: boom\n  exitcode  : -6 (pid: 9)", 1)) == \
         ["a worker was killed by a signal", "worker exit codes [-6] (expected [1, -15])"]
     assert classify(user, _res("[soak] done", 0))[0] == "no 'SoakUserError' in the output"
+
+
+def test_markdown_table_says_why_a_path_failed() -> None:
+    report = {"totals": {"runs": 3, "hangs": 1, "abnormal": 1}, "paths": [
+        {"path": "ddp-w0", "runs": 2, "hangs": 1, "abnormal": 0, "reasons": {"hang": 1},
+         "wall_s_median": 9.5, "wall_s_max": 120.0},
+        {"path": "fsdp2", "runs": 1, "hangs": 0, "abnormal": 1, "reasons": {"torchrun exit 1": 1},
+         "wall_s_median": 8.0, "wall_s_max": 8.0}]}
+    lines = markdown_table(report).splitlines()
+    assert lines[2] == "| `ddp-w0` | 2 | 1 | 0 | 9.5 / 120.0 |"
+    assert lines[3] == "| `fsdp2` | 1 | 0 | 1 (1 x torchrun exit 1) | 8.0 / 8.0 |"
+    assert lines[-1] == "| **all** | **3** | **1** | **1** | |"
 
 
 @pytest.mark.timeout(120)
