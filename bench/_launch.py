@@ -1,12 +1,13 @@
 """Run one torchrun job to its end or its timeout and say how it ended, honestly.
 
-``launch(...)`` starts torchrun in a process group of its own with output to a file. If
-the job outlives its timeout it is a hang: every process of the group is sent SIGUSR1,
+``launch(...)`` starts torchrun in a session of its own with output to a file and follows
+its process tree. If the job outlives its timeout it is a hang: every process of the job
+is sent SIGUSR1,
 on which each Python process prints every thread's stack (``faulthandler``, enabled in
 all of them, the torchrun agent and DataLoader workers included, by the
 ``sitecustomize`` in ``bench/_soak_site`` that ``REBALANCER_SOAK_FAULTHANDLER=1``
-turns on), and then the whole group is killed. A job that ended by itself is still
-checked: processes of its group left running (a leak; killed after the check),
+turns on), and then every one is killed. A job that ended by itself is still
+checked: processes of the job left running (a leak; killed after the check),
 ``terminate called`` or ``Fatal Python error`` in the output, and the thread report the
 soak worker prints at exit (``SOAK-THREADS-LEFT``).
 """
@@ -81,7 +82,13 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def launch(
     cmd: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 120.0, log_path: Path,
 ) -> LaunchResult:
-    """Run ``cmd`` (a torchrun command line) in its own session; see the module docstring."""
+    """Run ``cmd`` (a torchrun command line) in its own session; see the module docstring.
+
+    torchrun starts each rank in a session of its own, so the job is not one process
+    group: the launcher follows the whole tree of torchrun's descendants (polled while
+    the job runs, so processes orphaned by a dying parent are still known) and signals
+    and kills every one of them.
+    """
     started = time.monotonic()
     hung = False
     with open(log_path, "w+b") as log:
@@ -89,27 +96,41 @@ def launch(
             list(cmd), env=job_env(env), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
             start_new_session=True,
         )
-        pgid = proc.pid
+        seen: dict[int, float] = {}  # pid -> create_time of every descendant seen
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            hung = True
-            log.write(f"\n=== SOAK: no end after {timeout:.0f}s; SIGUSR1 to every process for stacks ===\n".encode())
-            log.flush()
-            for p in _group(pgid):
-                with contextlib.suppress(psutil.Error):
-                    p.send_signal(signal.SIGUSR1)
-            time.sleep(_DUMP_WAIT_S)
+            root = psutil.Process(proc.pid)
+            seen[proc.pid] = root.create_time()
+        except psutil.Error:
+            root = None
+        deadline = started + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            _note_tree(root, seen)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.5)
+        try:
+            if proc.poll() is None:
+                hung = True
+                _note_tree(root, seen)
+                log.write(f"\n=== SOAK: no end after {timeout:.0f}s; SIGUSR1 to every process for stacks ===\n".encode())
+                log.write(("\n".join(_describe(p) for p in _alive(seen)) + "\n").encode())
+                log.flush()
+                for p in _alive(seen):
+                    with contextlib.suppress(psutil.Error):
+                        p.send_signal(signal.SIGUSR1)
+                time.sleep(_DUMP_WAIT_S)
         finally:
             wall = time.monotonic() - started
             leaked: list[str] = []
             if not hung:
-                deadline = time.monotonic() + _LEAK_GRACE_S
-                while _group(pgid) and time.monotonic() < deadline:
+                grace = time.monotonic() + _LEAK_GRACE_S
+                while _alive(seen) and time.monotonic() < grace:
                     time.sleep(0.1)
-                leaked = [_describe(p) for p in _group(pgid)]
+                leaked = [_describe(p) for p in _alive(seen)]
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
+            for p in _alive(seen):
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
         log.seek(0)
@@ -121,14 +142,25 @@ def launch(
     )
 
 
-def _group(pgid: int) -> list[psutil.Process]:
-    """Live processes of process group ``pgid`` (zombies are dead: not a leak)."""
+def _note_tree(root: psutil.Process | None, seen: dict[int, float]) -> None:
+    if root is None:
+        return
+    with contextlib.suppress(psutil.Error):
+        for child in root.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                seen.setdefault(child.pid, child.create_time())
+
+
+def _alive(seen: dict[int, float]) -> list[psutil.Process]:
+    """Processes of the job still running (the same process: pid and start time; zombies
+    are dead and not a leak)."""
     found = []
-    for p in psutil.process_iter(["pid", "status"]):
+    for pid, created in seen.items():
         try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
                 found.append(p)
-        except (ProcessLookupError, PermissionError, psutil.Error):
+        except psutil.Error:
             continue
     return found
 

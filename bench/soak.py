@@ -72,10 +72,12 @@ PATHS: dict[str, Path_] = {p.name: p for p in [
           "DDP, 2 DataLoader workers started by fork"),
     Path_("ddp-w4-fork", ("--mode", "ddp", "--num-workers", "4", "--mp-context", "fork"),
           "DDP, 4 DataLoader workers started by fork"),
-    Path_("ddp-w2-forkserver", ("--mode", "ddp", "--num-workers", "2", "--mp-context", "forkserver"),
-          "DDP, 2 DataLoader workers from a forkserver"),
-    Path_("ddp-w2-spawn", ("--mode", "ddp", "--num-workers", "2", "--mp-context", "spawn"),
-          "DDP, 2 DataLoader workers started by spawn"),
+    # One epoch (16 batches) at most: these start methods re-import torch in every worker
+    # of every epoch, about 50 s a worker on 2 loaded cores.
+    Path_("ddp-w2-forkserver", ("--mode", "ddp", "--num-workers", "2", "--mp-context", "forkserver", "--steps", "14"),
+          "DDP, 2 DataLoader workers from a forkserver, 14 steps", timeout_s=180.0),
+    Path_("ddp-w2-spawn", ("--mode", "ddp", "--num-workers", "2", "--mp-context", "spawn", "--steps", "14"),
+          "DDP, 2 DataLoader workers started by spawn, 14 steps", timeout_s=180.0),
     Path_("accum2-w2", ("--mode", "accum", "--accum", "2", "--num-workers", "2"),
           "DDP with gradient accumulation (no_sync) over 2 micro-batches, 2 workers"),
     Path_("accelerate", ("--mode", "accelerate", "--accum", "2", "--num-workers", "2"),
@@ -202,11 +204,10 @@ def run_soak(
             live = stack.enter_context(running_backend(Path(stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="rb-soak-")))))
         for i in range(runs):
-            if max_minutes is not None and time.monotonic() - started > max_minutes * 60:
-                stopped_early = True
-                progress(f"soak: the {max_minutes:g} min budget is spent; stopping after {i} rounds")
-                break
             for name in paths:
+                if max_minutes is not None and time.monotonic() - started > max_minutes * 60:
+                    stopped_early = True
+                    break
                 path = stats[name].path
                 st = stats[name]
                 try:
@@ -236,6 +237,9 @@ def run_soak(
                 else:
                     (log_dir / f"{name}-{i}.log").unlink(missing_ok=True)
                 progress(f"soak: round {i + 1}/{runs} {name:18s} {res.wall_s:6.1f}s {verdict}")
+            if stopped_early:
+                progress(f"soak: the {max_minutes:g} min budget is spent; stopped in round {i + 1}")
+                break
     report = {
         "command": "python -m bench.soak " + " ".join(sys.argv[1:]),
         "started_load_avg_1m": round(load0, 2),
@@ -306,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burn", type=int, nargs="?", const=os.cpu_count() or 1, default=0,
                    help="busy-looping processes alongside (bare --burn: one per CPU)")
     p.add_argument("--timeout", type=float, default=None, help="seconds before a run counts as hung")
-    p.add_argument("--max-minutes", type=float, default=None, help="start no new round after this")
+    p.add_argument("--max-minutes", type=float, default=None, help="start no new run after this")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.json")
     p.add_argument("--log-dir", type=Path, default=None, help="failed runs' logs (default: a temp dir)")
     p.add_argument("--list", action="store_true", help="print the paths and exit")

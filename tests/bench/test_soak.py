@@ -59,13 +59,14 @@ def test_markdown_table_says_why_a_path_failed() -> None:
 def test_a_hung_job_is_killed_with_every_process_stacks(tmp_path: Path) -> None:
     script = tmp_path / "hang.py"
     script.write_text("import subprocess, sys, time\n"
-                      "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                      "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+                      "                 start_new_session=True)  # as torchrun starts its ranks\n"
                       "def stuck_here():\n    time.sleep(600)\n"
                       "stuck_here()\n")
     res = launch([sys.executable, str(script)], timeout=3, log_path=tmp_path / "log")
     assert res.hung and res.returncode is None
     assert "stuck_here" in res.output  # the parent's stack, printed on SIGUSR1
-    assert res.output.count("most recent call first") >= 2  # and the child's
+    assert res.output.count("most recent call first") >= 2  # and the child's, in a session of its own
     check = subprocess.run(["pgrep", "-f", "time.sleep\\(600\\)"], capture_output=True, text=True)
     assert str(script) not in check.stdout and check.stdout.strip() == "", "a process of the hung job survived"
 
