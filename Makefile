@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 PORT   ?= 8000
 STEPS  ?=
 
-.PHONY: setup demo test test-unit check check-min-versions lint typecheck bench bench-quick browser prometheus serve clean
+.PHONY: setup demo test test-unit check check-min-versions lint typecheck bench bench-quick soak browser prometheus serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,15 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m bench.run_all --quick
+
+# Every launch path many times, each run timed out and checked for aborts and leaks
+# (bench/soak.py). SOAK_RUNS per path; SOAK_PATHS all, main or a comma list; SOAK_ARGS
+# e.g. --burn 2 or --max-minutes 30. Writes bench/results/soak.json.
+SOAK_RUNS  ?= 20
+SOAK_PATHS ?= all
+SOAK_ARGS  ?=
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak --runs $(SOAK_RUNS) --paths $(SOAK_PATHS) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

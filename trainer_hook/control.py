@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -169,9 +170,22 @@ class ControlChannel:
         self.schedule.replace_initial(values[0], values[1:])
         return values[0], values[1:]
 
-    def close(self) -> None:
-        """Wait for an exchange still in flight (every rank launched it) and drop it."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for an exchange still in flight (every rank launched it) and drop it.
+
+        ``timeout_s``: give up waiting after that long (gloo raises; the error propagates).
+        """
         inflight, self._inflight = self._inflight, None
         self.due = 0
         if inflight is not None and inflight[1] is not None:
-            inflight[1].wait()
+            if timeout_s is None:
+                inflight[1].wait()
+            else:
+                inflight[1].wait(timedelta(seconds=timeout_s))
+
+    def after_fork_in_child(self) -> None:
+        """A forked child: fresh lock, and the gloo group and work are dropped untouched."""
+        self._lock = threading.Lock()
+        self._inflight = None
+        self._bcast = None
+        self.group = None

@@ -14,6 +14,7 @@ let the default averaging all-reduce divide by world size again.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -36,7 +37,7 @@ class GradientState:
 
     __slots__ = (
         "process_group", "weight", "_pg", "_opts", "last_bucket_t", "last_done_t", "buckets_seen",
-        "repeated_bucket", "grad_event", "done_event", "cuda", "_done_cb",
+        "repeated_bucket", "grad_event", "done_event", "cuda", "_done_cb", "_cb_refs",
     )
 
     def __init__(self, process_group: Any = None) -> None:
@@ -46,6 +47,7 @@ class GradientState:
         self.weight = 1.0
         self.cuda = False
         self._done_cb = self._mark_done  # bound once, not per bucket
+        self._cb_refs = sys.getrefcount(self._done_cb)  # references with no future holding it
         self.reset()
 
     def reset(self) -> None:
@@ -59,6 +61,25 @@ class GradientState:
 
     # Called on the gloo/NCCL completion thread (or inline when the reduction is already
     # complete): it holds the GIL the training thread wants, so it does as little as it can.
+    def release_callbacks(self, timeout_s: float = 5.0) -> bool:
+        """Wait until no communication thread still holds the completion callback.
+
+        ``Future.then`` wraps the Python callback in a guard that the backend's worker
+        thread (gloo's) destroys after running it, taking the GIL to do so. A thread that
+        asks for the GIL once the interpreter is finalising is ended by
+        ``pthread_exit`` inside that C++ destructor, and the process aborts with
+        ``terminate called without an active exception``. After the last step the main
+        thread may hold the GIL all the way to exit, so the hook waits here (the GIL
+        released) until the reference count of the callback is back to its resting
+        value. Returns False if ``timeout_s`` passed first.
+        """
+        deadline = time.monotonic() + timeout_s
+        while sys.getrefcount(self._done_cb) > self._cb_refs:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
     def _mark_done(self, fut: torch.futures.Future[Any]) -> torch.Tensor:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from trainer_hook import _lifecycle
 from trainer_hook.config import HookConfig, check_total_steps
 from trainer_hook.control import ControlChannel, PendingPlacement
 from trainer_hook.gradients import (
@@ -58,6 +59,9 @@ __all__ = ["RebalanceHook"]
 log = logging.getLogger("trainer_hook")
 HOOK_VERSION = "0.1.0"
 _GRADIENT_MODES = ("auto", "comm_hook", "loss_scale")
+# How long close() at interpreter exit waits for the exchange in flight: every rank
+# launched it, so it is normally complete; a peer stuck elsewhere must not hold the exit.
+_EXIT_WAIT_S = 30.0
 
 
 class _StepContext:
@@ -131,6 +135,7 @@ class RebalanceHook:
         self._initial_event = threading.Event()
         self._transport: Any = None
         self._probe: Any = None
+        self._forked = False
         self._ready = False
         # Created before the process group (HF TrainingArguments and Accelerate's
         # Accelerator make it): the rest waits for the first use.
@@ -163,6 +168,7 @@ class RebalanceHook:
         self._ready = True
         if not cfg.offline:
             self._start_io()
+        _lifecycle.track(self)  # after init_process_group: its atexit runs before torch's
 
     @property
     def schedule(self) -> PlacementSchedule:
@@ -414,6 +420,11 @@ class RebalanceHook:
 
     def _begin_step(self) -> int:
         if self._closed:
+            if self._forked:
+                raise RuntimeError(
+                    "This RebalanceHook belongs to the parent process; a forked child (a DataLoader "
+                    "worker) must not train with it. Create hooks in the training process only."
+                )
             raise RuntimeError("This RebalanceHook is closed; create a new one to train further.")
         if not self._started:
             self._ensure_started()
@@ -757,8 +768,13 @@ class RebalanceHook:
 
         Every rank must call it after the same number of steps. ``wait_for_peers=False``
         skips waiting on the exchange in flight (shutting down on a signal, when peers
-        may be gone).
+        may be gone). It may come before or after ``dist.destroy_process_group()``; a hook
+        never closed is closed at interpreter exit. In a forked child (a DataLoader
+        worker) the hook is already inert and this does nothing.
         """
+        self._close(wait_for_peers=wait_for_peers, wait_timeout_s=None)
+
+    def _close(self, *, wait_for_peers: bool, wait_timeout_s: float | None) -> None:
         if self._closed:
             return
         self._closed = True
@@ -766,7 +782,7 @@ class RebalanceHook:
             return  # never used: no group, no threads
         try:
             if wait_for_peers:
-                self._control.close()
+                self._control.close(timeout_s=wait_timeout_s)
         finally:
             self._release_process_groups()
             if self._probe is not None:
@@ -775,6 +791,26 @@ class RebalanceHook:
                 self._transport.close()
             for h in self._grad_handles:
                 h.remove()
+            if not self._grads.release_callbacks():
+                log.warning("a gradient all-reduce callback was still held by a communication thread at close()")
+
+    def _close_at_exit(self) -> None:
+        """The atexit path (trainer_hook._lifecycle): close with a bounded wait for peers."""
+        self._close(wait_for_peers=True, wait_timeout_s=_EXIT_WAIT_S)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: inert, touching nothing the parent still uses (see _lifecycle)."""
+        self._lock = threading.Lock()
+        self._initial_event = threading.Event()
+        self._closed = True
+        self._forked = True
+        self._grads._pg = None
+        self._grads._opts = None
+        self._control.after_fork_in_child()
+        if self._probe is not None:
+            self._probe.after_fork_in_child()
+        if self._transport is not None:
+            self._transport.after_fork_in_child()
 
     def _release_process_groups(self) -> None:
         # A process group that Python still references outlives destroy_process_group()

@@ -330,6 +330,16 @@ class DeviceProbe:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
 
+    def after_fork_in_child(self) -> None:
+        """A forked child: the sampling thread is gone; forget the NVML handle (no
+        ``nvmlShutdown``: NVML state belongs to the parent) and sample nothing more."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._stop.set()
+        self._thread = None
+        self._handle = None
+        self._nvml = None
+
     def _run(self) -> None:
         while not self._stop.is_set():
             started = self._clock()

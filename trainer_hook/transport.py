@@ -237,6 +237,24 @@ class Transport:
                 if ws is not None:
                     ws.close_socket()
 
+    def after_fork_in_child(self) -> None:
+        """A forked child: the sender thread is gone; close only this process's copies of the
+        socket and of websockets' shutdown socketpair. Never ``close_socket()`` or a close
+        frame: those shut down the parent's connection or wake its reader."""
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._closing.set()
+        self._thread = None
+        self._connected = False
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            for sock in (getattr(ws, "socket", None), getattr(ws, "shutdown_notifier", None)):
+                if sock is not None:
+                    try:
+                        sock.close()  # close(2) of the child's descriptor; no shutdown(2)
+                    except OSError:
+                        pass
+
     # --- sender thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
