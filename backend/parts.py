@@ -22,7 +22,9 @@ from backend.auth.tokens import AuthService
 from backend.ingest.connections import HookConnections
 from backend.live.state import LiveState
 from backend.settings import Settings
-from backend.storage import Base, insert_windows, make_engine, make_sessionmaker
+from backend.storage import Base, RankMetricRow, insert_windows, make_engine, make_sessionmaker
+from backend.storage.health import StorageHealth
+from backend.storage.writes import WriteBuffer
 
 __all__ = ["Services", "build_services", "init_db"]
 
@@ -52,6 +54,8 @@ class Services:
     live: LiveState
     connections: HookConnections
     auth: AuthService
+    writes: WriteBuffer  # metric windows on their way to SQL
+    storage: StorageHealth  # whether the database takes writes
     controller: Any = None
     hub: Any = None
     registry: Any = None  # prometheus CollectorRegistry, set by backend.api.routes.metrics
@@ -65,13 +69,12 @@ class Services:
             self.hub.notify(job)
 
     def flush_metrics(self) -> int:
-        """Write what the live state gathered since the last flush; returns rows written."""
-        windows = self.live.drain_windows()
-        if not windows:
+        """Write what the live state gathered since the last flush, and what earlier flushes
+        could not write, one job per transaction (``WriteBuffer``); returns rows written."""
+        self.writes.add(self.live.drain_windows())
+        if not len(self.writes):
             return 0
-        with self.sessionmaker() as s:
-            n = insert_windows(s, windows)
-            s.commit()
+        n = self.writes.write(self.sessionmaker).written
         self.persisted_windows += n
         return n
 
@@ -80,8 +83,15 @@ class Services:
             await asyncio.sleep(self.settings.persist_interval_s)
             try:
                 await asyncio.to_thread(self.flush_metrics)
-            except Exception:  # the database may be briefly away; keep the live path serving
+            except Exception:  # a bug, not the database (the buffer keeps rows through faults)
                 log.exception("persisting metrics failed; will retry")
+
+    async def _health_loop(self) -> None:
+        # Finds faults (and recoveries) while nobody asks /healthz: a deleted SQLite file is
+        # restored here, and a pool opened during a fault is recycled when it ends.
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            await asyncio.to_thread(self.storage.check)
 
     async def close_revoked(self) -> int:
         """Close the sockets of tokens revoked since they opened; returns how many closed."""
@@ -106,6 +116,7 @@ class Services:
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._persist_loop(), name="rebalancer-persist"))
         self._tasks.append(asyncio.create_task(self._revocation_loop(), name="rebalancer-revocations"))
+        self._tasks.append(asyncio.create_task(self._health_loop(), name="rebalancer-storage-health"))
         for part in (self.controller, self.hub):
             if part is not None:
                 await part.start()
@@ -125,6 +136,9 @@ class Services:
             self.flush_metrics()
         except Exception:
             log.exception("final metrics flush failed")
+        if len(self.writes):
+            log.warning("%d metric windows could not be written before shutdown and are lost", len(self.writes))
+        self.storage.close()
         self.engine.dispose()
 
 
@@ -135,8 +149,11 @@ def build_services(settings: Settings) -> Services:
     auth = AuthService(sf, loopback=settings.loopback)
     if settings.admin_token is not None:
         auth.ensure_admin(settings.admin_token.get_secret_value())
+    writes = WriteBuffer(write_rows=insert_windows, job_of=lambda w: w.job,
+                         max_windows=settings.persist_buffer_windows)
+    storage = StorageHealth(engine, probe_table=RankMetricRow.__tablename__)
     return Services(
-        settings=settings, engine=engine, sessionmaker=sf,
+        settings=settings, engine=engine, sessionmaker=sf, writes=writes, storage=storage,
         live=LiveState(step_buffer=settings.step_buffer, device_buffer=settings.device_buffer,
                        window_steps=settings.window_steps),
         connections=HookConnections(), auth=auth,

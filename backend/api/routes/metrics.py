@@ -77,6 +77,16 @@ class RebalancerCollector(Collector):
             "rebalancer_dropped_records", "Records the hooks reported as dropped.", value=s.live.dropped_total)
         yield GaugeMetricFamily(
             "rebalancer_hook_connections", "Open hook websockets.", value=s.connections.count())
+        yield CounterMetricFamily(
+            "rebalancer_persist_dropped_windows",
+            "Metric windows never stored: rows the database refused, or the oldest past the write buffer's bound.",
+            value=s.writes.dropped_total)
+        yield GaugeMetricFamily(
+            "rebalancer_persist_buffered_windows", "Metric windows waiting in memory for the database.",
+            value=len(s.writes))
+        yield GaugeMetricFamily(
+            "rebalancer_database_writable", "1 while the database takes writes, 0 while degraded.",
+            value=0 if (s.storage.problem or s.writes.fault) else 1)
 
 
 def make_registry(services: Any) -> CollectorRegistry:

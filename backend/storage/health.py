@@ -1,0 +1,170 @@
+"""StorageHealth: the one answer to "does the database take writes now?", for ``/healthz``,
+the persist loop and the log.
+
+``check()`` (SQL thread) finds, in order: for SQLite, whether the file at the configured
+path is still the one the backend opened (same device and inode); then whether a fresh
+connection may write (a transaction that updates no row, rolled back). A SQLite file deleted
+while serving is restored from the backend's own open connection (which still sees every
+committed row): ``VACUUM INTO`` a file beside it, close the old connections, move the copy
+into place. A file replaced by another one is reported and left alone (restart the backend
+to use it). When a problem clears, the connection pool is recycled: a SQLite connection
+opened while the file was read-only stays read-only until closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from sqlalchemy import Engine, text
+
+from backend.storage.writes import one_line
+
+__all__ = ["StorageHealth", "sqlite_path", "report_fault"]
+
+log = logging.getLogger("rebalancer.storage")
+
+_reported: dict[str, tuple[float, int]] = {}  # what -> (last logged, suppressed since)
+_reported_lock = threading.Lock()
+
+
+def report_fault(logger: logging.Logger, what: str, exc: BaseException, *,
+                 interval_s: float = 60.0) -> None:
+    """Log ``what failed: reason`` at most once per ``interval_s`` per ``what``, with how many
+    were left out; no traceback (a database outage is not a bug, and it repeats per frame)."""
+    now = time.monotonic()
+    with _reported_lock:
+        last, quiet = _reported.get(what, (-float("inf"), 0))
+        if now - last < interval_s:
+            _reported[what] = (last, quiet + 1)
+            return
+        _reported[what] = (now, 0)
+    more = f" ({quiet} more like it since the last report)" if quiet else ""
+    logger.warning("%s failed: %s%s", what, one_line(exc), more)
+
+
+def sqlite_path(engine: Engine) -> Path | None:
+    """The file of a SQLite engine; None for PostgreSQL and in-memory SQLite."""
+    if engine.url.get_backend_name() != "sqlite":
+        return None
+    db = engine.url.database
+    if not db or db == ":memory:" or db.startswith("file:"):
+        return None
+    return Path(db).expanduser().resolve()
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+class StorageHealth:
+    """Database health. ``problem`` is None while it takes writes, else one sentence."""
+
+    def __init__(self, engine: Engine, *, probe_table: str,
+                 clock: Callable[[], float] = time.monotonic):
+        self.engine = engine
+        self.probe_table = probe_table
+        self._clock = clock
+        self.path = sqlite_path(engine)
+        self._opened = _identity(self.path) if self.path else None
+        # Holds the opened file, so a deleted file's rows stay readable for the restore.
+        self._anchor = self._open_anchor() if self.path else None
+        self._lock = threading.Lock()
+        self.problem: str | None = None
+        self.since: float | None = None
+        self.restored_total = 0
+
+    def _open_anchor(self) -> sqlite3.Connection | None:
+        try:
+            return sqlite3.connect(f"file:{self.path}?mode=rw", uri=True, check_same_thread=False,
+                                   isolation_level=None)
+        except sqlite3.Error:
+            return None
+
+    def check(self) -> str | None:
+        """Probe now; returns and records the problem (None when writable). SQL thread."""
+        with self._lock:
+            problem = self._file_problem() or self._write_problem()
+            self._record(problem)
+            return problem
+
+    def _record(self, problem: str | None) -> None:
+        if problem is not None and self.problem is None:
+            self.since = self._clock()
+            log.warning("database degraded: %s", problem)
+        elif problem is None and self.problem is not None:
+            log.warning("database ok again after %.0f s (was: %s)",
+                        self._clock() - (self.since or self._clock()), self.problem)
+            self.since = None
+            self.engine.dispose()  # connections opened during the fault may stay read-only
+        self.problem = problem
+
+    def _file_problem(self) -> str | None:
+        if self.path is None or self._opened is None:
+            return None
+        now = _identity(self.path)
+        if now == self._opened:
+            return None
+        if now is None:
+            return self._restore()
+        return (f"the database file {self.path} was replaced while the backend was serving; "
+                f"the backend still writes to the file it opened: restart it to use the new one")
+
+    def _restore(self) -> str:
+        deleted = f"the database file {self.path} was deleted while the backend was serving"
+        assert self.path is not None
+        if self._anchor is None:
+            return f"{deleted}; nothing holds it open to restore from: restart the backend"
+        tmp = self.path.with_name(self.path.name + ".restoring")
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            self._anchor.execute("VACUUM INTO ?", (str(tmp),))
+            # Old connections checkpoint and remove the -wal/-shm by name when they close:
+            # close them all before the copy takes the path.
+            self.engine.dispose()
+            self._anchor.close()
+            os.replace(tmp, self.path)
+        except (sqlite3.Error, OSError) as exc:
+            return f"{deleted}; restoring it failed ({one_line(exc)})"
+        self._opened = _identity(self.path)
+        self._anchor = self._open_anchor()
+        self.restored_total += 1
+        log.warning("%s; restored it from the backend's open connection", deleted)
+        return f"{deleted}; restored it from the backend's open connection"
+
+    def _write_problem(self) -> str | None:
+        # A fresh connection for SQLite: pooled ones opened earlier keep their write access.
+        try:
+            if self.path is not None:
+                conn = sqlite3.connect(f"file:{self.path}?mode=rw", uri=True, timeout=5.0,
+                                       isolation_level=None)
+                try:
+                    conn.execute("BEGIN")
+                    conn.execute(f"UPDATE {self.probe_table} SET id = id WHERE 1 = 0")
+                    conn.execute("ROLLBACK")
+                finally:
+                    conn.close()
+            else:
+                with self.engine.connect() as c:
+                    c.execute(text(f"UPDATE {self.probe_table} SET id = id WHERE 1 = 0"))
+                    c.rollback()
+        except Exception as exc:  # report, never raise: the probe must always answer
+            return f"the database does not take writes: {one_line(exc)}"
+        return None
+
+    def close(self) -> None:
+        if self._anchor is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._anchor.close()
+            self._anchor = None
