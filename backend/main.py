@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, FastAPI
 
+from backend.api.errors import install_error_handlers
 from backend.api.routes import audit, control, docs, health, jobs, metrics, pages, tokens
 from backend.control.controller import Controller
 from backend.dashboard.hub import DashboardHub
@@ -66,6 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.services = services
     app.state.settings = settings
+    install_error_handlers(app)
     for router in ROUTERS:  # pages includes /ws/dashboard (the hub's feed)
         app.include_router(router)
 

@@ -2,12 +2,12 @@
 the persist loop and the log.
 
 ``check()`` (SQL thread) finds, in order: for SQLite, whether the file at the configured
-path is still the one the backend opened (same device and inode); then whether a fresh
-connection may write (a transaction that updates no row, rolled back). A SQLite file deleted
+path is still the one the backend opened (same device and inode); then whether it may write (for
+SQLite the file and its folder are writable; then a statement that updates no row, rolled
+back). A SQLite file deleted
 while serving is restored from the backend's own open connection (which still sees every
-committed row): ``VACUUM INTO`` a file beside it, close the old connections, move the copy
-into place. A file replaced by another one is reported and left alone (restart the backend
-to use it). When a problem clears, the connection pool is recycled: a SQLite connection
+committed row): ``VACUUM INTO`` a file beside it from an idle pooled connection, close the old connections, move the copy
+into place. A file replaced by another one is reported and used from then on. When a problem clears, the connection pool is recycled: a SQLite connection
 opened while the file was read-only stays read-only until closed.
 """
 
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy import Engine, text
+from sqlalchemy.exc import SQLAlchemyError
 
 from backend.storage.writes import one_line
 
@@ -77,19 +78,10 @@ class StorageHealth:
         self._clock = clock
         self.path = sqlite_path(engine)
         self._opened = _identity(self.path) if self.path else None
-        # Holds the opened file, so a deleted file's rows stay readable for the restore.
-        self._anchor = self._open_anchor() if self.path else None
         self._lock = threading.Lock()
         self.problem: str | None = None
         self.since: float | None = None
         self.restored_total = 0
-
-    def _open_anchor(self) -> sqlite3.Connection | None:
-        try:
-            return sqlite3.connect(f"file:{self.path}?mode=rw", uri=True, check_same_thread=False,
-                                   isolation_level=None)
-        except sqlite3.Error:
-            return None
 
     def check(self) -> str | None:
         """Probe now; returns and records the problem (None when writable). SQL thread."""
@@ -102,6 +94,7 @@ class StorageHealth:
         if problem is not None and self.problem is None:
             self.since = self._clock()
             log.warning("database degraded: %s", problem)
+            self.engine.dispose()  # every connection sees the fault alike, none half-writes
         elif problem is None and self.problem is not None:
             log.warning("database ok again after %.0f s (was: %s)",
                         self._clock() - (self.since or self._clock()), self.problem)
@@ -117,54 +110,51 @@ class StorageHealth:
             return None
         if now is None:
             return self._restore()
+        self.engine.dispose()
+        self._opened = now
         return (f"the database file {self.path} was replaced while the backend was serving; "
-                f"the backend still writes to the file it opened: restart it to use the new one")
+                f"the backend uses the new file from now on")
 
     def _restore(self) -> str:
         deleted = f"the database file {self.path} was deleted while the backend was serving"
         assert self.path is not None
-        if self._anchor is None:
-            return f"{deleted}; nothing holds it open to restore from: restart the backend"
+        # An idle pooled connection still has the deleted file open (a new one would create
+        # an empty file at the path instead).
+        if self.engine.pool.checkedin() == 0:  # type: ignore[attr-defined]
+            return f"{deleted}; no open connection is left to restore it from: restart the backend"
         tmp = self.path.with_name(self.path.name + ".restoring")
         try:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-            self._anchor.execute("VACUUM INTO ?", (str(tmp),))
+            with self.engine.connect() as c:
+                c.exec_driver_sql("VACUUM INTO ?", (str(tmp),))
             # Old connections checkpoint and remove the -wal/-shm by name when they close:
             # close them all before the copy takes the path.
             self.engine.dispose()
-            self._anchor.close()
             os.replace(tmp, self.path)
-        except (sqlite3.Error, OSError) as exc:
+        except (SQLAlchemyError, sqlite3.Error, OSError) as exc:
             return f"{deleted}; restoring it failed ({one_line(exc)})"
         self._opened = _identity(self.path)
-        self._anchor = self._open_anchor()
         self.restored_total += 1
         log.warning("%s; restored it from the backend's open connection", deleted)
         return f"{deleted}; restored it from the backend's open connection"
 
     def _write_problem(self) -> str | None:
-        # A fresh connection for SQLite: pooled ones opened earlier keep their write access.
+        if self.path is not None:
+            # Asked of the file system, not of a new SQLite connection: in one process SQLite
+            # hands a new connection a descriptor an old one opened (POSIX locks are per
+            # process), which keeps its write access; opening the file ourselves would drop
+            # SQLite's locks when closed.
+            for p in (self.path, self.path.parent):
+                if not os.access(p, os.W_OK):
+                    return f"the database does not take writes: {p} is read-only"
         try:
-            if self.path is not None:
-                conn = sqlite3.connect(f"file:{self.path}?mode=rw", uri=True, timeout=5.0,
-                                       isolation_level=None)
-                try:
-                    conn.execute("BEGIN")
-                    conn.execute(f"UPDATE {self.probe_table} SET id = id WHERE 1 = 0")
-                    conn.execute("ROLLBACK")
-                finally:
-                    conn.close()
-            else:
-                with self.engine.connect() as c:
-                    c.execute(text(f"UPDATE {self.probe_table} SET id = id WHERE 1 = 0"))
-                    c.rollback()
+            with self.engine.connect() as c:
+                c.execute(text(f"UPDATE {self.probe_table} SET id = id WHERE 1 = 0"))
+                c.rollback()
         except Exception as exc:  # report, never raise: the probe must always answer
             return f"the database does not take writes: {one_line(exc)}"
         return None
 
     def close(self) -> None:
-        if self._anchor is not None:
-            with contextlib.suppress(sqlite3.Error):
-                self._anchor.close()
-            self._anchor = None
+        """Nothing to release today; kept so owners stop it like their other parts."""
