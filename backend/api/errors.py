@@ -1,8 +1,11 @@
-"""Error handlers: every REST error is JSON with a ``detail`` sentence, never plain text.
+"""The app's error handlers: ``ControlError`` (the controller's one-sentence refusals,
+with their status code), request validation (pydantic), a database fault (503 with the
+reason and ``Retry-After``: read-only, unreachable, file gone; nothing was changed) and any
+other failure (500, traceback in the log), each answered as ``{"detail": "<one sentence>"}``:
+never plain text.
 
-A database fault (read-only, unreachable, file gone) answers 503 with the reason and a
-``Retry-After``; the change was not made. Anything else unexpected answers 500 with a
-sentence pointing at the log (where the traceback goes).
+A validation error names the field and what it must be, from the first problem pydantic
+found (the constraints live in the request models' ``Field``s).
 """
 
 from __future__ import annotations
@@ -10,15 +13,42 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError
 
+from backend.control.errors import ControlError
 from backend.storage.health import report_fault
 from backend.storage.writes import database_fault, one_line
 
-__all__ = ["install_error_handlers"]
+__all__ = ["install_error_handlers", "validation_sentence"]
 
 log = logging.getLogger("rebalancer.api")
+
+
+def validation_sentence(exc: RequestValidationError) -> str:
+    """One sentence for the first error: ``<field>: <pydantic's message>.``"""
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request."
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
+    msg = str(err.get("msg", "invalid value"))
+    ctx = err.get("ctx") or {}
+    if "error" in ctx and msg.startswith("Value error, "):
+        msg = str(ctx["error"])
+    text = f"{'.'.join(loc)}: {msg}" if loc else msg
+    return text if text.endswith(".") else text + "."
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def control_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ControlError)
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+
+    app.add_exception_handler(ControlError, control_error)
+    app.add_exception_handler(DBAPIError, _database_error)
+    app.add_exception_handler(Exception, _internal_error)
 
 
 async def _database_error(request: Request, exc: Exception) -> JSONResponse:
@@ -35,8 +65,3 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     return JSONResponse({"detail": "The backend failed to handle this request; see its log."},
                         status_code=500)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(DBAPIError, _database_error)
-    app.add_exception_handler(Exception, _internal_error)

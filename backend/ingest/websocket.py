@@ -9,19 +9,18 @@ disturbs the others.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from backend.api.deps import websocket_actor
-from backend.parts import Services
+from backend.parts import Parts
 from backend.storage.health import report_fault
 from backend.storage.metrics import upsert_hello
 from backend.storage.writes import database_fault
@@ -69,30 +68,28 @@ async def _refuse(ws: WebSocket, code: str, message: str, close_code: int) -> No
         await ws.close(close_code, reason=message[:120])
 
 
-_hello_lock = threading.Lock()
-
-
-def _store_hello(services: Services, hello: Hello, new_run: bool) -> None:
-    # All ranks of a new job say hello at once; serialise so their inserts of the job row
-    # do not race on its unique name (one retry covers a second backend process).
-    with _hello_lock:
+def _store_hello(hello: Hello, new_run: bool) -> Callable[[Session], None]:
+    def work(s: Session) -> None:
+        # On the gateway's one thread, so the ranks of a new job saying hello at once
+        # never race on its unique name; one retry covers a second backend process.
         for attempt in (1, 2):
             try:
-                with services.sessionmaker() as s:
-                    upsert_hello(s, hello, new_run=new_run)
-                    s.commit()
+                upsert_hello(s, hello, new_run=new_run)
+                s.commit()
                 return
             except IntegrityError:
+                s.rollback()
                 if attempt == 2:
                     raise
+    return work
 
 
 @router.websocket("/ws/hook")
 async def hook_websocket(websocket: WebSocket) -> None:
     """One rank's connection: authenticate, hello, then metrics / ack / reject frames."""
-    services: Services = websocket.app.state.services
+    parts: Parts = websocket.app.state.parts
     await websocket.accept()
-    actor = websocket_actor(websocket)
+    actor = await websocket_actor(websocket)
     if actor is None:
         await _refuse(websocket, "unauthorized",
                       "Missing or invalid token; send 'Authorization: Bearer TOKEN' or '?token=TOKEN'.",
@@ -106,7 +103,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
     hello: Hello | None = None
     hello_stored = True  # False while the database refused this connection's hello
     retry_at = 0.0
-    services.sockets.add(actor, websocket)
+    parts.sockets.add(actor, websocket)
     try:
         while True:
             frame = await websocket.receive()
@@ -140,7 +137,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
                                   CLOSE_MALFORMED)
                     return
                 hello = msg
-                hello_stored = await _on_hello(services, websocket, hello)
+                hello_stored = await _on_hello(parts, websocket, hello)
                 retry_at = time.monotonic() + HELLO_RETRY_S
                 continue
             if not isinstance(msg, (Metrics, Ack, Reject)):
@@ -155,21 +152,20 @@ async def hook_websocket(websocket: WebSocket) -> None:
                               CLOSE_MALFORMED)
                 return
             if isinstance(msg, Metrics):
-                services.live.add_metrics(msg)
+                parts.live.add_metrics(msg)
                 if not hello_stored and time.monotonic() >= retry_at:
-                    hello_stored = await _hello_to_sql(services, websocket, hello)
+                    hello_stored = await _hello_to_sql(parts, websocket, hello)
                     retry_at = time.monotonic() + HELLO_RETRY_S
-                await _unless_database_fault("the controller's metrics step",
-                                             services.controller.on_metrics(msg.job))
-                services.notify(msg.job)
+                parts.controller.on_metrics(msg.job)
+                parts.hub.notify(msg.job)
             elif isinstance(msg, Ack):
-                # An ack lost here is taken from the rank's metrics later (_acks_from_metrics).
-                await _unless_database_fault("recording an ack", services.controller.on_ack(msg))
-                services.notify(msg.job)
+                # An ack lost here is taken from the rank's metrics later (acks from metrics).
+                await _unless_database_fault("recording an ack", parts.controller.on_ack(msg))
+                parts.hub.notify(msg.job)
             else:
                 log.warning("job %s rank %d rejected placement %d: %s", msg.job, msg.rank, msg.version, msg.reason)
-                await _unless_database_fault("recording a reject", services.controller.on_reject(msg))
-                services.notify(msg.job)
+                await _unless_database_fault("recording a reject", parts.controller.on_reject(msg))
+                parts.hub.notify(msg.job)
     except WebSocketDisconnect:
         pass
     except Exception:  # a bug in one handler must not take the server or other ranks down
@@ -178,37 +174,35 @@ async def hook_websocket(websocket: WebSocket) -> None:
         await _refuse(websocket, "internal", "The backend failed to handle this message; see its log.",
                       CLOSE_INTERNAL)
     finally:
-        services.sockets.discard(actor, websocket)
+        parts.sockets.discard(actor, websocket)
         if hello is not None:
-            services.connections.remove(hello.job, hello.rank, websocket)
-            if not services.connections.has(hello.job, hello.rank):
-                services.live.set_connected(hello.job, hello.rank, False)
+            parts.connections.remove(hello.job, hello.rank, websocket)
+            if not parts.connections.has(hello.job, hello.rank):
+                parts.live.set_connected(hello.job, hello.rank, False)
             with contextlib.suppress(Exception):
-                services.notify(hello.job)
+                parts.hub.notify(hello.job)
 
 
-async def _on_hello(services: Services, websocket: WebSocket, hello: Hello) -> bool:
+async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello) -> bool:
     """Register the rank live, store it, answer with the placement in force. Returns False
     when the database refused: the rank streams on (live state, dashboard) and keeps the
     placement it has; storing and the reply are tried again on its metrics."""
-    new_run = services.live.register(hello)
-    old = services.connections.add(hello.job, hello.rank, websocket)
+    new_run = parts.live.register(hello)
+    old = parts.connections.add(hello.job, hello.rank, websocket)
     if old is not None:
         log.info("job %s rank %d reconnected; closing its previous socket", hello.job, hello.rank)
         with contextlib.suppress(Exception):
             await old.close(1000, reason="replaced by a newer connection of the same rank")
-    stored = await _hello_to_sql(services, websocket, hello, new_run)
-    services.notify(hello.job)
+    stored = await _hello_to_sql(parts, websocket, hello, new_run)
+    parts.hub.notify(hello.job)
     return stored
 
 
-async def _hello_to_sql(services: Services, websocket: WebSocket, hello: Hello,
-                        new_run: bool = False) -> bool:
-    ok, _ = await _unless_database_fault(
-        "storing a hello", asyncio.to_thread(_store_hello, services, hello, new_run))
+async def _hello_to_sql(parts: Parts, websocket: WebSocket, hello: Hello, new_run: bool = False) -> bool:
+    ok, _ = await _unless_database_fault("storing a hello", parts.sql.run(_store_hello(hello, new_run)))
     if not ok:
         return False
-    ok, placement = await _unless_database_fault("answering a hello", services.controller.on_hello(hello))
+    ok, placement = await _unless_database_fault("answering a hello", parts.controller.on_hello(hello))
     if not ok or placement is None:
         return False
     await websocket.send_text(encode(placement))

@@ -25,9 +25,9 @@ from pathlib import Path
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from backend.storage.writes import one_line
+from backend.storage.writes import database_fault, one_line
 
-__all__ = ["StorageHealth", "sqlite_path", "report_fault"]
+__all__ = ["StorageHealth", "sqlite_path", "report_fault", "log_failure"]
 
 log = logging.getLogger("rebalancer.storage")
 
@@ -48,6 +48,15 @@ def report_fault(logger: logging.Logger, what: str, exc: BaseException, *,
         _reported[what] = (now, 0)
     more = f" ({quiet} more like it since the last report)" if quiet else ""
     logger.warning("%s failed: %s%s", what, one_line(exc), more)
+
+
+def log_failure(logger: logging.Logger, what: str, exc: BaseException) -> None:
+    """A database fault rate-limited and without traceback (``report_fault``); anything else
+    is a bug and logged with its traceback."""
+    if database_fault(exc):
+        report_fault(logger, what, exc)
+    else:
+        logger.error("%s failed", what, exc_info=exc)
 
 
 def sqlite_path(engine: Engine) -> Path | None:
@@ -86,6 +95,8 @@ class StorageHealth:
     def check(self) -> str | None:
         """Probe now; returns and records the problem (None when writable). SQL thread."""
         with self._lock:
+            if self.problem is not None:
+                self.engine.dispose()  # a connection opened during the fault keeps it: reopen
             problem = self._file_problem() or self._write_problem()
             self._record(problem)
             return problem

@@ -93,7 +93,8 @@ def test_read_only_database_degrades_and_recovers(tmp_path, immutable):
             assert server.get("/api/v1/jobs/ro")["mode"] == "approve"
 
             _chattr("-i", db)
-            wait_until(lambda: server.call("GET", "/healthz")[0] == 200, "healthz ok again")
+            wait_until(lambda: server.call("GET", "/healthz")[0] == 200, "healthz ok again",
+                       log=lambda: f"{server.log()}\n{server.call('GET', '/healthz')}")
             rank0.send(metrics(job="ro", rank=0, first=160, n=10))
             # History resumes: what came during the outage (kept in memory) and after.
             wait_until(lambda: _stored_steps(db, "ro") == 170, "every step of job ro stored",

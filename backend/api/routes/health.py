@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from backend.api.deps import ServicesDep
+from backend.api.deps import PartsDep
 
 __all__ = ["router", "HealthPublic"]
 
@@ -28,18 +26,18 @@ class HealthPublic(BaseModel):
 @router.get("/healthz", response_model=HealthPublic,
             responses={503: {"model": HealthPublic, "description": "Degraded: the database does "
                              "not take writes; live ingest and the dashboard go on from memory."}})
-async def healthz(services: ServicesDep) -> JSONResponse:
+async def healthz(parts: PartsDep) -> JSONResponse:
     """200 when the backend and its database take writes, 503 (``degraded``, with the reason)
     otherwise (no auth needed)."""
-    problem = await asyncio.to_thread(services.storage.check)
-    problem = problem or services.writes.fault and f"persisting metrics fails: {services.writes.fault}"
+    problem = await parts.sql.run(lambda _s: parts.storage.check())
+    problem = problem or parts.writes.fault and f"persisting metrics fails: {parts.writes.fault}"
     try:
-        open_mode = await asyncio.to_thread(lambda: services.auth.open_mode)
+        open_mode = await parts.sql.run(lambda _s: parts.auth.open_mode)
     except Exception:
         open_mode = False
     body = HealthPublic(
         status="degraded" if problem else "ok", database=problem or "ok", open_mode=open_mode,
-        jobs=len(services.live.jobs()), hook_connections=services.connections.count(),
-        buffered_windows=len(services.writes), dropped_windows=services.writes.dropped_total,
+        jobs=len(parts.live.jobs()), hook_connections=parts.connections.count(),
+        buffered_windows=len(parts.writes), dropped_windows=parts.writes.dropped_total,
     )
     return JSONResponse(body.model_dump(), status_code=503 if problem else 200)
