@@ -110,6 +110,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_with(settings: Settings) -> int:
+    from backend.storage import make_engine as _engine
+
+    probe = _engine(settings.db)  # reach the database before migrations log anything
+    try:
+        with probe.connect():
+            pass
+    finally:
+        probe.dispose()
     if not settings.loopback and settings.admin_token is None:
         from backend.auth.tokens import active_token_count
         from backend.parts import init_db
