@@ -46,7 +46,12 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, ControlError)
         return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
 
+    async def validation_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return JSONResponse({"detail": validation_sentence(exc)}, status_code=422)
+
     app.add_exception_handler(ControlError, control_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(DBAPIError, _database_error)
     app.add_exception_handler(Exception, _internal_error)
 
