@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
 from backend.api.deps import PartsDep, ViewerDep
-from backend.api.params import BatchIndex, RankList
 from backend.control.status import NEVER_CONNECTED, job_status
 from backend.live.forecast import forecast
 from backend.live.state import JobView, RankView
@@ -290,9 +289,9 @@ async def get_metrics(
     job: str,
     _actor: ViewerDep,
     parts: PartsDep,
-    rank: RankList = None,
-    batch_from: Annotated[BatchIndex, Query(description="First batch index (inclusive).")] = None,
-    batch_to: Annotated[BatchIndex, Query(description="Last batch index (inclusive).")] = None,
+    rank: Annotated[list[int] | None, Query(description="Only these ranks (repeat the parameter).")] = None,
+    batch_from: Annotated[int | None, Query(ge=0, description="First batch index (inclusive).")] = None,
+    batch_to: Annotated[int | None, Query(ge=0, description="Last batch index (inclusive).")] = None,
     source: Annotated[Literal["auto", "live", "history"], Query(
         description="live: every buffered step; history: stored per-window means; "
         "auto: live when the job is in memory.")] = "auto",
