@@ -27,7 +27,7 @@ from backend.control.controller import Controller
 from backend.control.policy_runs import PolicyRunner
 from backend.dashboard.hub import DashboardHub, JobChanges
 from backend.ingest.connections import HookConnections
-from backend.live.state import LiveState
+from backend.live.state import LiveState, Pending, aggregate_windows
 from backend.settings import Settings
 from backend.storage import (
     RankMetricRow,
@@ -94,7 +94,9 @@ class Parts:
         self.persisted_windows += n
         return n
 
-    def _write_all(self, s: Session, feeds: list[tuple[str, list[dict[str, Any]], dict[str, Any]]]) -> int:
+    def _write_all(self, s: Session, pending: list[Pending],
+                   feeds: list[tuple[str, list[dict[str, Any]], dict[str, Any]]]) -> int:
+        self.writes.add(aggregate_windows(pending))  # here, on the SQL thread: not on the loop
         if feeds:
             at = time.time()
             try:
@@ -111,11 +113,11 @@ class Parts:
 
     async def persist_now(self) -> int:
         """Store what live state and the hub gathered since the last call (gateway thread)."""
-        self.writes.add(self.live.drain_windows())  # read on the loop, which owns live state
+        pending = self.live.take_pending()  # swapped out on the loop, which owns live state
         feeds = self.hub.take_unsaved()
-        if not len(self.writes) and not feeds:
+        if not pending and not feeds and not len(self.writes):
             return 0
-        return await self.sql.run(lambda s: self._write_all(s, feeds))
+        return await self.sql.run(lambda s: self._write_all(s, pending, feeds))
 
     async def _persist_loop(self) -> None:
         while True:
@@ -242,7 +244,8 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
         settings=settings, sql=sql, live=live, connections=connections, notify=changes.mark,
         policy=policy if policy is not None else PolicyRunner(process=settings.policy_process),
         clock=clock, wall=wall)
-    hub = DashboardHub(settings=settings, live=live, control=controller.job_control, changes=changes)
+    hub = DashboardHub(settings=settings, live=live, control=controller.job_control,
+                       cost_fit=controller.cost_fit, changes=changes)
     writes = WriteBuffer(write_rows=insert_windows, job_of=lambda w: w.job,
                          max_windows=settings.persist_buffer_windows)
     storage = StorageHealth(engine, probe_table=RankMetricRow.__tablename__)

@@ -32,8 +32,10 @@ def validation_sentence(exc: RequestValidationError) -> str:
     if not errors:
         return "Invalid request."
     err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
     msg = str(err.get("msg", "invalid value"))
+    if err.get("type") == "policy":  # models that phrase their own sentence (control/models.py)
+        return msg
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
     ctx = err.get("ctx") or {}
     if "error" in ctx and msg.startswith("Value error, "):
         msg = str(ctx["error"])
@@ -52,6 +54,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(ControlError, control_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+<<<<<<< HEAD
     app.add_exception_handler(DBAPIError, _database_error)
     app.add_exception_handler(Exception, _internal_error)
 
@@ -70,3 +73,5 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     return JSONResponse({"detail": "The backend failed to handle this request; see its log."},
                         status_code=500)
+=======
+>>>>>>> main
