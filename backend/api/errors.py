@@ -54,7 +54,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(ControlError, control_error)
     app.add_exception_handler(RequestValidationError, validation_error)
-<<<<<<< HEAD
     app.add_exception_handler(DBAPIError, _database_error)
     app.add_exception_handler(Exception, _internal_error)
 
@@ -73,5 +72,3 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     return JSONResponse({"detail": "The backend failed to handle this request; see its log."},
                         status_code=500)
-=======
->>>>>>> main
