@@ -84,9 +84,40 @@ def load_settings(**overrides: object) -> Settings:
         raise SystemExit(2) from None
 
 
+def database_error(db: str, exc: BaseException) -> str:
+    """One line for a database that cannot be opened: the URL (password hidden) and the
+    driver's own reason, whitespace folded."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        shown = make_url(db).render_as_string(hide_password=True)
+    except Exception:
+        shown = db.split("@")[-1]
+    reason = str(getattr(exc, "orig", None) or exc)
+    return f"rebalancer: refusing to start, cannot open the database {shown}: {' '.join(reason.split())}"
+
+
 def _serve(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
     settings = load_settings(host=args.host, port=args.port, db=args.db, log_level=args.log_level)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _serve_with(settings)
+    except (SQLAlchemyError, OSError) as exc:
+        print(database_error(settings.db, exc), file=sys.stderr)
+        return 2
+
+
+def _serve_with(settings: Settings) -> int:
+    from backend.storage import make_engine as _engine
+
+    probe = _engine(settings.db)  # reach the database before migrations log anything
+    try:
+        with probe.connect():
+            pass
+    finally:
+        probe.dispose()
     if not settings.loopback and settings.admin_token is None:
         from backend.auth.tokens import active_token_count
         from backend.parts import init_db
@@ -114,7 +145,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from backend.main import create_app
 
-    app = create_app(settings)
+    app = create_app(settings)  # opens the database: the caller turns its failure into one line
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 ws_max_size=settings.ws_max_bytes, ws="websockets-sansio",
                 ws_ping_interval=settings.ws_ping_interval_s, ws_ping_timeout=settings.ws_ping_timeout_s)

@@ -10,6 +10,7 @@ from fastapi import APIRouter, FastAPI
 
 from backend import heap
 from backend.api.errors import install_error_handlers
+from backend.api.openapi import install_openapi
 from backend.api.routes import audit, control, docs, health, jobs, metrics, pages, tokens
 from backend.ingest import websocket as ingest
 from backend.parts import Parts, build_parts
@@ -66,6 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.parts = parts
     app.state.settings = settings
     install_error_handlers(app)
+    install_openapi(app)
     for router in ROUTERS:  # pages includes /ws/dashboard (the hub's feed)
         app.include_router(router)
     app.mount("/static", pages.FrontendFiles(), name="static")  # after /static/plotly.min.js

@@ -127,6 +127,13 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "Records the hooks reported as dropped.", True),
     MetricSpec("rebalancer_hook_connections", "gauge", (), "1",
                "Open hook websockets.", True),
+    MetricSpec("rebalancer_persist_dropped_windows_total", "counter", (), "1",
+               "Metric windows never stored: rows the database refused, or the oldest past the "
+               "write buffer's bound (REBALANCER_PERSIST_BUFFER_WINDOWS).", True),
+    MetricSpec("rebalancer_persist_buffered_windows", "gauge", (), "1",
+               "Metric windows waiting in memory for the database.", True),
+    MetricSpec("rebalancer_database_writable", "gauge", (), "1",
+               "1 while the database takes writes, 0 while /healthz says degraded.", True),
 )
 
 

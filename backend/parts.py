@@ -27,10 +27,17 @@ from backend.control.controller import Controller
 from backend.control.policy_runs import PolicyRunner
 from backend.dashboard.hub import DashboardHub, JobChanges
 from backend.ingest.connections import HookConnections
-from backend.live.state import LiveState, Pending, Window, aggregate_windows
+from backend.live.state import LiveState, Pending, aggregate_windows
 from backend.settings import Settings
-from backend.storage import insert_windows, list_jobs, make_engine, make_sessionmaker
+from backend.storage import (
+    RankMetricRow,
+    insert_windows,
+    list_jobs,
+    make_engine,
+    make_sessionmaker,
+)
 from backend.storage.gateway import SqlGateway
+from backend.storage.health import StorageHealth, report_fault
 from backend.storage.migrations import upgrade
 from backend.storage.summaries import (
     delete_older_than,
@@ -39,6 +46,7 @@ from backend.storage.summaries import (
     recent_points,
     save_summary,
 )
+from backend.storage.writes import WriteBuffer, database_fault
 
 __all__ = ["Parts", "build_parts", "init_db"]
 
@@ -55,7 +63,8 @@ class Parts:
 
     def __init__(self, *, settings: Settings, engine: Engine, sql: SqlGateway, live: LiveState,
                  connections: HookConnections, auth: AuthService, sockets: TokenSockets,
-                 controller: Controller, hub: DashboardHub, registry: CollectorRegistry):
+                 controller: Controller, hub: DashboardHub, registry: CollectorRegistry,
+                 writes: WriteBuffer, storage: StorageHealth):
         self.settings = settings
         self.engine = engine
         self.sql = sql
@@ -66,40 +75,47 @@ class Parts:
         self.controller = controller
         self.hub = hub
         self.registry = registry
+        self.writes = writes  # metric windows on their way to SQL, kept through faults
+        self.storage = storage  # whether the database takes writes (/healthz)
         self.persisted_windows = 0
         self._tasks: list[asyncio.Task[None]] = []
 
     def flush_metrics(self) -> int:
         """Write what the live state gathered since the last flush; returns rows written.
         Synchronous (tests, shutdown); the persist loop sends the same work to the gateway."""
-        windows = self.live.drain_windows()
-        return self.sql.call(lambda s: self._write_windows(s, windows))
+        self.writes.add(self.live.drain_windows())
+        return self.sql.call(lambda _s: self._write_windows())
 
-    def _write_windows(self, s: Session, windows: list[Window]) -> int:
-        if not windows:
+    def _write_windows(self) -> int:
+        # One transaction per job, rows kept through database faults (``WriteBuffer``).
+        if not len(self.writes):
             return 0
-        n = insert_windows(s, windows)
-        s.commit()
+        n = self.writes.write(self.sql.sessions).written
         self.persisted_windows += n
         return n
 
     def _write_all(self, s: Session, pending: list[Pending],
                    feeds: list[tuple[str, list[dict[str, Any]], dict[str, Any]]]) -> int:
-        at = time.time()
-        windows = aggregate_windows(pending)  # here, on the SQL thread: not on the loop
-        for job, points, summary in feeds:
-            insert_points(s, job, points, at)
-            save_summary(s, job, summary, at)
-        if windows:
-            return self._write_windows(s, windows)
-        s.commit()
-        return 0
+        self.writes.add(aggregate_windows(pending))  # here, on the SQL thread: not on the loop
+        if feeds:
+            at = time.time()
+            try:
+                for job, points, summary in feeds:
+                    insert_points(s, job, points, at)
+                    save_summary(s, job, summary, at)
+                s.commit()
+            except Exception as exc:  # the dashboard's series; the metric windows go on below
+                s.rollback()
+                if not database_fault(exc):
+                    raise
+                report_fault(log, "storing the dashboard's series", exc)
+        return self._write_windows()
 
     async def persist_now(self) -> int:
         """Store what live state and the hub gathered since the last call (gateway thread)."""
         pending = self.live.take_pending()  # swapped out on the loop, which owns live state
         feeds = self.hub.take_unsaved()
-        if not pending and not feeds:
+        if not pending and not feeds and not len(self.writes):
             return 0
         return await self.sql.run(lambda s: self._write_all(s, pending, feeds))
 
@@ -108,8 +124,15 @@ class Parts:
             await asyncio.sleep(self.settings.persist_interval_s)
             try:
                 await self.persist_now()
-            except Exception:  # the database may be briefly away; keep the live path serving
+            except Exception:  # a bug, not the database (the buffer keeps rows through faults)
                 log.exception("persisting metrics failed; will retry")
+
+    async def _health_loop(self) -> None:
+        # Finds faults (and recoveries) while nobody asks /healthz: a deleted SQLite file is
+        # restored here, and a pool opened during a fault is recycled when it ends.
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            await self.sql.run(lambda _s: self.storage.check())
 
     async def summary(self, job: str) -> dict[str, Any] | None:
         """The run's summary: live while the hub has the job, else the stored one."""
@@ -176,7 +199,7 @@ class Parts:
         await self.controller.start()
         await self.hub.start()
         for coro, name in ((self._persist_loop(), "persist"), (self._revocation_loop(), "revocations"),
-                           (self._retention_loop(), "retention")):
+                           (self._retention_loop(), "retention"), (self._health_loop(), "storage-health")):
             self._tasks.append(asyncio.create_task(coro, name=f"rebalancer-{name}"))
 
     async def stop(self) -> None:
@@ -193,6 +216,8 @@ class Parts:
             self.flush_metrics()
         except Exception:
             log.exception("final metrics flush failed")
+        if len(self.writes):
+            log.warning("%d metric windows could not be written before shutdown and are lost", len(self.writes))
         self.sql.close()
         self.engine.dispose()
 
@@ -221,7 +246,11 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
         clock=clock, wall=wall)
     hub = DashboardHub(settings=settings, live=live, control=controller.job_control,
                        cost_fit=controller.cost_fit, changes=changes)
-    registry = make_registry(live=live, connections=connections, controller=controller)
+    writes = WriteBuffer(write_rows=insert_windows, job_of=lambda w: w.job,
+                         max_windows=settings.persist_buffer_windows)
+    storage = StorageHealth(engine, probe_table=RankMetricRow.__tablename__)
+    registry = make_registry(live=live, connections=connections, controller=controller,
+                             writes=writes, storage=storage)
     return Parts(settings=settings, engine=engine, sql=sql, live=live, connections=connections,
                  auth=auth, sockets=TokenSockets(), controller=controller, hub=hub,
-                 registry=registry)
+                 registry=registry, writes=writes, storage=storage)

@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     window_steps: int = 20
     # History: per-rank aggregates of the steps seen in each interval go to SQL.
     persist_interval_s: float = 1.0
+    # Windows kept in memory while the database refuses writes (oldest dropped past it).
+    persist_buffer_windows: int = 100_000
+    # How often the database is probed for writability (and a SQLite file for deletion).
+    health_interval_s: float = 5.0
     # A rank with no message for this long counts as stale in the job's status.
     stale_after_s: float = 30.0
     # uvicorn's frame limit; above the protocol's so the app itself answers with 1009.
@@ -140,7 +144,7 @@ class Settings(BaseSettings):
         return v
 
     @field_validator("step_buffer", "device_buffer", "window_steps", "cooldown_steps",
-                     "min_steps", "policy_window_steps", "effect_window_steps")
+                     "min_steps", "policy_window_steps", "effect_window_steps", "persist_buffer_windows")
     @classmethod
     def _positive_int(cls, v: int, info) -> int:  # type: ignore[no-untyped-def]
         if v < 1 or v > 1_000_000:
@@ -150,7 +154,7 @@ class Settings(BaseSettings):
         return v
 
     @field_validator("persist_interval_s", "stale_after_s", "proposal_ttl_s", "controller_tick_s",
-                     "ws_ping_interval_s", "ws_ping_timeout_s")
+                     "ws_ping_interval_s", "ws_ping_timeout_s", "health_interval_s")
     @classmethod
     def _positive_seconds(cls, v: float, info) -> float:  # type: ignore[no-untyped-def]
         if not math.isfinite(v) or v <= 0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, WebSocket, status
+from fastapi import Depends, HTTPException, Path, Request, WebSocket, status
 
 from backend.auth.tokens import ROLE_LEVEL, Actor, role_allows
 from backend.parts import Parts
@@ -29,6 +29,8 @@ __all__ = [
     "ViewerDep",
     "OperatorDep",
     "AdminDep",
+    "RowId",
+    "ROW_ID_MAX",
 ]
 
 
@@ -102,3 +104,9 @@ async def websocket_actor(websocket: WebSocket) -> Actor | None:
     parts: Parts = websocket.app.state.parts
     address = websocket.client.host if websocket.client else None
     return await authenticate(parts, bearer_secret(websocket.headers, websocket.query_params), address)
+
+
+# Integers in paths carry the range of what they name, so a number beyond it is a 422 naming
+# the limit, never an overflow in SQL (ids are int32 columns).
+ROW_ID_MAX = 2**31 - 1  # the i15-edge branch names it trainer_hook.protocol.MAX_VERSION
+RowId = Annotated[int, Path(ge=1, le=ROW_ID_MAX, description=f"a row id, 1 .. {ROW_ID_MAX}")]

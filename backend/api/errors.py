@@ -1,6 +1,8 @@
-"""The app's two error handlers: ``ControlError`` (the controller's one-sentence refusals,
-with their status code) and request validation (pydantic), each answered as
-``{"detail": "<one sentence>"}``.
+"""The app's error handlers: ``ControlError`` (the controller's one-sentence refusals,
+with their status code), request validation (pydantic), a database fault (503 with the
+reason and ``Retry-After``: read-only, unreachable, file gone; nothing was changed) and any
+other failure (500, traceback in the log), each answered as ``{"detail": "<one sentence>"}``:
+never plain text.
 
 A validation error names the field and what it must be, from the first problem pydantic
 found (the constraints live in the request models' ``Field``s).
@@ -8,13 +10,20 @@ found (the constraints live in the request models' ``Field``s).
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
 
 from backend.control.errors import ControlError
+from backend.storage.health import report_fault
+from backend.storage.writes import database_fault, one_line
 
 __all__ = ["install_error_handlers", "validation_sentence"]
+
+log = logging.getLogger("rebalancer.api")
 
 
 def validation_sentence(exc: RequestValidationError) -> str:
@@ -42,3 +51,21 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(ControlError, control_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(DBAPIError, _database_error)
+    app.add_exception_handler(Exception, _internal_error)
+
+
+async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+    if not database_fault(exc):
+        return await _internal_error(request, exc)
+    report_fault(log, f"{request.method} {request.url.path}", exc)
+    return JSONResponse(
+        {"detail": f"The database does not take writes now ({one_line(exc, 200)}); nothing was "
+                   f"changed. Try again when /healthz says ok."},
+        status_code=503, headers={"Retry-After": "5"})
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return JSONResponse({"detail": "The backend failed to handle this request; see its log."},
+                        status_code=500)

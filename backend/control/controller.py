@@ -54,6 +54,7 @@ from backend.live.state import LiveState
 from backend.settings import Settings
 from backend.storage import control as db
 from backend.storage.gateway import SqlGateway
+from backend.storage.health import log_failure
 from trainer_hook.protocol import Ack, Hello, Placement, Reject, check_shares, uniform_shares
 
 if TYPE_CHECKING:
@@ -190,8 +191,8 @@ class Controller:
             await asyncio.sleep(self.settings.controller_tick_s)
             try:
                 await self.expire_proposals()
-            except Exception:
-                log.exception("controller tick failed")
+            except Exception as exc:
+                log_failure(log, "the controller tick", exc)
 
     async def _policy_loop(self) -> None:
         while True:
@@ -409,8 +410,8 @@ class Controller:
         try:
             async with st.lock:
                 await self._run_policy(st)
-        except Exception:  # a policy bug must not take ingest down with it
-            log.exception("policy run for job %s failed", st.job)
+        except Exception as exc:  # a policy bug must not take ingest down with it
+            log_failure(log, f"the policy run for job {st.job}", exc)
             st.status_detail = "the policy failed; see the backend log"
             self._publish(st)
         finally:

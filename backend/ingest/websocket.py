@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from sqlalchemy.exc import IntegrityError
@@ -19,7 +21,9 @@ from sqlalchemy.orm import Session
 
 from backend.api.deps import websocket_actor
 from backend.parts import Parts
+from backend.storage.health import report_fault
 from backend.storage.metrics import upsert_hello
+from backend.storage.writes import database_fault
 from trainer_hook.protocol import (
     CLOSE_FORBIDDEN,
     CLOSE_MALFORMED,
@@ -39,6 +43,22 @@ __all__ = ["router", "hook_websocket"]
 log = logging.getLogger("rebalancer.ingest")
 router = APIRouter()
 CLOSE_INTERNAL = 1011
+# While the database refuses writes, a connection's hello is stored (and its control state
+# made) again on its metrics, at most this often.
+HELLO_RETRY_S = 2.0
+T = TypeVar("T")
+
+
+async def _unless_database_fault(what: str, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """``(True, result)``; ``(False, None)`` when the database failed (logged, rate-limited):
+    live ingest goes on from memory while the database is away."""
+    try:
+        return True, await work
+    except Exception as exc:
+        if not database_fault(exc):
+            raise
+        report_fault(log, what, exc)
+        return False, None
 
 
 async def _refuse(ws: WebSocket, code: str, message: str, close_code: int) -> None:
@@ -81,6 +101,8 @@ async def hook_websocket(websocket: WebSocket) -> None:
                       CLOSE_FORBIDDEN)
         return
     hello: Hello | None = None
+    hello_stored = True  # False while the database refused this connection's hello
+    retry_at = 0.0
     parts.sockets.add(actor, websocket)
     try:
         while True:
@@ -115,7 +137,8 @@ async def hook_websocket(websocket: WebSocket) -> None:
                                   CLOSE_MALFORMED)
                     return
                 hello = msg
-                await _on_hello(parts, websocket, hello)
+                hello_stored = await _on_hello(parts, websocket, hello)
+                retry_at = time.monotonic() + HELLO_RETRY_S
                 continue
             if not isinstance(msg, (Metrics, Ack, Reject)):
                 await _refuse(websocket, "malformed",
@@ -130,14 +153,18 @@ async def hook_websocket(websocket: WebSocket) -> None:
                 return
             if isinstance(msg, Metrics):
                 parts.live.add_metrics(msg)
+                if not hello_stored and time.monotonic() >= retry_at:
+                    hello_stored = await _hello_to_sql(parts, websocket, hello)
+                    retry_at = time.monotonic() + HELLO_RETRY_S
                 parts.controller.on_metrics(msg.job, urgent=msg.urgent)
                 parts.hub.notify(msg.job)
             elif isinstance(msg, Ack):
-                await parts.controller.on_ack(msg)
+                # An ack lost here is taken from the rank's metrics later (acks from metrics).
+                await _unless_database_fault("recording an ack", parts.controller.on_ack(msg))
                 parts.hub.notify(msg.job)
             else:
                 log.warning("job %s rank %d rejected placement %d: %s", msg.job, msg.rank, msg.version, msg.reason)
-                await parts.controller.on_reject(msg)
+                await _unless_database_fault("recording a reject", parts.controller.on_reject(msg))
                 parts.hub.notify(msg.job)
     except WebSocketDisconnect:
         pass
@@ -156,14 +183,27 @@ async def hook_websocket(websocket: WebSocket) -> None:
                 parts.hub.notify(hello.job)
 
 
-async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello) -> None:
+async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello) -> bool:
+    """Register the rank live, store it, answer with the placement in force. Returns False
+    when the database refused: the rank streams on (live state, dashboard) and keeps the
+    placement it has; storing and the reply are tried again on its metrics."""
     new_run = parts.live.register(hello)
-    await parts.sql.run(_store_hello(hello, new_run))
     old = parts.connections.add(hello.job, hello.rank, websocket)
     if old is not None:
         log.info("job %s rank %d reconnected; closing its previous socket", hello.job, hello.rank)
         with contextlib.suppress(Exception):
             await old.close(1000, reason="replaced by a newer connection of the same rank")
-    placement = await parts.controller.on_hello(hello)
-    await websocket.send_text(encode(placement))
+    stored = await _hello_to_sql(parts, websocket, hello, new_run)
     parts.hub.notify(hello.job)
+    return stored
+
+
+async def _hello_to_sql(parts: Parts, websocket: WebSocket, hello: Hello, new_run: bool = False) -> bool:
+    ok, _ = await _unless_database_fault("storing a hello", parts.sql.run(_store_hello(hello, new_run)))
+    if not ok:
+        return False
+    ok, placement = await _unless_database_fault("answering a hello", parts.controller.on_hello(hello))
+    if not ok or placement is None:
+        return False
+    await websocket.send_text(encode(placement))
+    return True

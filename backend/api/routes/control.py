@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
-from backend.api.deps import AdminDep, OperatorDep, PartsDep, ViewerDep
+from backend.api.deps import AdminDep, OperatorDep, PartsDep, RowId, ViewerDep
 from backend.control.models import PolicyChanges
 
 __all__ = [
@@ -200,12 +200,12 @@ async def create_proposal(job: str, body: ManualPlacementIn, actor: OperatorDep,
 
 
 @router.get("/proposals/{proposal_id}", response_model=ProposalPublic)
-async def get_proposal(job: str, proposal_id: int, actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
+async def get_proposal(job: str, proposal_id: RowId, actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
     return await parts.controller.proposal(job, proposal_id)
 
 
 @router.post("/proposals/{proposal_id}/approve", response_model=ProposalPublic)
-async def approve(job: str, proposal_id: int, actor: OperatorDep, parts: PartsDep,
+async def approve(job: str, proposal_id: RowId, actor: OperatorDep, parts: PartsDep,
                   body: DecisionIn | None = None) -> dict[str, Any]:
     """Send exactly the reviewed shares to the job as the next placement version."""
     return await parts.controller.approve(job, proposal_id, actor=actor,
@@ -213,7 +213,7 @@ async def approve(job: str, proposal_id: int, actor: OperatorDep, parts: PartsDe
 
 
 @router.post("/proposals/{proposal_id}/reject", response_model=ProposalPublic)
-async def reject(job: str, proposal_id: int, actor: OperatorDep, parts: PartsDep,
+async def reject(job: str, proposal_id: RowId, actor: OperatorDep, parts: PartsDep,
                  body: DecisionIn | None = None) -> dict[str, Any]:
     return await parts.controller.reject(job, proposal_id, actor=actor,
                         reason=body.reason if body else None)

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from backend.control.controller import Controller
     from backend.ingest.connections import HookConnections
     from backend.live.state import LiveState
+    from backend.storage.health import StorageHealth
+    from backend.storage.writes import WriteBuffer
 
 __all__ = ["router", "RebalancerCollector", "make_registry"]
 
@@ -32,10 +34,13 @@ class RebalancerCollector(Collector):
     """Exports per-job and per-rank gauges and the ingest counters of one app. Control
     figures come from the controller's snapshots (memory, no SQL)."""
 
-    def __init__(self, *, live: LiveState, connections: HookConnections, controller: Controller):
+    def __init__(self, *, live: LiveState, connections: HookConnections, controller: Controller,
+                 writes: WriteBuffer, storage: StorageHealth):
         self.live = live
         self.connections = connections
         self.controller = controller
+        self.writes = writes
+        self.storage = storage
 
     def collect(self) -> Iterator[Metric]:
         s = self
@@ -82,12 +87,23 @@ class RebalancerCollector(Collector):
             "rebalancer_dropped_records", "Records the hooks reported as dropped.", value=s.live.dropped_total)
         yield GaugeMetricFamily(
             "rebalancer_hook_connections", "Open hook websockets.", value=s.connections.count())
+        yield CounterMetricFamily(
+            "rebalancer_persist_dropped_windows",
+            "Metric windows never stored: rows the database refused, or the oldest past the write buffer's bound.",
+            value=s.writes.dropped_total)
+        yield GaugeMetricFamily(
+            "rebalancer_persist_buffered_windows", "Metric windows waiting in memory for the database.",
+            value=len(s.writes))
+        yield GaugeMetricFamily(
+            "rebalancer_database_writable", "1 while the database takes writes, 0 while degraded.",
+            value=0 if (s.storage.problem or s.writes.fault) else 1)
 
 
-def make_registry(*, live: LiveState, connections: HookConnections,
-                  controller: Controller) -> CollectorRegistry:
+def make_registry(*, live: LiveState, connections: HookConnections, controller: Controller,
+                  writes: WriteBuffer, storage: StorageHealth) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RebalancerCollector(live=live, connections=connections, controller=controller))
+    registry.register(RebalancerCollector(live=live, connections=connections, controller=controller,
+                                          writes=writes, storage=storage))
     return registry
 
 

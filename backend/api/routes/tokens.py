@@ -9,7 +9,7 @@ from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
-from backend.api.deps import AdminDep, PartsDep
+from backend.api.deps import AdminDep, PartsDep, RowId
 from backend.auth.tokens import Actor, TokenRow, create_token, list_tokens, revoke_token
 from backend.storage.control import record_audit
 
@@ -90,7 +90,7 @@ async def list_all(
 
 @router.delete("/{token_id}", response_model=TokenPublic, summary="Revoke a token")
 async def revoke(
-    token_id: int, actor: AdminDep, parts: PartsDep,
+    token_id: RowId, actor: AdminDep, parts: PartsDep,
     reason: Annotated[str, Query(max_length=2048)] = "",
 ) -> TokenPublic:
     def run(s: Session) -> TokenPublic | None:

@@ -1,0 +1,88 @@
+"""The OpenAPI document says what the server really answers, and 405s name every method.
+
+FastAPI documents each operation's success and its 422; the server also answers 401 and 403
+(tokens and roles), 400, 404 and 409 (the controller's refusals: ``ControlError``), 503 (the
+database does not take writes) and, for anything unexpected, 500. Every one of those is
+``{"detail": "<one sentence>"}``, a 422 too (``backend.api.errors``: the first problem
+pydantic found, as a sentence).
+
+A path served by several routes (GET and PUT on ``/policy``) answered an unsupported method
+(OPTIONS, PATCH) with the first route's methods in ``Allow``; ``allow_all_methods`` puts
+every method the path supports there.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.openapi.utils import get_openapi
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+__all__ = ["install_openapi"]
+
+ERROR_SCHEMA = "ErrorPublic"
+_ERRORS: dict[str, str] = {
+    "400": "Refused: the request contradicts the job's state or rules (one sentence says why).",
+    "401": "Missing or invalid bearer token.",
+    "403": "The token's role may not do this.",
+    "404": "No such job, proposal, placement or token.",
+    "409": "Conflicts with the job's current state (for example a proposal no longer pending).",
+    "500": "The backend failed; the traceback is in its log.",
+    "503": "The database does not take writes now; nothing was changed (see /healthz).",
+}
+
+
+def _document_errors(schema: dict[str, Any]) -> dict[str, Any]:
+    comps = schema.setdefault("components", {}).setdefault("schemas", {})
+    comps[ERROR_SCHEMA] = {
+        "title": ERROR_SCHEMA, "type": "object", "required": ["detail"],
+        "properties": {"detail": {"type": "string", "title": "Detail"}},
+    }
+    if "HTTPValidationError" in comps:
+        comps["HTTPValidationError"]["properties"]["detail"] = {"title": "Detail", "type": "string"}
+    ref = {"application/json": {"schema": {"$ref": f"#/components/schemas/{ERROR_SCHEMA}"}}}
+    for path, ops in schema.get("paths", {}).items():
+        if not path.startswith("/api/"):
+            continue
+        for op in ops.values():
+            responses = op.setdefault("responses", {})
+            for code, text in _ERRORS.items():
+                responses.setdefault(code, {"description": text, "content": ref})
+    return schema
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Document the error answers in ``/openapi.json`` and fill ``Allow`` on every 405."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _document_errors(get_openapi(
+                title=app.title, version=app.version, summary=app.summary,
+                description=app.description, routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    paths: list[tuple[re.Pattern[str], str]] = []
+
+    def allowed_methods(path: str) -> str:
+        if not paths:
+            for template, ops in openapi().get("paths", {}).items():
+                methods = ", ".join(sorted(m.upper() for m in ops))
+                paths.append((re.compile("^" + re.sub(r"\\{[^/]+\\}", "[^/]+", re.escape(template)) + "$"),
+                              methods))
+        return "; ".join(m for rx, m in paths if rx.match(path)).replace("; ", ", ")
+
+    async def method_not_allowed(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 405:
+            allowed = allowed_methods(request.url.path)
+            if allowed:
+                exc.headers = {**(exc.headers or {}), "Allow": allowed}
+        return await http_exception_handler(request, exc)  # FastAPI's own, otherwise
+
+    app.add_exception_handler(StarletteHTTPException, method_not_allowed)
