@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, WebSocket, status
+from fastapi import Depends, HTTPException, Path, Request, WebSocket, status
 
 from backend.auth.tokens import ROLE_LEVEL, Actor, role_allows
 from backend.parts import Services
+from trainer_hook.protocol import MAX_VERSION
 
 __all__ = [
     "get_services",
@@ -28,6 +29,8 @@ __all__ = [
     "ViewerDep",
     "OperatorDep",
     "AdminDep",
+    "RowId",
+    "ROW_ID_MAX",
 ]
 
 
@@ -93,3 +96,9 @@ def websocket_actor(websocket: WebSocket) -> Actor | None:
     return services.auth.authenticate(
         bearer_secret(websocket.headers, websocket.query_params), address
     )
+
+
+# Integers in paths and queries carry the range of what they name, so a number beyond it is
+# a 422 naming the limit, never an overflow in SQL (ids are int32 columns).
+ROW_ID_MAX = MAX_VERSION
+RowId = Annotated[int, Path(ge=1, le=ROW_ID_MAX, description=f"a row id, 1 .. {ROW_ID_MAX}")]

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from sqlalchemy.exc import IntegrityError
@@ -131,6 +132,12 @@ async def hook_websocket(websocket: WebSocket) -> None:
                               CLOSE_MALFORMED)
                 return
             if isinstance(msg, Metrics):
+                try:
+                    msg.check_against(hello, time.time())
+                except ProtocolError as exc:
+                    log.info("closing hook connection of job %s rank %d: %s", hello.job, hello.rank, exc)
+                    await _refuse(websocket, exc.code, str(exc), exc.close_code)
+                    return
                 services.live.add_metrics(msg)
                 await services.controller.on_metrics(msg.job)
                 services.notify(msg.job)

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.api.deps import AdminDep, OperatorDep, ServicesDep, ViewerDep
+from backend.api.deps import AdminDep, OperatorDep, RowId, ServicesDep, ViewerDep
 from backend.control.controller import ControlError, Controller
 
 __all__ = [
@@ -235,7 +235,7 @@ async def create_proposal(job: str, body: ManualPlacementIn, actor: OperatorDep,
 
 
 @router.get("/proposals/{proposal_id}", response_model=ProposalPublic)
-async def get_proposal(job: str, proposal_id: int, actor: ViewerDep, services: ServicesDep) -> dict[str, Any]:
+async def get_proposal(job: str, proposal_id: RowId, actor: ViewerDep, services: ServicesDep) -> dict[str, Any]:
     rows = [p for p in _call(_ctl(services).proposals, job, None, 10_000) if p["id"] == proposal_id]
     if not rows:
         raise HTTPException(404, f"Proposal {proposal_id} not found for job '{job}'.")
@@ -243,7 +243,7 @@ async def get_proposal(job: str, proposal_id: int, actor: ViewerDep, services: S
 
 
 @router.post("/proposals/{proposal_id}/approve", response_model=ProposalPublic)
-async def approve(job: str, proposal_id: int, actor: OperatorDep, services: ServicesDep,
+async def approve(job: str, proposal_id: RowId, actor: OperatorDep, services: ServicesDep,
                   body: DecisionIn | None = None) -> dict[str, Any]:
     """Send exactly the reviewed shares to the job as the next placement version."""
     return await _acall(_ctl(services).approve, job, proposal_id, actor=actor,
@@ -251,7 +251,7 @@ async def approve(job: str, proposal_id: int, actor: OperatorDep, services: Serv
 
 
 @router.post("/proposals/{proposal_id}/reject", response_model=ProposalPublic)
-async def reject(job: str, proposal_id: int, actor: OperatorDep, services: ServicesDep,
+async def reject(job: str, proposal_id: RowId, actor: OperatorDep, services: ServicesDep,
                  body: DecisionIn | None = None) -> dict[str, Any]:
     return await _acall(_ctl(services).reject, job, proposal_id, actor=actor,
                         reason=body.reason if body else None)

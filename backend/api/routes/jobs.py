@@ -19,6 +19,7 @@ from backend.live.state import JobView, RankView
 from backend.parts import Services
 from backend.storage import metrics as store
 from backend.storage.metrics import epoch
+from trainer_hook.protocol import MAX_BATCH_INDEX, MAX_WORLD_SIZE
 
 __all__ = ["router", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
 
@@ -302,9 +303,10 @@ async def get_metrics(
     job: str,
     _actor: ViewerDep,
     services: ServicesDep,
-    rank: Annotated[list[int] | None, Query(description="Only these ranks (repeat the parameter).")] = None,
-    batch_from: Annotated[int | None, Query(ge=0, description="First batch index (inclusive).")] = None,
-    batch_to: Annotated[int | None, Query(ge=0, description="Last batch index (inclusive).")] = None,
+    rank: Annotated[list[Annotated[int, Field(ge=0, le=MAX_WORLD_SIZE - 1)]] | None,
+                    Query(description="Only these ranks (repeat the parameter).")] = None,
+    batch_from: Annotated[int | None, Query(ge=0, le=MAX_BATCH_INDEX, description="First batch index (inclusive).")] = None,
+    batch_to: Annotated[int | None, Query(ge=0, le=MAX_BATCH_INDEX, description="Last batch index (inclusive).")] = None,
     source: Annotated[Literal["auto", "live", "history"], Query(
         description="live: every buffered step; history: stored per-window means; "
         "auto: live when the job is in memory.")] = "auto",

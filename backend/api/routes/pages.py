@@ -21,7 +21,7 @@ from fastapi.responses import FileResponse, Response
 from backend.api.deps import ServicesDep, ViewerDep, websocket_actor
 from backend.auth.tokens import role_allows
 from backend.live.state import eta_seconds
-from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED
+from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED, MAX_BATCH_INDEX
 
 __all__ = ["router", "FRONTEND_DIR", "plotly_js_path"]
 
@@ -119,7 +119,8 @@ def whoami_route(actor: ViewerDep, services: ServicesDep) -> dict[str, Any]:
 def forecast(
     job: str, actor: ViewerDep, services: ServicesDep,
     total_steps: int | None = Query(
-        None, ge=1, description="Steps the run will take in all (default: what its hooks reported)."
+        None, ge=1, le=MAX_BATCH_INDEX,
+        description="Steps the run will take in all (default: what its hooks reported)."
     ),
 ) -> dict[str, Any]:
     """ETA and cost: the recent step time times the steps left; prices from settings."""

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, Field
 
-from backend.api.deps import AdminDep, ServicesDep
+from backend.api.deps import AdminDep, RowId, ServicesDep
 from backend.auth.tokens import Actor, TokenRow, create_token, list_tokens, revoke_token
 from backend.parts import Services
 from backend.storage.metrics import epoch
@@ -98,7 +98,7 @@ async def list_all(
 
 @router.delete("/{token_id}", response_model=TokenPublic, summary="Revoke a token")
 async def revoke(
-    token_id: int, actor: AdminDep, services: ServicesDep,
+    token_id: RowId, actor: AdminDep, services: ServicesDep,
     reason: Annotated[str, Query(max_length=2048)] = "",
 ) -> TokenPublic:
     def run(svc: Services) -> TokenPublic | None:
