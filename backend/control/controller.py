@@ -68,6 +68,7 @@ class _JobState:
     busy: bool = False  # a policy run is in flight
     again: bool = False  # metrics came while warming up that the last run may have missed
     think_s: float = 0.0  # how long the last policy run took (thread time, wall clock)
+    restart_count: int | None = None  # TorchElastic attempt of the ranks (None: none seen since load)
 
     def follow(self, row: db.PlacementRow) -> None:
         """Take applied / effective / measured from the placement row in force."""
@@ -198,6 +199,7 @@ class Controller:
         """Return the placement in force; a new job gets version 0, the uniform split."""
         job = hello.job
         st = self._load(job)
+        restarted = st is not None and st.restart_count is not None and hello.restart_count > st.restart_count
         with self._session() as s:
             if st is None:
                 records.create_job(s, hello, mode=self._setting("default_mode", "approve"),
@@ -219,10 +221,20 @@ class Controller:
                                         "global_batch_size": hello.global_batch_size}, reason=reason)
                 s.commit()
                 self._jobs.pop(job, None)
+            if restarted:
+                assert st is not None
+                db.record_audit(s, actor=_SYSTEM, action="job.restart", job=job, params={
+                    "restart_count": hello.restart_count, "previous_restart_count": st.restart_count,
+                    "rank": hello.rank, "world_size": hello.world_size,
+                    "global_batch_size": hello.global_batch_size,
+                }, reason=f"torchrun restarted the job's workers (restart {hello.restart_count})")
+                s.commit()
+            if job not in self._jobs:
                 st = None
         if st is None:
             self._jobs.pop(job, None)
             st = self._require(job)
+        self._follow_restarts(st, hello)
         st.devices[hello.rank] = hello
         st.last_metrics = self._clock()
         if st.status == "idle":
@@ -231,6 +243,14 @@ class Controller:
             await self._static_now(st)
         self._notify(job)
         return self._placement_msg(st)
+
+    def _follow_restarts(self, st: _JobState, hello: Hello) -> None:
+        """Track the ranks' TorchElastic attempt: a higher count is a restart (audited by
+        on_hello); a lower one, with no other rank connected, a new launch of the job."""
+        conns = getattr(self.services, "connections", None)
+        alone = conns is None or not [r for r in conns.ranks(st.job) if r != hello.rank]
+        if st.restart_count is None or hello.restart_count > st.restart_count or alone:
+            st.restart_count = hello.restart_count
 
     async def _static_now(self, st: _JobState) -> None:
         """The static strategy needs no measurement: propose its split as soon as every
@@ -356,7 +376,15 @@ class Controller:
             pending_d = pending.public() if pending else None
         status, detail = st.status, st.status_detail
         stale = float(self._setting("stale_after_s", 30.0))
-        if self._clock() - st.last_metrics > stale:
+        live = getattr(self.services, "live", None)
+        lost = live.lost_ranks(job) if live is not None else []
+        if live is not None and lost:
+            view = live.view(job)
+            connected = view.connected_ranks if view is not None else 0
+            status = "degraded"
+            detail = (f"lost ranks: {', '.join(map(str, lost[:8]))}{' ...' if len(lost) > 8 else ''} "
+                      f"({connected} of {st.world_size} connected)")
+        elif self._clock() - st.last_metrics > stale:
             status, detail = "idle", "no metrics from the job recently"
         elif pending is not None:
             status = "proposal_pending"

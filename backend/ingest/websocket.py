@@ -22,6 +22,7 @@ from backend.api.deps import websocket_actor
 from backend.parts import Services
 from backend.storage.metrics import upsert_hello
 from trainer_hook.protocol import (
+    CLOSE_CONFLICT,
     CLOSE_FORBIDDEN,
     CLOSE_MALFORMED,
     CLOSE_UNAUTHORIZED,
@@ -40,6 +41,7 @@ __all__ = ["router", "hook_websocket"]
 log = logging.getLogger("rebalancer.ingest")
 router = APIRouter()
 CLOSE_INTERNAL = 1011
+_CLEAN_CLOSE = (1000, 1001)  # the hook closed (job done) or went away on purpose
 
 
 async def _refuse(ws: WebSocket, code: str, message: str, close_code: int) -> None:
@@ -84,11 +86,13 @@ async def hook_websocket(websocket: WebSocket) -> None:
                       CLOSE_FORBIDDEN)
         return
     hello: Hello | None = None
+    lost = False  # the peer vanished without a close frame
     services.sockets.add(actor, websocket)
     try:
         while True:
             frame = await websocket.receive()
             if frame["type"] == "websocket.disconnect":
+                lost = frame.get("code", 1005) not in _CLEAN_CLOSE
                 break
             raw = frame.get("text")
             if raw is None:
@@ -117,8 +121,9 @@ async def hook_websocket(websocket: WebSocket) -> None:
                                   f"open a new connection for job '{msg.job}' rank {msg.rank}.",
                                   CLOSE_MALFORMED)
                     return
+                if not await _on_hello(services, websocket, msg):
+                    return
                 hello = msg
-                await _on_hello(services, websocket, hello)
                 continue
             if not isinstance(msg, (Metrics, Ack, Reject)):
                 await _refuse(websocket, "malformed",
@@ -131,6 +136,8 @@ async def hook_websocket(websocket: WebSocket) -> None:
                               f"got a '{msg.TYPE}' for job '{msg.job}' rank {msg.rank}.",
                               CLOSE_MALFORMED)
                 return
+            if services.connections.current(hello.job, hello.rank) is not websocket:
+                return  # replaced by a newer connection, or its job restarted: being closed
             if isinstance(msg, Metrics):
                 try:
                     msg.check_against(hello, time.time())
@@ -148,8 +155,8 @@ async def hook_websocket(websocket: WebSocket) -> None:
                 log.warning("job %s rank %d rejected placement %d: %s", msg.job, msg.rank, msg.version, msg.reason)
                 await services.controller.on_reject(msg)
                 services.notify(msg.job)
-    except WebSocketDisconnect:
-        pass
+    except WebSocketDisconnect as exc:
+        lost = exc.code not in _CLEAN_CLOSE
     except Exception:  # a bug in one handler must not take the server or other ranks down
         log.exception("hook connection failed (job=%s rank=%s)",
                       hello.job if hello else None, hello.rank if hello else None)
@@ -160,12 +167,44 @@ async def hook_websocket(websocket: WebSocket) -> None:
         if hello is not None:
             services.connections.remove(hello.job, hello.rank, websocket)
             if not services.connections.has(hello.job, hello.rank):
-                services.live.set_connected(hello.job, hello.rank, False)
+                services.live.set_connected(hello.job, hello.rank, False, lost=lost)
             with contextlib.suppress(Exception):
                 services.notify(hello.job)
 
 
-async def _on_hello(services: Services, websocket: WebSocket, hello: Hello) -> None:
+def _reshape_refusal(services: Services, websocket: WebSocket, hello: Hello) -> tuple[str | None, bool]:
+    """(why this hello is refused or None, whether it changes the job's shape).
+
+    A hello may change a live job's world size or global batch only when no rank of the old
+    shape is connected, or when it comes from a TorchElastic restart (a restart count above
+    every connected rank's)."""
+    shape = services.live.shape(hello.job)
+    new = (hello.world_size, hello.global_batch_size)
+    if shape is None or shape == new:
+        return None, False
+    others = [r for r in services.connections.ranks(hello.job)
+              if services.connections.current(hello.job, r) is not websocket]
+    counts = [h.restart_count for r in others if (h := services.live.hello(hello.job, r)) is not None]
+    if not others or hello.restart_count > max(counts, default=-1):
+        return None, True
+    return (f"Job '{hello.job}' is running with world_size {shape[0]} and global batch {shape[1]} on "
+            f"{len(others)} connected rank{'s' if len(others) != 1 else ''}; this hello says world_size "
+            f"{new[0]} and global batch {new[1]}. Stop those ranks or use another job name (a torchrun "
+            f"restart, with a higher restart count, may change the shape)."), True
+
+
+async def _on_hello(services: Services, websocket: WebSocket, hello: Hello) -> bool:
+    """Register a rank and send it the placement in force; False when the hello was refused."""
+    refusal, reshaped = _reshape_refusal(services, websocket, hello)
+    if refusal is not None:
+        log.warning("refused hello of job %s rank %d: %s", hello.job, hello.rank, refusal)
+        await _refuse(websocket, "conflict", refusal, CLOSE_CONFLICT)
+        return False
+    if reshaped:
+        await services.connections.close_job(
+            hello.job, CLOSE_CONFLICT,
+            f"job '{hello.job}' restarted with world_size {hello.world_size}; this is the previous attempt's connection",
+            keep=websocket)
     new_run = services.live.register(hello)
     await asyncio.to_thread(_store_hello, services, hello, new_run)
     old = services.connections.add(hello.job, hello.rank, websocket)
@@ -176,3 +215,4 @@ async def _on_hello(services: Services, websocket: WebSocket, hello: Hello) -> N
     placement = await services.controller.on_hello(hello)
     await websocket.send_text(encode(placement))
     services.notify(hello.job)
+    return True

@@ -79,6 +79,7 @@ class _Rank:
     steps: deque[StepRow]
     device: deque[DeviceRow]
     connected: bool = True
+    lost: bool = False  # its connection dropped without a close (the process died?)
     first_seen: float = 0.0
     last_seen: float = 0.0
     dropped: int = 0
@@ -229,7 +230,7 @@ class LiveState:
                     device=deque(maxlen=self.device_buffer), first_seen=now, last_seen=now,
                 )
             else:  # a reconnect keeps the history in the buffers
-                old.hello, old.connected, old.last_seen = hello, True, now
+                old.hello, old.connected, old.lost, old.last_seen = hello, True, False, now
                 old.rev += 1
             return new_run
 
@@ -257,12 +258,26 @@ class LiveState:
             self.records_total += len(msg.steps) + len(msg.device)
             self.dropped_total += msg.dropped
 
-    def set_connected(self, job: str, rank: int, connected: bool) -> None:
+    def set_connected(self, job: str, rank: int, connected: bool, *, lost: bool = False) -> None:
+        """Mark a rank (dis)connected; ``lost`` when its connection dropped without a close."""
         with self._lock:
             j = self._jobs.get(job)
             if j is not None and rank in j.ranks:
-                j.ranks[rank].connected = connected
-                j.ranks[rank].rev += 1
+                r = j.ranks[rank]
+                r.connected, r.lost = connected, lost and not connected
+                r.rev += 1
+
+    def lost_ranks(self, job: str) -> list[int]:
+        """Ranks whose connection dropped without a close and that did not come back."""
+        with self._lock:
+            j = self._jobs.get(job)
+            return sorted(rank for rank, r in j.ranks.items() if r.lost) if j is not None else []
+
+    def shape(self, job: str) -> tuple[int, int] | None:
+        """(world_size, global_batch_size) of a live job, None if unknown."""
+        with self._lock:
+            j = self._jobs.get(job)
+            return (j.world_size, j.global_batch_size) if j is not None else None
 
     def forget(self, job: str) -> None:
         with self._lock:
