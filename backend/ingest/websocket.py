@@ -9,17 +9,17 @@ disturbs the others.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import threading
 import time
+from collections.abc import Callable
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from backend.api.deps import websocket_actor
-from backend.parts import Services
+from backend.parts import Parts
 from backend.storage.metrics import upsert_hello
 from trainer_hook.protocol import (
     CLOSE_CONFLICT,
@@ -51,30 +51,28 @@ async def _refuse(ws: WebSocket, code: str, message: str, close_code: int) -> No
         await ws.close(close_code, reason=message[:120])
 
 
-_hello_lock = threading.Lock()
-
-
-def _store_hello(services: Services, hello: Hello, new_run: bool) -> None:
-    # All ranks of a new job say hello at once; serialise so their inserts of the job row
-    # do not race on its unique name (one retry covers a second backend process).
-    with _hello_lock:
+def _store_hello(hello: Hello, new_run: bool) -> Callable[[Session], None]:
+    def work(s: Session) -> None:
+        # On the gateway's one thread, so the ranks of a new job saying hello at once
+        # never race on its unique name; one retry covers a second backend process.
         for attempt in (1, 2):
             try:
-                with services.sessionmaker() as s:
-                    upsert_hello(s, hello, new_run=new_run)
-                    s.commit()
+                upsert_hello(s, hello, new_run=new_run)
+                s.commit()
                 return
             except IntegrityError:
+                s.rollback()
                 if attempt == 2:
                     raise
+    return work
 
 
 @router.websocket("/ws/hook")
 async def hook_websocket(websocket: WebSocket) -> None:
     """One rank's connection: authenticate, hello, then metrics / ack / reject frames."""
-    services: Services = websocket.app.state.services
+    parts: Parts = websocket.app.state.parts
     await websocket.accept()
-    actor = websocket_actor(websocket)
+    actor = await websocket_actor(websocket)
     if actor is None:
         await _refuse(websocket, "unauthorized",
                       "Missing or invalid token; send 'Authorization: Bearer TOKEN' or '?token=TOKEN'.",
@@ -87,7 +85,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
         return
     hello: Hello | None = None
     lost = False  # the peer vanished without a close frame
-    services.sockets.add(actor, websocket)
+    parts.sockets.add(actor, websocket)
     try:
         while True:
             frame = await websocket.receive()
@@ -121,7 +119,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
                                   f"open a new connection for job '{msg.job}' rank {msg.rank}.",
                                   CLOSE_MALFORMED)
                     return
-                if not await _on_hello(services, websocket, msg):
+                if not await _on_hello(parts, websocket, msg):
                     return
                 hello = msg
                 continue
@@ -136,7 +134,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
                               f"got a '{msg.TYPE}' for job '{msg.job}' rank {msg.rank}.",
                               CLOSE_MALFORMED)
                 return
-            if services.connections.current(hello.job, hello.rank) is not websocket:
+            if parts.connections.current(hello.job, hello.rank) is not websocket:
                 return  # replaced by a newer connection, or its job restarted: being closed
             if isinstance(msg, Metrics):
                 try:
@@ -145,16 +143,16 @@ async def hook_websocket(websocket: WebSocket) -> None:
                     log.info("closing hook connection of job %s rank %d: %s", hello.job, hello.rank, exc)
                     await _refuse(websocket, exc.code, str(exc), exc.close_code)
                     return
-                services.live.add_metrics(msg)
-                await services.controller.on_metrics(msg.job)
-                services.notify(msg.job)
+                parts.live.add_metrics(msg)
+                parts.controller.on_metrics(msg.job)
+                parts.hub.notify(msg.job)
             elif isinstance(msg, Ack):
-                await services.controller.on_ack(msg)
-                services.notify(msg.job)
+                await parts.controller.on_ack(msg)
+                parts.hub.notify(msg.job)
             else:
                 log.warning("job %s rank %d rejected placement %d: %s", msg.job, msg.rank, msg.version, msg.reason)
-                await services.controller.on_reject(msg)
-                services.notify(msg.job)
+                await parts.controller.on_reject(msg)
+                parts.hub.notify(msg.job)
     except WebSocketDisconnect as exc:
         lost = exc.code not in _CLEAN_CLOSE
     except Exception:  # a bug in one handler must not take the server or other ranks down
@@ -163,28 +161,28 @@ async def hook_websocket(websocket: WebSocket) -> None:
         await _refuse(websocket, "internal", "The backend failed to handle this message; see its log.",
                       CLOSE_INTERNAL)
     finally:
-        services.sockets.discard(actor, websocket)
+        parts.sockets.discard(actor, websocket)
         if hello is not None:
-            services.connections.remove(hello.job, hello.rank, websocket)
-            if not services.connections.has(hello.job, hello.rank):
-                services.live.set_connected(hello.job, hello.rank, False, lost=lost)
+            parts.connections.remove(hello.job, hello.rank, websocket)
+            if not parts.connections.has(hello.job, hello.rank):
+                parts.live.set_connected(hello.job, hello.rank, False, lost=lost)
             with contextlib.suppress(Exception):
-                services.notify(hello.job)
+                parts.hub.notify(hello.job)
 
 
-def _reshape_refusal(services: Services, websocket: WebSocket, hello: Hello) -> tuple[str | None, bool]:
+def _reshape_refusal(parts: Parts, websocket: WebSocket, hello: Hello) -> tuple[str | None, bool]:
     """(why this hello is refused or None, whether it changes the job's shape).
 
     A hello may change a live job's world size or global batch only when no rank of the old
     shape is connected, or when it comes from a TorchElastic restart (a restart count above
     every connected rank's)."""
-    shape = services.live.shape(hello.job)
+    shape = parts.live.shape(hello.job)
     new = (hello.world_size, hello.global_batch_size)
     if shape is None or shape == new:
         return None, False
-    others = [r for r in services.connections.ranks(hello.job)
-              if services.connections.current(hello.job, r) is not websocket]
-    counts = [h.restart_count for r in others if (h := services.live.hello(hello.job, r)) is not None]
+    others = [r for r in parts.connections.ranks(hello.job)
+              if parts.connections.current(hello.job, r) is not websocket]
+    counts = [h.restart_count for r in others if (h := parts.live.hello(hello.job, r)) is not None]
     if not others or hello.restart_count > max(counts, default=-1):
         return None, True
     return (f"Job '{hello.job}' is running with world_size {shape[0]} and global batch {shape[1]} on "
@@ -193,26 +191,26 @@ def _reshape_refusal(services: Services, websocket: WebSocket, hello: Hello) -> 
             f"restart, with a higher restart count, may change the shape)."), True
 
 
-async def _on_hello(services: Services, websocket: WebSocket, hello: Hello) -> bool:
+async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello) -> bool:
     """Register a rank and send it the placement in force; False when the hello was refused."""
-    refusal, reshaped = _reshape_refusal(services, websocket, hello)
+    refusal, reshaped = _reshape_refusal(parts, websocket, hello)
     if refusal is not None:
         log.warning("refused hello of job %s rank %d: %s", hello.job, hello.rank, refusal)
         await _refuse(websocket, "conflict", refusal, CLOSE_CONFLICT)
         return False
     if reshaped:
-        await services.connections.close_job(
+        await parts.connections.close_job(
             hello.job, CLOSE_CONFLICT,
             f"job '{hello.job}' restarted with world_size {hello.world_size}; this is the previous attempt's connection",
             keep=websocket)
-    new_run = services.live.register(hello)
-    await asyncio.to_thread(_store_hello, services, hello, new_run)
-    old = services.connections.add(hello.job, hello.rank, websocket)
+    new_run = parts.live.register(hello)
+    await parts.sql.run(_store_hello(hello, new_run))
+    old = parts.connections.add(hello.job, hello.rank, websocket)
     if old is not None:
         log.info("job %s rank %d reconnected; closing its previous socket", hello.job, hello.rank)
         with contextlib.suppress(Exception):
             await old.close(1000, reason="replaced by a newer connection of the same rank")
-    placement = await services.controller.on_hello(hello)
+    placement = await parts.controller.on_hello(hello)
     await websocket.send_text(encode(placement))
-    services.notify(hello.job)
+    parts.hub.notify(hello.job)
     return True

@@ -128,6 +128,7 @@ class RankView:
     n_steps: int
     dropped: int
     device: DeviceSample | None
+    lost: bool = False  # its socket dropped without a close and it has not come back
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +146,7 @@ class JobView:
     idle_fraction: float | None
     ranks: tuple[RankView, ...]
     total_steps: int | None = None
+    lost_ranks: tuple[int, ...] = ()  # ranks whose socket dropped without a close
 
     @property
     def eta_s(self) -> float | None:
@@ -267,12 +269,6 @@ class LiveState:
                 r.connected, r.lost = connected, lost and not connected
                 r.rev += 1
 
-    def lost_ranks(self, job: str) -> list[int]:
-        """Ranks whose connection dropped without a close and that did not come back."""
-        with self._lock:
-            j = self._jobs.get(job)
-            return sorted(rank for rank, r in j.ranks.items() if r.lost) if j is not None else []
-
     def shape(self, job: str) -> tuple[int, int] | None:
         """(world_size, global_batch_size) of a live job, None if unknown."""
         with self._lock:
@@ -325,6 +321,7 @@ class LiveState:
             step_ms=statistics.median(step_ms) if step_ms else None,
             step_rate_hz=_mean(rates) if rates else None,
             imbalance=imbalance, idle_fraction=idle, ranks=ranks, total_steps=total_steps,
+            lost_ranks=tuple(r.rank for r in ranks if r.lost),
         )
 
     def _rank_view(self, rank: int, r: _Rank) -> RankView:
@@ -353,7 +350,7 @@ class LiveState:
             optimizer_ms=means[3],
             step_ms=means[4],
             step_rate_hz=rate, n_steps=len(r.steps), dropped=r.dropped,
-            device=_device(r.device[-1]) if r.device else None,
+            device=_device(r.device[-1]) if r.device else None, lost=r.lost,
         )
         r.cached = (r.rev, view)
         return view
