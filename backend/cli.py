@@ -87,6 +87,9 @@ def load_settings(**overrides: object) -> Settings:
 def _serve(args: argparse.Namespace) -> int:
     settings = load_settings(host=args.host, port=args.port, db=args.db, log_level=args.log_level)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from backend import redact
+
+    redact.install()
     if not settings.loopback and settings.admin_token is None:
         from backend.auth.tokens import active_token_count
         from backend.parts import init_db
@@ -116,6 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                log_config=redact.log_config(),
                 ws_max_size=settings.ws_max_bytes, ws="websockets-sansio",
                 ws_ping_interval=settings.ws_ping_interval_s, ws_ping_timeout=settings.ws_ping_timeout_s)
     return 0

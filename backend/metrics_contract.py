@@ -127,6 +127,8 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "Records the hooks reported as dropped.", True),
     MetricSpec("rebalancer_hook_connections", "gauge", (), "1",
                "Open hook websockets.", True),
+    MetricSpec("rebalancer_live_jobs", "gauge", (), "1",
+               "Jobs held in memory (REBALANCER_MAX_LIVE_JOBS at most).", True),
 )
 
 

@@ -248,6 +248,18 @@ class Controller:
     def jobs(self) -> list[str]:
         return sorted(self._jobs)
 
+    def forget(self, job: str) -> bool:
+        """Drop a job's control state from memory (SQL keeps it; the next hello or read
+        loads it again). False while an action or a policy run holds it: try later."""
+        st = self._jobs.get(job)
+        if st is None:
+            return True
+        if st.lock.locked() or job in self._running:
+            return False
+        del self._jobs[job]
+        self._dirty.discard(job)
+        return True
+
     def _config(self, st: _JobState) -> Any:
         return inputs.policy_config(st.policy, st.mode, self.settings)
 

@@ -37,6 +37,12 @@ from operator import attrgetter
 from typing import Any
 
 from backend.control.status import job_status
+from backend.ingest.budget import (
+    DASHBOARD_FRAMES_BURST,
+    DASHBOARD_FRAMES_PER_S,
+    DASHBOARD_MAX_FRAME_BYTES,
+    FrameBudget,
+)
 from backend.live.forecast import forecast, savings
 from backend.live.state import (
     STEP_BATCH,
@@ -48,7 +54,7 @@ from backend.live.state import (
     LiveState,
 )
 from backend.settings import Settings
-from trainer_hook.protocol import uniform_shares
+from trainer_hook.protocol import CLOSE_RATE_LIMITED, uniform_shares
 
 __all__ = ["DashboardHub", "JobChanges", "fit_rank_cost"]
 
@@ -629,11 +635,23 @@ class DashboardHub:
 
 
 async def _drain(websocket: Any) -> None:
-    # Reading is how a disconnect shows up; the dashboard sends nothing that matters.
+    # Reading is how a disconnect shows up; the dashboard sends nothing that matters, so a
+    # client that floods it or sends a big frame is closed (budgets in backend.ingest.budget).
+    budget = FrameBudget(frames_per_s=DASHBOARD_FRAMES_PER_S, frames_burst=DASHBOARD_FRAMES_BURST,
+                         bytes_per_s=DASHBOARD_FRAMES_PER_S * DASHBOARD_MAX_FRAME_BYTES,
+                         bytes_burst=DASHBOARD_FRAMES_BURST * DASHBOARD_MAX_FRAME_BYTES)
     with contextlib.suppress(Exception):
         while True:
             msg = await websocket.receive()
             if msg.get("type") == "websocket.disconnect":
+                return
+            data = msg.get("text") or msg.get("bytes") or ""
+            if len(data) > DASHBOARD_MAX_FRAME_BYTES:
+                await websocket.close(1009, f"Dashboard frames are at most {DASHBOARD_MAX_FRAME_BYTES} bytes.")
+                return
+            over = budget.take(len(data))
+            if over is not None:
+                await websocket.close(CLOSE_RATE_LIMITED, over[:120])
                 return
 
 

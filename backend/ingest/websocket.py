@@ -19,13 +19,20 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from backend.api.deps import websocket_actor
+from backend.ingest.budget import FrameBudget
 from backend.parts import Parts
 from backend.storage.metrics import upsert_hello
 from trainer_hook.protocol import (
     CLOSE_CONFLICT,
     CLOSE_FORBIDDEN,
     CLOSE_MALFORMED,
+    CLOSE_RATE_LIMITED,
+    CLOSE_TRY_AGAIN_LATER,
     CLOSE_UNAUTHORIZED,
+    HOOK_BYTES_BURST,
+    HOOK_BYTES_PER_S,
+    HOOK_FRAMES_BURST,
+    HOOK_FRAMES_PER_S,
     Ack,
     Error,
     Hello,
@@ -85,6 +92,8 @@ async def hook_websocket(websocket: WebSocket) -> None:
         return
     hello: Hello | None = None
     lost = False  # the peer vanished without a close frame
+    budget = FrameBudget(frames_per_s=HOOK_FRAMES_PER_S, frames_burst=HOOK_FRAMES_BURST,
+                         bytes_per_s=HOOK_BYTES_PER_S, bytes_burst=HOOK_BYTES_BURST)
     parts.sockets.add(actor, websocket)
     try:
         while True:
@@ -97,6 +106,11 @@ async def hook_websocket(websocket: WebSocket) -> None:
                 raw = frame.get("bytes")
             if raw is None:
                 continue
+            over = budget.take(len(raw))
+            if over is not None:
+                log.warning("closing hook connection from %s: %s", actor.address, over)
+                await _refuse(websocket, "rate_limited", over, CLOSE_RATE_LIMITED)
+                return
             try:
                 msg = decode(raw)
             except ProtocolError as exc:
@@ -197,6 +211,13 @@ async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello) -> bool:
     if refusal is not None:
         log.warning("refused hello of job %s rank %d: %s", hello.job, hello.rank, refusal)
         await _refuse(websocket, "conflict", refusal, CLOSE_CONFLICT)
+        return False
+    if not parts.make_room(hello.job):
+        cap = parts.settings.max_live_jobs
+        log.warning("refused hello of job %s: %d live jobs have connected ranks", hello.job, cap)
+        await _refuse(websocket, "try_again_later",
+                      f"The backend holds {cap} live jobs with connected ranks (REBALANCER_MAX_LIVE_JOBS); "
+                      f"job '{hello.job}' can start once one of them ends.", CLOSE_TRY_AGAIN_LATER)
         return False
     if reshaped:
         await parts.connections.close_job(

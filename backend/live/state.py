@@ -102,6 +102,7 @@ class _Job:
     last_seen: float
     ranks: dict[int, _Rank] = field(default_factory=dict)
     total_steps: int | None = None  # the newest a hook said (hello or metrics)
+    left_at: float = 0.0  # when its last connected rank went away
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +269,21 @@ class LiveState:
                 r = j.ranks[rank]
                 r.connected, r.lost = connected, lost and not connected
                 r.rev += 1
+                if not connected and not any(x.connected for x in j.ranks.values()):
+                    j.left_at = time.time()
+
+    def idle_jobs(self, idle_s: float, now: float | None = None) -> list[str]:
+        """Jobs with no connected rank, nothing left to persist, and no message or connected
+        rank for ``idle_s`` seconds; the longest idle first (they may leave memory)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            idle = [(max(j.last_seen, j.left_at), name) for name, j in self._jobs.items()
+                    if not any(r.connected or r.pending for r in j.ranks.values())]
+        return [name for at, name in sorted(idle) if now - at >= idle_s]
+
+    def job_count(self) -> int:
+        with self._lock:
+            return len(self._jobs)
 
     def shape(self, job: str) -> tuple[int, int] | None:
         """(world_size, global_batch_size) of a live job, None if unknown."""

@@ -120,6 +120,23 @@ def test_overview_lists_the_job(stack: Stack) -> None:
     page.context.close()
 
 
+def test_the_token_is_in_no_url_after_the_page_took_it(stack: Stack) -> None:
+    """Issue 15: URLs end up in logs. The page keeps a ``?token=`` in localStorage, drops it
+    from the address bar, and authenticates its live socket with a first message."""
+    ctx = stack.browser.new_context()
+    page = ctx.new_page()
+    sockets: list[str] = []
+    page.on("websocket", lambda ws: sockets.append(ws.url))
+    page.goto(f"{stack.server.url}/?token={stack.viewer}")
+    page.locator(f"tr[data-job='{JOB}']").wait_for(timeout=90_000)  # frames arrive: authenticated
+    page.locator(f"tr[data-job='{JOB}'] a.job-link").click()
+    page.wait_for_function("() => window.rebalancer && window.rebalancer.state.frames > 0")
+    assert sockets and all("token" not in u for u in sockets), sockets
+    assert "token" not in page.url, page.url
+    assert stack.viewer not in stack.server.log()
+    ctx.close()
+
+
 def test_job_view_charts_update(stack: Stack) -> None:
     page = stack.page(f"/job/{JOB}", stack.operator)
     page.wait_for_function("() => window.rebalancer && window.rebalancer.state.draws > 0")

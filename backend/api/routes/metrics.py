@@ -82,6 +82,9 @@ class RebalancerCollector(Collector):
             "rebalancer_dropped_records", "Records the hooks reported as dropped.", value=s.live.dropped_total)
         yield GaugeMetricFamily(
             "rebalancer_hook_connections", "Open hook websockets.", value=s.connections.count())
+        yield GaugeMetricFamily(
+            "rebalancer_live_jobs", "Jobs held in memory (REBALANCER_MAX_LIVE_JOBS at most).",
+            value=s.live.job_count())
 
 
 def make_registry(*, live: LiveState, connections: HookConnections,

@@ -1,6 +1,6 @@
 // Jobs overview: one row per job, refreshed from /ws/dashboard overview frames.
 import {
-  STATUS_LABEL, duration, el, etaSeconds, fmt, getToken, liveSocket, money, mountTokenBox, pct,
+  STATUS_LABEL, duration, el, etaSeconds, fmt, liveSocket, money, mountTokenBox, pct,
   totalSteps,
 } from "./common.js";
 
@@ -9,12 +9,10 @@ const conn = document.getElementById("conn");
 let lastFrame = 0;
 
 function row(j) {
-  const q = getToken() && new URLSearchParams(location.search).get("token")
-    ? `?token=${encodeURIComponent(getToken())}` : "";
   const eta = etaSeconds(j, totalSteps(j.job));
   const stale = j.age_s !== null && j.age_s > 5 && j.status !== "idle";
   return el("tr", { "data-job": j.job },
-    el("td", {}, el("a", { href: `/job/${encodeURIComponent(j.job)}${q}`, class: "job-link" }, j.job)),
+    el("td", {}, el("a", { href: `/job/${encodeURIComponent(j.job)}`, class: "job-link" }, j.job)),
     el("td", {}, el("span", { class: `pill ${j.status}`, title: j.status_detail || "" },
       STATUS_LABEL[j.status] || j.status), stale ? el("span", { class: "pill stale" }, "stale") : null),
     el("td", { class: "num" }, `${j.connected_ranks}/${j.world_size}`),
