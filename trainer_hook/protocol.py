@@ -45,6 +45,7 @@ __all__ = [
     "HOOK_FRAMES_BURST",
     "HOOK_BYTES_PER_S",
     "HOOK_BYTES_BURST",
+    "HOOK_HELLO_FRAMES",
     "ProtocolError",
     "Hello",
     "StepRecord",
@@ -93,6 +94,7 @@ HOOK_FRAMES_PER_S = 100.0
 HOOK_FRAMES_BURST = 500.0
 HOOK_BYTES_PER_S = 4.0 * MAX_MESSAGE_BYTES
 HOOK_BYTES_BURST = 32.0 * MAX_MESSAGE_BYTES
+HOOK_HELLO_FRAMES = 50.0  # a hello costs SQL writes: it counts as this many frames (10 at once)
 
 CLOSE_NORMAL = 1000
 CLOSE_TOO_BIG = 1009
@@ -555,6 +557,8 @@ def decode(raw: str | bytes) -> Message:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"Message is not valid JSON: {exc}.") from None
+    except RecursionError:  # JSON nested thousands deep
+        raise ProtocolError("Message is nested too deeply; messages are flat JSON objects.") from None
     obj = _obj(obj, "A message")
     version = obj.get("v")
     if version != PROTOCOL_VERSION:

@@ -33,6 +33,7 @@ from trainer_hook.protocol import (
     HOOK_BYTES_PER_S,
     HOOK_FRAMES_BURST,
     HOOK_FRAMES_PER_S,
+    HOOK_HELLO_FRAMES,
     Ack,
     Error,
     Hello,
@@ -116,6 +117,10 @@ async def hook_websocket(websocket: WebSocket) -> None:
             except ProtocolError as exc:
                 log.info("closing hook connection from %s: %s", actor.address, exc)
                 await _refuse(websocket, exc.code, str(exc), exc.close_code)
+                return
+            if isinstance(msg, Hello) and (over := budget.take(0, HOOK_HELLO_FRAMES - 1)) is not None:
+                log.warning("closing hook connection from %s: %s", actor.address, over)
+                await _refuse(websocket, "rate_limited", over, CLOSE_RATE_LIMITED)
                 return
             if hello is None or isinstance(msg, Hello):
                 if not isinstance(msg, Hello):

@@ -36,7 +36,7 @@ from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED, MAX_BATCH
 
 __all__ = ["router", "FRONTEND_DIR", "plotly_js_path", "FrontendFiles", "AUTH_TIMEOUT_S", "AUTH_FRAME_MAX_BYTES"]
 
-AUTH_TIMEOUT_S = 10.0  # a dashboard socket without a token in its URL sends it within this
+AUTH_TIMEOUT_S = 5.0  # a dashboard socket without a token in its URL sends it within this
 AUTH_FRAME_MAX_BYTES = 4096
 
 # Package data: found the same way in a source tree and in a plain (non-editable) install.
