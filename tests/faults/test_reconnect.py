@@ -42,7 +42,7 @@ def test_every_rank_waits_at_most_1_5_s_between_attempts(tmp_path: Any) -> None:
     waits: dict[int, list[float]] = {0: [], 1: []}
     ts = [transport(f"http://127.0.0.1:{port}", r, waits[r]) for r in (0, 1)]
     try:
-        with running_server(tmp_path, port=port) as first:
+        with running_server(tmp_path, port=port, timeout=90) as first:
             for t in ts:
                 t.start()
             wait_until(lambda: all(t.connected for t in ts), "both ranks connected", 20, log=first.log)
@@ -50,7 +50,7 @@ def test_every_rank_waits_at_most_1_5_s_between_attempts(tmp_path: Any) -> None:
             first.proc.wait()
         # Down until each rank failed 6 times: the old back-off would then wait 8 s or more.
         wait_until(lambda: all(len(w) >= 6 for w in waits.values()), "6 failed attempts per rank", 60)
-        with running_server(tmp_path, port=port) as second:
+        with running_server(tmp_path, port=port, timeout=90) as second:
             before = {r: len(w) for r, w in waits.items()}
             wait_until(lambda: all(t.connected for t in ts), "both ranks back", 20, log=second.log)
             assert second.get("/api/v1/jobs/outage")["connected_ranks"] == 2  # type: ignore[index]
