@@ -115,7 +115,10 @@ def test_overview_lists_the_job(stack: Stack) -> None:
     page = stack.page("/", stack.operator)
     row = page.locator(f"tr[data-job='{JOB}']")
     row.wait_for(timeout=90_000)  # torchrun start-up on a busy 2-core machine
-    _wait(lambda: "3/3" in row.inner_text(), "all 3 ranks connected in the overview", stack=stack)
+    # Ranks show as connected once registered; the mode once the controller has loaded the
+    # new job (SQL on a loaded machine can take a second or more): wait for both.
+    _wait(lambda: "3/3" in row.inner_text() and "approve" in row.inner_text(),
+          "all 3 ranks connected and the mode in the overview", stack=stack)
     text = row.inner_text()
     assert JOB in text and "approve" in text
     page.context.close()
