@@ -118,6 +118,9 @@ def _serve_with(settings: Settings) -> int:
             pass
     finally:
         probe.dispose()
+    from backend import redact
+
+    redact.install()
     if not settings.loopback and settings.admin_token is None:
         from backend.auth.tokens import active_token_count
         from backend.parts import init_db
@@ -147,6 +150,7 @@ def _serve_with(settings: Settings) -> int:
 
     app = create_app(settings)  # opens the database: the caller turns its failure into one line
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                log_config=redact.log_config(),
                 ws_max_size=settings.ws_max_bytes, ws="websockets-sansio",
                 ws_ping_interval=settings.ws_ping_interval_s, ws_ping_timeout=settings.ws_ping_timeout_s)
     return 0

@@ -134,6 +134,8 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "Metric windows waiting in memory for the database.", True),
     MetricSpec("rebalancer_database_writable", "gauge", (), "1",
                "1 while the database takes writes, 0 while /healthz says degraded.", True),
+    MetricSpec("rebalancer_live_jobs", "gauge", (), "1",
+               "Jobs held in memory (REBALANCER_MAX_LIVE_JOBS at most).", True),
 )
 
 

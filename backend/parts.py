@@ -194,12 +194,45 @@ class Parts:
                 log.exception("deleting old metric history failed; will retry")
             await asyncio.sleep(self.settings.retention_interval_s)
 
+    def forget_job(self, job: str) -> bool:
+        """Drop a job without connected ranks from memory (live state, control state, its
+        dashboard feed); its history, placements and audit stay in SQL. False if it has
+        ranks connected or an action in flight."""
+        if self.connections.ranks(job) or not self.controller.forget(job):
+            return False
+        self.live.forget(job)
+        self.hub.notify(job)  # the hub drops the feed of a job live state no longer has
+        log.info("job %s left memory (no rank connected); its history stays in SQL", job)
+        return True
+
+    def forget_idle_jobs(self) -> list[str]:
+        """Forget every job idle for ``forget_job_after_s``; returns those forgotten."""
+        idle = self.live.idle_jobs(self.settings.forget_job_after_s)
+        return [job for job in idle if self.forget_job(job)]
+
+    def make_room(self, job: str) -> bool:
+        """Whether a hello may add ``job`` to live state: it is live already, the cap is not
+        reached, or a job without connected ranks (the longest idle) leaves to make room."""
+        if job in self.live or self.live.job_count() < self.settings.max_live_jobs:
+            return True
+        return any(self.forget_job(j) for j in self.live.idle_jobs(0.0))
+
+    async def _forget_loop(self) -> None:
+        period = min(max(self.settings.forget_job_after_s / 4, 0.5), 30.0)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.forget_idle_jobs()
+            except Exception:
+                log.exception("forgetting idle jobs failed; will retry")
+
     async def start(self) -> None:
         await self._preload_history()
         await self.controller.start()
         await self.hub.start()
         for coro, name in ((self._persist_loop(), "persist"), (self._revocation_loop(), "revocations"),
-                           (self._retention_loop(), "retention"), (self._health_loop(), "storage-health")):
+                           (self._retention_loop(), "retention"), (self._health_loop(), "storage-health"),
+                           (self._forget_loop(), "forget")):
             self._tasks.append(asyncio.create_task(coro, name=f"rebalancer-{name}"))
 
     async def stop(self) -> None:

@@ -106,6 +106,11 @@ class Settings(BaseSettings):
     # every retention_interval_s.
     retention_days: Annotated[float, Field(gt=0.0, le=3650.0)] = 7.0
     retention_interval_s: Annotated[float, Field(ge=1.0, le=86400.0)] = 3600.0
+    # Live memory: a job with no connected rank leaves memory after this long (its history
+    # stays in SQL); at most this many jobs are live at once (a hello for one more is
+    # refused with 1013 when none of them can make room).
+    forget_job_after_s: Annotated[float, Field(ge=1.0, le=30 * 86400.0)] = 900.0
+    max_live_jobs: Annotated[int, Field(ge=1, le=100_000)] = 1000
     # Python's cyclic GC walks every object the backend holds; freezing the start-up heap
     # keeps those out of each collection (shorter pauses at 1,024 ranks).
     gc_freeze: bool = True

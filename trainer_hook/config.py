@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from trainer_hook.protocol import MAX_GLOBAL_BATCH_SIZE
+
 __all__ = ["HookConfig", "MEASURED", "ENV_SERVER", "ENV_JOB", "ENV_TOKEN", "ENV_TOTAL_STEPS", "check_total_steps"]
 
 ENV_SERVER = "REBALANCER_SERVER"
@@ -114,6 +116,10 @@ class HookConfig:
         if self.token is not None and not isinstance(self.token, str):
             raise ValueError(f"token must be a string or None, got {type(self.token).__name__}.")
         _positive_int("global_batch_size", self.global_batch_size)
+        if self.global_batch_size > MAX_GLOBAL_BATCH_SIZE:
+            raise ValueError(
+                f"global_batch_size must be at most {MAX_GLOBAL_BATCH_SIZE} (the protocol's limit), "
+                f"got {self.global_batch_size}.")
         check_total_steps(self.total_steps)
         _positive_int("exchange_every", self.exchange_every)
         _positive_int("exchange_lag", self.exchange_lag, lo=0)

@@ -24,12 +24,28 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MAX_RECORDS_PER_MESSAGE",
     "MAX_WORLD_SIZE",
+    "MAX_GLOBAL_BATCH_SIZE",
+    "MAX_BATCH_INDEX",
+    "MAX_VERSION",
+    "MAX_COUNT",
+    "MAX_BYTES",
+    "MAX_DURATION_MS",
+    "MAX_AGE_S",
+    "MAX_AHEAD_S",
     "CLOSE_NORMAL",
     "CLOSE_TOO_BIG",
     "CLOSE_UNSUPPORTED_VERSION",
     "CLOSE_MALFORMED",
     "CLOSE_UNAUTHORIZED",
     "CLOSE_FORBIDDEN",
+    "CLOSE_CONFLICT",
+    "CLOSE_RATE_LIMITED",
+    "CLOSE_TRY_AGAIN_LATER",
+    "HOOK_FRAMES_PER_S",
+    "HOOK_FRAMES_BURST",
+    "HOOK_BYTES_PER_S",
+    "HOOK_BYTES_BURST",
+    "HOOK_HELLO_FRAMES",
     "ProtocolError",
     "Hello",
     "StepRecord",
@@ -53,12 +69,42 @@ MAX_WORLD_SIZE = 65536
 _MAX_NAME = 128
 _MAX_TEXT = 2048
 
+# Ranges of the numbers on the wire (docs/protocol.md, "Ranges"). Both ends validate with
+# these; the backend adds the checks that need the connection's hello and its clock
+# (``Metrics.check_against``). Counters and indices fit the int32 columns they are stored in.
+_INT32_MAX = 2**31 - 1
+MAX_GLOBAL_BATCH_SIZE = 1 << 24  # 16,777,216 samples per global batch
+MAX_BATCH_INDEX = _INT32_MAX  # 68 years at one step a second
+MAX_VERSION = _INT32_MAX  # placement versions and proposal ids
+MAX_COUNT = _INT32_MAX  # dropped (per frame), restart_count, pid
+MAX_BYTES = 1 << 53  # 8 PiB; exact in a double, so browsers read it unchanged
+MAX_DURATION_MS = 86_400_000.0  # one day, for every per-step time
+_MAX_UNIX_TIME = 1e10  # year 2286: the context-free bound on ``t``
+MAX_AGE_S = 7 * 86400.0  # ``t`` at most a week behind the backend's clock ...
+MAX_AHEAD_S = 3600.0  # ... and at most an hour ahead of it
+_MAX_PCT = 100.0
+_MAX_CPU_PCT = 100.0 * MAX_WORLD_SIZE  # a process may use many cores
+_MAX_POWER_W = 100_000.0
+_MAX_TEMP_C = 1000.0
+_MAX_CLOCK_MHZ = 100_000.0
+
+# Per-connection budgets the backend enforces on /ws/hook (token buckets): a hook sends a
+# frame every 0.5 s or 5 steps, so even 100 steps a second use a fifth of this.
+HOOK_FRAMES_PER_S = 100.0
+HOOK_FRAMES_BURST = 500.0
+HOOK_BYTES_PER_S = 4.0 * MAX_MESSAGE_BYTES
+HOOK_BYTES_BURST = 32.0 * MAX_MESSAGE_BYTES
+HOOK_HELLO_FRAMES = 50.0  # a hello costs SQL writes: it counts as this many frames (10 at once)
+
 CLOSE_NORMAL = 1000
 CLOSE_TOO_BIG = 1009
 CLOSE_UNSUPPORTED_VERSION = 4001
 CLOSE_MALFORMED = 4002
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_FORBIDDEN = 4403
+CLOSE_CONFLICT = 4409  # hello for a job running with another shape
+CLOSE_RATE_LIMITED = 4429  # more frames or bytes than the connection's budget
+CLOSE_TRY_AGAIN_LATER = 1013  # the backend holds as many live jobs as it may
 
 
 class ProtocolError(ValueError):
@@ -74,7 +120,7 @@ class ProtocolError(ValueError):
 # --- field checks ------------------------------------------------------------------------
 
 
-def _int(obj: Mapping[str, Any], key: str, *, lo: int = 0, hi: int | None = None, default: Any = ...) -> Any:
+def _int(obj: Mapping[str, Any], key: str, *, lo: int = 0, hi: int, default: Any = ...) -> Any:
     if key not in obj or obj[key] is None:
         if default is ...:
             raise ProtocolError(f"'{key}' is required.")
@@ -82,9 +128,8 @@ def _int(obj: Mapping[str, Any], key: str, *, lo: int = 0, hi: int | None = None
     val = obj[key]
     if isinstance(val, bool) or not isinstance(val, int):
         raise ProtocolError(f"'{key}' must be an integer, got {type(val).__name__}.")
-    if val < lo or (hi is not None and val > hi):
-        bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
-        raise ProtocolError(f"'{key}' must be {bound}, got {val}.")
+    if not lo <= val <= hi:
+        raise ProtocolError(f"'{key}' must be between {lo} and {hi}, got {_short(val)}.")
     return val
 
 
@@ -99,7 +144,16 @@ def _bool(obj: Mapping[str, Any], key: str, *, default: Any = ...) -> Any:
     return val
 
 
-def _float(obj: Mapping[str, Any], key: str, *, lo: float = 0.0, default: Any = ...) -> Any:
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else repr(x)
+
+
+def _short(val: Any) -> str:
+    text = repr(val)
+    return text if len(text) <= 40 else f"a number of {len(text)} digits"
+
+
+def _float(obj: Mapping[str, Any], key: str, *, lo: float = 0.0, hi: float, default: Any = ...) -> Any:
     if key not in obj or obj[key] is None:
         if default is ...:
             raise ProtocolError(f"'{key}' is required.")
@@ -107,9 +161,12 @@ def _float(obj: Mapping[str, Any], key: str, *, lo: float = 0.0, default: Any = 
     val = obj[key]
     if isinstance(val, bool) or not isinstance(val, (int, float)):
         raise ProtocolError(f"'{key}' must be a number, got {type(val).__name__}.")
-    val = float(val)
-    if not math.isfinite(val) or val < lo:
-        raise ProtocolError(f"'{key}' must be a finite number >= {lo}, got {val}.")
+    try:
+        val = float(val)
+    except OverflowError:  # an integer beyond a double
+        raise ProtocolError(f"'{key}' must be a number between {_num(lo)} and {_num(hi)}, got {_short(val)}.") from None
+    if not (math.isfinite(val) and lo <= val <= hi):
+        raise ProtocolError(f"'{key}' must be a number between {_num(lo)} and {_num(hi)}, got {val}.")
     return val
 
 
@@ -219,22 +276,26 @@ class Hello:
     def from_dict(cls, d: Mapping[str, Any]) -> Hello:
         world = _int(d, "world_size", lo=1, hi=MAX_WORLD_SIZE)
         rank = _int(d, "rank", hi=world - 1)
+        batch = _int(d, "global_batch_size", lo=1, hi=MAX_GLOBAL_BATCH_SIZE)
+        if batch < world:
+            raise ProtocolError(
+                f"'global_batch_size' ({batch}) must be at least 'world_size' ({world}): every rank needs a sample.")
         return cls(
             job=_job(d),
             rank=rank,
             world_size=world,
-            global_batch_size=_int(d, "global_batch_size", lo=1),
-            local_rank=_int(d, "local_rank", default=0),
+            global_batch_size=batch,
+            local_rank=_int(d, "local_rank", hi=MAX_WORLD_SIZE - 1, default=0),
             host=_str(d, "host", default=""),
-            pid=_int(d, "pid", default=0),
+            pid=_int(d, "pid", hi=MAX_COUNT, default=0),
             device_type=_str(d, "device_type", default="cpu"),
             device_name=_str(d, "device_name", default=""),
-            mem_total_bytes=_int(d, "mem_total_bytes", default=None),
-            placement_version=_int(d, "placement_version", default=0),
-            batch_index=_int(d, "batch_index", default=0),
-            restart_count=_int(d, "restart_count", default=0),
+            mem_total_bytes=_int(d, "mem_total_bytes", hi=MAX_BYTES, default=None),
+            placement_version=_int(d, "placement_version", hi=MAX_VERSION, default=0),
+            batch_index=_int(d, "batch_index", hi=MAX_BATCH_INDEX, default=0),
+            restart_count=_int(d, "restart_count", hi=MAX_COUNT, default=0),
             hook_version=_str(d, "hook_version", default=""),
-            total_steps=_int(d, "total_steps", lo=1, default=None),
+            total_steps=_int(d, "total_steps", lo=1, hi=MAX_BATCH_INDEX, default=None),
         )
 
 
@@ -269,14 +330,15 @@ class StepRecord:
             except KeyError:
                 pass
             else:
-                num, inf = _NUMBER_TYPES, math.inf
+                num, ms = _NUMBER_TYPES, MAX_DURATION_MS
                 if (
                     type(bi) is int and type(lb) is int and type(pv) is int
-                    and bi >= 0 and lb >= 0 and pv >= 0
+                    and 0 <= bi <= MAX_BATCH_INDEX and 0 <= lb <= MAX_GLOBAL_BATCH_SIZE
+                    and 0 <= pv <= MAX_VERSION
                     and type(dw) in num and type(cm) in num and type(sw) in num
                     and type(om) in num and type(sm) in num and type(t) in num
-                    and 0 <= dw < inf and 0 <= cm < inf and 0 <= sw < inf
-                    and 0 <= om < inf and 0 <= sm < inf and 0 <= t < inf
+                    and 0 <= dw <= ms and 0 <= cm <= ms and 0 <= sw <= ms
+                    and 0 <= om <= ms and 0 <= sm <= ms and 0 <= t <= _MAX_UNIX_TIME
                 ):
                     return cls(
                         batch_index=bi, local_batch_size=lb, placement_version=pv,
@@ -284,15 +346,15 @@ class StepRecord:
                         optimizer_ms=float(om), step_ms=float(sm), t=float(t),
                     )
         return cls(
-            batch_index=_int(d, "batch_index"),
-            local_batch_size=_int(d, "local_batch_size"),
-            placement_version=_int(d, "placement_version"),
-            data_wait_ms=_float(d, "data_wait_ms"),
-            compute_ms=_float(d, "compute_ms"),
-            sync_wait_ms=_float(d, "sync_wait_ms"),
-            optimizer_ms=_float(d, "optimizer_ms"),
-            step_ms=_float(d, "step_ms"),
-            t=_float(d, "t"),
+            batch_index=_int(d, "batch_index", hi=MAX_BATCH_INDEX),
+            local_batch_size=_int(d, "local_batch_size", hi=MAX_GLOBAL_BATCH_SIZE),
+            placement_version=_int(d, "placement_version", hi=MAX_VERSION),
+            data_wait_ms=_float(d, "data_wait_ms", hi=MAX_DURATION_MS),
+            compute_ms=_float(d, "compute_ms", hi=MAX_DURATION_MS),
+            sync_wait_ms=_float(d, "sync_wait_ms", hi=MAX_DURATION_MS),
+            optimizer_ms=_float(d, "optimizer_ms", hi=MAX_DURATION_MS),
+            step_ms=_float(d, "step_ms", hi=MAX_DURATION_MS),
+            t=_float(d, "t", hi=_MAX_UNIX_TIME),
         )
 
 
@@ -326,18 +388,18 @@ class DeviceSample:
             if not isinstance(r, str) or len(r) > 64:
                 raise ProtocolError("'throttle_reasons' must be a list of short strings.")
         return cls(
-            t=_float(d, "t"),
+            t=_float(d, "t", hi=_MAX_UNIX_TIME),
             source=source,
-            util_pct=_float(d, "util_pct", default=None),
-            mem_used_bytes=_int(d, "mem_used_bytes", default=None),
-            mem_total_bytes=_int(d, "mem_total_bytes", default=None),
-            power_w=_float(d, "power_w", default=None),
-            temp_c=_float(d, "temp_c", lo=-273.0, default=None),
-            sm_clock_mhz=_float(d, "sm_clock_mhz", default=None),
-            sm_clock_max_mhz=_float(d, "sm_clock_max_mhz", default=None),
+            util_pct=_float(d, "util_pct", hi=_MAX_PCT, default=None),
+            mem_used_bytes=_int(d, "mem_used_bytes", hi=MAX_BYTES, default=None),
+            mem_total_bytes=_int(d, "mem_total_bytes", hi=MAX_BYTES, default=None),
+            power_w=_float(d, "power_w", hi=_MAX_POWER_W, default=None),
+            temp_c=_float(d, "temp_c", lo=-273.0, hi=_MAX_TEMP_C, default=None),
+            sm_clock_mhz=_float(d, "sm_clock_mhz", hi=_MAX_CLOCK_MHZ, default=None),
+            sm_clock_max_mhz=_float(d, "sm_clock_max_mhz", hi=_MAX_CLOCK_MHZ, default=None),
             throttle_reasons=list(reasons),
-            cpu_pct=_float(d, "cpu_pct", default=None),
-            rss_bytes=_int(d, "rss_bytes", default=None),
+            cpu_pct=_float(d, "cpu_pct", hi=_MAX_CPU_PCT, default=None),
+            rss_bytes=_int(d, "rss_bytes", hi=MAX_BYTES, default=None),
         )
 
 
@@ -370,10 +432,30 @@ class Metrics:
             rank=_int(d, "rank", hi=MAX_WORLD_SIZE - 1),
             steps=steps,
             device=device,
-            dropped=_int(d, "dropped", default=0),
-            total_steps=_int(d, "total_steps", lo=1, default=None),
+            dropped=_int(d, "dropped", hi=MAX_COUNT, default=0),
+            total_steps=_int(d, "total_steps", lo=1, hi=MAX_BATCH_INDEX, default=None),
             urgent=_bool(d, "urgent", default=False),
         )
+
+    def check_against(self, hello: Hello, now: float) -> None:
+        """The ranges that need the sender's ``hello`` and the receiver's clock: no step
+        larger than the job's global batch, every ``t`` within ``MAX_AGE_S`` before and
+        ``MAX_AHEAD_S`` after ``now``. Raises ProtocolError naming the first record off."""
+        lo, hi, cap = now - MAX_AGE_S, now + MAX_AHEAD_S, hello.global_batch_size
+        for i, s in enumerate(self.steps):
+            if s.local_batch_size > cap:
+                raise ProtocolError(
+                    f"'steps[{i}].local_batch_size' is {s.local_batch_size} but the job's global batch is {cap}.")
+            if not lo <= s.t <= hi:
+                raise ProtocolError(_clock_message(f"steps[{i}].t", s.t, now))
+        for i, d in enumerate(self.device):
+            if not lo <= d.t <= hi:
+                raise ProtocolError(_clock_message(f"device[{i}].t", d.t, now))
+
+
+def _clock_message(key: str, t: float, now: float) -> str:
+    return (f"'{key}' is {t - now:+.0f} s from the backend's clock; it must be within "
+            f"{MAX_AGE_S / 86400:g} days before and {MAX_AHEAD_S / 3600:g} hour after it (check the node's clock).")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -391,8 +473,8 @@ class Ack:
         return cls(
             job=_job(d),
             rank=_int(d, "rank", hi=MAX_WORLD_SIZE - 1),
-            version=_int(d, "version"),
-            batch_index=_int(d, "batch_index"),
+            version=_int(d, "version", hi=MAX_VERSION),
+            batch_index=_int(d, "batch_index", hi=MAX_BATCH_INDEX),
         )
 
 
@@ -411,7 +493,7 @@ class Reject:
         return cls(
             job=_job(d),
             rank=_int(d, "rank", hi=MAX_WORLD_SIZE - 1),
-            version=_int(d, "version"),
+            version=_int(d, "version", hi=MAX_VERSION),
             reason=_str(d, "reason", max_len=_MAX_TEXT),
         )
 
@@ -437,13 +519,15 @@ class Placement:
         shares = _list(d, "shares", max_len=MAX_WORLD_SIZE)
         for i, s in enumerate(shares):
             if isinstance(s, bool) or not isinstance(s, int):
-                raise ProtocolError(f"'shares[{i}]' must be an integer, got {s!r}.")
+                raise ProtocolError(f"'shares[{i}]' must be an integer, got {_short(s)}.")
+            if not 0 <= s <= MAX_GLOBAL_BATCH_SIZE:
+                raise ProtocolError(f"'shares[{i}]' must be between 0 and {MAX_GLOBAL_BATCH_SIZE}, got {_short(s)}.")
         return cls(
             job=_job(d),
-            version=_int(d, "version"),
+            version=_int(d, "version", hi=MAX_VERSION),
             shares=list(shares),
-            global_batch_size=_int(d, "global_batch_size", lo=1),
-            proposal_id=_int(d, "proposal_id", default=None),
+            global_batch_size=_int(d, "global_batch_size", lo=1, hi=MAX_GLOBAL_BATCH_SIZE),
+            proposal_id=_int(d, "proposal_id", hi=MAX_VERSION, default=None),
             reason=_str(d, "reason", max_len=_MAX_TEXT, default=""),
         )
 
@@ -490,6 +574,8 @@ def decode(raw: str | bytes) -> Message:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"Message is not valid JSON: {exc}.") from None
+    except RecursionError:  # JSON nested thousands deep
+        raise ProtocolError("Message is nested too deeply; messages are flat JSON objects.") from None
     obj = _obj(obj, "A message")
     version = obj.get("v")
     if version != PROTOCOL_VERSION:

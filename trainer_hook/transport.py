@@ -5,7 +5,8 @@ The training thread only appends to bounded deques (a few tens of nanoseconds; a
 daemon thread owns the websocket: it connects, sends ``hello``, batches what the queues
 hold into ``metrics`` frames every flush interval, sends acks and rejects, and hands the
 backend's ``placement`` and ``error`` frames to a callback. With the backend down it
-retries with capped exponential backoff and jitter; the queues keep the newest records
+retries with exponential backoff capped at 1.5 s, jittered (so a recovered backend sees
+every rank back within 2 s); the queues keep the newest records
 and count what they had to drop, and the count goes out in the next ``metrics`` frame.
 See docs/protocol.md for the conversation.
 """
@@ -112,7 +113,7 @@ class Transport:
         flush_on_deviation: float = 0.2,
         eager_steps: int = 20,
         backoff_initial_s: float = 0.5,
-        backoff_max_s: float = 30.0,
+        backoff_max_s: float = 1.5,
         auth_backoff_s: float = 60.0,
         open_timeout_s: float = 5.0,
     ) -> None:

@@ -16,6 +16,7 @@ from fastapi import Depends, HTTPException, Path, Request, WebSocket, status
 
 from backend.auth.tokens import ROLE_LEVEL, Actor, role_allows
 from backend.parts import Parts
+from trainer_hook.protocol import MAX_VERSION
 
 __all__ = [
     "get_parts",
@@ -108,5 +109,5 @@ async def websocket_actor(websocket: WebSocket) -> Actor | None:
 
 # Integers in paths carry the range of what they name, so a number beyond it is a 422 naming
 # the limit, never an overflow in SQL (ids are int32 columns).
-ROW_ID_MAX = 2**31 - 1  # the i15-edge branch names it trainer_hook.protocol.MAX_VERSION
+ROW_ID_MAX = MAX_VERSION
 RowId = Annotated[int, Path(ge=1, le=ROW_ID_MAX, description=f"a row id, 1 .. {ROW_ID_MAX}")]

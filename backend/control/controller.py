@@ -101,6 +101,7 @@ class _JobState:
     snapshot: dict[str, Any] = field(default_factory=dict)
     cost_fit: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # the policy's, per rank
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    restart_count: int | None = None  # TorchElastic attempt of the ranks (None: none seen since load)
 
     def follow(self, row: db.PlacementRow) -> None:
         """Take applied / effective / measured from the placement row in force."""
@@ -274,6 +275,18 @@ class Controller:
     def jobs(self) -> list[str]:
         return sorted(self._jobs)
 
+    def forget(self, job: str) -> bool:
+        """Drop a job's control state from memory (SQL keeps it; the next hello or read
+        loads it again). False while an action or a policy run holds it: try later."""
+        st = self._jobs.get(job)
+        if st is None:
+            return True
+        if st.lock.locked() or job in self._running:
+            return False
+        del self._jobs[job]
+        self._dirty.discard(job)
+        return True
+
     def _config(self, st: _JobState) -> Any:
         return inputs.policy_config(st.policy, st.mode, self.settings)
 
@@ -308,9 +321,13 @@ class Controller:
                 self._creating.pop(job, None)
             st = await self._require(job)
         async with st.lock:
+            previous = st.restart_count
             if (hello.world_size, hello.global_batch_size) != (st.world_size, st.global_batch_size):
                 st = await self._reshape(st, hello)
+        if previous is not None and hello.restart_count > previous:
+            await self._sql(_audit_restart(hello, previous))
         async with st.lock:
+            self._follow_restarts(st, hello, previous)
             st.devices[hello.rank] = hello
             st.last_metrics = self._wall()
             if st.status == "idle":
@@ -319,6 +336,16 @@ class Controller:
                 await self._static_now(st)
             self._publish(st)
             return self._placement_msg(st)
+
+    def _follow_restarts(self, st: _JobState, hello: Hello, previous: int | None) -> None:
+        """Track the ranks' TorchElastic attempt: a higher count is a restart (audited by
+        on_hello); a lower one, with no other rank connected, a new launch of the job."""
+        known = st.restart_count if st.restart_count is not None else previous
+        alone = not [r for r in self.connections.ranks(st.job) if r != hello.rank]
+        if known is None or hello.restart_count > known or alone:
+            st.restart_count = hello.restart_count
+        else:
+            st.restart_count = known
 
     async def _reshape(self, st: _JobState, hello: Hello) -> _JobState:
         """The job came back with another shape: old placements cannot apply."""
@@ -512,7 +539,8 @@ class Controller:
         status, detail = job_status(
             verdict=st.status, detail=st.status_detail, pending=snap["pending_proposal"],
             connected_ranks=view.connected_ranks if view is not None else None,
-            metrics_age_s=age, stale_after_s=self.settings.stale_after_s)
+            metrics_age_s=age, stale_after_s=self.settings.stale_after_s,
+            lost_ranks=view.lost_ranks if view is not None else (), world_size=st.world_size)
         return {**snap, "status": status, "status_detail": detail}
 
     def cost_fit(self, job: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
@@ -984,6 +1012,17 @@ class Controller:
             if pid is not None and st.mode == "auto":
                 await self._apply(st, pid, actor="auto", reason="auto mode: overrides changed", auto=True)
             return {**ov, "proposal_id": pid}
+
+
+def _audit_restart(hello: Hello, previous: int) -> Callable[[Session], None]:
+    def work(s: Session) -> None:
+        db.record_audit(s, actor=_SYSTEM, action="job.restart", job=hello.job, params={
+            "restart_count": hello.restart_count, "previous_restart_count": previous,
+            "rank": hello.rank, "world_size": hello.world_size,
+            "global_batch_size": hello.global_batch_size,
+        }, reason=f"torchrun restarted the job's workers (restart {hello.restart_count})")
+        s.commit()
+    return work
 
 
 def _explanation_dict(expl: Explanation) -> dict[str, Any]:

@@ -8,26 +8,33 @@ newest metrics are and whether a proposal waits. Nothing else computes a status.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 __all__ = ["STATUSES", "Status", "job_status", "NEVER_CONNECTED"]
 
-Status = Literal["warming_up", "balanced", "imbalanced", "proposal_pending", "idle"]
-STATUSES: tuple[Status, ...] = ("warming_up", "balanced", "imbalanced", "proposal_pending", "idle")
+Status = Literal["warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded"]
+STATUSES: tuple[Status, ...] = ("warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded")
 NEVER_CONNECTED = ("idle", "no rank has connected since the backend started")
 
 
 def job_status(*, verdict: str, detail: str, pending: Mapping[str, Any] | None,
                connected_ranks: int | None, metrics_age_s: float | None,
-               stale_after_s: float) -> tuple[str, str]:
+               stale_after_s: float, lost_ranks: Sequence[int] = (),
+               world_size: int | None = None) -> tuple[str, str]:
     """(status, one-sentence detail) of a job.
 
     ``connected_ranks``: ranks with an open hook socket (None: not live since start);
-    ``metrics_age_s``: seconds since its newest metrics (None: none yet).
+    ``metrics_age_s``: seconds since its newest metrics (None: none yet); ``lost_ranks``:
+    ranks whose socket dropped without a close and that have not come back (``degraded``,
+    whatever else holds: a dead rank stalls the whole job).
     """
     if connected_ranks is None:
         return NEVER_CONNECTED
+    if lost_ranks:
+        shown = ", ".join(map(str, lost_ranks[:8])) + (" ..." if len(lost_ranks) > 8 else "")
+        of = f" of {world_size}" if world_size is not None else ""
+        return "degraded", f"lost ranks: {shown} ({connected_ranks}{of} connected)"
     if connected_ranks == 0:
         return "idle", "no rank is connected"
     if metrics_age_s is not None and metrics_age_s > stale_after_s:

@@ -37,6 +37,12 @@ from operator import attrgetter
 from typing import Any
 
 from backend.control.status import job_status
+from backend.ingest.budget import (
+    DASHBOARD_FRAMES_BURST,
+    DASHBOARD_FRAMES_PER_S,
+    DASHBOARD_MAX_FRAME_BYTES,
+    FrameBudget,
+)
 from backend.live.forecast import forecast, savings
 from backend.live.state import (
     STEP_BATCH,
@@ -47,7 +53,7 @@ from backend.live.state import (
     LiveState,
 )
 from backend.settings import Settings
-from trainer_hook.protocol import uniform_shares
+from trainer_hook.protocol import CLOSE_RATE_LIMITED, uniform_shares
 
 __all__ = ["DashboardHub", "JobChanges", "CostFit"]
 
@@ -389,7 +395,8 @@ class DashboardHub:
                 verdict="warming_up", detail="waiting for the first steps", pending=None,
                 connected_ranks=view.connected_ranks,
                 metrics_age_s=max(self._wall() - view.last_seen, 0.0),
-                stale_after_s=self.settings.stale_after_s)
+                stale_after_s=self.settings.stale_after_s, lost_ranks=view.lost_ranks,
+                world_size=view.world_size)
         fc = forecast(view, self._price)
         return {
             "job": view.job, "world_size": view.world_size,
@@ -550,11 +557,23 @@ class DashboardHub:
 
 
 async def _drain(websocket: Any) -> None:
-    # Reading is how a disconnect shows up; the dashboard sends nothing that matters.
+    # Reading is how a disconnect shows up; the dashboard sends nothing that matters, so a
+    # client that floods it or sends a big frame is closed (budgets in backend.ingest.budget).
+    budget = FrameBudget(frames_per_s=DASHBOARD_FRAMES_PER_S, frames_burst=DASHBOARD_FRAMES_BURST,
+                         bytes_per_s=DASHBOARD_FRAMES_PER_S * DASHBOARD_MAX_FRAME_BYTES,
+                         bytes_burst=DASHBOARD_FRAMES_BURST * DASHBOARD_MAX_FRAME_BYTES)
     with contextlib.suppress(Exception):
         while True:
             msg = await websocket.receive()
             if msg.get("type") == "websocket.disconnect":
+                return
+            data = msg.get("text") or msg.get("bytes") or ""
+            if len(data) > DASHBOARD_MAX_FRAME_BYTES:
+                await websocket.close(1009, f"Dashboard frames are at most {DASHBOARD_MAX_FRAME_BYTES} bytes.")
+                return
+            over = budget.take(len(data))
+            if over is not None:
+                await websocket.close(CLOSE_RATE_LIMITED, over[:120])
                 return
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterable
 
@@ -34,6 +35,21 @@ class HookConnections:
             del ranks[rank]
             if not ranks:
                 del self._by_job[job]
+
+    def current(self, job: str, rank: int) -> WebSocket | None:
+        """The socket that speaks for ``rank`` of ``job`` now, if any."""
+        return self._by_job.get(job, {}).get(rank)
+
+    async def close_job(self, job: str, code: int, reason: str, *, keep: WebSocket | None = None) -> int:
+        """Close every socket of ``job`` but ``keep`` with ``code``; returns how many closed."""
+        socks = [ws for ws in self._by_job.get(job, {}).values() if ws is not keep]
+        for ws in socks:
+            for r, w in list(self._by_job.get(job, {}).items()):
+                if w is ws:
+                    self.remove(job, r, ws)
+            with contextlib.suppress(Exception):
+                await ws.close(code, reason=reason[:120])
+        return len(socks)
 
     def ranks(self, job: str) -> list[int]:
         return sorted(self._by_job.get(job, {}))

@@ -20,14 +20,23 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from backend.api.deps import websocket_actor
+from backend.ingest.budget import FrameBudget
 from backend.parts import Parts
 from backend.storage.health import report_fault
 from backend.storage.metrics import upsert_hello
 from backend.storage.writes import database_fault
 from trainer_hook.protocol import (
+    CLOSE_CONFLICT,
     CLOSE_FORBIDDEN,
     CLOSE_MALFORMED,
+    CLOSE_RATE_LIMITED,
+    CLOSE_TRY_AGAIN_LATER,
     CLOSE_UNAUTHORIZED,
+    HOOK_BYTES_BURST,
+    HOOK_BYTES_PER_S,
+    HOOK_FRAMES_BURST,
+    HOOK_FRAMES_PER_S,
+    HOOK_HELLO_FRAMES,
     Ack,
     Error,
     Hello,
@@ -59,6 +68,7 @@ async def _unless_database_fault(what: str, work: Awaitable[T]) -> tuple[bool, T
             raise
         report_fault(log, what, exc)
         return False, None
+_CLEAN_CLOSE = (1000, 1001)  # the hook closed (job done) or went away on purpose
 
 
 async def _refuse(ws: WebSocket, code: str, message: str, close_code: int) -> None:
@@ -103,22 +113,35 @@ async def hook_websocket(websocket: WebSocket) -> None:
     hello: Hello | None = None
     hello_stored = True  # False while the database refused this connection's hello
     retry_at = 0.0
+    lost = False  # the peer vanished without a close frame
+    budget = FrameBudget(frames_per_s=HOOK_FRAMES_PER_S, frames_burst=HOOK_FRAMES_BURST,
+                         bytes_per_s=HOOK_BYTES_PER_S, bytes_burst=HOOK_BYTES_BURST)
     parts.sockets.add(actor, websocket)
     try:
         while True:
             frame = await websocket.receive()
             if frame["type"] == "websocket.disconnect":
+                lost = frame.get("code", 1005) not in _CLEAN_CLOSE
                 break
             raw = frame.get("text")
             if raw is None:
                 raw = frame.get("bytes")
             if raw is None:
                 continue
+            over = budget.take(len(raw))
+            if over is not None:
+                log.warning("closing hook connection from %s: %s", actor.address, over)
+                await _refuse(websocket, "rate_limited", over, CLOSE_RATE_LIMITED)
+                return
             try:
                 msg = decode(raw)
             except ProtocolError as exc:
                 log.info("closing hook connection from %s: %s", actor.address, exc)
                 await _refuse(websocket, exc.code, str(exc), exc.close_code)
+                return
+            if isinstance(msg, Hello) and (over := budget.take(0, HOOK_HELLO_FRAMES - 1)) is not None:
+                log.warning("closing hook connection from %s: %s", actor.address, over)
+                await _refuse(websocket, "rate_limited", over, CLOSE_RATE_LIMITED)
                 return
             if hello is None or isinstance(msg, Hello):
                 if not isinstance(msg, Hello):
@@ -136,8 +159,11 @@ async def hook_websocket(websocket: WebSocket) -> None:
                                   f"open a new connection for job '{msg.job}' rank {msg.rank}.",
                                   CLOSE_MALFORMED)
                     return
+                stored = await _on_hello(parts, websocket, msg)
+                if stored is None:
+                    return
                 hello = msg
-                hello_stored = await _on_hello(parts, websocket, hello)
+                hello_stored = stored
                 retry_at = time.monotonic() + HELLO_RETRY_S
                 continue
             if not isinstance(msg, (Metrics, Ack, Reject)):
@@ -151,7 +177,15 @@ async def hook_websocket(websocket: WebSocket) -> None:
                               f"got a '{msg.TYPE}' for job '{msg.job}' rank {msg.rank}.",
                               CLOSE_MALFORMED)
                 return
+            if parts.connections.current(hello.job, hello.rank) is not websocket:
+                return  # replaced by a newer connection, or its job restarted: being closed
             if isinstance(msg, Metrics):
+                try:
+                    msg.check_against(hello, time.time())
+                except ProtocolError as exc:
+                    log.info("closing hook connection of job %s rank %d: %s", hello.job, hello.rank, exc)
+                    await _refuse(websocket, exc.code, str(exc), exc.close_code)
+                    return
                 parts.live.add_metrics(msg)
                 if not hello_stored and time.monotonic() >= retry_at:
                     hello_stored = await _hello_to_sql(parts, websocket, hello)
@@ -166,8 +200,8 @@ async def hook_websocket(websocket: WebSocket) -> None:
                 log.warning("job %s rank %d rejected placement %d: %s", msg.job, msg.rank, msg.version, msg.reason)
                 await _unless_database_fault("recording a reject", parts.controller.on_reject(msg))
                 parts.hub.notify(msg.job)
-    except WebSocketDisconnect:
-        pass
+    except WebSocketDisconnect as exc:
+        lost = exc.code not in _CLEAN_CLOSE
     except Exception:  # a bug in one handler must not take the server or other ranks down
         log.exception("hook connection failed (job=%s rank=%s)",
                       hello.job if hello else None, hello.rank if hello else None)
@@ -178,15 +212,54 @@ async def hook_websocket(websocket: WebSocket) -> None:
         if hello is not None:
             parts.connections.remove(hello.job, hello.rank, websocket)
             if not parts.connections.has(hello.job, hello.rank):
-                parts.live.set_connected(hello.job, hello.rank, False)
+                parts.live.set_connected(hello.job, hello.rank, False, lost=lost)
             with contextlib.suppress(Exception):
                 parts.hub.notify(hello.job)
 
 
-async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello) -> bool:
-    """Register the rank live, store it, answer with the placement in force. Returns False
-    when the database refused: the rank streams on (live state, dashboard) and keeps the
-    placement it has; storing and the reply are tried again on its metrics."""
+def _reshape_refusal(parts: Parts, websocket: WebSocket, hello: Hello) -> tuple[str | None, bool]:
+    """(why this hello is refused or None, whether it changes the job's shape).
+
+    A hello may change a live job's world size or global batch only when no rank of the old
+    shape is connected, or when it comes from a TorchElastic restart (a restart count above
+    every connected rank's)."""
+    shape = parts.live.shape(hello.job)
+    new = (hello.world_size, hello.global_batch_size)
+    if shape is None or shape == new:
+        return None, False
+    others = [r for r in parts.connections.ranks(hello.job)
+              if parts.connections.current(hello.job, r) is not websocket]
+    counts = [h.restart_count for r in others if (h := parts.live.hello(hello.job, r)) is not None]
+    if not others or hello.restart_count > max(counts, default=-1):
+        return None, True
+    return (f"Job '{hello.job}' is running with world_size {shape[0]} and global batch {shape[1]} on "
+            f"{len(others)} connected rank{'s' if len(others) != 1 else ''}; this hello says world_size "
+            f"{new[0]} and global batch {new[1]}. Stop those ranks or use another job name (a torchrun "
+            f"restart, with a higher restart count, may change the shape)."), True
+
+
+async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello) -> bool | None:
+    """Register the rank live, store it, answer with the placement in force. None when the
+    hello was refused (the socket is closed); False when the database refused it: the rank
+    streams on (live state, dashboard) and keeps the placement it has, and storing and the
+    reply are tried again on its metrics."""
+    refusal, reshaped = _reshape_refusal(parts, websocket, hello)
+    if refusal is not None:
+        log.warning("refused hello of job %s rank %d: %s", hello.job, hello.rank, refusal)
+        await _refuse(websocket, "conflict", refusal, CLOSE_CONFLICT)
+        return None
+    if not parts.make_room(hello.job):
+        cap = parts.settings.max_live_jobs
+        log.warning("refused hello of job %s: %d live jobs have connected ranks", hello.job, cap)
+        await _refuse(websocket, "try_again_later",
+                      f"The backend holds {cap} live jobs with connected ranks (REBALANCER_MAX_LIVE_JOBS); "
+                      f"job '{hello.job}' can start once one of them ends.", CLOSE_TRY_AGAIN_LATER)
+        return None
+    if reshaped:
+        await parts.connections.close_job(
+            hello.job, CLOSE_CONFLICT,
+            f"job '{hello.job}' restarted with world_size {hello.world_size}; this is the previous attempt's connection",
+            keep=websocket)
     new_run = parts.live.register(hello)
     old = parts.connections.add(hello.job, hello.rank, websocket)
     if old is not None:

@@ -79,6 +79,7 @@ class _Rank:
     steps: deque[StepRow]
     device: deque[DeviceRow]
     connected: bool = True
+    lost: bool = False  # its connection dropped without a close (the process died?)
     first_seen: float = 0.0
     last_seen: float = 0.0
     dropped: int = 0
@@ -101,6 +102,7 @@ class _Job:
     last_seen: float
     ranks: dict[int, _Rank] = field(default_factory=dict)
     total_steps: int | None = None  # the newest a hook said (hello or metrics)
+    left_at: float = 0.0  # when its last connected rank went away
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +129,7 @@ class RankView:
     n_steps: int
     dropped: int
     device: DeviceSample | None
+    lost: bool = False  # its socket dropped without a close and it has not come back
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,7 @@ class JobView:
     idle_fraction: float | None
     ranks: tuple[RankView, ...]
     total_steps: int | None = None
+    lost_ranks: tuple[int, ...] = ()  # ranks whose socket dropped without a close
 
     @property
     def eta_s(self) -> float | None:
@@ -229,7 +233,7 @@ class LiveState:
                     device=deque(maxlen=self.device_buffer), first_seen=now, last_seen=now,
                 )
             else:  # a reconnect keeps the history in the buffers
-                old.hello, old.connected, old.last_seen = hello, True, now
+                old.hello, old.connected, old.lost, old.last_seen = hello, True, False, now
                 old.rev += 1
             return new_run
 
@@ -257,12 +261,35 @@ class LiveState:
             self.records_total += len(msg.steps) + len(msg.device)
             self.dropped_total += msg.dropped
 
-    def set_connected(self, job: str, rank: int, connected: bool) -> None:
+    def set_connected(self, job: str, rank: int, connected: bool, *, lost: bool = False) -> None:
+        """Mark a rank (dis)connected; ``lost`` when its connection dropped without a close."""
         with self._lock:
             j = self._jobs.get(job)
             if j is not None and rank in j.ranks:
-                j.ranks[rank].connected = connected
-                j.ranks[rank].rev += 1
+                r = j.ranks[rank]
+                r.connected, r.lost = connected, lost and not connected
+                r.rev += 1
+                if not connected and not any(x.connected for x in j.ranks.values()):
+                    j.left_at = time.time()
+
+    def idle_jobs(self, idle_s: float, now: float | None = None) -> list[str]:
+        """Jobs with no connected rank, nothing left to persist, and no message or connected
+        rank for ``idle_s`` seconds; the longest idle first (they may leave memory)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            idle = [(max(j.last_seen, j.left_at), name) for name, j in self._jobs.items()
+                    if not any(r.connected or r.pending for r in j.ranks.values())]
+        return [name for at, name in sorted(idle) if now - at >= idle_s]
+
+    def job_count(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    def shape(self, job: str) -> tuple[int, int] | None:
+        """(world_size, global_batch_size) of a live job, None if unknown."""
+        with self._lock:
+            j = self._jobs.get(job)
+            return (j.world_size, j.global_batch_size) if j is not None else None
 
     def forget(self, job: str) -> None:
         with self._lock:
@@ -310,6 +337,7 @@ class LiveState:
             step_ms=statistics.median(step_ms) if step_ms else None,
             step_rate_hz=_mean(rates) if rates else None,
             imbalance=imbalance, idle_fraction=idle, ranks=ranks, total_steps=total_steps,
+            lost_ranks=tuple(r.rank for r in ranks if r.lost),
         )
 
     def _rank_view(self, rank: int, r: _Rank) -> RankView:
@@ -338,7 +366,7 @@ class LiveState:
             optimizer_ms=means[3],
             step_ms=means[4],
             step_rate_hz=rate, n_steps=len(r.steps), dropped=r.dropped,
-            device=_device(r.device[-1]) if r.device else None,
+            device=_device(r.device[-1]) if r.device else None, lost=r.lost,
         )
         r.cached = (r.rev, view)
         return view

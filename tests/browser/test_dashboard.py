@@ -115,10 +115,30 @@ def test_overview_lists_the_job(stack: Stack) -> None:
     page = stack.page("/", stack.operator)
     row = page.locator(f"tr[data-job='{JOB}']")
     row.wait_for(timeout=90_000)  # torchrun start-up on a busy 2-core machine
-    _wait(lambda: "3/3" in row.inner_text(), "all 3 ranks connected in the overview", stack=stack)
+    # Ranks show as connected once registered; the mode once the controller has loaded the
+    # new job (SQL on a loaded machine can take a second or more): wait for both.
+    _wait(lambda: "3/3" in row.inner_text() and "approve" in row.inner_text(),
+          "all 3 ranks connected and the mode in the overview", stack=stack)
     text = row.inner_text()
     assert JOB in text and "approve" in text
     page.context.close()
+
+
+def test_the_token_is_in_no_url_after_the_page_took_it(stack: Stack) -> None:
+    """Issue 15: URLs end up in logs. The page keeps a ``?token=`` in localStorage, drops it
+    from the address bar, and authenticates its live socket with a first message."""
+    ctx = stack.browser.new_context()
+    page = ctx.new_page()
+    sockets: list[str] = []
+    page.on("websocket", lambda ws: sockets.append(ws.url))
+    page.goto(f"{stack.server.url}/?token={stack.viewer}")
+    page.locator(f"tr[data-job='{JOB}']").wait_for(timeout=90_000)  # frames arrive: authenticated
+    page.locator(f"tr[data-job='{JOB}'] a.job-link").click()
+    page.wait_for_function("() => window.rebalancer && window.rebalancer.state.frames > 0")
+    assert sockets and all("token" not in u for u in sockets), sockets
+    assert "token" not in page.url, page.url
+    assert stack.viewer not in stack.server.log()
+    ctx.close()
 
 
 def test_job_view_charts_update(stack: Stack) -> None:

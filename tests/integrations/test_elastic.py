@@ -4,6 +4,8 @@ A real backend (uvicorn) and a real torchrun job with --max-restarts 1. An opera
 submits and approves a non-uniform placement over REST; after the ranks have trained
 under it, one rank crashes; torchrun restarts every worker; their hooks say hello again
 and must start the new attempt with the placement in force, not the uniform split.
+Meanwhile the job's status says a rank is lost (``degraded``), and the restart is in the
+audit log (issue 15).
 """
 
 from __future__ import annotations
@@ -89,8 +91,20 @@ def test_restarted_ranks_resume_the_placement_in_force(tmp_path):
             assert code == 200, approved
             version = approved["placement_version"]
             assert version >= 1
+            seen: list[tuple[str, str]] = []
+
+            def watch() -> None:  # the status while rank 1 is dead and torchrun restarts
+                while proc.poll() is None:
+                    code, body = call(server, "GET", f"/api/v1/jobs/{JOB}")
+                    if code == 200:
+                        seen.append((body["status"], body["status_detail"]))
+                    time.sleep(0.1)
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
             proc.wait(timeout=120)
             reader.join(timeout=5)
+            watcher.join(timeout=10)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers (own session)
@@ -112,3 +126,11 @@ def test_restarted_ranks_resume_the_placement_in_force(tmp_path):
         latest = max(placements["data"], key=lambda p: p["version"])
         assert (latest["version"], latest["shares"]) == (version, SHARES)
         assert sorted(int(r) for r in latest["acks"]) == [0, 1]
+        degraded = [d for s, d in seen if s == "degraded"]
+        assert degraded and all(d.startswith("lost ranks: ") for d in degraded), seen
+        assert any("1" in d.split("(")[0] for d in degraded), degraded
+        code, audit = call(server, "GET", f"/api/v1/jobs/{JOB}/audit")
+        restarts = [a for a in audit["data"] if a["action"] == "job.restart"]
+        assert [a["params"]["restart_count"] for a in restarts] == [1], audit
+        code, job = call(server, "GET", f"/api/v1/jobs/{JOB}")
+        assert job["status"] != "degraded", job  # the new attempt's ranks closed cleanly

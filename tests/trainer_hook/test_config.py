@@ -22,6 +22,7 @@ def test_defaults_work_untouched() -> None:
     [
         ({"global_batch_size": 0}, "global_batch_size"),
         ({"global_batch_size": 8.0}, "global_batch_size"),
+        ({"global_batch_size": 2**40}, "global_batch_size"),
         ({"global_batch_size": 8, "exchange_every": 0}, "exchange_every"),
         ({"global_batch_size": 8, "exchange_every": 2, "exchange_lag": 2}, "exchange_lag"),
         ({"global_batch_size": 8, "lookahead": -1}, "lookahead"),

@@ -34,13 +34,17 @@ def test_step_record_round_trips_through_a_frame() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "expected"),
     [
-        ("compute_ms", math.nan, "'compute_ms' must be a finite number >= 0.0, got nan."),
-        ("compute_ms", math.inf, "'compute_ms' must be a finite number >= 0.0, got inf."),
-        ("sync_wait_ms", -1.0, "'sync_wait_ms' must be a finite number >= 0.0, got -1.0."),
+        ("compute_ms", math.nan, "'compute_ms' must be a number between 0 and 86400000, got nan."),
+        ("compute_ms", math.inf, "'compute_ms' must be a number between 0 and 86400000, got inf."),
+        ("sync_wait_ms", -1.0, "'sync_wait_ms' must be a number between 0 and 86400000, got -1.0."),
+        ("t", 1e308, "'t' must be a number between 0 and 10000000000, got 1e+308."),
+        ("t", 10**400, "'t' must be a number between 0 and 10000000000, got a number of 401 digits."),
+        ("batch_index", 2**63, "'batch_index' must be between 0 and 2147483647, got 9223372036854775808."),
+        ("local_batch_size", 2**63, "'local_batch_size' must be between 0 and 16777216, got 9223372036854775808."),
         ("step_ms", True, "'step_ms' must be a number, got bool."),
         ("t", "now", "'t' must be a number, got str."),
         ("batch_index", 1.0, "'batch_index' must be an integer, got float."),
-        ("batch_index", -3, "'batch_index' must be >= 0, got -3."),
+        ("batch_index", -3, "'batch_index' must be between 0 and 2147483647, got -3."),
         ("local_batch_size", None, "'local_batch_size' is required."),
     ],
 )

@@ -20,6 +20,7 @@ from backend.live.forecast import forecast
 from backend.live.state import JobView, RankView
 from backend.parts import Parts
 from backend.storage import metrics as store
+from trainer_hook.protocol import MAX_BATCH_INDEX, MAX_WORLD_SIZE
 
 __all__ = ["router", "SummaryPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
 
@@ -187,7 +188,8 @@ def _build(parts: Parts, job: str, row: dict[str, Any] | None) -> JobPublic | No
         status, detail = NEVER_CONNECTED if view is None else job_status(
             verdict="warming_up", detail="waiting for the first steps", pending=None,
             connected_ranks=view.connected_ranks, metrics_age_s=None,
-            stale_after_s=parts.settings.stale_after_s)
+            stale_after_s=parts.settings.stale_after_s, lost_ranks=view.lost_ranks,
+            world_size=view.world_size)
         control = {"status": status, "status_detail": detail}
     return JobPublic(**{**base, **control})
 
@@ -289,9 +291,10 @@ async def get_metrics(
     job: str,
     _actor: ViewerDep,
     parts: PartsDep,
-    rank: Annotated[list[int] | None, Query(description="Only these ranks (repeat the parameter).")] = None,
-    batch_from: Annotated[int | None, Query(ge=0, description="First batch index (inclusive).")] = None,
-    batch_to: Annotated[int | None, Query(ge=0, description="Last batch index (inclusive).")] = None,
+    rank: Annotated[list[Annotated[int, Field(ge=0, le=MAX_WORLD_SIZE - 1)]] | None,
+                    Query(description="Only these ranks (repeat the parameter).")] = None,
+    batch_from: Annotated[int | None, Query(ge=0, le=MAX_BATCH_INDEX, description="First batch index (inclusive).")] = None,
+    batch_to: Annotated[int | None, Query(ge=0, le=MAX_BATCH_INDEX, description="Last batch index (inclusive).")] = None,
     source: Annotated[Literal["auto", "live", "history"], Query(
         description="live: every buffered step; history: stored per-window means; "
         "auto: live when the job is in memory.")] = "auto",

@@ -97,6 +97,9 @@ class RebalancerCollector(Collector):
         yield GaugeMetricFamily(
             "rebalancer_database_writable", "1 while the database takes writes, 0 while degraded.",
             value=0 if (s.storage.problem or s.writes.fault) else 1)
+        yield GaugeMetricFamily(
+            "rebalancer_live_jobs", "Jobs held in memory (REBALANCER_MAX_LIVE_JOBS at most).",
+            value=s.live.job_count())
 
 
 def make_registry(*, live: LiveState, connections: HookConnections, controller: Controller,

@@ -4,15 +4,20 @@
 - ``GET /static/plotly.min.js``: served from the installed ``plotly`` package (no CDN).
 - ``GET /static/{path}``: the rest of frontend/ (ES modules, CSS): ``FrontendFiles``,
   mounted by ``create_app`` after this router (plotly's route comes first).
-- ``WS /ws/dashboard?job=NAME&token=T``: live frames from the DashboardHub (viewer role).
+- ``WS /ws/dashboard?job=NAME``: live frames from the DashboardHub (viewer role). The token
+  comes as the first message, ``{"type": "auth", "token": T}`` (what the page sends: no
+  secret in a URL), or as a bearer header; ``?token=T`` still works (its value is redacted
+  from the logs).
 - ``GET /api/v1/whoami``: the caller's name and role, so the page shows operator controls.
 - ``GET /api/v1/jobs/{job}/forecast?total_steps=N``: ETA and cost to finish.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.resources
 import importlib.util
+import json
 import mimetypes
 from pathlib import Path
 from typing import Any
@@ -23,13 +28,16 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
-from backend.api.deps import PartsDep, ViewerDep, websocket_actor
-from backend.auth.tokens import role_allows
+from backend.api.deps import PartsDep, ViewerDep, bearer_secret, websocket_actor
+from backend.auth.tokens import Actor, role_allows
 from backend.live.forecast import forecast as job_forecast
 from backend.parts import Parts
-from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED
+from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED, MAX_BATCH_INDEX
 
-__all__ = ["router", "FRONTEND_DIR", "plotly_js_path", "FrontendFiles"]
+__all__ = ["router", "FRONTEND_DIR", "plotly_js_path", "FrontendFiles", "AUTH_TIMEOUT_S", "AUTH_FRAME_MAX_BYTES"]
+
+AUTH_TIMEOUT_S = 5.0  # a dashboard socket without a token in its URL sends it within this
+AUTH_FRAME_MAX_BYTES = 4096
 
 # Package data: found the same way in a source tree and in a plain (non-editable) install.
 FRONTEND_DIR = Path(str(importlib.resources.files("backend").joinpath("frontend")))
@@ -101,8 +109,11 @@ async def dashboard_ws(websocket: WebSocket, job: str | None = None) -> None:
     """Live frames for the overview (no ``job``) or one job; needs the viewer role."""
     actor = await websocket_actor(websocket)
     await websocket.accept()
+    if actor is None and bearer_secret(websocket.headers, websocket.query_params) is None:
+        actor = await _first_message_actor(websocket)
     if actor is None:
-        await websocket.close(CLOSE_UNAUTHORIZED, "Missing or invalid token; pass ?token=.")
+        await websocket.close(CLOSE_UNAUTHORIZED,
+                              "Missing or invalid token; send {\"type\": \"auth\", \"token\": T} first.")
         return
     if not role_allows(actor.role, "viewer"):
         await websocket.close(CLOSE_FORBIDDEN, "The dashboard needs the viewer role.")
@@ -113,6 +124,29 @@ async def dashboard_ws(websocket: WebSocket, job: str | None = None) -> None:
         await parts.hub.serve(websocket, job or None, actor)
     finally:
         parts.sockets.discard(actor, websocket)
+
+
+async def _first_message_actor(websocket: WebSocket) -> Actor | None:
+    """The actor of ``{"type": "auth", "token": T}``, the first frame of a browser's socket
+    (so the secret is in no URL, hence in no access log); None when anything else comes, or
+    nothing within ``AUTH_TIMEOUT_S``."""
+    try:
+        frame = await asyncio.wait_for(websocket.receive(), AUTH_TIMEOUT_S)
+    except TimeoutError:
+        return None
+    raw = frame.get("text")
+    if not isinstance(raw, str) or len(raw) > AUTH_FRAME_MAX_BYTES:
+        return None
+    try:
+        msg = json.loads(raw)
+    except ValueError:
+        return None
+    token = msg.get("token") if isinstance(msg, dict) and msg.get("type") == "auth" else None
+    if not isinstance(token, str) or not token:
+        return None
+    parts: Parts = websocket.app.state.parts
+    address = websocket.client.host if websocket.client else None
+    return await parts.sql.run(lambda _s: parts.auth.authenticate(token, address))
 
 
 @router.get("/api/v1/whoami", tags=["auth"])
@@ -129,7 +163,8 @@ async def whoami_route(actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
 def forecast(
     job: str, actor: ViewerDep, parts: PartsDep,
     total_steps: int | None = Query(
-        None, ge=1, description="Steps the run will take in all (default: what its hooks reported)."
+        None, ge=1, le=MAX_BATCH_INDEX,
+        description="Steps the run will take in all (default: what its hooks reported)."
     ),
 ) -> dict[str, Any]:
     """ETA and cost: the recent step time times the steps left; prices from settings

@@ -2,13 +2,19 @@
 
 const TOKEN_KEY = "rebalancer.token";
 
-/** The bearer token: `?token=` wins (and is remembered), else the one stored earlier. */
+// A `?token=` in the page's URL is taken once: kept in localStorage and removed from the
+// address bar and the history, so no later request, link or log line carries it.
+(function takeUrlToken() {
+  const url = new URL(location.href);
+  const q = url.searchParams.get("token");
+  if (!q) return;
+  localStorage.setItem(TOKEN_KEY, q);
+  url.searchParams.delete("token");
+  history.replaceState(history.state, "", url.pathname + url.search + url.hash);
+})();
+
+/** The bearer token (from an earlier `?token=` or the token box), or "". */
 export function getToken() {
-  const q = new URLSearchParams(location.search).get("token");
-  if (q) {
-    localStorage.setItem(TOKEN_KEY, q);
-    return q;
-  }
   return localStorage.getItem(TOKEN_KEY) || "";
 }
 
@@ -56,12 +62,16 @@ export function liveSocket(job, onFrame, onState) {
   const connect = () => {
     const params = new URLSearchParams();
     if (job) params.set("job", job);
-    const token = getToken();
-    if (token) params.set("token", token);
     const proto = location.protocol === "https:" ? "wss" : "ws";
     onState("connecting", "");
     ws = new WebSocket(`${proto}://${location.host}/ws/dashboard?${params}`);
-    ws.onopen = () => { delay = 500; onState("open", ""); };
+    ws.onopen = () => {
+      // The token goes as the first message, never in the URL (URLs end up in logs).
+      const token = getToken();
+      if (token) ws.send(JSON.stringify({ type: "auth", token }));
+      delay = 500;
+      onState("open", "");
+    };
     ws.onmessage = (ev) => {
       let frame;
       try { frame = JSON.parse(ev.data); } catch { return; }
@@ -84,7 +94,7 @@ export function liveSocket(job, onFrame, onState) {
 
 export const STATUS_LABEL = {
   warming_up: "warming up", balanced: "balanced", imbalanced: "imbalanced",
-  proposal_pending: "proposal pending", idle: "idle",
+  proposal_pending: "proposal pending", idle: "idle", degraded: "degraded",
 };
 
 export function fmt(v, digits = 1, unit = "") {

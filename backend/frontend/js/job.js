@@ -2,7 +2,7 @@
 // Job view: wires the live socket to the charts, the tables and the operator controls.
 import { Charts } from "./charts.js";
 import {
-  STATUS_LABEL, bytes, duration, el, forecastFor, fmt, getToken, liveSocket, money,
+  STATUS_LABEL, bytes, duration, el, forecastFor, fmt, liveSocket, money,
   mountTokenBox, pct, setTotalSteps, totalSteps,
 } from "./common.js";
 import { Controls, stat } from "./controls.js";
@@ -13,7 +13,6 @@ const STALE_MS = 5000;
 
 document.title = `Rebalancer · ${job}`;
 $("job-name").textContent = job;
-if (new URLSearchParams(location.search).get("token")) $("home-link").href = `/?token=${encodeURIComponent(getToken())}`;
 
 const charts = new Charts();
 // State the tests (and curious operators in the console) can read.

@@ -1,6 +1,6 @@
 // Jobs overview: one row per job, refreshed from /ws/dashboard overview frames.
 import {
-  STATUS_LABEL, duration, el, fmt, forecastFor, getToken, liveSocket, money, mountTokenBox, pct,
+  STATUS_LABEL, duration, el, fmt, forecastFor, liveSocket, money, mountTokenBox, pct,
 } from "./common.js";
 
 const body = document.getElementById("jobs-body");
@@ -8,13 +8,11 @@ const conn = document.getElementById("conn");
 let lastFrame = 0;
 
 function row(j) {
-  const q = getToken() && new URLSearchParams(location.search).get("token")
-    ? `?token=${encodeURIComponent(getToken())}` : "";
   const f = forecastFor(j.job, j);  // the server's ETA (a local total: its /forecast)
   const eta = f ? f.eta_s : null;
   const stale = j.age_s !== null && j.age_s > 5 && j.status !== "idle";
   return el("tr", { "data-job": j.job },
-    el("td", {}, el("a", { href: `/job/${encodeURIComponent(j.job)}${q}`, class: "job-link" }, j.job)),
+    el("td", {}, el("a", { href: `/job/${encodeURIComponent(j.job)}`, class: "job-link" }, j.job)),
     el("td", {}, el("span", { class: `pill ${j.status}`, title: j.status_detail || "" },
       STATUS_LABEL[j.status] || j.status), stale ? el("span", { class: "pill stale" }, "stale") : null),
     el("td", { class: "num" }, `${j.connected_ranks}/${j.world_size}`),

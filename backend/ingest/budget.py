@@ -1,0 +1,44 @@
+"""Per-connection budgets: token buckets of frames and bytes a websocket peer may send.
+
+One ``FrameBudget`` per connection, touched only by that connection's handler. ``take``
+charges one frame; it returns None while within budget, else the one sentence the
+connection is closed with. Hooks get the protocol's budget (``trainer_hook.protocol``:
+``HOOK_FRAMES_*``, ``HOOK_BYTES_*``); dashboards, which only listen, a much smaller one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+__all__ = ["FrameBudget", "DASHBOARD_FRAMES_PER_S", "DASHBOARD_FRAMES_BURST", "DASHBOARD_MAX_FRAME_BYTES"]
+
+DASHBOARD_FRAMES_PER_S = 2.0  # a page sends its auth frame, nothing else
+DASHBOARD_FRAMES_BURST = 20.0
+DASHBOARD_MAX_FRAME_BYTES = 4096
+
+
+class FrameBudget:
+    """Frames and bytes per second with bursts (two token buckets, refilled lazily)."""
+
+    def __init__(self, *, frames_per_s: float, frames_burst: float, bytes_per_s: float,
+                 bytes_burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rates = (frames_per_s, bytes_per_s)
+        self._bursts = (frames_burst, bytes_burst)
+        self._frames, self._bytes = frames_burst, bytes_burst
+        self._clock = clock
+        self._at = clock()
+
+    def take(self, nbytes: int, frames: float = 1.0) -> str | None:
+        """Charge ``frames`` frames of ``nbytes`` bytes; None if within budget, else why not."""
+        now = self._clock()
+        dt, self._at = max(now - self._at, 0.0), now
+        self._frames = min(self._bursts[0], self._frames + dt * self._rates[0]) - frames
+        self._bytes = min(self._bursts[1], self._bytes + dt * self._rates[1]) - nbytes
+        if self._frames < 0:
+            return (f"More than {self._bursts[0]:.0f} frames at once ({self._rates[0]:g} a second "
+                    f"sustained) on one connection; send fewer, larger frames.")
+        if self._bytes < 0:
+            return (f"More than {self._bursts[1] / 2**20:g} MiB at once ({self._rates[1] / 2**20:g} MiB "
+                    f"a second sustained) on one connection; send less.")
+        return None
