@@ -89,6 +89,8 @@ class Settings(BaseSettings):
     auto_max_move_fraction: float = 0.25
     rollback_threshold: float = 0.05
     effect_window_steps: int = 20
+    # Memory caps keep this fraction of each device's memory free (DESIGN.md invariant 8).
+    memory_headroom: float = 0.1
 
     @field_validator("port")
     @classmethod
@@ -146,6 +148,13 @@ class Settings(BaseSettings):
     def _fraction(cls, v: float, info) -> float:  # type: ignore[no-untyped-def]
         if not math.isfinite(v) or not 0 <= v <= 1:
             raise ValueError(f"REBALANCER_{info.field_name.upper()} must be a fraction between 0 and 1, got {v}.")
+        return v
+
+    @field_validator("memory_headroom")
+    @classmethod
+    def _headroom(cls, v: float) -> float:
+        if not math.isfinite(v) or not 0 <= v <= 0.9:
+            raise ValueError(f"REBALANCER_MEMORY_HEADROOM must be a fraction between 0 and 0.9, got {v}.")
         return v
 
     @field_validator("dashboard_max_hz")

@@ -69,6 +69,8 @@ class HookConfig:
       (0.5 s, or sooner once 5 steps wait: a backend pays mostly per frame, and the
       dashboard still moves at least twice a second).
     - ``history``: how many recent StepRecords the hook keeps locally (``hook.history``).
+    - ``memory_every``: read the peak device memory once every this many steps (the peak
+      over those steps; ``trainer_hook.memory``).
     """
 
     server: str | None = None
@@ -84,6 +86,7 @@ class HookConfig:
     max_queue: int = 10000
     flush_interval_s: float = 0.5
     history: int = 256
+    memory_every: int = 8
 
     def __post_init__(self) -> None:
         if self.server is not None and (not isinstance(self.server, str) or not self.server.strip()):
@@ -119,6 +122,7 @@ class HookConfig:
         _positive_int("max_queue", self.max_queue)
         _positive_float("flush_interval_s", self.flush_interval_s)
         _positive_int("history", self.history)
+        _positive_int("memory_every", self.memory_every)
 
     @property
     def offline(self) -> bool:

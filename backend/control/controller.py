@@ -33,7 +33,7 @@ from backend.control.errors import (
     error_detail,
 )
 from backend.storage import control as db
-from trainer_hook.protocol import Ack, Hello, Placement, Reject, check_shares, uniform_shares
+from trainer_hook.protocol import Ack, Hello, Oom, Placement, Reject, check_shares, uniform_shares
 
 __all__ = ["Controller", "ControlError", "NotFoundError", "ConflictError", "InvalidError", "MODES"]
 
@@ -323,6 +323,69 @@ class Controller:
                 missing = {r: k for r, k in first.items() if str(r) not in (row.acks or {})}
                 self._record_acks(s, st, row, missing)
                 s.commit()
+
+    async def on_oom(self, oom: Oom) -> None:
+        """A rank ran out of memory: mark the placement it trained under unsafe, never give
+        that rank as many samples again (a cap in the overrides, audited), and roll the job
+        back to the previous placement, which its next run (a restart) receives."""
+        from backend.policy import InfeasibleError, solve
+
+        st = self._load(oom.job)
+        if st is None or not 0 <= oom.rank < st.world_size:
+            return
+        ceiling = max(0, oom.local_batch_size - 1)
+        why = (f"rank {oom.rank} ran out of memory at {oom.local_batch_size} samples under "
+               f"placement version {oom.version}")
+        ov = {**st.overrides, "caps": dict(st.overrides["caps"])}
+        ov["caps"][oom.rank] = min(ceiling, ov["caps"].get(oom.rank, ceiling))
+        previous: list[int] | None = None
+        with self._session() as s:
+            row = db.get_placement(s, oom.job, oom.version)
+            if row is not None:
+                if not row.failed:
+                    row.failed, row.error = True, f"unsafe: {why}"
+                if row.previous_shares is not None and len(row.previous_shares) == st.world_size:
+                    previous = list(row.previous_shares)
+            db.record_audit(s, actor=_SYSTEM, action="placement.oom", job=oom.job,
+                            params={"version": oom.version, "rank": oom.rank,
+                                    "local_batch_size": oom.local_batch_size,
+                                    "batch_index": oom.batch_index,
+                                    "mem_peak_bytes": oom.mem_peak_bytes,
+                                    "mem_total_bytes": oom.mem_total_bytes, "cap": ceiling},
+                            reason=oom.message[:500] or why)
+            records.store_overrides(s, oom.job, ov, actor=_SYSTEM,
+                                    reason=f"{why}: capped at {ceiling}", at=self._wall())
+            s.commit()
+        st.overrides, st.last_run = ov, -math.inf
+        st.status, st.status_detail = "imbalanced", why
+        target: list[int] | None = None
+        if oom.version == st.version and previous is not None:
+            try:
+                self._check_overrides(st, previous)
+                target = previous
+            except InvalidError:
+                target = None
+        if target is None:
+            try:
+                self._check_overrides(st, st.shares)
+                if oom.version != st.version:
+                    self._notify(oom.job)
+                    return  # a newer placement is in force and respects the new cap
+            except InvalidError:
+                pass
+            try:
+                costs = self._costs(st) or [1.0] * st.world_size
+                target = list(solve([0.0] * st.world_size, costs, st.global_batch_size,
+                                    inputs.constraints_from(ov)))
+            except InfeasibleError as exc:
+                st.status_detail = f"{why}; the overrides admit no placement: {exc}"
+                self._notify(oom.job)
+                return
+        if target != st.shares:
+            await self._issue(st, target, source="rollback", actor=_SYSTEM,
+                              reason=f"{why}; rolled back for the next run",
+                              action="placement.oom_rollback", params={"from_version": oom.version})
+        self._notify(oom.job)
 
     async def on_reject(self, reject: Reject) -> None:
         """A rank refused a placement: mark it and its proposal failed, with the reason."""
@@ -653,22 +716,53 @@ class Controller:
         self._notify(job)
         return out
 
+    def _memory_problems(self, st: _JobState, shares: Sequence[int]) -> tuple[list[str], dict[str, Any]]:
+        """Why ``shares`` breaks a memory cap (one sentence per rank, with the predicted peak
+        and the cap), and the per-rank memory explanation of ``shares``."""
+        from backend.policy import memory_violations
+
+        memories = inputs.rank_memories(getattr(self.services, "live", None), st.job, st.world_size)
+        headroom = self._config(st).memory_headroom
+        problems = memory_violations(memories, shares, headroom)
+        problems += [
+            f"rank {i} measures memory but has no fit yet, so it may not gain work "
+            f"({st.shares[i]} now, {shares[i]} asked)"
+            for i, rm in enumerate(memories)
+            if rm.source and rm.fit is None and shares[i] > st.shares[i]]
+        expl = {"memory": inputs.memory_explanation(memories, st.shares, shares, headroom)}
+        return problems, expl
+
     async def submit_manual(self, job: str, shares: Any, *, actor: Any, reason: str | None = None,
-                            apply: bool = False) -> dict[str, Any]:
-        """An operator's own placement: validated, stored as a proposal, applied if asked."""
+                            apply: bool = False, force: bool = False) -> dict[str, Any]:
+        """An operator's own placement: validated, stored as a proposal, applied if asked.
+
+        A placement whose predicted peak memory breaks a rank's memory cap is refused with
+        the predicted peak and the cap, unless ``force`` (audited as ``placement.memory_force``).
+        """
         st = self._require(job)
         try:
             shares = check_shares(shares, world_size=st.world_size, global_batch_size=st.global_batch_size)
         except ValueError as exc:
             raise InvalidError(f"Invalid placement: {exc}") from None
         self._check_overrides(st, shares)
+        problems, expl = self._memory_problems(st, shares)
+        if problems and not force:
+            raise InvalidError(f"Placement breaks memory caps: {'; '.join(problems)}. "
+                               "Send force=true to submit it anyway.")
+        if problems:
+            expl["memory_forced"] = problems
         with self._session() as s:
             self._close_pending(s, job, "superseded", "an operator submitted a placement")
             prop = self._add_proposal(s, st, shares, source="manual", strategy="manual", actor=actor,
-                                      reason=reason or "manual placement")
+                                      reason=reason or "manual placement", explanation=expl)
             db.record_audit(s, actor=actor, action="proposal.create", job=job,
-                            params={"proposal_id": prop.id, "shares": shares, "apply": apply},
+                            params={"proposal_id": prop.id, "shares": shares, "apply": apply,
+                                    "force": force},
                             reason=reason)
+            if problems:
+                db.record_audit(s, actor=actor, action="placement.memory_force", job=job,
+                                params={"proposal_id": prop.id, "shares": shares,
+                                        "problems": problems}, reason=reason)
             s.commit()
             pid, out = prop.id, prop.public()
         self._notify(job)

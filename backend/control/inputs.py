@@ -28,7 +28,7 @@ __all__ = [
     "POLICY_NUMBERS", "WORKLOADS", "OVERRIDE_KEYS", "policy_config", "knob", "policy_settings",
     "constraints_from", "auto_max_move", "all_said_hello", "observation", "step_costs",
     "predict_step_ms", "check_policy_value", "validate_overrides", "check_overrides",
-    "overrides_dict", "median",
+    "overrides_dict", "median", "rank_memories", "memory_explanation",
 ]
 
 # Policy settings an admin may change: (kind, lowest, highest).
@@ -42,6 +42,7 @@ POLICY_NUMBERS: dict[str, tuple[type, float, float]] = {
     "rollback_threshold": (float, 0.0, 1.0),
     "effect_window_steps": (int, 2, 10_000),
     "proposal_ttl_s": (float, 1.0, 7 * 86400.0),
+    "memory_headroom": (float, 0.0, 0.9),
 }
 WORKLOADS = ("llm", "vision", "diffusion", "recsys", "custom")
 OVERRIDE_KEYS = ("pins", "caps", "floors", "drains", "granularity")
@@ -83,6 +84,7 @@ def policy_config(policy: Mapping[str, Any], mode: str, settings: Any) -> Policy
         max_move_fraction=_max_move_fraction(p, settings) if mode == "auto" else None,
         horizon_steps=int(p.get("horizon_steps", 20)),
         params=dict(p.get("params", {})),
+        memory_headroom=float(p.get("memory_headroom", g("memory_headroom", 0.1))),
     )
 
 
@@ -100,6 +102,7 @@ def policy_settings(policy: Mapping[str, Any], mode: str, settings: Any) -> dict
         "min_steps": cfg.min_steps, "window_steps": cfg.window_steps,
         "max_move_fraction": _max_move_fraction(policy, settings),
         "horizon_steps": cfg.horizon_steps, "params": cfg.params,
+        "memory_headroom": cfg.memory_headroom,
         **{k: knob(policy, settings, k) for k in _KNOB_DEFAULTS},
     }
 
@@ -129,7 +132,7 @@ def observation(live: Any, job: str, *, world_size: int, global_batch_size: int,
                 shares: Sequence[int], version: int, effective: int | None,
                 window_steps: int) -> JobObservation | None:
     """The policy's snapshot of a job from ``LiveState``; None until every rank said hello."""
-    from backend.policy import normalize_device
+    from backend.policy import RankMemory, normalize_device
     from backend.policy.types import DeviceSignals, JobObservation, RankObservation, StepSample
 
     view = live.view(job)
@@ -146,6 +149,7 @@ def observation(live: Any, job: str, *, world_size: int, global_batch_size: int,
             rank=r,
             device_type=normalize_device(h.device_name or h.device_type, h.mem_total_bytes) if h else None,
             mem_total_bytes=h.mem_total_bytes if h else None,
+            memory=live.rank_memory(job, r) or RankMemory(),
             steps=tuple(StepSample(s[_BATCH], s[_LOCAL_BATCH], s[_COMPUTE]) for s in steps),
             # DEVICE_FIELDS order: t, source, util, mem used, mem total, power, temp, sm clock,
             # sm clock max, throttle reasons (a tuple), cpu %, rss.
@@ -178,6 +182,35 @@ def step_costs(live: Any, job: str, world_size: int) -> list[float] | None:
 def predict_step_ms(costs: Sequence[float] | None, shares: Sequence[int]) -> float | None:
     """Slowest rank's compute time under ``shares``; None without costs."""
     return max(c * b for c, b in zip(costs, shares, strict=True)) if costs else None
+
+
+def rank_memories(live: Any, job: str, world_size: int) -> list[Any]:
+    """Each rank's ``RankMemory`` (no fit, no source where the rank is unknown)."""
+    from backend.policy import RankMemory
+
+    return [(live.rank_memory(job, r) if live is not None else None) or RankMemory()
+            for r in range(world_size)]
+
+
+def memory_explanation(memories: Sequence[Any], current: Sequence[int], shares: Sequence[int],
+                       headroom: float) -> list[dict[str, Any]]:
+    """Per rank: predicted peak before and after, memory cap and limit (None where the
+    rank has no fit), for proposals that no policy run explains (manual, override)."""
+    from backend.policy import memory_cap
+    from backend.policy.memory import memory_limit_bytes
+
+    out = []
+    for i, rm in enumerate(memories):
+        fit = rm.fit
+        total = rm.total_bytes or (fit.total_bytes if fit else None)
+        out.append({
+            "rank": i,
+            "mem_peak_before_bytes": fit.predict(current[i]) if fit else None,
+            "mem_peak_after_bytes": fit.predict(shares[i]) if fit else None,
+            "mem_cap": memory_cap(fit, total, headroom) if fit else None,
+            "mem_limit_bytes": memory_limit_bytes(total, headroom) if fit and total else None,
+        })
+    return out
 
 
 def median(xs: Sequence[float]) -> float:

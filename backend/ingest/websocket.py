@@ -28,9 +28,10 @@ from trainer_hook.protocol import (
     Error,
     Hello,
     Metrics,
+    Oom,
     ProtocolError,
     Reject,
-    decode,
+    decode_versioned,
     encode,
 )
 
@@ -95,7 +96,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
             if raw is None:
                 continue
             try:
-                msg = decode(raw)
+                msg, version = decode_versioned(raw)
             except ProtocolError as exc:
                 log.info("closing hook connection from %s: %s", actor.address, exc)
                 await _refuse(websocket, exc.code, str(exc), exc.close_code)
@@ -117,11 +118,11 @@ async def hook_websocket(websocket: WebSocket) -> None:
                                   CLOSE_MALFORMED)
                     return
                 hello = msg
-                await _on_hello(services, websocket, hello)
+                await _on_hello(services, websocket, hello, version)
                 continue
-            if not isinstance(msg, (Metrics, Ack, Reject)):
+            if not isinstance(msg, (Metrics, Ack, Reject, Oom)):
                 await _refuse(websocket, "malformed",
-                              f"Hooks may not send '{msg.TYPE}' messages; expected metrics, ack or reject.",
+                              f"Hooks may not send '{msg.TYPE}' messages; expected metrics, ack, reject or oom.",
                               CLOSE_MALFORMED)
                 return
             if (msg.job, msg.rank) != (hello.job, hello.rank):
@@ -136,6 +137,11 @@ async def hook_websocket(websocket: WebSocket) -> None:
                 services.notify(msg.job)
             elif isinstance(msg, Ack):
                 await services.controller.on_ack(msg)
+                services.notify(msg.job)
+            elif isinstance(msg, Oom):
+                log.warning("job %s rank %d ran out of memory at %d samples (placement %d): %s",
+                            msg.job, msg.rank, msg.local_batch_size, msg.version, msg.message)
+                await services.controller.on_oom(msg)
                 services.notify(msg.job)
             else:
                 log.warning("job %s rank %d rejected placement %d: %s", msg.job, msg.rank, msg.version, msg.reason)
@@ -158,14 +164,14 @@ async def hook_websocket(websocket: WebSocket) -> None:
                 services.notify(hello.job)
 
 
-async def _on_hello(services: Services, websocket: WebSocket, hello: Hello) -> None:
+async def _on_hello(services: Services, websocket: WebSocket, hello: Hello, version: int) -> None:
     new_run = services.live.register(hello)
     await asyncio.to_thread(_store_hello, services, hello, new_run)
-    old = services.connections.add(hello.job, hello.rank, websocket)
+    old = services.connections.add(hello.job, hello.rank, websocket, version)
     if old is not None:
         log.info("job %s rank %d reconnected; closing its previous socket", hello.job, hello.rank)
         with contextlib.suppress(Exception):
             await old.close(1000, reason="replaced by a newer connection of the same rank")
     placement = await services.controller.on_hello(hello)
-    await websocket.send_text(encode(placement))
+    await websocket.send_text(encode(placement, version))  # in the version the hook speaks
     services.notify(hello.job)
