@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, FastAPI
 
-from backend.api.routes import audit, control, docs, health, jobs, metrics, pages, tokens
+from backend.api.routes import audit, control, docs, health, jobs, memory, metrics, pages, tokens
 from backend.control.controller import Controller
 from backend.dashboard.hub import DashboardHub
 from backend.ingest import websocket as ingest
@@ -23,7 +23,7 @@ log = logging.getLogger("rebalancer")
 # Every router, listed: the hook websocket, then one per REST resource and the dashboard's pages.
 ROUTERS: tuple[APIRouter, ...] = (
     ingest.router, metrics.router, audit.router, control.router, docs.router, health.router,
-    jobs.router, pages.router, tokens.router,
+    jobs.router, memory.router, pages.router, tokens.router,
 )
 
 

@@ -133,6 +133,10 @@ class RankView:
     n_steps: int
     dropped: int
     device: DeviceSample | None
+    # Peak device memory: how the rank measures it, the fit of its readings and the
+    # newest reading (None where the rank sends none).
+    memory: RankMemory | None = None
+    mem_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,12 +308,15 @@ class LiveState:
         with self._lock:
             j = self._jobs.get(job)
             r = j.ranks.get(rank) if j else None
-            if r is None:
-                return None
-            if r.mem_stale:
-                r.mem_fit, r.mem_stale = fit_memory(r.memory), False
-            fit, hello = r.mem_fit, r.hello
-            last_total = r.memory[-1].total_bytes if r.memory else None
+            return self._memory_of(r) if r is not None else None
+
+    @staticmethod
+    def _memory_of(r: _Rank) -> RankMemory:
+        # Under the lock. One fit per rank per new reading, whoever asks first.
+        if r.mem_stale:
+            r.mem_fit, r.mem_stale = fit_memory(r.memory), False
+        fit, hello = r.mem_fit, r.hello
+        last_total = r.memory[-1].total_bytes if r.memory else None
         total = last_total or (fit.total_bytes if fit else None) or \
             (hello.mem_total_bytes if hello.memory_source else None)
         return RankMemory(source=hello.memory_source, fit=fit, total_bytes=total)
@@ -376,6 +383,7 @@ class LiveState:
             step_ms=means[4],
             step_rate_hz=rate, n_steps=len(r.steps), dropped=r.dropped,
             device=_device(r.device[-1]) if r.device else None,
+            memory=self._memory_of(r), mem_peak_bytes=r.memory[-1].peak_bytes if r.memory else None,
         )
         r.cached = (r.rev, view)
         return view
