@@ -33,7 +33,13 @@ import torch.distributed as dist
 from trainer_hook.config import HookConfig, check_total_steps
 from trainer_hook.control import ControlChannel, PendingPlacement
 from trainer_hook.gradients import GradientState, register_comm_hook, register_grad_timer
-from trainer_hook.memory import MemoryMeter, MemoryReading, MemorySource, default_memory_source, is_out_of_memory
+from trainer_hook.memory import (
+    MemoryMeter,
+    MemoryReading,
+    MemorySource,
+    default_memory_source,
+    is_out_of_memory,
+)
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.protocol import (
     Ack,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 __all__ = ["MemorySource", "MemoryMeter", "MemoryReading", "TorchCudaMemory", "TorchXpuMemory",
            "default_memory_source", "is_out_of_memory"]

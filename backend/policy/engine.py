@@ -170,6 +170,7 @@ def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Seque
     before = predicted_step_ms(est.a_ms, est.c_ms, current)
     after = predicted_step_ms(est.a_ms, est.c_ms, target)
     gain = (before - after) / before if before > 0 else 0.0
+    mem = [_memory_fields(obs, i, current[i], target[i], headroom) for i in range(len(current))]
     ranks = tuple(
         RankExplanation(
             rank=i, share_before=current[i], share_after=target[i],
@@ -178,7 +179,8 @@ def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Seque
             a_ms=est.a_ms[i], c_ms=est.c_ms[i],
             fit_r2=est.fit_r2[i] if est.fit_r2 else None,
             n_steps=est.n_steps[i] if est.n_steps else 0,
-            **_memory_fields(obs, i, current[i], target[i], mem_caps, headroom),
+            mem_peak_before_bytes=mem[i][0], mem_peak_after_bytes=mem[i][1],
+            mem_cap=mem_caps.get(i), mem_limit_bytes=mem[i][2],
         )
         for i in range(len(current))
     )
@@ -187,16 +189,15 @@ def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Seque
 
 
 def _memory_fields(obs: JobObservation, i: int, before: int, after: int,
-                   mem_caps: dict[int, int], headroom: float) -> dict[str, float | int | None]:
+                   headroom: float) -> tuple[float | None, float | None, float | None]:
+    """(predicted peak before, after, bytes the rank may use) of rank ``i``."""
     rm = obs.ranks[i].memory
     fit = rm.fit
-    total = rm.total_bytes or (fit.total_bytes if fit else None)
-    return {
-        "mem_peak_before_bytes": fit.predict(before) if fit else None,
-        "mem_peak_after_bytes": fit.predict(after) if fit else None,
-        "mem_cap": mem_caps.get(i),
-        "mem_limit_bytes": memory_limit_bytes(total, headroom) if total else None,
-    }
+    if fit is None:
+        return None, None, None
+    total = rm.total_bytes or fit.total_bytes
+    return (fit.predict(before), fit.predict(after),
+            memory_limit_bytes(total, headroom) if total else None)
 
 
 def _memory_note(obs: JobObservation, est: Estimate, target: Sequence[int], plan_c: Sequence[float],
@@ -319,8 +320,8 @@ def decide(obs: JobObservation, config: PolicyConfig,
         rank_bounds(n, b_total, eff)
     except InfeasibleError as exc:
         caps_text = ", ".join(f"rank {r} <= {c}" for r, c in sorted(mem_caps.items()))
-        extra = f" (memory caps: {caps_text})" if mem_caps else ""
-        return NoProposal("infeasible", f"{exc}{extra}")
+        caps_note = f" (memory caps: {caps_text})" if mem_caps else ""
+        return NoProposal("infeasible", f"{exc}{caps_note}")
     violation = check_placement(obs.shares, b_total, eff)
 
     if violation is None and obs.placement_version > 0 and \

@@ -60,6 +60,7 @@ class PolicyIn(BaseModel):
     effect_window_steps: Any = Field(default=None, description="steps before/after a change to measure its effect")
     proposal_ttl_s: Any = Field(default=None, description="seconds a proposal stays approvable")
     params: Any = Field(default=None, description="strategy-specific numbers")
+    memory_headroom: Any = Field(default=None, description="fraction of device memory the memory caps keep free, 0-0.9")
     reason: str | None = Field(default=None, max_length=2048)
 
 

@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 
 from backend.policy import (
     Constraints,
+    MemoryFit,
     NoProposal,
     PolicyConfig,
     Proposal,
+    RankMemory,
     check_placement,
     decide,
     limit_moves,
-    MemoryFit,
-    RankMemory,
     memory_caps,
     solve,
 )
