@@ -7,14 +7,13 @@ whose predicted peak stays under ``(1 - memory_headroom) * total`` for the job's
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, Field
 
-from backend.api.deps import ServicesDep, ViewerDep
-from backend.parts import Services
+from backend.api.deps import PartsDep, ViewerDep
+from backend.parts import Parts
 from backend.policy.memory import DEFAULT_HEADROOM, memory_cap, memory_limit_bytes
 
 __all__ = ["router", "RankMemoryPublic", "MemoryPublic"]
@@ -45,11 +44,11 @@ class MemoryPublic(BaseModel):
     memory_headroom: float
 
 
-def _memory(services: Services, job: str) -> MemoryPublic | None:
-    view = services.live.view(job)
+def _memory(parts: Parts, job: str) -> MemoryPublic | None:
+    view = parts.live.view(job)
     if view is None:
         return None
-    control = services.controller.job_control(job) if services.controller is not None else {}
+    control = parts.controller.job_control(job)
     headroom = float((control.get("policy") or {}).get("memory_headroom", DEFAULT_HEADROOM))
     shares = (control.get("placement") or {}).get("shares") or []
     out = []
@@ -57,7 +56,7 @@ def _memory(services: Services, job: str) -> MemoryPublic | None:
         rm = rv.memory
         share = shares[rv.rank] if rv.rank < len(shares) else None
         item: dict[str, Any] = {"rank": rv.rank, "source": rm.source if rm else "", "share": share,
-                                "readings": len(services.live.memory_readings(job, rv.rank)),
+                                "readings": len(parts.live.memory_readings(job, rv.rank)),
                                 "last_peak_bytes": rv.mem_peak_bytes,
                                 "total_bytes": rm.total_bytes if rm else None}
         fit = rm.fit if rm else None
@@ -77,8 +76,8 @@ def _memory(services: Services, job: str) -> MemoryPublic | None:
 
 
 @router.get("/{job}/memory", response_model=MemoryPublic, summary="Peak-memory fit and cap per rank")
-async def get_memory(job: str, _actor: ViewerDep, services: ServicesDep) -> MemoryPublic:
-    found = await asyncio.to_thread(_memory, services, job)
+async def get_memory(job: str, _actor: ViewerDep, parts: PartsDep) -> MemoryPublic:
+    found = _memory(parts, job)  # memory only: live state and the controller's snapshot
     if found is None:
         raise HTTPException(status_code=404, detail=f"Job '{job}' has no live ranks on this backend.")
     return found

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from backend.api.deps import ServicesDep, ViewerDep
+from backend.api.deps import PartsDep, ViewerDep
+
+if TYPE_CHECKING:
+    from backend.control.controller import Controller
+    from backend.ingest.connections import HookConnections
+    from backend.live.state import LiveState
 
 __all__ = ["router", "RebalancerCollector", "make_registry"]
 
@@ -24,13 +29,16 @@ router = APIRouter()
 
 
 class RebalancerCollector(Collector):
-    """Exports per-job and per-rank gauges and the ingest counters of one Services."""
+    """Exports per-job and per-rank gauges and the ingest counters of one app. Control
+    figures come from the controller's snapshots (memory, no SQL)."""
 
-    def __init__(self, services: Any):
-        self.services = services
+    def __init__(self, *, live: LiveState, connections: HookConnections, controller: Controller):
+        self.live = live
+        self.connections = connections
+        self.controller = controller
 
     def collect(self) -> Iterator[Metric]:
-        s = self.services
+        s = self
         compute = GaugeMetricFamily(
             "rebalancer_rank_compute_seconds",
             "Mean time until a rank's gradients are ready, over its recent steps.", labels=["job", "rank"])
@@ -57,14 +65,11 @@ class RebalancerCollector(Collector):
                 imbalance.add_metric([job], view.imbalance)
             connected.add_metric([job], view.connected_ranks)
             ctl = s.controller
-            if ctl is None:
-                continue
             try:
-                placement = (ctl.job_control(job) or {}).get("placement") or {}
+                placement = ctl.job_control(job).get("placement") or {}
                 if "version" in placement:
                     version.add_metric([job], placement["version"])
-                counts = ctl.proposal_counts(job) if hasattr(ctl, "proposal_counts") else {}
-                for status, n in sorted(counts.items()):
+                for status, n in sorted(ctl.proposal_counts(job).items()):
                     proposals.add_metric([job, status], n)
             except Exception:  # a scrape must still answer with what live state has
                 log.exception("reading control state of job %s for /metrics failed", job)
@@ -79,13 +84,14 @@ class RebalancerCollector(Collector):
             "rebalancer_hook_connections", "Open hook websockets.", value=s.connections.count())
 
 
-def make_registry(services: Any) -> CollectorRegistry:
+def make_registry(*, live: LiveState, connections: HookConnections,
+                  controller: Controller) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RebalancerCollector(services))
+    registry.register(RebalancerCollector(live=live, connections=connections, controller=controller))
     return registry
 
 
 @router.get("/metrics", include_in_schema=False)
-def metrics(_actor: ViewerDep, services: ServicesDep) -> Response:
+def metrics(_actor: ViewerDep, parts: PartsDep) -> Response:
     """Prometheus exposition of live state; scrapers send a viewer token as a bearer."""
-    return Response(generate_latest(services.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(parts.registry), media_type=CONTENT_TYPE_LATEST)
