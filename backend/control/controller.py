@@ -278,6 +278,10 @@ class Controller:
     def _check_overrides(self, st: _JobState, shares: Sequence[int]) -> None:
         inputs.check_overrides(st.overrides, shares, global_batch_size=st.global_batch_size)
 
+    def _memory_constraints(self, st: _JobState, overrides: dict[str, Any]) -> Any:
+        return inputs.memory_constraints(self.live, st.job, overrides, st.shares, st.global_batch_size,
+                                         self._config(st).memory_headroom)
+
     def _costs(self, st: _JobState) -> list[float] | None:
         return inputs.step_costs(self.live, st.job, st.world_size)
 
@@ -529,7 +533,7 @@ class Controller:
         try:
             costs = self._costs(st) or [1.0] * st.world_size
             return list(solve([0.0] * st.world_size, costs, st.global_batch_size,
-                              inputs.constraints_from(st.overrides)))
+                              self._memory_constraints(st, st.overrides)))
         except InfeasibleError as exc:
             return f"the overrides admit no placement: {exc}"
 
@@ -1037,8 +1041,9 @@ class Controller:
         async with st.lock:
             costs = self._costs(st)
             try:
+                # Memory caps too: the proposal that respects the overrides must fit the cards.
                 target = list(solve([0.0] * st.world_size, costs or [1.0] * st.world_size,
-                                    st.global_batch_size, inputs.constraints_from(ov)))
+                                    st.global_batch_size, self._memory_constraints(st, ov)))
             except InfeasibleError as exc:
                 raise InvalidError(f"The overrides admit no placement: {exc}") from None
             broken: str | None = None

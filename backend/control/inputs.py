@@ -29,7 +29,7 @@ __all__ = [
     "OVERRIDE_KEYS", "policy_config", "knob", "policy_settings",
     "constraints_from", "all_said_hello", "observation", "step_costs",
     "predict_step_ms", "validate_overrides", "check_overrides",
-    "overrides_dict", "median", "rank_memories", "memory_explanation",
+    "overrides_dict", "median", "rank_memories", "memory_explanation", "memory_constraints",
 ]
 
 OVERRIDE_KEYS = ("pins", "caps", "floors", "drains", "granularity")
@@ -165,6 +165,17 @@ def rank_memories(live: Any, job: str, world_size: int) -> list[Any]:
 
     return [(live.rank_memory(job, r) if live is not None else None) or RankMemory()
             for r in range(world_size)]
+
+
+def memory_constraints(live: Any, job: str, overrides: Mapping[str, Any], shares: Sequence[int],
+                       global_batch_size: int, headroom: float) -> Constraints:
+    """The overrides as constraints with each rank's memory cap added (as ``decide`` does),
+    for the placements the controller solves itself (new overrides, out of memory)."""
+    from backend.policy import memory_bounds, with_caps
+
+    memories = rank_memories(live, job, len(shares))
+    caps = memory_bounds(memories, shares, global_batch_size, headroom)[0]
+    return with_caps(constraints_from(overrides), caps)
 
 
 def memory_explanation(memories: Sequence[Any], current: Sequence[int], shares: Sequence[int],
