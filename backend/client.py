@@ -435,9 +435,12 @@ class Client:
         return cast("dict[str, Any]", self.request("PUT", self._job(job) + "/policy", body=body))
 
     def submit_placement(self, job: str, shares: Sequence[int], *, reason: str | None = None,
-                         apply: bool = False) -> Proposal:
-        """A placement by hand; with ``apply`` it is approved in the same call."""
-        body = {"shares": list(shares), "reason": reason, "apply": apply}
+                         apply: bool = False, force: bool = False) -> Proposal:
+        """A placement by hand; with ``apply`` it is approved in the same call. One that
+        breaks a memory cap is refused (422) unless ``force`` (audited)."""
+        body: dict[str, Any] = {"shares": list(shares), "reason": reason, "apply": apply}
+        if force:
+            body["force"] = True
         return cast(Proposal, self.request("POST", self._job(job) + "/proposals", body=body))
 
     def approve(self, job: str, proposal_id: int, *, reason: str | None = None) -> Proposal:

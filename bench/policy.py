@@ -5,8 +5,11 @@
   at 10,000 ranks. Also the time of one ``decide`` call per strategy at 8 and 64 ranks.
 - In the seeded simulator (backend.policy.JobSimulator), mean step time over the oracle's
   (the exact split for the true costs, same noise draws) for uniform, static, profiled and
-  predictive on four scenarios: static_mix, sudden_slowdown, thermal_drift, noisy_rank.
-  Reported over the whole run and after step 40 (once warm-up is over).
+  predictive on five scenarios: static_mix, sudden_slowdown, thermal_drift, noisy_rank and
+  memory_caps. Reported over the whole run and after step 40 (once warm-up is over). In
+  memory_caps two fast ranks have small cards: the oracle is the capped oracle (best split
+  under the true memory caps), and a run whose policy sees no memory (an old hook) shows
+  how many steps would have run a card out of memory.
 
     python -m bench.policy [--quick] [--out bench/results]
 """
@@ -91,16 +94,26 @@ def simulate(steps: int, seeds: list[int]) -> list[dict[str, Any]]:
     rows = []
     for scenario in SCENARIOS:
         for strategy in STRATEGIES:
-            full, warm, proposals = [], [], []
-            for seed in seeds:
-                res = JobSimulator.scenario(scenario, seed=seed).run(strategy, steps)
-                full.append(res.ratio())
-                warm.append(res.ratio(WARM_STEP))
-                proposals.append(len(res.proposals))
-            rows.append({"scenario": scenario, "strategy": strategy or "uniform",
-                         "ratio": statistics.mean(full), "ratio_after_warmup": statistics.mean(warm),
-                         "proposals": statistics.mean(proposals)})
+            rows.append(_sim_row(scenario, strategy, steps, seeds))
+    # Memory caps matter: the same job with a policy that sees no memory.
+    rows.append(_sim_row("memory_caps", "profiled", steps, seeds, measure_memory=False))
     return rows
+
+
+def _sim_row(scenario: str, strategy: str | None, steps: int, seeds: list[int],
+             measure_memory: bool = True) -> dict[str, Any]:
+    full, warm, proposals, ooms = [], [], [], []
+    for seed in seeds:
+        sim = JobSimulator.scenario(scenario, seed=seed, measure_memory=measure_memory)
+        res = sim.run(strategy, steps)
+        full.append(res.ratio())
+        warm.append(res.ratio(WARM_STEP))
+        proposals.append(len(res.proposals))
+        ooms.append(res.oom_steps)
+    name = (strategy or "uniform") + ("" if measure_memory else " (memory unmeasured)")
+    return {"scenario": scenario, "strategy": name,
+            "ratio": statistics.mean(full), "ratio_after_warmup": statistics.mean(warm),
+            "proposals": statistics.mean(proposals), "oom_steps": statistics.mean(ooms)}
 
 
 def run_policy(quick: bool = False, out_dir: Path = RESULTS_DIR) -> dict[str, Any]:
@@ -119,14 +132,20 @@ def run_policy(quick: bool = False, out_dir: Path = RESULTS_DIR) -> dict[str, An
     steps, seeds = (150, [0]) if quick else (300, [0, 1, 2])
     sim_rows = simulate(steps, seeds)
     print_table(f"simulator: mean step time / oracle ({steps} steps, seeds {seeds})",
-                ["scenario", "strategy", "whole run", f"after step {WARM_STEP}", "proposals"],
+                ["scenario", "strategy", "whole run", f"after step {WARM_STEP}", "proposals",
+                 "OOM steps"],
                 [[r["scenario"], r["strategy"], f"{r['ratio']:.3f}",
-                  f"{r['ratio_after_warmup']:.3f}", f"{r['proposals']:.1f}"] for r in sim_rows])
+                  f"{r['ratio_after_warmup']:.3f}", f"{r['proposals']:.1f}",
+                  f"{r['oom_steps']:.0f}"] for r in sim_rows])
     by = {(r["scenario"], r["strategy"]): r["ratio"] for r in sim_rows}
     drift_ok = by[("thermal_drift", "predictive")] < by[("thermal_drift", "profiled")]
     at_10k = next(r for r in solve_rows if r["ranks"] == 10000 and not r["constrained"])
+    mem = by[("memory_caps", "profiled")]
+    no_oom = all(r["oom_steps"] == 0 for r in sim_rows if "unmeasured" not in r["strategy"])
     checks = {"solve_10k_under_20ms": at_10k["cpu_median_ms"] < 20.0,
-              "predictive_beats_profiled_on_drift": drift_ok}
+              "predictive_beats_profiled_on_drift": drift_ok,
+              "memory_caps_no_oom": no_oom,
+              "memory_caps_within_10pct_of_capped_oracle": mem < 1.10}
     print(f"\nchecks: {checks}", flush=True)
     payload = {"quick": quick, "solve": solve_rows, "decide": decide_rows,
                "simulator": {"steps": steps, "seeds": seeds, "rows": sim_rows},

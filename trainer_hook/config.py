@@ -79,6 +79,8 @@ class HookConfig:
       recent median (0.2: 20%) is sent at once and marked urgent, so the backend answers a
       slowdown within a few steps; 0 turns it off. The first 20 steps go out one by one.
     - ``history``: how many recent StepRecords the hook keeps locally (``hook.history``).
+    - ``memory_every``: read the peak device memory once every this many steps (the peak
+      over those steps; ``trainer_hook.memory``).
     """
 
     server: str | None = None
@@ -95,6 +97,7 @@ class HookConfig:
     flush_interval_s: float = 0.5
     flush_on_deviation: float = 0.2
     history: int = 256
+    memory_every: int = 8
 
     def __post_init__(self) -> None:
         if self.server is not None and (not isinstance(self.server, str) or not self.server.strip()):
@@ -141,6 +144,7 @@ class HookConfig:
             raise ValueError(f"flush_on_deviation must be a number between 0 and 10 (0 turns it "
                              f"off), got {fod!r}.")
         _positive_int("history", self.history)
+        _positive_int("memory_every", self.memory_every)
 
     @property
     def offline(self) -> bool:

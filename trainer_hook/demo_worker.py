@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(n, 16, generator=gen)
     y = x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(n, 1, generator=gen)
     dataset = TensorDataset(x, y)
-    extra: dict[str, int] = {"exchange_every": args.exchange_every} if args.exchange_every else {}
+    extra: dict[str, Any] = {"exchange_every": args.exchange_every} if args.exchange_every else {}
     if args.lookahead is not None:
         extra["lookahead"] = args.lookahead
     if args.steps:

@@ -40,12 +40,20 @@ from trainer_hook.gradients import (
     register_grad_timer,
     register_gradient_weighting,
 )
+from trainer_hook.memory import (
+    MemoryMeter,
+    MemoryReading,
+    MemorySource,
+    default_memory_source,
+    is_out_of_memory,
+)
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.protocol import (
     Ack,
     Error,
     Hello,
     Message,
+    Oom,
     Placement,
     Reject,
     StepRecord,
@@ -62,6 +70,8 @@ _GRADIENT_MODES = ("auto", "comm_hook", "loss_scale")
 # How long close() at interpreter exit waits for the exchange in flight: every rank
 # launched it, so it is normally complete; a peer stuck elsewhere must not hold the exit.
 _EXIT_WAIT_S = 30.0
+_AUTO: Any = object()
+_OOM_FLUSH_S = 2.0  # how long an out-of-memory report may hold the failing step
 
 
 class _StepContext:
@@ -76,6 +86,8 @@ class _StepContext:
         return self._hook._begin_step()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None and is_out_of_memory(exc):
+            self._hook._report_oom(exc)  # before the exception reaches the training loop
         self._hook._end_step(failed=exc_type is not None)
 
 
@@ -93,6 +105,11 @@ class RebalanceHook:
     The loop needs three things from it: ``attach(model)`` (gradient weighting),
     ``batch_sampler(dataset)`` (this rank's slice of each global batch) and one
     ``with hook.step():`` around each batch's forward, backward and optimizer step.
+
+    Peak device memory is read every ``memory_every`` steps from torch's allocator (CUDA,
+    ROCm, XPU; nothing on CPU); ``memory_source`` replaces that source (tests inject a
+    fake one, see ``trainer_hook.memory``), ``None`` turns it off. An out-of-memory error
+    inside ``hook.step()`` is reported to the backend, and flushed, before it propagates.
     """
 
     def __init__(
@@ -101,6 +118,8 @@ class RebalanceHook:
         job: str | None = None,
         global_batch_size: int | None = None,
         token: str | None = None,
+        *,
+        memory_source: MemorySource | None = _AUTO,
         **config: Any,
     ) -> None:
         self.config = HookConfig.from_env(
@@ -114,6 +133,10 @@ class RebalanceHook:
         self._agree_at = 0  # the batch index at which to measure and agree on it
         self._grads = GradientState()
         self._timer = StepTimer()
+        source = default_memory_source() if memory_source is _AUTO else memory_source
+        self._memory: MemoryMeter | None = (
+            MemoryMeter(source, every=cfg.memory_every) if source is not None else None)
+        self._mem_pending: MemoryReading | None = None
         self._ctx = _StepContext(self)
         self._sampler: RebalanceBatchSampler | None = None
         self._next_batch = 0
@@ -459,6 +482,8 @@ class RebalanceHook:
         if p.version != self._trained_version:
             self._on_new_version(p, k)
         self._trained = p
+        if self._memory is not None:
+            self._memory.begin(local)
         self._timer.start(k, local, p.version, cuda=grads.cuda)
         return k
 
@@ -509,6 +534,16 @@ class RebalanceHook:
         if failed:
             return
         self._next_batch += 1
+        if self._memory is not None:
+            reading = self._memory.end()
+            if reading is not None:
+                self._mem_pending = reading
+            pending = self._mem_pending
+            # On CUDA the record comes a step or more late: it carries the reading when it
+            # trained at the same local batch size (a newer reading replaces one that waits).
+            if pending is not None and rec is not None and rec.local_batch_size == pending.local_batch_size:
+                rec.mem_peak_bytes, rec.mem_reserved_bytes, rec.mem_total_bytes = pending[1:]
+                self._mem_pending = None
         if rec is not None:
             self.history.append(rec)
             if self._transport is not None:
@@ -519,6 +554,25 @@ class RebalanceHook:
                 "accumulation must wrap every micro-batch but the last in model.no_sync(), "
                 "otherwise each micro-batch is weighted as a whole batch and the math changes."
             )
+
+    def _report_oom(self, exc: BaseException) -> None:
+        """Tell the backend this rank ran out of memory, and wait (up to 2 s) until the
+        message left: the process is about to die with the job."""
+        try:
+            k, local, version = self._timer._meta
+            meter = self._memory
+            oom = Oom(job=self.config.job_name, rank=self._rank, version=version, batch_index=k,
+                      local_batch_size=local, mem_peak_bytes=meter.peak_now() if meter else None,
+                      mem_total_bytes=meter.source.total_bytes() if meter else None,
+                      message=str(exc)[:2000])
+            log.error("rank %d ran out of memory at batch %d with %d samples (placement %d); "
+                      "reporting it to the backend", self._rank, k, local, version)
+            if self._transport is not None:
+                self._transport.send_control(oom)
+                if not self._transport.flush_control(_OOM_FLUSH_S):
+                    log.warning("the out-of-memory report could not be sent within %.0f s", _OOM_FLUSH_S)
+        except Exception:  # noqa: BLE001 - never mask the out-of-memory error itself
+            log.exception("reporting the out-of-memory error failed")
 
     def _on_new_version(self, p: ScheduledPlacement, k: int) -> None:
         if self._gradients_mode is None and self._world_size > 1 and len(set(p.shares)) > 1:
@@ -761,6 +815,7 @@ class RebalanceHook:
             batch_index=self._next_batch,
             restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
             hook_version=HOOK_VERSION, total_steps=self.config.total_steps,
+            memory_source=self._memory.source.name if self._memory is not None else "",
         )
 
     def close(self, *, wait_for_peers: bool = True) -> None:

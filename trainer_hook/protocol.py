@@ -1,12 +1,16 @@
-"""Wire protocol between the training hook and the backend (version 1).
+"""Wire protocol between the training hook and the backend (version 2; version 1 accepted).
 
 Every frame is one JSON object (a websocket text frame) with two envelope keys:
 ``type`` (the message kind) and ``v`` (the protocol version). The models here are plain
 dataclasses so that the hook depends on nothing but the standard library for them; the
 backend imports the same classes, so both ends validate with one piece of code.
 
-Hook -> backend: ``hello``, ``metrics``, ``ack``, ``reject``.
+Hook -> backend: ``hello``, ``metrics``, ``ack``, ``reject``, ``oom``.
 Backend -> hook: ``placement``, ``error``.
+
+Version 2 added the peak-memory fields of step records, ``hello.memory_source`` and the
+``oom`` message. A version-1 frame is still accepted (its fields are a subset); the backend
+answers each connection in the version its ``hello`` spoke.
 
 See docs/protocol.md for the conversation and the close codes.
 """
@@ -21,6 +25,7 @@ from typing import Any, ClassVar, TypeAlias
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "SUPPORTED_VERSIONS",
     "MAX_MESSAGE_BYTES",
     "MAX_RECORDS_PER_MESSAGE",
     "MAX_WORLD_SIZE",
@@ -53,16 +58,19 @@ __all__ = [
     "Metrics",
     "Ack",
     "Reject",
+    "Oom",
     "Placement",
     "Error",
     "Message",
     "encode",
     "decode",
+    "decode_versioned",
     "check_shares",
     "uniform_shares",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_RECORDS_PER_MESSAGE = 2048
 MAX_WORLD_SIZE = 65536
@@ -271,6 +279,9 @@ class Hello:
     restart_count: int = 0
     hook_version: str = ""
     total_steps: int | None = None
+    # What the hook reads peak memory with ("cuda", "rocm", "xpu"; "" for nothing: a CPU
+    # rank, whose placements then get no memory cap).
+    memory_source: str = ""
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Hello:
@@ -296,6 +307,7 @@ class Hello:
             restart_count=_int(d, "restart_count", hi=MAX_COUNT, default=0),
             hook_version=_str(d, "hook_version", default=""),
             total_steps=_int(d, "total_steps", lo=1, hi=MAX_BATCH_INDEX, default=None),
+            memory_source=_str(d, "memory_source", max_len=32, default=""),
         )
 
 
@@ -305,6 +317,11 @@ class StepRecord:
 
     ``compute_ms`` is the time until this rank's gradients were ready, excluding the wait
     inside gradient synchronisation (``sync_wait_ms``); see DESIGN.md invariant 4.
+
+    ``mem_peak_bytes`` (version 2, on some records only): the peak device memory the
+    allocator handed out over the steps since the previous reading, all at this record's
+    local batch size; ``mem_reserved_bytes`` what the caching allocator holds and
+    ``mem_total_bytes`` the device's memory at that moment. Absent where not read.
     """
 
     batch_index: int
@@ -316,12 +333,15 @@ class StepRecord:
     optimizer_ms: float
     step_ms: float
     t: float
+    mem_peak_bytes: int | None = None
+    mem_reserved_bytes: int | None = None
+    mem_total_bytes: int | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepRecord:
         # Fast path: step records are most of what the backend parses (thousands a second),
         # so check the common, valid shape in one pass; anything off takes the slow path,
-        # which names the field that is wrong.
+        # which names the field that is wrong. Records with memory fields take it too.
         if type(d) is dict and len(d) == 9:
             try:
                 bi, lb, pv = d["batch_index"], d["local_batch_size"], d["placement_version"]
@@ -355,9 +375,25 @@ class StepRecord:
             optimizer_ms=_float(d, "optimizer_ms", hi=MAX_DURATION_MS),
             step_ms=_float(d, "step_ms", hi=MAX_DURATION_MS),
             t=_float(d, "t", hi=_MAX_UNIX_TIME),
+            mem_peak_bytes=_int(d, "mem_peak_bytes", hi=MAX_BYTES, default=None),
+            mem_reserved_bytes=_int(d, "mem_reserved_bytes", hi=MAX_BYTES, default=None),
+            mem_total_bytes=_int(d, "mem_total_bytes", hi=MAX_BYTES, default=None),
         )
 
+    def to_dict(self) -> dict[str, Any]:
+        """The record as sent: memory fields only where read."""
+        d = {f: getattr(self, f) for f in _STEP_BASE}
+        if self.mem_peak_bytes is not None:
+            d["mem_peak_bytes"] = self.mem_peak_bytes
+            if self.mem_reserved_bytes is not None:
+                d["mem_reserved_bytes"] = self.mem_reserved_bytes
+            if self.mem_total_bytes is not None:
+                d["mem_total_bytes"] = self.mem_total_bytes
+        return d
 
+
+_STEP_BASE = ("batch_index", "local_batch_size", "placement_version", "data_wait_ms",
+              "compute_ms", "sync_wait_ms", "optimizer_ms", "step_ms", "t")
 _NUMBER_TYPES = frozenset((int, float))
 
 
@@ -499,6 +535,38 @@ class Reject:
 
 
 @dataclass(kw_only=True, slots=True)
+class Oom:
+    """A rank ran out of device memory inside ``hook.step()`` (version 2).
+
+    Sent, and flushed, before the exception reaches the training loop: the job is about
+    to die. ``version`` is the placement in force, ``local_batch_size`` the failing share.
+    """
+
+    TYPE: ClassVar[str] = "oom"
+    job: str
+    rank: int
+    version: int
+    batch_index: int
+    local_batch_size: int
+    mem_peak_bytes: int | None = None
+    mem_total_bytes: int | None = None
+    message: str = ""
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Oom:
+        return cls(
+            job=_job(d),
+            rank=_int(d, "rank", hi=MAX_WORLD_SIZE - 1),
+            version=_int(d, "version", hi=MAX_VERSION),
+            batch_index=_int(d, "batch_index", hi=MAX_BATCH_INDEX),
+            local_batch_size=_int(d, "local_batch_size", lo=1, hi=MAX_GLOBAL_BATCH_SIZE),
+            mem_peak_bytes=_int(d, "mem_peak_bytes", hi=MAX_BYTES, default=None),
+            mem_total_bytes=_int(d, "mem_total_bytes", hi=MAX_BYTES, default=None),
+            message=_str(d, "message", max_len=_MAX_TEXT, default=""),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
 class Placement:
     """The backend asks the job to run with ``shares`` from now on (rank 0 picks when).
 
@@ -545,25 +613,36 @@ class Error:
         return cls(code=_str(d, "code"), message=_str(d, "message", max_len=_MAX_TEXT))
 
 
-Message: TypeAlias = Hello | Metrics | Ack | Reject | Placement | Error
-_TYPES: dict[str, Any] = {c.TYPE: c for c in (Hello, Metrics, Ack, Reject, Placement, Error)}
+Message: TypeAlias = Hello | Metrics | Ack | Reject | Oom | Placement | Error
+_TYPES: dict[str, Any] = {c.TYPE: c for c in (Hello, Metrics, Ack, Reject, Oom, Placement, Error)}
+_V2_ONLY = {"memory_source"}  # hello fields a version-1 peer does not know
 
 
-def encode(msg: Message) -> str:
-    """Serialise a message to one compact JSON text frame."""
+def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
+    """Serialise a message to one compact JSON text frame of protocol ``version``."""
+    if version not in SUPPORTED_VERSIONS:
+        raise ValueError(f"version must be one of {SUPPORTED_VERSIONS}, got {version!r}.")
     body = {f.name: getattr(msg, f.name) for f in fields(msg)}
     if body.get("total_steps", 0) is None:
         del body["total_steps"]  # optional and rarely set: absent rather than null
     if body.get("urgent", True) is False:
         del body["urgent"]  # likewise
+    if version < 2:
+        for key in _V2_ONLY:
+            body.pop(key, None)
     if isinstance(msg, Metrics):
-        body["steps"] = [asdict(s) for s in msg.steps]
+        body["steps"] = [s.to_dict() for s in msg.steps]
         body["device"] = [asdict(s) for s in msg.device]
-    return json.dumps({"type": msg.TYPE, "v": PROTOCOL_VERSION, **body}, separators=(",", ":"))
+    return json.dumps({"type": msg.TYPE, "v": version, **body}, separators=(",", ":"))
 
 
 def decode(raw: str | bytes) -> Message:
     """Parse and validate one frame; raise ProtocolError saying what is wrong."""
+    return decode_versioned(raw)[0]
+
+
+def decode_versioned(raw: str | bytes) -> tuple[Message, int]:
+    """``decode``, and the protocol version the frame spoke."""
     if len(raw) > MAX_MESSAGE_BYTES:
         raise ProtocolError(
             f"Message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit; send smaller batches.",
@@ -578,9 +657,10 @@ def decode(raw: str | bytes) -> Message:
         raise ProtocolError("Message is nested too deeply; messages are flat JSON objects.") from None
     obj = _obj(obj, "A message")
     version = obj.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
         raise ProtocolError(
-            f"Protocol version {version!r} is not supported; this side speaks version {PROTOCOL_VERSION}.",
+            f"Protocol version {version!r} is not supported; this side speaks versions "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))}.",
             code="unsupported_version",
             close_code=CLOSE_UNSUPPORTED_VERSION,
         )
@@ -588,4 +668,4 @@ def decode(raw: str | bytes) -> Message:
     cls = _TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError(f"Unknown message type {kind!r}; expected one of {sorted(_TYPES)}.")
-    return cls.from_dict(obj)  # type: ignore[no-any-return]
+    return cls.from_dict(obj), version

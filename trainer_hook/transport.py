@@ -39,6 +39,7 @@ from trainer_hook.protocol import (
     Hello,
     Message,
     Metrics,
+    Oom,
     Placement,
     ProtocolError,
     Reject,
@@ -161,7 +162,7 @@ class Transport:
         self._steps: deque[StepRecord] = deque(maxlen=max_queue)
         # Device samples arrive at ~1 Hz; a smaller buffer still covers many minutes offline.
         self._devices: deque[DeviceSample] = deque(maxlen=max(16, min(max_queue, 3600)))
-        self._control: deque[Ack | Reject] = deque()
+        self._control: deque[Ack | Reject | Oom] = deque()
         # Single-writer counters, so no lock on the hot path: producers bump *_dropped,
         # the sender thread bumps _reported; the difference is what is not yet reported.
         self._steps_dropped = 0
@@ -206,15 +207,25 @@ class Transport:
             self._devices_dropped += 1
         q.append(sample)
 
-    def send_control(self, msg: Ack | Reject) -> None:
-        """Queue an ack or reject; sent before any pending metrics, survives reconnects."""
-        if not isinstance(msg, (Ack, Reject)):
-            log.error("send_control expects an Ack or Reject, got %s; ignored.", type(msg).__name__)
+    def send_control(self, msg: Ack | Reject | Oom) -> None:
+        """Queue an ack, reject or oom; sent before any pending metrics, survives reconnects."""
+        if not isinstance(msg, (Ack, Reject, Oom)):
+            log.error("send_control expects an Ack, Reject or Oom, got %s; ignored.", type(msg).__name__)
             return
         if len(self._control) >= _MAX_CONTROL:
             log.error("More than %d acks/rejects are waiting to be sent; dropping the oldest.", _MAX_CONTROL)
             self._control.popleft()
         self._control.append(msg)
+
+    def flush_control(self, timeout: float) -> bool:
+        """Wait until every queued ack, reject or oom has been sent (True), or ``timeout``
+        seconds passed (False). For a dying process: the sender thread does the sending."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while self._control:
+            if time.monotonic() >= deadline or self._stopped or self._thread is None:
+                return False
+            time.sleep(0.005)
+        return True
 
     def start(self) -> None:
         """Start the sender thread (idempotent)."""

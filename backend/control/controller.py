@@ -55,7 +55,7 @@ from backend.settings import Settings
 from backend.storage import control as db
 from backend.storage.gateway import SqlGateway
 from backend.storage.health import log_failure
-from trainer_hook.protocol import Ack, Hello, Placement, Reject, check_shares, uniform_shares
+from trainer_hook.protocol import Ack, Hello, Oom, Placement, Reject, check_shares, uniform_shares
 
 if TYPE_CHECKING:
     from backend.policy.types import Explanation
@@ -296,6 +296,10 @@ class Controller:
     def _check_overrides(self, st: _JobState, shares: Sequence[int]) -> None:
         inputs.check_overrides(st.overrides, shares, global_batch_size=st.global_batch_size)
 
+    def _memory_constraints(self, st: _JobState, overrides: dict[str, Any]) -> Any:
+        return inputs.memory_constraints(self.live, st.job, overrides, st.shares, st.global_batch_size,
+                                         self._config(st).memory_headroom)
+
     def _costs(self, st: _JobState) -> list[float] | None:
         return inputs.step_costs(self.live, st.job, st.world_size)
 
@@ -500,6 +504,74 @@ class Controller:
                 self._read_facts(s, st)
 
         await self._sql(work)
+
+    async def on_oom(self, oom: Oom) -> None:
+        """A rank ran out of memory: mark the placement it trained under unsafe, never give
+        that rank as many samples again (a cap in the overrides, audited), and roll the job
+        back to the previous placement, which its next run (a restart) receives."""
+
+        st = await self._load(oom.job)
+        if st is None or not 0 <= oom.rank < st.world_size:
+            return
+        ceiling = max(0, oom.local_batch_size - 1)
+        why = (f"rank {oom.rank} ran out of memory at {oom.local_batch_size} samples under "
+               f"placement version {oom.version}")
+        async with st.lock:
+            ov = {**st.overrides, "caps": dict(st.overrides["caps"])}
+            ov["caps"][oom.rank] = min(ceiling, ov["caps"].get(oom.rank, ceiling))
+
+            def work(s: Session) -> list[int] | None:
+                previous: list[int] | None = None
+                row = db.get_placement(s, oom.job, oom.version)
+                if row is not None:
+                    if not row.failed:
+                        row.failed, row.error = True, f"unsafe: {why}"
+                    if row.previous_shares is not None and len(row.previous_shares) == st.world_size:
+                        previous = list(row.previous_shares)
+                db.record_audit(s, actor=_SYSTEM, action="placement.oom", job=oom.job,
+                                params={"version": oom.version, "rank": oom.rank,
+                                        "local_batch_size": oom.local_batch_size,
+                                        "batch_index": oom.batch_index,
+                                        "mem_peak_bytes": oom.mem_peak_bytes,
+                                        "mem_total_bytes": oom.mem_total_bytes, "cap": ceiling},
+                                reason=oom.message[:500] or why)
+                records.store_overrides(s, oom.job, ov, actor=_SYSTEM,
+                                        reason=f"{why}: capped at {ceiling}", at=self._wall())
+                s.commit()
+                self._read_facts(s, st)
+                return previous
+
+            previous = await self._sql(work)
+            st.overrides, st.last_run = ov, -math.inf
+            st.status, st.status_detail = "imbalanced", why
+            self._dirty.add(oom.job)
+            target = self._oom_target(st, oom, previous)
+            if isinstance(target, str):
+                st.status_detail = f"{why}; {target}"
+            elif target is not None and target != st.shares:
+                await self._issue(st, target, source="rollback", actor=_SYSTEM,
+                                  reason=f"{why}; rolled back for the next run",
+                                  action="placement.oom_rollback", params={"from_version": oom.version})
+            self._publish(st)
+
+    def _oom_target(self, st: _JobState, oom: Oom, previous: list[int] | None) -> list[int] | str | None:
+        """Where an out-of-memory error sends the job: the previous placement when it fits
+        the new cap, else the placement in force if that fits, else a solve under the
+        overrides; a sentence when the overrides admit none."""
+        from backend.policy import InfeasibleError, solve
+
+        for shares in ([previous] if oom.version == st.version and previous is not None else []) + [st.shares]:
+            try:
+                self._check_overrides(st, shares)
+                return shares
+            except InvalidError:
+                continue
+        try:
+            costs = self._costs(st) or [1.0] * st.world_size
+            return list(solve([0.0] * st.world_size, costs, st.global_batch_size,
+                              self._memory_constraints(st, st.overrides)))
+        except InfeasibleError as exc:
+            return f"the overrides admit no placement: {exc}"
 
     async def on_reject(self, reject: Reject) -> None:
         """A rank refused a placement: mark it and its proposal failed, with the reason."""
@@ -879,9 +951,29 @@ class Controller:
             self._publish(st)
             return out
 
+    def _memory_problems(self, st: _JobState, shares: Sequence[int]) -> tuple[list[str], dict[str, Any]]:
+        """Why ``shares`` breaks a memory cap (one sentence per rank, with the predicted peak
+        and the cap), and the per-rank memory explanation of ``shares``."""
+        from backend.policy import memory_violations
+
+        memories = inputs.rank_memories(self.live, st.job, st.world_size)
+        headroom = self._config(st).memory_headroom
+        problems = memory_violations(memories, shares, headroom)
+        problems += [
+            f"rank {i} measures memory but has no fit yet, so it may not gain work "
+            f"({st.shares[i]} now, {shares[i]} asked)"
+            for i, rm in enumerate(memories)
+            if rm.source and rm.fit is None and shares[i] > st.shares[i]]
+        expl: dict[str, Any] = {"memory": inputs.memory_explanation(memories, st.shares, shares, headroom)}
+        return problems, expl
+
     async def submit_manual(self, job: str, shares: Any, *, actor: ActorLike, reason: str | None = None,
-                            apply: bool = False) -> dict[str, Any]:
-        """An operator's own placement: validated, stored as a proposal, applied if asked."""
+                            apply: bool = False, force: bool = False) -> dict[str, Any]:
+        """An operator's own placement: validated, stored as a proposal, applied if asked.
+
+        A placement whose predicted peak memory breaks a rank's memory cap is refused with
+        the predicted peak and the cap, unless ``force`` (audited as ``placement.memory_force``).
+        """
         st = await self._require(job)
         async with st.lock:
             try:
@@ -889,15 +981,27 @@ class Controller:
             except ValueError as exc:
                 raise InvalidError(f"Invalid placement: {exc}") from None
             self._check_overrides(st, shares)
+            problems, expl = self._memory_problems(st, shares)
+            if problems and not force:
+                raise InvalidError(f"Placement breaks memory caps: {'; '.join(problems)}. "
+                                   "Send force=true to submit it anyway.")
+            if problems:
+                expl["memory_forced"] = problems
             costs = self._costs(st)
 
             def work(s: Session) -> tuple[int, dict[str, Any]]:
                 self._close_pending(s, job, "superseded", "an operator submitted a placement")
                 prop = self._add_proposal(s, st, shares, source="manual", strategy="manual", actor=actor,
-                                          reason=reason or "manual placement", costs=costs)
+                                          reason=reason or "manual placement", costs=costs,
+                                          explanation=expl)
                 db.record_audit(s, actor=actor, action="proposal.create", job=job,
-                                params={"proposal_id": prop.id, "shares": shares, "apply": apply},
+                                params={"proposal_id": prop.id, "shares": shares, "apply": apply,
+                                        "force": force},
                                 reason=reason)
+                if problems:
+                    db.record_audit(s, actor=actor, action="placement.memory_force", job=job,
+                                    params={"proposal_id": prop.id, "shares": shares,
+                                            "problems": problems}, reason=reason)
                 s.commit()
                 self._read_facts(s, st)
                 return prop.id, prop.public()
@@ -982,8 +1086,9 @@ class Controller:
         async with st.lock:
             costs = self._costs(st)
             try:
+                # Memory caps too: the proposal that respects the overrides must fit the cards.
                 target = list(solve([0.0] * st.world_size, costs or [1.0] * st.world_size,
-                                    st.global_batch_size, inputs.constraints_from(ov)))
+                                    st.global_batch_size, self._memory_constraints(st, ov)))
             except InfeasibleError as exc:
                 raise InvalidError(f"The overrides admit no placement: {exc}") from None
             broken: str | None = None

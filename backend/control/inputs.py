@@ -29,7 +29,7 @@ __all__ = [
     "OVERRIDE_KEYS", "policy_config", "knob", "policy_settings",
     "constraints_from", "all_said_hello", "observation", "step_costs",
     "predict_step_ms", "validate_overrides", "check_overrides",
-    "overrides_dict", "median",
+    "overrides_dict", "median", "rank_memories", "memory_explanation", "memory_constraints",
 ]
 
 OVERRIDE_KEYS = ("pins", "caps", "floors", "drains", "granularity")
@@ -63,6 +63,7 @@ def policy_config(policy: Mapping[str, Any], mode: str, settings: Settings) -> P
         max_move_fraction=_max_move_fraction(p, s) if mode == "auto" else None,
         horizon_steps=int(p.get("horizon_steps", s.horizon_steps)),
         params=dict(p.get("params", {})),
+        memory_headroom=float(p.get("memory_headroom", s.memory_headroom)),
     )
 
 
@@ -82,6 +83,7 @@ def policy_settings(policy: Mapping[str, Any], mode: str, settings: Settings) ->
         "min_steps": cfg.min_steps, "window_steps": cfg.window_steps,
         "max_move_fraction": _max_move_fraction(policy, settings),
         "horizon_steps": cfg.horizon_steps, "params": cfg.params,
+        "memory_headroom": cfg.memory_headroom,
         **{k: knob(policy, settings, k) for k in _KNOBS},
     }
 
@@ -108,7 +110,7 @@ def observation(live: Any, job: str, *, world_size: int, global_batch_size: int,
 
     Each rank's steps are its newest ``window_steps`` steps with samples: a rank drained to
     share 0 keeps its last measured cost instead of looking unmeasured."""
-    from backend.policy import normalize_device
+    from backend.policy import RankMemory, normalize_device
     from backend.policy.types import DeviceSignals, JobObservation, RankObservation, StepSample
 
     view = live.view(job)
@@ -125,6 +127,7 @@ def observation(live: Any, job: str, *, world_size: int, global_batch_size: int,
             rank=r,
             device_type=normalize_device(h.device_name or h.device_type, h.mem_total_bytes) if h else None,
             mem_total_bytes=h.mem_total_bytes if h else None,
+            memory=live.rank_memory(job, r) or RankMemory(),
             steps=tuple(StepSample(s[_BATCH], s[_LOCAL_BATCH], s[_COMPUTE]) for s in steps),
             # DEVICE_FIELDS order: t, source, util, mem used, mem total, power, temp, sm clock,
             # sm clock max, throttle reasons (a tuple), cpu %, rss.
@@ -158,6 +161,46 @@ def step_costs(live: Any, job: str, world_size: int) -> list[float] | None:
 def predict_step_ms(costs: Sequence[float] | None, shares: Sequence[int]) -> float | None:
     """Slowest rank's compute time under ``shares``; None without costs."""
     return max(c * b for c, b in zip(costs, shares, strict=True)) if costs else None
+
+
+def rank_memories(live: Any, job: str, world_size: int) -> list[Any]:
+    """Each rank's ``RankMemory`` (no fit, no source where the rank is unknown)."""
+    from backend.policy import RankMemory
+
+    return [(live.rank_memory(job, r) if live is not None else None) or RankMemory()
+            for r in range(world_size)]
+
+
+def memory_constraints(live: Any, job: str, overrides: Mapping[str, Any], shares: Sequence[int],
+                       global_batch_size: int, headroom: float) -> Constraints:
+    """The overrides as constraints with each rank's memory cap added (as ``decide`` does),
+    for the placements the controller solves itself (new overrides, out of memory)."""
+    from backend.policy import memory_bounds, with_caps
+
+    memories = rank_memories(live, job, len(shares))
+    caps = memory_bounds(memories, shares, global_batch_size, headroom)[0]
+    return with_caps(constraints_from(overrides), caps)
+
+
+def memory_explanation(memories: Sequence[Any], current: Sequence[int], shares: Sequence[int],
+                       headroom: float) -> list[dict[str, Any]]:
+    """Per rank: predicted peak before and after, memory cap and limit (None where the
+    rank has no fit), for proposals that no policy run explains (manual, override)."""
+    from backend.policy import memory_cap
+    from backend.policy.memory import memory_limit_bytes
+
+    out = []
+    for i, rm in enumerate(memories):
+        fit = rm.fit
+        total = rm.total_bytes or (fit.total_bytes if fit else None)
+        out.append({
+            "rank": i,
+            "mem_peak_before_bytes": fit.predict(current[i]) if fit else None,
+            "mem_peak_after_bytes": fit.predict(shares[i]) if fit else None,
+            "mem_cap": memory_cap(fit, total, headroom) if fit else None,
+            "mem_limit_bytes": memory_limit_bytes(total, headroom) if fit and total else None,
+        })
+    return out
 
 
 def median(xs: Sequence[float]) -> float:

@@ -52,6 +52,7 @@ from backend.live.state import (
     JobView,
     LiveState,
 )
+from backend.policy.memory import DEFAULT_HEADROOM, memory_cap
 from backend.settings import Settings
 from trainer_hook.protocol import CLOSE_RATE_LIMITED, uniform_shares
 
@@ -75,12 +76,16 @@ _RANK_FIELDS = ("compute_ms", "sync_wait_ms", "data_wait_ms", "optimizer_ms", "s
                 "batch_index", "local_batch_size", "placement_version", "step_rate_hz")
 _DEVICE_FIELDS = ("util_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "temp_c",
                   "sm_clock_mhz", "sm_clock_max_mhz", "cpu_pct", "rss_bytes", "source")
+# Peak-memory fit per rank (backend.policy.memory): newest peak, m0, m per sample, the cap.
+_MEMORY_COLUMNS = ("mem_peak_bytes", "mem_fixed_bytes", "mem_per_sample_bytes", "mem_fit",
+                   "mem_cap", "memory_source")
 _SERIES_FIELDS = ("b", "step_ms", "max_compute_ms", "mean_compute_ms", "throughput",
                   "uniform_step_ms", "version")
 
 
 _RANK_COLUMNS = ("rank", "host", "device_type", "device_name", "connected", "share", "dropped",
-                 *_RANK_FIELDS, *_DEVICE_FIELDS, "throttle_reasons", "price_per_hour")
+                 *_RANK_FIELDS, *_DEVICE_FIELDS, "throttle_reasons", "price_per_hour",
+                 *_MEMORY_COLUMNS)
 
 
 _rank_fields = attrgetter(*_RANK_FIELDS)
@@ -89,7 +94,16 @@ _NO_DEVICE = (None,) * len(_DEVICE_FIELDS)
 _MEM_TOTAL = _DEVICE_FIELDS.index("mem_total_bytes")
 
 
-def _rank_row(rv: Any, share: Any, price: float | None) -> tuple[Any, ...]:
+def _memory_row(rv: Any, headroom: float) -> tuple[Any, ...]:
+    rm = rv.memory
+    fit = rm.fit if rm is not None else None
+    if fit is None:
+        return (rv.mem_peak_bytes, None, None, None, None, rm.source if rm is not None else "")
+    return (rv.mem_peak_bytes, round(fit.m0_bytes), round(fit.m_bytes), fit.method,
+            memory_cap(fit, rm.total_bytes, headroom), rm.source)
+
+
+def _rank_row(rv: Any, share: Any, price: float | None, headroom: float = DEFAULT_HEADROOM) -> tuple[Any, ...]:
     """One rank's values in ``_RANK_COLUMNS`` order."""
     d = rv.device
     dev = [round(v, 2) if type(v) is float else v for v in (_device_fields(d) if d is not None else _NO_DEVICE)]
@@ -97,7 +111,7 @@ def _rank_row(rv: Any, share: Any, price: float | None) -> tuple[Any, ...]:
         dev[_MEM_TOTAL] = rv.mem_total_bytes
     return (rv.rank, rv.host, rv.device_type, rv.device_name, rv.connected, share, rv.dropped,
             *[round(v, 3) if type(v) is float else v for v in _rank_fields(rv)], *dev,
-            list(d.throttle_reasons) if d is not None else [], price)
+            list(d.throttle_reasons) if d is not None else [], price, *_memory_row(rv, headroom))
 
 
 @dataclass(eq=False)
@@ -356,15 +370,16 @@ class DashboardHub:
 
     def _fold_ranks(self, feed: _Feed, view: Any) -> None:
         shares = (feed.control.get("placement") or {}).get("shares") or []
+        headroom = (feed.control.get("policy") or {}).get("memory_headroom", DEFAULT_HEADROOM)
         cache, rows = feed.rows, []
         for rv in view.ranks:
             share = shares[rv.rank] if rv.rank < len(shares) else rv.local_batch_size
             hit = cache.get(rv.rank)
-            if hit is not None and hit[0] is rv and hit[1] == share:
+            if hit is not None and hit[0] is rv and hit[1] == (share, headroom):
                 rows.append(hit[2])
                 continue
-            row = _rank_row(rv, share, self._price(rv.device_type, rv.device_name))
-            cache[rv.rank] = (rv, share, row)
+            row = _rank_row(rv, share, self._price(rv.device_type, rv.device_name), headroom)
+            cache[rv.rank] = (rv, (share, headroom), row)
             rows.append(row)
         if len(cache) > len(rows):  # ranks gone from the view (a new run of the job)
             keep = {rv.rank for rv in view.ranks}

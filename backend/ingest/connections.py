@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from starlette.websockets import WebSocket
 
-from trainer_hook.protocol import Message, encode
+from trainer_hook.protocol import PROTOCOL_VERSION, Message, encode
 
 __all__ = ["HookConnections"]
 
@@ -21,11 +21,14 @@ class HookConnections:
 
     def __init__(self) -> None:
         self._by_job: dict[str, dict[int, WebSocket]] = {}
+        self._versions: dict[int, int] = {}  # id(socket) -> protocol version of its hello
 
-    def add(self, job: str, rank: int, ws: WebSocket) -> WebSocket | None:
-        """Register a rank's socket; returns the socket it replaces (a stale reconnect)."""
+    def add(self, job: str, rank: int, ws: WebSocket, version: int = PROTOCOL_VERSION) -> WebSocket | None:
+        """Register a rank's socket and the protocol version it speaks; returns the socket
+        it replaces (a stale reconnect)."""
         old = self._by_job.setdefault(job, {}).get(rank)
         self._by_job[job][rank] = ws
+        self._versions[id(ws)] = version
         return old if old is not ws else None
 
     def remove(self, job: str, rank: int, ws: WebSocket) -> None:
@@ -33,6 +36,7 @@ class HookConnections:
         ranks = self._by_job.get(job)
         if ranks is not None and ranks.get(rank) is ws:
             del ranks[rank]
+            self._versions.pop(id(ws), None)
             if not ranks:
                 del self._by_job[job]
 
@@ -64,15 +68,22 @@ class HookConnections:
     async def send(self, job: str, msg: Message, ranks: Iterable[int] | None = None) -> int:
         """Send ``msg`` to the job's connected ranks (all, or those in ``ranks``).
 
-        Encodes once; sockets that fail are dropped. Returns how many ranks got it.
+        Encodes once per protocol version in use; sockets that fail are dropped. Returns
+        how many ranks got it.
         """
         targets = self._by_job.get(job, {})
         wanted = None if ranks is None else set(ranks)
         chosen = [(r, ws) for r, ws in targets.items() if wanted is None or r in wanted]
         if not chosen:
             return 0
-        text = encode(msg)
-        results = await asyncio.gather(*(ws.send_text(text) for _, ws in chosen), return_exceptions=True)
+        texts: dict[int, str] = {}
+        for _, ws in chosen:
+            v = self._versions.get(id(ws), PROTOCOL_VERSION)
+            if v not in texts:
+                texts[v] = encode(msg, v)
+        results = await asyncio.gather(
+            *(ws.send_text(texts[self._versions.get(id(ws), PROTOCOL_VERSION)]) for _, ws in chosen),
+            return_exceptions=True)
         sent = 0
         for (rank, ws), res in zip(chosen, results, strict=True):
             if isinstance(res, BaseException):

@@ -37,13 +37,15 @@ from trainer_hook.protocol import (
     HOOK_FRAMES_BURST,
     HOOK_FRAMES_PER_S,
     HOOK_HELLO_FRAMES,
+    PROTOCOL_VERSION,
     Ack,
     Error,
     Hello,
     Metrics,
+    Oom,
     ProtocolError,
     Reject,
-    decode,
+    decode_versioned,
     encode,
 )
 
@@ -112,6 +114,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
         return
     hello: Hello | None = None
     hello_stored = True  # False while the database refused this connection's hello
+    hello_version = PROTOCOL_VERSION
     retry_at = 0.0
     lost = False  # the peer vanished without a close frame
     budget = FrameBudget(frames_per_s=HOOK_FRAMES_PER_S, frames_burst=HOOK_FRAMES_BURST,
@@ -134,7 +137,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
                 await _refuse(websocket, "rate_limited", over, CLOSE_RATE_LIMITED)
                 return
             try:
-                msg = decode(raw)
+                msg, version = decode_versioned(raw)
             except ProtocolError as exc:
                 log.info("closing hook connection from %s: %s", actor.address, exc)
                 await _refuse(websocket, exc.code, str(exc), exc.close_code)
@@ -159,16 +162,16 @@ async def hook_websocket(websocket: WebSocket) -> None:
                                   f"open a new connection for job '{msg.job}' rank {msg.rank}.",
                                   CLOSE_MALFORMED)
                     return
-                stored = await _on_hello(parts, websocket, msg)
+                stored = await _on_hello(parts, websocket, msg, version)
                 if stored is None:
                     return
-                hello = msg
+                hello, hello_version = msg, version
                 hello_stored = stored
                 retry_at = time.monotonic() + HELLO_RETRY_S
                 continue
-            if not isinstance(msg, (Metrics, Ack, Reject)):
+            if not isinstance(msg, (Metrics, Ack, Reject, Oom)):
                 await _refuse(websocket, "malformed",
-                              f"Hooks may not send '{msg.TYPE}' messages; expected metrics, ack or reject.",
+                              f"Hooks may not send '{msg.TYPE}' messages; expected metrics, ack, reject or oom.",
                               CLOSE_MALFORMED)
                 return
             if (msg.job, msg.rank) != (hello.job, hello.rank):
@@ -188,13 +191,18 @@ async def hook_websocket(websocket: WebSocket) -> None:
                     return
                 parts.live.add_metrics(msg)
                 if not hello_stored and time.monotonic() >= retry_at:
-                    hello_stored = await _hello_to_sql(parts, websocket, hello)
+                    hello_stored = await _hello_to_sql(parts, websocket, hello, version=hello_version)
                     retry_at = time.monotonic() + HELLO_RETRY_S
                 parts.controller.on_metrics(msg.job, urgent=msg.urgent)
                 parts.hub.notify(msg.job)
             elif isinstance(msg, Ack):
                 # An ack lost here is taken from the rank's metrics later (acks from metrics).
                 await _unless_database_fault("recording an ack", parts.controller.on_ack(msg))
+                parts.hub.notify(msg.job)
+            elif isinstance(msg, Oom):
+                log.warning("job %s rank %d ran out of memory at %d samples (placement %d): %s",
+                            msg.job, msg.rank, msg.local_batch_size, msg.version, msg.message)
+                await parts.controller.on_oom(msg)
                 parts.hub.notify(msg.job)
             else:
                 log.warning("job %s rank %d rejected placement %d: %s", msg.job, msg.rank, msg.version, msg.reason)
@@ -238,7 +246,7 @@ def _reshape_refusal(parts: Parts, websocket: WebSocket, hello: Hello) -> tuple[
             f"restart, with a higher restart count, may change the shape)."), True
 
 
-async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello) -> bool | None:
+async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello, version: int) -> bool | None:
     """Register the rank live, store it, answer with the placement in force. None when the
     hello was refused (the socket is closed); False when the database refused it: the rank
     streams on (live state, dashboard) and keeps the placement it has, and storing and the
@@ -261,22 +269,23 @@ async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello) -> bool | 
             f"job '{hello.job}' restarted with world_size {hello.world_size}; this is the previous attempt's connection",
             keep=websocket)
     new_run = parts.live.register(hello)
-    old = parts.connections.add(hello.job, hello.rank, websocket)
+    old = parts.connections.add(hello.job, hello.rank, websocket, version)
     if old is not None:
         log.info("job %s rank %d reconnected; closing its previous socket", hello.job, hello.rank)
         with contextlib.suppress(Exception):
             await old.close(1000, reason="replaced by a newer connection of the same rank")
-    stored = await _hello_to_sql(parts, websocket, hello, new_run)
+    stored = await _hello_to_sql(parts, websocket, hello, new_run, version)
     parts.hub.notify(hello.job)
     return stored
 
 
-async def _hello_to_sql(parts: Parts, websocket: WebSocket, hello: Hello, new_run: bool = False) -> bool:
+async def _hello_to_sql(parts: Parts, websocket: WebSocket, hello: Hello, new_run: bool = False,
+                        version: int = PROTOCOL_VERSION) -> bool:
     ok, _ = await _unless_database_fault("storing a hello", parts.sql.run(_store_hello(hello, new_run)))
     if not ok:
         return False
     ok, placement = await _unless_database_fault("answering a hello", parts.controller.on_hello(hello))
     if not ok or placement is None:
         return False
-    await websocket.send_text(encode(placement))
+    await websocket.send_text(encode(placement, version))  # in the version the hook speaks
     return True

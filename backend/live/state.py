@@ -32,6 +32,7 @@ from itertools import islice
 from operator import attrgetter, itemgetter
 from typing import Any, Final
 
+from backend.policy.memory import MemoryFit, MemoryReading, RankMemory, fit_memory
 from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
 
 __all__ = ["LiveState", "RankView", "JobView", "Window", "eta_seconds", "STEP_FIELDS",
@@ -91,6 +92,11 @@ class _Rank:
     # Bumped on every change; views of unchanged ranks are reused (1,024 ranks at 10 Hz).
     rev: int = 0
     cached: tuple[int, RankView] | None = None
+    # Peak-memory readings (the step records that carry one) and their fit, refitted only
+    # when a reading arrives.
+    memory: deque[MemoryReading] = field(default_factory=lambda: deque(maxlen=_MEMORY_READINGS))
+    mem_fit: MemoryFit | None = None
+    mem_stale: bool = False
 
 
 @dataclass(slots=True)
@@ -130,6 +136,10 @@ class RankView:
     dropped: int
     device: DeviceSample | None
     lost: bool = False  # its socket dropped without a close and it has not come back
+    # Peak device memory: how the rank measures it, the fit of its readings and the
+    # newest reading (None where the rank sends none).
+    memory: RankMemory | None = None
+    mem_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +199,9 @@ def eta_seconds(total_steps: int | None, batch_index: int | None, step_ms: float
     return max(total_steps - done, 0) * step_ms / 1000.0
 
 
+_MEMORY_READINGS = 256  # peak-memory readings kept per rank (one every few steps)
+
+
 def _mean(vals: list[float]) -> float:
     return sum(vals) / len(vals)
 
@@ -244,6 +257,11 @@ class LiveState:
             job = self._jobs[msg.job]
             r = job.ranks[msg.rank]
             rows = list(map(_step_row, msg.steps))
+            for s in msg.steps:
+                if s.mem_peak_bytes is not None:
+                    r.memory.append(MemoryReading(s.local_batch_size, s.mem_peak_bytes,
+                                                  s.mem_total_bytes, s.mem_reserved_bytes))
+                    r.mem_stale = True
             r.steps.extend(rows)
             r.pending.extend(rows)
             if msg.device:
@@ -311,6 +329,32 @@ class LiveState:
             r = j.ranks.get(rank) if j else None
             return r.hello if r else None
 
+    def rank_memory(self, job: str, rank: int) -> RankMemory | None:
+        """What the policy knows of a rank's memory (``backend.policy.memory``): how the
+        hook measures it, the fit of its readings, the device's total; None if unknown."""
+        with self._lock:
+            j = self._jobs.get(job)
+            r = j.ranks.get(rank) if j else None
+            return self._memory_of(r) if r is not None else None
+
+    @staticmethod
+    def _memory_of(r: _Rank) -> RankMemory:
+        # Under the lock. One fit per rank per new reading, whoever asks first.
+        if r.mem_stale:
+            r.mem_fit, r.mem_stale = fit_memory(r.memory), False
+        fit, hello = r.mem_fit, r.hello
+        last_total = r.memory[-1].total_bytes if r.memory else None
+        total = last_total or (fit.total_bytes if fit else None) or \
+            (hello.mem_total_bytes if hello.memory_source else None)
+        return RankMemory(source=hello.memory_source, fit=fit, total_bytes=total)
+
+    def memory_readings(self, job: str, rank: int) -> tuple[MemoryReading, ...]:
+        """The rank's buffered peak-memory readings, oldest first."""
+        with self._lock:
+            j = self._jobs.get(job)
+            r = j.ranks.get(rank) if j else None
+            return tuple(r.memory) if r else ()
+
     def view(self, job: str) -> JobView | None:
         """A consistent snapshot of one job with derived numbers, or None if unknown."""
         with self._lock:
@@ -367,6 +411,7 @@ class LiveState:
             step_ms=means[4],
             step_rate_hz=rate, n_steps=len(r.steps), dropped=r.dropped,
             device=_device(r.device[-1]) if r.device else None, lost=r.lost,
+            memory=self._memory_of(r), mem_peak_bytes=r.memory[-1].peak_bytes if r.memory else None,
         )
         r.cached = (r.rev, view)
         return view

@@ -15,6 +15,16 @@ from .devices import (
     normalize_device,
 )
 from .engine import decide, limit_moves, memory_caps, with_caps
+from .memory import (
+    DEFAULT_HEADROOM,
+    MemoryFit,
+    MemoryReading,
+    RankMemory,
+    fit_memory,
+    memory_bounds,
+    memory_cap,
+    memory_violations,
+)
 from .simulator import SCENARIOS, JobSimulator, SimRank, SimResult
 from .solver import predicted_step_ms, solve
 from .strategies import (
@@ -42,7 +52,15 @@ from .types import (
 )
 
 __all__ = [
+    "DEFAULT_HEADROOM",
     "DEVICE_TABLE",
+    "MemoryFit",
+    "MemoryReading",
+    "RankMemory",
+    "fit_memory",
+    "memory_bounds",
+    "memory_cap",
+    "memory_violations",
     "NO_CONSTRAINTS",
     "SCENARIOS",
     "THROTTLE_REASONS",

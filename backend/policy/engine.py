@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from ._guards import rollback_blocks
-from .devices import DEVICE_TABLE, normalize_device
+from .memory import DEFAULT_HEADROOM, format_bytes, memory_bounds, memory_limit_bytes
 from .solver import NO_CONSTRAINTS, check_placement, predicted_step_ms, rank_bounds, solve
 from .strategies import Estimate, get_strategy, static_strategy
 from .types import (
@@ -29,30 +28,12 @@ __all__ = ["decide", "memory_caps", "limit_moves", "with_caps"]
 log = logging.getLogger(__name__)
 
 
-def memory_caps(obs: JobObservation, headroom: float = 0.9) -> dict[int, int]:
-    """Most samples each rank can hold: ``(headroom * memory - fixed) / bytes per sample``.
-
-    Device memory comes from the rank, its latest device reading, or the device table.
-    Ranks without a measured ``mem_bytes_per_sample`` get no cap.
-    """
-    if not 0 < headroom <= 1:
-        raise ValueError(f"headroom must be in (0, 1], got {headroom!r}.")
-    caps: dict[int, int] = {}
-    for i, r in enumerate(obs.ranks):
-        per = r.mem_bytes_per_sample
-        if per is None or not math.isfinite(per) or per <= 0:
-            continue
-        total = r.mem_total_bytes
-        if total is None and r.device:
-            total = r.device[-1].mem_total_bytes
-        if total is None:
-            key = normalize_device(r.device_type)
-            total = DEVICE_TABLE[key].mem_bytes if key else None
-        if total is None:
-            continue
-        room = headroom * total - (r.mem_fixed_bytes or 0.0)
-        caps[i] = max(0, int(room // per))
-    return caps
+def memory_caps(obs: JobObservation, headroom: float = DEFAULT_HEADROOM) -> dict[int, int]:
+    """Most samples each rank can hold under ``(1 - headroom)`` of its memory; a rank that
+    measures memory without a fit yet is held at its current share; ranks that measure
+    nothing get no cap (see ``backend.policy.memory``)."""
+    return memory_bounds([r.memory for r in obs.ranks], obs.shares, obs.global_batch_size,
+                         headroom)[0]
 
 
 def with_caps(constraints: Constraints, caps: dict[int, int]) -> Constraints:
@@ -185,10 +166,12 @@ def _reason(est: Estimate, current: Sequence[int], target: Sequence[int], before
 
 
 def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Sequence[int],
-             evidence_extra: dict[str, object]) -> Explanation:
+             evidence_extra: dict[str, object], obs: JobObservation,
+             mem_caps: dict[int, int], headroom: float) -> Explanation:
     before = predicted_step_ms(est.a_ms, est.c_ms, current)
     after = predicted_step_ms(est.a_ms, est.c_ms, target)
     gain = (before - after) / before if before > 0 else 0.0
+    mem = [_memory_fields(obs, i, current[i], target[i], headroom) for i in range(len(current))]
     ranks = tuple(
         RankExplanation(
             rank=i, share_before=current[i], share_after=target[i],
@@ -197,11 +180,65 @@ def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Seque
             a_ms=est.a_ms[i], c_ms=est.c_ms[i],
             fit_r2=est.fit_r2[i] if est.fit_r2 else None,
             n_steps=est.n_steps[i] if est.n_steps else 0,
+            mem_peak_before_bytes=mem[i][0], mem_peak_after_bytes=mem[i][1],
+            mem_cap=mem_caps.get(i), mem_limit_bytes=mem[i][2],
         )
         for i in range(len(current))
     )
     evidence = {"units": est.units, **est.evidence, **evidence_extra}
     return Explanation(strategy, before, after, gain, ranks, evidence)
+
+
+def _memory_fields(obs: JobObservation, i: int, before: int, after: int,
+                   headroom: float) -> tuple[float | None, float | None, float | None]:
+    """(predicted peak before, after, bytes the rank may use) of rank ``i``."""
+    rm = obs.ranks[i].memory
+    fit = rm.fit
+    if fit is None:
+        return None, None, None
+    total = rm.total_bytes or fit.total_bytes
+    return (fit.predict(before), fit.predict(after),
+            memory_limit_bytes(total, headroom) if total else None)
+
+
+def _memory_note(obs: JobObservation, est: Estimate, target: Sequence[int], plan_c: Sequence[float],
+                 plan_cons: Constraints, operator_cons: Constraints, mem_caps: dict[int, int],
+                 why: dict[int, str], headroom: float) -> tuple[str, list[dict[str, object]]]:
+    """Ranks held at their memory cap below the share speed alone would give them: one
+    clause for the reason and the evidence."""
+    binding = [i for i, cap in mem_caps.items() if target[i] == cap]
+    if not binding:
+        return "", []
+    # The same solve without the memory caps: what speed alone asks for.
+    free_cons = Constraints(pins=plan_cons.pins, caps=operator_cons.caps, floors=operator_cons.floors,
+                            drains=operator_cons.drains, granularity=operator_cons.granularity)
+    try:
+        speed = solve(est.a_ms, plan_c, obs.global_batch_size, free_cons)
+    except InfeasibleError:
+        return "", []
+    held = [i for i in binding if speed[i] > target[i]]
+    notes: list[str] = []
+    evidence: list[dict[str, object]] = []
+    for i in held:
+        rm = obs.ranks[i].memory
+        item: dict[str, object] = {"rank": i, "cap": mem_caps[i], "speed_share": speed[i],
+                                   "why": why.get(i, "memory")}
+        total = rm.total_bytes or (rm.fit.total_bytes if rm.fit else None)
+        if why.get(i) == "memory" and rm.fit is not None and total:
+            limit = memory_limit_bytes(total, headroom)
+            peak = rm.fit.predict(mem_caps[i])
+            item.update({"predicted_peak_bytes": peak, "limit_bytes": limit})
+            notes.append(f"rank {i} is capped at {mem_caps[i]} samples by memory (predicted peak "
+                         f"{format_bytes(peak)} of a {format_bytes(limit)} limit; speed alone "
+                         f"would give it {speed[i]})")
+        elif why.get(i) == "memory_unknown":
+            notes.append(f"rank {i} stays at {mem_caps[i]} samples until its memory is measured "
+                         f"(speed alone would give it {speed[i]})")
+        elif why.get(i) == "out_of_memory":
+            notes.append(f"rank {i} is capped at {mem_caps[i]} samples since it ran out of memory "
+                         f"(speed alone would give it {speed[i]})")
+        evidence.append(item)
+    return "; ".join(notes), evidence
 
 
 def _held_ranks(est: Estimate, obs: JobObservation, cfg: PolicyConfig,
@@ -254,7 +291,9 @@ def decide(obs: JobObservation, config: PolicyConfig,
     """Propose a better placement for the job, or say why not.
 
     Pure: the same observation, config and constraints give the same decision. Memory caps
-    derived from the observation (:func:`memory_caps`) are added to ``constraints``.
+    derived from the observation (:func:`memory_caps`, ``config.memory_headroom``) are
+    added to ``constraints``; a rank held at its memory cap below the share its speed
+    would earn is named in the reason.
     In order:
 
     - the placement in force breaks a constraint: propose a fix at once (no cooldown;
@@ -290,11 +329,16 @@ def decide(obs: JobObservation, config: PolicyConfig,
         )
     _check_config(config)
     strategy = get_strategy(config.strategy)
-    eff = with_caps(constraints, memory_caps(obs))
+    headroom = config.memory_headroom
+    mem_caps, mem_why = memory_bounds([r.memory for r in obs.ranks], obs.shares, b_total,
+                                      headroom)
+    eff = with_caps(constraints, mem_caps)
     try:
         rank_bounds(n, b_total, eff)
     except InfeasibleError as exc:
-        return NoProposal("infeasible", str(exc))
+        caps_text = ", ".join(f"rank {r} <= {c}" for r, c in sorted(mem_caps.items()))
+        caps_note = f" (memory caps: {caps_text})" if mem_caps else ""
+        return NoProposal("infeasible", f"{exc}{caps_note}")
     violation = check_placement(obs.shares, b_total, eff)
 
     cooling = violation is None and obs.placement_version > 0 and \
@@ -357,7 +401,11 @@ def decide(obs: JobObservation, config: PolicyConfig,
     if blocks:
         extra["rolled_back_directions"] = {str(i): "up" if d > 0 else "down"
                                            for i, d in sorted(blocks.items())}
-    expl = _explain(est, strategy_name, obs.shares, target, extra)
+    note, capped = _memory_note(obs, est, target, plan_c, plan_cons, constraints, mem_caps,
+                                mem_why, headroom)
+    if capped:
+        extra["memory_capped"] = capped
+    expl = _explain(est, strategy_name, obs.shares, target, extra, obs, mem_caps, headroom)
     if target == tuple(obs.shares):
         return NoProposal("balanced", f"balanced: the {strategy_name} split equals the "
                           "placement in force", explanation=expl)
@@ -375,5 +423,7 @@ def decide(obs: JobObservation, config: PolicyConfig,
         )
     reason = _reason(est, obs.shares, target, expl.step_ms_before, expl.step_ms_after,
                      expl.gain, strategy_name, violation)
+    if note:
+        reason = f"{reason}; {note}"
     log.debug("job %s: proposing %s (%s)", obs.job, target, reason)
     return Proposal(shares=target, reason=reason, explanation=expl)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .memory import DEFAULT_HEADROOM, RankMemory
+
 __all__ = [
     "StepSample",
     "DeviceSignals",
@@ -57,9 +59,8 @@ class RankObservation:
     steps: tuple[StepSample, ...] = ()
     # Device history, oldest first (about 1 Hz), for the predictive strategy.
     device: tuple[DeviceSignals, ...] = ()
-    # Observed peak memory per sample, for memory caps (None when unknown).
-    mem_bytes_per_sample: float | None = None
-    mem_fixed_bytes: float | None = None
+    # Peak-memory fit and what the rank measures it with (backend.policy.memory).
+    memory: RankMemory = RankMemory()
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,7 @@ class PolicyConfig:
     # steps it takes to apply, and one aimed at the end of that stays ahead of a drift.
     horizon_steps: int = 30
     params: dict[str, float] = field(default_factory=dict)  # strategy-specific extras
+    memory_headroom: float = DEFAULT_HEADROOM  # memory caps keep this fraction free
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,12 @@ class RankExplanation:
     c_ms: float  # fitted per-sample cost
     fit_r2: float | None = None
     n_steps: int = 0
+    # Predicted peak device memory (None where the rank has no memory fit), the memory
+    # cap in samples and the bytes it may use.
+    mem_peak_before_bytes: float | None = None
+    mem_peak_after_bytes: float | None = None
+    mem_cap: int | None = None
+    mem_limit_bytes: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.backend._app import hello, make_app, metrics, sync
-from trainer_hook.protocol import MAX_MESSAGE_BYTES, Ack, Reject, encode
+from tests.backend._app import hello, make_app, metrics, steps, sync
+from trainer_hook.protocol import MAX_MESSAGE_BYTES, Ack, Hello, Metrics, Reject, encode
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def test_frames_for_another_rank_or_placement_from_hook_are_refused(client):
         ws.send_text(hello(rank=0))
         placement = ws.receive_text()
         ws.send_text(placement)
-        assert ws.receive_json()["message"] == "Hooks may not send 'placement' messages; expected metrics, ack or reject."
+        assert ws.receive_json()["message"] == "Hooks may not send 'placement' messages; expected metrics, ack, reject or oom."
 
 
 def test_reject_is_accepted_and_connection_stays_open(client):
@@ -164,3 +164,35 @@ def test_prometheus_metrics_reflect_ingest(client):
     assert "rebalancer_ingest_messages_total 2.0" in text
     assert "rebalancer_dropped_records_total 2.0" in text
     assert 'rebalancer_step_seconds{job="j"} 0.04' in text
+
+
+def test_a_version_1_hook_is_answered_in_version_1(client):
+    with client.websocket_connect("/ws/hook") as ws:
+        ws.send_text(encode(Hello(job="old", rank=0, world_size=1, global_batch_size=8), 1))
+        reply = ws.receive_json()
+        assert (reply["type"], reply["v"], reply["shares"]) == ("placement", 1, [8])
+        ws.send_text(encode(Metrics(job="old", rank=0, steps=steps(0, 3)), 1))
+        sync(ws, encode(Hello(job="old", rank=0, world_size=1, global_batch_size=8), 1))
+    got = client.get("/api/v1/jobs/old/memory").json()["data"][0]
+    assert (got["status"], got["source"], got["cap"]) == ("unmeasured", "", None)
+
+
+def test_memory_readings_in_step_records_give_the_rank_a_fit(client):
+    recs = steps(0, 6, local_batch_size=8) + steps(6, 6, local_batch_size=16)
+    for r in recs[1::2]:  # one record in two carries a reading: 1 GB + 0.1 GB per sample
+        r.mem_peak_bytes, r.mem_total_bytes = 10**9 + r.local_batch_size * 10**8, 8 * 10**9
+    with client.websocket_connect("/ws/hook") as ws:
+        h = hello(job="m", rank=0, world_size=1, global_batch_size=16, memory_source="cuda")
+        ws.send_text(h)
+        ws.receive_json()
+        assert client.get("/api/v1/jobs/m/memory").json()["data"][0]["status"] == "measuring"
+        ws.send_text(encode(Metrics(job="m", rank=0, steps=recs)))
+        sync(ws, h)
+    got = client.get("/api/v1/jobs/m/memory").json()
+    r0 = got["data"][0]
+    assert got["memory_headroom"] == 0.1
+    assert (r0["status"], r0["method"], r0["batch_sizes"], r0["readings"]) == ("fitted", "linear", 2, 6)
+    assert r0["fixed_bytes"] == pytest.approx(10**9) and r0["per_sample_bytes"] == pytest.approx(10**8)
+    assert r0["cap"] == 62 and r0["limit_bytes"] == pytest.approx(7.2 * 10**9)
+    assert r0["last_peak_bytes"] == 26 * 10**8
+    assert client.get("/api/v1/jobs/nope/memory").status_code == 404

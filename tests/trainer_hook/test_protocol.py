@@ -65,7 +65,7 @@ def test_missing_step_field_is_named() -> None:
     ("raw", "code", "close"),
     [
         ("{not json", "malformed", CLOSE_MALFORMED),
-        ('{"type": "hello", "v": 2}', "unsupported_version", CLOSE_UNSUPPORTED_VERSION),
+        ('{"type": "hello", "v": 3}', "unsupported_version", CLOSE_UNSUPPORTED_VERSION),
         ('{"type": "nope", "v": 1}', "malformed", CLOSE_MALFORMED),
         ("x" * (MAX_MESSAGE_BYTES + 1), "too_big", CLOSE_TOO_BIG),
     ],

@@ -15,10 +15,12 @@ from trainer_hook.protocol import (
     Error,
     Hello,
     Metrics,
+    Oom,
     Placement,
     Reject,
     StepRecord,
     decode,
+    decode_versioned,
     encode,
 )
 
@@ -28,15 +30,17 @@ FRAMES = re.findall(r"```json\n(.*?)\n```", DOC, flags=re.S)
 
 def test_doc_has_an_example_of_every_message_kind() -> None:
     kinds = {type(decode(f)).TYPE for f in FRAMES}
-    assert kinds == {"hello", "metrics", "ack", "reject", "placement", "error"}
+    assert kinds == {"hello", "metrics", "ack", "reject", "oom", "placement", "error"}
+    assert {decode_versioned(f)[1] for f in FRAMES} == set(protocol.SUPPORTED_VERSIONS)
 
 
 @pytest.mark.parametrize("frame", FRAMES)
 def test_every_example_frame_decodes_and_reencodes_identically(frame: str) -> None:
-    assert encode(decode(frame)) == frame
+    msg, version = decode_versioned(frame)
+    assert encode(msg, version) == frame
 
 
-@pytest.mark.parametrize("cls", [Hello, Metrics, StepRecord, DeviceSample, Ack, Reject, Placement, Error])
+@pytest.mark.parametrize("cls", [Hello, Metrics, StepRecord, DeviceSample, Ack, Reject, Oom, Placement, Error])
 def test_every_field_is_documented(cls: type) -> None:
     for f in fields(cls):
         assert f"| `{f.name}` |" in DOC, f"docs/protocol.md does not document {cls.__name__}.{f.name}"

@@ -54,6 +54,7 @@ class ManualPlacementIn(BaseModel):
     shares: Any = Field(description="one integer share per rank, summing to the global batch size")
     reason: str | None = Field(default=None, max_length=2048)
     apply: bool = False  # approve it in the same call
+    force: bool = Field(default=False, description="submit it even though it breaks a memory cap (audited)")
 
 
 class DecisionIn(BaseModel):
@@ -194,9 +195,10 @@ async def list_proposals(
 @router.post("/proposals", response_model=ProposalPublic, status_code=201)
 async def create_proposal(job: str, body: ManualPlacementIn, actor: OperatorDep,
                           parts: PartsDep) -> dict[str, Any]:
-    """Submit a placement by hand (validated against the job and its overrides)."""
+    """Submit a placement by hand (validated against the job, its overrides and its memory
+    caps; ``force`` submits one that breaks a memory cap, audited)."""
     return await parts.controller.submit_manual(job, body.shares, actor=actor,
-                        reason=body.reason, apply=body.apply)
+                                                reason=body.reason, apply=body.apply, force=body.force)
 
 
 @router.get("/proposals/{proposal_id}", response_model=ProposalPublic)

@@ -1,6 +1,6 @@
 // Operator controls of the job view (proposal decisions, mode, overrides, manual placement,
 // rollback) and the history tables. Viewers get the same page with the controls hidden.
-import { api, el, fmt, pct } from "./common.js";
+import { api, bytes, el, fmt, pct } from "./common.js";
 
 const $ = (id) => document.getElementById(id);
 
@@ -178,15 +178,28 @@ function stat(k, v, cls = "") {
   return el("div", { class: "stat" }, el("div", { class: "k" }, k), el("div", { class: `v ${cls}` }, v));
 }
 
+// Predicted peak memory before → after, and the memory cap ("–" where the rank has no fit).
+function peakText(r) {
+  if (r.mem_peak_after_bytes === null || r.mem_peak_after_bytes === undefined) return "–";
+  const cap = r.mem_cap === null || r.mem_cap === undefined ? "" : ` (cap ${r.mem_cap})`;
+  return `${bytes(r.mem_peak_before_bytes)} → ${bytes(r.mem_peak_after_bytes)}${cap}`;
+}
+
 function explanationTable(ex) {
-  if (!ex || !Array.isArray(ex.ranks) || !ex.ranks.length) return null;
-  const rows = ex.ranks.slice(0, 64).map((r) => el("tr", {},
-    el("td", {}, `r${r.rank}`), el("td", { class: "num" }, `${r.share_before} → ${r.share_after}`),
-    el("td", { class: "num" }, `${fmt(r.compute_ms_before, 1)} → ${fmt(r.compute_ms_after, 1)} ms`),
-    el("td", { class: "num" }, fmt(r.c_ms, 3, " ms/sample"))));
+  // Policy proposals explain every rank; manual ones carry only the memory part.
+  const ranks = ex && Array.isArray(ex.ranks) && ex.ranks.length ? ex.ranks
+    : ex && Array.isArray(ex.memory) ? ex.memory : null;
+  if (!ranks || !ranks.length) return null;
+  const rows = ranks.slice(0, 64).map((r) => el("tr", {},
+    el("td", {}, `r${r.rank}`),
+    el("td", { class: "num" }, r.share_before === undefined ? "" : `${r.share_before} → ${r.share_after}`),
+    el("td", { class: "num" }, r.compute_ms_before === undefined ? "" : `${fmt(r.compute_ms_before, 1)} → ${fmt(r.compute_ms_after, 1)} ms`),
+    el("td", { class: "num" }, r.c_ms === undefined ? "" : fmt(r.c_ms, 3, " ms/sample")),
+    el("td", { class: "num mem-peak" }, peakText(r))));
   return el("div", { class: "scroll", style: "max-height:160px" }, el("table", { class: "grid" },
     el("thead", {}, el("tr", {}, el("th", {}, "rank"), el("th", { class: "num" }, "share"),
-      el("th", { class: "num" }, "predicted compute"), el("th", { class: "num" }, "cost"))),
+      el("th", { class: "num" }, "predicted compute"), el("th", { class: "num" }, "cost"),
+      el("th", { class: "num" }, "predicted peak memory"))),
     el("tbody", {}, rows)));
 }
 

@@ -59,6 +59,22 @@ function renderForecast(s, savings) {
   );
 }
 
+// Peak memory: newest peak, the fit m0 + m*b and the memory cap in samples (what the
+// policy will not go above); "–" for a rank that measures no memory (CPU).
+function memoryCell(r, i) {
+  const peak = (r.mem_peak_bytes || [])[i];
+  const m0 = (r.mem_fixed_bytes || [])[i];
+  const per = (r.mem_per_sample_bytes || [])[i];
+  const cap = (r.mem_cap || [])[i];
+  const source = (r.memory_source || [])[i];
+  if (peak === null || peak === undefined) {
+    return el("td", { class: "num mem-fit", title: source ? "waiting for the first readings: may only lose work" : "no memory source" }, source ? "measuring" : "–");
+  }
+  const fit = m0 === null || m0 === undefined ? "no fit yet" : `${bytes(m0)} + ${bytes(per)}/sample (${r.mem_fit[i]})`;
+  return el("td", { class: "num mem-fit", title: fit },
+    `${bytes(peak)}${cap === null || cap === undefined ? "" : ` · cap ${cap}`}`);
+}
+
 function renderDevices(r, shares) {
   if (!r || !r.rank) return;
   const worst = Math.max(...r.compute_ms.map((v) => v ?? 0));
@@ -80,6 +96,7 @@ function renderDevices(r, shares) {
       el("td", { class: "num" }, fmt(r.data_wait_ms[i], 1, " ms")),
       el("td", { class: "num" }, fmt(util, 0, r.util_pct[i] === null ? " % cpu" : " %")),
       el("td", { class: "num" }, mem),
+      memoryCell(r, i),
       el("td", { class: "num" }, fmt(r.power_w[i], 0, " W")),
       el("td", { class: "num" }, fmt(r.temp_c[i], 0, " °C")),
       el("td", { class: "num" }, clock),

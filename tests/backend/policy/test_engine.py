@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 
 from backend.policy import (
     Constraints,
+    MemoryFit,
     NoProposal,
     PolicyConfig,
     Proposal,
+    RankMemory,
     check_placement,
     decide,
     limit_moves,
@@ -126,23 +128,24 @@ def test_constraint_violation_is_fixed_even_in_cooldown_and_warm_up():
                                  "drained but has 32 samples)")
 
 
-def test_memory_caps_from_bytes_per_sample():
+def test_memory_caps_from_the_fit():
     gib = 2**30
+    fit = MemoryFit(4.0 * gib, 1.0 * gib, None, 10, 2, "linear", 36 * gib, 32)
     obs = observe([0.0, 0.0], [1.0, 3.0], [32, 32], steps=20,
-                  device_types=["H100", "A100-40GB"],
-                  mem_bytes_per_sample=[1.0 * gib, 1.0 * gib],
-                  mem_fixed_bytes=[4.0 * gib, 4.0 * gib],
-                  mem_total_bytes=[None, 40 * 10**9])
-    caps = memory_caps(obs)
-    assert caps == {0: int((0.9 * 80 * 10**9 - 4 * gib) // gib),
-                    1: int((0.9 * 40 * 10**9 - 4 * gib) // gib)}
+                  memory=[RankMemory("cuda", fit, 80 * 10**9), RankMemory("cuda", fit, 40 * 10**9)])
+    assert memory_caps(obs) == {0: int((0.9 * 80 * 10**9 - 4 * gib) // gib),
+                                1: int((0.9 * 40 * 10**9 - 4 * gib) // gib)}
+    fit2 = MemoryFit(0.0, 2.0 * gib, None, 10, 2, "linear", 32 * gib, 16)
     obs = observe([0.0, 0.0], [1.0, 1.0], [16, 16], steps=20,
-                  mem_bytes_per_sample=[2.0 * gib, 2.0 * gib], mem_total_bytes=[80 * gib, 20 * gib])
+                  memory=[RankMemory("cuda", fit2, 80 * gib), RankMemory("cuda", fit2, 20 * gib)])
     got = decide(obs, PolicyConfig())
     assert isinstance(got, Proposal)  # rank 1 can hold only 9 samples
     assert got.shares == (23, 9)
     assert "rank 1 has 16 samples outside its bounds 0-9" in got.reason
-    with pytest.raises(ValueError, match=r"headroom must be in \(0, 1\], got 1.5"):
+    r1 = got.explanation.ranks[1]
+    assert (r1.mem_peak_before_bytes, r1.mem_peak_after_bytes, r1.mem_cap) == (32 * gib, 18 * gib, 9)
+    assert r1.mem_limit_bytes == 0.9 * 20 * gib
+    with pytest.raises(ValueError, match=r"memory_headroom must be a fraction in \[0, 1\), got 1.5"):
         memory_caps(obs, headroom=1.5)
 
 

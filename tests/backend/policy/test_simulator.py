@@ -88,3 +88,15 @@ def test_a_noisy_rank_is_not_handed_work_on_a_lucky_streak(seed):
     assert all(shares[3] <= oracle[3] + 1 for _, shares, _ in res.proposals)
     assert res.shares[-1][6] < res.shares[0][6]
     assert res.ratio(40) < 1.03
+
+
+def test_memory_caps_scenario_stays_on_the_cards_and_near_the_capped_oracle():
+    sim = JobSimulator.scenario("memory_caps", seed=4)
+    assert sim.oracle_shares(0)[:2] == (49, 49)  # speed alone would give 64: memory holds 49
+    res = sim.run("profiled", 120)
+    assert res.oom_steps == 0
+    assert all(s[0] <= 49 and s[1] <= 49 for s in res.shares)
+    assert res.ratio(40) < 1.06 < JobSimulator.scenario("memory_caps", seed=4).run(None, 120).ratio(40)
+    assert "capped at 46 samples by memory" in res.proposals[0][2]
+    blind = JobSimulator.scenario("memory_caps", seed=4, measure_memory=False).run("profiled", 120)
+    assert blind.oom_steps > 0  # a policy that sees no memory runs the small cards out
