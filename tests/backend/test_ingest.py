@@ -171,7 +171,7 @@ def test_a_version_1_hook_is_answered_in_version_1(client):
         ws.send_text(encode(Hello(job="old", rank=0, world_size=1, global_batch_size=8), 1))
         reply = ws.receive_json()
         assert (reply["type"], reply["v"], reply["shares"]) == ("placement", 1, [8])
-        ws.send_text(encode(Metrics(job="old", rank=0, steps=steps(0, 3)), 1))
+        ws.send_text(encode(Metrics(job="old", rank=0, steps=steps(0, 3, local_batch_size=8)), 1))
         sync(ws, encode(Hello(job="old", rank=0, world_size=1, global_batch_size=8), 1))
     got = client.get("/api/v1/jobs/old/memory").json()["data"][0]
     assert (got["status"], got["source"], got["cap"]) == ("unmeasured", "", None)
