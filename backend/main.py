@@ -34,7 +34,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     services: Services = build_services(settings)
     services.controller = Controller(services)
     services.hub = DashboardHub(services)
-    services.registry = metrics.make_registry(services)
+    services.registry = metrics.make_registry(
+        live=services.live, connections=services.connections, controller=services.controller,
+        hub=services.hub, settings=settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

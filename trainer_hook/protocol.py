@@ -50,6 +50,7 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_RECORDS_PER_MESSAGE = 2048
 MAX_WORLD_SIZE = 65536
+MAX_GPU_INDEX = 4095  # NVML device index; a node has far fewer GPUs
 _MAX_NAME = 128
 _MAX_TEXT = 2048
 
@@ -203,6 +204,10 @@ class Hello:
     restart_count: int = 0
     hook_version: str = ""
     total_steps: int | None = None
+    # The GPU as NVML names it (dcgm-exporter's ``gpu`` and ``UUID`` labels); None and ""
+    # for a CPU rank or a GPU NVML cannot see.
+    gpu_index: int | None = None
+    gpu_uuid: str = ""
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Hello:
@@ -224,6 +229,8 @@ class Hello:
             restart_count=_int(d, "restart_count", default=0),
             hook_version=_str(d, "hook_version", default=""),
             total_steps=_int(d, "total_steps", lo=1, default=None),
+            gpu_index=_int(d, "gpu_index", hi=MAX_GPU_INDEX, default=None),
+            gpu_uuid=_str(d, "gpu_uuid", default=""),
         )
 
 

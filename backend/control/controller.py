@@ -379,6 +379,12 @@ class Controller:
         with self._session() as s:
             return db.proposal_counts(s, job)
 
+    def activity_counts(self, job: str) -> dict[str, dict[str, int]]:
+        """Proposals and placements of ``job`` by source, and rejected placements, counted
+        from the stored rows (Prometheus counters that survive a restart)."""
+        with self._session() as s:
+            return db.activity_counts(s, job)
+
     def policy_settings(self, job: str) -> dict[str, Any]:
         """Effective policy settings of a job (stored values over the backend defaults)."""
         st = self._require(job)

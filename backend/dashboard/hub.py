@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
+from backend.live.forecast import savings
 from backend.live.state import STEP_BATCH, STEP_COMPUTE, STEP_LOCAL_BATCH, STEP_MS, STEP_VERSION
 from trainer_hook.protocol import uniform_shares
 
@@ -503,6 +504,15 @@ class DashboardHub:
             "cost_per_hour": _r(sum(prices)) if prices else None,
             "total_steps": view.total_steps, "eta_s": _r(view.eta_s),
         }
+
+    def savings(self, job: str) -> dict[str, float | None] | None:
+        """The job's savings against the uniform split so far (None if no feed)."""
+        feed = self._feeds.get(job)
+        if feed is None:
+            return None
+        return savings(measured_ms=feed.measured_ms, uniform_ms=feed.uniform_ms,
+                       saved_ms=feed.saved_ms,
+                       cost_per_hour=feed.summary.get("cost_per_hour")).as_dict()
 
     # --- clients ------------------------------------------------------------------------
 

@@ -26,12 +26,14 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 from operator import attrgetter, itemgetter
 from typing import Any, Final
 
+from backend.metrics_contract import STEP_BUCKETS_S
 from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
 
 __all__ = ["LiveState", "RankView", "JobView", "Window", "eta_seconds", "STEP_FIELDS",
@@ -101,6 +103,10 @@ class _Job:
     last_seen: float
     ranks: dict[int, _Rank] = field(default_factory=dict)
     total_steps: int | None = None  # the newest a hook said (hello or metrics)
+    # Step wall times as rank 0 sent them (every rank of a synchronous job sees the same
+    # step): counts per STEP_BUCKETS_S bucket, the last one +Inf, and their sum in seconds.
+    step_buckets: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS_S) + 1))
+    step_sum_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +133,8 @@ class RankView:
     n_steps: int
     dropped: int
     device: DeviceSample | None
+    gpu_index: int | None = None
+    gpu_uuid: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +248,12 @@ class LiveState:
             job = self._jobs[msg.job]
             r = job.ranks[msg.rank]
             rows = list(map(_step_row, msg.steps))
+            if msg.rank == 0:
+                buckets = job.step_buckets
+                for row in rows:
+                    step_s = row[STEP_MS] / 1000.0
+                    buckets[bisect_left(STEP_BUCKETS_S, step_s)] += 1
+                    job.step_sum_s += step_s
             r.steps.extend(rows)
             r.pending.extend(rows)
             if msg.device:
@@ -283,6 +297,20 @@ class LiveState:
             j = self._jobs.get(job)
             r = j.ranks.get(rank) if j else None
             return r.hello if r else None
+
+    def step_histogram(self, job: str) -> tuple[tuple[int, ...], float] | None:
+        """The job's step-time histogram: cumulative counts per ``STEP_BUCKETS_S`` bound
+        then +Inf, and the sum of the steps in seconds (None if the job is unknown)."""
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None:
+                return None
+            counts, total = list(j.step_buckets), j.step_sum_s
+        running, cumulative = 0, []
+        for c in counts:
+            running += c
+            cumulative.append(running)
+        return tuple(cumulative), total
 
     def view(self, job: str) -> JobView | None:
         """A consistent snapshot of one job with derived numbers, or None if unknown."""
@@ -339,6 +367,7 @@ class LiveState:
             step_ms=means[4],
             step_rate_hz=rate, n_steps=len(r.steps), dropped=r.dropped,
             device=_device(r.device[-1]) if r.device else None,
+            gpu_index=h.gpu_index, gpu_uuid=h.gpu_uuid,
         )
         r.cached = (r.rev, view)
         return view

@@ -1,0 +1,76 @@
+"""The one home of a job's ETA, running cost and savings figures; the jobs routes, the
+``/forecast`` route, the dashboard feed and the stored run summary all call these.
+
+- ETA: steps left after the newest batch times the recent step time (``eta_seconds``).
+- Cost: the sum of the ranks' hourly prices (settings' ``price_for``); idle cost is that
+  times the job's idle fraction; cost to finish is the ETA times the hourly cost.
+- Savings: wall time the run took against what the uniform split would have taken, summed
+  over closed batches, and that time priced at the job's hourly cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from backend.live.state import JobView, eta_seconds
+
+__all__ = ["Forecast", "forecast", "Savings", "savings", "eta_seconds"]
+
+PriceFor = Callable[[str, str], "float | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class Forecast:
+    batch_index: int | None
+    total_steps: int | None
+    remaining_steps: int | None
+    step_ms: float | None
+    eta_s: float | None
+    cost_per_hour: float | None
+    idle_cost_per_hour: float | None
+    unpriced_ranks: int
+    cost_to_finish: float | None
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return asdict(self)
+
+
+def forecast(view: JobView, price_for: PriceFor, total_steps: int | None = None) -> Forecast:
+    """ETA and cost of ``view``'s job; ``total_steps`` overrides what its hooks reported."""
+    total = view.total_steps if total_steps is None else total_steps
+    prices = [price_for(r.device_type, r.device_name) for r in view.ranks]
+    known = [p for p in prices if p is not None]
+    cost_h = sum(known) if known else None
+    done = (view.batch_index + 1) if view.batch_index is not None else 0
+    eta = eta_seconds(total, view.batch_index, view.step_ms)
+    return Forecast(
+        batch_index=view.batch_index, total_steps=total,
+        remaining_steps=max(total - done, 0) if total is not None else None,
+        step_ms=view.step_ms, eta_s=eta, cost_per_hour=cost_h,
+        idle_cost_per_hour=(cost_h * view.idle_fraction
+                            if cost_h is not None and view.idle_fraction is not None else None),
+        unpriced_ranks=len(prices) - len(known),
+        cost_to_finish=eta / 3600.0 * cost_h if eta is not None and cost_h is not None else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Savings:
+    measured_s: float
+    uniform_s: float
+    saved_s: float
+    saved_cost: float | None
+
+    def as_dict(self) -> dict[str, float | None]:
+        return asdict(self)
+
+
+def savings(*, measured_ms: float, uniform_ms: float, saved_ms: float,
+            cost_per_hour: float | None) -> Savings:
+    """Time (and money, when priced) the run saved against the uniform split."""
+    return Savings(
+        measured_s=round(measured_ms / 1000, 3), uniform_s=round(uniform_ms / 1000, 3),
+        saved_s=round(saved_ms / 1000, 3),
+        saved_cost=round(saved_ms / 3.6e6 * cost_per_hour, 6) if cost_per_hour else None,
+    )
