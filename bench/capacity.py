@@ -13,6 +13,12 @@ moment a hook frame is handed to its socket to the moment a dashboard frame firs
 that rank at that frame's newest batch index or later. The dashboard client runs in its
 own process so that the generator's busy event loop does not delay what it sees.
 
+Prometheus's side: a scraper process fetches ``/metrics`` every ``SCRAPE_EVERY_S`` during
+the measured window (under the full load) and a few times once the hooks stopped (quiet):
+wall time per scrape, body size and series count. Every simulated rank reports an
+NVML-like device sample (GPU index, UUID, utilisation, memory, power, temperature, clocks,
+throttle reasons), so a scrape carries every per-rank and per-device series a GPU job has.
+
     python -m bench.capacity [--quick | --tiny] [--ranks 8,64,256,1024] [--seconds 15]
 """
 
@@ -25,7 +31,9 @@ import math
 import multiprocessing as mp
 import os
 import re
+import statistics
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +58,11 @@ _RECORD = (
     '"compute_ms":{c:.3f},"sync_wait_ms":1.5,"optimizer_ms":0.8,"step_ms":100.0,"t":{t:.6f}}}'
 )
 
-_DEVICE = '{{"t":{t:.6f},"source":"psutil","cpu_pct":97.0,"rss_bytes":1073741824}}'
+_DEVICE = ('{{"t":{t:.6f},"source":"nvml","util_pct":97.0,"mem_used_bytes":32212254720,'
+           '"mem_total_bytes":85899345920,"power_w":612.5,"temp_c":71.0,"sm_clock_mhz":1755.0,'
+           '"sm_clock_max_mhz":1980.0,"throttle_reasons":["sw_power_cap"]}}')
+SCRAPE_EVERY_S = 2.0
+QUIET_SCRAPES = 3
 
 
 @dataclass
@@ -74,6 +86,12 @@ class CapacityResult:
     dashboard_frames: int
     dashboard_bytes_per_s: float
     send_lag_p99_ms: float  # how late the generator sent frames (its own overload)
+    scrapes: int = 0  # /metrics fetched under load
+    scrape_p50_ms: float | None = None  # wall time of one scrape under load
+    scrape_max_ms: float | None = None
+    scrape_quiet_ms: float | None = None  # median of QUIET_SCRAPES after the hooks stopped
+    scrape_bytes: int | None = None  # body size of the last scrape
+    scrape_series: int | None = None  # samples (lines) in it
     errors: list[str] = field(default_factory=list)
 
 
@@ -113,8 +131,9 @@ async def _hook_client(load: _Load, base: str, rank: int, t0: float, ready: asyn
     gbs = max(world, 1) * 8
     hello = json.dumps({
         "type": "hello", "v": 1, "job": load.job, "rank": rank, "world_size": world,
-        "global_batch_size": gbs, "host": "bench", "pid": os.getpid(), "device_type": "cpu",
-        "device_name": f"sim-{rank}",
+        "global_batch_size": gbs, "host": f"node{rank // 8}", "pid": os.getpid(), "device_type": "H100",
+        "device_name": "NVIDIA H100 80GB HBM3", "gpu_index": rank % 8,
+        "gpu_uuid": f"GPU-{rank:08d}-0000-0000-0000-000000000000",
     })
     head = f'{{"type":"metrics","v":1,"job":"{load.job}","rank":{rank},"dropped":0,"steps":['
     device_every = max(1, round(DEVICE_EVERY_S / FLUSH_S))
@@ -226,6 +245,30 @@ def _dashboard_process(url: str, ranks: int, stop: Any, conn: Any) -> None:
     conn.close()
 
 
+def _scrape(url: str) -> tuple[float, int, int]:
+    """One ``/metrics`` fetch: (wall ms, bytes, samples)."""
+    t = time.perf_counter()
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+        body = r.read()
+    ms = (time.perf_counter() - t) * 1000.0
+    return ms, len(body), sum(1 for line in body.split(b"\n") if line and not line.startswith(b"#"))
+
+
+def _scrape_process(url: str, every_s: float, stop: Any, conn: Any) -> None:
+    """Scrape ``/metrics`` every ``every_s`` until ``stop``, in its own process (as
+    Prometheus would, apart from the load generator); sends the list back."""
+    got: list[tuple[float, int, int]] = []
+    error = ""
+    while not stop.wait(every_s):
+        try:
+            got.append(_scrape(url))
+        except Exception as exc:  # noqa: BLE001 - reported by the parent
+            error = repr(exc)
+            break
+    conn.send((got, error))
+    conn.close()
+
+
 def _latencies(sent_at: list[list[tuple[int, float]]], seen: list[tuple[int, int, float]],
                t_lo: float, t_hi: float) -> list[float]:
     """For every hook frame sent in [t_lo, t_hi): ms until a dashboard frame first showed
@@ -310,10 +353,16 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
     cpu_g0 = sum(me.cpu_times()[:2])
     viewer = psutil.Process(dash.pid)
     cpu_d0 = sum(viewer.cpu_times()[:2])
+    scrape_stop = ctx.Event()
+    scrape_conn, scrape_child = ctx.Pipe(duplex=False)
+    scraper = ctx.Process(target=_scrape_process, daemon=True,
+                          args=(backend.url, min(SCRAPE_EVERY_S, seconds / 2), scrape_stop, scrape_child))
+    scraper.start()
     w0, wall0 = time.monotonic(), time.time()
     load.measuring = True
     await asyncio.sleep(seconds)
     load.measuring = False
+    scrape_stop.set()
     elapsed, wall1 = time.monotonic() - w0, time.time()
     c1 = _ingest_counters(backend)
     cpu_s = sum(server.cpu_times()[:2]) - cpu_s0
@@ -329,6 +378,11 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
         load.errors.append(f"{len(crashed)} hook connections ended with an error, e.g. {crashed[0]!r}")
     await asyncio.sleep(1.0)
     c2 = _ingest_counters(backend)
+    scraped, scrape_error = await asyncio.to_thread(scrape_conn.recv)
+    scraper.join(timeout=10)
+    if scrape_error:
+        load.errors.append(f"scraper: {scrape_error}")
+    quiet = [await asyncio.to_thread(_scrape, backend.url) for _ in range(QUIET_SCRAPES)]
     stop.set()
     seen, frames, dash_error = await asyncio.to_thread(parent_conn.recv)
     dash.join(timeout=10)
@@ -374,6 +428,12 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
         dashboard_frames=len(in_window),
         dashboard_bytes_per_s=round(sum(in_window) / elapsed, 1),
         send_lag_p99_ms=_round(_pct([x * 1000 for x in load.lags], 99)) or 0.0,
+        scrapes=len(scraped),
+        scrape_p50_ms=_round(_pct([x[0] for x in scraped], 50)),
+        scrape_max_ms=_round(max((x[0] for x in scraped), default=None)),
+        scrape_quiet_ms=_round(statistics.median(x[0] for x in quiet)),
+        scrape_bytes=quiet[-1][1],
+        scrape_series=quiet[-1][2],
         errors=load.errors,
     )
 
@@ -409,6 +469,15 @@ def run_capacity(
         ["ranks", "msg/s", "rank-steps/s", "counted rec/s", "lost", "backend CPU %",
          "generator CPU %", "dash frames/s", "dash p50 ms", "dash p99 ms"],
         rows,
+    )
+    print_table(
+        "Prometheus scrape of /metrics (under the load above, and once the hooks stopped)",
+        ["ranks", "scrapes", "p50 ms", "max ms", "quiet ms", "kB", "series"],
+        [[r.ranks, r.scrapes, "-" if r.scrape_p50_ms is None else r.scrape_p50_ms,
+          "-" if r.scrape_max_ms is None else r.scrape_max_ms,
+          "-" if r.scrape_quiet_ms is None else r.scrape_quiet_ms,
+          "-" if r.scrape_bytes is None else round(r.scrape_bytes / 1024, 1),
+          "-" if r.scrape_series is None else r.scrape_series] for r in results],
     )
     write_json(out_dir / f"{name}.json", {
         "steps_per_s_per_rank": STEPS_PER_S, "flush_s": FLUSH_S,
