@@ -8,11 +8,12 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, FastAPI
 
-from backend.api.routes import audit, control, docs, health, jobs, metrics, pages, tokens
+from backend.api.routes import audit, control, docs, health, jobs, metrics, pages, report, tokens
 from backend.control.controller import Controller
 from backend.dashboard.hub import DashboardHub
 from backend.ingest import websocket as ingest
 from backend.parts import Services, build_services
+from backend.report.collect import RunReports
 from backend.settings import Settings
 
 __all__ = ["create_app"]
@@ -23,7 +24,7 @@ log = logging.getLogger("rebalancer")
 # Every router, listed: the hook websocket, then one per REST resource and the dashboard's pages.
 ROUTERS: tuple[APIRouter, ...] = (
     ingest.router, metrics.router, audit.router, control.router, docs.router, health.router,
-    jobs.router, pages.router, tokens.router,
+    jobs.router, pages.router, report.router, tokens.router,
 )
 
 
@@ -34,6 +35,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     services: Services = build_services(settings)
     services.controller = Controller(services)
     services.hub = DashboardHub(services)
+    services.reports = RunReports(
+        sessionmaker=services.sessionmaker, live=services.live, controller=services.controller,
+        hub=services.hub, settings=settings, flush=services.flush_metrics)
     services.registry = metrics.make_registry(
         live=services.live, connections=services.connections, controller=services.controller,
         hub=services.hub, settings=settings)

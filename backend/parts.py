@@ -33,6 +33,7 @@ def init_db(engine: Engine) -> None:
     """Create every table the backend knows (metrics, tokens, and control if installed)."""
     import backend.auth.tokens  # noqa: F401  (registers auth_tokens)
     import backend.storage.metrics  # noqa: F401
+    import backend.storage.reports  # noqa: F401
 
     try:
         importlib.import_module("backend.storage.control")
@@ -54,6 +55,7 @@ class Services:
     auth: AuthService
     controller: Any = None
     hub: Any = None
+    reports: Any = None  # backend.report.collect.RunReports, set by create_app
     registry: Any = None  # prometheus CollectorRegistry, set by backend.api.routes.metrics
     persisted_windows: int = 0
     sockets: TokenSockets = field(default_factory=TokenSockets)  # open websockets by token
@@ -111,7 +113,7 @@ class Services:
                 await part.start()
 
     async def stop(self) -> None:
-        for part in (self.hub, self.controller):
+        for part in (self.reports, self.hub, self.controller):
             if part is not None:
                 with contextlib.suppress(Exception):
                     await part.stop()

@@ -23,6 +23,7 @@ from backend.storage.metrics import upsert_hello
 from trainer_hook.protocol import (
     CLOSE_FORBIDDEN,
     CLOSE_MALFORMED,
+    CLOSE_NORMAL,
     CLOSE_UNAUTHORIZED,
     Ack,
     Error,
@@ -83,11 +84,13 @@ async def hook_websocket(websocket: WebSocket) -> None:
                       CLOSE_FORBIDDEN)
         return
     hello: Hello | None = None
+    goodbye = False  # the hook closed normally (its close()): this rank is done
     services.sockets.add(actor, websocket)
     try:
         while True:
             frame = await websocket.receive()
             if frame["type"] == "websocket.disconnect":
+                goodbye = frame.get("code") == CLOSE_NORMAL
                 break
             raw = frame.get("text")
             if raw is None:
@@ -154,6 +157,8 @@ async def hook_websocket(websocket: WebSocket) -> None:
             services.connections.remove(hello.job, hello.rank, websocket)
             if not services.connections.has(hello.job, hello.rank):
                 services.live.set_connected(hello.job, hello.rank, False)
+                if goodbye and services.live.said_goodbye(hello.job, hello.rank):
+                    services.reports.job_ended(hello.job)
             with contextlib.suppress(Exception):
                 services.notify(hello.job)
 

@@ -81,6 +81,7 @@ class _Rank:
     steps: deque[StepRow]
     device: deque[DeviceRow]
     connected: bool = True
+    goodbye: bool = False  # closed its connection normally (the hook's close()) since its hello
     first_seen: float = 0.0
     last_seen: float = 0.0
     dropped: int = 0
@@ -238,6 +239,7 @@ class LiveState:
                 )
             else:  # a reconnect keeps the history in the buffers
                 old.hello, old.connected, old.last_seen = hello, True, now
+                old.goodbye = False
                 old.rev += 1
             return new_run
 
@@ -277,6 +279,18 @@ class LiveState:
             if j is not None and rank in j.ranks:
                 j.ranks[rank].connected = connected
                 j.ranks[rank].rev += 1
+
+    def said_goodbye(self, job: str, rank: int) -> bool:
+        """Mark the rank as gone for good (a normal close); True when with it every rank of
+        the job has said goodbye: the run ended."""
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None or rank not in j.ranks:
+                return False
+            r = j.ranks[rank]
+            r.goodbye, r.connected = True, False
+            r.rev += 1
+            return len(j.ranks) == j.world_size and all(x.goodbye for x in j.ranks.values())
 
     def forget(self, job: str) -> None:
         with self._lock:

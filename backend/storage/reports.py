@@ -1,0 +1,103 @@
+"""End-of-run reports in SQL, and the reads of stored metric windows a report sums up.
+
+``run_reports`` keeps one report per job (the newest run's): the JSON the report route
+serves, stored when every rank said goodbye or on demand, so that it outlives the live
+state, a backend restart and the metric history's retention.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import JSON, Float, String, func, select
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from backend.storage.base import Base
+from backend.storage.metrics import RankMetricRow
+
+__all__ = ["RunReportRow", "RankTotals", "save_report", "get_report", "rank_totals", "step_series",
+           "fit_windows"]
+
+
+class RunReportRow(Base):
+    __tablename__ = "run_reports"
+
+    job: Mapped[str] = mapped_column(String(128), primary_key=True)
+    reason: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[float] = mapped_column(Float, default=time.time)
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+def save_report(s: Session, job: str, body: dict[str, Any], reason: str, at: float) -> None:
+    """Insert or replace the job's report (caller commits)."""
+    row = s.get(RunReportRow, job)
+    if row is None:
+        row = RunReportRow(job=job)
+        s.add(row)
+    row.reason, row.created_at, row.body = reason, at, body
+
+
+def get_report(s: Session, job: str) -> dict[str, Any] | None:
+    row = s.get(RunReportRow, job)
+    return dict(row.body) if row is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class RankTotals:
+    """One rank's stored windows summed: steps, and milliseconds spent in each part."""
+
+    rank: int
+    steps: int
+    compute_ms: float
+    sync_wait_ms: float
+    data_wait_ms: float
+    optimizer_ms: float
+    step_ms: float
+    samples: float
+    t_start: float
+    t_end: float
+    batch_index_end: int
+
+
+def rank_totals(s: Session, job: str, since: float = 0.0) -> list[RankTotals]:
+    """Per rank, every stored window of ``job`` ending after ``since`` summed (one query)."""
+    m = RankMetricRow
+    n = m.n_steps
+    q = (select(m.rank, func.sum(n), func.sum(n * m.compute_ms), func.sum(n * m.sync_wait_ms),
+                func.sum(n * m.data_wait_ms), func.sum(n * m.optimizer_ms), func.sum(n * m.step_ms),
+                func.sum(n * m.local_batch_size), func.min(m.t_start), func.max(m.t_end),
+                func.max(m.batch_index_end))
+         .where(m.job == job, m.t_end >= since).group_by(m.rank).order_by(m.rank))
+    out = []
+    for r in s.execute(q):
+        f = [float(x or 0.0) for x in r[2:10]]
+        out.append(RankTotals(rank=int(r[0]), steps=int(r[1] or 0), compute_ms=f[0], sync_wait_ms=f[1],
+                              data_wait_ms=f[2], optimizer_ms=f[3], step_ms=f[4], samples=f[5],
+                              t_start=f[6], t_end=f[7], batch_index_end=int(r[10] or 0)))
+    return out
+
+
+def step_series(s: Session, job: str, since: float = 0.0, max_points: int = 2000) -> list[dict[str, Any]]:
+    """Rank 0's windows (every rank of a synchronous job sees the same step), oldest first,
+    thinned to at most ``max_points``: batch index, time, mean step and compute time,
+    placement version."""
+    m = RankMetricRow
+    rows = s.execute(select(m.batch_index_end, m.t_end, m.step_ms, m.compute_ms, m.placement_version,
+                            m.local_batch_size)
+                     .where(m.job == job, m.rank == 0, m.t_end >= since)
+                     .order_by(m.batch_index_end)).all()
+    stride = max(1, -(-len(rows) // max_points))
+    return [{"batch_index": int(r[0]), "t": float(r[1]), "step_ms": float(r[2]), "compute_ms": float(r[3]),
+             "version": int(r[4])} for r in rows[::stride]]
+
+
+def fit_windows(s: Session, job: str, rank: int, limit: int, since: float = 0.0) -> list[tuple[int, float, float]]:
+    """The newest ``limit`` windows of one rank, oldest first: (batch index, mean local
+    batch size, mean compute ms), what the policy's fit reads."""
+    m = RankMetricRow
+    rows = s.execute(select(m.batch_index_end, m.local_batch_size, m.compute_ms)
+                     .where(m.job == job, m.rank == rank, m.t_end >= since)
+                     .order_by(m.batch_index_end.desc()).limit(limit)).all()
+    return [(int(r[0]), float(r[1]), float(r[2])) for r in reversed(rows)]
