@@ -173,7 +173,7 @@ def build_report(inp: ReportInputs) -> dict[str, Any]:
         "proposals": proposals,
         "decisions": dict(sorted(Counter(p["status"] for p in proposals).items())),
         "savings": savings,
-        "cost": {"per_hour": _r(inp.cost_per_hour, 6), "total": _r(cost_total, 6),
+        "cost": {"per_hour": _r(inp.cost_per_hour, 9), "total": _r(cost_total, 9),
                  "unpriced_ranks": inp.unpriced_ranks},
         "advice": _advice(inp, rank_rows),
         "series": list(inp.series),

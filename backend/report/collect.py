@@ -54,17 +54,15 @@ class RunReports:
 
     def build(self, job: str, *, reason: str = ON_DEMAND, finished: bool = False) -> dict[str, Any] | None:
         """The report of ``job`` from what is stored now (None if the job is unknown)."""
-        view = self._live.view(job)
-        since = view.created_at if view is not None else 0.0
         with self._sf() as s:
             row = store.get_job(s, job)
             if row is None:
                 return None
             rank_rows = store.list_ranks(s, job)
-            totals = db.rank_totals(s, job, since)
-            series = db.step_series(s, job, since)
+            totals = db.rank_totals(s, job)
+            series = db.step_series(s, job)
             window = self._settings.policy_window_steps
-            fit = {r.rank: db.fit_windows(s, job, r.rank, window, since) for r in rank_rows}
+            fit = {r.rank: db.fit_windows(s, job, r.rank, window) for r in rank_rows}
         price = self._settings.price_for
         ranks = [RankInfo(r.rank, r.host, r.device_type, r.device_name, price(r.device_type, r.device_name))
                  for r in rank_rows]

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import JSON, Float, String, func, select
+from sqlalchemy import JSON, ColumnElement, Float, String, Subquery, func, or_, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from backend.storage.base import Base
@@ -61,15 +61,30 @@ class RankTotals:
     batch_index_end: int
 
 
-def rank_totals(s: Session, job: str, since: float = 0.0) -> list[RankTotals]:
-    """Per rank, every stored window of ``job`` ending after ``since`` summed (one query)."""
+def _run_starts(job: str) -> Subquery:
+    # A run starts at batch 0: per rank, the newest window holding batch 0 opens the current
+    # run (a job name used again keeps its older runs' windows; a resumed run has no new 0).
+    # Times are the hook's own clock, so each rank is compared with itself only.
+    m = RankMetricRow
+    return (select(m.rank.label("rank"), func.max(m.t_start).label("t0"))
+            .where(m.job == job, m.batch_index_start == 0).group_by(m.rank).subquery())
+
+
+def _in_current_run(starts: Subquery) -> ColumnElement[bool]:
+    return or_(starts.c.t0.is_(None), RankMetricRow.t_start >= starts.c.t0)
+
+
+def rank_totals(s: Session, job: str) -> list[RankTotals]:
+    """Per rank, the stored windows of ``job``'s current run summed (one query)."""
     m = RankMetricRow
     n = m.n_steps
+    starts = _run_starts(job)
     q = (select(m.rank, func.sum(n), func.sum(n * m.compute_ms), func.sum(n * m.sync_wait_ms),
                 func.sum(n * m.data_wait_ms), func.sum(n * m.optimizer_ms), func.sum(n * m.step_ms),
                 func.sum(n * m.local_batch_size), func.min(m.t_start), func.max(m.t_end),
                 func.max(m.batch_index_end))
-         .where(m.job == job, m.t_end >= since).group_by(m.rank).order_by(m.rank))
+         .outerjoin(starts, starts.c.rank == m.rank)
+         .where(m.job == job, _in_current_run(starts)).group_by(m.rank).order_by(m.rank))
     out = []
     for r in s.execute(q):
         f = [float(x or 0.0) for x in r[2:10]]
@@ -79,25 +94,28 @@ def rank_totals(s: Session, job: str, since: float = 0.0) -> list[RankTotals]:
     return out
 
 
-def step_series(s: Session, job: str, since: float = 0.0, max_points: int = 2000) -> list[dict[str, Any]]:
+def step_series(s: Session, job: str, max_points: int = 2000) -> list[dict[str, Any]]:
     """Rank 0's windows (every rank of a synchronous job sees the same step), oldest first,
     thinned to at most ``max_points``: batch index, time, mean step and compute time,
     placement version."""
     m = RankMetricRow
-    rows = s.execute(select(m.batch_index_end, m.t_end, m.step_ms, m.compute_ms, m.placement_version,
-                            m.local_batch_size)
-                     .where(m.job == job, m.rank == 0, m.t_end >= since)
+    starts = _run_starts(job)
+    rows = s.execute(select(m.batch_index_end, m.t_end, m.step_ms, m.compute_ms, m.placement_version)
+                     .outerjoin(starts, starts.c.rank == m.rank)
+                     .where(m.job == job, m.rank == 0, _in_current_run(starts))
                      .order_by(m.batch_index_end)).all()
     stride = max(1, -(-len(rows) // max_points))
     return [{"batch_index": int(r[0]), "t": float(r[1]), "step_ms": float(r[2]), "compute_ms": float(r[3]),
              "version": int(r[4])} for r in rows[::stride]]
 
 
-def fit_windows(s: Session, job: str, rank: int, limit: int, since: float = 0.0) -> list[tuple[int, float, float]]:
+def fit_windows(s: Session, job: str, rank: int, limit: int) -> list[tuple[int, float, float]]:
     """The newest ``limit`` windows of one rank, oldest first: (batch index, mean local
     batch size, mean compute ms), what the policy's fit reads."""
     m = RankMetricRow
+    starts = _run_starts(job)
     rows = s.execute(select(m.batch_index_end, m.local_batch_size, m.compute_ms)
-                     .where(m.job == job, m.rank == rank, m.t_end >= since)
+                     .outerjoin(starts, starts.c.rank == m.rank)
+                     .where(m.job == job, m.rank == rank, _in_current_run(starts))
                      .order_by(m.batch_index_end.desc()).limit(limit)).all()
     return [(int(r[0]), float(r[1]), float(r[2])) for r in reversed(rows)]
