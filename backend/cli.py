@@ -45,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--db", default=None, help="database URL (default: a fresh SQLite file)")
     demo.add_argument("--job", default="demo")
 
+    dbp = sub.add_parser("db", help="the database schema (Alembic migrations)")
+    dsub = dbp.add_subparsers(dest="db_command", required=True)
+    up = dsub.add_parser("upgrade", help="apply every migration (serve does this at start)")
+    cur = dsub.add_parser("current", help="print the schema revision the database is at")
+    for sp in (up, cur):
+        sp.add_argument("--db", help="database URL (env REBALANCER_DB)")
+
     tok = sub.add_parser("token", help="manage access tokens in the database")
     tsub = tok.add_subparsers(dest="token_command", required=True)
     create = tsub.add_parser("create", help="create a token and print its secret once")
@@ -118,7 +125,6 @@ def _token(args: argparse.Namespace) -> int:
     from backend.auth.tokens import create_token, list_tokens, revoke_token
     from backend.parts import init_db
     from backend.storage import make_engine, make_sessionmaker
-    from backend.storage.metrics import epoch
 
     settings = load_settings(db=args.db)
     engine = make_engine(settings.db)
@@ -140,7 +146,7 @@ def _token(args: argparse.Namespace) -> int:
                 for r in list_tokens(s, include_revoked=args.all):
                     revoked = " revoked" if r.revoked_at else ""
                     print(f"{r.id}\t{r.role}\t{r.job or '-'}\t{r.name}\t{r.hint}...\t"
-                          f"{epoch(r.created_at):.0f}{revoked}")
+                          f"{r.created_at:.0f}{revoked}")
             else:
                 gone = revoke_token(s, args.id)
                 if gone is None:
@@ -148,6 +154,25 @@ def _token(args: argparse.Namespace) -> int:
                     return 1
                 s.commit()
                 print(f"Revoked token {gone.id} '{gone.name}'.")
+    finally:
+        engine.dispose()
+    return 0
+
+
+def _db(args: argparse.Namespace) -> int:
+    from backend.storage import make_engine
+    from backend.storage.migrations import HEAD, current, upgrade
+
+    settings = load_settings(db=args.db)
+    engine = make_engine(settings.db)
+    try:
+        if args.db_command == "upgrade":
+            before = current(engine)
+            upgrade(engine)
+            print(f"Database at revision {current(engine)} (was {before or 'empty'}).")
+        else:
+            rev = current(engine)
+            print(f"{rev or 'empty'}{' (head)' if rev == HEAD else ''}")
     finally:
         engine.dispose()
     return 0
@@ -161,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "token":
         return _token(args)
+    if args.command == "db":
+        return _db(args)
     from backend.demo import run_demo
 
     return run_demo(port=args.port, steps=args.steps, ranks=args.ranks, speeds=args.speeds, mode=args.mode,

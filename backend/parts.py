@@ -1,96 +1,163 @@
-"""The container of everything a request or a background task needs, on ``app.state.services``.
+"""The parts of one backend app, built once by ``build_parts(settings)`` and handed to each
+part by its constructor (typed, all required; nothing is looked up at run time).
 
-``build_services(settings)`` creates the engine, tables, live state, connections and auth;
-``create_app`` then adds the controller and the dashboard hub, which take the container
-itself (``Controller(services)``, ``DashboardHub(services)``).
+Who owns what: the event loop owns live state (``LiveState``) and control state (the
+``Controller``'s per-job state and snapshots); SQL runs on the ``SqlGateway`` thread; policy
+decisions run in the ``PolicyRunner`` (a worker process). ``Parts.start``/``stop`` run the
+background loops: persisting metric windows, closing sockets of revoked tokens, deleting
+history older than the retention, and the controller's and the hub's own tickers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.orm import Session
 
 from backend.auth.sockets import TokenSockets
 from backend.auth.tokens import AuthService
+from backend.control.controller import Controller
+from backend.control.policy_runs import PolicyRunner
+from backend.dashboard.hub import DashboardHub, JobChanges
 from backend.ingest.connections import HookConnections
-from backend.live.state import LiveState
+from backend.live.state import LiveState, Window
+from backend.report.collect import GOODBYE, RunReports
 from backend.settings import Settings
-from backend.storage import Base, insert_windows, make_engine, make_sessionmaker
+from backend.storage import insert_windows, list_jobs, make_engine, make_sessionmaker
+from backend.storage.gateway import SqlGateway
+from backend.storage.migrations import upgrade
+from backend.storage.summaries import (
+    delete_older_than,
+    get_summary,
+    insert_points,
+    recent_points,
+    save_summary,
+)
 
-__all__ = ["Services", "build_services", "init_db"]
+__all__ = ["Parts", "build_parts", "init_db"]
 
 log = logging.getLogger("rebalancer")
 
 
 def init_db(engine: Engine) -> None:
-    """Create every table the backend knows (metrics, tokens, and control if installed)."""
-    import backend.auth.tokens  # noqa: F401  (registers auth_tokens)
-    import backend.storage.metrics  # noqa: F401
-    import backend.storage.reports  # noqa: F401
-
-    try:
-        importlib.import_module("backend.storage.control")
-    except ModuleNotFoundError as exc:
-        if exc.name != "backend.storage.control":
-            raise
-    Base.metadata.create_all(engine)
+    """Bring the database to the newest schema (Alembic migrations; creates a new one)."""
+    upgrade(engine)
 
 
-@dataclass
-class Services:
-    """Shared state of one app. ``controller`` and ``hub`` are set by ``create_app``."""
+class Parts:
+    """Everything one app's requests and background tasks use."""
 
-    settings: Settings
-    engine: Engine
-    sessionmaker: sessionmaker
-    live: LiveState
-    connections: HookConnections
-    auth: AuthService
-    controller: Any = None
-    hub: Any = None
-    reports: Any = None  # backend.report.collect.RunReports, set by create_app
-    registry: Any = None  # prometheus CollectorRegistry, set by backend.api.routes.metrics
-    persisted_windows: int = 0
-    sockets: TokenSockets = field(default_factory=TokenSockets)  # open websockets by token
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-
-    def notify(self, job: str) -> None:
-        """Tell the dashboard hub that a job changed (no-op without a hub)."""
-        if self.hub is not None:
-            self.hub.notify(job)
+    def __init__(self, *, settings: Settings, engine: Engine, sql: SqlGateway, live: LiveState,
+                 connections: HookConnections, auth: AuthService, sockets: TokenSockets,
+                 controller: Controller, hub: DashboardHub, reports: RunReports,
+                 registry: CollectorRegistry):
+        self.settings = settings
+        self.engine = engine
+        self.sql = sql
+        self.live = live
+        self.connections = connections
+        self.auth = auth
+        self.sockets = sockets
+        self.controller = controller
+        self.hub = hub
+        self.reports = reports
+        self.registry = registry
+        self.persisted_windows = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._report_tasks: set[asyncio.Task[Any]] = set()
 
     def flush_metrics(self) -> int:
-        """Write what the live state gathered since the last flush; returns rows written."""
+        """Write what the live state gathered since the last flush; returns rows written.
+        Synchronous (tests, shutdown); the persist loop sends the same work to the gateway."""
         windows = self.live.drain_windows()
+        return self.sql.call(lambda s: self._write_windows(s, windows))
+
+    def _write_windows(self, s: Session, windows: list[Window]) -> int:
         if not windows:
             return 0
-        with self.sessionmaker() as s:
-            n = insert_windows(s, windows)
-            s.commit()
+        n = insert_windows(s, windows)
+        s.commit()
         self.persisted_windows += n
         return n
+
+    def _write_all(self, s: Session, windows: list[Window],
+                   feeds: list[tuple[str, list[dict[str, Any]], dict[str, Any]]]) -> int:
+        at = time.time()
+        for job, points, summary in feeds:
+            insert_points(s, job, points, at)
+            save_summary(s, job, summary, at)
+        if windows:
+            return self._write_windows(s, windows)
+        s.commit()
+        return 0
+
+    async def persist_now(self) -> int:
+        """Store what live state and the hub gathered since the last call (gateway thread)."""
+        windows = self.live.drain_windows()  # read on the loop, which owns live state
+        feeds = self.hub.take_unsaved()
+        if not windows and not feeds:
+            return 0
+        return await self.sql.run(lambda s: self._write_all(s, windows, feeds))
 
     async def _persist_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.persist_interval_s)
             try:
-                await asyncio.to_thread(self.flush_metrics)
+                await self.persist_now()
             except Exception:  # the database may be briefly away; keep the live path serving
                 log.exception("persisting metrics failed; will retry")
+
+    async def summary(self, job: str) -> dict[str, Any] | None:
+        """The run's summary: live while the hub has the job, else the stored one."""
+        fresh = self.hub.run_summary(job)
+        if fresh is not None:
+            return fresh
+        return await self.sql.run(lambda s: get_summary(s, job))
+
+    async def store_report(self, job: str, *, reason: str, finished: bool) -> dict[str, Any] | None:
+        """Persist what live state still holds, then build and store the job's report."""
+        await self.persist_now()
+        return await self.reports.store(job, reason=reason, finished=finished)
+
+    def run_ended(self, job: str) -> None:
+        """Every rank of ``job`` said goodbye: store its report in the background."""
+        task = asyncio.get_running_loop().create_task(self._store_ended(job), name=f"rebalancer-report-{job}")
+        self._report_tasks.add(task)
+        task.add_done_callback(self._report_tasks.discard)
+
+    async def _store_ended(self, job: str) -> None:
+        # The last metrics frames came before the goodbyes; let the hub fold them into the
+        # run's savings first (its next tick).
+        await asyncio.sleep(2 * self.hub.interval_s)
+        try:
+            await self.store_report(job, reason=GOODBYE, finished=True)
+        except Exception:  # the database may be away; an operator can still ask for it
+            log.exception("storing the run report of job %s failed", job)
+
+    async def _preload_history(self) -> None:
+        limit = self.hub.series_max
+
+        def read(s: Session) -> list[tuple[str, list[dict[str, Any]], dict[str, Any] | None]]:
+            return [(j.name, recent_points(s, j.name, limit), get_summary(s, j.name))
+                    for j in list_jobs(s)]
+
+        for job, points, summary in await self.sql.run(read):
+            if points or summary:
+                self.hub.preload(job, points, summary)
 
     async def close_revoked(self) -> int:
         """Close the sockets of tokens revoked since they opened; returns how many closed."""
         ids = self.sockets.token_ids()
         if not ids:
             return 0
-        revoked = await asyncio.to_thread(self.auth.revoked_among, ids)
+        revoked = await self.sql.run(lambda _s: self.auth.revoked_among(ids))
         closed = 0
         for token_id in sorted(revoked):
             closed += await self.sockets.close_token(token_id)
@@ -105,18 +172,42 @@ class Services:
             except Exception:  # the database may be briefly away; sockets stay until next time
                 log.exception("checking open sockets for revoked tokens failed; will retry")
 
+    async def apply_retention(self) -> int:
+        """Delete metric history older than ``retention_days``; returns rows deleted."""
+        cutoff = time.time() - self.settings.retention_days * 86400.0
+
+        def work(s: Session) -> int:
+            n = delete_older_than(s, cutoff)
+            s.commit()
+            return n
+
+        return await self.sql.run(work)
+
+    async def _retention_loop(self) -> None:
+        while True:
+            try:
+                n = await self.apply_retention()
+                if n:
+                    log.info("retention: deleted %d metric rows older than %g days", n,
+                             self.settings.retention_days)
+            except Exception:
+                log.exception("deleting old metric history failed; will retry")
+            await asyncio.sleep(self.settings.retention_interval_s)
+
     async def start(self) -> None:
-        self._tasks.append(asyncio.create_task(self._persist_loop(), name="rebalancer-persist"))
-        self._tasks.append(asyncio.create_task(self._revocation_loop(), name="rebalancer-revocations"))
-        for part in (self.controller, self.hub):
-            if part is not None:
-                await part.start()
+        await self._preload_history()
+        await self.controller.start()
+        await self.hub.start()
+        for coro, name in ((self._persist_loop(), "persist"), (self._revocation_loop(), "revocations"),
+                           (self._retention_loop(), "retention")):
+            self._tasks.append(asyncio.create_task(coro, name=f"rebalancer-{name}"))
 
     async def stop(self) -> None:
-        for part in (self.reports, self.hub, self.controller):
-            if part is not None:
-                with contextlib.suppress(Exception):
-                    await part.stop()
+        if self._report_tasks:  # reports of runs that just ended: let them finish
+            await asyncio.wait(set(self._report_tasks), timeout=10)
+        for part in (self.hub, self.controller):
+            with contextlib.suppress(Exception):
+                await part.stop()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -127,19 +218,36 @@ class Services:
             self.flush_metrics()
         except Exception:
             log.exception("final metrics flush failed")
+        self.sql.close()
         self.engine.dispose()
 
 
-def build_services(settings: Settings) -> Services:
+def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
+                clock: Callable[[], float] = time.monotonic,
+                wall: Callable[[], float] = time.time) -> Parts:
+    """Every part of one app, wired. ``policy``: the runner to use (tests pass their own
+    decide function through it); ``clock``/``wall``: the controller's clocks."""
+    from backend.api.routes.metrics import make_registry
+
     engine = make_engine(settings.db)
     init_db(engine)
-    sf = make_sessionmaker(engine)
-    auth = AuthService(sf, loopback=settings.loopback)
+    sessions = make_sessionmaker(engine)
+    sql = SqlGateway(sessions)
+    auth = AuthService(sessions, loopback=settings.loopback)
     if settings.admin_token is not None:
         auth.ensure_admin(settings.admin_token.get_secret_value())
-    return Services(
-        settings=settings, engine=engine, sessionmaker=sf,
-        live=LiveState(step_buffer=settings.step_buffer, device_buffer=settings.device_buffer,
-                       window_steps=settings.window_steps),
-        connections=HookConnections(), auth=auth,
-    )
+    live = LiveState(step_buffer=settings.step_buffer, device_buffer=settings.device_buffer,
+                     window_steps=settings.window_steps)
+    connections = HookConnections()
+    changes = JobChanges()  # jobs whose dashboard feed is due: the controller and ingest mark
+    controller = Controller(
+        settings=settings, sql=sql, live=live, connections=connections, notify=changes.mark,
+        policy=policy if policy is not None else PolicyRunner(process=settings.policy_process),
+        clock=clock, wall=wall)
+    hub = DashboardHub(settings=settings, live=live, control=controller.job_control, changes=changes)
+    registry = make_registry(live=live, connections=connections, controller=controller, hub=hub,
+                             settings=settings)
+    reports = RunReports(sql=sql, controller=controller, hub=hub, settings=settings)
+    return Parts(settings=settings, engine=engine, sql=sql, live=live, connections=connections,
+                 auth=auth, sockets=TokenSockets(), controller=controller, hub=hub, reports=reports,
+                 registry=registry)

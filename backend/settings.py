@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -93,6 +93,19 @@ class Settings(BaseSettings):
     auto_max_move_fraction: float = 0.25
     rollback_threshold: float = 0.05
     effect_window_steps: int = 20
+    # Policy runs: a job whose metrics changed is decided on the next tick of this period,
+    # at most every policy_min_interval_s once warmed up; decisions run in a worker process
+    # of their own when policy_process is on, so 1,024-rank decisions never stall the loop.
+    policy_tick_s: Annotated[float, Field(ge=0.005, le=10.0)] = 0.05
+    policy_min_interval_s: Annotated[float, Field(ge=0.0, le=600.0)] = 0.5
+    policy_process: bool = True
+    # Metric history: per-second windows older than this many days are deleted, checked
+    # every retention_interval_s.
+    retention_days: Annotated[float, Field(gt=0.0, le=3650.0)] = 7.0
+    retention_interval_s: Annotated[float, Field(ge=1.0, le=86400.0)] = 3600.0
+    # Python's cyclic GC walks every object the backend holds; freezing the start-up heap
+    # keeps those out of each collection (shorter pauses at 1,024 ranks).
+    gc_freeze: bool = True
 
     @field_validator("port")
     @classmethod

@@ -1,7 +1,7 @@
-"""``Annotated`` dependencies: the services container, the calling actor, role checks.
+"""``Annotated`` dependencies: the parts container, the calling actor, role checks.
 
     @router.post("/things")
-    def make(actor: OperatorDep, services: ServicesDep) -> ...
+    def make(actor: OperatorDep, parts: PartsDep) -> ...
 
 401 "Missing or invalid bearer token." when no valid token arrives (outside open mode);
 403 "This action needs the <role> role." when the token's role is too low.
@@ -15,15 +15,15 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, WebSocket, status
 
 from backend.auth.tokens import ROLE_LEVEL, Actor, role_allows
-from backend.parts import Services
+from backend.parts import Parts
 
 __all__ = [
-    "get_services",
+    "get_parts",
     "get_actor",
     "require",
     "bearer_secret",
     "websocket_actor",
-    "ServicesDep",
+    "PartsDep",
     "ActorDep",
     "ViewerDep",
     "OperatorDep",
@@ -31,11 +31,12 @@ __all__ = [
 ]
 
 
-def get_services(request: Request) -> Services:
-    return request.app.state.services  # type: ignore[no-any-return]
+def get_parts(request: Request) -> Parts:
+    parts: Parts = request.app.state.parts
+    return parts
 
 
-ServicesDep = Annotated[Services, Depends(get_services)]
+PartsDep = Annotated[Parts, Depends(get_parts)]
 
 
 def bearer_secret(headers: object, query: object | None = None) -> str | None:
@@ -53,9 +54,9 @@ def bearer_secret(headers: object, query: object | None = None) -> str | None:
     return None
 
 
-def get_actor(request: Request, services: ServicesDep) -> Actor:
+def get_actor(request: Request, parts: PartsDep) -> Actor:
     address = request.client.host if request.client else None
-    actor = services.auth.authenticate(bearer_secret(request.headers), address)
+    actor = parts.auth.authenticate(bearer_secret(request.headers), address)
     if actor is None:
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED, "Missing or invalid bearer token.",
@@ -86,10 +87,10 @@ OperatorDep = Annotated[Actor, Depends(require("operator"))]
 AdminDep = Annotated[Actor, Depends(require("admin"))]
 
 
-def websocket_actor(websocket: WebSocket) -> Actor | None:
-    """The actor of a websocket (bearer header or ``?token=``), None when refused."""
-    services: Services = websocket.app.state.services
+async def websocket_actor(websocket: WebSocket) -> Actor | None:
+    """The actor of a websocket (bearer header or ``?token=``), None when refused. A token
+    not in the auth cache is looked up on the SQL gateway thread, off the event loop."""
+    parts: Parts = websocket.app.state.parts
     address = websocket.client.host if websocket.client else None
-    return services.auth.authenticate(
-        bearer_secret(websocket.headers, websocket.query_params), address
-    )
+    secret = bearer_secret(websocket.headers, websocket.query_params)
+    return await parts.sql.run(lambda _s: parts.auth.authenticate(secret, address))

@@ -18,13 +18,11 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime
 
-from sqlalchemy import DateTime, Integer, String, func, select
+from sqlalchemy import Float, Integer, String, func, select
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from backend.storage.base import Base
-from backend.storage.metrics import utcnow
 
 __all__ = [
     "ROLES",
@@ -70,9 +68,9 @@ class TokenRow(Base):
     job: Mapped[str | None] = mapped_column(String(128), nullable=True)
     secret_sha256: Mapped[str] = mapped_column(String(64), unique=True, index=True)
     hint: Mapped[str] = mapped_column(String(16))  # first characters, to tell tokens apart
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[float] = mapped_column(Float, default=time.time)
     created_by: Mapped[str] = mapped_column(String(128), default="")
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 def hash_secret(secret: str) -> str:
@@ -114,7 +112,7 @@ def list_tokens(session: Session, *, include_revoked: bool = False) -> list[Toke
 def revoke_token(session: Session, token_id: int) -> TokenRow | None:
     row = session.get(TokenRow, token_id)
     if row is not None and row.revoked_at is None:
-        row.revoked_at = utcnow()
+        row.revoked_at = time.time()
     return row
 
 

@@ -1,29 +1,43 @@
 """The control loop: modes, proposal lifecycle, guardrails, rollback and measured effect.
 
-The policy (``backend.policy``) only decides; this module acts on its decisions. Per job it
-keeps a small cache in memory and everything that matters in SQL
-(``backend.storage.control``), so a restarted backend resumes where it stopped. What the
-policy is handed, and the checks on operator settings, are in ``backend.control.inputs``;
-measured effect and the rollback decision in ``backend.control.effect``; the errors in
+The policy (``backend.policy``) only decides; this module acts on its decisions. The event
+loop owns each job's control state (``_JobState``); SQL (``backend.storage.control``) holds
+the truth, so a restarted backend resumes where it stopped, and is reached only through the
+``SqlGateway`` thread. Each change publishes a snapshot of the job's control state
+(``job_control``), which the jobs routes, the dashboard hub and ``/metrics`` read without
+touching SQL. One job's actions run one at a time (a lock per job).
+
+Policy runs are scheduled like the hub's ticks: ``on_metrics`` adds the job to a dirty set
+and a ticker starts a run for each dirty job that is due (every frame while it warms up,
+then at most every ``policy_min_interval_s`` and never faster than five times the last
+run's cost); the decision itself runs in the ``PolicyRunner`` (a process of its own).
+
+What the policy is handed and the checks on operator settings are in
+``backend.control.inputs``; measured effect and the rollback decision in
+``backend.control.effect``; the status rule in ``backend.control.status``; the errors in
 ``backend.control.errors`` (re-exported here).
 
 Modes: ``observe`` (proposals are shown, never sent), ``approve`` (they wait for an
-operator), ``auto`` (applied under guardrails: a cap on how far one change moves a rank, the
-policy's cooldown, and rollback when the measured step time got worse).
+operator), ``auto`` (applied under guardrails: the policy's cap on how far one change moves
+a rank, its cooldown, and rollback when the measured step time got worse).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from sqlalchemy.orm import Session
+
+from backend.auth.tokens import Actor
 from backend.control import effect, inputs, records
 from backend.control.errors import (
     ConflictError,
@@ -32,8 +46,17 @@ from backend.control.errors import (
     NotFoundError,
     error_detail,
 )
+from backend.control.policy_runs import PolicyRunner
+from backend.control.status import job_status
+from backend.ingest.connections import HookConnections
+from backend.live.state import LiveState
+from backend.settings import Settings
 from backend.storage import control as db
+from backend.storage.gateway import SqlGateway
 from trainer_hook.protocol import Ack, Hello, Placement, Reject, check_shares, uniform_shares
+
+if TYPE_CHECKING:
+    from backend.policy.types import Explanation
 
 __all__ = ["Controller", "ControlError", "NotFoundError", "ConflictError", "InvalidError", "MODES"]
 
@@ -41,6 +64,8 @@ log = logging.getLogger(__name__)
 
 MODES = ("observe", "approve", "auto")
 _SYSTEM = "controller"
+T = TypeVar("T")
+ActorLike = Actor | str
 
 
 @dataclass
@@ -55,19 +80,23 @@ class _JobState:
     overrides: dict[str, Any]
     version: int
     shares: list[int]
-    status: str = "warming_up"
+    status: str = "warming_up"  # the controller's verdict; job_status() adds the rest
     status_detail: str = "waiting for the first steps"
     last_run: float = -math.inf
-    last_metrics: float = -math.inf
+    last_metrics: float | None = None  # wall time of the newest metrics or hello
     devices: dict[int, Hello] = field(default_factory=dict)
     last_effect: dict[str, Any] | None = None
     static_checked: bool = False
     applied: bool = False  # every rank acked the placement in force
     effective: int | None = None  # the batch index it took effect at
     measured: bool = False  # its effect is on record
-    busy: bool = False  # a policy run is in flight
-    again: bool = False  # metrics came while warming up that the last run may have missed
-    think_s: float = 0.0  # how long the last policy run took (thread time, wall clock)
+    think_s: float = 0.0  # how long the last policy run took (wall clock)
+    pending: dict[str, Any] | None = None  # the pending proposal (public form)
+    counts: dict[str, int] = field(default_factory=dict)  # proposals by status
+    # proposals and placements by source, rejected placements (db.activity_counts)
+    activity: dict[str, dict[str, int]] = field(default_factory=dict)
+    snapshot: dict[str, Any] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def follow(self, row: db.PlacementRow) -> None:
         """Take applied / effective / measured from the placement row in force."""
@@ -80,85 +109,108 @@ class _JobState:
 
 
 class Controller:
-    """Runs the control loop of every job. Built by ``create_app`` as ``Controller(services)``.
+    """Runs the control loop of every job. ``notify(job)`` tells the dashboard a job changed."""
 
-    ``services`` provides ``settings``, ``sessionmaker`` (SQLAlchemy), ``live`` (LiveState),
-    ``connections`` (HookConnections) and, optionally, ``hub`` (DashboardHub).
-    """
-
-    def __init__(self, services: Any, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, *, settings: Settings, sql: SqlGateway, live: LiveState,
+                 connections: HookConnections, notify: Callable[[str], None],
+                 policy: PolicyRunner, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time):
-        self.services = services
+        self.settings = settings
+        self.sql = sql
+        self.live = live
+        self.connections = connections
+        self._notify_hub = notify
+        self.policy = policy
         self._clock = clock
         self._wall = wall
         self._jobs: dict[str, _JobState] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._lock = threading.Lock()
-        # Run the policy at most this often per job, whatever the metrics rate.
-        self.min_interval_s = 0.5
+        self._dirty: set[str] = set()
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.policy_runs = 0
 
     # --- plumbing ---------------------------------------------------------------------
 
-    @property
-    def settings(self) -> Any:
-        return self.services.settings
+    async def _sql(self, fn: Callable[[Session], T]) -> T:
+        return await self.sql.run(fn)
 
-    def _session(self) -> Any:
-        return self.services.sessionmaker()
-
-    def _setting(self, name: str, default: Any) -> Any:
-        return getattr(self.settings, name, default)
-
-    def _notify(self, job: str) -> None:
-        hub = getattr(self.services, "hub", None)
-        if hub is not None:
-            with contextlib.suppress(Exception):  # the dashboard is never worth a failed action
-                hub.notify(job)
+    def _publish(self, st: _JobState) -> None:
+        """Refresh the job's snapshot (what job_control serves) and tell the dashboard."""
+        st.snapshot = {
+            "mode": st.mode,
+            "strategy": self._config(st).strategy,
+            "policy": inputs.policy_settings(st.policy, st.mode, self.settings),
+            "overrides": dict(st.overrides),
+            "placement": {"version": st.version, "shares": list(st.shares)},
+            "pending_proposal": st.pending,
+            "pending_proposal_id": st.pending["id"] if st.pending else None,
+            "verdict": st.status,
+            "verdict_detail": st.status_detail,
+            "last_effect": st.last_effect,
+            "last_metrics": st.last_metrics,
+        }
+        with contextlib.suppress(Exception):  # the dashboard is never worth a failed action
+            self._notify_hub(st.job)
 
     async def _send(self, job: str, msg: Placement) -> None:
-        conns = getattr(self.services, "connections", None)
-        if conns is None:
-            return
         try:
-            await conns.send(job, msg)
+            await self.connections.send(job, msg)
         except Exception:  # a dead socket must not undo a recorded decision; hello resyncs
             log.exception("sending placement %s of job %s failed", msg.version, job)
 
     async def start(self) -> None:
-        """Start the background tick (proposal expiry, idle detection)."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._tick_loop(), name="rebalancer-controller")
+        """Load every known job, then start the policy ticker and the expiry tick."""
+        if self._tasks:
+            return
+        names = await self._sql(lambda s: [r.name for r in db.list_settings(s)])
+        for job in names:
+            await self._load(job)
+        self._tasks = [
+            asyncio.create_task(self._policy_loop(), name="rebalancer-policy"),
+            asyncio.create_task(self._tick_loop(), name="rebalancer-controller"),
+        ]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        tasks = [*self._tasks, *self._running.values()]
+        self._tasks, self._running = [], {}
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self.policy.close()
 
     async def _tick_loop(self) -> None:
-        interval = float(self._setting("controller_tick_s", 1.0))
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.settings.controller_tick_s)
             try:
-                self.expire_proposals()
+                await self.expire_proposals()
             except Exception:
                 log.exception("controller tick failed")
 
+    async def _policy_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.policy_tick_s)
+            try:
+                self._start_due()
+            except Exception:
+                log.exception("scheduling policy runs failed")
+
     # --- job state ----------------------------------------------------------------------
 
-    def _load(self, job: str) -> _JobState | None:
+    async def _load(self, job: str) -> _JobState | None:
         st = self._jobs.get(job)
         if st is not None:
             return st
-        with self._session() as s:
+
+        def read(s: Session) -> _JobState | None:
             row = db.get_settings(s, job)
             if row is None:
                 return None
             pl = db.latest_placement(s, job)
             st = _JobState(
                 job=job, world_size=row.world_size, global_batch_size=row.global_batch_size,
-                mode=row.mode, policy=dict(row.policy or {}),
+                mode=row.mode or self.settings.default_mode, policy=dict(row.policy or {}),
                 overrides=inputs.overrides_dict(s.get(db.OverridesRow, job)),
                 version=pl.version if pl else 0,
                 shares=list(pl.shares) if pl else uniform_shares(row.world_size, row.global_batch_size),
@@ -167,18 +219,36 @@ class Controller:
             st.last_effect = records.last_effect(s, job)
             if pl is not None:
                 st.follow(pl)
-        with self._lock:  # job_control is also read from worker threads
-            return self._jobs.setdefault(job, st)
+            self._read_facts(s, st)
+            return st
 
-    def _require(self, job: str) -> _JobState:
-        st = self._load(job)
+        loaded = await self._sql(read)
+        if loaded is None:
+            return None
+        st = self._jobs.setdefault(job, loaded)
+        if st is loaded:
+            self._publish(st)
+        return st
+
+    def _read_facts(self, s: Session, st: _JobState) -> None:
+        """Pending proposal and counts by status, read after every change (gateway thread)."""
+        pending = records.pending_proposal(s, st.job)
+        st.pending = pending.public() if pending is not None else None
+        st.counts = db.proposal_counts(s, st.job)
+        st.activity = db.activity_counts(s, st.job)
+
+    async def _require(self, job: str) -> _JobState:
+        st = await self._load(job)
         if st is None:
             raise NotFoundError(f"Job '{job}' not found.")
         return st
 
     def known(self, job: str) -> bool:
-        """True when the job has control state (it said hello at least once)."""
-        return self._load(job) is not None
+        """True when the job has control state in memory (it said hello at least once)."""
+        return job in self._jobs
+
+    def jobs(self) -> list[str]:
+        return sorted(self._jobs)
 
     def _config(self, st: _JobState) -> Any:
         return inputs.policy_config(st.policy, st.mode, self.settings)
@@ -190,52 +260,65 @@ class Controller:
         inputs.check_overrides(st.overrides, shares, global_batch_size=st.global_batch_size)
 
     def _costs(self, st: _JobState) -> list[float] | None:
-        return inputs.step_costs(getattr(self.services, "live", None), st.job, st.world_size)
+        return inputs.step_costs(self.live, st.job, st.world_size)
 
     # --- hook events ------------------------------------------------------------------
 
     async def on_hello(self, hello: Hello) -> Placement:
         """Return the placement in force; a new job gets version 0, the uniform split."""
         job = hello.job
-        st = self._load(job)
-        with self._session() as s:
-            if st is None:
-                records.create_job(s, hello, mode=self._setting("default_mode", "approve"),
-                                   actor=_SYSTEM, at=self._wall())
-                s.commit()
-                st = None
-            elif (hello.world_size, hello.global_batch_size) != (st.world_size, st.global_batch_size):
-                # The job came back with another shape: old placements cannot apply.
-                reason = (f"job restarted with world_size {hello.world_size} and global batch "
-                          f"{hello.global_batch_size} (was {st.world_size} and {st.global_batch_size})")
-                row = s.get(db.JobSettingsRow, job)
-                row.world_size, row.global_batch_size = hello.world_size, hello.global_batch_size
-                row.updated_at = self._wall()
-                self._close_pending(s, job, "superseded", reason)
-                self._new_placement(s, st, uniform_shares(hello.world_size, hello.global_batch_size),
-                                    source="initial", actor=_SYSTEM, reason=reason, current=None)
-                db.record_audit(s, actor=_SYSTEM, action="job.reshape", job=job,
-                                params={"world_size": hello.world_size,
-                                        "global_batch_size": hello.global_batch_size}, reason=reason)
-                s.commit()
-                self._jobs.pop(job, None)
-                st = None
+        st = await self._load(job)
         if st is None:
-            self._jobs.pop(job, None)
-            st = self._require(job)
-        st.devices[hello.rank] = hello
-        st.last_metrics = self._clock()
-        if st.status == "idle":
-            st.status, st.status_detail = "warming_up", "waiting for the first steps"
-        if self._config(st).strategy == "static" and not st.static_checked:
-            await self._static_now(st)
-        self._notify(job)
-        return self._placement_msg(st)
+            mode = self.settings.default_mode
+
+            def create(s: Session) -> None:
+                if db.get_settings(s, job) is None:  # another rank's hello got there first
+                    records.create_job(s, hello, mode=mode, actor=_SYSTEM, at=self._wall())
+                    s.commit()
+
+            await self._sql(create)
+            st = await self._require(job)
+        async with st.lock:
+            if (hello.world_size, hello.global_batch_size) != (st.world_size, st.global_batch_size):
+                st = await self._reshape(st, hello)
+        async with st.lock:
+            st.devices[hello.rank] = hello
+            st.last_metrics = self._wall()
+            if st.status == "idle":
+                st.status, st.status_detail = "warming_up", "waiting for the first steps"
+            if self._config(st).strategy == "static" and not st.static_checked:
+                await self._static_now(st)
+            self._publish(st)
+            return self._placement_msg(st)
+
+    async def _reshape(self, st: _JobState, hello: Hello) -> _JobState:
+        """The job came back with another shape: old placements cannot apply."""
+        job = st.job
+        reason = (f"job restarted with world_size {hello.world_size} and global batch "
+                  f"{hello.global_batch_size} (was {st.world_size} and {st.global_batch_size})")
+
+        def work(s: Session) -> None:
+            row = db.get_settings(s, job)
+            assert row is not None
+            row.world_size, row.global_batch_size = hello.world_size, hello.global_batch_size
+            row.updated_at = self._wall()
+            self._close_pending(s, job, "superseded", reason)
+            records.new_placement(
+                s, job, uniform_shares(hello.world_size, hello.global_batch_size), source="initial",
+                actor=_SYSTEM, reason=reason, at=self._wall(), current=None)
+            db.record_audit(s, actor=_SYSTEM, action="job.reshape", job=job,
+                            params={"world_size": hello.world_size,
+                                    "global_batch_size": hello.global_batch_size}, reason=reason)
+            s.commit()
+
+        await self._sql(work)
+        self._jobs.pop(job, None)
+        return await self._require(job)
 
     async def _static_now(self, st: _JobState) -> None:
         """The static strategy needs no measurement: propose its split as soon as every
         rank has said hello (auto mode applies it before the first steps)."""
-        if not inputs.all_said_hello(self.services.live, st.job, st.world_size):
+        if not inputs.all_said_hello(self.live, st.job, st.world_size):
             return
         st.static_checked = True
         try:
@@ -248,60 +331,89 @@ class Controller:
                          global_batch_size=st.global_batch_size, proposal_id=proposal_id,
                          reason=reason)
 
-    async def on_metrics(self, job: str) -> None:
-        """Run the policy for ``job`` at most every ``min_interval_s`` seconds; while the
-        job warms up, on every metrics frame (the first proposal is due as soon as the last
-        rank's steps are in, not up to ``min_interval_s`` later)."""
-        st = self._load(job)
+    def on_metrics(self, job: str) -> None:
+        """New metrics for ``job``: the next policy tick runs the policy when it is due."""
+        st = self._jobs.get(job)
         if st is None:
             return
-        now = self._clock()
-        st.last_metrics = now
+        st.last_metrics = self._wall()
+        self._dirty.add(job)
+
+    def _due(self, st: _JobState, now: float) -> bool:
+        # While a job warms up, on every frame (the first proposal follows the last rank's
+        # readiness steps at once); then at most every policy_min_interval_s. At thousands
+        # of ranks a run costs a good fraction of a second: spacing runs by five times
+        # their cost keeps the policy worker under a fifth of a core.
         warming = st.status == "warming_up"
-        # At thousands of ranks one run takes a good fraction of a second; spacing runs by
-        # their own cost keeps the policy thread under a fifth of a core.
-        if st.busy or now - st.last_run < max(0.0 if warming else self.min_interval_s,
-                                              5.0 * st.think_s):
-            # Lockstep ranks send their frames together: the one that completes the
-            # warm-up may land while a run is in flight, so that run goes again.
-            st.again = st.again or warming
-            return
-        while True:
-            st.last_run, st.again = self._clock(), False
-            try:
+        spacing = max(0.0 if warming else self.settings.policy_min_interval_s, 5.0 * st.think_s)
+        return now - st.last_run >= spacing
+
+    def _start_due(self) -> list[asyncio.Task[None]]:
+        """Start a run for every dirty job that is due and not already running."""
+        now = self._clock()
+        started = []
+        for job in list(self._dirty):
+            st = self._jobs.get(job)
+            if st is None:
+                self._dirty.discard(job)
+                continue
+            if job in self._running or not self._due(st, now):
+                continue  # stays dirty: a frame that landed during a run gets its own run
+            self._dirty.discard(job)
+            st.last_run = now
+            task = asyncio.create_task(self._policy_task(st), name=f"rebalancer-policy-{job}")
+            self._running[job] = task
+            started.append(task)
+        return started
+
+    async def run_due(self) -> int:
+        """Start the due policy runs and wait for them (what one ticker step does, awaited)."""
+        tasks = self._start_due()
+        if tasks:
+            await asyncio.gather(*tasks)
+        return len(tasks)
+
+    async def _policy_task(self, st: _JobState) -> None:
+        try:
+            async with st.lock:
                 await self._run_policy(st)
-            except Exception:  # a policy bug must not take ingest down with it
-                log.exception("policy run for job %s failed", job)
-                st.status_detail = "the policy failed; see the backend log"
-                return
-            if not (st.again and st.status == "warming_up"):
-                return
-            await asyncio.sleep(5.0 * st.think_s)
-            if st.busy:
-                return  # a newer frame's run took over
+        except Exception:  # a policy bug must not take ingest down with it
+            log.exception("policy run for job %s failed", st.job)
+            st.status_detail = "the policy failed; see the backend log"
+            self._publish(st)
+        finally:
+            self._running.pop(st.job, None)
 
     async def on_ack(self, ack: Ack) -> None:
         """Record the batch index at which a rank applied a version; all acked -> applied."""
-        st = self._load(ack.job)
+        st = await self._load(ack.job)
         if st is None:
             return
-        with self._session() as s:
-            row = db.get_placement(s, ack.job, ack.version)
-            if row is None:
+        async with st.lock:
+            live = self.live
+
+            def work(s: Session) -> bool:
+                row = db.get_placement(s, ack.job, ack.version)
+                if row is None:
+                    return False
+                self._record_acks(s, st, row, {ack.rank: ack.batch_index}, live)
+                s.commit()
+                self._read_facts(s, st)
+                return True
+
+            if not await self._sql(work):
                 log.warning("ack for unknown placement %s of job %s", ack.version, ack.job)
                 return
-            self._record_acks(s, st, row, {ack.rank: ack.batch_index})
-            s.commit()
-        self._notify(ack.job)
+            self._publish(st)
 
-    def _record_acks(self, s: Any, st: _JobState, row: db.PlacementRow, new: dict[int, int]) -> None:
+    def _record_acks(self, s: Session, st: _JobState, row: db.PlacementRow, new: dict[int, int],
+                     live: LiveState) -> None:
         row.acks = acks = effect.merge_acks(row.acks, new)
         if row.applied_at is None and len(acks) >= st.world_size:
             row.applied_at = self._wall()
             row.effective_batch_index = e = max(acks.values())
             lo, hi = effect.before_window(e, int(self._knob(st, "effect_window_steps")))
-            row.step_ms_before = effect.window_step_ms(getattr(self.services, "live", None), st.job,
-                                                       lo=lo, hi=hi)
+            row.step_ms_before = effect.window_step_ms(live, st.job, lo=lo, hi=hi)
             if row.proposal_id is not None:
                 prop = s.get(db.ProposalRow, row.proposal_id)
                 if prop is not None and prop.status == "approved":
@@ -309,112 +421,113 @@ class Controller:
         if row.version == st.version and row.applied_at is not None:
             st.follow(row)
 
-    def _acks_from_metrics(self, st: _JobState) -> None:
+    async def _acks_from_metrics(self, st: _JobState) -> None:
         """Acks lost on the way (say, sent while the backend restarted): every rank's steps
         show the version in force, so take the first batch index each trained under it."""
         if st.applied or st.version == 0:
             return
-        first = effect.first_batches_under(self.services.live, st.job, st.world_size, st.version)
+        first = effect.first_batches_under(self.live, st.job, st.world_size, st.version)
         if first is None:
             return  # not every rank shows it yet; or the switch fell out of the buffers
-        with self._session() as s:
+        live = self.live
+
+        def work(s: Session) -> None:
             row = db.get_placement(s, st.job, st.version)
             if row is not None:
                 missing = {r: k for r, k in first.items() if str(r) not in (row.acks or {})}
-                self._record_acks(s, st, row, missing)
+                self._record_acks(s, st, row, missing, live)
                 s.commit()
+                self._read_facts(s, st)
+
+        await self._sql(work)
 
     async def on_reject(self, reject: Reject) -> None:
         """A rank refused a placement: mark it and its proposal failed, with the reason."""
-        st = self._load(reject.job)
+        st = await self._load(reject.job)
         if st is None:
             return
-        with self._session() as s:
-            row = db.get_placement(s, reject.job, reject.version)
-            if row is None:
-                return
-            if not row.failed:
-                records.fail_placement(s, row, rank=reject.rank, reason=reject.reason, actor=_SYSTEM)
-            s.commit()
-            if st.version == reject.version:
-                prev = db.latest_placement(s, reject.job)
-                if prev is not None:
-                    st.version, st.shares = prev.version, list(prev.shares)
-                    st.follow(prev)
-                    st.measured = True  # do not re-measure (or roll back) the restored one
-        self._notify(reject.job)
+        async with st.lock:
+            def work(s: Session) -> None:
+                row = db.get_placement(s, reject.job, reject.version)
+                if row is None:
+                    return
+                if not row.failed:
+                    records.fail_placement(s, row, rank=reject.rank, reason=reject.reason, actor=_SYSTEM)
+                s.commit()
+                if st.version == reject.version:
+                    prev = db.latest_placement(s, reject.job)
+                    if prev is not None:
+                        st.version, st.shares = prev.version, list(prev.shares)
+                        st.follow(prev)
+                        st.measured = True  # do not re-measure (or roll back) the restored one
+                self._read_facts(s, st)
 
-    # --- reading ------------------------------------------------------------------------
+            await self._sql(work)
+            self._publish(st)
+
+    # --- reading (memory only: no SQL) ------------------------------------------------------
 
     def job_control(self, job: str) -> dict[str, Any]:
-        """Control state of a job for the job resource and the dashboard ({} if unknown)."""
-        st = self._load(job)
+        """Control state of a job for the job resource, the dashboard and /metrics ({} if
+        unknown): the snapshot the last change published, with the status rule applied."""
+        st = self._jobs.get(job)
         if st is None:
             return {}
-        with self._session() as s:
-            pending = records.pending_proposal(s, job)
-            pending_d = pending.public() if pending else None
-        status, detail = st.status, st.status_detail
-        stale = float(self._setting("stale_after_s", 30.0))
-        if self._clock() - st.last_metrics > stale:
-            status, detail = "idle", "no metrics from the job recently"
-        elif pending is not None:
-            status = "proposal_pending"
-            detail = f"proposal {pending.id} is {pending.status}: {pending.reason}"
-        return {
-            "mode": st.mode,
-            "strategy": self._config(st).strategy,
-            "policy": self.policy_settings(job),
-            "overrides": dict(st.overrides),
-            "placement": {"version": st.version, "shares": list(st.shares)},
-            "pending_proposal": pending_d,
-            "pending_proposal_id": pending_d["id"] if pending_d else None,
-            "status": status,
-            "status_detail": detail,
-            "last_effect": st.last_effect,
-        }
+        snap = st.snapshot
+        view = self.live.view(job)
+        age = None if st.last_metrics is None else max(self._wall() - st.last_metrics, 0.0)
+        status, detail = job_status(
+            verdict=st.status, detail=st.status_detail, pending=snap["pending_proposal"],
+            connected_ranks=view.connected_ranks if view is not None else None,
+            metrics_age_s=age, stale_after_s=self.settings.stale_after_s)
+        return {**snap, "status": status, "status_detail": detail}
 
     def proposal_counts(self, job: str) -> dict[str, int]:
-        """Proposals of ``job`` by status, for Prometheus."""
-        with self._session() as s:
-            return db.proposal_counts(s, job)
+        """Proposals of ``job`` by status, for Prometheus ({} if unknown)."""
+        st = self._jobs.get(job)
+        return dict(st.counts) if st is not None else {}
 
     def activity_counts(self, job: str) -> dict[str, dict[str, int]]:
-        """Proposals and placements of ``job`` by source, and rejected placements, counted
-        from the stored rows (Prometheus counters that survive a restart)."""
-        with self._session() as s:
-            return db.activity_counts(s, job)
+        """Proposals and placements of ``job`` by source, and placements a hook rejected,
+        counted from the stored rows after every change: Prometheus counters that survive a
+        restart ({} if unknown)."""
+        st = self._jobs.get(job)
+        return {k: dict(v) for k, v in st.activity.items()} if st is not None else {}
 
-    def policy_settings(self, job: str) -> dict[str, Any]:
+    async def policy_settings(self, job: str) -> dict[str, Any]:
         """Effective policy settings of a job (stored values over the backend defaults)."""
-        st = self._require(job)
+        st = await self._require(job)
         return inputs.policy_settings(st.policy, st.mode, self.settings)
 
-    def overrides(self, job: str) -> dict[str, Any]:
+    async def overrides(self, job: str) -> dict[str, Any]:
         """The overrides in force for ``job``."""
-        return dict(self._require(job).overrides)
+        return dict((await self._require(job)).overrides)
 
-    def placements(self, job: str, limit: int = 100) -> list[dict[str, Any]]:
-        self._require(job)
-        with self._session() as s:
-            return [r.public() for r in db.list_placements(s, job, limit=limit)]
+    async def placements(self, job: str, limit: int = 100) -> list[dict[str, Any]]:
+        await self._require(job)
+        return await self._sql(lambda s: [r.public() for r in db.list_placements(s, job, limit=limit)])
 
-    def proposals(self, job: str, status: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
-        self._require(job)
+    async def proposals(self, job: str, status: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        await self._require(job)
         if status is not None and status not in db.PROPOSAL_STATUSES:
             raise InvalidError(f"status must be one of {', '.join(db.PROPOSAL_STATUSES)}; got {status!r}.")
-        with self._session() as s:
-            return [r.public() for r in db.list_proposals(s, job, status=status, limit=limit)]
+        return await self._sql(lambda s: [r.public() for r in db.list_proposals(s, job, status=status, limit=limit)])
 
-    def audit(self, job: str, limit: int = 200) -> list[dict[str, Any]]:
-        self._require(job)
-        with self._session() as s:
-            return [r.public() for r in db.list_audit(s, job, limit=limit)]
+    async def proposal(self, job: str, proposal_id: int) -> dict[str, Any]:
+        await self._require(job)
+        row = await self._sql(lambda s: (p.public() if (p := db.get_proposal(s, job, proposal_id)) else None))
+        if row is None:
+            raise NotFoundError(f"Proposal {proposal_id} not found for job '{job}'.")
+        return row
 
-    # --- placements and proposals ---------------------------------------------------------
+    async def audit(self, job: str, limit: int = 200) -> list[dict[str, Any]]:
+        await self._require(job)
+        return await self._sql(lambda s: [r.public() for r in db.list_audit(s, job, limit=limit)])
 
-    def _new_placement(self, s: Any, st: _JobState, shares: Sequence[int], *, source: str,
-                       actor: Any, reason: str, proposal_id: int | None = None,
+    # --- placements and proposals (gateway thread, under the job's lock) ---------------------
+
+    def _new_placement(self, s: Session, st: _JobState, shares: Sequence[int], *, source: str,
+                       actor: ActorLike, reason: str, proposal_id: int | None = None,
                        current: db.PlacementRow | None | bool = True,
                        predicted_step_ms: float | None = None, auto: bool = False) -> db.PlacementRow:
         """Add the next placement version and make it the one in force here (the caller
@@ -425,15 +538,14 @@ class Controller:
         st.version, st.shares = row.version, list(shares)
         return row
 
-    def _close_pending(self, s: Any, job: str, status: str, why: str, keep: int | None = None) -> None:
+    def _close_pending(self, s: Session, job: str, status: str, why: str, keep: int | None = None) -> None:
         records.close_pending(s, job, status, why, self._wall(), keep)
 
-    def _add_proposal(self, s: Any, st: _JobState, shares: list[int], *, source: str, strategy: str,
-                      actor: Any, reason: str, explanation: dict[str, Any] | None = None,
+    def _add_proposal(self, s: Session, st: _JobState, shares: list[int], *, source: str, strategy: str,
+                      actor: ActorLike, reason: str, explanation: dict[str, Any] | None = None,
                       before: float | None = None, after: float | None = None,
-                      gain: float | None = None) -> db.ProposalRow:
+                      gain: float | None = None, costs: list[float] | None = None) -> db.ProposalRow:
         if before is None:
-            costs = self._costs(st)
             before = inputs.predict_step_ms(costs, st.shares)
             after = inputs.predict_step_ms(costs, shares)
             if before and after is not None:
@@ -444,145 +556,160 @@ class Controller:
             ttl_s=float(self._knob(st, "proposal_ttl_s")), explanation=explanation,
             before=before, after=after, gain=gain)
 
-    def expire_proposals(self) -> int:
+    async def expire_proposals(self) -> int:
         """Mark proposals older than their TTL expired; returns how many."""
-        with self._session() as s:
+        def work(s: Session) -> list[str]:
             expired = records.expire_due(s, self._wall())
             s.commit()
+            for job in set(expired):
+                if (st := self._jobs.get(job)) is not None:
+                    self._read_facts(s, st)
+            return expired
+
+        expired = await self._sql(work)
         for job in set(expired):
-            self._notify(job)
+            if (st := self._jobs.get(job)) is not None:
+                self._publish(st)
         return len(expired)
 
-    # --- the policy loop --------------------------------------------------------------
+    # --- the policy loop (under the job's lock) ---------------------------------------------
 
     def _settled(self, st: _JobState) -> bool:
         """True once every rank trains under the placement in force (acked or seen in metrics)."""
         if st.applied or st.version == 0:  # version 0 is every hook's starting split
             return True
-        view = self.services.live.view(st.job)
+        view = self.live.view(st.job)
         if view is None or len(view.ranks) < st.world_size:
             return False
         return all(r.placement_version is not None and r.placement_version >= st.version
                    for r in view.ranks)
 
     async def _run_policy(self, st: _JobState) -> None:
-        self._acks_from_metrics(st)
+        self.policy_runs += 1
+        await self._acks_from_metrics(st)
         await self._measure_effect(st)
-        from backend.policy import InfeasibleError, decide, limit_moves
+        from backend.policy import InfeasibleError
         from backend.policy.types import Proposal as PolicyProposal
 
         if not self._settled(st):
             st.status, st.status_detail = "proposal_pending", st.waiting_detail()
+            self._publish(st)
             return
-        with self._session() as s:
-            pending = records.pending_proposal(s, st.job)
-            if pending is not None and pending.source != "policy":
-                return  # an operator's own proposal is not replaced by the policy
+        pending = st.pending
+        if pending is not None and pending["source"] != "policy":
+            return  # an operator's own proposal is not replaced by the policy
         cfg = self._config(st)
-        live = self.services.live
-
-        def think() -> Any:
-            obs = inputs.observation(
-                live, st.job, world_size=st.world_size, global_batch_size=st.global_batch_size,
-                shares=st.shares, version=st.version, effective=st.effective,
-                window_steps=cfg.window_steps)
-            return None if obs is None else decide(obs, cfg, inputs.constraints_from(st.overrides))
-
-        if st.busy:
-            st.again = True
-            return
-        st.busy, version = True, st.version
+        constraints = inputs.constraints_from(st.overrides)
+        version = st.version
+        started = time.perf_counter()
+        # The observation reads live state on a worker thread (at thousands of ranks it
+        # takes long enough to delay every websocket); the decision runs in the runner.
+        obs = await asyncio.to_thread(
+            inputs.observation, self.live, st.job, world_size=st.world_size,
+            global_batch_size=st.global_batch_size, shares=list(st.shares), version=st.version,
+            effective=st.effective, window_steps=cfg.window_steps)
+        if obs is None:
+            return  # no data yet
         try:
-            # Off the event loop: at thousands of ranks building the observation and fitting
-            # takes long enough to stall every websocket.
-            started = time.perf_counter()
-            decision = await asyncio.to_thread(think)
-            st.think_s = time.perf_counter() - started
+            decision = await self.policy.decide(obs, cfg, constraints)
         except InfeasibleError as exc:
             st.status, st.status_detail = "imbalanced", f"the overrides admit no placement: {exc}"
+            self._publish(st)
             return
         finally:
-            st.busy = False
-        if decision is None or st.version != version:
-            return  # no data yet, or the placement changed while the policy was thinking
-        constraints = inputs.constraints_from(st.overrides)
+            st.think_s = time.perf_counter() - started
+        if st.version != version:
+            return  # the placement changed while the policy was thinking
         if not isinstance(decision, PolicyProposal):
             st.status = ("warming_up" if decision.status in ("warming_up", "no_data")
                          else "imbalanced" if decision.status == "infeasible" else "balanced")
             st.status_detail = decision.detail
+            self._publish(st)
             return
+        # The policy capped the move already (auto mode: max_move_fraction, memory caps).
         shares = list(decision.shares)
-        if st.mode == "auto" and cfg.max_move_fraction:
-            max_move = inputs.auto_max_move(cfg.max_move_fraction, st.global_batch_size,
-                                            constraints.granularity)
-            shares = list(limit_moves(st.shares, shares, max_move, constraints))
         if shares == st.shares:
             st.status, st.status_detail = "balanced", "the policy's split equals the placement in force"
+            self._publish(st)
             return
-        with self._session() as s:
-            if pending is not None and list(pending.shares) == shares and pending.base_version == st.version:
-                pid = pending.id  # already on the table (say, shown before the mode became auto)
-                if st.mode == "auto" and pending.status == "proposed":
-                    await self._apply(st.job, pid, actor="auto", reason="auto mode", auto=True)
-                return
+        if pending is not None and list(pending["shares"]) == shares and pending["base_version"] == st.version:
+            # Already on the table (say, shown before the mode became auto).
+            if st.mode == "auto" and pending["status"] == "proposed":
+                await self._apply(st, pending["id"], actor="auto", reason="auto mode", auto=True)
+            return
+        expl = decision.explanation
+
+        def work(s: Session) -> int | str:
             blocked = records.refused_before(s, st.job, st.version, shares)
             if blocked:
-                st.status, st.status_detail = "imbalanced", blocked
-                return
+                return blocked
             self._close_pending(s, st.job, "superseded", "a newer policy proposal replaced it")
-            expl = decision.explanation
             prop = self._add_proposal(
                 s, st, shares, source="policy", strategy=expl.strategy, actor=_SYSTEM,
                 reason=decision.reason, explanation=_explanation_dict(expl),
                 before=expl.step_ms_before, after=expl.step_ms_after, gain=expl.gain)
             s.commit()
-            pid = prop.id
+            self._read_facts(s, st)
+            return prop.id
+
+        got = await self._sql(work)
+        if isinstance(got, str):
+            st.status, st.status_detail = "imbalanced", got
+            self._publish(st)
+            return
         st.status, st.status_detail = "proposal_pending", decision.reason
+        self._publish(st)
         if st.mode == "auto":
-            await self._apply(st.job, pid, actor="auto", reason="auto mode", auto=True)
-        self._notify(st.job)
+            await self._apply(st, got, actor="auto", reason="auto mode", auto=True)
 
     async def _measure_effect(self, st: _JobState) -> None:
         if not st.applied or st.effective is None or st.measured:
             return
         w = int(self._knob(st, "effect_window_steps"))
         lo, hi = effect.after_window(st.effective, w)
-        view = self.services.live.view(st.job)
+        view = self.live.view(st.job)
         if view is None or view.batch_index is None or view.batch_index < hi:
             return
-        after = effect.window_step_ms(getattr(self.services, "live", None), st.job,
-                                      lo=lo, hi=hi, need=max(1, w // 2))
-        rollback = None
-        with self._session() as s:
+        after = effect.window_step_ms(self.live, st.job, lo=lo, hi=hi, need=max(1, w // 2))
+        if after is None:
+            return
+        may_auto = st.mode == "auto"
+        threshold = float(self._knob(st, "rollback_threshold"))
+
+        def work(s: Session) -> tuple[list[int], str] | None:
             row = db.get_placement(s, st.job, st.version)
-            if row is None or after is None:
-                return
+            if row is None:
+                return None
             verdict = effect.judge_effect(
                 version=row.version, step_ms_before=row.step_ms_before, step_ms_after=after,
-                rollback_threshold=float(self._knob(st, "rollback_threshold")),
-                may_roll_back=row.auto and st.mode == "auto" and row.previous_shares is not None)
+                rollback_threshold=threshold,
+                may_roll_back=row.auto and may_auto and row.previous_shares is not None)
             row.step_ms_after = verdict.step_ms_after
             if verdict.measured_gain is not None:
                 row.measured_gain = verdict.measured_gain
+            rollback = None
             if verdict.rollback_reason is not None and row.previous_shares is not None:
                 row.rolled_back = True
                 rollback = (list(row.previous_shares), verdict.rollback_reason)
             st.measured = True
             st.last_effect = effect.effect_record(row)
             s.commit()
+            return rollback
+
+        rollback = await self._sql(work)
         if rollback is not None:
             await self._issue(st, rollback[0], source="rollback", actor=_SYSTEM, reason=rollback[1],
                               action="placement.auto_rollback")
-        self._notify(st.job)
+        self._publish(st)
 
     # --- operator actions (the REST routes call these) ------------------------------------
 
-    async def _issue(self, st: _JobState, shares: list[int], *, source: str, actor: Any, reason: str,
-                     action: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def _issue(self, st: _JobState, shares: list[int], *, source: str, actor: ActorLike,
+                     reason: str, action: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         """Record and send a placement that no proposal stands behind (rollback)."""
         # Pending proposals stay: approving one now answers 409 (computed against an older
         # version), and the next policy run supersedes it.
-        with self._session() as s:
+        def work(s: Session) -> dict[str, Any]:
             old = db.latest_placement(s, st.job)
             row = self._new_placement(s, st, shares, source=source, actor=actor, reason=reason,
                                       current=old)
@@ -592,31 +719,37 @@ class Controller:
                             params={**(params or {}), "version": row.version, "shares": shares},
                             reason=reason)
             s.commit()
-            out = row.public()
+            self._read_facts(s, st)
+            return row.public()
+
+        out = await self._sql(work)
         self._reset_applied(st)
+        self._publish(st)
         await self._send(st.job, self._placement_msg(st, reason=reason))
-        self._notify(st.job)
         return out
 
     def _reset_applied(self, st: _JobState) -> None:
         st.applied, st.effective, st.measured = False, None, False
 
-    async def _apply(self, job: str, proposal_id: int, *, actor: Any, reason: str | None,
+    async def _apply(self, st: _JobState, proposal_id: int, *, actor: ActorLike, reason: str | None,
                      auto: bool = False) -> dict[str, Any]:
-        st = self._require(job)
-        with self._session() as s:
+        job = st.job
+
+        def work(s: Session) -> dict[str, Any]:
             prop = records.proposal_to_decide(s, job, proposal_id, "approved")
             if st.mode == "observe":
                 raise ConflictError(f"Job '{job}' is in observe mode; set the mode to approve or auto to apply proposals.")
             if prop.base_version != st.version:
                 records.decide(prop, "expired", f"placement version {st.version} came into force", self._wall())
                 s.commit()
+                self._read_facts(s, st)
                 raise ConflictError(
                     f"Proposal {proposal_id} was computed against placement version {prop.base_version} "
                     f"but version {st.version} is in force; refresh.")
             if prop.expires_at is not None and self._wall() > prop.expires_at:
                 records.decide(prop, "expired", "older than its TTL", self._wall())
                 s.commit()
+                self._read_facts(s, st)
                 raise ConflictError(f"Proposal {proposal_id} expired; refresh.")
             shares = list(prop.shares)
             try:
@@ -635,146 +768,188 @@ class Controller:
                             job=job, params={"proposal_id": prop.id, "version": row.version,
                                              "shares": shares}, reason=reason)
             s.commit()
-            out = prop.public()
+            self._read_facts(s, st)
+            return prop.public()
+
+        try:
+            out = await self._sql(work)
+        except ControlError:
+            self._publish(st)
+            raise
         self._reset_applied(st)
         st.status, st.status_detail = "proposal_pending", st.waiting_detail()
+        self._publish(st)
         await self._send(job, self._placement_msg(st, proposal_id=proposal_id, reason=out["reason"]))
-        self._notify(job)
         return out
 
-    async def approve(self, job: str, proposal_id: int, *, actor: Any, reason: str | None = None) -> dict[str, Any]:
+    async def approve(self, job: str, proposal_id: int, *, actor: ActorLike,
+                      reason: str | None = None) -> dict[str, Any]:
         """Send exactly the reviewed shares as the next placement version."""
-        return await self._apply(job, proposal_id, actor=actor, reason=reason)
+        st = await self._require(job)
+        async with st.lock:
+            return await self._apply(st, proposal_id, actor=actor, reason=reason)
 
-    async def reject(self, job: str, proposal_id: int, *, actor: Any, reason: str | None = None) -> dict[str, Any]:
-        st = self._require(job)
-        with self._session() as s:
-            prop = records.proposal_to_decide(s, job, proposal_id, "rejected")
-            records.decide(prop, "rejected", reason or "", self._wall(), by=actor)
-            db.record_audit(s, actor=actor, action="proposal.reject", job=job,
-                            params={"proposal_id": proposal_id}, reason=reason)
-            s.commit()
-            out = prop.public()
-        st.status, st.status_detail = "imbalanced", f"proposal {proposal_id} was rejected"
-        self._notify(job)
-        return out
+    async def reject(self, job: str, proposal_id: int, *, actor: ActorLike,
+                     reason: str | None = None) -> dict[str, Any]:
+        st = await self._require(job)
+        async with st.lock:
+            def work(s: Session) -> dict[str, Any]:
+                prop = records.proposal_to_decide(s, job, proposal_id, "rejected")
+                records.decide(prop, "rejected", reason or "", self._wall(), by=actor)
+                db.record_audit(s, actor=actor, action="proposal.reject", job=job,
+                                params={"proposal_id": proposal_id}, reason=reason)
+                s.commit()
+                self._read_facts(s, st)
+                return prop.public()
 
-    async def submit_manual(self, job: str, shares: Any, *, actor: Any, reason: str | None = None,
+            out = await self._sql(work)
+            st.status, st.status_detail = "imbalanced", f"proposal {proposal_id} was rejected"
+            self._publish(st)
+            return out
+
+    async def submit_manual(self, job: str, shares: Any, *, actor: ActorLike, reason: str | None = None,
                             apply: bool = False) -> dict[str, Any]:
         """An operator's own placement: validated, stored as a proposal, applied if asked."""
-        st = self._require(job)
-        try:
-            shares = check_shares(shares, world_size=st.world_size, global_batch_size=st.global_batch_size)
-        except ValueError as exc:
-            raise InvalidError(f"Invalid placement: {exc}") from None
-        self._check_overrides(st, shares)
-        with self._session() as s:
-            self._close_pending(s, job, "superseded", "an operator submitted a placement")
-            prop = self._add_proposal(s, st, shares, source="manual", strategy="manual", actor=actor,
-                                      reason=reason or "manual placement")
-            db.record_audit(s, actor=actor, action="proposal.create", job=job,
-                            params={"proposal_id": prop.id, "shares": shares, "apply": apply},
-                            reason=reason)
-            s.commit()
-            pid, out = prop.id, prop.public()
-        self._notify(job)
-        if apply:
-            return await self._apply(job, pid, actor=actor, reason=reason)
-        return out
+        st = await self._require(job)
+        async with st.lock:
+            try:
+                shares = check_shares(shares, world_size=st.world_size, global_batch_size=st.global_batch_size)
+            except ValueError as exc:
+                raise InvalidError(f"Invalid placement: {exc}") from None
+            self._check_overrides(st, shares)
+            costs = self._costs(st)
 
-    async def rollback(self, job: str, *, actor: Any, reason: str | None = None) -> dict[str, Any]:
+            def work(s: Session) -> tuple[int, dict[str, Any]]:
+                self._close_pending(s, job, "superseded", "an operator submitted a placement")
+                prop = self._add_proposal(s, st, shares, source="manual", strategy="manual", actor=actor,
+                                          reason=reason or "manual placement", costs=costs)
+                db.record_audit(s, actor=actor, action="proposal.create", job=job,
+                                params={"proposal_id": prop.id, "shares": shares, "apply": apply},
+                                reason=reason)
+                s.commit()
+                self._read_facts(s, st)
+                return prop.id, prop.public()
+
+            pid, out = await self._sql(work)
+            self._publish(st)
+            if apply:
+                return await self._apply(st, pid, actor=actor, reason=reason)
+            return out
+
+    async def rollback(self, job: str, *, actor: ActorLike, reason: str | None = None) -> dict[str, Any]:
         """Go back to exactly the shares in force before the current placement."""
-        st = self._require(job)
-        with self._session() as s:
-            cur = db.latest_placement(s, job)
-            if cur is None or cur.previous_shares is None:
-                raise ConflictError(f"Job '{job}' has no previous placement to roll back to.")
-            shares, prev_version = list(cur.previous_shares), cur.previous_version
-        if len(shares) != st.world_size:
-            raise ConflictError(f"The previous placement of job '{job}' has another world size; it cannot return.")
-        return await self._issue(st, shares, source="rollback", actor=actor,
-                                 reason=reason or f"rollback to the shares of version {prev_version}",
-                                 action="placement.rollback", params={"to_version": prev_version})
+        st = await self._require(job)
+        async with st.lock:
+            def read(s: Session) -> tuple[list[int], int | None]:
+                cur = db.latest_placement(s, job)
+                if cur is None or cur.previous_shares is None:
+                    raise ConflictError(f"Job '{job}' has no previous placement to roll back to.")
+                return list(cur.previous_shares), cur.previous_version
 
-    async def set_mode(self, job: str, mode: str, *, actor: Any, reason: str | None = None) -> dict[str, Any]:
-        st = self._require(job)
+            shares, prev_version = await self._sql(read)
+            if len(shares) != st.world_size:
+                raise ConflictError(f"The previous placement of job '{job}' has another world size; it cannot return.")
+            return await self._issue(st, shares, source="rollback", actor=actor,
+                                     reason=reason or f"rollback to the shares of version {prev_version}",
+                                     action="placement.rollback", params={"to_version": prev_version})
+
+    async def set_mode(self, job: str, mode: str, *, actor: ActorLike, reason: str | None = None) -> dict[str, Any]:
+        st = await self._require(job)
         if mode not in MODES:
             raise InvalidError(f"Mode must be one of observe, approve, auto; got {mode!r}.")
-        with self._session() as s:
-            row = s.get(db.JobSettingsRow, job)
-            old, row.mode, row.updated_at = row.mode, mode, self._wall()
-            db.record_audit(s, actor=actor, action="job.mode", job=job,
-                            params={"mode": mode, "previous": old}, reason=reason)
-            s.commit()
-        st.mode, st.last_run = mode, -math.inf
-        self._notify(job)
+        async with st.lock:
+            def work(s: Session) -> None:
+                row = db.get_settings(s, job)
+                assert row is not None
+                old, row.mode, row.updated_at = row.mode, mode, self._wall()
+                db.record_audit(s, actor=actor, action="job.mode", job=job,
+                                params={"mode": mode, "previous": old}, reason=reason)
+                s.commit()
+
+            await self._sql(work)
+            st.mode, st.last_run = mode, -math.inf
+            self._dirty.add(job)
+            self._publish(st)
         return self.job_control(job)
 
-    async def set_policy(self, job: str, changes: dict[str, Any], *, actor: Any,
+    async def set_policy(self, job: str, changes: dict[str, Any], *, actor: ActorLike,
                          reason: str | None = None) -> dict[str, Any]:
         """Merge ``changes`` into the job's policy settings (None removes a stored value)."""
         from backend.policy import available_strategies
 
-        st = self._require(job)
+        st = await self._require(job)
         for key, value in changes.items():
             if value is not None:
                 inputs.check_policy_value(key, value, available_strategies())
-        policy = dict(st.policy)
-        for k, v in changes.items():
-            if v is None:
-                policy.pop(k, None)
-            else:
-                policy[k] = v
-        with self._session() as s:
-            row = s.get(db.JobSettingsRow, job)
-            row.policy, row.updated_at = policy, self._wall()
-            db.record_audit(s, actor=actor, action="job.policy", job=job, params=changes, reason=reason)
-            s.commit()
-        st.policy, st.last_run, st.static_checked = policy, -math.inf, False
-        self._notify(job)
-        return self.policy_settings(job)
+        async with st.lock:
+            policy = dict(st.policy)
+            for k, v in changes.items():
+                if v is None:
+                    policy.pop(k, None)
+                else:
+                    policy[k] = v
 
-    async def set_overrides(self, job: str, overrides: dict[str, Any], *, actor: Any,
+            def work(s: Session) -> None:
+                row = db.get_settings(s, job)
+                assert row is not None
+                row.policy, row.updated_at = policy, self._wall()
+                db.record_audit(s, actor=actor, action="job.policy", job=job, params=changes, reason=reason)
+                s.commit()
+
+            await self._sql(work)
+            st.policy, st.last_run, st.static_checked = policy, -math.inf, False
+            self._dirty.add(job)
+            self._publish(st)
+            return inputs.policy_settings(st.policy, st.mode, self.settings)
+
+    async def set_overrides(self, job: str, overrides: dict[str, Any], *, actor: ActorLike,
                             reason: str | None = None) -> dict[str, Any]:
         """Replace the job's overrides; when the placement in force breaks them, propose one
         that respects them (applied right away in auto mode)."""
         from backend.policy import InfeasibleError, solve
 
-        st = self._require(job)
+        st = await self._require(job)
         ov = inputs.validate_overrides(overrides, world_size=st.world_size,
                                        global_batch_size=st.global_batch_size)
-        try:
-            costs = self._costs(st) or [1.0] * st.world_size
-            target = list(solve([0.0] * st.world_size, costs, st.global_batch_size,
-                                inputs.constraints_from(ov)))
-        except InfeasibleError as exc:
-            raise InvalidError(f"The overrides admit no placement: {exc}") from None
-        with self._session() as s:
-            records.store_overrides(s, job, ov, actor=actor, reason=reason, at=self._wall())
-            s.commit()
-        st.overrides, st.last_run = ov, -math.inf
-        pid = None
-        try:
-            self._check_overrides(st, st.shares)
-        except InvalidError as exc:
-            with self._session() as s:
-                self._close_pending(s, job, "superseded", "the overrides changed")
-                prop = self._add_proposal(s, st, target, source="override", strategy="override",
-                                          actor=actor, reason=f"respect the new overrides: {exc.detail}")
+        async with st.lock:
+            costs = self._costs(st)
+            try:
+                target = list(solve([0.0] * st.world_size, costs or [1.0] * st.world_size,
+                                    st.global_batch_size, inputs.constraints_from(ov)))
+            except InfeasibleError as exc:
+                raise InvalidError(f"The overrides admit no placement: {exc}") from None
+            broken: str | None = None
+            try:
+                inputs.check_overrides(ov, st.shares, global_batch_size=st.global_batch_size)
+            except InvalidError as exc:
+                broken = exc.detail
+
+            def work(s: Session) -> int | None:
+                records.store_overrides(s, job, ov, actor=actor, reason=reason, at=self._wall())
+                pid = None
+                if broken is not None:
+                    self._close_pending(s, job, "superseded", "the overrides changed")
+                    prop = self._add_proposal(s, st, target, source="override", strategy="override",
+                                              actor=actor, reason=f"respect the new overrides: {broken}",
+                                              costs=costs)
+                    pid = prop.id
                 s.commit()
-                pid = prop.id
-            if st.mode == "auto":
-                await self._apply(job, pid, actor="auto", reason="auto mode: overrides changed", auto=True)
-        self._notify(job)
-        return {**ov, "proposal_id": pid}
+                self._read_facts(s, st)
+                return pid
+
+            pid = await self._sql(work)
+            st.overrides, st.last_run = ov, -math.inf
+            self._dirty.add(job)
+            self._publish(st)
+            if pid is not None and st.mode == "auto":
+                await self._apply(st, pid, actor="auto", reason="auto mode: overrides changed", auto=True)
+            return {**ov, "proposal_id": pid}
 
 
-def _explanation_dict(expl: Any) -> dict[str, Any]:
-    import dataclasses
-    import json
-
+def _explanation_dict(expl: Explanation) -> dict[str, Any]:
     # JSON round trip: evidence may hold tuples or numbers numpy produced.
-    return json.loads(json.dumps(dataclasses.asdict(expl), default=_json_default))
+    out: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(expl), default=_json_default))
+    return out
 
 
 def _json_default(o: Any) -> Any:

@@ -35,10 +35,13 @@ def create_job(s: Any, hello: Hello, *, mode: str, actor: str, at: float) -> Non
     # A job that already runs a version this backend never recorded (its database
     # was replaced) must get a newer one, or the hook would refuse it as stale.
     first = hello.placement_version + 1 if hello.placement_version > 0 else 0
-    s.add(db.JobSettingsRow(
-        job=job, world_size=hello.world_size, global_batch_size=hello.global_batch_size,
-        mode=mode, policy={}, created_at=at, updated_at=at,
-    ))
+    row = s.scalar(select(db.JobRow).where(db.JobRow.name == job))
+    if row is None:  # ingest stores the row on hello; a direct caller may come first
+        row = db.JobRow(name=job, world_size=hello.world_size,
+                        global_batch_size=hello.global_batch_size, created_at=at, last_seen=at)
+        s.add(row)
+    row.world_size, row.global_batch_size = hello.world_size, hello.global_batch_size
+    row.mode, row.policy, row.updated_at = mode, {}, at
     s.add(db.PlacementRow(
         job=job, version=first, shares=shares, source="initial", actor=actor,
         reason="uniform split for a new job", created_at=at, acks={},

@@ -1,7 +1,8 @@
 """DashboardHub: the data feed of ``/ws/dashboard``, coalesced to at most N pushes a second.
 
-Ingest calls ``notify(job)`` after every metrics message, which only adds the job to a
-dirty set. A ticker runs ``dashboard_max_hz`` times a second: it folds what arrived for the
+Ingest and the controller call ``notify(job)`` (``JobChanges.mark``), which only adds the
+job to a dirty set. Control state comes from the controller's published snapshot
+(``control(job)``: memory, no SQL); ETA, cost and savings from ``backend.live.forecast``. A ticker runs ``dashboard_max_hz`` times a second: it folds what arrived for the
 dirty jobs into per-job feeds (per-batch aggregates, heatmap columns, placement markers,
 a summary and the control state), once per job whatever the number of viewers, then wakes
 the clients that watch those jobs. Each client has its own sender task with a cursor into
@@ -35,11 +36,23 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
-from backend.live.forecast import savings
-from backend.live.state import STEP_BATCH, STEP_COMPUTE, STEP_LOCAL_BATCH, STEP_MS, STEP_VERSION
+from backend.control.status import job_status
+from backend.live.forecast import forecast, savings
+from backend.live.state import (
+    STEP_BATCH,
+    STEP_COMPUTE,
+    STEP_LOCAL_BATCH,
+    STEP_MS,
+    STEP_VERSION,
+    JobView,
+    LiveState,
+)
+from backend.settings import Settings
 from trainer_hook.protocol import uniform_shares
 
-__all__ = ["DashboardHub", "fit_rank_cost"]
+__all__ = ["DashboardHub", "JobChanges", "fit_rank_cost"]
+
+ControlRead = Callable[[str], dict[str, Any]]
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +60,6 @@ _SERIES_MAX = 3000  # per-batch points kept per job (the page's sliding window i
 _HEAT_MAX = 240  # heatmap columns kept per job (one per tick with new data)
 _LAG_LIMIT = 256  # a batch a connected rank never sent closes once the newest is this far on
 _COST_WINDOW = 64  # steps per rank used to fit its per-sample cost
-_CONTROL_EVERY_S = 0.25  # control state reads SQL: refresh it at most this often per job
 _IDLE_REFRESH_S = 1.0  # watched jobs refresh this often even without metrics (stale flag)
 _RANKS_FULL_RATE_MAX = 128  # up to this many ranks, per-rank columns go out every tick
 _RANKS_EVERY_S = 1.0  # above it, at most this often
@@ -181,10 +193,10 @@ class _Feed:
     control: dict[str, Any] = field(default_factory=dict)
     control_json: str = "{}"  # like ranks_json: encoded once per change
     control_seq: int = 0
-    control_at: float = float("-inf")
     saved_ms: float = 0.0
     measured_ms: float = 0.0
     uniform_ms: float = 0.0
+    unsaved: list[dict[str, Any]] = field(default_factory=list)  # points not yet stored
 
 
 @dataclass(eq=False)
@@ -202,33 +214,50 @@ class _Client:
     frames: int = 0
 
 
+class JobChanges:
+    """Jobs whose feed is due for the next tick (a set; marking is one add)."""
+
+    __slots__ = ("_jobs",)
+
+    def __init__(self) -> None:
+        self._jobs: set[str] = set()
+
+    def mark(self, job: str) -> None:
+        self._jobs.add(job)
+
+    def take(self) -> set[str]:
+        jobs, self._jobs = self._jobs, set()
+        return jobs
+
+
 class DashboardHub:
-    """Feeds dashboard websockets. Built by ``create_app`` as ``DashboardHub(services)``.
+    """Feeds dashboard websockets from live state and the controller's control snapshots."""
 
-    ``services`` provides ``settings`` (``dashboard_max_hz``, ``price_for``), ``live``
-    (LiveState) and optionally ``controller`` (``job_control(job)``).
-    """
-
-    def __init__(self, services: Any, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, *, settings: Settings, live: LiveState, control: ControlRead,
+                 changes: JobChanges, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time):
-        self.services = services
+        self.settings = settings
+        self.live = live
+        self.control = control
+        self.changes = changes
         self._clock = clock
         self._wall = wall
-        hz = float(getattr(getattr(services, "settings", None), "dashboard_max_hz", 10.0) or 10.0)
-        self.interval_s = 1.0 / hz
-        self._dirty: set[str] = set()
+        self.interval_s = 1.0 / settings.dashboard_max_hz
+        self.series_max = _SERIES_MAX
         self._feeds: dict[str, _Feed] = {}
         self._clients: set[_Client] = set()
         self._task: asyncio.Task[None] | None = None
         self._last_refresh = float("-inf")
         self._prices: dict[tuple[str, str], float | None] = {}  # settings are fixed at start
+        # job -> (stored points, stored summary): what a restarted backend refills charts from
+        self._history: dict[str, tuple[list[dict[str, Any]], dict[str, Any] | None]] = {}
         self.ticks = 0
 
     # --- called by ingest and the controller ------------------------------------------
 
     def notify(self, job: str) -> None:
         """Mark ``job`` as changed; the next tick pushes it. Cheap: one set add."""
-        self._dirty.add(job)
+        self.changes.mark(job)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -246,61 +275,12 @@ class DashboardHub:
                 await task
 
     async def _run(self) -> None:
-        refresh: asyncio.Task[None] | None = None
-        try:
-            while True:
-                await asyncio.sleep(self.interval_s)
-                # The control read runs beside the ticks, never in front of them: on a busy
-                # backend the worker thread waits for the GIL (1,024 ranks: p99 ~0.5 s), and
-                # a tick that waited for it held every rank's new steps back as long.
-                if refresh is None or refresh.done():
-                    refresh = asyncio.create_task(self._refresh_control_logged())
-                try:
-                    self.tick()
-                except Exception:  # one bad job must not stop every dashboard
-                    log.exception("dashboard tick failed")
-        finally:
-            if refresh is not None:
-                refresh.cancel()
-
-    async def _refresh_control_logged(self) -> None:
-        try:
-            await self._refresh_control()
-        except Exception:  # one bad read must not stop the refreshes
-            log.exception("dashboard control refresh failed")
-
-    async def _refresh_control(self) -> None:
-        """Read the control state (SQL) of the jobs the next tick shows on a worker thread,
-        so that tick() finds it fresh and the event loop never waits for the database.
-        A job's first read still happens in tick(); tick() alone (tests) reads it too."""
-        controller = getattr(self.services, "controller", None)
-        if controller is None:
-            return
-        now = self._clock()
-        jobs = self._dirty | {c.job for c in self._clients if c.job is not None}
-        if any(c.job is None for c in self._clients):
-            jobs |= set(self._feeds)
-        due = [j for j in jobs if (f := self._feeds.get(j)) is not None and f.control
-               and now - f.control_at >= _CONTROL_EVERY_S]
-        if not due:
-            return
-
-        def read() -> dict[str, dict[str, Any]]:
-            out = {}
-            for job in due:
-                try:
-                    out[job] = dict(controller.job_control(job))
-                except Exception:  # the job may be unknown to the controller for a moment
-                    log.debug("job_control(%s) failed", job, exc_info=True)
-            return out
-
-        got = await asyncio.to_thread(read)
-        at = self._clock()
-        for job, control in got.items():
-            if (f := self._feeds.get(job)) is not None:
-                if _set_control(f, control):
-                    self._dirty.add(job)  # the next tick shows it, metrics or not
-                f.control_at = at
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.tick()
+            except Exception:  # one bad job must not stop every dashboard
+                log.exception("dashboard tick failed")
 
     @property
     def client_count(self) -> int:
@@ -311,7 +291,7 @@ class DashboardHub:
     def tick(self) -> int:
         """Fold the dirty jobs into their feeds and wake their clients; returns #woken."""
         self.ticks += 1
-        dirty, self._dirty = self._dirty, set()
+        dirty = self.changes.take()
         now = self._clock()
         if now - self._last_refresh >= _IDLE_REFRESH_S:
             # Control changes and staleness show even when no metrics arrive.
@@ -334,26 +314,19 @@ class DashboardHub:
         return woken
 
     def _live_jobs(self) -> list[str]:
-        live = getattr(self.services, "live", None)
-        return list(live.jobs()) if live is not None else []
+        return list(self.live.jobs())
 
     def _update(self, job: str, now: float) -> None:
-        live = self.services.live
-        view = live.view(job)
+        view = self.live.view(job)
         if view is None:
             self._feeds.pop(job, None)
             return
         feed = self._feeds.get(job)
         if feed is None or feed.summary.get("world_size") not in (None, view.world_size):
             feed = self._feeds[job] = _Feed(job)
+            self._refill(feed)
         self._fold_steps(feed, view)
-        if now - feed.control_at >= _CONTROL_EVERY_S or not feed.control:
-            feed.control_at = now
-            controller = getattr(self.services, "controller", None)
-            try:
-                _set_control(feed, dict(controller.job_control(job)) if controller is not None else {})
-            except Exception:  # the job may be unknown to the controller for a moment
-                log.debug("job_control(%s) failed", job, exc_info=True)
+        _set_control(feed, self.control(job))
         if (len(view.ranks) <= _RANKS_FULL_RATE_MAX or now - feed.ranks_at >= _RANKS_EVERY_S
                 or not feed.ranks_seq):
             feed.ranks_at = now
@@ -363,8 +336,8 @@ class DashboardHub:
         feed.summary = self._summary(feed, view)
 
 
-    def _fold_steps(self, feed: _Feed, view: Any) -> None:
-        live = self.services.live
+    def _fold_steps(self, feed: _Feed, view: JobView) -> None:
+        live = self.live
         after: dict[int, tuple[int, int]] = {}  # ranks that sent something since the last tick
         for rv in view.ranks:
             last = feed.seen.get(rv.rank, -1)
@@ -376,17 +349,17 @@ class DashboardHub:
             return
         pending: dict[int, dict[int, Any]] = {}  # batch index -> rank -> step row
         closed = feed.closed
-        for rank, recs in live.steps_after(feed.job, after).items():
+        for rank, rows in live.steps_after(feed.job, after).items():
             costs = feed.costs.get(rank)
             if costs is None:
                 costs = feed.costs[rank] = _CostWindow()
-            for s in recs:
+            for s in rows:
                 costs.add(s[STEP_LOCAL_BATCH], s[STEP_COMPUTE])
                 if s[STEP_BATCH] > closed:
                     pending.setdefault(s[STEP_BATCH], {})[rank] = s
         # Batches read earlier but still waiting for a rank stay open in feed.open.
-        for b, recs in pending.items():
-            feed.open.setdefault(b, {}).update(recs)
+        for b, got in pending.items():
+            feed.open.setdefault(b, {}).update(got)
         if not pending:
             return
         newest = max(feed.open)
@@ -412,6 +385,7 @@ class DashboardHub:
                 continue
             point = self._point(b, list(recs.values()), gbs, pred)
             feed.series.append(point)
+            feed.unsaved.append(point)
             feed.closed = b
             if feed.last_version is not None and point["version"] != feed.last_version:
                 feed.markers.append({"b": b, "version": point["version"]})
@@ -422,13 +396,13 @@ class DashboardHub:
                 feed.saved_ms += point["uniform_step_ms"] - point["step_ms"]
         # One heat column per tick: every rank's mean compute over the batches just read.
         by_rank: dict[int, list[float]] = {}
-        for recs in pending.values():
-            for r, s in recs.items():
-                by_rank.setdefault(r, []).append(s[STEP_COMPUTE])
+        for got in pending.values():
+            for r, row in got.items():
+                by_rank.setdefault(r, []).append(row[STEP_COMPUTE])
         # A rank whose metrics batch has not arrived this tick keeps its previous value.
         prev = feed.heat[-1]["compute"] if feed.heat else [None] * world
         col = [round(sum(v) / len(v), 3) if (v := by_rank.get(r)) else prev[r] for r in range(world)]
-        util = [None] * world
+        util: list[float | None] = [None] * world
         for rv in view.ranks:
             if rv.device is not None and rv.rank < world:
                 d = rv.device  # CPU ranks (psutil) have no device utilisation: use CPU %
@@ -480,20 +454,25 @@ class DashboardHub:
     def _price(self, device_type: str, device_name: str) -> float | None:
         key = (device_type, device_name)
         if key not in self._prices:
-            settings = getattr(self.services, "settings", None)
-            self._prices[key] = (settings.price_for(device_type, device_name)
-                                 if settings is not None and hasattr(settings, "price_for") else None)
+            self._prices[key] = self.settings.price_for(device_type, device_name)
         return self._prices[key]
 
-    def _summary(self, feed: _Feed, view: Any) -> dict[str, Any]:
+    def _summary(self, feed: _Feed, view: JobView) -> dict[str, Any]:
         ctl = feed.control
-        prices = [p for p in feed.ranks.get("price_per_hour", []) if p is not None]
         placement = ctl.get("placement") or {}
+        if ctl.get("status"):
+            status, detail = ctl["status"], ctl.get("status_detail", "")
+        else:  # not known to the controller (yet): the status rule on live numbers alone
+            status, detail = job_status(
+                verdict="warming_up", detail="waiting for the first steps", pending=None,
+                connected_ranks=view.connected_ranks,
+                metrics_age_s=max(self._wall() - view.last_seen, 0.0),
+                stale_after_s=self.settings.stale_after_s)
+        fc = forecast(view, self._price)
         return {
             "job": view.job, "world_size": view.world_size,
             "global_batch_size": view.global_batch_size,
-            "status": ctl.get("status") or ("warming_up" if view.batch_index is None else "balanced"),
-            "status_detail": ctl.get("status_detail", ""),
+            "status": status, "status_detail": detail,
             "mode": ctl.get("mode"), "strategy": ctl.get("strategy"),
             "batch_index": view.batch_index, "step_ms": _r(view.step_ms),
             "step_rate_hz": _r(view.step_rate_hz), "imbalance": _r(view.imbalance),
@@ -501,9 +480,52 @@ class DashboardHub:
             "placement_version": placement.get("version"),
             "pending_proposal_id": ctl.get("pending_proposal_id"),
             "last_seen": view.last_seen, "age_s": _r(max(self._wall() - view.last_seen, 0.0)),
-            "cost_per_hour": _r(sum(prices)) if prices else None,
-            "total_steps": view.total_steps, "eta_s": _r(view.eta_s),
+            "cost_per_hour": _r(fc.cost_per_hour), "total_steps": fc.total_steps,
+            "remaining_steps": fc.remaining_steps, "eta_s": _r(fc.eta_s),
+            "cost_to_finish": _r(fc.cost_to_finish),
         }
+
+    # --- history: stored by the parts' persist loop, read back after a restart -------------
+
+    def preload(self, job: str, points: list[dict[str, Any]], summary: dict[str, Any] | None) -> None:
+        """Stored points and summary of ``job``; its feed starts from them."""
+        self._history[job] = (points, summary)
+
+    def _refill(self, feed: _Feed) -> None:
+        points, summary = self._history.pop(feed.job, ([], None))
+        for p in points:
+            feed.series.append(p)
+        if points:
+            feed.closed = points[-1]["b"]
+            feed.last_version = points[-1]["version"]
+        if summary is not None:
+            feed.measured_ms = 1000.0 * summary["measured_s"]
+            feed.uniform_ms = 1000.0 * summary["uniform_s"]
+            feed.saved_ms = 1000.0 * summary["saved_s"]
+
+    def take_unsaved(self) -> list[tuple[str, list[dict[str, Any]], dict[str, Any]]]:
+        """(job, new points, summary values) of every job with points not stored yet."""
+        out = []
+        for job, feed in self._feeds.items():
+            if not feed.unsaved:
+                continue
+            points, feed.unsaved = feed.unsaved, []
+            out.append((job, points, self._summary_values(feed)))
+        return out
+
+    def _summary_values(self, feed: _Feed) -> dict[str, Any]:
+        s = feed.summary
+        return {**(self.savings(feed.job) or {}), "batch_index": s.get("batch_index"),
+                "total_steps": s.get("total_steps"), "cost_per_hour": s.get("cost_per_hour"),
+                "step_ms": s.get("step_ms"), "imbalance": s.get("imbalance"),
+                "placement_version": s.get("placement_version")}
+
+    def run_summary(self, job: str) -> dict[str, Any] | None:
+        """The run's summary from the live feed (None if the hub has no feed for it)."""
+        feed = self._feeds.get(job)
+        if feed is None or not feed.summary:
+            return None
+        return {"job": job, **self._summary_values(feed), "updated_at": self._wall()}
 
     def savings(self, job: str) -> dict[str, float | None] | None:
         """The job's savings against the uniform split so far (None if no feed)."""
@@ -537,7 +559,6 @@ class DashboardHub:
         if markers:
             c.marker_cursor = markers[-1]["b"]
         c.full_sent = True
-        cost = feed.summary.get("cost_per_hour")
         # ``ranks`` and ``control`` go out when the client has not seen their newest version
         # (_encode splices in their shared JSON); a frame without ``ranks`` has ``positions``.
         with_ranks = full or c.ranks_cursor != feed.ranks_seq
@@ -549,12 +570,7 @@ class DashboardHub:
             **({"ranks": _RANKS} if with_ranks else {"positions": feed.positions}),
             "series": {k: [p[k] for p in pts] for k in _SERIES_FIELDS},
             "markers": markers, "heat": heat,
-            "savings": {
-                "measured_s": round(feed.measured_ms / 1000, 3),
-                "uniform_s": round(feed.uniform_ms / 1000, 3),
-                "saved_s": round(feed.saved_ms / 1000, 3),
-                "saved_cost": round(feed.saved_ms / 3.6e6 * cost, 6) if cost else None,
-            },
+            "savings": self.savings(c.job),
         }
 
     def _encode(self, c: _Client) -> str:

@@ -9,16 +9,16 @@ disturbs the others.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import threading
+from collections.abc import Callable
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from backend.api.deps import websocket_actor
-from backend.parts import Services
+from backend.parts import Parts
 from backend.storage.metrics import upsert_hello
 from trainer_hook.protocol import (
     CLOSE_FORBIDDEN,
@@ -49,30 +49,28 @@ async def _refuse(ws: WebSocket, code: str, message: str, close_code: int) -> No
         await ws.close(close_code, reason=message[:120])
 
 
-_hello_lock = threading.Lock()
-
-
-def _store_hello(services: Services, hello: Hello, new_run: bool) -> None:
-    # All ranks of a new job say hello at once; serialise so their inserts of the job row
-    # do not race on its unique name (one retry covers a second backend process).
-    with _hello_lock:
+def _store_hello(hello: Hello, new_run: bool) -> Callable[[Session], None]:
+    def work(s: Session) -> None:
+        # On the gateway's one thread, so the ranks of a new job saying hello at once
+        # never race on its unique name; one retry covers a second backend process.
         for attempt in (1, 2):
             try:
-                with services.sessionmaker() as s:
-                    upsert_hello(s, hello, new_run=new_run)
-                    s.commit()
+                upsert_hello(s, hello, new_run=new_run)
+                s.commit()
                 return
             except IntegrityError:
+                s.rollback()
                 if attempt == 2:
                     raise
+    return work
 
 
 @router.websocket("/ws/hook")
 async def hook_websocket(websocket: WebSocket) -> None:
     """One rank's connection: authenticate, hello, then metrics / ack / reject frames."""
-    services: Services = websocket.app.state.services
+    parts: Parts = websocket.app.state.parts
     await websocket.accept()
-    actor = websocket_actor(websocket)
+    actor = await websocket_actor(websocket)
     if actor is None:
         await _refuse(websocket, "unauthorized",
                       "Missing or invalid token; send 'Authorization: Bearer TOKEN' or '?token=TOKEN'.",
@@ -85,7 +83,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
         return
     hello: Hello | None = None
     goodbye = False  # the hook closed normally (its close()): this rank is done
-    services.sockets.add(actor, websocket)
+    parts.sockets.add(actor, websocket)
     try:
         while True:
             frame = await websocket.receive()
@@ -120,7 +118,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
                                   CLOSE_MALFORMED)
                     return
                 hello = msg
-                await _on_hello(services, websocket, hello)
+                await _on_hello(parts, websocket, hello)
                 continue
             if not isinstance(msg, (Metrics, Ack, Reject)):
                 await _refuse(websocket, "malformed",
@@ -134,16 +132,16 @@ async def hook_websocket(websocket: WebSocket) -> None:
                               CLOSE_MALFORMED)
                 return
             if isinstance(msg, Metrics):
-                services.live.add_metrics(msg)
-                await services.controller.on_metrics(msg.job)
-                services.notify(msg.job)
+                parts.live.add_metrics(msg)
+                parts.controller.on_metrics(msg.job)
+                parts.hub.notify(msg.job)
             elif isinstance(msg, Ack):
-                await services.controller.on_ack(msg)
-                services.notify(msg.job)
+                await parts.controller.on_ack(msg)
+                parts.hub.notify(msg.job)
             else:
                 log.warning("job %s rank %d rejected placement %d: %s", msg.job, msg.rank, msg.version, msg.reason)
-                await services.controller.on_reject(msg)
-                services.notify(msg.job)
+                await parts.controller.on_reject(msg)
+                parts.hub.notify(msg.job)
     except WebSocketDisconnect:
         pass
     except Exception:  # a bug in one handler must not take the server or other ranks down
@@ -152,25 +150,25 @@ async def hook_websocket(websocket: WebSocket) -> None:
         await _refuse(websocket, "internal", "The backend failed to handle this message; see its log.",
                       CLOSE_INTERNAL)
     finally:
-        services.sockets.discard(actor, websocket)
+        parts.sockets.discard(actor, websocket)
         if hello is not None:
-            services.connections.remove(hello.job, hello.rank, websocket)
-            if not services.connections.has(hello.job, hello.rank):
-                services.live.set_connected(hello.job, hello.rank, False)
-                if goodbye and services.live.said_goodbye(hello.job, hello.rank):
-                    services.reports.job_ended(hello.job)
+            parts.connections.remove(hello.job, hello.rank, websocket)
+            if not parts.connections.has(hello.job, hello.rank):
+                parts.live.set_connected(hello.job, hello.rank, False)
+                if goodbye and parts.live.said_goodbye(hello.job, hello.rank):
+                    parts.run_ended(hello.job)
             with contextlib.suppress(Exception):
-                services.notify(hello.job)
+                parts.hub.notify(hello.job)
 
 
-async def _on_hello(services: Services, websocket: WebSocket, hello: Hello) -> None:
-    new_run = services.live.register(hello)
-    await asyncio.to_thread(_store_hello, services, hello, new_run)
-    old = services.connections.add(hello.job, hello.rank, websocket)
+async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello) -> None:
+    new_run = parts.live.register(hello)
+    await parts.sql.run(_store_hello(hello, new_run))
+    old = parts.connections.add(hello.job, hello.rank, websocket)
     if old is not None:
         log.info("job %s rank %d reconnected; closing its previous socket", hello.job, hello.rank)
         with contextlib.suppress(Exception):
             await old.close(1000, reason="replaced by a newer connection of the same rank")
-    placement = await services.controller.on_hello(hello)
+    placement = await parts.controller.on_hello(hello)
     await websocket.send_text(encode(placement))
-    services.notify(hello.job)
+    parts.hub.notify(hello.job)

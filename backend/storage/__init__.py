@@ -1,7 +1,9 @@
 """SQL storage: the shared declarative base, engines, and the metrics tables.
 
-Control tables (placements, proposals, overrides, audit, job settings) live in
-``backend.storage.control``; the tokens table lives in ``backend.auth.tokens``.
+Control tables (placements, proposals, overrides, audit) live in
+``backend.storage.control``; run summaries, per-batch job metrics and retention in
+``backend.storage.summaries``; the tokens table in ``backend.auth.tokens``; the schema's
+migrations in ``backend.storage.migrations``; the SQL thread in ``backend.storage.gateway``.
 """
 
 from backend.storage.base import Base, make_engine, make_sessionmaker
@@ -15,7 +17,6 @@ from backend.storage.metrics import (
     list_ranks,
     query_metrics,
     upsert_hello,
-    utcnow,
 )
 
 __all__ = [
@@ -25,7 +26,6 @@ __all__ = [
     "JobRow",
     "RankRow",
     "RankMetricRow",
-    "utcnow",
     "upsert_hello",
     "insert_windows",
     "list_jobs",

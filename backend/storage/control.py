@@ -1,4 +1,4 @@
-"""Control state in SQL: job settings, overrides, placements, proposals and the audit log.
+"""Control state in SQL: job settings (on the ``jobs`` row), overrides, placements, proposals and the audit log.
 
 Everything the controller decides lives here so that a backend restart loses nothing:
 hooks reconnect, say ``hello`` and get the placement in force back from these tables.
@@ -15,9 +15,10 @@ from sqlalchemy import JSON, Boolean, Float, Integer, String, Text, UniqueConstr
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from backend.storage.base import Base
+from backend.storage.metrics import JobRow
 
 __all__ = [
-    "JobSettingsRow",
+    "JobRow",
     "OverridesRow",
     "PlacementRow",
     "ProposalRow",
@@ -25,6 +26,7 @@ __all__ = [
     "PROPOSAL_STATUSES",
     "record_audit",
     "get_settings",
+    "list_settings",
     "latest_placement",
     "list_placements",
     "get_placement",
@@ -41,19 +43,6 @@ PROPOSAL_STATUSES = ("proposed", "approved", "applied", "rejected", "superseded"
 # Every source a proposal or a placement row can have (the counters export each, from 0).
 PROPOSAL_SOURCES = ("policy", "manual", "override")
 PLACEMENT_SOURCES = ("initial", "policy", "auto", "manual", "override", "rollback")
-
-
-class JobSettingsRow(Base):
-    """Per-job control settings: mode and policy configuration (a JSON object)."""
-
-    __tablename__ = "control_job_settings"
-    job: Mapped[str] = mapped_column(String(128), primary_key=True)
-    world_size: Mapped[int] = mapped_column(Integer)
-    global_batch_size: Mapped[int] = mapped_column(Integer)
-    mode: Mapped[str] = mapped_column(String(16), default="approve")
-    policy: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    created_at: Mapped[float] = mapped_column(Float, default=time.time)
-    updated_at: Mapped[float] = mapped_column(Float, default=time.time)
 
 
 class OverridesRow(Base):
@@ -236,8 +225,15 @@ def record_audit(
     return row
 
 
-def get_settings(session: Session, job: str) -> JobSettingsRow | None:
-    return session.get(JobSettingsRow, job)
+def list_settings(session: Session) -> Sequence[JobRow]:
+    """Every job the controller has taken on (its mode is set)."""
+    return session.scalars(select(JobRow).where(JobRow.mode.is_not(None)).order_by(JobRow.name)).all()
+
+
+def get_settings(session: Session, job: str) -> JobRow | None:
+    """The job row, if the controller has taken the job on (its mode is set)."""
+    row = session.scalar(select(JobRow).where(JobRow.name == job))
+    return row if row is not None and row.mode is not None else None
 
 
 def latest_placement(session: Session, job: str, *, include_failed: bool = False) -> PlacementRow | None:

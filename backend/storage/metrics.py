@@ -6,12 +6,13 @@ without a foreign key to this module's ids. Works on SQLite and PostgreSQL.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
-from datetime import datetime, timezone
+from typing import Any
 
 from sqlalchemy import (
+    JSON,
     BigInteger,
-    DateTime,
     Float,
     Index,
     Integer,
@@ -30,8 +31,6 @@ __all__ = [
     "JobRow",
     "RankRow",
     "RankMetricRow",
-    "utcnow",
-    "epoch",
     "upsert_hello",
     "insert_windows",
     "list_jobs",
@@ -41,30 +40,21 @@ __all__ = [
 ]
 
 
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-def epoch(dt: datetime) -> float:
-    """Unix seconds of a stored time (SQLite hands back naive datetimes, meant as UTC)."""
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
-    return dt.timestamp()
-
-
-def _ts(t: float) -> datetime:
-    return datetime.fromtimestamp(t, timezone.utc)
-
-
 class JobRow(Base):
+    """One job: its shape, when it was seen, and (once the controller took it on) its mode
+    and policy settings. Times are Unix seconds, as in every table."""
+
     __tablename__ = "jobs"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True, index=True)
     world_size: Mapped[int] = mapped_column(Integer)
     global_batch_size: Mapped[int] = mapped_column(Integer)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[float] = mapped_column(Float, default=time.time)
+    last_seen: Mapped[float] = mapped_column(Float, default=time.time)
+    mode: Mapped[str | None] = mapped_column(String(16), nullable=True)  # None: not controlled yet
+    policy: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    updated_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class RankRow(Base):
@@ -81,15 +71,16 @@ class RankRow(Base):
     mem_total_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     hook_version: Mapped[str] = mapped_column(String(128), default="")
     restart_count: Mapped[int] = mapped_column(Integer, default=0)
-    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    first_seen: Mapped[float] = mapped_column(Float, default=time.time)
+    last_seen: Mapped[float] = mapped_column(Float, default=time.time)
 
 
 class RankMetricRow(Base):
     """One rank's mean step numbers over one persistence window, plus its last device reading."""
 
     __tablename__ = "rank_metrics"
-    __table_args__ = (Index("ix_rank_metrics_job_rank_batch", "job", "rank", "batch_index_end"),)
+    __table_args__ = (Index("ix_rank_metrics_job_rank_batch", "job", "rank", "batch_index_end"),
+                      Index("ix_rank_metrics_t_end", "t_end"))
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     job: Mapped[str] = mapped_column(String(128))
@@ -117,7 +108,7 @@ class RankMetricRow(Base):
 
 def upsert_hello(session: Session, hello: Hello, *, new_run: bool = False) -> None:
     """Create or update the job and rank rows for a hello (caller commits)."""
-    now = utcnow()
+    now = time.time()
     job = session.scalar(select(JobRow).where(JobRow.name == hello.job))
     if job is None:
         session.add(JobRow(name=hello.job, world_size=hello.world_size,
@@ -159,7 +150,7 @@ def insert_windows(session: Session, windows: Sequence[Window]) -> int:
     for name, t in latest.items():
         job = session.scalar(select(JobRow).where(JobRow.name == name))
         if job is not None:
-            job.last_seen = _ts(t)
+            job.last_seen = t
     return len(rows)
 
 

@@ -1,47 +1,41 @@
 """End-of-run reports in SQL, and the reads of stored metric windows a report sums up.
 
-``run_reports`` keeps one report per job (the newest run's): the JSON the report route
-serves, stored when every rank said goodbye or on demand, so that it outlives the live
-state, a backend restart and the metric history's retention.
+The report is part of the run's summary (``storage.summaries.RunSummaryRow``: ``report``,
+``report_reason``, ``report_at``): stored when every rank said goodbye or on demand, so that
+it outlives the live state, a backend restart and the metric history's retention.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import JSON, ColumnElement, Float, String, Subquery, func, or_, select
-from sqlalchemy.orm import Mapped, Session, mapped_column
+from sqlalchemy import ColumnElement, Subquery, func, or_, select
+from sqlalchemy.orm import Session
 
-from backend.storage.base import Base
 from backend.storage.metrics import RankMetricRow
+from backend.storage.summaries import RunSummaryRow
 
-__all__ = ["RunReportRow", "RankTotals", "save_report", "get_report", "rank_totals", "step_series",
-           "fit_windows"]
-
-
-class RunReportRow(Base):
-    __tablename__ = "run_reports"
-
-    job: Mapped[str] = mapped_column(String(128), primary_key=True)
-    reason: Mapped[str] = mapped_column(String(128))
-    created_at: Mapped[float] = mapped_column(Float, default=time.time)
-    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+__all__ = ["RankTotals", "save_report", "get_report", "rank_totals", "step_series", "fit_windows"]
 
 
 def save_report(s: Session, job: str, body: dict[str, Any], reason: str, at: float) -> None:
-    """Insert or replace the job's report (caller commits)."""
-    row = s.get(RunReportRow, job)
+    """Put the report into the job's run summary (a summary row is made from the report's
+    own savings if the dashboard feed has not stored one yet). Caller commits."""
+    row = s.get(RunSummaryRow, job)
     if row is None:
-        row = RunReportRow(job=job)
+        sv = body.get("savings") or {}
+        row = RunSummaryRow(job=job, measured_s=float(sv.get("measured_s") or 0.0),
+                            uniform_s=float(sv.get("uniform_s") or 0.0), saved_s=float(sv.get("saved_s") or 0.0),
+                            saved_cost=sv.get("saved_cost"), cost_per_hour=(body.get("cost") or {}).get("per_hour"),
+                            updated_at=at)
         s.add(row)
-    row.reason, row.created_at, row.body = reason, at, body
+    row.report, row.report_reason, row.report_at = body, reason, at
 
 
 def get_report(s: Session, job: str) -> dict[str, Any] | None:
-    row = s.get(RunReportRow, job)
-    return dict(row.body) if row is not None else None
+    row = s.get(RunSummaryRow, job)
+    return dict(row.report) if row is not None and row.report is not None else None
 
 
 @dataclass(frozen=True, slots=True)

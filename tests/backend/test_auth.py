@@ -253,7 +253,7 @@ def test_revoking_a_token_closes_its_open_sockets(client, tmp_path):
             assert revoke_token(s, other_id) is not None
             s.commit()
         engine.dispose()
-        services = client.app.state.services
+        services = client.app.state.parts
         assert client.portal.call(services.close_revoked) == 1
         with pytest.raises(WebSocketDisconnect) as closed:
             while True:
@@ -264,4 +264,4 @@ def test_revoking_a_token_closes_its_open_sockets(client, tmp_path):
     with client.websocket_connect("/ws/hook", headers=_bearer(ADMIN)) as h0:
         h0.send_text(hello(rank=0, world_size=1))
         assert h0.receive_json()["type"] == "placement"
-        assert client.portal.call(client.app.state.services.close_revoked) == 0
+        assert client.portal.call(client.app.state.parts.close_revoked) == 0

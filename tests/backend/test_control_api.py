@@ -4,7 +4,6 @@ real /ws/hook websockets through TestClient, bearer tokens with roles."""
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from fastapi.testclient import TestClient
 from backend.auth.tokens import create_token
 from backend.main import create_app
 from backend.settings import Settings
+from tests.helpers.waiting import wait_until
 from trainer_hook.protocol import Ack, Hello, Placement, Reject, decode, encode
 
 ADMIN = "admin-secret-0123456789"
@@ -24,8 +24,8 @@ JOB = "api-job"
 def api(tmp_path: Path):
     app = create_app(Settings(db=f"sqlite:///{tmp_path / 'r.db'}", admin_token=ADMIN))
     with TestClient(app) as client:
-        services = app.state.services
-        with services.sessionmaker() as s:
+        services = app.state.parts
+        with services.sql.sessions() as s:
             _, op = create_token(s, role="operator", name="olga")
             _, viewer = create_token(s, role="viewer", name="vic")
             s.commit()
@@ -51,11 +51,8 @@ def hooks(client: TestClient, world: int = 3, b: int = 48):
 
 
 def wait_for(check: Callable[[], bool]) -> None:
-    for _ in range(500):  # the app handles websocket frames on its own loop: poll, bounded
-        if check():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not reached")
+    # The app handles websocket frames on its own loop: poll.
+    wait_until(check, "the app to handle the frames sent", timeout=10.0, interval=0.01)
 
 
 def test_manual_placement_approve_and_acks_over_rest(api):

@@ -2,52 +2,36 @@
 
 from __future__ import annotations
 
-import uuid
-from pathlib import Path
-
 import pytest
-from sqlalchemy import delete
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError
 
 from backend.auth.tokens import Actor
+from backend.parts import init_db
 from backend.storage import control as db
-from backend.storage.base import Base, make_engine, make_sessionmaker
-
-PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
-
-
-def _engine(kind: str, tmp_path: Path):
-    if kind == "sqlite":
-        return make_engine(f"sqlite:///{tmp_path / 'control.db'}")
-    engine = make_engine(PG_URL)
-    try:
-        with engine.connect():
-            pass
-    except OperationalError as exc:
-        engine.dispose()
-        pytest.skip(f"PostgreSQL at {PG_URL} is unreachable: {exc.orig}")
-    return engine
+from backend.storage.base import make_engine, make_sessionmaker
+from tests.helpers.postgres import pg_schema
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def sessions(request, tmp_path):
-    engine = _engine(request.param, tmp_path)
-    Base.metadata.create_all(engine)
-    sm = make_sessionmaker(engine)
-    job = f"job-{uuid.uuid4().hex[:12]}"  # unique: the PostgreSQL database is shared
-    yield sm, job
-    with sm() as s:
-        for table in (db.PlacementRow, db.ProposalRow, db.AuditRow, db.OverridesRow, db.JobSettingsRow):
-            s.execute(delete(table).where(table.job == job))
-        s.commit()
-    engine.dispose()
+    if request.param == "sqlite":
+        engine = make_engine(f"sqlite:///{tmp_path / 'control.db'}")
+        init_db(engine)
+        yield make_sessionmaker(engine), "job-a"
+        engine.dispose()
+        return
+    with pg_schema() as url:  # a schema of its own: the PostgreSQL database is shared
+        engine = make_engine(url)
+        init_db(engine)
+        yield make_sessionmaker(engine), "job-a"
+        engine.dispose()
 
 
 def test_rows_round_trip_and_read_back_newest_first(sessions):
     sm, job = sessions
     with sm() as s:
-        s.add(db.JobSettingsRow(job=job, world_size=3, global_batch_size=48, mode="auto",
-                                policy={"strategy": "static", "min_gain": 0.1}))
+        s.add(db.JobRow(name=job, world_size=3, global_batch_size=48, mode="auto",
+                        policy={"strategy": "static", "min_gain": 0.1}))
         s.add(db.PlacementRow(job=job, version=0, shares=[16, 16, 16], source="initial", acks={}))
         s.add(db.PlacementRow(job=job, version=1, shares=[20, 20, 8], previous_shares=[16, 16, 16],
                               previous_version=0, source="manual", acks={"0": 7, "2": 7, "1": 7},
@@ -101,16 +85,23 @@ def test_a_version_is_unique_per_job(sessions):
 def test_controller_lifecycle_on_this_database(sessions):
     """The controller's own queries (versions, pending proposals, acks) on each database."""
     import asyncio
-    import types
 
     from backend.control.controller import Controller
+    from backend.control.policy_runs import PolicyRunner
+    from backend.ingest.connections import HookConnections
     from backend.live.state import LiveState
     from backend.settings import Settings
+    from backend.storage.gateway import SqlGateway
     from trainer_hook.protocol import Ack, Hello
 
     sm, job = sessions
-    svc = types.SimpleNamespace(settings=Settings(), sessionmaker=sm, live=LiveState(), connections=None)
-    ctl = Controller(svc)
+    sql = SqlGateway(sm)
+
+    def controller() -> Controller:
+        return Controller(settings=Settings(), sql=sql, live=LiveState(), connections=HookConnections(),
+                          notify=lambda job: None, policy=PolicyRunner(process=False))
+
+    ctl = controller()
     op = Actor("olga", "operator", None, "127.0.0.1")
 
     async def story() -> None:
@@ -119,11 +110,12 @@ def test_controller_lifecycle_on_this_database(sessions):
         p = await ctl.submit_manual(job, [7, 3], actor=op, reason="r1 slow", apply=True)
         for r in range(2):
             await ctl.on_ack(Ack(job=job, rank=r, version=1, batch_index=9))
-        assert ctl.proposals(job, "applied")[0]["id"] == p["id"]
-        restarted = Controller(svc)
+        assert (await ctl.proposals(job, "applied"))[0]["id"] == p["id"]
+        restarted = controller()
         assert (await restarted.on_hello(Hello(job=job, rank=0, world_size=2, global_batch_size=10))).shares == [7, 3]
-        assert restarted.placements(job)[0]["acks"] == {0: 9, 1: 9}
+        assert (await restarted.placements(job))[0]["acks"] == {0: 9, 1: 9}
         assert restarted.proposal_counts(job)["applied"] == 1
-        assert [a["action"] for a in restarted.audit(job)] == ["proposal.approve", "proposal.create", "job.create"]
+        assert [a["action"] for a in await restarted.audit(job)] == ["proposal.approve", "proposal.create", "job.create"]
 
     asyncio.run(story())
+    sql.close()

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from backend.auth.tokens import Actor
-from backend.control.controller import ConflictError, Controller, InvalidError, NotFoundError
-from backend.parts import build_services
+from backend.control.controller import ConflictError, InvalidError, NotFoundError
+from backend.control.policy_runs import PolicyRunner
+from backend.parts import build_parts
 from backend.settings import Settings
-from tests.helpers.fakes import FrozenClock, PlacementSocket
+from tests.helpers.fakes import FrozenClock, PlacementSocket, policy_tick, restarted
 from trainer_hook.protocol import Ack, Hello, Metrics, Reject, StepRecord
 
 OPERATOR = Actor(name="alice", role="operator", address="10.0.0.7")
@@ -24,11 +25,12 @@ JOB = "job-a"
 
 @pytest.fixture
 def env(tmp_path: Path):
-    svc = build_services(Settings(db=f"sqlite:///{tmp_path / 'r.db'}", proposal_ttl_s=60.0))
     clock, wall = FrozenClock(1000.0), FrozenClock(1000.0)
-    ctl = Controller(svc, clock=clock, wall=wall)
-    svc.controller = ctl
+    svc = build_parts(Settings(db=f"sqlite:///{tmp_path / 'r.db'}", proposal_ttl_s=60.0),
+                      policy=PolicyRunner(process=False), clock=clock, wall=wall)
+    ctl = svc.controller
     yield svc, ctl, clock, wall
+    svc.sql.close()
     svc.engine.dispose()
 
 
@@ -65,11 +67,11 @@ def test_new_job_gets_uniform_version_0_that_survives_a_restart(env):
     svc, ctl, _, _ = env
     p = run(ctl.on_hello(hello(0, 3, 32)))
     assert (p.version, p.shares, p.global_batch_size) == (0, [11, 11, 10], 32)
-    fresh = Controller(svc)  # a restarted backend: nothing in memory
+    fresh = restarted(svc)  # a restarted backend: nothing in memory
     assert run(fresh.on_hello(hello(2, 3, 32))).shares == [11, 11, 10]
     state = fresh.job_control(JOB)
     assert state["mode"] == "approve" and state["placement"] == {"version": 0, "shares": [11, 11, 10]}
-    assert [a["action"] for a in fresh.audit(JOB)] == ["job.create"]
+    assert [a["action"] for a in run(fresh.audit(JOB))] == ["job.create"]
 
 
 def test_reshaped_job_gets_a_new_uniform_version(env):
@@ -82,7 +84,7 @@ def test_reshaped_job_gets_a_new_uniform_version(env):
 def test_unknown_job_is_404(env):
     _, ctl, _, _ = env
     with pytest.raises(NotFoundError, match=r"^Job 'nope' not found\.$"):
-        ctl.proposals("nope")
+        run(ctl.proposals("nope"))
     assert ctl.job_control("nope") == {}
 
 
@@ -113,11 +115,11 @@ def test_approve_sends_exactly_the_reviewed_shares_and_acks_apply_it(env):
         assert [(m.version, m.shares, m.proposal_id) for m in s.sent] == [(1, [20, 20, 8], prop["id"])]
     for r in range(3):
         run(ctl.on_ack(Ack(job=JOB, rank=r, version=1, batch_index=40)))
-    (pl, v0) = ctl.placements(JOB)
+    (pl, v0) = run(ctl.placements(JOB))
     assert pl["acks"] == {0: 40, 1: 40, 2: 40} and pl["effective_batch_index"] == 40
     assert pl["previous_shares"] == v0["shares"] == [16, 16, 16]
-    assert ctl.proposals(JOB, "applied")[0]["id"] == prop["id"]
-    audit = ctl.audit(JOB)[0]
+    assert run(ctl.proposals(JOB, "applied"))[0]["id"] == prop["id"]
+    audit = run(ctl.audit(JOB))[0]
     assert (audit["action"], audit["actor"], audit["role"], audit["address"], audit["reason"]) == (
         "proposal.approve", "alice", "operator", "10.0.0.7", "looks right")
     assert audit["params"]["shares"] == [20, 20, 8]
@@ -133,8 +135,8 @@ def test_rejected_or_expired_proposals_cannot_be_approved(env):
     assert e.value.detail == f"Proposal {a['id']} is rejected; only a proposed one can be approved."
     b = run(ctl.submit_manual(JOB, [18, 18, 12], actor=OPERATOR))
     wall.t += 61  # TTL is 60 s
-    assert ctl.expire_proposals() == 1
-    assert ctl.proposals(JOB, "expired")[0]["id"] == b["id"]
+    assert run(ctl.expire_proposals()) == 1
+    assert run(ctl.proposals(JOB, "expired"))[0]["id"] == b["id"]
     with pytest.raises(NotFoundError):
         run(ctl.approve(JOB, 999, actor=OPERATOR))
 
@@ -150,7 +152,7 @@ def test_proposal_against_an_older_version_answers_409_with_refresh(env):
         run(ctl.approve(JOB, stale["id"], actor=OPERATOR))
     assert e.value.detail == (f"Proposal {stale['id']} was computed against placement version 1 "
                               "but version 2 is in force; refresh.")
-    assert ctl.proposals(JOB, "expired")[0]["id"] == stale["id"]
+    assert run(ctl.proposals(JOB, "expired"))[0]["id"] == stale["id"]
 
 
 def test_rollback_restores_the_exact_previous_shares(env):
@@ -162,7 +164,7 @@ def test_rollback_restores_the_exact_previous_shares(env):
     out = run(ctl.rollback(JOB, actor=OPERATOR, reason="worse"))
     assert (out["version"], out["shares"], out["source"]) == (2, [17, 17, 16], "rollback")
     assert [m.shares for m in socks[0].sent] == [[30, 15, 5], [17, 17, 16]]
-    assert ctl.placements(JOB)[1]["effect"]["rolled_back"] is True
+    assert run(ctl.placements(JOB))[1]["effect"]["rolled_back"] is True
     assert run(ctl.on_hello(hello(1, 3, 50))).version == 2
 
 
@@ -176,7 +178,7 @@ def test_observe_mode_never_sends(env):
     assert all(s.sent == [] for s in socks)
     with pytest.raises(InvalidError, match="observe, approve, auto"):
         run(ctl.set_mode(JOB, "yolo", actor=OPERATOR))
-    mode_rec = next(a for a in ctl.audit(JOB) if a["action"] == "job.mode")
+    mode_rec = next(a for a in run(ctl.audit(JOB)) if a["action"] == "job.mode")
     assert mode_rec["params"] == {"mode": "observe", "previous": "approve"}
     assert mode_rec["reason"] == "watch first"
 
@@ -186,10 +188,10 @@ def test_hook_reject_fails_the_proposal_with_its_reason(env):
     run(join(svc, ctl))
     p = run(ctl.submit_manual(JOB, [20, 20, 8], actor=OPERATOR, apply=True))
     run(ctl.on_reject(Reject(job=JOB, rank=0, version=1, reason="shares[2] exceeds the memory cap")))
-    failed = ctl.proposals(JOB, "failed")[0]
+    failed = run(ctl.proposals(JOB, "failed"))[0]
     assert failed["id"] == p["id"]
     assert failed["error"] == "rank 0 rejected placement version 1: shares[2] exceeds the memory cap"
-    assert ctl.placements(JOB)[0]["failed"] is True
+    assert run(ctl.placements(JOB))[0]["failed"] is True
     # The job keeps the placement it had; a reconnecting rank gets that one.
     assert run(ctl.on_hello(hello(0))).shares == [16, 16, 16]
     assert ctl.job_control(JOB)["placement"]["version"] == 0
@@ -202,11 +204,11 @@ def test_measured_effect_after_applying(env):
     p = run(ctl.submit_manual(JOB, [20, 20, 8], actor=OPERATOR, apply=True))
     for r in range(3):
         run(ctl.on_ack(Ack(job=JOB, rank=r, version=1, batch_index=30)))
-    assert ctl.placements(JOB)[0]["effect"]["step_ms_before"] == pytest.approx(80.0)
+    assert run(ctl.placements(JOB))[0]["effect"]["step_ms_before"] == pytest.approx(80.0)
     feed(svc, [20, 20, 8], 1, range(30, 60), step_ms=40.0)
     clock.t += 1
-    run(ctl.on_metrics(JOB))
-    effect = ctl.placements(JOB)[0]["effect"]
+    run(policy_tick(ctl, JOB))
+    effect = run(ctl.placements(JOB))[0]["effect"]
     assert effect["step_ms_after"] == pytest.approx(40.0)
     assert effect["measured_gain"] == pytest.approx(0.5)
     assert effect["predicted_step_ms"] == p["predicted_step_ms_after"] == pytest.approx(32.0)
@@ -238,23 +240,23 @@ def test_lost_acks_are_recovered_from_the_steps(env):
     run(ctl.on_ack(Ack(job=JOB, rank=1, version=1, batch_index=20)))  # the others' acks got lost
     feed(svc, [20, 20, 8], 1, range(20, 30), step_ms=40.0)
     clock.t += 1
-    run(ctl.on_metrics(JOB))
-    row = ctl.placements(JOB)[0]
+    run(policy_tick(ctl, JOB))
+    row = run(ctl.placements(JOB))[0]
     assert row["acks"] == {0: 20, 1: 20, 2: 20} and row["effective_batch_index"] == 20
-    assert row["applied_at"] is not None and ctl.proposals(JOB)[0]["status"] == "applied"
+    assert row["applied_at"] is not None and run(ctl.proposals(JOB))[0]["status"] == "applied"
 
 
 def test_policy_runs_are_spaced_by_their_own_cost(env):
     svc, ctl, clock, _ = env
     run(join(svc, ctl))
     feed(svc, [16, 16, 16], 0, range(0, 20), step_ms=80.0)
-    run(ctl.on_metrics(JOB))
-    st = ctl._load(JOB)
+    run(policy_tick(ctl, JOB))
+    st = ctl._jobs[JOB]
     first = st.last_run
     st.think_s = 1.0  # as if one run took a second, as at thousands of ranks
     clock.t += 2.0  # past the 0.5 s floor, not past five times the run's cost
-    run(ctl.on_metrics(JOB))
+    run(policy_tick(ctl, JOB))
     assert st.last_run == first
     clock.t += 3.5
-    run(ctl.on_metrics(JOB))
+    run(policy_tick(ctl, JOB))
     assert st.last_run == clock.t

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from backend.auth.tokens import Actor
-from backend.control.controller import Controller
-from backend.parts import build_services
+from backend.control.policy_runs import PolicyRunner, default_decide
+from backend.parts import build_parts
 from backend.settings import Settings
-from tests.helpers.fakes import FrozenClock, PlacementSocket
+from tests.helpers.fakes import FrozenClock, PlacementSocket, policy_tick
+from tests.helpers.waiting import wait_until_async
 from trainer_hook.protocol import Ack, Hello, Metrics, StepRecord
 
 JOB = "pol-job"
@@ -23,13 +24,14 @@ OPERATOR = Actor(name="olga", role="operator", address="127.0.0.1")
 class Job:
     """A job whose ranks take ``per_sample_ms[r] * share`` ms per step."""
 
-    def __init__(self, tmp_path: Path, mode: str = "approve", **settings):
-        self.svc = build_services(Settings(db=f"sqlite:///{tmp_path / 'r.db'}", default_mode=mode,
-                                          min_steps=5, cooldown_steps=8, effect_window_steps=6,
-                                          **settings))
+    def __init__(self, tmp_path: Path, mode: str = "approve", decide=default_decide, **settings):
         self.clock = FrozenClock(5000.0)
-        self.ctl = Controller(self.svc, clock=self.clock, wall=self.clock)
-        self.svc.controller = self.ctl
+        self.svc = build_parts(Settings(db=f"sqlite:///{tmp_path / 'r.db'}", default_mode=mode,
+                                        min_steps=5, cooldown_steps=8, effect_window_steps=6,
+                                        **settings),
+                               policy=PolicyRunner(decide, process=False), clock=self.clock,
+                               wall=self.clock)
+        self.ctl = self.svc.controller
         self.socks: list[PlacementSocket] = []
         self.k = 0
 
@@ -58,13 +60,14 @@ class Job:
 
     def tick(self) -> None:
         self.clock.t += 1.0  # past the 0.5 s throttle
-        asyncio.run(self.ctl.on_metrics(JOB))
+        asyncio.run(policy_tick(self.ctl, JOB))
 
     def ack_all(self, version: int) -> None:
         for r in range(len(self.socks)):
             asyncio.run(self.ctl.on_ack(Ack(job=JOB, rank=r, version=version, batch_index=self.k)))
 
     def close(self) -> None:
+        self.svc.sql.close()
         self.svc.engine.dispose()
 
 
@@ -98,7 +101,7 @@ def test_warming_up_then_a_proposal_that_waits_for_an_operator(make):
     assert prop["explanation"]["strategy"] == "profiled" and prop["reason"]
     assert all(s.sent == [] for s in j.socks)
     j.tick()  # same measurements: no duplicate
-    assert len(j.ctl.proposals(JOB)) == 1
+    assert len(asyncio.run(j.ctl.proposals(JOB))) == 1
 
 
 def test_the_policy_is_throttled_per_job(make):
@@ -108,7 +111,7 @@ def test_the_policy_is_throttled_per_job(make):
     j.tick()
     first = j.ctl.job_control(JOB)["pending_proposal"]
     j.steps(40, per_sample_ms=(1.0, 1.0, 1.0))  # rank 2 recovered
-    asyncio.run(j.ctl.on_metrics(JOB))  # same instant: the policy does not run again
+    asyncio.run(policy_tick(j.ctl, JOB))  # same instant: the policy does not run again
     assert j.ctl.job_control(JOB)["pending_proposal"]["id"] == first["id"]
 
 
@@ -118,42 +121,42 @@ def test_while_warming_up_every_frame_may_bring_the_first_proposal(make):
     j.steps(2)
     j.tick()
     assert j.ctl.job_control(JOB)["status"] == "warming_up"
-    j.ctl._load(JOB).think_s = 0.01  # runs stay spaced by five times their own cost
+    j.ctl._jobs[JOB].think_s = 0.01  # runs stay spaced by five times their own cost
     j.steps(3)
     j.clock.t += 0.1  # well inside the 0.5 s that spaces runs once warmed up
-    asyncio.run(j.ctl.on_metrics(JOB))
+    asyncio.run(policy_tick(j.ctl, JOB))
     assert j.ctl.job_control(JOB)["pending_proposal"] is not None
 
 
-def test_a_frame_that_lands_during_a_warm_up_run_makes_it_run_again(make, monkeypatch):
+def test_a_frame_that_lands_during_a_warm_up_run_makes_it_run_again(tmp_path):
     import threading
 
-    import backend.policy
-
-    j = make("approve")
-    j.hello()
-    j.steps(2)
     thinking, go = threading.Event(), threading.Event()
-    decide = backend.policy.decide
 
-    def slow_decide(*args, **kwargs):
+    def slow_decide(*args):
         thinking.set()
         go.wait(10)
-        return decide(*args, **kwargs)
+        return default_decide(*args)
 
-    monkeypatch.setattr(backend.policy, "decide", slow_decide)
+    j = Job(tmp_path, "approve", decide=slow_decide)  # the policy is passed in, not patched
+    j.hello()
+    j.steps(2)
 
     async def scenario() -> None:
         j.clock.t += 1.0
-        first = asyncio.create_task(j.ctl.on_metrics(JOB))
-        while not thinking.is_set():
-            await asyncio.sleep(0.005)
+        j.ctl.on_metrics(JOB)
+        first = asyncio.create_task(j.ctl.run_due())
+        await wait_until_async(thinking.is_set)
         j.steps(3)  # the frame that completes the warm-up, after the run read its steps
-        await j.ctl.on_metrics(JOB)  # a run is in flight: noted, not started
+        j.ctl.on_metrics(JOB)
+        assert await j.ctl.run_due() == 0  # a run is in flight: the job stays dirty
         go.set()
-        await first
+        assert await first == 1
+        j.clock.t += 1.0
+        assert await j.ctl.run_due() == 1  # the frame that landed during the run
 
     asyncio.run(scenario())
+    j.close()
     assert j.ctl.job_control(JOB)["pending_proposal"] is not None
 
 
@@ -188,10 +191,10 @@ def test_auto_mode_applies_under_the_move_cap_then_waits_out_the_cooldown(make):
     sent = [m.shares for m in j.socks[0].sent]
     assert len(sent) == 1 and sent[0][2] == 16 - 6  # the guardrail cut a bigger move
     assert all(abs(a - b) <= 6 for a, b in zip(sent[0], [16, 16, 16], strict=True))
-    prop = j.ctl.proposals(JOB)[0]
+    prop = asyncio.run(j.ctl.proposals(JOB))[0]
     assert (prop["status"], prop["decided_by"]) == ("approved", "auto")
     j.ack_all(1)
-    assert j.ctl.proposals(JOB)[0]["status"] == "applied"
+    assert asyncio.run(j.ctl.proposals(JOB))[0]["status"] == "applied"
     j.steps(4, per_sample_ms=(1.0, 1.0, 8.0))
     j.tick()
     assert len(j.socks[0].sent) == 1  # cooldown: 8 steps after the change
@@ -199,7 +202,7 @@ def test_auto_mode_applies_under_the_move_cap_then_waits_out_the_cooldown(make):
     j.steps(10, per_sample_ms=(1.0, 1.0, 8.0))
     j.tick()
     assert len(j.socks[0].sent) == 2 and j.socks[0].sent[1].shares[2] < sent[0][2]
-    audit = [a for a in j.ctl.audit(JOB) if a["action"] == "proposal.auto_apply"]
+    audit = [a for a in asyncio.run(j.ctl.audit(JOB)) if a["action"] == "proposal.auto_apply"]
     assert len(audit) == 2 and audit[0]["actor"] == "auto"
 
 
@@ -215,11 +218,11 @@ def test_auto_rollback_when_the_measured_step_time_gets_worse(make):
     j.tick()
     last = j.socks[0].sent[-1]
     assert last.version == new.version + 1 and last.shares == [16, 16, 16]
-    rows = j.ctl.placements(JOB)
+    rows = asyncio.run(j.ctl.placements(JOB))
     assert rows[0]["source"] == "rollback" and rows[1]["effect"]["rolled_back"] is True
     assert rows[1]["effect"]["step_ms_after"] > rows[1]["effect"]["step_ms_before"]
     assert any(a["action"] == "placement.auto_rollback" and a["actor"] == "controller"
-               for a in j.ctl.audit(JOB))
+               for a in asyncio.run(j.ctl.audit(JOB)))
     assert j.ctl.job_control(JOB)["last_effect"]["rolled_back"] is True
     # The rolled-back split is not tried again.
     j.ack_all(last.version)
@@ -254,8 +257,8 @@ def test_switching_to_auto_applies_the_proposal_on_the_table(make):
     asyncio.run(j.ctl.set_mode(JOB, "auto", actor=OPERATOR, reason="go hands-off"))
     j.steps(1)
     j.tick()
-    assert j.ctl.proposals(JOB)[0]["id"] == pid  # no new proposal: the same one was applied
-    assert j.ctl.proposals(JOB)[0]["status"] == "approved" and j.socks[0].sent[-1].proposal_id == pid
+    assert asyncio.run(j.ctl.proposals(JOB))[0]["id"] == pid  # no new proposal: the same one was applied
+    assert asyncio.run(j.ctl.proposals(JOB))[0]["status"] == "approved" and j.socks[0].sent[-1].proposal_id == pid
 
 
 def test_auto_mode_moves_whole_granules_when_the_move_cap_is_smaller_than_one(make):

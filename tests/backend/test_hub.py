@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from backend.dashboard.hub import DashboardHub, fit_rank_cost
+from backend.dashboard.hub import DashboardHub, JobChanges, fit_rank_cost
 from backend.live.state import LiveState
 from backend.settings import Settings
 from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
@@ -27,7 +27,13 @@ def _run_async(fn):
 def _services(hz: float = 10.0) -> SimpleNamespace:
     settings = Settings(dashboard_max_hz=hz, db="sqlite:///:memory:")
     live = LiveState(step_buffer=256, device_buffer=16, window_steps=8)
-    return SimpleNamespace(settings=settings, live=live, controller=None)
+    return SimpleNamespace(settings=settings, live=live, control={})
+
+
+def _hub(svc: SimpleNamespace, **kw) -> DashboardHub:
+    """A hub over ``svc.live`` whose control snapshot is ``svc.control`` (every job)."""
+    return DashboardHub(settings=svc.settings, live=svc.live, control=lambda job: svc.control,
+                        changes=JobChanges(), **kw)
 
 
 def _register(live: LiveState, job: str = "j", world: int = WORLD) -> None:
@@ -69,10 +75,10 @@ async def _settle() -> None:
 
 
 def test_notify_only_marks_dirty():
-    hub = DashboardHub(_services())
+    hub = _hub(_services())
     for _ in range(1000):
         hub.notify("j")
-    assert hub._dirty == {"j"}
+    assert hub.changes.take() == {"j"}
     assert hub.ticks == 0
 
 
@@ -80,7 +86,7 @@ def test_notify_only_marks_dirty():
 async def test_many_notifies_one_frame_per_tick():
     svc = _services()
     _register(svc.live)
-    hub = DashboardHub(svc, clock=lambda: 0.0)  # frozen clock: no idle refresh after the first
+    hub = _hub(svc, clock=lambda: 0.0)  # frozen clock: no idle refresh after the first
     sock = FakeSocket()
     task = asyncio.create_task(hub.attach(sock.send, "j"))
     await _settle()
@@ -105,7 +111,7 @@ async def test_many_notifies_one_frame_per_tick():
 async def test_real_ticker_never_exceeds_max_hz():
     svc = _services(hz=10.0)
     _register(svc.live)
-    hub = DashboardHub(svc)
+    hub = _hub(svc)
     hub.interval_s = 0.01  # run fast; the bound is frames <= ticks whatever the rate
     sock = FakeSocket()
     await hub.start()
@@ -126,7 +132,7 @@ async def test_real_ticker_never_exceeds_max_hz():
 async def test_slow_client_does_not_block_others_and_coalesces():
     svc = _services()
     _register(svc.live)
-    hub = DashboardHub(svc, clock=lambda: 0.0)
+    hub = _hub(svc, clock=lambda: 0.0)
     gate = asyncio.Event()
     slow, fast = FakeSocket(gate), FakeSocket()
     tasks = [asyncio.create_task(hub.attach(s.send, "j")) for s in (slow, fast)]
@@ -152,7 +158,7 @@ async def test_slow_client_does_not_block_others_and_coalesces():
 async def test_job_frame_content_and_uniform_counterfactual():
     svc = _services()
     _register(svc.live)
-    hub = DashboardHub(svc, clock=lambda: 0.0)
+    hub = _hub(svc, clock=lambda: 0.0)
     for b in range(10):  # uniform split: rank 2 is 4x slower per sample
         _feed(svc.live, b)
     for b in range(10, 20):  # rebalanced: 12/9/3 so compute is 12/9/12
@@ -185,7 +191,7 @@ async def test_job_frame_content_and_uniform_counterfactual():
 async def test_batch_waits_for_lagging_rank_then_closes():
     svc = _services()
     _register(svc.live)
-    hub = DashboardHub(svc, clock=lambda: 0.0)
+    hub = _hub(svc, clock=lambda: 0.0)
     for b in range(5):
         _feed(svc.live, b, ranks=[0, 1])  # rank 2 has not sent these yet
     hub.notify("j")
@@ -204,7 +210,7 @@ async def test_overview_frame_lists_jobs():
     _register(svc.live, "a")
     _register(svc.live, "b", world=2)
     _feed(svc.live, 0, job="a")
-    hub = DashboardHub(svc, clock=lambda: 0.0)
+    hub = _hub(svc, clock=lambda: 0.0)
     sock = FakeSocket()
     task = asyncio.create_task(hub.attach(sock.send, None))
     await _settle()
@@ -226,7 +232,7 @@ def test_fit_rank_cost():
 def test_disconnected_rank_does_not_hold_the_series():
     svc = _services()
     _register(svc.live)
-    hub = DashboardHub(svc, clock=lambda: 0.0)
+    hub = _hub(svc, clock=lambda: 0.0)
     for b in range(3):
         _feed(svc.live, b)
     svc.live.set_connected("j", 2, False)  # rank 2 died after batch 2
@@ -247,9 +253,9 @@ async def test_big_job_sends_rank_columns_once_a_second_and_positions_between():
         svc.live.register(Hello(job="j", rank=r, world_size=world, global_batch_size=8 * world,
                                 device_type="H100", host="h"))
     control = {"mode": "observe", "placement": {"version": 0, "shares": [8] * world}}
-    svc.controller = SimpleNamespace(job_control=lambda job: control)
+    svc.control = control
     now = [0.0]
-    hub = DashboardHub(svc, clock=lambda: now[0])
+    hub = _hub(svc, clock=lambda: now[0])
     sock = FakeSocket()
     task = asyncio.create_task(hub.attach(sock.send, "j"))
     await _settle()
@@ -268,8 +274,8 @@ async def test_big_job_sends_rank_columns_once_a_second_and_positions_between():
         assert cols["rank"] == list(range(world))
         assert cols["batch_index"] == [f["summary"]["batch_index"]] * world
     assert all("control" not in f for f in later)  # unchanged: not sent again
-    control = {**control, "mode": "approve"}
-    now[0] += 0.3  # past the control refresh interval
+    svc.control = {**control, "mode": "approve"}  # the controller published a change
+    now[0] += 0.1
     hub.notify("j")
     hub.tick()
     await _settle()

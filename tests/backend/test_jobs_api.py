@@ -56,7 +56,7 @@ def test_metrics_filters(client):
 
 
 def test_history_source_after_flush(client):
-    client.app.state.services.flush_metrics()
+    client.app.state.parts.flush_metrics()
     hist = client.get("/api/v1/jobs/j/metrics", params={"source": "history", "rank": 1}).json()
     assert hist["source"] == "history" and hist["count"] == 1
     assert hist["data"][0]["compute_ms"] == 30.0 and hist["data"][0]["n_steps"] == 10

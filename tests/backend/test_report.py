@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from backend.storage.reports import get_report
 from tests.backend._app import hello, make_app, metrics, sync
 from tests.helpers.waiting import wait_until
 
@@ -27,7 +28,7 @@ def _run(client: TestClient, job: str, *, slow_ms: float, close: bool = True) ->
         b.send_text(metrics(job=job, rank=1, n=20, compute_ms=slow_ms, step_ms=slow_ms + 5, t0=t0))
         sync(a, hello(job=job, rank=0))
         sync(b, hello(job=job, rank=1))
-        app.state.services.flush_metrics()  # type: ignore[attr-defined]
+        app.state.parts.flush_metrics()  # type: ignore[attr-defined]
         placed = client.post(f"/api/v1/jobs/{job}/proposals", json={"shares": [24, 8], "apply": True})
         assert placed.status_code == 201, placed.text
         a.receive_json()
@@ -46,6 +47,10 @@ class _KeepOpen(Exception):
     pass
 
 
+def _stored(client: TestClient, job: str) -> Any:
+    return client.app.state.parts.sql.call(lambda s: get_report(s, job))  # type: ignore[attr-defined]
+
+
 def _report(client: TestClient, job: str, **params: Any) -> dict[str, Any]:
     got = client.get(f"/api/v1/jobs/{job}/report", params=params)
     assert got.status_code == 200, got.text
@@ -55,8 +60,7 @@ def _report(client: TestClient, job: str, **params: Any) -> dict[str, Any]:
 def test_report_is_stored_when_every_rank_says_goodbye(tmp_path: Path):
     with TestClient(make_app(tmp_path)) as client:
         _run(client, "j", slow_ms=30.0)
-        reports = client.app.state.services.reports  # type: ignore[attr-defined]
-        wait_until(lambda: reports.stored("j") is not None, "the report to be stored", 10)
+        wait_until(lambda: _stored(client, "j") is not None, "the report to be stored", 10)
         r = _report(client, "j")
     assert r["finished"] is True and r["reason"] == "every rank said goodbye"
     assert r["steps"] == 40 and r["samples"] == 40 * 32
@@ -92,7 +96,7 @@ def test_a_running_job_gets_a_report_built_now_and_post_stores_it(tmp_path: Path
         assert r["finished"] is False and r["reason"] == "on demand"
         stored = client.post("/api/v1/jobs/r/report")
         assert stored.status_code == 200
-        assert client.app.state.services.reports.stored("r")["steps"] == 40  # type: ignore[attr-defined]
+        assert _stored(client, "r")["steps"] == 40
 
 
 def test_compare_html_and_errors(tmp_path: Path):

@@ -6,22 +6,18 @@ PostgreSQL runs each test in its own schema (``search_path`` in the URL), so the
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import text
-from sqlalchemy.exc import OperationalError
 
 from backend.live.state import LiveState
 from backend.parts import init_db
 from backend.storage import make_engine, make_sessionmaker
 from backend.storage import metrics as store
 from tests.backend._app import hello, make_app, metrics, steps, sync
+from tests.helpers.postgres import pg_schema
 from trainer_hook.protocol import Hello, Metrics
-
-PG = "postgresql://postgres@127.0.0.1:5432/test"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -29,20 +25,8 @@ def db_url(request, tmp_path: Path):
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'rebalancer.db'}"
         return
-    admin = make_engine(PG)
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    try:
-        with admin.begin() as conn:
-            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    except OperationalError as exc:
-        admin.dispose()
-        pytest.skip(f"PostgreSQL at {PG} is unreachable: {exc.orig}")
-    try:
-        yield f"{PG}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with pg_schema() as url:
+        yield url
 
 
 def _hello(rank: int, **kw) -> Hello:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from backend.control.controller import Controller
+from backend.control.policy_runs import PolicyRunner
+from backend.parts import Parts
 from trainer_hook.protocol import Placement, decode
 
 
@@ -25,3 +30,16 @@ class FrozenClock:
 
     def __call__(self) -> float:
         return self.t
+
+
+async def policy_tick(ctl: Controller, job: str) -> int:
+    """New metrics for ``job``, then one step of the policy ticker, awaited."""
+    ctl.on_metrics(job)
+    return await ctl.run_due()
+
+
+def restarted(parts: Parts, **kw: Any) -> Controller:
+    """A new controller on the same database and live state: a backend restart."""
+    return Controller(settings=parts.settings, sql=parts.sql, live=parts.live,
+                      connections=parts.connections, notify=lambda job: None,
+                      policy=PolicyRunner(process=False), **kw)

@@ -18,3 +18,17 @@ def wait_until(pred: Callable[[], Any], what: str, timeout: float = 30.0, *, int
         time.sleep(interval)
     tail = f"\n{log()[-3000:]}" if log is not None else ""
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{tail}")
+
+
+async def wait_until_async(pred: Callable[[], Any], what: str = "the condition", timeout: float = 30.0, *,
+                           interval: float = 0.005) -> Any:
+    """``wait_until`` for code on an event loop: sleeps with ``asyncio.sleep``."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")

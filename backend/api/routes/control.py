@@ -1,5 +1,7 @@
 """Control routes under /api/v1/jobs/{job}: mode, policy, proposals, overrides, rollback,
-placements and audit. Each mutating call takes an optional ``reason`` and is audited.
+placements and audit. Each mutating call takes an optional ``reason`` and is audited. A
+refused action raises ``ControlError``; the app's one handler (``backend.api.errors``)
+answers it with its status and sentence.
 
 Roles: viewer reads; operator approves, rejects, overrides, sets the mode, rolls back and
 submits placements; admin changes the policy.
@@ -7,14 +9,12 @@ submits placements; admin changes the policy.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.api.deps import AdminDep, OperatorDep, ServicesDep, ViewerDep
-from backend.control.controller import ControlError, Controller
+from backend.api.deps import AdminDep, OperatorDep, PartsDep, ViewerDep
 
 __all__ = [
     "router",
@@ -29,7 +29,6 @@ __all__ = [
 ]
 
 router = APIRouter(prefix="/api/v1/jobs/{job}", tags=["control"])
-T = TypeVar("T")
 
 
 # --- request bodies -----------------------------------------------------------------------
@@ -168,27 +167,6 @@ class AuditsPublic(BaseModel):
 # --- helpers ----------------------------------------------------------------------------
 
 
-def _ctl(services: Any) -> Controller:
-    ctl = services.controller
-    if ctl is None:
-        raise HTTPException(503, "The controller is not running.")
-    return ctl  # type: ignore[no-any-return]
-
-
-def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    try:
-        return fn(*args, **kwargs)
-    except ControlError as exc:
-        raise HTTPException(exc.status_code, exc.detail) from None
-
-
-async def _acall(fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
-    try:
-        return await fn(*args, **kwargs)
-    except ControlError as exc:
-        raise HTTPException(exc.status_code, exc.detail) from None
-
-
 def _listed(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"data": rows, "count": len(rows)}
 
@@ -197,96 +175,93 @@ def _listed(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @router.put("/mode")
-async def put_mode(job: str, body: ModeIn, actor: OperatorDep, services: ServicesDep) -> dict[str, Any]:
+async def put_mode(job: str, body: ModeIn, actor: OperatorDep, parts: PartsDep) -> dict[str, Any]:
     """Set the job's mode: observe, approve or auto. Returns the job's control state."""
-    return await _acall(_ctl(services).set_mode, job, body.mode, actor=actor, reason=body.reason)
+    return await parts.controller.set_mode(job, body.mode, actor=actor, reason=body.reason)
 
 
 @router.get("/policy")
-async def get_policy(job: str, actor: ViewerDep, services: ServicesDep) -> dict[str, Any]:
+async def get_policy(job: str, actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
     """The job's effective policy settings."""
-    return _call(_ctl(services).policy_settings, job)
+    return await parts.controller.policy_settings(job)
 
 
 @router.put("/policy")
-async def put_policy(job: str, body: PolicyIn, actor: AdminDep, services: ServicesDep) -> dict[str, Any]:
+async def put_policy(job: str, body: PolicyIn, actor: AdminDep, parts: PartsDep) -> dict[str, Any]:
     """Change the strategy and its parameters (admin). Returns the effective settings."""
     changes = body.model_dump(exclude_unset=True)
     reason = changes.pop("reason", None)
-    return await _acall(_ctl(services).set_policy, job, changes, actor=actor, reason=reason)
+    return await parts.controller.set_policy(job, changes, actor=actor, reason=reason)
 
 
 @router.get("/proposals", response_model=ProposalsPublic)
 async def list_proposals(
-    job: str, actor: ViewerDep, services: ServicesDep,
+    job: str, actor: ViewerDep, parts: PartsDep,
     status: str | None = Query(default=None, description="only proposals in this status"),
     limit: int = Query(default=100, ge=1, le=1000),
 ) -> dict[str, Any]:
     """Proposals of the job, newest first."""
-    return _listed(_call(_ctl(services).proposals, job, status, limit))
+    return _listed(await parts.controller.proposals(job, status, limit))
 
 
 @router.post("/proposals", response_model=ProposalPublic, status_code=201)
 async def create_proposal(job: str, body: ManualPlacementIn, actor: OperatorDep,
-                          services: ServicesDep) -> dict[str, Any]:
+                          parts: PartsDep) -> dict[str, Any]:
     """Submit a placement by hand (validated against the job and its overrides)."""
-    return await _acall(_ctl(services).submit_manual, job, body.shares, actor=actor,
+    return await parts.controller.submit_manual(job, body.shares, actor=actor,
                         reason=body.reason, apply=body.apply)
 
 
 @router.get("/proposals/{proposal_id}", response_model=ProposalPublic)
-async def get_proposal(job: str, proposal_id: int, actor: ViewerDep, services: ServicesDep) -> dict[str, Any]:
-    rows = [p for p in _call(_ctl(services).proposals, job, None, 10_000) if p["id"] == proposal_id]
-    if not rows:
-        raise HTTPException(404, f"Proposal {proposal_id} not found for job '{job}'.")
-    return rows[0]
+async def get_proposal(job: str, proposal_id: int, actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
+    return await parts.controller.proposal(job, proposal_id)
 
 
 @router.post("/proposals/{proposal_id}/approve", response_model=ProposalPublic)
-async def approve(job: str, proposal_id: int, actor: OperatorDep, services: ServicesDep,
+async def approve(job: str, proposal_id: int, actor: OperatorDep, parts: PartsDep,
                   body: DecisionIn | None = None) -> dict[str, Any]:
     """Send exactly the reviewed shares to the job as the next placement version."""
-    return await _acall(_ctl(services).approve, job, proposal_id, actor=actor,
+    return await parts.controller.approve(job, proposal_id, actor=actor,
                         reason=body.reason if body else None)
 
 
 @router.post("/proposals/{proposal_id}/reject", response_model=ProposalPublic)
-async def reject(job: str, proposal_id: int, actor: OperatorDep, services: ServicesDep,
+async def reject(job: str, proposal_id: int, actor: OperatorDep, parts: PartsDep,
                  body: DecisionIn | None = None) -> dict[str, Any]:
-    return await _acall(_ctl(services).reject, job, proposal_id, actor=actor,
+    return await parts.controller.reject(job, proposal_id, actor=actor,
                         reason=body.reason if body else None)
 
 
 @router.get("/overrides")
-async def get_overrides(job: str, actor: ViewerDep, services: ServicesDep) -> dict[str, Any]:
+async def get_overrides(job: str, actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
     """The overrides in force."""
-    return _call(_ctl(services).overrides, job)
+    return await parts.controller.overrides(job)
 
 
 @router.put("/overrides")
-async def put_overrides(job: str, body: OverridesIn, actor: OperatorDep, services: ServicesDep) -> dict[str, Any]:
+async def put_overrides(job: str, body: OverridesIn, actor: OperatorDep, parts: PartsDep) -> dict[str, Any]:
     """Replace the overrides; the policy respects them until cleared. When the placement in
     force breaks them, a proposal that respects them is created (``proposal_id``)."""
     ov = body.model_dump(exclude={"reason"})
-    return await _acall(_ctl(services).set_overrides, job, ov, actor=actor, reason=body.reason)
+    return await parts.controller.set_overrides(job, ov, actor=actor, reason=body.reason)
 
 
 @router.post("/rollback", response_model=PlacementPublic)
-async def rollback(job: str, actor: OperatorDep, services: ServicesDep,
+async def rollback(job: str, actor: OperatorDep, parts: PartsDep,
                    body: DecisionIn | None = None) -> dict[str, Any]:
     """Return to exactly the shares in force before the current placement."""
-    return await _acall(_ctl(services).rollback, job, actor=actor, reason=body.reason if body else None)
+    return await parts.controller.rollback(job, actor=actor, reason=body.reason if body else None)
 
 
 @router.get("/placements", response_model=PlacementsPublic)
-async def list_placements(job: str, actor: ViewerDep, services: ServicesDep,
+async def list_placements(job: str, actor: ViewerDep, parts: PartsDep,
                           limit: int = Query(default=100, ge=1, le=1000)) -> dict[str, Any]:
     """Placement history, newest first, with each rank's ack batch index and the effect."""
-    return _listed(_call(_ctl(services).placements, job, limit))
+    return _listed(await parts.controller.placements(job, limit))
 
 
 @router.get("/audit", response_model=AuditsPublic)
-async def list_audit(job: str, actor: ViewerDep, services: ServicesDep,
+async def list_audit(job: str, actor: ViewerDep, parts: PartsDep,
                      limit: int = Query(default=200, ge=1, le=5000)) -> dict[str, Any]:
     """Audit records of the job, newest first."""
-    return _listed(_call(_ctl(services).audit, job, limit))
+    return _listed(await parts.controller.audit(job, limit))

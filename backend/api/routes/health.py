@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy import text
+from sqlalchemy.orm import Session
 
-from backend.api.deps import ServicesDep
+from backend.api.deps import PartsDep
 
 __all__ = ["router", "HealthPublic"]
 
@@ -25,24 +24,23 @@ class HealthPublic(BaseModel):
 
 
 @router.get("/healthz", response_model=HealthPublic)
-async def healthz(services: ServicesDep) -> JSONResponse:
+async def healthz(parts: PartsDep) -> JSONResponse:
     """200 when the backend and its database answer, 503 otherwise (no auth needed)."""
 
-    def ping() -> str:
-        with services.engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
+    def ping(s: Session) -> str:
+        s.execute(text("SELECT 1"))
         return "ok"
 
     try:
-        database = await asyncio.to_thread(ping)
+        database = await parts.sql.run(ping)
     except Exception as exc:  # report, do not crash: the probe must always answer
         database = f"{type(exc).__name__}: {exc}"[:300]
     try:
-        open_mode = await asyncio.to_thread(lambda: services.auth.open_mode)
+        open_mode = await parts.sql.run(lambda _s: parts.auth.open_mode)
     except Exception:
         open_mode = False
     body = HealthPublic(
         status="ok" if database == "ok" else "degraded", database=database, open_mode=open_mode,
-        jobs=len(services.live.jobs()), hook_connections=services.connections.count(),
+        jobs=len(parts.live.jobs()), hook_connections=parts.connections.count(),
     )
     return JSONResponse(body.model_dump(), status_code=200 if database == "ok" else 503)

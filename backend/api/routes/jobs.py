@@ -7,27 +7,24 @@ pending proposal, status) is merged into the job resource.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.orm import Session
 
-from backend.api.deps import ServicesDep, ViewerDep
+from backend.api.deps import PartsDep, ViewerDep
+from backend.control.status import NEVER_CONNECTED, job_status
+from backend.live.forecast import forecast
 from backend.live.state import JobView, RankView
-from backend.parts import Services
+from backend.parts import Parts
 from backend.storage import metrics as store
-from backend.storage.metrics import epoch
 
-__all__ = ["router", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
+__all__ = ["router", "SummaryPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
 
 log = logging.getLogger("rebalancer.api")
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
-
-# Above this compute-time imbalance a job without a controller verdict reads "imbalanced".
-IMBALANCE_THRESHOLD = 0.10
-
 
 class PlacementBrief(BaseModel):
     version: int
@@ -133,102 +130,94 @@ class MetricsPublic(BaseModel):
     source: Literal["live", "history"]
 
 
+class SummaryPublic(BaseModel):
+    """A run's summary: savings against the uniform split and its latest figures. Live
+    while the job is in memory, else the stored one (it survives a restart)."""
+
+    job: str
+    batch_index: int | None = None
+    total_steps: int | None = None
+    measured_s: float = Field(description="Wall time of the closed batches, seconds.")
+    uniform_s: float = Field(description="What those batches would have taken under the uniform split.")
+    saved_s: float = Field(description="uniform_s - measured_s.")
+    saved_cost: float | None = Field(None, description="saved_s priced at the job's hourly cost.")
+    cost_per_hour: float | None = None
+    step_ms: float | None = None
+    imbalance: float | None = None
+    placement_version: int | None = None
+    updated_at: float
+
+
 def _not_found(job: str) -> HTTPException:
     return HTTPException(404, f"Job '{job}' not found.")
 
 
-def _control(services: Services, job: str) -> dict[str, Any]:
-    ctl = services.controller
-    if ctl is None:
-        return {}
-    try:
-        return dict(ctl.job_control(job) or {})
-    except Exception:  # the read API must answer even if the control loop is broken
-        log.exception("job_control(%r) failed", job)
-        return {}
-
-
-def _costs(services: Services, view: JobView) -> tuple[float | None, float | None]:
-    prices = [services.settings.price_for(r.device_type, r.device_name) for r in view.ranks]
-    known = [p for p in prices if p is not None]
-    if not known:
-        return None, None
-    total = sum(known)
-    idle = total * view.idle_fraction if view.idle_fraction is not None else None
-    return total, idle
-
-
-def _job_from_live(services: Services, view: JobView) -> dict[str, Any]:
-    cost, idle_cost = _costs(services, view)
-    if view.connected_ranks == 0:
-        status, detail = "idle", "no rank is connected"
-    elif view.imbalance is None:
-        status, detail = "warming_up", "waiting for the first steps"
-    elif view.imbalance > IMBALANCE_THRESHOLD:
-        status, detail = "imbalanced", f"the slowest rank computes {view.imbalance:.0%} above the mean"
-    else:
-        status, detail = "balanced", "rank compute times are within 10% of the mean"
+def _job_from_live(parts: Parts, view: JobView) -> dict[str, Any]:
+    fc = forecast(view, parts.settings.price_for)
     return {
         "job": view.job, "world_size": view.world_size, "global_batch_size": view.global_batch_size,
-        "status": status, "status_detail": detail, "batch_index": view.batch_index,
+        "batch_index": view.batch_index,
         "step_rate_hz": view.step_rate_hz, "step_ms": view.step_ms, "imbalance": view.imbalance,
         "idle_fraction": view.idle_fraction, "connected_ranks": view.connected_ranks,
         "created_at": view.created_at, "last_seen": view.last_seen,
-        "cost_per_hour": cost, "idle_cost_per_hour": idle_cost,
-        "total_steps": view.total_steps, "eta_s": view.eta_s,
+        "cost_per_hour": fc.cost_per_hour, "idle_cost_per_hour": fc.idle_cost_per_hour,
+        "total_steps": fc.total_steps, "eta_s": fc.eta_s,
     }
 
 
 def _job_from_row(row: store.JobRow) -> dict[str, Any]:
     return {
         "job": row.name, "world_size": row.world_size, "global_batch_size": row.global_batch_size,
-        "status": "idle", "status_detail": "no rank has connected since the backend started",
-        "created_at": epoch(row.created_at), "last_seen": epoch(row.last_seen),
+        "created_at": row.created_at, "last_seen": row.last_seen,
     }
 
 
-def _merge(base: dict[str, Any], control: dict[str, Any]) -> JobPublic:
-    merged = {**base, **control}
-    # Live numbers win over the controller's only where it has no verdict of its own.
-    for key in ("status", "status_detail"):
-        if not control.get(key):
-            merged[key] = base[key]
-    if merged.get("status") == "idle" and base.get("connected_ranks"):
-        merged["status"], merged["status_detail"] = base["status"], base["status_detail"]
-    return JobPublic(**merged)
-
-
-def _build_job(services: Services, job: str) -> JobPublic | None:
-    view = services.live.view(job)
+def _build(parts: Parts, job: str, row: dict[str, Any] | None) -> JobPublic | None:
+    """The job resource: live numbers (or the stored row) and the controller's snapshot,
+    whose status is the one status rule's (``backend.control.status``)."""
+    view = parts.live.view(job)
     if view is not None:
-        return _merge(_job_from_live(services, view), _control(services, job))
-    with services.sessionmaker() as s:
-        row = store.get_job(s, job)
-        if row is None:
-            return None
-        base = _job_from_row(row)
-    return _merge(base, _control(services, job))
+        base = _job_from_live(parts, view)
+    elif row is not None:
+        base = row
+    else:
+        return None
+    control = parts.controller.job_control(job)
+    if not control:
+        status, detail = NEVER_CONNECTED if view is None else job_status(
+            verdict="warming_up", detail="waiting for the first steps", pending=None,
+            connected_ranks=view.connected_ranks, metrics_age_s=None,
+            stale_after_s=parts.settings.stale_after_s)
+        control = {"status": status, "status_detail": detail}
+    return JobPublic(**{**base, **control})
 
 
 @router.get("", response_model=JobsPublic, summary="List jobs")
-async def list_jobs(_actor: ViewerDep, services: ServicesDep) -> JobsPublic:
+async def list_jobs(_actor: ViewerDep, parts: PartsDep) -> JobsPublic:
     """Every job seen live since start plus every job stored in SQL."""
-
-    def build() -> JobsPublic:
-        names = set(services.live.jobs())
-        with services.sessionmaker() as s:
-            names.update(r.name for r in store.list_jobs(s))
-        jobs = [j for j in (_build_job(services, n) for n in sorted(names)) if j is not None]
-        return JobsPublic(data=jobs, count=len(jobs))
-
-    return await asyncio.to_thread(build)
+    rows = await parts.sql.run(lambda s: {r.name: _job_from_row(r) for r in store.list_jobs(s)})
+    names = sorted(set(parts.live.jobs()) | set(rows))
+    jobs = [j for j in (_build(parts, n, rows.get(n)) for n in names) if j is not None]
+    return JobsPublic(data=jobs, count=len(jobs))
 
 
 @router.get("/{job}", response_model=JobPublic, summary="One job")
-async def get_job(job: str, _actor: ViewerDep, services: ServicesDep) -> JobPublic:
-    found = await asyncio.to_thread(_build_job, services, job)
+async def get_job(job: str, _actor: ViewerDep, parts: PartsDep) -> JobPublic:
+    row = None
+    if job not in parts.live:
+        row = await parts.sql.run(lambda s: (_job_from_row(r) if (r := store.get_job(s, job)) else None))
+    found = _build(parts, job, row)
     if found is None:
         raise _not_found(job)
+    return found
+
+
+@router.get("/{job}/summary", response_model=SummaryPublic, summary="Savings and summary of a run")
+async def get_summary(job: str, _actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
+    """Time and cost saved against the uniform split, and the run's latest figures."""
+    found = await parts.summary(job)
+    if found is None:
+        raise HTTPException(404, f"Job '{job}' has no summary yet.")
     return found
 
 
@@ -243,13 +232,13 @@ def _device(d: Any) -> DevicePublic | None:
     )
 
 
-def _shares(services: Services, job: str) -> list[int] | None:
-    placement = _control(services, job).get("placement") or {}
+def _shares(parts: Parts, job: str) -> list[int] | None:
+    placement = parts.controller.job_control(job).get("placement") or {}
     shares = placement.get("shares")
     return list(shares) if shares else None
 
 
-def _rank_live(services: Services, r: RankView, shares: list[int] | None) -> RankPublic:
+def _rank_live(parts: Parts, r: RankView, shares: list[int] | None) -> RankPublic:
     return RankPublic(
         rank=r.rank, host=r.host, device_type=r.device_type, device_name=r.device_name,
         connected=r.connected, share=shares[r.rank] if shares and r.rank < len(shares) else None,
@@ -257,51 +246,49 @@ def _rank_live(services: Services, r: RankView, shares: list[int] | None) -> Ran
         sync_wait_ms=r.sync_wait_ms, data_wait_ms=r.data_wait_ms, optimizer_ms=r.optimizer_ms,
         step_ms=r.step_ms, step_rate_hz=r.step_rate_hz, local_batch_size=r.local_batch_size,
         n_steps=r.n_steps, device=_device(r.device), dropped=r.dropped, last_seen=r.last_seen,
-        price_per_hour=services.settings.price_for(r.device_type, r.device_name),
+        price_per_hour=parts.settings.price_for(r.device_type, r.device_name),
     )
 
 
-def _ranks(services: Services, job: str) -> RanksPublic | None:
-    shares = _shares(services, job)
-    view = services.live.view(job)
-    if view is not None:
-        data = [_rank_live(services, r, shares) for r in view.ranks]
-        return RanksPublic(data=data, count=len(data))
-    with services.sessionmaker() as s:
-        if store.get_job(s, job) is None:
-            return None
-        rows = store.list_ranks(s, job)
-        data = []
-        for row in rows:
-            last = store.query_metrics(s, job, ranks=[row.rank], limit=1)
-            m = last[0] if last else None
-            data.append(RankPublic(
-                rank=row.rank, host=row.host, device_type=row.device_type, device_name=row.device_name,
-                connected=False, share=shares[row.rank] if shares and row.rank < len(shares) else None,
-                batch_index=m.batch_index_end if m else None,
-                placement_version=m.placement_version if m else None,
-                compute_ms=m.compute_ms if m else None, sync_wait_ms=m.sync_wait_ms if m else None,
-                data_wait_ms=m.data_wait_ms if m else None, optimizer_ms=m.optimizer_ms if m else None,
-                step_ms=m.step_ms if m else None, local_batch_size=m.local_batch_size if m else None,
-                last_seen=epoch(row.last_seen),
-                price_per_hour=services.settings.price_for(row.device_type, row.device_name),
-            ))
-    return RanksPublic(data=data, count=len(data))
+def _stored_ranks(s: Session, job: str) -> list[tuple[store.RankRow, store.RankMetricRow | None]] | None:
+    if store.get_job(s, job) is None:
+        return None
+    out = []
+    for row in store.list_ranks(s, job):
+        last = store.query_metrics(s, job, ranks=[row.rank], limit=1)
+        out.append((row, last[0] if last else None))
+    return out
 
 
 @router.get("/{job}/ranks", response_model=RanksPublic, summary="Ranks of a job")
-async def get_ranks(job: str, _actor: ViewerDep, services: ServicesDep) -> RanksPublic:
-    found = await asyncio.to_thread(_ranks, services, job)
-    if found is None:
+async def get_ranks(job: str, _actor: ViewerDep, parts: PartsDep) -> RanksPublic:
+    shares = _shares(parts, job)
+    view = parts.live.view(job)
+    if view is not None:
+        data = [_rank_live(parts, r, shares) for r in view.ranks]
+        return RanksPublic(data=data, count=len(data))
+    stored = await parts.sql.run(lambda s: _stored_ranks(s, job))
+    if stored is None:
         raise _not_found(job)
-    return found
+    price = parts.settings.price_for
+    data = [RankPublic(
+        rank=row.rank, host=row.host, device_type=row.device_type, device_name=row.device_name,
+        connected=False, share=shares[row.rank] if shares and row.rank < len(shares) else None,
+        batch_index=m.batch_index_end if m else None,
+        placement_version=m.placement_version if m else None,
+        compute_ms=m.compute_ms if m else None, sync_wait_ms=m.sync_wait_ms if m else None,
+        data_wait_ms=m.data_wait_ms if m else None, optimizer_ms=m.optimizer_ms if m else None,
+        step_ms=m.step_ms if m else None, local_batch_size=m.local_batch_size if m else None,
+        last_seen=row.last_seen, price_per_hour=price(row.device_type, row.device_name),
+    ) for row, m in stored]
+    return RanksPublic(data=data, count=len(data))
 
 
 @router.get("/{job}/metrics", response_model=MetricsPublic, summary="Step metrics of a job")
 async def get_metrics(
     job: str,
     _actor: ViewerDep,
-    services: ServicesDep,
+    parts: PartsDep,
     rank: Annotated[list[int] | None, Query(description="Only these ranks (repeat the parameter).")] = None,
     batch_from: Annotated[int | None, Query(ge=0, description="First batch index (inclusive).")] = None,
     batch_to: Annotated[int | None, Query(ge=0, description="Last batch index (inclusive).")] = None,
@@ -314,37 +301,36 @@ async def get_metrics(
         raise HTTPException(422, f"batch_from ({batch_from}) must not exceed batch_to ({batch_to}).")
     ranks = set(rank) if rank else None
 
-    def build() -> MetricsPublic | None:
-        use_live = source == "live" or (source == "auto" and job in services.live)
-        if use_live:
-            if job not in services.live:
-                return None
-            pts = [
-                MetricPoint(rank=r, batch_index=s.batch_index, batch_index_start=s.batch_index, n_steps=1,
-                            t=s.t, placement_version=s.placement_version,
-                            local_batch_size=s.local_batch_size, compute_ms=s.compute_ms,
-                            sync_wait_ms=s.sync_wait_ms, data_wait_ms=s.data_wait_ms,
-                            optimizer_ms=s.optimizer_ms, step_ms=s.step_ms)
-                for r, s in services.live.steps(job, ranks=ranks, batch_from=batch_from,
-                                                batch_to=batch_to, limit=limit)
-            ]
-            return MetricsPublic(data=pts, count=len(pts), source="live")
-        with services.sessionmaker() as sess:
-            if store.get_job(sess, job) is None:
-                return None
-            rows = store.query_metrics(sess, job, ranks=ranks, batch_from=batch_from,
-                                       batch_to=batch_to, limit=limit)
+    use_live = source == "live" or (source == "auto" and job in parts.live)
+    if use_live:
+        if job not in parts.live:
+            raise _not_found(job)
         pts = [
-            MetricPoint(rank=m.rank, batch_index=m.batch_index_end, batch_index_start=m.batch_index_start,
-                        n_steps=m.n_steps, t=m.t_end, placement_version=m.placement_version,
-                        local_batch_size=m.local_batch_size, compute_ms=m.compute_ms,
-                        sync_wait_ms=m.sync_wait_ms, data_wait_ms=m.data_wait_ms,
-                        optimizer_ms=m.optimizer_ms, step_ms=m.step_ms)
-            for m in rows
+            MetricPoint(rank=r, batch_index=s.batch_index, batch_index_start=s.batch_index, n_steps=1,
+                        t=s.t, placement_version=s.placement_version,
+                        local_batch_size=s.local_batch_size, compute_ms=s.compute_ms,
+                        sync_wait_ms=s.sync_wait_ms, data_wait_ms=s.data_wait_ms,
+                        optimizer_ms=s.optimizer_ms, step_ms=s.step_ms)
+            for r, s in parts.live.steps(job, ranks=ranks, batch_from=batch_from,
+                                         batch_to=batch_to, limit=limit)
         ]
-        return MetricsPublic(data=pts, count=len(pts), source="history")
+        return MetricsPublic(data=pts, count=len(pts), source="live")
 
-    found = await asyncio.to_thread(build)
-    if found is None:
+    def read(sess: Session) -> list[store.RankMetricRow] | None:
+        if store.get_job(sess, job) is None:
+            return None
+        return list(store.query_metrics(sess, job, ranks=ranks, batch_from=batch_from,
+                                        batch_to=batch_to, limit=limit))
+
+    rows = await parts.sql.run(read)
+    if rows is None:
         raise _not_found(job)
-    return found
+    pts = [
+        MetricPoint(rank=m.rank, batch_index=m.batch_index_end, batch_index_start=m.batch_index_start,
+                    n_steps=m.n_steps, t=m.t_end, placement_version=m.placement_version,
+                    local_batch_size=m.local_batch_size, compute_ms=m.compute_ms,
+                    sync_wait_ms=m.sync_wait_ms, data_wait_ms=m.data_wait_ms,
+                    optimizer_ms=m.optimizer_ms, step_ms=m.step_ms)
+        for m in rows
+    ]
+    return MetricsPublic(data=pts, count=len(pts), source="history")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -28,14 +28,20 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from backend.api.deps import ServicesDep, bearer_secret
+from backend.api.deps import PartsDep, bearer_secret
 from backend.auth.tokens import role_allows
-from backend.dashboard.hub import DashboardHub
-from backend.ingest.connections import HookConnections
 from backend.live.forecast import forecast
-from backend.live.state import JobView, LiveState, RankView
+from backend.live.state import JobView, RankView
 from backend.metrics_contract import STEP_BUCKETS_S, THROTTLE_REASONS, by_name
-from backend.settings import Settings, is_loopback
+from backend.settings import is_loopback
+
+if TYPE_CHECKING:
+    from backend.control.controller import Controller
+    from backend.dashboard.hub import DashboardHub
+    from backend.ingest.connections import HookConnections
+    from backend.live.state import LiveState
+    from backend.parts import Parts
+    from backend.settings import Settings
 
 __all__ = ["router", "RebalancerCollector", "make_registry"]
 
@@ -74,7 +80,7 @@ _DEVICE = (("rebalancer_device_utilization_ratio", "util_pct", 0.01),
 class RebalancerCollector(Collector):
     """Exports every exported metric of the contract for one app."""
 
-    def __init__(self, *, live: LiveState, connections: HookConnections, controller: Any,
+    def __init__(self, *, live: LiveState, connections: HookConnections, controller: Controller,
                  hub: DashboardHub, settings: Settings):
         self.live = live
         self.connections = connections
@@ -88,17 +94,10 @@ class RebalancerCollector(Collector):
             view = self.live.view(job)
             if view is None:
                 continue
-            try:
-                control = dict(self.controller.job_control(job) or {})
-            except Exception:  # a scrape must still answer with what live state has
-                log.exception("reading control state of job %s for /metrics failed", job)
-                control = {}
+            control = self.controller.job_control(job)
             self._ranks(fams, view, control)
             self._job(fams, view, control)
-            try:
-                self._control(fams, job, control)
-            except Exception:
-                log.exception("reading control counts of job %s for /metrics failed", job)
+            self._control(fams, job, control)
         yield from fams.values()
         yield CounterMetricFamily("rebalancer_ingest_messages", _SPECS["rebalancer_ingest_messages_total"].help,
                                   value=self.live.messages_total)
@@ -179,6 +178,8 @@ class RebalancerCollector(Collector):
         for st, n in sorted(self.controller.proposal_counts(job).items()):
             fams["rebalancer_proposals"].add_metric([job, st], n)
         counts = self.controller.activity_counts(job)
+        if not counts:
+            return
         for source, n in counts["proposals"].items():
             fams["rebalancer_proposals_created_total"].add_metric([job, source], n)
         for source, n in counts["placements"].items():
@@ -195,7 +196,7 @@ def _gpu_labels(r: RankView) -> list[str]:
     return [r.host, "" if r.gpu_index is None else str(r.gpu_index), r.gpu_uuid, r.device_name]
 
 
-def make_registry(*, live: LiveState, connections: HookConnections, controller: Any,
+def make_registry(*, live: LiveState, connections: HookConnections, controller: Controller,
                   hub: DashboardHub, settings: Settings) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RebalancerCollector(live=live, connections=connections, controller=controller,
@@ -203,12 +204,12 @@ def make_registry(*, live: LiveState, connections: HookConnections, controller: 
     return registry
 
 
-def _may_scrape(request: Request, services: Any) -> None:
+def _may_scrape(request: Request, parts: Parts) -> None:
     address = request.client.host if request.client else None
     secret = bearer_secret(request.headers)
-    if secret is None and services.settings.metrics_access == "loopback" and address and is_loopback(address):
+    if secret is None and parts.settings.metrics_access == "loopback" and address and is_loopback(address):
         return
-    actor = services.auth.authenticate(secret, address)
+    actor = parts.auth.authenticate(secret, address)
     if actor is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "Missing or invalid bearer token.",
                             headers={"WWW-Authenticate": "Bearer"})
@@ -217,7 +218,7 @@ def _may_scrape(request: Request, services: Any) -> None:
 
 
 @router.get("/metrics", include_in_schema=False)
-def metrics(request: Request, services: ServicesDep) -> Response:
+def metrics(request: Request, parts: PartsDep) -> Response:
     """Prometheus exposition of live state; see the module's docstring for who may scrape."""
-    _may_scrape(request, services)
-    return Response(generate_latest(services.registry), media_type=CONTENT_TYPE_LATEST)
+    _may_scrape(request, parts)
+    return Response(generate_latest(parts.registry), media_type=CONTENT_TYPE_LATEST)

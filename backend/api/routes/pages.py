@@ -2,7 +2,8 @@
 
 - ``GET /``: jobs overview; ``GET /job/{job}``: job view (both plain HTML from frontend/).
 - ``GET /static/plotly.min.js``: served from the installed ``plotly`` package (no CDN).
-- ``GET /static/{path}``: the rest of frontend/ (ES modules, CSS).
+- ``GET /static/{path}``: the rest of frontend/ (ES modules, CSS): ``FrontendFiles``,
+  mounted by ``create_app`` after this router (plotly's route comes first).
 - ``WS /ws/dashboard?job=NAME&token=T``: live frames from the DashboardHub (viewer role).
 - ``GET /api/v1/whoami``: the caller's name and role, so the page shows operator controls.
 - ``GET /api/v1/jobs/{job}/forecast?total_steps=N``: ETA and cost to finish.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import importlib.util
 import mimetypes
 from pathlib import Path
@@ -17,18 +19,42 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query, WebSocket
 from fastapi.responses import FileResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
-from backend.api.deps import ServicesDep, ViewerDep, websocket_actor
+from backend.api.deps import PartsDep, ViewerDep, websocket_actor
 from backend.auth.tokens import role_allows
-from backend.live.state import eta_seconds
+from backend.live.forecast import forecast as job_forecast
+from backend.parts import Parts
 from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED
 
-__all__ = ["router", "FRONTEND_DIR", "plotly_js_path"]
+__all__ = ["router", "FRONTEND_DIR", "plotly_js_path", "FrontendFiles"]
 
-FRONTEND_DIR = Path(__file__).resolve().parents[2] / "frontend"
+# Package data: found the same way in a source tree and in a plain (non-editable) install.
+FRONTEND_DIR = Path(str(importlib.resources.files("backend").joinpath("frontend")))
 _NO_CACHE = {"Cache-Control": "no-cache"}
 
 router = APIRouter()
+mimetypes.add_type("text/javascript", ".js")  # ES modules need a JavaScript type whatever the OS table says
+
+
+class FrontendFiles(StaticFiles):
+    """``/static/*``: the dashboard's files (Starlette's StaticFiles: no path escapes the
+    folder), never cached stale, and a missing file answered with one sentence."""
+
+    def __init__(self) -> None:
+        super().__init__(directory=FRONTEND_DIR)
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        try:
+            response = await super().get_response(path, scope)
+        except StarletteHTTPException as exc:
+            if exc.status_code == 404:
+                raise StarletteHTTPException(404, f"No static file {path!r}.") from None
+            raise
+        response.headers.update(_NO_CACHE)
+        return response
 
 
 def plotly_js_path() -> Path:
@@ -70,22 +96,10 @@ def plotly_js() -> FileResponse:
                         headers={"Cache-Control": "public, max-age=86400"})
 
 
-@router.get("/static/{path:path}", include_in_schema=False)
-def static_file(path: str) -> Response:
-    root = FRONTEND_DIR.resolve()
-    target = (root / path).resolve()
-    if root not in target.parents or not target.is_file():
-        raise HTTPException(404, f"No static file {path!r}.")
-    media = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
-    if target.suffix == ".js":
-        media = "text/javascript"  # ES modules need a JavaScript type whatever the OS table says
-    return FileResponse(target, media_type=media, headers=_NO_CACHE)
-
-
 @router.websocket("/ws/dashboard")
 async def dashboard_ws(websocket: WebSocket, job: str | None = None) -> None:
     """Live frames for the overview (no ``job``) or one job; needs the viewer role."""
-    actor = websocket_actor(websocket)
+    actor = await websocket_actor(websocket)
     await websocket.accept()
     if actor is None:
         await websocket.close(CLOSE_UNAUTHORIZED, "Missing or invalid token; pass ?token=.")
@@ -93,50 +107,35 @@ async def dashboard_ws(websocket: WebSocket, job: str | None = None) -> None:
     if not role_allows(actor.role, "viewer"):
         await websocket.close(CLOSE_FORBIDDEN, "The dashboard needs the viewer role.")
         return
-    services = websocket.app.state.services
-    hub = services.hub
-    if hub is None:
-        await websocket.close(1011, "The dashboard hub is not running.")
-        return
-    services.sockets.add(actor, websocket)
+    parts: Parts = websocket.app.state.parts
+    parts.sockets.add(actor, websocket)
     try:
-        await hub.serve(websocket, job or None, actor)
+        await parts.hub.serve(websocket, job or None, actor)
     finally:
-        services.sockets.discard(actor, websocket)
+        parts.sockets.discard(actor, websocket)
 
 
 @router.get("/api/v1/whoami", tags=["auth"])
-def whoami_route(actor: ViewerDep, services: ServicesDep) -> dict[str, Any]:
+def whoami_route(actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
     """Who the bearer token belongs to; the page shows operator controls from ``role``."""
     return {
         "name": actor.name, "role": actor.role,
         "operator": role_allows(actor.role, "operator"),
-        "open_mode": bool(services.auth.open_mode),
+        "open_mode": bool(parts.auth.open_mode),
     }
 
 
 @router.get("/api/v1/jobs/{job}/forecast", tags=["jobs"])
 def forecast(
-    job: str, actor: ViewerDep, services: ServicesDep,
+    job: str, actor: ViewerDep, parts: PartsDep,
     total_steps: int | None = Query(
         None, ge=1, description="Steps the run will take in all (default: what its hooks reported)."
     ),
 ) -> dict[str, Any]:
-    """ETA and cost: the recent step time times the steps left; prices from settings."""
-    view = services.live.view(job)
+    """ETA and cost: the recent step time times the steps left; prices from settings
+    (``backend.live.forecast``, the same figures the job resource and the dashboard show)."""
+    view = parts.live.view(job)
     if view is None:
         raise HTTPException(404, f"Job {job!r} not found.")
-    if total_steps is None:
-        total_steps = view.total_steps
-    prices = [services.settings.price_for(r.device_type, r.device_name) for r in view.ranks]
-    known = [p for p in prices if p is not None]
-    cost_h = sum(known) if known else None
-    done = (view.batch_index + 1) if view.batch_index is not None else 0
-    remaining = max(total_steps - done, 0) if total_steps is not None else None
-    eta = eta_seconds(total_steps, view.batch_index, view.step_ms)
-    return {
-        "job": job, "batch_index": view.batch_index, "total_steps": total_steps,
-        "remaining_steps": remaining, "step_ms": view.step_ms, "eta_s": eta,
-        "cost_per_hour": cost_h, "unpriced_ranks": len(prices) - len(known),
-        "cost_to_finish": eta / 3600.0 * cost_h if eta is not None and cost_h is not None else None,
-    }
+    fc = job_forecast(view, parts.settings.price_for, total_steps)
+    return {"job": job, **fc.as_dict()}

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from backend.api.deps import OperatorDep, ServicesDep, ViewerDep
-from backend.parts import Services
+from backend.api.deps import OperatorDep, PartsDep, ViewerDep
+from backend.parts import Parts
 from backend.report.collect import ON_DEMAND
 from backend.report.html import render, render_compare
 
@@ -24,13 +24,12 @@ __all__ = ["router"]
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
 
 
-def _report(services: Services, job: str) -> dict[str, Any]:
-    reports = services.reports
-    view = services.live.view(job)
+async def _report(parts: Parts, job: str) -> dict[str, Any]:
+    view = parts.live.view(job)
     running = view is not None and view.connected_ranks > 0
-    found = None if running else reports.stored(job)
+    found = None if running else await parts.reports.stored(job)
     if found is None:
-        found = reports.build(job, reason=ON_DEMAND, finished=False)
+        found = await parts.reports.build(job, reason=ON_DEMAND, finished=False)
     if found is None:
         raise HTTPException(404, f"Job '{job}' not found.")
     return found
@@ -38,28 +37,27 @@ def _report(services: Services, job: str) -> dict[str, Any]:
 
 @router.get("/{job}/report", summary="End-of-run report of a job")
 async def get_report(
-    job: str, _actor: ViewerDep, services: ServicesDep,
+    job: str, _actor: ViewerDep, parts: PartsDep,
     format: Annotated[Literal["json", "html"], Query(description="json, or html: one offline page")] = "json",
     compare: Annotated[str | None, Query(min_length=1, max_length=128,
                                          description="another job: both runs side by side")] = None,
 ) -> Response:
-    def build() -> Response:
-        a = _report(services, job)
-        if compare is None:
-            return HTMLResponse(render(a)) if format == "html" else JSONResponse(a)
-        b = _report(services, compare)
+    a = await _report(parts, job)
+    if compare is None:
         if format == "html":
-            return HTMLResponse(render_compare(a, b))
-        return JSONResponse({"data": [a, b], "count": 2})
-
-    return await asyncio.to_thread(build)
+            return HTMLResponse(await asyncio.to_thread(render, a))
+        return JSONResponse(a)
+    b = await _report(parts, compare)
+    if format == "html":
+        return HTMLResponse(await asyncio.to_thread(render_compare, a, b))
+    return JSONResponse({"data": [a, b], "count": 2})
 
 
 @router.post("/{job}/report", summary="Store the job's report now")
-async def store_report(job: str, _actor: OperatorDep, services: ServicesDep) -> dict[str, Any]:
-    view = services.live.view(job)
+async def store_report(job: str, _actor: OperatorDep, parts: PartsDep) -> dict[str, Any]:
+    view = parts.live.view(job)
     finished = view is not None and view.connected_ranks == 0
-    found = await asyncio.to_thread(services.reports.store, job, reason=ON_DEMAND, finished=finished)
+    found = await parts.store_report(job, reason=ON_DEMAND, finished=finished)
     if found is None:
         raise HTTPException(404, f"Job '{job}' not found.")
     return found

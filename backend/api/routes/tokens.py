@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, Field
+from sqlalchemy.orm import Session
 
-from backend.api.deps import AdminDep, ServicesDep
+from backend.api.deps import AdminDep, PartsDep
 from backend.auth.tokens import Actor, TokenRow, create_token, list_tokens, revoke_token
-from backend.parts import Services
-from backend.storage.metrics import epoch
+from backend.storage.control import record_audit
 
 __all__ = ["router", "TokenCreate", "TokenPublic", "TokenCreated", "TokensPublic"]
 
@@ -50,69 +49,61 @@ class TokensPublic(BaseModel):
 def _public(row: TokenRow) -> dict[str, Any]:
     return {
         "id": row.id, "name": row.name, "role": row.role, "job": row.job, "hint": row.hint,
-        "created_at": epoch(row.created_at), "created_by": row.created_by,
-        "revoked_at": epoch(row.revoked_at) if row.revoked_at else None,
+        "created_at": row.created_at, "created_by": row.created_by,
+        "revoked_at": row.revoked_at,
     }
 
 
-def _audit(session: Any, actor: Actor, action: str, params: dict[str, Any], reason: str) -> None:
-    try:
-        from backend.storage.control import record_audit
-    except ImportError:  # the control tables are optional for token management
-        log.info("audit: %s by %s %s (%s)", action, actor.name, params, reason)
-        return
+def _audit(session: Session, actor: Actor, action: str, params: dict[str, Any], reason: str) -> None:
     record_audit(session, actor=actor, action=action, job=None, params=params, reason=reason)
 
 
 @router.post("", response_model=TokenCreated, status_code=201, summary="Create a token")
-async def create(body: TokenCreate, actor: AdminDep, services: ServicesDep) -> TokenCreated:
-    def run() -> TokenCreated:
-        with services.sessionmaker() as s:
-            row, secret = create_token(s, role=body.role, name=body.name.strip(), job=body.job or None,
-                                       created_by=actor.name)
-            _audit(s, actor, "token.create",
-                   {"id": row.id, "name": row.name, "role": row.role, "job": row.job}, body.reason)
-            s.commit()
-            return TokenCreated(**_public(row), secret=secret)
+async def create(body: TokenCreate, actor: AdminDep, parts: PartsDep) -> TokenCreated:
+    def run(s: Session) -> TokenCreated:
+        row, secret = create_token(s, role=body.role, name=body.name.strip(), job=body.job or None,
+                                   created_by=actor.name)
+        _audit(s, actor, "token.create",
+               {"id": row.id, "name": row.name, "role": row.role, "job": row.job}, body.reason)
+        s.commit()
+        return TokenCreated(**_public(row), secret=secret)
 
     try:
-        created = await asyncio.to_thread(run)
+        created = await parts.sql.run(run)
     except ValueError as exc:
         raise HTTPException(422, str(exc).replace(" pass --job NAME.", " give its job name.")) from None
-    services.auth.invalidate()
+    parts.auth.invalidate()
     return created
 
 
 @router.get("", response_model=TokensPublic, summary="List tokens")
 async def list_all(
-    _actor: AdminDep, services: ServicesDep,
+    _actor: AdminDep, parts: PartsDep,
     include_revoked: Annotated[bool, Query(description="Also list revoked tokens.")] = False,
 ) -> TokensPublic:
-    def run() -> TokensPublic:
-        with services.sessionmaker() as s:
-            rows = [TokenPublic(**_public(r)) for r in list_tokens(s, include_revoked=include_revoked)]
+    def run(s: Session) -> TokensPublic:
+        rows = [TokenPublic(**_public(r)) for r in list_tokens(s, include_revoked=include_revoked)]
         return TokensPublic(data=rows, count=len(rows))
 
-    return await asyncio.to_thread(run)
+    return await parts.sql.run(run)
 
 
 @router.delete("/{token_id}", response_model=TokenPublic, summary="Revoke a token")
 async def revoke(
-    token_id: int, actor: AdminDep, services: ServicesDep,
+    token_id: int, actor: AdminDep, parts: PartsDep,
     reason: Annotated[str, Query(max_length=2048)] = "",
 ) -> TokenPublic:
-    def run(svc: Services) -> TokenPublic | None:
-        with svc.sessionmaker() as s:
-            row = revoke_token(s, token_id)
-            if row is None:
-                return None
-            _audit(s, actor, "token.revoke", {"id": row.id, "name": row.name, "role": row.role}, reason)
-            s.commit()
-            return TokenPublic(**_public(row))
+    def run(s: Session) -> TokenPublic | None:
+        row = revoke_token(s, token_id)
+        if row is None:
+            return None
+        _audit(s, actor, "token.revoke", {"id": row.id, "name": row.name, "role": row.role}, reason)
+        s.commit()
+        return TokenPublic(**_public(row))
 
-    found = await asyncio.to_thread(run, services)
+    found = await parts.sql.run(run)
     if found is None:
         raise HTTPException(404, f"Token {token_id} not found.")
-    services.auth.invalidate()
-    await services.sockets.close_token(token_id)  # its open hook and dashboard sockets
+    parts.auth.invalidate()
+    await parts.sockets.close_token(token_id)  # its open hook and dashboard sockets
     return found

@@ -1,0 +1,57 @@
+"""PolicyRunner: where ``backend.policy.decide`` runs for the controller.
+
+At 1,024 ranks one decision is tens to hundreds of milliseconds of numpy and Python; on a
+thread of the backend's process it holds the GIL against the event loop (every websocket,
+every dashboard tick). With ``process=True`` (setting ``policy_process``, env
+``REBALANCER_POLICY_PROCESS``) decisions run in one worker process of their own, started
+on first use; the observation and the decision cross as pickles. ``process=False`` runs
+them on a worker thread (tests, small jobs). The decide function is passed in, so tests
+hand the controller their own instead of patching the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    from backend.policy.types import Constraints, JobObservation, NoProposal, PolicyConfig, Proposal
+
+    Decide: TypeAlias = Callable[[JobObservation, PolicyConfig, Constraints], "Proposal | NoProposal"]
+else:
+    Decide = Callable
+
+__all__ = ["PolicyRunner", "default_decide"]
+
+
+def default_decide(obs: JobObservation, cfg: PolicyConfig, cons: Constraints) -> Proposal | NoProposal:
+    """``backend.policy.decide`` (imported here so that the worker process imports numpy once)."""
+    from backend.policy import decide
+
+    return decide(obs, cfg, cons)
+
+
+class PolicyRunner:
+    """Runs decisions in a worker process (``process=True``) or on a worker thread."""
+
+    def __init__(self, decide: Decide = default_decide, *, process: bool = False):
+        self._decide = decide
+        self.process = process
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def decide(self, obs: JobObservation, cfg: PolicyConfig, cons: Constraints) -> Proposal | NoProposal:
+        if not self.process:
+            return await asyncio.to_thread(self._decide, obs, cfg, cons)
+        if self._pool is None:
+            # spawn: the backend has threads (SQL gateway, uvicorn); fork would copy their locks.
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._decide, obs, cfg, cons)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
