@@ -490,6 +490,62 @@ def run_capacity(
     return results
 
 
+@dataclass
+class ScrapeCost:
+    """The exporter alone, in process: ``generate_latest`` over a backend's parts holding
+    one job of ``ranks`` GPU ranks (20 steps and an NVML sample each, controller state)."""
+
+    ranks: int
+    series: int
+    bytes: int
+    wall_ms_median: float
+    cpu_ms_median: float  # this process's CPU time: what one scrape costs the backend
+    repeats: int
+
+
+def scrape_cost(ranks: int, repeats: int = 7) -> ScrapeCost:
+    import tempfile
+
+    from prometheus_client import generate_latest
+
+    from backend.parts import build_parts
+    from backend.settings import Settings
+    from trainer_hook.protocol import decode
+
+    async def fill(parts: Any) -> None:
+        job, gbs = f"scrape-{ranks}", ranks * 8
+        for r in range(ranks):
+            hello = decode(json.dumps({
+                "type": "hello", "v": 1, "job": job, "rank": r, "world_size": ranks,
+                "global_batch_size": gbs, "host": f"node{r // 8}", "device_type": "H100",
+                "device_name": "NVIDIA H100 80GB HBM3", "gpu_index": r % 8,
+                "gpu_uuid": f"GPU-{r:08d}-0000-0000-0000-000000000000"}))
+            parts.live.register(hello)
+            await parts.controller.on_hello(hello)
+            now = time.time()
+            recs = ",".join(_RECORD.format(k=k, b=8, c=20.0, t=now - (19 - k) / STEPS_PER_S) for k in range(20))
+            parts.live.add_metrics(decode(
+                f'{{"type":"metrics","v":1,"job":"{job}","rank":{r},"dropped":0,"steps":[{recs}],'
+                f'"device":[{_DEVICE.format(t=now)}]}}'))
+
+    with tempfile.TemporaryDirectory(prefix="rb-scrape-") as tmp:
+        parts = build_parts(Settings(db=f"sqlite:///{tmp}/scrape.db", policy_process=False))
+        try:
+            asyncio.run(fill(parts))
+            walls, cpus, body = [], [], b""
+            for _ in range(repeats):
+                w, c = time.perf_counter(), time.process_time()
+                body = generate_latest(parts.registry)
+                cpus.append((time.process_time() - c) * 1000)
+                walls.append((time.perf_counter() - w) * 1000)
+        finally:
+            parts.sql.close()
+            parts.engine.dispose()
+    series = sum(1 for line in body.split(b"\n") if line and not line.startswith(b"#"))
+    return ScrapeCost(ranks=ranks, series=series, bytes=len(body), wall_ms_median=round(statistics.median(walls), 1),
+                      cpu_ms_median=round(statistics.median(cpus), 1), repeats=repeats)
+
+
 def main(argv: list[str] | None = None) -> int:
     stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -498,7 +554,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="smoke-test size")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--scrape-only", action="store_true",
+                    help="only the exporter's cost in process (scrape.json): no sockets, no load")
     args = ap.parse_args(argv)
+    if args.scrape_only:
+        costs = [scrape_cost(n) for n in ([int(x) for x in args.ranks.split(",")] if args.ranks else [1024])]
+        print_table("/metrics exposition in process (median of the repeats)",
+                    ["ranks", "series", "kB", "wall ms", "CPU ms"],
+                    [[c.ranks, c.series, round(c.bytes / 1024, 1), c.wall_ms_median, c.cpu_ms_median] for c in costs])
+        write_json(args.out / "scrape.json", {"results": [asdict(c) for c in costs]})
+        return 0
     if args.tiny:
         ranks, secs, warm = [4], 1.0, 1.0
     elif args.quick:
