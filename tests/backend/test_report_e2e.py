@@ -2,7 +2,8 @@
 torchrun/gloo job of ``trainer_hook.demo_worker`` (one rank four times slower, auto mode,
 so placements change during the run) that ends by itself; every rank's hook closes, the
 backend stores the report. Its numbers are checked against the placements history; the
-CLI writes its HTML, which headless Chromium opens with the network cut off."""
+CLI writes its HTML, which headless Chromium opens with the network cut off; the dashboard's
+page of the finished job shows the same report."""
 
 from __future__ import annotations
 
@@ -137,5 +138,21 @@ def test_cli_writes_an_offline_html_report_that_chromium_opens_without_errors(fi
                                        timeout=30_000)
                 assert problems == [], (page_file, problems)
                 ctx.close()
+            # The dashboard's page of the finished job shows the same report.
+            ctx = browser.new_context()
+            page = ctx.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(f"page error {exc}"))
+            page.goto(f"{finished.server.url}/job/{JOB}?token={ADMIN}")
+            page.wait_for_selector("#report-card:not([hidden])", timeout=30_000)
+            advice = page.locator("#report-advice li").all_inner_texts()
+            assert advice == finished.report["advice"]["summary"]
+            frame = page.frame_locator("#report-frame")
+            frame.locator("h1").filter(has_text=f"Run report: {JOB}").wait_for(timeout=30_000)
+            page.wait_for_function(
+                "document.getElementById('report-frame').contentDocument"
+                ".querySelectorAll('.js-plotly-plot').length >= 4", timeout=30_000)
+            assert errors == []
+            ctx.close()
         finally:
             browser.close()
