@@ -15,9 +15,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
@@ -41,6 +40,9 @@ from backend.storage.summaries import (
     save_summary,
 )
 
+if TYPE_CHECKING:  # the metrics route imports the parts' dependencies; built in build_parts
+    from backend.api.routes.metrics import MetricsExporter
+
 __all__ = ["Parts", "build_parts", "init_db"]
 
 log = logging.getLogger("rebalancer")
@@ -57,7 +59,7 @@ class Parts:
     def __init__(self, *, settings: Settings, engine: Engine, sql: SqlGateway, live: LiveState,
                  connections: HookConnections, auth: AuthService, sockets: TokenSockets,
                  controller: Controller, hub: DashboardHub, reports: RunReports,
-                 registry: CollectorRegistry):
+                 exporter: MetricsExporter):
         self.settings = settings
         self.engine = engine
         self.sql = sql
@@ -68,7 +70,7 @@ class Parts:
         self.controller = controller
         self.hub = hub
         self.reports = reports
-        self.registry = registry
+        self.exporter = exporter
         self.persisted_windows = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._report_tasks: set[asyncio.Task[Any]] = set()
@@ -227,7 +229,7 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
                 wall: Callable[[], float] = time.time) -> Parts:
     """Every part of one app, wired. ``policy``: the runner to use (tests pass their own
     decide function through it); ``clock``/``wall``: the controller's clocks."""
-    from backend.api.routes.metrics import make_registry
+    from backend.api.routes.metrics import MetricsExporter
 
     engine = make_engine(settings.db)
     init_db(engine)
@@ -245,9 +247,9 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
         policy=policy if policy is not None else PolicyRunner(process=settings.policy_process),
         clock=clock, wall=wall)
     hub = DashboardHub(settings=settings, live=live, control=controller.job_control, changes=changes)
-    registry = make_registry(live=live, connections=connections, controller=controller, hub=hub,
-                             settings=settings)
+    exporter = MetricsExporter(live=live, connections=connections, controller=controller, hub=hub,
+                               settings=settings)
     reports = RunReports(sql=sql, controller=controller, hub=hub, settings=settings)
     return Parts(settings=settings, engine=engine, sql=sql, live=live, connections=connections,
                  auth=auth, sockets=TokenSockets(), controller=controller, hub=hub, reports=reports,
-                 registry=registry)
+                 exporter=exporter)

@@ -506,8 +506,6 @@ class ScrapeCost:
 def scrape_cost(ranks: int, repeats: int = 7) -> ScrapeCost:
     import tempfile
 
-    from prometheus_client import generate_latest
-
     from backend.parts import build_parts
     from backend.settings import Settings
     from trainer_hook.protocol import decode
@@ -535,7 +533,7 @@ def scrape_cost(ranks: int, repeats: int = 7) -> ScrapeCost:
             walls, cpus, body = [], [], b""
             for _ in range(repeats):
                 w, c = time.perf_counter(), time.process_time()
-                body = generate_latest(parts.registry)
+                body = parts.exporter.exposition().encode()
                 cpus.append((time.process_time() - c) * 1000)
                 walls.append((time.perf_counter() - w) * 1000)
         finally:
