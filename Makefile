@@ -6,14 +6,22 @@ STAMP  := $(VENV)/.installed-stamp
 PORT   ?= 8000
 STEPS  ?=
 
-.PHONY: setup demo test check check-min-versions lint typecheck bench bench-quick browser prometheus serve clean
+.PHONY: setup demo test test-unit check check-min-versions lint typecheck bench bench-quick browser prometheus serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Reuse an importable torch; otherwise take the CPU build (a bare `torch` may pull CUDA).
+# torch: reuse an importable one; else the CPU build, never the default index's bare
+# `torch`, which on Linux is the multi-GB CUDA build. First torch==X+cpu from pip's
+# configured sources (a local wheel where there is one; PyPI has no +cpu builds, so this
+# fails fast on a laptop), then the PyTorch CPU wheel index (it also serves torch's deps,
+# and macOS wheels, which carry no +cpu tag).
+TORCH_VERSION   ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/python -c "import torch" 2>/dev/null || \
+		$(BIN)/pip install -q torch==$(TORCH_VERSION)+cpu 2>/dev/null || \
+		$(BIN)/pip install -q --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION)
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
@@ -41,6 +49,10 @@ serve: $(STAMP)
 
 test: $(STAMP) browser prometheus
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The fast lane: in-process tests only (no torchrun, servers, browser or installs), < 1 minute.
+test-unit: $(STAMP)
+	REBALANCER_UNIT_LANE=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not multiproc and not browser and not install"
 
 lint: $(STAMP)
 	$(BIN)/ruff check trainer_hook backend tests bench examples

@@ -26,7 +26,7 @@ from backend.control.controller import Controller
 from backend.control.policy_runs import PolicyRunner
 from backend.dashboard.hub import DashboardHub, JobChanges
 from backend.ingest.connections import HookConnections
-from backend.live.state import LiveState, Window
+from backend.live.state import LiveState, Pending, Window, aggregate_windows
 from backend.report.collect import GOODBYE, RunReports
 from backend.settings import Settings
 from backend.storage import insert_windows, list_jobs, make_engine, make_sessionmaker
@@ -89,9 +89,10 @@ class Parts:
         self.persisted_windows += n
         return n
 
-    def _write_all(self, s: Session, windows: list[Window],
+    def _write_all(self, s: Session, pending: list[Pending],
                    feeds: list[tuple[str, list[dict[str, Any]], dict[str, Any]]]) -> int:
         at = time.time()
+        windows = aggregate_windows(pending)  # here, on the SQL thread: not on the loop
         for job, points, summary in feeds:
             insert_points(s, job, points, at)
             save_summary(s, job, summary, at)
@@ -102,11 +103,11 @@ class Parts:
 
     async def persist_now(self) -> int:
         """Store what live state and the hub gathered since the last call (gateway thread)."""
-        windows = self.live.drain_windows()  # read on the loop, which owns live state
+        pending = self.live.take_pending()  # swapped out on the loop, which owns live state
         feeds = self.hub.take_unsaved()
-        if not windows and not feeds:
+        if not pending and not feeds:
             return 0
-        return await self.sql.run(lambda s: self._write_all(s, windows, feeds))
+        return await self.sql.run(lambda s: self._write_all(s, pending, feeds))
 
     async def _persist_loop(self) -> None:
         while True:
@@ -246,7 +247,8 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
         settings=settings, sql=sql, live=live, connections=connections, notify=changes.mark,
         policy=policy if policy is not None else PolicyRunner(process=settings.policy_process),
         clock=clock, wall=wall)
-    hub = DashboardHub(settings=settings, live=live, control=controller.job_control, changes=changes)
+    hub = DashboardHub(settings=settings, live=live, control=controller.job_control,
+                       cost_fit=controller.cost_fit, changes=changes)
     exporter = MetricsExporter(live=live, connections=connections, controller=controller, hub=hub,
                                settings=settings)
     reports = RunReports(sql=sql, controller=controller, hub=hub, settings=settings)

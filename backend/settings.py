@@ -90,6 +90,7 @@ class Settings(BaseSettings):
     cooldown_steps: int = 20
     min_steps: int = 10
     policy_window_steps: int = 100
+    horizon_steps: int = 20  # predictive strategy: steps to forecast ahead
     auto_max_move_fraction: float = 0.25
     rollback_threshold: float = 0.05
     effect_window_steps: int = 20

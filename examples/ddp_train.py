@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from trainer_hook import RebalanceHook
 
@@ -28,23 +28,34 @@ def main() -> None:
     p.add_argument("--job", default="ddp-example")
     p.add_argument("--global-batch-size", type=int, default=256)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (any number works)")
     args = p.parse_args()
 
-    # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR; "gloo" runs on CPU, use "nccl" on GPUs.
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    # torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR: NCCL and one GPU per rank where
+    # there are GPUs, gloo on CPU.
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
     x = torch.randn(4096, 16)
     ds = TensorDataset(x, x @ torch.randn(16, 1) + 0.1 * torch.randn(4096, 1))
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
     loss_fn = torch.nn.MSELoss()  # a mean over the local batch: the hook weights it by share
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
     hook = RebalanceHook(server=args.server, job=args.job, global_batch_size=args.global_batch_size)
-    model = DDP(model)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     hook.attach(model)
-    loader = DataLoader(ds, batch_sampler=hook.batch_sampler(ds, shuffle=True, seed=0))
+    loader = hook.data_loader(ds, shuffle=True, seed=0, num_workers=args.num_workers,
+                              pin_memory=device.type == "cuda")
     for epoch in range(args.epochs):
+        loader.sampler.set_epoch(epoch)  # as with DistributedSampler; the order follows the batch index
         for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with hook.step():
                 loss = loss_fn(model(x), y)
                 loss.backward()

@@ -109,6 +109,7 @@ def _compose_commands() -> list[list[str]]:
 
 
 @pytest.mark.skipif(not _compose_commands(), reason="neither docker-compose nor docker compose is installed")
+@pytest.mark.multiproc
 def test_compose_config_validates():
     for cmd in _compose_commands():
         got = subprocess.run([*cmd, "config", "--quiet"], cwd=ROOT, capture_output=True, text=True,
@@ -120,6 +121,7 @@ def test_compose_config_validates():
         assert got.returncode != 0 and "REBALANCER_ADMIN_TOKEN" in got.stdout + got.stderr, (cmd, got)
 
 
+@pytest.mark.multiproc
 def test_scrape_token_step_makes_a_viewer_token_once(tmp_path: Path):
     """The one-shot's shell command, with a SQLite database and a temporary directory in
     place of PostgreSQL and the volume: it writes a token the backend accepts for /metrics,

@@ -13,13 +13,14 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["HookConfig", "ENV_SERVER", "ENV_JOB", "ENV_TOKEN", "ENV_TOTAL_STEPS", "check_total_steps"]
+__all__ = ["HookConfig", "MEASURED", "ENV_SERVER", "ENV_JOB", "ENV_TOKEN", "ENV_TOTAL_STEPS", "check_total_steps"]
 
 ENV_SERVER = "REBALANCER_SERVER"
 ENV_JOB = "REBALANCER_JOB"
 ENV_TOKEN = "REBALANCER_TOKEN"
 ENV_TOTAL_STEPS = "REBALANCER_TOTAL_STEPS"
 _OFFLINE_JOB = "local"
+MEASURED = "measured"
 
 
 def _positive_int(name: str, value: Any, *, lo: int = 1) -> None:
@@ -61,8 +62,12 @@ class HookConfig:
       rank 0 (10 to 14 by default); each exchange is one async broadcast of a few ints.
     - ``exchange_lag`` (L): an exchange launched at step s is collected at step s + L
       (L < K), so no step blocks on a collective that has not had time to finish.
-    - ``lookahead``: how many batches the sampler may run ahead of training; must cover
-      the DataLoader's prefetch (``num_workers * prefetch_factor`` plus one).
+    - ``lookahead``: how many batches a placement's start leaves for the sampler to run
+      ahead of training. ``"measured"`` (default): at the first step the hook measures
+      how far the loader has asked the sampler ahead, every rank agrees on the largest,
+      and that plus one is used (1 without workers, ``num_workers * prefetch_factor + 1``
+      with them; ``hook.data_loader`` knows it up front). An integer fixes it instead and
+      must cover the loader's prefetch plus what the loop holds.
     - ``startup_wait_s``: how long rank 0 waits at start for the backend's placement.
     - ``probe_interval_s``: device sampling period (about 1 Hz; NVML serialises).
     - ``max_queue``, ``flush_interval_s``: the transport's bounded queue and send period
@@ -78,7 +83,7 @@ class HookConfig:
     total_steps: int | None = None
     exchange_every: int = 4
     exchange_lag: int = 2
-    lookahead: int = 8
+    lookahead: int | str = "measured"
     startup_wait_s: float = 2.0
     probe_interval_s: float = 1.0
     max_queue: int = 10000
@@ -113,7 +118,10 @@ class HookConfig:
                 f"exchange_lag must be smaller than exchange_every (one exchange in flight at a "
                 f"time), got exchange_lag={self.exchange_lag}, exchange_every={self.exchange_every}."
             )
-        _positive_int("lookahead", self.lookahead, lo=0)
+        if self.lookahead != MEASURED:
+            if isinstance(self.lookahead, str):
+                raise ValueError(f"lookahead must be an integer >= 0 or {MEASURED!r}, got {self.lookahead!r}.")
+            _positive_int("lookahead", self.lookahead, lo=0)
         _positive_float("startup_wait_s", self.startup_wait_s, allow_zero=True)
         _positive_float("probe_interval_s", self.probe_interval_s)
         _positive_int("max_queue", self.max_queue)

@@ -77,10 +77,25 @@ class ControlChannel:
         # placement at lag + lookahead, so everything before it is final.
         schedule.settle(self.lag + self.lookahead - 1)
 
+    def set_lookahead(self, start: int, lookahead: int) -> None:
+        """Start at batch ``start`` with the agreed ``lookahead`` (before any exchange)."""
+        self.lookahead = lookahead
+        self.schedule.restart_settled(start + self.lag + lookahead - 1)
+
     @property
     def pending(self) -> PendingPlacement | None:
         with self._lock:
             return self._pending
+
+    @property
+    def undelivered(self) -> PendingPlacement | None:
+        """Rank 0: the newest placement offered but not scheduled yet (pending or in flight)."""
+        with self._lock:
+            pending = self._pending
+        inflight = self._inflight[2] if self._inflight is not None else None
+        if inflight is not None and (pending is None or inflight[0] > pending.version):
+            return PendingPlacement(inflight[0], tuple(inflight[2:]))
+        return pending
 
     def offer(self, placement: PendingPlacement) -> None:
         """Rank 0: queue a validated placement for the next exchange (newest wins)."""

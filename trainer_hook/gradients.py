@@ -20,7 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradientState", "weighted_allreduce_hook", "register_comm_hook", "register_grad_timer"]
+__all__ = [
+    "GradientState", "weighted_allreduce_hook", "register_comm_hook", "register_grad_timer",
+    "register_gradient_weighting", "check_data_parallel",
+]
 
 
 class GradientState:
@@ -107,14 +110,173 @@ def _is_ddp(model: Any) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
+_SUPPORTED = (
+    "Supported: DistributedDataParallel, FSDP2 (fully_shard) and FSDP1 "
+    "(FullyShardedDataParallel) over one data-parallel dimension, each through "
+    "hook.attach(model); anything that averages gradients over all ranks through "
+    "hook.attach(model, gradients='loss_scale') with loss * hook.loss_weight()."
+)
+
+
+def _fsdp2_modules(model: torch.nn.Module) -> list[Any]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return []
+    # fully_shard() swaps each module's class for a dynamically made "FSDP<Name>"
+    # subclass of FSDPModule, so the class name alone says nothing.
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _is_fsdp1(model: Any) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return False
+    return isinstance(model, FullyShardedDataParallel)
+
+
+def check_data_parallel(model: Any) -> None:
+    """Refuse, naming what is supported, set-ups whose ranks are not all data-parallel
+    replicas of one model (their gradients cannot be weighted by batch share alone)."""
+    cls = type(model)
+    name, module = cls.__name__, cls.__module__
+    if module.startswith("deepspeed") or "DeepSpeedEngine" in name:
+        raise ValueError(
+            f"DeepSpeed ({name}) is not supported by the rebalancer: its engine reduces and "
+            f"partitions gradients inside engine.backward()/step(), out of the hook's reach. {_SUPPORTED}"
+        )
+    if module.startswith("torch.distributed.pipelining") or "Pipe" in name:
+        raise ValueError(
+            f"pipeline parallelism ({name}) is not supported by the rebalancer: every stage of a "
+            f"pipeline must see the same micro-batches, so no stage can take a different share. {_SUPPORTED}"
+        )
+    if _is_fsdp1(model):
+        strategy = str(getattr(model, "sharding_strategy", "")).split(".")[-1]
+        if "HYBRID" in strategy:
+            raise ValueError(
+                f"FSDP1 with {strategy} (HSDP) is not supported by the rebalancer: gradients are "
+                f"reduce-scattered in a shard group, then all-reduced across replicas, and the hook "
+                f"weights only one of the two. Use ShardingStrategy.FULL_SHARD. {_SUPPORTED}"
+            )
+        return
+    fsdp2 = _fsdp2_modules(model)
+    for m in fsdp2:
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            if type(group.mesh_info).__name__ != "FSDPMeshInfo" or group.mesh_info.mesh.ndim != 1:
+                raise ValueError(
+                    "FSDP2 over a device mesh with more than one dimension (HSDP, or FSDP with "
+                    "tensor parallelism) is not supported by the rebalancer: only ranks that are "
+                    f"pure data-parallel replicas can take different shares. {_SUPPORTED}"
+                )
+    if fsdp2:
+        return
+    dtensor_cls: Any = None
+    try:
+        from torch.distributed.tensor import DTensor as dtensor_cls
+    except ImportError:
+        pass
+    if dtensor_cls is not None and any(isinstance(p, dtensor_cls) for p in model.parameters()):
+        raise ValueError(
+            "tensor parallelism (DTensor parameters outside FSDP) is not supported by the "
+            "rebalancer: ranks that hold pieces of one model replica must see the same batch. "
+            f"{_SUPPORTED}"
+        )
+
+
+def register_gradient_weighting(model: torch.nn.Module, state: GradientState, world_size: int) -> str:
+    """Weight each rank's gradient by its share of the global batch, the way the wrapper
+    allows; returns the mechanism: ``"ddp_comm_hook"``, ``"fsdp2_reduce_scatter"``,
+    ``"fsdp1_comm_hook"`` or ``"local"`` (one process, nothing to weight)."""
+    check_data_parallel(model)
+    if _is_ddp(model):
+        register_comm_hook(model, state)
+        return "ddp_comm_hook"
+    fsdp2 = _fsdp2_modules(model)
+    if fsdp2:
+        comm = WeightedReduceScatter(state)
+        for m in fsdp2:
+            # SUM of weighted inputs is the global-batch mean: no division by world size.
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+            m.set_custom_reduce_scatter(comm)
+        return "fsdp2_reduce_scatter"
+    if _is_fsdp1(model):
+        state.process_group = getattr(model, "process_group", None)
+        try:
+            model.register_comm_hook(state, _fsdp1_weighted_hook)  # type: ignore[operator]
+        except (AssertionError, RuntimeError) as exc:
+            raise RuntimeError(
+                "FullyShardedDataParallel would not take the rebalancer's communication hook (FSDP1 "
+                "takes one, on the root, before the first forward). Call hook.attach(model) right "
+                f"after wrapping, or use gradients='loss_scale' with hook.loss_weight(). (FSDP said: {exc})"
+            ) from None
+        return "fsdp1_comm_hook"
+    if world_size > 1:
+        raise ValueError(
+            f"attach() cannot weight the gradients of {type(model).__name__} with {world_size} ranks: "
+            "it is not DistributedDataParallel, FSDP2 (fully_shard) or FSDP1. If something else "
+            "averages gradients over all ranks, call hook.attach(model, gradients='loss_scale') and "
+            "back-propagate loss * hook.loss_weight() inside hook.step(). " + _SUPPORTED
+        )
+    return "local"
+
+
+def _mark_ready(state: GradientState, t: torch.Tensor) -> None:
+    if t.is_cuda:
+        state.cuda = True
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        state.grad_event = ev
+    else:
+        state.last_bucket_t = _now()
+
+
+def _mark_reduced(state: GradientState, t: torch.Tensor) -> None:
+    if t.is_cuda:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        state.done_event = ev
+    else:
+        state.last_done_t = _now()
+
+
+class WeightedReduceScatter:
+    """FSDP2 custom reduce-scatter: ``input *= weight``, then SUM (no divide factor)."""
+
+    def __init__(self, state: GradientState) -> None:
+        self.state = state
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
+        state = self.state
+        _mark_ready(state, input_tensor)
+        input_tensor.mul_(state.weight)
+        work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        if not async_op:
+            _mark_reduced(state, output_tensor)
+        return work
+
+
+def _fsdp1_weighted_hook(state, grad, output=None):  # type: ignore[no-untyped-def]
+    """FSDP1 comm hook (FSDP skips its own pre/post division when one is registered)."""
+    _mark_ready(state, grad)
+    grad.mul_(state.weight)
+    if output is None:  # NO_SHARD: an all-reduce in place
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=state.process_group)
+        _mark_reduced(state, grad)
+    else:
+        dist.reduce_scatter_tensor(output, grad, op=dist.ReduceOp.SUM, group=state.process_group)
+        _mark_reduced(state, output)
+
+
 def register_comm_hook(model: Any, state: GradientState) -> None:
     """Install the weighted hook on a DDP model; clear errors for setups it cannot keep exact."""
     name = type(model).__name__
-    if "FullyShardedDataParallel" in name or name == "FSDPModule":
-        raise ValueError(
-            f"{name} is not supported: FSDP reduce-scatters gradients without a DDP comm hook, so "
-            "uneven local batches cannot be weighted exactly. Use DistributedDataParallel."
-        )
     if not _is_ddp(model):
         raise ValueError(
             f"attach() expected a torch.nn.parallel.DistributedDataParallel model, got {name}. "
@@ -140,8 +302,15 @@ def register_grad_timer(model: torch.nn.Module, state: GradientState, *, count: 
     parameters mark when local gradients are ready; cheaper than hooking every one.
     """
 
-    def mark(_: torch.Tensor) -> None:
-        state.last_bucket_t = time.perf_counter()
+    def mark(p: torch.Tensor) -> None:
+        # On CUDA an event (read a step later, never synchronising), as the comm hook does.
+        if p.is_cuda:
+            state.cuda = True
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            state.grad_event = ev
+        else:
+            state.last_bucket_t = time.perf_counter()
 
     handles = []
     for p in list(model.parameters())[:count]:

@@ -29,10 +29,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from trainer_hook.config import HookConfig, check_total_steps
 from trainer_hook.control import ControlChannel, PendingPlacement
-from trainer_hook.gradients import GradientState, register_comm_hook, register_grad_timer
+from trainer_hook.gradients import (
+    GradientState,
+    check_data_parallel,
+    register_grad_timer,
+    register_gradient_weighting,
+)
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.protocol import (
     Ack,
@@ -51,7 +57,7 @@ __all__ = ["RebalanceHook"]
 
 log = logging.getLogger("trainer_hook")
 HOOK_VERSION = "0.1.0"
-_GRADIENT_MODES = ("comm_hook", "loss_scale")
+_GRADIENT_MODES = ("auto", "comm_hook", "loss_scale")
 
 
 class _StepContext:
@@ -96,35 +102,27 @@ class RebalanceHook:
         self.config = HookConfig.from_env(
             server=server, job=job, global_batch_size=global_batch_size, token=token, **config
         )
-        self._rank, self._world_size = _rank_and_world()
-        b = self.config.global_batch_size
-        if b < self._world_size:
-            raise ValueError(
-                f"global_batch_size ({b}) must be at least the world size ({self._world_size}) "
-                "so the uniform split gives every rank a sample."
-            )
-        self._lock = threading.Lock()
-        self.schedule = PlacementSchedule(self._world_size, b)
-        group = dist.new_group(backend="gloo") if self._world_size > 1 else None
         cfg = self.config
-        self._control = ControlChannel(
-            rank=self._rank, world_size=self._world_size, schedule=self.schedule,
-            exchange_every=cfg.exchange_every, exchange_lag=cfg.exchange_lag,
-            lookahead=cfg.lookahead, group=group,
-        )
+        self._lock = threading.Lock()
+        # The lookahead in force: given, or measured at the first step (None until then).
+        self._lookahead: int | None = cfg.lookahead if isinstance(cfg.lookahead, int) else None
+        self._known_lookahead = 0  # what hook.data_loader() knows its loader needs
+        self._agree_at = 0  # the batch index at which to measure and agree on it
         self._grads = GradientState()
         self._timer = StepTimer()
         self._ctx = _StepContext(self)
         self._sampler: RebalanceBatchSampler | None = None
         self._next_batch = 0
+        self._epoch_restored: int | None = None
         self._trained_version: int | None = None
-        self._trained: ScheduledPlacement = self.schedule.at(0)
         self._full_for: ScheduledPlacement | None = None  # placement self._full was computed for
         self._full: tuple[int, float] = (0, 0.0)  # (local samples, weight) of a full batch under it
         self._started = False
         self._closed = False
         self._gradients_mode: str | None = None
         self._grad_handles: list[Any] = []
+        self._norms: list[torch.nn.Module] = []  # batch norms kept out of dummy steps
+        self._frozen: list[torch.nn.Module] = []
         self.history: deque[StepRecord] = deque(maxlen=cfg.history)
         self.acks: list[tuple[int, int]] = []
         self.rejections: list[tuple[int, str]] = []
@@ -133,20 +131,70 @@ class RebalanceHook:
         self._initial_event = threading.Event()
         self._transport: Any = None
         self._probe: Any = None
+        self._ready = False
+        # Created before the process group (HF TrainingArguments and Accelerate's
+        # Accelerator make it): the rest waits for the first use.
+        if (dist.is_available() and dist.is_initialized()) or _env_world_size() <= 1:
+            self._init_distributed("RebalanceHook()")
+
+    def _init_distributed(self, where: str) -> None:
+        """Once: rank, world size, the placement schedule, the control group and the I/O."""
+        if self._ready:
+            return
+        self._rank, self._world_size = _rank_and_world(where)
+        cfg = self.config
+        b = cfg.global_batch_size
+        if b < self._world_size:
+            raise ValueError(
+                f"global_batch_size ({b}) must be at least the world size ({self._world_size}) "
+                "so the uniform split gives every rank a sample."
+            )
+        self._schedule = PlacementSchedule(self._world_size, b)
+        group = dist.new_group(backend="gloo") if self._world_size > 1 else None
+        # Measured: settle nothing in particular until the first step agrees on it; no
+        # exchange can start a placement before then.
+        lookahead = self._lookahead if self._lookahead is not None else _UNMEASURED
+        self._control = ControlChannel(
+            rank=self._rank, world_size=self._world_size, schedule=self._schedule,
+            exchange_every=cfg.exchange_every, exchange_lag=cfg.exchange_lag,
+            lookahead=lookahead, group=group,
+        )
+        self._trained: ScheduledPlacement = self._schedule.at(0)
+        self._ready = True
         if not cfg.offline:
             self._start_io()
+
+    @property
+    def schedule(self) -> PlacementSchedule:
+        """Which placement is in force for each batch index (shared by sampler and step)."""
+        self._init_distributed("hook.schedule")
+        return self._schedule
 
     # --- public read-only state ------------------------------------------------------
 
     @property
     def rank(self) -> int:
         """This process's rank (0 without a process group)."""
+        self._init_distributed("hook.rank")
         return self._rank
 
     @property
     def world_size(self) -> int:
         """Number of ranks (1 without a process group)."""
+        self._init_distributed("hook.world_size")
         return self._world_size
+
+    @property
+    def lookahead(self) -> int | None:
+        """Batches a new placement's start leaves for the loader's prefetch.
+
+        The ``lookahead`` given to the hook, or the one measured at the first step (the
+        largest over ranks of how far the loader had asked the sampler ahead, plus one);
+        before that, what ``hook.data_loader`` knows its loader needs, else None.
+        """
+        if self._lookahead is not None:
+            return self._lookahead
+        return self._known_lookahead or None
 
     @property
     def global_batch_size(self) -> int:
@@ -160,15 +208,16 @@ class RebalanceHook:
     @property
     def placement(self) -> ScheduledPlacement:
         """The placement of the batch trained last (version 0 before the first step)."""
+        self._init_distributed("hook.placement")
         return self._trained
 
     @property
     def placement_version(self) -> int:
-        return self._trained.version
+        return self.placement.version
 
     @property
     def shares(self) -> list[int]:
-        return list(self._trained.shares)
+        return list(self.placement.shares)
 
     @property
     def last_step(self) -> StepRecord | None:
@@ -199,34 +248,125 @@ class RebalanceHook:
 
     # --- set-up ----------------------------------------------------------------------
 
-    def attach(self, model: torch.nn.Module, *, gradients: str = "comm_hook") -> torch.nn.Module:
+    def attach(self, model: torch.nn.Module, *, gradients: str = "auto") -> torch.nn.Module:
         """Make gradients the global-batch mean whatever the split; returns ``model``.
 
-        ``gradients="comm_hook"`` (default) registers the weighted all-reduce on a
-        DistributedDataParallel model: each bucket is multiplied by this rank's share of
-        the batch and summed. With one process a plain module is accepted (nothing to
-        weight). ``gradients="loss_scale"`` registers nothing: multiply your local mean
-        loss by ``hook.loss_weight()`` and let the framework's averaging all-reduce do the
-        rest (for code where another library owns DDP's comm hook).
+        ``gradients="auto"`` (default; ``"comm_hook"`` means the same) picks the
+        mechanism from the wrapper, and ``hook.gradients`` says which:
 
-        Raises a clear error where exactness cannot be kept: a model that already has a
-        comm hook (DDP allows one), FSDP, or a non-DDP model with several ranks.
-        Gradient accumulation must use ``model.no_sync()`` for all micro-batches but the
-        last, inside one ``hook.step()``, with the loss scaled to the mean over the
-        rank's whole local batch; a second all-reduce inside one step raises at its end.
+        - DistributedDataParallel: a comm hook multiplies each bucket by this rank's
+          share of the batch and all-reduces with SUM (``"ddp_comm_hook"``);
+        - FSDP2 (``fully_shard``, recognised through ``FSDPModule`` whatever the
+          dynamically made class is called): a custom reduce-scatter weights the
+          gradients the same way, with FSDP's divide factor set to 1
+          (``"fsdp2_reduce_scatter"``);
+        - FSDP1 (``FullyShardedDataParallel``): its comm hook, the same weighting
+          (``"fsdp1_comm_hook"``);
+        - one process, a plain module: nothing to weight (``"local"``).
+
+        Nothing else is needed in the loop. ``gradients="loss_scale"`` registers no
+        communication: back-propagate ``loss * hook.loss_weight()`` and let the
+        framework's averaging all-reduce do the rest (where another library owns DDP's
+        comm hook). Any other model with several ranks is refused with a message saying
+        to do exactly that. DeepSpeed, pipeline parallelism, tensor parallelism and
+        HSDP are refused, naming what is supported.
+
+        Gradient accumulation: all micro-batches of one global batch inside one
+        ``hook.step()``, gradient sync off for all but the last (``model.no_sync()``, or
+        FSDP2's ``set_requires_gradient_sync(False)``), each loss the micro-batch's part
+        of the mean over the rank's whole local batch; with DDP a second all-reduce
+        inside one step raises at its end. Example::
+
+            model = fully_shard(model)                  # or DDP(model), FSDP(model)
+            hook.attach(model)
+            for x, y in hook.data_loader(ds, num_workers=4):
+                with hook.step():
+                    loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
         """
         if gradients not in _GRADIENT_MODES:
             raise ValueError(f"gradients must be one of {_GRADIENT_MODES}, got {gradients!r}.")
+        self._init_distributed("hook.attach()")
         if self._gradients_mode is not None:
             raise RuntimeError("attach() was already called on this hook; call it once per model.")
-        is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        if gradients == "comm_hook" and (is_ddp or self._world_size > 1):
-            register_comm_hook(model, self._grads)
-        else:
+        if gradients == "loss_scale":
+            check_data_parallel(model)
             self._grad_handles = register_grad_timer(model, self._grads)
-        self._gradients_mode = gradients
+            mode = "loss_scale"
+        else:
+            mode = register_gradient_weighting(model, self._grads, self._world_size)
+            if mode == "local":
+                self._grad_handles = register_grad_timer(model, self._grads)
+        self._gradients_mode = mode
+        # A drained rank trains a one-sample dummy batch (weight 0); batch norm would fold
+        # it into its running statistics (and BatchNorm1d refuses one sample in training).
+        # SyncBatchNorm is left alone: in eval it would skip its collective and hang peers.
+        self._norms = [
+            m for m in model.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            and not isinstance(m, torch.nn.SyncBatchNorm)
+        ]
         self._ensure_started()
         return model
+
+    @property
+    def gradients(self) -> str | None:
+        """The gradient mechanism ``attach`` chose (None before ``attach``)."""
+        return self._gradients_mode
+
+    def data_loader(
+        self,
+        dataset: Sized,
+        *,
+        batch_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        **loader_kwargs: Any,
+    ) -> DataLoader[Any]:
+        """A ``DataLoader`` over ``batch_sampler(dataset, shuffle, seed, drop_last)``.
+
+        Every other ``DataLoader`` argument passes through (``num_workers``,
+        ``prefetch_factor``, ``persistent_workers``, ``pin_memory``, ``collate_fn``, ...).
+        The hook knows how far this loader prefetches, so ``hook.lookahead`` is right
+        before the first step, and ``loader.sampler.set_epoch(epoch)`` works as in the DDP
+        tutorial (the epoch follows the batch index; the call changes nothing). Example::
+
+            loader = hook.data_loader(ds, shuffle=True, seed=0, num_workers=4, pin_memory=True)
+            for epoch in range(epochs):
+                loader.sampler.set_epoch(epoch)
+                for x, y in loader:
+                    with hook.step():
+                        ...
+
+        ``batch_size`` may only repeat the hook's ``global_batch_size`` (each rank's batch
+        is its share of it); ``sampler`` and ``batch_sampler`` are the hook's.
+        """
+        from trainer_hook.loader import HookDataLoader
+
+        b = self.config.global_batch_size
+        if batch_size is not None and batch_size != b:
+            raise ValueError(
+                f"data_loader(batch_size={batch_size}) differs from the hook's global_batch_size "
+                f"({b}): every rank's batch is its share of the global batch. Leave batch_size "
+                f"out, or create the hook with RebalanceHook(global_batch_size={batch_size})."
+            )
+        clash = sorted(k for k in ("sampler", "batch_sampler") if k in loader_kwargs)
+        if clash:
+            raise ValueError(
+                f"data_loader() does not take {clash}: the hook's batch_sampler decides every "
+                "rank's batch. Pass shuffle=, seed= and drop_last= instead."
+            )
+        workers = int(loader_kwargs.get("num_workers", 0) or 0)
+        depth = workers * int(loader_kwargs.get("prefetch_factor") or 2) if workers > 0 else 0
+        if isinstance(self.config.lookahead, int) and self.config.lookahead < depth + 1:
+            raise ValueError(
+                f"lookahead={self.config.lookahead} is too short for this loader, which prefetches "
+                f"{depth} batches: use lookahead={depth + 1} or leave lookahead out (measured)."
+            )
+        sampler = self.batch_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        loader = HookDataLoader(dataset, sampler, **loader_kwargs)
+        self._known_lookahead = max(self._known_lookahead, depth + 1)
+        return loader
 
     def batch_sampler(
         self, dataset: Sized | int, shuffle: bool = True, seed: int = 0, drop_last: bool = False
@@ -241,8 +381,9 @@ class RebalanceHook:
         again continues with the next untrained batch. The hook takes the batch sizes of
         an epoch's short last batch from the sampler created last.
         """
+        self._init_distributed("hook.batch_sampler()")
         sampler = RebalanceBatchSampler(
-            dataset, schedule=self.schedule, rank=self._rank, shuffle=shuffle, seed=seed,
+            dataset, schedule=self._schedule, rank=self._rank, shuffle=shuffle, seed=seed,
             drop_last=drop_last, position=lambda: self._next_batch, before_iter=self._ensure_started,
         )
         self._sampler = sampler
@@ -278,9 +419,13 @@ class RebalanceHook:
             self._ensure_started()
         k = self._next_batch
         control = self._control
+        if self._lookahead is None:
+            self._agree_lookahead(k)
+            if self._lookahead is None:  # postponed: no exchange may start a placement yet
+                control = _NO_EXCHANGE
         if k >= control.due:  # an exchange to collect or launch; otherwise nothing to do
             control.on_step(k)
-        p = self.schedule.at(k)
+        p = self._schedule.at(k)
         sampler = self._sampler
         b = self.config.global_batch_size
         if sampler is None or sampler.batch_length(k) == b:
@@ -298,13 +443,57 @@ class RebalanceHook:
         grads = self._grads
         grads.reset()
         grads.weight = weight
+        if local == 0 and self._norms:
+            self._freeze_norms()
         if p.version != self._trained_version:
             self._on_new_version(p, k)
         self._trained = p
         self._timer.start(k, local, p.version, cuda=grads.cuda)
         return k
 
+    def _agree_lookahead(self, k: int) -> None:
+        """How far the loader asks the sampler ahead of training, agreed across ranks.
+
+        At the first step, one blocking all-reduce (MAX) on the control group of
+        ``[ahead + 1, truncated]``. Every batch asked for so far is at most ``k +
+        lookahead - 1``, and the first exchange's placement starts at ``k + lag +
+        lookahead`` or later, so nothing a loader holds can change. A loader can only run
+        ahead to the end of its epoch; when a run starts (resumes) so near the end that
+        the sampler ran out, the measure is short, so it is taken again at the first
+        step of the next epoch, with no exchange before (placements wait, a few steps).
+        """
+        if k < self._agree_at:
+            return
+        sampler = self._sampler
+        ahead, truncated = 0, 0
+        if sampler is not None:
+            ahead = sampler.furthest - k
+            per_epoch = len(sampler)
+            epoch_end = (k // per_epoch + 1) * per_epoch - 1
+            truncated = int(sampler.furthest >= epoch_end and k % per_epoch != 0 and self._agree_at == 0)
+        lookahead = max(1, ahead + 1, self._known_lookahead)
+        group = self._control.group
+        if group is not None:
+            buf = torch.tensor([lookahead, truncated], dtype=torch.int64)
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+            lookahead, truncated = (int(v) for v in buf.tolist())
+        if truncated and sampler is not None:
+            self._agree_at = (k // len(sampler) + 1) * len(sampler)
+            return
+        self._lookahead = lookahead
+        self._control.set_lookahead(k, lookahead)
+
+    def _freeze_norms(self) -> None:
+        # Eval mode for the dummy step: normalise with the running statistics, update none.
+        self._frozen = [m for m in self._norms if m.training]
+        for m in self._frozen:
+            m.train(False)
+
     def _end_step(self, *, failed: bool) -> None:
+        if self._frozen:
+            for m in self._frozen:
+                m.train(True)
+            self._frozen = []
         rec = self._timer.finish(self._grads)
         if failed:
             return
@@ -347,6 +536,7 @@ class RebalanceHook:
         reason (also sent to the backend as a ``reject``); training goes on unchanged.
         This is the same path a backend ``placement`` message takes.
         """
+        self._init_distributed("hook.request_placement()")
         if self._rank != 0:
             raise RuntimeError(
                 f"request_placement() was called on rank {self._rank}; only rank 0 decides "
@@ -355,7 +545,7 @@ class RebalanceHook:
         with self._lock:
             if version is None:
                 pending = self._control.pending
-                version = 1 + max(self.schedule.latest.version, pending.version if pending else 0)
+                version = 1 + max(self._schedule.latest.version, pending.version if pending else 0)
         error = self._offer(version, shares, reason, self.config.global_batch_size)
         if error is not None:
             raise ValueError(error)
@@ -366,7 +556,7 @@ class RebalanceHook:
         error: str | None = None
         checked: list[int] = []
         with self._lock:
-            latest = self.schedule.latest
+            latest = self._schedule.latest
             pending = self._control.pending
             newest = max(latest.version, pending.version if pending else -1)
             if global_batch_size != self.config.global_batch_size:
@@ -415,6 +605,7 @@ class RebalanceHook:
         """Once, on every rank: resume the placement in force (rank 0's view) before batch 0."""
         if self._started:
             return
+        self._init_distributed("the first batch")
         version: int | None = None
         shares: list[int] | None = None
         if self._rank == 0 and self._transport is not None:
@@ -430,11 +621,13 @@ class RebalanceHook:
                     version = initial.version
                 except ValueError as exc:
                     self._reject(initial.version, f"placement version {initial.version} is invalid: {exc}")
+        if version is not None and version <= self._schedule.latest.version:
+            version = shares = None  # a resumed checkpoint's placement is as new or newer
         if not self.config.offline:
             self._control.sync_initial(version, shares)
         with self._lock:
             self._started = True
-            self._trained = self.schedule.at(self._next_batch)
+            self._trained = self._schedule.at(self._next_batch)
             late, self._initial = self._initial, None
         if late is not None:  # arrived after the wait: takes the ordinary path
             self._offer(late.version, list(late.shares), late.reason, self.config.global_batch_size)
@@ -444,6 +637,80 @@ class RebalanceHook:
         log.warning("rejected placement: %s", reason)
         if self._transport is not None:
             self._transport.send_control(Reject(job=self.config.job_name, rank=self._rank, version=version, reason=reason))
+
+    # --- checkpoints -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the run stands, for a checkpoint: plain ints and lists (JSON-safe).
+
+        ``batch_index`` (the next untrained global batch), the placement in force for it
+        and its version, a newer placement already agreed or pending (``next_placement``),
+        and the epoch position. Save it with the model and optimizer; every rank holds
+        the same. Example::
+
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "rebalancer": hook.state_dict()}, path)
+        """
+        self._init_distributed("hook.state_dict()")
+        k = self._next_batch
+        current = self._schedule.at(k)
+        nxt = self._schedule.latest
+        pending = self._control.undelivered if self._rank == 0 else None
+        upcoming = pending if pending is not None and pending.version > nxt.version else nxt
+        sampler = self._sampler
+        return {
+            "format": _STATE_FORMAT,
+            "batch_index": k,
+            "global_batch_size": self.config.global_batch_size,
+            "world_size": self._world_size,
+            "placement": {"version": current.version, "shares": list(current.shares)},
+            "next_placement": (
+                {"version": upcoming.version, "shares": list(upcoming.shares)}
+                if upcoming.version > current.version else None
+            ),
+            "epoch": k // len(sampler) if sampler is not None else None,
+            "batches_per_epoch": len(sampler) if sampler is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: the next step trains ``batch_index`` under the
+        placement it had (or a newer one the backend holds), and the loader's sampler
+        starts there, in the right epoch of the seeded order.
+
+        Call it on every rank (rank 0's copy is used), after ``attach`` and before the
+        loader is first iterated. Raises ValueError for a state of another job shape
+        (global batch size) or out-of-range numbers; a different world size keeps the
+        batch index and starts from the uniform split.
+        """
+        self._init_distributed("hook.load_state_dict()")
+        sampler = self._sampler
+        if self._next_batch != 0 or self.history or (sampler is not None and sampler.furthest >= 0):
+            raise RuntimeError(
+                "load_state_dict() must come before the first batch is drawn: call it right "
+                "after building the model, optimizer and loader, before iterating the loader."
+            )
+        k, version, shares, nxt = _check_state(state, self.config.global_batch_size, self._world_size)
+        group = self._control.group
+        if group is not None:  # rank 0's copy decides, so ranks cannot disagree
+            w = self._world_size
+            buf = torch.full((2 + w,), -1, dtype=torch.int64)
+            if self._rank == 0:
+                buf[0], buf[1] = k, version if shares is not None else -1
+                if shares is not None:
+                    buf[2:] = torch.tensor(shares, dtype=torch.int64)
+            dist.broadcast(buf, src=0, group=group)
+            values = buf.tolist()
+            k, version = values[0], values[1]
+            shares = values[2:] if version >= 0 else None
+        if self._lookahead is not None:  # given: settle from the resumed batch on
+            self._control.set_lookahead(k, self._lookahead)
+        with self._lock:
+            if shares is not None and version > self._schedule.latest.version:
+                self._schedule.replace_initial(version, shares)
+            self._next_batch = k
+            self._trained = self._schedule.at(k)
+        if nxt is not None and self._rank == 0 and nxt[0] > self._schedule.latest.version:
+            self._control.offer(PendingPlacement(nxt[0], tuple(nxt[1]), "resumed from a checkpoint"))
 
     # --- I/O -------------------------------------------------------------------------
 
@@ -497,6 +764,8 @@ class RebalanceHook:
         if self._closed:
             return
         self._closed = True
+        if not self._ready:
+            return  # never used: no group, no threads
         try:
             if wait_for_peers:
                 self._control.close()
@@ -531,13 +800,80 @@ class RebalanceHook:
         self.close()
 
 
-def _rank_and_world() -> tuple[int, int]:
+_STATE_FORMAT = 1
+
+
+class _NoExchange:
+    """Stands in for the control channel while the lookahead is not agreed yet."""
+
+    due = 1 << 62
+
+    def on_step(self, batch_index: int) -> None:  # never reached: due is unreachable
+        pass
+
+
+_NO_EXCHANGE: Any = _NoExchange()
+
+
+def _check_state(
+    state: Any, global_batch_size: int, world_size: int
+) -> tuple[int, int, list[int] | None, tuple[int, list[int]] | None]:
+    """(batch_index, version, shares or None, next placement or None) from a state_dict."""
+    if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+        raise ValueError(f"not a RebalanceHook state_dict (format {_STATE_FORMAT}): got {type(state).__name__}.")
+    k = state.get("batch_index")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < (1 << 62):
+        raise ValueError(f"state_dict batch_index must be an integer in [0, 2**62), got {k!r}.")
+    if state.get("global_batch_size") != global_batch_size:
+        raise ValueError(
+            f"state_dict is for global_batch_size {state.get('global_batch_size')!r}, but this hook "
+            f"trains with {global_batch_size}: resume with the same global batch size."
+        )
+    if state.get("world_size") != world_size:
+        log.warning(
+            "state_dict was saved with world size %r, this run has %d: resuming at batch %d "
+            "with the uniform split.", state.get("world_size"), world_size, k,
+        )
+        return k, 0, None, None
+
+    def placement(entry: Any) -> tuple[int, list[int]] | None:
+        if entry is None:
+            return None
+        if not isinstance(entry, dict):
+            raise ValueError(f"state_dict placement must be a dict with version and shares, got {entry!r}.")
+        v = entry.get("version")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < (1 << 62):
+            raise ValueError(f"state_dict placement version must be an integer >= 0, got {v!r}.")
+        raw: Any = entry.get("shares")
+        if not isinstance(raw, list):
+            raise ValueError(f"state_dict placement shares must be a list, got {raw!r}.")
+        return v, check_shares(raw, world_size=world_size, global_batch_size=global_batch_size)
+
+    current = placement(state.get("placement"))
+    if current is None:
+        raise ValueError("state_dict has no placement.")
+    return k, current[0], current[1], placement(state.get("next_placement"))
+
+
+_UNMEASURED = 1 << 40  # lookahead before the first step measures it: nothing is final yet
+
+
+def _env_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+
+
+def _rank_and_world(where: str) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = _env_world_size()
     if world > 1:
         raise RuntimeError(
-            f"WORLD_SIZE is {world} but no process group is initialised. Call "
-            "torch.distributed.init_process_group(...) before creating RebalanceHook."
+            f"{where} needs the process group, but WORLD_SIZE is {world} and torch.distributed "
+            "is not initialised yet. The hook may be created first, but before using it create "
+            "what starts the group: dist.init_process_group(...) in a torchrun script, the HF "
+            "TrainingArguments (RebalancingTrainer) or the Accelerate Accelerator."
         )
     return 0, 1

@@ -112,9 +112,10 @@ class PlacementSchedule:
             if settled is not None and batch_index > settled:
                 raise RuntimeError(
                     f"The placement for batch {batch_index} is not settled yet (settled up to batch "
-                    f"{settled}): the data loader runs further ahead of training than "
-                    "HookConfig.lookahead allows. Raise lookahead to at least "
-                    "num_workers * prefetch_factor + 1, or lower the DataLoader's prefetch."
+                    f"{settled}): the data loader runs further ahead of training than the hook's "
+                    "lookahead allows (measured at the first step, or HookConfig.lookahead). "
+                    "Pass RebalanceHook(..., lookahead=N) with N at least num_workers * "
+                    "prefetch_factor + 1 plus the batches your loop holds, or lower the prefetch."
                 )
             i = bisect.bisect_right(self._starts, batch_index) - 1
             entry = self._entries[i]
@@ -135,6 +136,13 @@ class PlacementSchedule:
                 self._settled_until = batch_index
             else:
                 self._settled_until = max(self._settled_until, batch_index)
+
+    def restart_settled(self, batch_index: int) -> None:
+        """Set ``settled_until`` to ``batch_index`` even if lower: only for the hook's start
+        (the lookahead is agreed, or a run resumes), before any placement may be added."""
+        with self._lock:
+            self._settled_until = batch_index
+            self._hint = (0, 0, None)
 
     @property
     def settled_until(self) -> int | None:

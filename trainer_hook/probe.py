@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import re
 import sys
 import threading
 import time
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from trainer_hook.devices import device_key
 from trainer_hook.protocol import DeviceSample
 
 __all__ = ["DeviceProbe", "device_type_key", "decode_clock_events", "load_nvml"]
@@ -44,37 +44,11 @@ CLOCK_EVENT_NAMES: dict[int, str] = {
 _NVML_CLOCK_SM = 1
 _NVML_TEMPERATURE_GPU = 0
 
-# Order matters: more specific patterns first (A100 sizes, L40S before L4).
-_TYPE_PATTERNS: list[tuple[str, str]] = [
-    ("H200", r"(?<![A-Z0-9])H200(?![0-9])"),
-    ("H100", r"(?<![A-Z0-9])H100(?![0-9])"),
-    ("A100-80GB", r"(?<![A-Z0-9])A100\b.*\b80\s*GB"),
-    ("A100-40GB", r"(?<![A-Z0-9])A100\b.*\b40\s*GB"),
-    ("L40S", r"(?<![A-Z0-9])L40S(?![0-9A-Z])"),
-    ("L4", r"(?<![A-Z0-9])L4(?![0-9A-Z])"),
-    ("A10G", r"(?<![A-Z0-9])A10G(?![0-9A-Z])"),
-    ("V100", r"(?<![A-Z0-9])V100(?![0-9])"),
-    ("T4", r"(?<![A-Z0-9])T4(?![0-9A-Z])"),
-    ("MI300X", r"(?<![A-Z0-9])MI300X(?![0-9A-Z])"),
-    ("MI250X", r"(?<![A-Z0-9])MI250X(?![0-9A-Z])"),
-]
-
-
 def device_type_key(name: str, mem_total_bytes: int | None = None) -> str:
-    """Map a device name to the device table's key ("H100", "A100-80GB", ...).
-
-    An A100 whose name does not say its size is told apart by its memory. Names that match
-    no key are returned unchanged (stripped), so the backend can still show them.
-    """
-    upper = name.upper()
-    for key, pattern in _TYPE_PATTERNS:
-        if re.search(pattern, upper):
-            return key
-    if re.search(r"(?<![A-Z0-9])A100(?![0-9])", upper):
-        if mem_total_bytes is None:
-            return "A100-80GB" if "80" in upper else "A100-40GB"
-        return "A100-80GB" if mem_total_bytes > 50 * 2**30 else "A100-40GB"
-    return name.strip()
+    """The device table's key for a device name (``trainer_hook.devices.device_key``, the
+    one rule the backend's policy uses too); a name that matches no key comes back
+    stripped, so the backend can still show it."""
+    return device_key(name, mem_total_bytes) or name.strip()
 
 
 def decode_clock_events(mask: int) -> list[str]:

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Iterator, Sized
 
 import torch
+from torch.utils.data import IterableDataset
 
 from trainer_hook.placement import PlacementSchedule
 
@@ -47,6 +48,12 @@ class RebalanceBatchSampler:
         before_iter: Callable[[], None] | None = None,
         on_batch: Callable[[int, list[int], bool], None] | None = None,
     ) -> None:
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(
+                f"dataset is an IterableDataset ({type(dataset).__name__}): the rebalancer needs a "
+                "map-style dataset (__len__ and __getitem__) so that global batch k is the same "
+                "samples on every rank and under every split. Wrap the data in a map-style Dataset."
+            )
         n = dataset if isinstance(dataset, int) else _length(dataset)
         b = schedule.global_batch_size
         if n <= 0:
@@ -70,6 +77,8 @@ class RebalanceBatchSampler:
         self._before_iter = before_iter
         self._on_batch = on_batch
         self._yielded = 0
+        self.furthest = -1  # the highest batch index yielded so far (how far a loader ran ahead)
+        self._rewind_once = False
         b = schedule.global_batch_size
         self._per_epoch = n // b if drop_last else -(-n // b)
         self._lock = threading.Lock()
@@ -138,20 +147,37 @@ class RebalanceBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         if self._before_iter is not None:
             self._before_iter()
+        per_epoch = len(self)
         with self._lock:
             start = self._position() if self._position is not None else self._yielded
-        per_epoch = len(self)
+            if self._rewind_once:  # a framework skips the epoch's trained batches itself
+                self._rewind_once = False
+                start -= start % per_epoch
         end = (start // per_epoch + 1) * per_epoch
         for k in range(start, end):
             indices, dummy = self.local_batch(k)
             with self._lock:
                 self._yielded = k + 1
+                if k > self.furthest:
+                    self.furthest = k
             if self._on_batch is not None:
                 self._on_batch(k, indices, dummy)
             yield indices
 
+    def start_next_iter_at_epoch_start(self) -> None:
+        """The next ``iter()`` starts at the first batch of the current epoch, once: for a
+        framework that resumes by skipping the epoch's trained batches itself (the HF
+        Trainer's ``skip_first_batches``)."""
+        with self._lock:
+            self._rewind_once = True
+
     def set_epoch(self, epoch: int) -> None:
-        """Accepted for DistributedSampler compatibility; the epoch follows the batch index."""
+        """Accepted for DistributedSampler compatibility (the DDP tutorial's
+        ``sampler.set_epoch(epoch)``). The epoch follows the batch index (batch k is in
+        epoch ``k // len(self)``), so a resumed run reshuffles exactly as before and the
+        call changes nothing."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"set_epoch expects an epoch number >= 0, got {epoch!r}.")
 
 
 def _scaled_offsets(shares: tuple[int, ...], rank: int, n: int, b: int) -> tuple[int, int]:

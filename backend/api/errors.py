@@ -23,8 +23,10 @@ def validation_sentence(exc: RequestValidationError) -> str:
     if not errors:
         return "Invalid request."
     err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
     msg = str(err.get("msg", "invalid value"))
+    if err.get("type") == "policy":  # models that phrase their own sentence (control/models.py)
+        return msg
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
     ctx = err.get("ctx") or {}
     if "error" in ctx and msg.startswith("Value error, "):
         msg = str(ctx["error"])
@@ -37,4 +39,9 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, ControlError)
         return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
 
+    async def validation_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return JSONResponse({"detail": validation_sentence(exc)}, status_code=422)
+
     app.add_exception_handler(ControlError, control_error)
+    app.add_exception_handler(RequestValidationError, validation_error)

@@ -176,6 +176,24 @@ class AuthService:
         """True while anyone may act as admin (loopback bind, no active tokens)."""
         return self.loopback and self.token_count() == 0
 
+    def cached(self, secret: str | None, address: str | None = None) -> tuple[bool, Actor | None]:
+        """(True, what ``authenticate`` would answer) when that needs no SQL (a fresh cache
+        entry), else (False, None): async callers then run ``authenticate`` on the SQL thread."""
+        now = time.monotonic()
+        with self._lock:
+            if not secret:
+                fresh = self._count is not None and now - self._count[0] < self.cache_s
+                if not fresh:
+                    return False, None
+                open_mode = self.loopback and self._count is not None and self._count[1] == 0
+                return True, Actor("anonymous", "admin", None, address) if open_mode else None
+            hit = self._cache.get(hash_secret(secret))
+        if hit is None or now - hit[0] >= self.cache_s:
+            return False, None
+        actor = hit[1]
+        return True, (None if actor is None else
+                      Actor(actor.name, actor.role, actor.job, address, actor.token_id))
+
     def authenticate(self, secret: str | None, address: str | None = None) -> Actor | None:
         """The actor for a bearer secret; None when missing or invalid (outside open mode)."""
         if not secret:

@@ -46,6 +46,7 @@ from backend.control.errors import (
     NotFoundError,
     error_detail,
 )
+from backend.control.models import check_policy_changes
 from backend.control.policy_runs import PolicyRunner
 from backend.control.status import job_status
 from backend.ingest.connections import HookConnections
@@ -96,6 +97,7 @@ class _JobState:
     # proposals and placements by source, rejected placements (db.activity_counts)
     activity: dict[str, dict[str, int]] = field(default_factory=dict)
     snapshot: dict[str, Any] = field(default_factory=dict)
+    cost_fit: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # the policy's, per rank
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def follow(self, row: db.PlacementRow) -> None:
@@ -126,6 +128,8 @@ class Controller:
         self._jobs: dict[str, _JobState] = {}
         self._dirty: set[str] = set()
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._loading: dict[str, asyncio.Future[_JobState | None]] = {}
+        self._creating: dict[str, asyncio.Future[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.policy_runs = 0
 
@@ -202,6 +206,24 @@ class Controller:
         st = self._jobs.get(job)
         if st is not None:
             return st
+        # Every rank of a new job says hello at once: one read from SQL, the others wait on it.
+        pending = self._loading.get(job)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[_JobState | None] = asyncio.get_running_loop().create_future()
+        self._loading[job] = fut
+        try:
+            st = await self._load_from_sql(job)
+            fut.set_result(st)
+            return st
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: waiters get it, nobody else must
+            raise
+        finally:
+            del self._loading[job]
+
+    async def _load_from_sql(self, job: str) -> _JobState | None:
 
         def read(s: Session) -> _JobState | None:
             row = db.get_settings(s, job)
@@ -276,7 +298,12 @@ class Controller:
                     records.create_job(s, hello, mode=mode, actor=_SYSTEM, at=self._wall())
                     s.commit()
 
-            await self._sql(create)
+            if job not in self._creating:
+                self._creating[job] = asyncio.ensure_future(self._sql(create))
+            try:
+                await asyncio.shield(self._creating[job])
+            finally:
+                self._creating.pop(job, None)
             st = await self._require(job)
         async with st.lock:
             if (hello.world_size, hello.global_batch_size) != (st.world_size, st.global_batch_size):
@@ -482,6 +509,12 @@ class Controller:
             metrics_age_s=age, stale_after_s=self.settings.stale_after_s)
         return {**snap, "status": status, "status_detail": detail}
 
+    def cost_fit(self, job: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """Per-rank (a_ms, c_ms) from the policy's last decision that fitted the job (the
+        one per-rank cost fit; the dashboard's uniform-split estimate uses it)."""
+        st = self._jobs.get(job)
+        return st.cost_fit if st is not None else None
+
     def proposal_counts(self, job: str) -> dict[str, int]:
         """Proposals of ``job`` by status, for Prometheus ({} if unknown)."""
         st = self._jobs.get(job)
@@ -618,6 +651,10 @@ class Controller:
             return
         finally:
             st.think_s = time.perf_counter() - started
+        expl = decision.explanation
+        if expl is not None and len(expl.ranks) == st.world_size:
+            ranks = sorted(expl.ranks, key=lambda r: r.rank)
+            st.cost_fit = (tuple(r.a_ms for r in ranks), tuple(r.c_ms for r in ranks))
         if st.version != version:
             return  # the placement changed while the policy was thinking
         if not isinstance(decision, PolicyProposal):
@@ -637,7 +674,7 @@ class Controller:
             if st.mode == "auto" and pending["status"] == "proposed":
                 await self._apply(st, pending["id"], actor="auto", reason="auto mode", auto=True)
             return
-        expl = decision.explanation
+        assert expl is not None  # a Proposal always explains itself
 
         def work(s: Session) -> int | str:
             blocked = records.refused_before(s, st.job, st.version, shares)
@@ -875,12 +912,8 @@ class Controller:
     async def set_policy(self, job: str, changes: dict[str, Any], *, actor: ActorLike,
                          reason: str | None = None) -> dict[str, Any]:
         """Merge ``changes`` into the job's policy settings (None removes a stored value)."""
-        from backend.policy import available_strategies
-
         st = await self._require(job)
-        for key, value in changes.items():
-            if value is not None:
-                inputs.check_policy_value(key, value, available_strategies())
+        check_policy_changes(changes)
         async with st.lock:
             policy = dict(st.policy)
             for k, v in changes.items():

@@ -22,76 +22,58 @@ from backend.live.state import STEP_LOCAL_BATCH as _LOCAL_BATCH
 
 if TYPE_CHECKING:
     from backend.policy.types import Constraints, JobObservation, PolicyConfig
+    from backend.settings import Settings
     from backend.storage.control import OverridesRow
 
 __all__ = [
-    "POLICY_NUMBERS", "WORKLOADS", "OVERRIDE_KEYS", "policy_config", "knob", "policy_settings",
-    "constraints_from", "auto_max_move", "all_said_hello", "observation", "step_costs",
-    "predict_step_ms", "check_policy_value", "validate_overrides", "check_overrides",
+    "OVERRIDE_KEYS", "policy_config", "knob", "policy_settings",
+    "constraints_from", "all_said_hello", "observation", "step_costs",
+    "predict_step_ms", "validate_overrides", "check_overrides",
     "overrides_dict", "median",
 ]
 
-# Policy settings an admin may change: (kind, lowest, highest).
-POLICY_NUMBERS: dict[str, tuple[type, float, float]] = {
-    "min_gain": (float, 0.0, 0.99),
-    "cooldown_steps": (int, 0, 1_000_000),
-    "min_steps": (int, 1, 1_000_000),
-    "window_steps": (int, 2, 100_000),
-    "max_move_fraction": (float, 0.001, 1.0),
-    "horizon_steps": (int, 1, 100_000),
-    "rollback_threshold": (float, 0.0, 1.0),
-    "effect_window_steps": (int, 2, 10_000),
-    "proposal_ttl_s": (float, 1.0, 7 * 86400.0),
-}
-WORKLOADS = ("llm", "vision", "diffusion", "recsys", "custom")
 OVERRIDE_KEYS = ("pins", "caps", "floors", "drains", "granularity")
 
 _DEVICE_SAMPLES = 60  # device samples per rank in an observation (~1 minute at 1 Hz)
 
-# Controller knobs the policy never sees: backend default of each.
-_KNOB_DEFAULTS = {"rollback_threshold": 0.05, "effect_window_steps": 20, "proposal_ttl_s": 300.0}
+# Controller knobs the policy never sees; their defaults are Settings fields of the same name.
+_KNOBS = ("rollback_threshold", "effect_window_steps", "proposal_ttl_s")
 
 
-def _setting(settings: Any, name: str, default: Any) -> Any:
-    return getattr(settings, name, default)
+def _max_move_fraction(policy: Mapping[str, Any], settings: Settings) -> float:
+    return float(policy.get("max_move_fraction", settings.auto_max_move_fraction))
 
 
-def _max_move_fraction(policy: Mapping[str, Any], settings: Any) -> Any:
-    return policy.get("max_move_fraction", _setting(settings, "auto_max_move_fraction", 0.25))
+# --- policy settings: the job's stored values over the defaults in Settings ----------------
 
-
-# --- policy settings ------------------------------------------------------------------------
-
-def policy_config(policy: Mapping[str, Any], mode: str, settings: Any) -> PolicyConfig:
+def policy_config(policy: Mapping[str, Any], mode: str, settings: Settings) -> PolicyConfig:
     """The job's stored policy settings over the backend defaults, as a ``PolicyConfig``."""
     from backend.policy.types import PolicyConfig
 
-    p = policy
-
-    def g(name: str, default: Any) -> Any:
-        return _setting(settings, name, default)
-
+    p, s = policy, settings
     return PolicyConfig(
-        strategy=p.get("strategy", g("default_strategy", "profiled")),
-        workload=p.get("workload", g("default_workload", "llm")),
+        strategy=p.get("strategy", s.default_strategy),
+        workload=p.get("workload", s.default_workload),
         custom_weights=p.get("custom_weights"),
-        min_gain=float(p.get("min_gain", g("min_gain", 0.05))),
-        cooldown_steps=int(p.get("cooldown_steps", g("cooldown_steps", 20))),
-        min_steps=int(p.get("min_steps", g("min_steps", 10))),
-        window_steps=int(p.get("window_steps", g("policy_window_steps", 100))),
+        min_gain=float(p.get("min_gain", s.min_gain)),
+        cooldown_steps=int(p.get("cooldown_steps", s.cooldown_steps)),
+        min_steps=int(p.get("min_steps", s.min_steps)),
+        window_steps=int(p.get("window_steps", s.policy_window_steps)),
         # The move cap is an auto-mode guardrail; an operator reviews the full change.
-        max_move_fraction=_max_move_fraction(p, settings) if mode == "auto" else None,
-        horizon_steps=int(p.get("horizon_steps", 20)),
+        max_move_fraction=_max_move_fraction(p, s) if mode == "auto" else None,
+        horizon_steps=int(p.get("horizon_steps", s.horizon_steps)),
         params=dict(p.get("params", {})),
     )
 
 
-def knob(policy: Mapping[str, Any], settings: Any, name: str) -> Any:
+def knob(policy: Mapping[str, Any], settings: Settings, name: str) -> Any:
     """A controller knob (rollback_threshold, effect_window_steps, proposal_ttl_s)."""
-    return policy.get(name, _setting(settings, name, _KNOB_DEFAULTS[name]))
+    if name not in _KNOBS:
+        raise ValueError(f"Unknown controller knob {name!r}; expected one of {', '.join(_KNOBS)}.")
+    return policy.get(name, getattr(settings, name))
 
 
-def policy_settings(policy: Mapping[str, Any], mode: str, settings: Any) -> dict[str, Any]:
+def policy_settings(policy: Mapping[str, Any], mode: str, settings: Settings) -> dict[str, Any]:
     """Effective policy settings of a job (stored values over the backend defaults)."""
     cfg = policy_config(policy, mode, settings)
     return {
@@ -100,7 +82,7 @@ def policy_settings(policy: Mapping[str, Any], mode: str, settings: Any) -> dict
         "min_steps": cfg.min_steps, "window_steps": cfg.window_steps,
         "max_move_fraction": _max_move_fraction(policy, settings),
         "horizon_steps": cfg.horizon_steps, "params": cfg.params,
-        **{k: knob(policy, settings, k) for k in _KNOB_DEFAULTS},
+        **{k: knob(policy, settings, k) for k in _KNOBS},
     }
 
 
@@ -111,12 +93,6 @@ def constraints_from(overrides: Mapping[str, Any]) -> Constraints:
     ov = overrides
     return Constraints(pins=dict(ov["pins"]), caps=dict(ov["caps"]), floors=dict(ov["floors"]),
                        drains=frozenset(ov["drains"]), granularity=int(ov["granularity"]))
-
-
-def auto_max_move(max_move_fraction: float, global_batch_size: int, granularity: int) -> int:
-    """Samples one auto-mode change may move a rank: a fraction of the batch, at least one
-    granule (``limit_moves`` moves whole granules only; a smaller cap would move nothing)."""
-    return max(granularity, int(max_move_fraction * global_batch_size))
 
 
 # --- measurements ---------------------------------------------------------------------------
@@ -185,31 +161,6 @@ def median(xs: Sequence[float]) -> float:
 
 
 # --- validation -----------------------------------------------------------------------------
-
-def check_policy_value(key: str, v: Any, strategies: Sequence[str]) -> None:
-    """Raise InvalidError saying what a policy setting must be."""
-    if key == "strategy":
-        if v not in strategies:
-            raise InvalidError(f"Unknown strategy {v!r}; choose one of {', '.join(strategies)}.")
-    elif key == "workload":
-        if v not in WORKLOADS:
-            raise InvalidError(f"workload must be one of {', '.join(WORKLOADS)}; got {v!r}.")
-    elif key in ("custom_weights", "params"):
-        ok = isinstance(v, dict) and all(
-            isinstance(k, str) and _is_number(x) and (key == "params" or x > 0) for k, x in v.items())
-        if not ok:
-            what = "device types to weights > 0" if key == "custom_weights" else "names to numbers"
-            raise InvalidError(f"{key} must map {what}, got {v!r}.")
-    elif key in POLICY_NUMBERS:
-        kind, lo, hi = POLICY_NUMBERS[key]
-        fits = isinstance(v, int) if kind is int else _is_number(v)
-        if isinstance(v, bool) or not fits or not lo <= v <= hi:
-            noun = "an integer" if kind is int else "a number"
-            raise InvalidError(f"{key} must be {noun} between {_num(lo)} and {_num(hi)}, got {v!r}.")
-    else:
-        known = ", ".join(["strategy", "workload", "custom_weights", "params", *POLICY_NUMBERS])
-        raise InvalidError(f"Unknown policy setting {key!r}; known settings: {known}.")
-
 
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)

@@ -41,7 +41,6 @@ from backend.live.forecast import forecast, savings
 from backend.live.state import (
     STEP_BATCH,
     STEP_COMPUTE,
-    STEP_LOCAL_BATCH,
     STEP_MS,
     STEP_VERSION,
     JobView,
@@ -50,16 +49,19 @@ from backend.live.state import (
 from backend.settings import Settings
 from trainer_hook.protocol import uniform_shares
 
-__all__ = ["DashboardHub", "JobChanges", "fit_rank_cost"]
+__all__ = ["DashboardHub", "JobChanges", "CostFit"]
 
 ControlRead = Callable[[str], dict[str, Any]]
+# Per-rank (a_ms, c_ms) of compute_ms = a + c * local_batch_size: the policy's own fit, from
+# its last decision (the controller keeps it); None before the policy has fitted the job.
+CostFit = tuple[tuple[float, ...], tuple[float, ...]]
+CostFitRead = Callable[[str], "CostFit | None"]
 
 log = logging.getLogger(__name__)
 
 _SERIES_MAX = 3000  # per-batch points kept per job (the page's sliding window is smaller)
 _HEAT_MAX = 240  # heatmap columns kept per job (one per tick with new data)
 _LAG_LIMIT = 256  # a batch a connected rank never sent closes once the newest is this far on
-_COST_WINDOW = 64  # steps per rank used to fit its per-sample cost
 _IDLE_REFRESH_S = 1.0  # watched jobs refresh this often even without metrics (stale flag)
 _RANKS_FULL_RATE_MAX = 128  # up to this many ranks, per-rank columns go out every tick
 _RANKS_EVERY_S = 1.0  # above it, at most this often
@@ -69,81 +71,6 @@ _DEVICE_FIELDS = ("util_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "t
                   "sm_clock_mhz", "sm_clock_max_mhz", "cpu_pct", "rss_bytes", "source")
 _SERIES_FIELDS = ("b", "step_ms", "max_compute_ms", "mean_compute_ms", "throughput",
                   "uniform_step_ms", "version")
-
-
-def fit_rank_cost(samples: list[tuple[int, float]]) -> tuple[float, float] | None:
-    """Fit ``compute_ms = a + c * b`` to (local_batch_size, compute_ms) pairs; None if no data.
-
-    With one batch size only the slope is identifiable, so ``a`` is taken as 0; a negative
-    fitted ``a`` or ``c`` (noise) falls back to the same proportional model.
-    """
-    n = sb = sbb = 0
-    st = sbt = 0.0
-    for b, ms in samples:
-        if b > 0:
-            n += 1
-            sb += b
-            sbb += b * b
-            st += ms
-            sbt += b * ms
-    return _fit_sums(n, sb, sbb, st, sbt)
-
-
-def _fit_sums(n: int, sb: float, sbb: float, st: float, sbt: float) -> tuple[float, float] | None:
-    # Least squares from running sums. Batch sizes are integers, so n, sb and sbb are exact
-    # and one batch size gives var == 0 exactly.
-    if n <= 0:
-        return None
-    mb, mt = sb / n, st / n
-    var = sbb - sb * sb / n
-    if var > 0:
-        c = (sbt - sb * st / n) / var
-        a = mt - c * mb
-        if c > 0 and a >= 0:
-            return a, c
-    return 0.0, mt / mb
-
-
-class _CostWindow:
-    """A rank's last ``_COST_WINDOW`` (local_batch_size, compute_ms) pairs and their sums,
-    so that a tick refits a rank in O(1), and only when it sent something new."""
-
-    __slots__ = ("pts", "n", "sb", "sbb", "st", "sbt", "adds", "_fit", "_dirty")
-
-    def __init__(self) -> None:
-        self.pts: deque[tuple[int, float]] = deque(maxlen=_COST_WINDOW)
-        self.n = self.sb = self.sbb = self.adds = 0
-        self.st = self.sbt = 0.0
-        self._fit: tuple[float, float] | None = None
-        self._dirty = False
-
-    def add(self, b: int, ms: float) -> None:
-        pts = self.pts
-        if len(pts) == _COST_WINDOW:
-            self._bump(*pts[0], -1)
-        pts.append((b, ms))
-        self._bump(b, ms, 1)
-        self._dirty = True
-        self.adds += 1
-        if self.adds >= 16 * _COST_WINDOW:  # re-add from scratch now and then: no float drift
-            self.adds = self.n = self.sb = self.sbb = 0
-            self.st = self.sbt = 0.0
-            for ob, oms in pts:
-                self._bump(ob, oms, 1)
-
-    def _bump(self, b: int, ms: float, sign: int) -> None:
-        if b > 0:
-            self.n += sign
-            self.sb += sign * b
-            self.sbb += sign * b * b
-            self.st += sign * ms
-            self.sbt += sign * b * ms
-
-    def fit(self) -> tuple[float, float] | None:
-        if self._dirty:
-            self._fit = _fit_sums(self.n, self.sb, self.sbb, self.st, self.sbt)
-            self._dirty = False
-        return self._fit
 
 
 _RANK_COLUMNS = ("rank", "host", "device_type", "device_name", "connected", "share", "dropped",
@@ -180,7 +107,6 @@ class _Feed:
     last_version: int | None = None
     seen: dict[int, int] = field(default_factory=dict)  # rank -> newest batch index read
     open: dict[int, dict[int, Any]] = field(default_factory=dict)  # batches missing ranks
-    costs: dict[int, _CostWindow] = field(default_factory=dict)
     # rank -> (the RankView, its share, its row of the ``ranks`` columns): rows of ranks
     # whose view did not change are reused.
     rows: dict[int, tuple[Any, Any, tuple[Any, ...]]] = field(default_factory=dict)
@@ -234,11 +160,12 @@ class DashboardHub:
     """Feeds dashboard websockets from live state and the controller's control snapshots."""
 
     def __init__(self, *, settings: Settings, live: LiveState, control: ControlRead,
-                 changes: JobChanges, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time):
+                 cost_fit: CostFitRead, changes: JobChanges,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self.settings = settings
         self.live = live
         self.control = control
+        self.cost_fit = cost_fit
         self.changes = changes
         self._clock = clock
         self._wall = wall
@@ -350,11 +277,7 @@ class DashboardHub:
         pending: dict[int, dict[int, Any]] = {}  # batch index -> rank -> step row
         closed = feed.closed
         for rank, rows in live.steps_after(feed.job, after).items():
-            costs = feed.costs.get(rank)
-            if costs is None:
-                costs = feed.costs[rank] = _CostWindow()
             for s in rows:
-                costs.add(s[STEP_LOCAL_BATCH], s[STEP_COMPUTE])
                 if s[STEP_BATCH] > closed:
                     pending.setdefault(s[STEP_BATCH], {})[rank] = s
         # Batches read earlier but still waiting for a rank stay open in feed.open.
@@ -368,11 +291,10 @@ class DashboardHub:
         ready = min(live_seen) if live_seen and len(view.ranks) == world else -1
         gbs = view.global_batch_size
         pred: float | None = None  # slowest rank's compute under the uniform split (fits)
-        uni = uniform_shares(world, gbs) if gbs >= world else None
-        if uni is not None and len(feed.costs) == world:
-            fits = [(r, c.fit()) for r, c in feed.costs.items()]
-            if all(f is not None for _, f in fits):
-                pred = max(f[0] + f[1] * uni[r] for r, f in fits if f is not None)
+        fit = self.cost_fit(feed.job)
+        if fit is not None and gbs >= world and len(fit[0]) == len(fit[1]) == world:
+            uni = uniform_shares(world, gbs)
+            pred = max(a + c * b for a, c, b in zip(fit[0], fit[1], uni, strict=True))
         for b in sorted(feed.open):
             recs = feed.open[b]
             # Wait for every rank: ranks send in batches at their own moments. A batch closes

@@ -67,6 +67,7 @@ class Savings:
     uniform_s: float
     saved_s: float
     saved_cost: float | None
+    faster: float | None  # 1 - measured/uniform: how much faster than the uniform split
 
     def as_dict(self) -> dict[str, float | None]:
         return asdict(self)
@@ -79,4 +80,5 @@ def savings(*, measured_ms: float, uniform_ms: float, saved_ms: float,
         measured_s=round(measured_ms / 1000, 3), uniform_s=round(uniform_ms / 1000, 3),
         saved_s=round(saved_ms / 1000, 3),
         saved_cost=round(saved_ms / 3.6e6 * cost_per_hour, 6) if cost_per_hour else None,
+        faster=round(1.0 - measured_ms / uniform_ms, 6) if uniform_ms > 0 else None,
     )

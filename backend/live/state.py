@@ -462,7 +462,12 @@ class LiveState:
 
     def drain_windows(self) -> list[Window]:
         """Aggregate and clear what each rank sent since the previous call."""
-        taken: list[tuple[str, int, list[StepRow], list[DeviceRow], int]] = []
+        return aggregate_windows(self.take_pending())
+
+    def take_pending(self) -> list[Pending]:
+        """Clear and return what each rank sent since the previous call (cheap: the lists
+        are swapped out; ``aggregate_windows`` does the work, on another thread if need be)."""
+        taken: list[Pending] = []
         with self._lock:
             for j in self._jobs.values():
                 for rank, r in j.ranks.items():
@@ -471,16 +476,26 @@ class LiveState:
                         r.pending, r.pending_device, r.pending_dropped = [], [], 0
                     elif r.pending_device:  # no steps yet: keep the newest reading (and drops) for later
                         r.pending_device = r.pending_device[-1:]
-        out = []
-        for job, rank, steps, device, dropped in taken:
-            n = len(steps)
-            bi, lb, _pv, dw, cm, sw, om, sm, _t = zip(*steps, strict=True)
-            out.append(Window(
-                job=job, rank=rank, t_start=steps[0][STEP_T], t_end=steps[-1][STEP_T],
-                batch_index_start=min(bi), batch_index_end=max(bi), n_steps=n,
-                placement_version=steps[-1][STEP_VERSION],
-                local_batch_size=sum(lb) / n, compute_ms=sum(cm) / n, sync_wait_ms=sum(sw) / n,
-                data_wait_ms=sum(dw) / n, optimizer_ms=sum(om) / n, step_ms=sum(sm) / n,
-                dropped=dropped, device=_device(device[-1]) if device else None,
-            ))
-        return out
+        return taken
+
+
+# What one rank sent since the last persistence flush: (job, rank, steps, device, dropped).
+Pending = tuple[str, int, list[StepRow], list[DeviceRow], int]
+
+
+def aggregate_windows(taken: list[Pending]) -> list[Window]:
+    """One ``Window`` (means over the steps) per rank of ``take_pending``'s result. Pure:
+    it reads only the lists it is given, so it may run off the event loop."""
+    out = []
+    for job, rank, steps, device, dropped in taken:
+        n = len(steps)
+        bi, lb, _pv, dw, cm, sw, om, sm, _t = zip(*steps, strict=True)
+        out.append(Window(
+            job=job, rank=rank, t_start=steps[0][STEP_T], t_end=steps[-1][STEP_T],
+            batch_index_start=min(bi), batch_index_end=max(bi), n_steps=n,
+            placement_version=steps[-1][STEP_VERSION],
+            local_batch_size=sum(lb) / n, compute_ms=sum(cm) / n, sync_wait_ms=sum(sw) / n,
+            data_wait_ms=sum(dw) / n, optimizer_ms=sum(om) / n, step_ms=sum(sm) / n,
+            dropped=dropped, device=_device(device[-1]) if device else None,
+        ))
+    return out

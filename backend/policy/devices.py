@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from trainer_hook.devices import device_key
 
 __all__ = [
     "DeviceSpec",
@@ -72,53 +73,18 @@ THROTTLE_REASONS = frozenset(
     {"sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake"}
 )
 
-_PATTERNS: tuple[tuple[str, str], ...] = (
-    ("H200", r"H200"),
-    ("H100", r"H100"),
-    ("A100", r"A100"),
-    ("L40S", r"L40S"),
-    ("L4", r"L4"),
-    ("A10G", r"A10G?"),
-    ("V100", r"V100"),
-    ("T4", r"T4"),
-    ("MI300X", r"MI300X?"),
-    ("MI250X", r"MI250X?"),
-    ("CPU", r"CPU"),
-)
-
-
 def normalize_device(name: str | None, mem_total_bytes: int | None = None) -> str | None:
     """Map a driver's device name to a key of :data:`DEVICE_TABLE`; unknown gives ``None``.
+
+    The rule is the hook's (``trainer_hook.devices.device_key``), so the policy and the
+    ranks' probes always name a device alike:
 
     >>> normalize_device("NVIDIA H100 80GB HBM3")
     'H100'
     >>> normalize_device("NVIDIA A100-SXM4-40GB")
     'A100-40GB'
-
-    An A100 without a size in its name is told apart by ``mem_total_bytes`` (80 GB when
-    unknown, the more common part today).
     """
-    if not name or not isinstance(name, str):
-        return None
-    upper = name.strip().upper()
-    if upper in ("CPU", "PSUTIL") or upper.startswith("CPU"):
-        return "CPU"
-    for key in DEVICE_TABLE:  # already a table key, any case
-        if upper == key.upper():
-            return key
-    for key, pattern in _PATTERNS:
-        # Whole tokens only: "L4" must not match "L40S", "A10" must not match "A100".
-        if re.search(rf"(?<![A-Z0-9]){pattern}(?![A-Z0-9])", upper):
-            if key == "A100":
-                if "40G" in upper:
-                    return "A100-40GB"
-                if "80G" in upper:
-                    return "A100-80GB"
-                if mem_total_bytes is not None and mem_total_bytes < 60 * _GB:
-                    return "A100-40GB"
-                return "A100-80GB"
-            return key
-    return None
+    return device_key(name, mem_total_bytes)
 
 
 def device_weights(

@@ -14,7 +14,9 @@ from trainer_hook.protocol import Hello, Metrics, StepRecord, encode
 
 
 def make_app(tmp_path: Path, **settings: Any) -> FastAPI:
+    """An app on a fresh SQLite file; policy decisions on a thread (no worker process)."""
     settings.setdefault("db", f"sqlite:///{tmp_path / 'rebalancer.db'}")
+    settings.setdefault("policy_process", False)
     return create_app(Settings(**settings))
 
 

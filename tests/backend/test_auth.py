@@ -161,6 +161,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
                           timeout=60, cwd=REPO_ROOT, env=full_env)
 
 
+@pytest.mark.multiproc
 def test_serve_on_public_address_without_tokens_refuses(tmp_path):
     db = f"sqlite:///{tmp_path / 'r.db'}"
     r = _cli("serve", "--host", "0.0.0.0", "--port", "1", "--db", db)

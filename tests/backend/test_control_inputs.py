@@ -1,4 +1,4 @@
-"""What the controller hands the policy: move cap, constraints, settings and override checks."""
+"""What the controller hands the policy: constraints, settings and override checks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import pytest
 
 from backend.control.errors import InvalidError
 from backend.control.inputs import (
-    auto_max_move,
     check_overrides,
     constraints_from,
     knob,
@@ -14,30 +13,11 @@ from backend.control.inputs import (
     policy_settings,
     validate_overrides,
 )
-from backend.policy import limit_moves
-from backend.policy.types import Constraints
-
-
-def test_auto_max_move_is_a_fraction_of_the_batch():
-    assert auto_max_move(0.25, 48, 1) == 12
-    assert auto_max_move(0.001, 48, 1) == 1
-
-
-def test_auto_max_move_is_at_least_one_granule():
-    assert auto_max_move(0.125, 48, 8) == 8  # 6 samples would be no whole granule
-    assert auto_max_move(0.5, 48, 8) == 24
-
-
-def test_a_granule_sized_cap_lets_limit_moves_move():
-    cons = Constraints(granularity=8)
-    cap = auto_max_move(0.125, 48, cons.granularity)
-    assert limit_moves((16, 16, 16), (24, 16, 8), cap, cons) == (24, 16, 8)
-    # The old cap, max(1, 0.125 * 48) = 6, rounds down to no granule: nothing moves.
-    assert limit_moves((16, 16, 16), (24, 16, 8), 6, cons) == (16, 16, 16)
+from backend.settings import Settings
 
 
 def test_policy_config_caps_moves_in_auto_mode_only():
-    settings = type("S", (), {"auto_max_move_fraction": 0.2, "min_gain": 0.1})()
+    settings = Settings(auto_max_move_fraction=0.2, min_gain=0.1)
     assert policy_config({}, "auto", settings).max_move_fraction == 0.2
     assert policy_config({}, "approve", settings).max_move_fraction is None
     assert policy_config({"min_gain": 0.3}, "auto", settings).min_gain == 0.3
@@ -45,9 +25,11 @@ def test_policy_config_caps_moves_in_auto_mode_only():
     assert policy_settings({}, "approve", settings)["max_move_fraction"] == 0.2
 
 
-def test_knob_defaults_when_settings_lack_it():
-    assert knob({}, object(), "proposal_ttl_s") == 300.0
-    assert knob({"rollback_threshold": 0.2}, object(), "rollback_threshold") == 0.2
+def test_knobs_default_to_the_settings_of_the_same_name():
+    assert knob({}, Settings(proposal_ttl_s=120.0), "proposal_ttl_s") == 120.0
+    assert knob({"rollback_threshold": 0.2}, Settings(), "rollback_threshold") == 0.2
+    with pytest.raises(ValueError, match="Unknown controller knob 'min_gain'"):
+        knob({}, Settings(), "min_gain")
 
 
 def test_overrides_validate_and_become_constraints():

@@ -10,7 +10,6 @@ auto mode: the same with no operator.
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +22,7 @@ from backend.storage.base import make_engine, make_sessionmaker
 from tests.helpers.ports import free_port
 from tests.helpers.server import Server, running_server
 from tests.helpers.torchrun import running_torchrun
+from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
@@ -45,15 +45,12 @@ def call(server: Server, method: str, path: str, token: str, body: Any = None) -
 
 def wait_for(what: str, fn: Callable[[], Any], timeout: float = 120.0, proc: subprocess.Popen | None = None,
              log: list[str] | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
+    def check() -> Any:
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"the job exited ({proc.returncode}) while waiting for {what}:\n" + "".join(log or []))
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}:\n" + "".join((log or [])[-50:]))
+        return fn()
+
+    return wait_until(check, what, timeout, interval=0.25, log=lambda: "".join((log or [])[-50:]))
 
 
 @contextmanager

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from backend.dashboard.hub import DashboardHub, JobChanges, fit_rank_cost
+from backend.dashboard.hub import DashboardHub, JobChanges
 from backend.live.state import LiveState
 from backend.settings import Settings
 from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
@@ -27,13 +27,13 @@ def _run_async(fn):
 def _services(hz: float = 10.0) -> SimpleNamespace:
     settings = Settings(dashboard_max_hz=hz, db="sqlite:///:memory:")
     live = LiveState(step_buffer=256, device_buffer=16, window_steps=8)
-    return SimpleNamespace(settings=settings, live=live, control={})
+    return SimpleNamespace(settings=settings, live=live, control={}, fit=None)
 
 
 def _hub(svc: SimpleNamespace, **kw) -> DashboardHub:
     """A hub over ``svc.live`` whose control snapshot is ``svc.control`` (every job)."""
     return DashboardHub(settings=svc.settings, live=svc.live, control=lambda job: svc.control,
-                        changes=JobChanges(), **kw)
+                        cost_fit=lambda job: svc.fit, changes=JobChanges(), **kw)
 
 
 def _register(live: LiveState, job: str = "j", world: int = WORLD) -> None:
@@ -157,6 +157,7 @@ async def test_slow_client_does_not_block_others_and_coalesces():
 @_run_async
 async def test_job_frame_content_and_uniform_counterfactual():
     svc = _services()
+    svc.fit = ((0.0, 0.0, 0.0), (1.0, 1.0, 4.0))  # the policy's per-rank fit (exact here)
     _register(svc.live)
     hub = _hub(svc, clock=lambda: 0.0)
     for b in range(10):  # uniform split: rank 2 is 4x slower per sample
@@ -221,12 +222,17 @@ async def test_overview_frame_lists_jobs():
     assert jobs[1]["status"] == "warming_up"
 
 
-def test_fit_rank_cost():
-    assert fit_rank_cost([]) is None
-    assert fit_rank_cost([(0, 5.0)]) is None
-    assert fit_rank_cost([(8, 16.0), (8, 16.0)]) == (0.0, 2.0)
-    a, c = fit_rank_cost([(4, 7.0), (8, 11.0), (12, 15.0)])  # 3 + 1*b
-    assert a == pytest.approx(3.0) and c == pytest.approx(1.0)
+@_run_async
+async def test_no_uniform_estimate_before_the_policy_fitted_the_job():
+    svc = _services()
+    _register(svc.live)
+    hub = _hub(svc, clock=lambda: 0.0)
+    for b in range(5):
+        _feed(svc.live, b)
+    hub.notify("j")
+    hub.tick()
+    assert [p["uniform_step_ms"] for p in hub._feeds["j"].series] == [None] * 5
+    assert hub.savings("j")["saved_s"] == 0.0
 
 
 def test_disconnected_rank_does_not_hold_the_series():

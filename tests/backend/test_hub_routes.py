@@ -10,10 +10,10 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from backend.api.routes.pages import plotly_js_path
-from tests.backend._app import hello, make_app, metrics, steps, sync
+from tests.backend._app import hello, metrics, steps, sync
+from tests.conftest import ADMIN
+from tests.helpers.waiting import wait_until
 from trainer_hook.protocol import Metrics, encode
-
-ADMIN = "admin-secret-0123456789abcdef"
 
 
 def _bearer(secret: str) -> dict[str, str]:
@@ -21,9 +21,8 @@ def _bearer(secret: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def client(tmp_path):
-    with TestClient(make_app(tmp_path, admin_token=ADMIN)) as c:
-        yield c
+def client(app_client):
+    return app_client
 
 
 def _token(client: TestClient, role: str, job: str | None = None) -> str:
@@ -101,12 +100,11 @@ def test_whoami_and_forecast(client):
         h0.send_text(hello(rank=0, world_size=1, device_type="H100"))
         h0.receive_text()
         h0.send_text(metrics(rank=0, first=0, n=10, step_ms=100.0))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        def forecast():
             f = client.get("/api/v1/jobs/j/forecast?total_steps=1010", headers=_bearer(viewer)).json()
-            if f["batch_index"] == 9:
-                break
-            time.sleep(0.05)
+            return f if f["batch_index"] == 9 else None
+
+        f = wait_until(forecast, "the forecast to see batch 9", timeout=10, interval=0.05)
     assert f["remaining_steps"] == 1000 and f["eta_s"] == pytest.approx(100.0)
     assert f["cost_per_hour"] == pytest.approx(3.0)  # the H100 default price
     assert f["cost_to_finish"] == pytest.approx(3.0 * 100 / 3600)

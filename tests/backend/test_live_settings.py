@@ -106,6 +106,7 @@ def test_settings_from_environment_and_prices(monkeypatch):
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
 
 
+@pytest.mark.multiproc
 def test_backend_import_does_not_pull_in_torch():
     code = "import sys, backend.main, backend.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=60).returncode == 0

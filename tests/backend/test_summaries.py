@@ -16,7 +16,7 @@ from backend.settings import Settings
 from backend.storage.metrics import RankMetricRow
 from backend.storage.summaries import JobMetricRow
 from tests.backend._app import hello, make_app, metrics, sync
-from tests.helpers.waiting import wait_until_async
+from tests.helpers.waiting import wait_until, wait_until_async
 
 
 def _run_job(c: TestClient) -> None:
@@ -30,13 +30,16 @@ def _run_job(c: TestClient) -> None:
         sync(a, hello(rank=0))
         sync(b, hello(rank=1))
         parts = c.app.state.parts
+        # The policy ticker fits each rank's cost; the hub (ticking once in 100 s here) folds
+        # the batches after that, so each gets its uniform-split estimate.
+        wait_until(lambda: parts.controller.cost_fit("j") is not None, "the policy to fit the job")
         c.portal.call(parts.hub.notify, "j")
         c.portal.call(parts.hub.tick)
         c.portal.call(parts.persist_now)
 
 
 def test_the_summary_survives_a_restart_and_charts_refill(tmp_path):
-    with TestClient(make_app(tmp_path, device_prices={"cpu": 2.0})) as c:
+    with TestClient(make_app(tmp_path, device_prices={"cpu": 2.0}, dashboard_max_hz=0.01)) as c:
         _run_job(c)
         live = c.get("/api/v1/jobs/j/summary").json()
     assert live["batch_index"] == 19 and live["cost_per_hour"] == pytest.approx(4.0)

@@ -92,6 +92,7 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.multiproc
 def test_capacity_tiny_loses_nothing(tmp_path: Path, backend: Backend) -> None:
     from bench.capacity import run_capacity
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.require import unavailable
 from tests.helpers.server import running_server
 
 pytestmark = [pytest.mark.browser]
@@ -19,7 +20,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 if not os.path.exists(CHROMIUM):
-    pytest.skip(f"{CHROMIUM} is missing; install Debian's chromium (make browser).", allow_module_level=True)
+    unavailable(f"{CHROMIUM} is missing; install Debian's chromium (make browser).", module=True)
 sync_api = pytest.importorskip("playwright.sync_api")
 
 

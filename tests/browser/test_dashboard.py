@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.require import unavailable
 from tests.helpers.server import Server, running_server
 from tests.helpers.torchrun import REPO_ROOT, start_torchrun
 
@@ -33,7 +34,7 @@ JOB = "dash-e2e"
 ARTIFACTS = Path(REPO_ROOT) / "test-artifacts"
 
 if not os.path.exists(CHROMIUM):
-    pytest.skip(f"{CHROMIUM} is missing; install Debian's chromium (make browser).", allow_module_level=True)
+    unavailable(f"{CHROMIUM} is missing; install Debian's chromium (make browser).", module=True)
 sync_api = pytest.importorskip("playwright.sync_api")
 
 

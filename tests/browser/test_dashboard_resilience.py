@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.ports import free_port
+from tests.helpers.require import unavailable
 from tests.helpers.server import running_server
 from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord, encode
 
@@ -24,7 +25,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 SLOW = (37, 300)
 
 if not os.path.exists(CHROMIUM):
-    pytest.skip(f"{CHROMIUM} is missing; install Debian's chromium (make browser).", allow_module_level=True)
+    unavailable(f"{CHROMIUM} is missing; install Debian's chromium (make browser).", module=True)
 sync_api = pytest.importorskip("playwright.sync_api")
 websockets = pytest.importorskip("websockets")
 

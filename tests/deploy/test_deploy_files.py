@@ -107,6 +107,7 @@ def test_alert_rules_name_contract_metrics_only():
 
 
 @needs_promtool
+@pytest.mark.multiproc
 def test_promtool_accepts_the_shipped_rules_and_config():
     def run(*args: str) -> None:
         got = subprocess.run([promh.PROMTOOL, *args], capture_output=True, text=True, cwd=ROOT)
@@ -119,6 +120,7 @@ def test_promtool_accepts_the_shipped_rules_and_config():
 
 
 @needs_promtool
+@pytest.mark.multiproc
 def test_alerts_fire_on_the_series_they_are_for():
     """promtool's rule unit tests (tests/deploy/alerts_test.yml): fires, and stays quiet."""
     got = subprocess.run([promh.PROMTOOL, "test", "rules", str(Path(__file__).with_name("alerts_test.yml"))],

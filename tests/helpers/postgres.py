@@ -8,27 +8,15 @@ Without a server the test skips, or fails when ``REBALANCER_REQUIRE_ALL=1`` (CI)
 from __future__ import annotations
 
 import contextlib
-import os
 import uuid
 from collections.abc import Iterator
 
-import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 
+from tests.helpers.require import unavailable
+
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-
-
-def require_all() -> bool:
-    """True where a missing PostgreSQL or Chromium must fail the run, not skip (CI)."""
-    return os.environ.get("REBALANCER_REQUIRE_ALL") == "1"
-
-
-def unavailable(what: str) -> None:
-    """Skip the test, or fail it under REBALANCER_REQUIRE_ALL=1."""
-    if require_all():
-        pytest.fail(f"{what} (REBALANCER_REQUIRE_ALL=1: nothing may be skipped)")
-    pytest.skip(what)
 
 
 @contextlib.contextmanager

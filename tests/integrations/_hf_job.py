@@ -1,16 +1,22 @@
 """torchrun target: transformers Trainer + RebalancingTrainer, placements change mid-run.
 
-Usage: python -m tests.integrations._hf_job OUT_DIR MAX_STEPS [GRAD_ACCUM] [tokens]
+Usage: python -m tests.integrations._hf_job OUT_DIR MAX_STEPS [GRAD_ACCUM] [tokens|samples] [save|resume]
+
+The hook is created before the TrainingArguments, which start the process group, and
+measures its lookahead. ``save``: a checkpoint at the last step (next to OUT_DIR);
+``resume``: ``trainer.train(resume_from_checkpoint=...)`` from it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
 from tests.integrations._common import (
     GLOBAL_BATCH,
@@ -80,27 +86,33 @@ def main() -> None:
     out_dir, max_steps = sys.argv[1], int(sys.argv[2])
     accum = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     tokens = len(sys.argv) > 4 and sys.argv[4] == "tokens"
-    dist.init_process_group("gloo")
-    hook = RebalanceHook(global_batch_size=GLOBAL_BATCH, exchange_every=2, exchange_lag=1, lookahead=1 + accum)
+    ckpt = sys.argv[5] if len(sys.argv) > 5 else ""
+    ckpt_root = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "hf_ckpt")
+    # Issue 10: created before TrainingArguments (no process group yet): it waits for it.
+    hook = RebalanceHook(global_batch_size=GLOBAL_BATCH, exchange_every=2, exchange_lag=1)
     model = RecordingTokenNet() if tokens else RecordingNet()
     model.hook = hook
     optimizer = make_optimizer(model)
     constant = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     args = TrainingArguments(
-        output_dir=f"{out_dir}/trainer", use_cpu=True, max_steps=max_steps, gradient_accumulation_steps=accum,
-        max_grad_norm=0.0, report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        output_dir=ckpt_root if ckpt else f"{out_dir}/trainer", use_cpu=True, max_steps=max_steps,
+        gradient_accumulation_steps=accum, max_grad_norm=0.0, report_to=[],
+        save_strategy="steps" if ckpt == "save" else "no", save_steps=max_steps, save_only_model=False, logging_strategy="no", disable_tqdm=True,
         dataloader_pin_memory=False, ddp_find_unused_parameters=False, seed=3, data_seed=7,
     )
     trainer = RebalancingTrainer(
         rebalance_hook=hook, model=model, args=args, train_dataset=TokenData() if tokens else IndexedData(), data_collator=collate,
         optimizers=(optimizer, constant), callbacks=[Requests(hook, TOKEN_REQUESTS if tokens else REQUESTS)],
     )
-    trainer.train()
+    if ckpt == "resume":
+        trainer.train(resume_from_checkpoint=get_last_checkpoint(ckpt_root))
+    else:
+        trainer.train()
     payload = {
         "batches": model.seen, "acks": hook.acks, "mode": trainer.accelerator.distributed_type.value,
         "world": trainer.accelerator.num_processes, "gradients": trainer.rebalance_callback.gradients,
         "global_step": trainer.state.global_step, "loss_is_global": trainer._loss_is_global(),
-        "total_steps": hook.total_steps, "hook_steps": hook.batch_index,
+        "total_steps": hook.total_steps, "hook_steps": hook.batch_index, "lookahead": hook.lookahead,
     }
     hook.close()
     dump(out_dir, hook.rank, payload, model)

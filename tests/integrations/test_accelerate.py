@@ -27,6 +27,10 @@ def test_accelerate_matches_single_process_reference(tmp_path, accum, workers):
     run_torchrun(2, ["-m", "tests.integrations._accelerate_job", str(tmp_path), "20", str(accum), str(workers)])
     recs, params = load(tmp_path, 2)
     assert recs[0]["mode"] == "MULTI_CPU" and recs[0]["world"] == 2
+    # With workers the hook measured how far ahead the loader runs: 2 workers x 2
+    # prefetched, Accelerate's one-batch peek and the batch in hand would make 6, but a
+    # loader never runs past its epoch's end, and an epoch here is 5 batches.
+    assert recs[0]["lookahead"] == (2 if workers == 0 else 5)
     # Both requested placements applied, on both ranks at the same batch index.
     assert [v for v, _ in recs[0]["acks"]] == [1, 2]
     assert recs[0]["acks"] == recs[1]["acks"]
@@ -44,6 +48,30 @@ def test_accelerate_matches_single_process_reference(tmp_path, accum, workers):
     if accum > 1:
         with pytest.raises(AssertionError):
             assert_close_params(params[0], reference(batches, accum=1), rtol=1e-9)
+
+
+@pytest.mark.multiproc
+def test_accelerate_save_state_and_load_state_resume_the_hook(tmp_path):
+    # prepare_with_rebalancer registers the hook for checkpointing: load_state puts the
+    # run back at batch 10 under the split it had, and the whole run matches the reference.
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_torchrun(2, ["-m", "tests.integrations._accelerate_job", str(first), "20", "1", "2", "save"])
+    run_torchrun(2, ["-m", "tests.integrations._accelerate_job", str(second), "20", "1", "2", "resume"])
+    before, _ = load(first, 2)
+    recs, params = load(second, 2)
+    assert min(int(k) for k in recs[0]["batches"]) == 10
+    # Version 1 was in force at batch 9; version 2, agreed for batch 12 before the
+    # checkpoint, is offered again at the resumed run's first exchange.
+    assert recs[0]["batches"]["10"]["version"] == before[0]["batches"]["9"]["version"] == 1
+    assert [v for v, _ in recs[0]["acks"]] == [1, 2] and recs[0]["acks"][0] == [1, 10]
+    for b, r in zip(before, recs, strict=True):
+        r["batches"] = {**{k: v for k, v in b["batches"].items() if int(k) < 10}, **r["batches"]}
+    batches = global_batches(recs)
+    assert len(batches) == 20
+    check_every_sample_once(batches)
+    want = reference(batches)
+    for p in params:
+        assert_close_params(p, want, rtol=1e-9)
 
 
 _BAD_SETUPS = textwrap.dedent(
@@ -77,6 +105,7 @@ _BAD_SETUPS = textwrap.dedent(
 )
 
 
+@pytest.mark.multiproc
 def test_accelerate_rejects_setups_it_cannot_keep_exact():
     # A subprocess: Accelerate's state is a process-wide singleton.
     proc = subprocess.run(

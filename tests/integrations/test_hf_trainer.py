@@ -36,6 +36,9 @@ def test_trainer_matches_single_process_reference(tmp_path, accum, max_steps, gr
     assert recs[0]["gradients"] == gradients
     assert recs[0]["loss_is_global"] == (loss == "tokens")
     assert recs[0]["global_step"] == max_steps
+    # Measured (the hook was created before TrainingArguments): Accelerate's one-batch
+    # peek plus the accumulation window the Trainer fetches at once.
+    assert recs[0]["lookahead"] == 1 + accum
     # The ETA's total comes from max_steps, counted in hook steps (micro-batches, with the
     # short last accumulation window of each epoch): exactly the steps the run took.
     assert recs[0]["total_steps"] == recs[0]["hook_steps"]
@@ -54,6 +57,30 @@ def test_trainer_matches_single_process_reference(tmp_path, accum, max_steps, gr
     assert len(batches) == (20 if accum == 1 else 15)
     check_every_sample_once(batches)
     want = reference(batches, accum=accum, short_window_mean=True, tokens=loss == "tokens")
+    for p in params:
+        assert_close_params(p, want, rtol=1e-9)
+
+
+@pytest.mark.multiproc
+def test_trainer_resumed_from_a_checkpoint_continues_where_it_stood(tmp_path):
+    # Issue 10: a run resumed from a checkpoint started again at batch 0 with the uniform
+    # split. The checkpoint at step 7 holds the hook's state; the Trainer skips the
+    # epoch's 2 trained batches itself and the hook lines its sampler up with that.
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_torchrun(2, ["-m", "tests.integrations._hf_job", str(first), "7", "1", "samples", "save"])
+    assert (tmp_path / "hf_ckpt" / "checkpoint-7" / "rebalancer_state.json").is_file()
+    run_torchrun(2, ["-m", "tests.integrations._hf_job", str(second), "20", "1", "samples", "resume"])
+    before, _ = load(first, 2)
+    recs, params = load(second, 2)
+    assert min(int(k) for k in recs[0]["batches"]) == 7 and recs[0]["global_step"] == 20
+    assert recs[0]["batches"]["7"]["version"] == before[0]["batches"]["6"]["version"] == 1
+    assert [v for v, _ in recs[0]["acks"]] == [1, 2] and recs[0]["acks"][0] == [1, 7]
+    for b, r in zip(before, recs, strict=True):
+        r["batches"] = {**b["batches"], **r["batches"]}
+    batches = global_batches(recs)
+    assert len(batches) == 20
+    check_every_sample_once(batches)
+    want = reference(batches, accum=1, short_window_mean=True)
     for p in params:
         assert_close_params(p, want, rtol=1e-9)
 
@@ -84,6 +111,7 @@ _CALLBACK_ALONE = textwrap.dedent(
 )
 
 
+@pytest.mark.multiproc
 def test_callback_alone_refuses_to_train(tmp_path):
     # A subprocess: Accelerate's state is a process-wide singleton.
     code = _CALLBACK_ALONE.replace("OUT", str(tmp_path))

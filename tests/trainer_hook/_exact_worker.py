@@ -72,17 +72,35 @@ def main() -> None:
     p.add_argument("--deliver", default="", help="STEP0,STEP1,..:S0,S1,S2 per-rank delivery steps")
     p.add_argument("--invalid", action="store_true", help="rank 0 also receives invalid placements")
     p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--lookahead", default="6", help="an int, or 'default' for HookConfig's own")
+    p.add_argument("--loader", choices=("plain", "hook"), default="plain",
+                   help="plain: DataLoader(batch_sampler=hook.batch_sampler(ds)); hook: hook.data_loader(ds)")
+    p.add_argument("--persistent", action="store_true")
+    p.add_argument("--ckpt", default="", help="checkpoint file to write at --save-at, or to --resume from")
+    p.add_argument("--save-at", type=int, default=-1, help="checkpoint after this many steps, then die 2 steps later")
+    p.add_argument("--resume", action="store_true")
     args = p.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    hook = RebalanceHook(job="exact", global_batch_size=GLOBAL_BATCH, exchange_every=3, exchange_lag=1, lookahead=6)
+    extra = {} if args.lookahead == "default" else {"lookahead": int(args.lookahead)}
+    hook = RebalanceHook(job="exact", global_batch_size=GLOBAL_BATCH, exchange_every=3, exchange_lag=1, **extra)
     model = DDP(build_model())
     hook.attach(model)
     opt = make_optimizer(model)
     ds = IndexedData()
-    sampler = hook.batch_sampler(ds, shuffle=True, seed=3)
-    loader = DataLoader(ds, batch_sampler=sampler, num_workers=args.num_workers)
+    persistent = {"persistent_workers": True} if args.persistent else {}
+    if args.loader == "hook":
+        loader = hook.data_loader(ds, shuffle=True, seed=3, num_workers=args.num_workers, **persistent)
+        sampler = loader.batch_sampler
+    else:
+        sampler = hook.batch_sampler(ds, shuffle=True, seed=3)
+        loader = DataLoader(ds, batch_sampler=sampler, num_workers=args.num_workers, **persistent)
+    if args.resume:
+        ckpt = torch.load(args.ckpt, weights_only=True)
+        model.module.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        hook.load_state_dict(ckpt["rebalancer"])
     plan = parse_plan(args.plan)
     deliver_at: int | None = None
     deliver_shares: list[int] = []
@@ -92,7 +110,13 @@ def main() -> None:
         deliver_shares = [int(s) for s in shares.split(",")]
     seen: list[dict[str, object]] = []
     errors: list[str] = []
+    epoch = 0
     while hook.batch_index < args.steps:
+        # The DDP tutorial's habit: both must be accepted (the epoch follows the batch index).
+        if args.loader == "hook":
+            loader.sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)
+        epoch += 1
         for x, y, idx in loader:
             k = hook.batch_index
             if rank == 0 and k in plan:
@@ -122,6 +146,17 @@ def main() -> None:
                 "k": k, "indices": idx.tolist(), "dummy": hi == lo, "version": hook.placement_version,
                 "shares": hook.shares,
             })
+            if hook.batch_index == args.save_at:
+                if rank == 0:
+                    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
+                                "rebalancer": hook.state_dict()}, args.ckpt)
+                dist.barrier()
+            if args.save_at >= 0 and hook.batch_index == args.save_at + 2:
+                # Killed between checkpoints: what it trained after the checkpoint is lost.
+                with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+                    json.dump({"seen": seen}, f)
+                dist.barrier()
+                os._exit(0)
             if hook.batch_index >= args.steps:
                 break
     hook.close()
@@ -129,6 +164,7 @@ def main() -> None:
         "rank": rank, "seen": seen, "acks": hook.acks, "rejections": hook.rejections,
         "request_errors": errors,
         "timeline": [[t.start_batch, t.version, list(t.shares)] for t in hook.schedule.timeline()],
+        "lookahead": hook.lookahead,
         "compute_ms": [r.compute_ms for r in hook.history],
         "step_ms": [r.step_ms for r in hook.history],
     }

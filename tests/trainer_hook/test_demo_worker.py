@@ -34,6 +34,7 @@ def test_delay_model_with_speed_slowdown_and_drift() -> None:
         (["--steps", "-1"], "--steps must be >= 0"),
     ],
 )
+@pytest.mark.multiproc
 def test_bad_arguments_exit_2_with_a_reason(argv: list[str], message: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "trainer_hook.demo_worker", *argv], capture_output=True,
                           text=True, env=job_env(), cwd=REPO_ROOT, timeout=60)
@@ -41,6 +42,7 @@ def test_bad_arguments_exit_2_with_a_reason(argv: list[str], message: str) -> No
     assert message in proc.stderr
 
 
+@pytest.mark.multiproc
 def test_speeds_must_match_world_size() -> None:
     proc = subprocess.run([sys.executable, "-m", "trainer_hook.demo_worker", "--speeds", "1,2", "--steps", "1"],
                           capture_output=True, text=True, env=job_env(), cwd=REPO_ROOT, timeout=60)

@@ -19,8 +19,8 @@ WORKER = ["tests/trainer_hook/_exact_worker.py"]
 STEPS = 20  # a bit over two epochs of 9 batches (the 9th holds 4 samples)
 
 
-def _run(tmp_path: Path, *extra: str, nproc: int = 3) -> list[dict]:
-    run_torchrun(nproc, [*WORKER, "--out", str(tmp_path), "--steps", str(STEPS), *extra], timeout=120)
+def _run(tmp_path: Path, *extra: str, nproc: int = 3, steps: int = STEPS) -> list[dict]:
+    run_torchrun(nproc, [*WORKER, "--out", str(tmp_path), "--steps", str(steps), *extra], timeout=120)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -39,9 +39,9 @@ def _reference_params(steps: int) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def _check_every_sample_once(ranks: list[dict]) -> None:
+def _check_every_sample_once(ranks: list[dict], steps: int = STEPS) -> None:
     order = RebalanceBatchSampler(w.N_SAMPLES, schedule=PlacementSchedule(1, w.GLOBAL_BATCH), rank=0, seed=3)
-    for k in range(STEPS):
+    for k in range(steps):
         used: Counter[int] = Counter()
         versions = set()
         for r in ranks:
@@ -53,27 +53,43 @@ def _check_every_sample_once(ranks: list[dict]) -> None:
         assert len(versions) == 1, f"batch {k}: ranks trained under different placements {versions}"
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_changing_placements_give_the_reference_parameters(tmp_path: Path, num_workers: int) -> None:
+@pytest.mark.parametrize(
+    ("num_workers", "loader", "lookahead"),
+    [(0, "plain", 1), (2, "hook", 5), (4, "plain", 9)],
+)
+def test_changing_placements_give_the_reference_parameters(
+    tmp_path: Path, num_workers: int, loader: str, lookahead: int
+) -> None:
+    # Issue 10: the default HookConfig with any num_workers and PyTorch's default
+    # prefetch (2 per worker); 4 workers crashed at batch 10 with a fixed lookahead of 8.
+    # The hook measures how far the sampler is asked ahead (1 batch without workers,
+    # workers * 2 + 1 with them) and every rank agrees on it. "hook" is
+    # hook.data_loader(...) with persistent workers and loader.sampler.set_epoch().
     # Placements requested at steps 1, 5, 9 and 12 (one drains rank 2, one puts almost
     # everything on rank 1); they take effect a few batches later, at rank 0's choice.
+    steps = 24
     plan = "1=2,4,6;5=6,6,0;9=1,10,1;12=5,3,4"
-    ranks = _run(tmp_path, "--plan", plan, "--num-workers", str(num_workers))
+    extra = ["--persistent"] if loader == "hook" else []
+    ranks = _run(tmp_path, "--plan", plan, "--num-workers", str(num_workers), "--lookahead", "default",
+                 "--loader", loader, *extra, steps=steps)
+    assert [r["lookahead"] for r in ranks] == [lookahead] * 3
 
     timelines = [r["timeline"] for r in ranks]
     assert all(t == timelines[0] for t in timelines)
     assert [v for _, v, _ in timelines[0]] == [0, 1, 2, 3, 4]
     starts = [s for s, _, _ in timelines[0]]
-    assert starts == sorted(starts) and starts[-1] < STEPS, "every placement was trained"
+    assert starts == sorted(starts) and starts[-1] < steps, "every placement was trained"
+    # A placement takes effect lag (1) + lookahead batches after the exchange that carries it.
+    assert starts[1] == 3 + 1 + lookahead
     assert all(r["acks"] == ranks[0]["acks"] for r in ranks)
     assert [v for v, _ in ranks[0]["acks"]] == [1, 2, 3, 4]
 
-    _check_every_sample_once(ranks)
+    _check_every_sample_once(ranks, steps)
     drained = [e for e in ranks[2]["seen"] if e["shares"][2] == 0]
     assert drained and all(e["dummy"] and len(e["indices"]) == 1 for e in drained)
 
     got = [torch.tensor(p, dtype=torch.float64) for p in ranks[0]["params"]]
-    ref = _reference_params(STEPS)
+    ref = _reference_params(steps)
     for g, r in zip(got, ref, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12)
     # The run must have moved the parameters, or the comparison proves nothing.
@@ -116,3 +132,28 @@ def test_invalid_placements_are_rejected_and_training_goes_on(tmp_path: Path) ->
         assert len(r["seen"]) == STEPS
     assert ranks[1]["rejections"] == [] and ranks[2]["rejections"] == []
     _check_every_sample_once(ranks)
+
+
+def test_a_run_resumed_from_a_checkpoint_continues_where_it_stood(tmp_path: Path) -> None:
+    # Issue 10: a resumed run started again at batch 0 with the uniform split. Train 14
+    # batches under changing placements, checkpoint (model, optimizer, hook.state_dict()),
+    # train 2 more and die; resume from the checkpoint to batch 20.
+    plan = "1=2,4,6;5=6,6,0;9=1,10,1;12=5,3,4"
+    ckpt = str(tmp_path / "ckpt.pt")
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    before = _run(first, "--plan", plan, "--ckpt", ckpt, "--save-at", "14")
+    after = _run(second, "--plan", plan, "--ckpt", ckpt, "--resume")
+    assert all(e["k"] == i for r in before for i, e in enumerate(r["seen"]))
+    # The resumed run starts at batch 14 under the split in force there (version 2,
+    # [6, 6, 0]) and acks it; the placement agreed for later (version 4) follows.
+    for r in after:
+        assert r["seen"][0]["k"] == 14 and r["seen"][0]["shares"] == [6, 6, 0]
+        assert r["acks"][0] == [2, 14]
+        assert r["timeline"][-1][1:] == [4, [5, 3, 4]]
+    merged = [{"seen": [e for e in b["seen"] if e["k"] < 14] + a["seen"]} for b, a in zip(before, after, strict=True)]
+    _check_every_sample_once(merged)
+    got = [torch.tensor(p, dtype=torch.float64) for p in after[0]["params"]]
+    for g, r in zip(got, _reference_params(STEPS), strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12)

@@ -125,9 +125,10 @@ def test_older_or_repeated_versions() -> None:
 
 def test_attach_errors_are_clear() -> None:
     hook = RebalanceHook(global_batch_size=4)
-    with pytest.raises(ValueError, match=r"gradients must be one of \('comm_hook', 'loss_scale'\)"):
+    with pytest.raises(ValueError, match=r"gradients must be one of \('auto', 'comm_hook', 'loss_scale'\)"):
         hook.attach(torch.nn.Linear(2, 1), gradients="mean")
     hook.attach(torch.nn.Linear(2, 1))
+    assert hook.gradients == "local"  # one process: nothing to weight
     with pytest.raises(RuntimeError, match="attach\\(\\) was already called"):
         hook.attach(torch.nn.Linear(2, 1))
     hook.close()
@@ -138,9 +139,16 @@ def test_attach_errors_are_clear() -> None:
 
 
 def test_world_size_without_process_group_says_what_to_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 10: the hook may be created before the HF TrainingArguments / Accelerator
+    # (which start the process group); using it before then says what to create first.
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(RuntimeError, match="init_process_group"):
-        RebalanceHook(global_batch_size=8)
+    hook = RebalanceHook(global_batch_size=8)
+    assert hook.lookahead is None
+    for use in (lambda: hook.world_size, lambda: hook.attach(torch.nn.Linear(2, 1)),
+                lambda: hook.batch_sampler(8), lambda: hook.step().__enter__()):
+        with pytest.raises(RuntimeError, match="WORLD_SIZE is 4.*init_process_group.*TrainingArguments.*Accelerator"):
+            use()
+    hook.close()
 
 
 def test_bad_global_batch_size_is_refused(one_rank_group: None) -> None:
@@ -193,3 +201,37 @@ def test_ddp_comm_hook_weights_and_times_buckets(one_rank_group: None) -> None:
     assert rec is not None and rec.compute_ms > 0 and rec.sync_wait_ms >= 0
     assert hook._grads.last_bucket_t is not None and hook._grads.last_done_t is not None
     hook.close()
+
+
+def test_state_dict_round_trip_and_bad_states_are_refused() -> None:
+    hook = RebalanceHook(global_batch_size=8, exchange_every=2, exchange_lag=1)
+    model = hook.attach(torch.nn.Linear(4, 1))
+
+    def on_step(k: int) -> None:
+        if k == 1:
+            hook.request_placement([8], reason="r")
+
+    _train(hook, model, 7, on_step)
+    sd = hook.state_dict()
+    hook.close()
+    assert sd == {
+        "format": 1, "batch_index": 7, "global_batch_size": 8, "world_size": 1,
+        "placement": {"version": 1, "shares": [8]}, "next_placement": None, "epoch": 1, "batches_per_epoch": 4,
+    }
+    again = RebalanceHook(global_batch_size=8)
+    again.attach(torch.nn.Linear(4, 1))
+    for bad, match in [
+        ({**sd, "global_batch_size": 16}, "global_batch_size 16"),
+        ({**sd, "batch_index": -1}, "batch_index must be"),
+        ({**sd, "placement": {"version": 1, "shares": [9]}}, "sum to 9"),
+        ({"batch_index": 3}, "not a RebalanceHook state_dict"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            again.load_state_dict(bad)
+    again.load_state_dict(sd)
+    assert (again.batch_index, again.placement_version) == (7, 1)
+    _train(again, torch.nn.Linear(4, 1), 9)
+    assert again.acks == [(1, 7)] and again.batch_index == 9
+    with pytest.raises(RuntimeError, match="before the first batch is drawn"):
+        again.load_state_dict(sd)
+    again.close()

@@ -81,6 +81,7 @@ def _tiny_loop(hook: RebalanceHook, steps: int) -> list[float]:
     return step_ms
 
 
+@pytest.mark.multiproc
 def test_hook_counts_drops_offline_and_reports_them_after_reconnect(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

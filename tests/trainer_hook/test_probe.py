@@ -183,7 +183,7 @@ def test_missing_device_falls_back_to_psutil() -> None:
         ("NVIDIA L40", None, "NVIDIA L40"),
         ("NVIDIA L4", None, "L4"),
         ("NVIDIA A10G", None, "A10G"),
-        ("NVIDIA A10", None, "NVIDIA A10"),
+        ("NVIDIA A10", None, "A10G"),  # one rule with the policy: the A10G is AWS's A10
         ("Tesla V100-SXM2-16GB", None, "V100"),
         ("Tesla T4", None, "T4"),
         ("AMD Instinct MI300X", None, "MI300X"),

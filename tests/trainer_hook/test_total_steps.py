@@ -55,6 +55,7 @@ def _train(hook: RebalanceHook, steps: int) -> None:
             opt.zero_grad()
 
 
+@pytest.mark.multiproc
 def test_the_job_shows_an_eta_from_the_hooks_total(tmp_path: Path) -> None:
     with running_server(tmp_path) as server:
         hook = RebalanceHook(server=server.url, job="eta", global_batch_size=8, total_steps=400,

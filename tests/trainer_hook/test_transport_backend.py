@@ -43,6 +43,7 @@ def _step(k: int) -> StepRecord:
                       t=time.time())
 
 
+@pytest.mark.multiproc
 def test_real_backend_token_hello_metrics_ack(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger="trainer_hook.transport")
     with running_server(tmp_path, env={"REBALANCER_ADMIN_TOKEN": ADMIN}) as server:

@@ -31,10 +31,12 @@ def check_accelerator(accelerator: Any) -> None:
     kind = str(getattr(accelerator, "distributed_type", "NO")).split(".")[-1]
     if kind not in _DDP_TYPES:
         raise ValueError(
-            f"Accelerate distributed_type {kind} is not supported by the rebalancer: only "
-            "DistributedDataParallel (MULTI_GPU, MULTI_CPU, ...) lets each rank's gradient be "
-            "weighted by its share of the global batch (DeepSpeed, FSDP, Megatron-LM and XLA "
-            "reduce gradients their own way). Launch with plain DDP."
+            f"Accelerate distributed_type {kind} is not supported by the rebalancer's Accelerate "
+            "and Trainer adapters: they weight gradients through the DDP model Accelerate builds "
+            "(MULTI_GPU, MULTI_CPU, ...); DeepSpeed, Megatron-LM and XLA reduce gradients their "
+            "own way, and the FSDP plugin (Trainer fsdp=...) wraps and reduces outside them. "
+            "Launch with plain DDP, or for FSDP write the loop with torchrun: "
+            "model = fully_shard(model); hook.attach(model), which the hook keeps exact."
         )
     pc = getattr(accelerator, "parallelism_config", None)
     if pc is not None and (getattr(pc, "tp_enabled", False) or getattr(pc, "cp_enabled", False)):
@@ -94,7 +96,9 @@ def prepared_loader(
         )
     workers = int(dataloader_kwargs.get("num_workers", 0) or 0)
     need = required_lookahead(workers, dataloader_kwargs.get("prefetch_factor"), held)
-    if hook.config.lookahead < need:
+    # A measured lookahead (the default) sees all of this at the first step; a given one
+    # must cover it.
+    if isinstance(hook.config.lookahead, int) and hook.config.lookahead < need:
         raise ValueError(
             f"hook lookahead is {hook.config.lookahead} batches, but this DataLoader may read "
             f"{need} batches ahead (num_workers={workers}, prefetch_factor="

@@ -95,4 +95,7 @@ def prepare_with_rebalancer(
     model = accelerator.prepare_model(model)
     hook.attach(model, gradients=gradient_mode_for(accelerator))
     optimizer = accelerator.prepare_optimizer(optimizer)
+    # accelerator.save_state()/load_state() then carry the batch index and placement:
+    # a resumed loop continues at the next untrained batch (no skip_first_batches).
+    accelerator.register_for_checkpointing(hook)
     return model, optimizer, loader

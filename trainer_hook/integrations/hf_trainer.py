@@ -19,6 +19,8 @@ its loss is already independent of the split; then no extra weighting is applied
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from typing import Any
 
 import torch
@@ -26,7 +28,9 @@ from transformers import Trainer, TrainerCallback
 
 from trainer_hook.integrations._loader import check_accelerator, prepared_loader, sampler_of
 
-__all__ = ["RebalanceCallback", "RebalancingTrainer"]
+__all__ = ["RebalanceCallback", "RebalancingTrainer", "STATE_FILE"]
+
+STATE_FILE = "rebalancer_state.json"  # hook.state_dict() inside each checkpoint-N folder
 
 
 def hook_steps_for(max_steps: int, accum: int, per_epoch: int) -> int:
@@ -140,6 +144,7 @@ class RebalancingTrainer(Trainer):
         use_loss_scale = accum > 1 or self._loss_is_global()
         self.rebalance_callback.gradients = "loss_scale" if use_loss_scale else "comm_hook"
         self.add_callback(self.rebalance_callback)
+        self._rebalance_resumed = False
 
     def _loss_is_global(self) -> bool:
         """True when the Trainer divides the loss by the global batch's token count."""
@@ -186,7 +191,29 @@ class RebalancingTrainer(Trainer):
             held=max(1, int(args.gradient_accumulation_steps)), **kwargs,
         )
         self._rebalance_sampler = sampler_of(loader)
+        if self._rebalance_resumed and not args.ignore_data_skip:
+            # The Trainer skips the epoch's trained batches itself (skip_first_batches);
+            # the sampler, which would start at the hook's batch index, starts the epoch.
+            self._rebalance_sampler.start_next_iter_at_epoch_start()
         return loader
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's checkpoint, plus ``hook.state_dict()`` in ``rebalancer_state.json``."""
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, STATE_FILE), "w") as f:
+                json.dump(self.rebalance_hook.state_dict(), f)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """The Trainer's resume, plus the hook's batch index and placement (every rank)."""
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = os.path.join(resume_from_checkpoint, STATE_FILE)
+        if os.path.isfile(path) and not self._rebalance_resumed:
+            with open(path) as f:
+                self.rebalance_hook.load_state_dict(json.load(f))
+            self._rebalance_resumed = True
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list[Any], Any]:
         """The Trainer's window of micro-batches; on the global token-mean path, a drained

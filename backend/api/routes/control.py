@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from backend.api.deps import AdminDep, OperatorDep, PartsDep, ViewerDep
+from backend.control.models import PolicyChanges
 
 __all__ = [
     "router",
@@ -40,25 +41,11 @@ class ModeIn(BaseModel):
     reason: str | None = Field(default=None, max_length=2048)
 
 
-class PolicyIn(BaseModel):
+class PolicyIn(PolicyChanges):
     """Fields left out keep their value; an explicit null returns a field to the default.
-    Values are checked by the controller, which names the setting and its range."""
+    Limits are the ``Field``s of ``PolicyChanges``; a bad value is answered with one sentence
+    naming the setting and its range."""
 
-    model_config = ConfigDict(extra="allow")
-
-    strategy: Any = Field(default=None, description="a registered strategy: static, profiled, predictive")
-    workload: Any = Field(default=None, description="llm | vision | diffusion | recsys | custom")
-    custom_weights: Any = Field(default=None, description="device type -> weight > 0, for workload custom")
-    min_gain: Any = Field(default=None, description="propose only above this predicted gain, 0-0.99")
-    cooldown_steps: Any = Field(default=None, description="steps to wait after each change")
-    min_steps: Any = Field(default=None, description="valid steps per rank before measuring strategies propose")
-    window_steps: Any = Field(default=None, description="recent steps used for a fit")
-    max_move_fraction: Any = Field(default=None, description="auto mode: most of B one change moves a rank")
-    horizon_steps: Any = Field(default=None, description="predictive: steps to forecast ahead")
-    rollback_threshold: Any = Field(default=None, description="auto mode: roll back when steps get this much slower")
-    effect_window_steps: Any = Field(default=None, description="steps before/after a change to measure its effect")
-    proposal_ttl_s: Any = Field(default=None, description="seconds a proposal stays approvable")
-    params: Any = Field(default=None, description="strategy-specific numbers")
     reason: str | None = Field(default=None, max_length=2048)
 
 

@@ -161,9 +161,23 @@ export function setTotalSteps(job, n) {
   else localStorage.removeItem(`rebalancer.total.${job}`);
 }
 
-/** Seconds to finish; `total` (the user's entry) wins over what the job's hooks reported. */
-export function etaSeconds(summary, total) {
-  if (summary && !total) total = summary.total_steps;
-  if (!summary || !total || !summary.step_ms || summary.batch_index === null) return null;
-  return Math.max(total - (summary.batch_index + 1), 0) * summary.step_ms / 1000;
+/**
+ * ETA and cost to finish, as the server computes them (the page never recomputes them):
+ * the summary's own eta_s / cost_to_finish, or, when the user set a total in this browser
+ * that differs from what the hooks reported, the server's /forecast for that total
+ * (fetched at most every 5 s per job and total; `onReady` is called when it arrives).
+ */
+const forecasts = new Map();
+export function forecastFor(job, summary, onReady = () => {}) {
+  const mine = totalSteps(job);
+  if (!summary || !mine || mine === summary.total_steps) return summary;
+  const key = `${job}:${mine}`;
+  const hit = forecasts.get(key);
+  if (!hit || Date.now() - hit.at > 5000) {
+    forecasts.set(key, { at: Date.now(), data: hit ? hit.data : null });
+    api(`/jobs/${encodeURIComponent(job)}/forecast?total_steps=${mine}`)
+      .then((d) => { forecasts.set(key, { at: Date.now(), data: d }); onReady(); })
+      .catch(() => {});
+  }
+  return hit ? hit.data : null;
 }

@@ -2,7 +2,7 @@
 // Job view: wires the live socket to the charts, the tables and the operator controls.
 import { Charts } from "./charts.js";
 import {
-  STATUS_LABEL, bytes, duration, el, etaSeconds, fmt, getToken, liveSocket, money,
+  STATUS_LABEL, bytes, duration, el, forecastFor, fmt, getToken, liveSocket, money,
   mountTokenBox, pct, setTotalSteps, totalSteps,
 } from "./common.js";
 import { Controls, stat } from "./controls.js";
@@ -45,18 +45,17 @@ function renderSummary(s, savings) {
 function renderForecast(s, savings) {
   const total = totalSteps(job) || s.total_steps;
   $("total-steps").placeholder = s.total_steps ? String(s.total_steps) : "";
-  const eta = etaSeconds(s, total);
-  const cost = eta !== null && s.cost_per_hour ? (eta / 3600) * s.cost_per_hour : null;
+  // The server's figures (backend/live/forecast.py); nothing is recomputed here.
+  const f = forecastFor(job, s, () => { if (state.summary) renderForecast(state.summary, state.savings); });
   $("forecast").replaceChildren(
-    stat("ETA", total ? duration(eta) : "set total steps"),
+    stat("ETA", total ? duration(f ? f.eta_s : null) : "set total steps"),
     stat("cost/h", money(s.cost_per_hour)),
-    stat("cost to finish", money(cost)),
+    stat("cost to finish", money(f ? f.cost_to_finish : null)),
   );
   if (!savings) return;
-  const faster = savings.uniform_s > 0 ? 1 - savings.measured_s / savings.uniform_s : null;
   $("savings").replaceChildren(
     stat("time saved", duration(savings.saved_s), savings.saved_s > 0 ? "good" : ""),
-    stat("faster than uniform", pct(faster), faster > 0 ? "good" : ""),
+    stat("faster than uniform", pct(savings.faster), savings.faster > 0 ? "good" : ""),
     stat("cost saved", money(savings.saved_cost)),
   );
 }

@@ -1,7 +1,6 @@
 // Jobs overview: one row per job, refreshed from /ws/dashboard overview frames.
 import {
-  STATUS_LABEL, duration, el, etaSeconds, fmt, getToken, liveSocket, money, mountTokenBox, pct,
-  totalSteps,
+  STATUS_LABEL, duration, el, fmt, forecastFor, getToken, liveSocket, money, mountTokenBox, pct,
 } from "./common.js";
 
 const body = document.getElementById("jobs-body");
@@ -11,7 +10,8 @@ let lastFrame = 0;
 function row(j) {
   const q = getToken() && new URLSearchParams(location.search).get("token")
     ? `?token=${encodeURIComponent(getToken())}` : "";
-  const eta = etaSeconds(j, totalSteps(j.job));
+  const f = forecastFor(j.job, j);  // the server's ETA (a local total: its /forecast)
+  const eta = f ? f.eta_s : null;
   const stale = j.age_s !== null && j.age_s > 5 && j.status !== "idle";
   return el("tr", { "data-job": j.job },
     el("td", {}, el("a", { href: `/job/${encodeURIComponent(j.job)}${q}`, class: "job-link" }, j.job)),

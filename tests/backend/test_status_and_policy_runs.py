@@ -1,0 +1,64 @@
+"""The one status rule, and decisions in the policy's worker process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from backend.control.policy_runs import PolicyRunner
+from backend.control.status import NEVER_CONNECTED, job_status
+from backend.policy.types import (
+    Constraints,
+    JobObservation,
+    PolicyConfig,
+    Proposal,
+    RankObservation,
+    StepSample,
+)
+
+PENDING = {"id": 7, "status": "proposed", "reason": "rank 2 is slower"}
+
+
+def _status(**kw):
+    args = {"verdict": "balanced", "detail": "even", "pending": None, "connected_ranks": 2,
+            "metrics_age_s": 1.0, "stale_after_s": 30.0, **kw}
+    return job_status(**args)
+
+
+def test_status_rule_in_order_of_precedence():
+    assert _status(connected_ranks=None) == NEVER_CONNECTED
+    assert _status(connected_ranks=0, pending=PENDING) == ("idle", "no rank is connected")
+    assert _status(metrics_age_s=31.0, pending=PENDING) == ("idle", "no metrics from the job recently")
+    assert _status(pending=PENDING) == ("proposal_pending", "proposal 7 is proposed: rank 2 is slower")
+    assert _status() == ("balanced", "even")
+    assert _status(metrics_age_s=None, verdict="warming_up", detail="w") == ("warming_up", "w")
+    with pytest.raises(ValueError, match="Unknown job status verdict 'fine'"):
+        _status(verdict="fine")
+
+
+def _observation() -> JobObservation:
+    per_sample = (1.0, 1.0, 4.0)
+    ranks = tuple(
+        RankObservation(rank=r, device_type="cpu",
+                        steps=tuple(StepSample(batch_index=k, local_batch_size=16,
+                                               compute_ms=per_sample[r] * 16) for k in range(30)))
+        for r in range(3))
+    return JobObservation(job="j", world_size=3, global_batch_size=48, batch_index=29, shares=(16, 16, 16),
+                          placement_version=0, steps_since_change=30, ranks=ranks)
+
+
+@pytest.mark.multiproc
+def test_decisions_in_the_worker_process_match_the_thread():
+    obs, cfg = _observation(), PolicyConfig(strategy="profiled", min_steps=5)
+
+    async def both():
+        proc, thread = PolicyRunner(process=True), PolicyRunner(process=False)
+        try:
+            return await proc.decide(obs, cfg, Constraints()), await thread.decide(obs, cfg, Constraints())
+        finally:
+            proc.close()
+
+    in_process, on_thread = asyncio.run(both())
+    assert isinstance(in_process, Proposal) and in_process == on_thread
+    assert in_process.shares[2] < 16

@@ -1,0 +1,73 @@
+"""Shared fixtures: an in-process app client with tokens, and a real backend server.
+
+Builders live in ``tests/helpers/`` (apps and hook frames in ``tests/backend/_app.py``, the
+one polling helper ``wait_until`` in ``tests/helpers/waiting.py``); fixtures that several
+test files use live here.
+
+- ``admin``: the bootstrap admin token's secret.
+- ``app_client``: a ``TestClient`` over an in-process app on a fresh SQLite file, with
+  ``admin`` as its bootstrap token (lifespan running).
+- ``tokens``: ``tokens("viewer")`` creates a token of that role over REST, returns its secret.
+- ``server``: the real backend (``python -m backend serve``) on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+# The cyclic-GC freeze is for a long-lived server: tests build hundreds of apps in one process.
+os.environ.setdefault("REBALANCER_GC_FREEZE", "0")
+
+ADMIN = "admin-secret-0123456789abcdef"
+
+
+@pytest.fixture
+def admin() -> str:
+    return ADMIN
+
+
+@pytest.fixture
+def app_client(tmp_path: Path) -> Iterator[TestClient]:
+    from tests.backend._app import make_app
+
+    with TestClient(make_app(tmp_path, admin_token=ADMIN)) as c:
+        yield c
+
+
+@pytest.fixture
+def tokens(app_client: TestClient) -> Callable[..., str]:
+    def make(role: str, job: str | None = None, name: str = "") -> str:
+        r = app_client.post("/api/v1/tokens", json={"role": role, "job": job, "name": name},
+                            headers={"Authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 201, r.text
+        secret: str = r.json()["secret"]
+        return secret
+
+    return make
+
+
+@pytest.fixture
+def server(tmp_path: Path):  # type: ignore[no-untyped-def]
+    from tests.helpers.server import running_server
+
+    with running_server(tmp_path, env={"REBALANCER_ADMIN_TOKEN": ADMIN}) as srv:
+        yield srv
+
+
+@pytest.fixture(autouse=True)
+def _unit_lane_spawns_nothing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``make test-unit`` (REBALANCER_UNIT_LANE=1) a test that starts a process fails
+    and says which marker it lacks, so the fast lane stays free of processes."""
+    if os.environ.get("REBALANCER_UNIT_LANE") != "1":
+        return
+    import subprocess
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"{request.node.nodeid} starts a process; mark it multiproc (make test-unit runs none)")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
