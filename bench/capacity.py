@@ -256,12 +256,13 @@ def _scrape(url: str) -> tuple[float, int, int]:
 
 def _scrape_process(url: str, every_s: float, stop: Any, conn: Any) -> None:
     """Scrape ``/metrics`` every ``every_s`` until ``stop``, in its own process (as
-    Prometheus would, apart from the load generator); sends the list back."""
-    got: list[tuple[float, int, int]] = []
+    Prometheus would, apart from the load generator); sends back (start time, ms, bytes,
+    samples) per scrape."""
+    got: list[tuple[float, float, int, int]] = []
     error = ""
     while not stop.wait(every_s):
         try:
-            got.append(_scrape(url))
+            got.append((time.time(), *_scrape(url)))
         except Exception as exc:  # noqa: BLE001 - reported by the parent
             error = repr(exc)
             break
@@ -329,6 +330,13 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
     dash = ctx.Process(target=_dashboard_process, daemon=True,
                        args=(f"{base}/ws/dashboard?job={job}", ranks, stop, child_conn))
     dash.start()
+    # The scraper starts with the dashboard client, before the measured window (starting a
+    # process inside it would take the window's CPU); only scrapes inside it are counted.
+    scrape_stop = ctx.Event()
+    scrape_conn, scrape_child = ctx.Pipe(duplex=False)
+    scraper = ctx.Process(target=_scrape_process, daemon=True,
+                          args=(backend.url, min(SCRAPE_EVERY_S, seconds / 2), scrape_stop, scrape_child))
+    scraper.start()
     readies = [asyncio.Event() for _ in range(ranks)]
     tasks: list[asyncio.Task[None]] = []
     t0 = time.time() + 1.0
@@ -353,11 +361,6 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
     cpu_g0 = sum(me.cpu_times()[:2])
     viewer = psutil.Process(dash.pid)
     cpu_d0 = sum(viewer.cpu_times()[:2])
-    scrape_stop = ctx.Event()
-    scrape_conn, scrape_child = ctx.Pipe(duplex=False)
-    scraper = ctx.Process(target=_scrape_process, daemon=True,
-                          args=(backend.url, min(SCRAPE_EVERY_S, seconds / 2), scrape_stop, scrape_child))
-    scraper.start()
     w0, wall0 = time.monotonic(), time.time()
     load.measuring = True
     await asyncio.sleep(seconds)
@@ -378,7 +381,8 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
         load.errors.append(f"{len(crashed)} hook connections ended with an error, e.g. {crashed[0]!r}")
     await asyncio.sleep(1.0)
     c2 = _ingest_counters(backend)
-    scraped, scrape_error = await asyncio.to_thread(scrape_conn.recv)
+    got, scrape_error = await asyncio.to_thread(scrape_conn.recv)
+    scraped = [x[1:] for x in got if wall0 <= x[0] < wall1]
     scraper.join(timeout=10)
     if scrape_error:
         load.errors.append(f"scraper: {scrape_error}")
