@@ -75,8 +75,7 @@ class _Family:
     def render(self) -> str:
         s = self.spec
         help_ = s.help.replace("\\", "\\\\").replace("\n", "\\n")
-        base = s.name.removesuffix("_total") if s.kind == "counter" else s.name
-        head = f"# HELP {base} {help_}\n# TYPE {base} {s.kind}\n"
+        head = f"# HELP {s.name} {help_}\n# TYPE {s.name} {s.kind}\n"
         return head + "".join(line + "\n" for line in self.lines)
 
 
