@@ -1,4 +1,4 @@
-"""``rebalancer jobs|job|proposals|approve|reject|mode|override|place|rollback|watch``: the
+"""``rebalancer jobs|job|proposals|approve|reject|mode|override|place|rollback|watch|report``: the
 REST client from a shell. Standard library only (``watch`` adds ``websockets``), so it runs
 where the server's packages are not installed.
 
@@ -22,7 +22,8 @@ __all__ = ["COMMANDS", "add_commands", "run", "EXIT_OK", "EXIT_REFUSED", "EXIT_U
            "EXIT_UNREACHABLE", "EXIT_SERVER_ERROR", "render_watch"]
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_SERVER_ERROR = 0, 1, 2, 3, 4
-COMMANDS = ("jobs", "job", "proposals", "approve", "reject", "mode", "override", "place", "rollback", "watch")
+COMMANDS = ("jobs", "job", "proposals", "approve", "reject", "mode", "override", "place", "rollback", "watch",
+            "report")
 MODES = ("observe", "approve", "auto")
 
 
@@ -87,6 +88,10 @@ def add_commands(sub: Any) -> None:
     p = add("watch", "live view of a job's ranks and shares (dashboard feed; Ctrl-C ends)")
     p.add_argument("name")
     p.add_argument("--count", type=int, default=0, help="stop after N updates (default: until Ctrl-C)")
+    p = add("report", "a job's end-of-run report: key figures, or one offline HTML file with --out")
+    p.add_argument("name")
+    p.add_argument("--out", metavar="FILE.html", help="write the self-contained HTML report (plotly charts) here")
+    p.add_argument("--compare", metavar="OTHER", help="compare with another job's run")
 
 
 # --- formatting ---------------------------------------------------------------------------
@@ -294,6 +299,46 @@ def _override(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     return _emit(args, out, res, text)
 
 
+def _report_text(r: dict[str, Any]) -> str:
+    cost, sv = r.get("cost") or {}, r.get("savings") or {}
+    lines = [
+        f"Job {r['job']}: {'finished' if r.get('finished') else 'running'} ({r.get('reason')}), "
+        f"{r['world_size']} ranks, global batch {r['global_batch_size']}",
+        f"  duration {_duration(r.get('duration_s'))}, {r.get('steps', 0)} steps, "
+        f"{_num(r.get('samples_per_s'))} samples/s, mean step {_num(r.get('mean_step_ms'))} ms",
+        f"  cost {_num(cost.get('per_hour'), '${:.2f}')}/h, {_num(cost.get('total'), '${:.4f}')} in total; "
+        f"saved vs uniform {_num(sv.get('saved_s'), '{:.1f}')} s, {_num(sv.get('saved_cost'), '${:.4f}')}",
+        f"  placements {len(r.get('placements') or [])}, proposals {len(r.get('proposals') or [])} "
+        f"({', '.join(f'{k} {v}' for k, v in (r.get('decisions') or {}).items()) or 'none'})",
+        _table(["RANK", "DEVICE", "STEPS", "COMPUTE ms", "SYNC WAIT ms", "DATA WAIT ms"],
+               [[x["rank"], x.get("device_name") or x.get("device_type"), x["steps"],
+                 _num(x.get("compute_ms_per_step")), _num(x.get("sync_wait_ms_per_step")),
+                 _num(x.get("data_wait_ms_per_step"))] for x in r.get("ranks") or []]),
+    ]
+    adv = r.get("advice")
+    lines += ["Advice:", *(f"  {a}" for a in adv["summary"])] if adv else ["Advice: not enough steps stored."]
+    return "\n".join(lines)
+
+
+def _report(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    name = str(args.name)
+    if args.out:
+        page = client.report_html(name, compare=args.compare)
+        try:
+            with open(args.out, "w", encoding="utf-8") as f:
+                f.write(page)
+        except OSError as exc:
+            raise UsageError(f"cannot write {args.out}: {exc.strerror or exc}.") from None
+        what = f"{name} against {args.compare}" if args.compare else name
+        out.write(f"Wrote the report of {what} to {args.out} ({len(page) // 1024} kB, opens offline).\n")
+        return EXIT_OK
+    if args.compare:
+        both = client.report(name, compare=args.compare)
+        return _emit(args, out, both, lambda: "\n\n".join(_report_text(r) for r in both["data"]))
+    r = client.report(name)
+    return _emit(args, out, r, lambda: _report_text(r))
+
+
 def _dispatch(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     cmd, name = args.command, str(getattr(args, "name", ""))
     if cmd == "jobs":
@@ -336,6 +381,8 @@ def _dispatch(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         if args.count < 0:
             raise UsageError(f"--count must be 0 (no end) or more, got {args.count}.")
         return _watch(client, args, out)
+    if cmd == "report":
+        return _report(client, args, out)
     raise UsageError(f"unknown command {cmd!r}.")
 
 

@@ -320,6 +320,15 @@ class Client:
     def request(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
                 body: Any = None) -> Any:
         """One call to ``path`` (e.g. ``/api/v1/jobs``); returns the decoded JSON answer."""
+        raw = self._send(method, path, params=params, body=body, accept="application/json")
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:
+            raise APIError(502, f"The answer from {self.server + path} is not JSON; is {self.server} "
+                           "a Rebalancer backend?", method=method, path=path) from None
+
+    def _send(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
+              body: Any = None, accept: str) -> bytes:
         url = self.server + path
         if params:
             pairs: list[tuple[str, str]] = []
@@ -332,14 +341,14 @@ class Client:
                 url += "?" + urllib.parse.urlencode(pairs)
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(url, data=data, method=method)
-        req.add_header("Accept", "application/json")
+        req.add_header("Accept", accept)
         if data is not None:
             req.add_header("Content-Type", "application/json")
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read()
+                return resp.read()  # type: ignore[no-any-return]
         except urllib.error.HTTPError as exc:
             raw = exc.read()
             raise APIError(exc.code, _detail(raw, exc.reason or f"HTTP {exc.code}"),
@@ -348,11 +357,6 @@ class Client:
             raise ServerUnreachable(self.server, str(exc.reason)) from None
         except (TimeoutError, ConnectionError) as exc:  # raised while reading the answer
             raise ServerUnreachable(self.server, str(exc) or type(exc).__name__) from None
-        try:
-            return json.loads(raw) if raw else None
-        except ValueError:
-            raise APIError(502, f"The answer from {url} is not JSON; is {self.server} a Rebalancer backend?",
-                           method=method, path=path) from None
 
     def _job(self, job: str) -> str:
         if not job:
@@ -401,6 +405,22 @@ class Client:
 
     def overrides(self, job: str) -> Overrides:
         return cast(Overrides, self.request("GET", self._job(job) + "/overrides"))
+
+    def report(self, job: str, *, compare: str | None = None) -> dict[str, Any]:
+        """The job's end-of-run report (stored when it finished, else built now); with
+        ``compare``, ``{"data": [this, other], "count": 2}``."""
+        return cast("dict[str, Any]", self.request("GET", self._job(job) + "/report",
+                                                   params={"compare": compare}))
+
+    def report_html(self, job: str, *, compare: str | None = None) -> str:
+        """The report as one self-contained HTML page (plotly.js inlined; opens offline)."""
+        raw = self._send("GET", self._job(job) + "/report", params={"format": "html", "compare": compare},
+                         accept="text/html")
+        return raw.decode("utf-8")
+
+    def store_report(self, job: str) -> dict[str, Any]:
+        """Build and store the job's report now (operator)."""
+        return cast("dict[str, Any]", self.request("POST", self._job(job) + "/report"))
 
     def placements(self, job: str, *, limit: int | None = None) -> list[Placement]:
         """Placement history, newest first."""

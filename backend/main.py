@@ -11,7 +11,18 @@ from fastapi import APIRouter, FastAPI
 from backend import heap
 from backend.api.errors import install_error_handlers
 from backend.api.openapi import install_openapi
-from backend.api.routes import audit, control, docs, health, jobs, memory, metrics, pages, tokens
+from backend.api.routes import (
+    audit,
+    control,
+    docs,
+    health,
+    jobs,
+    memory,
+    metrics,
+    pages,
+    report,
+    tokens,
+)
 from backend.ingest import websocket as ingest
 from backend.parts import Parts, build_parts
 from backend.settings import Settings
@@ -24,7 +35,7 @@ log = logging.getLogger("rebalancer")
 # Every router, listed: the hook websocket, then one per REST resource and the dashboard's pages.
 ROUTERS: tuple[APIRouter, ...] = (
     ingest.router, metrics.router, audit.router, control.router, docs.router, health.router,
-    jobs.router, memory.router, pages.router, tokens.router,
+    jobs.router, memory.router, pages.router, report.router, tokens.router,
 )
 
 

@@ -15,9 +15,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
@@ -28,6 +27,7 @@ from backend.control.policy_runs import PolicyRunner
 from backend.dashboard.hub import DashboardHub, JobChanges
 from backend.ingest.connections import HookConnections
 from backend.live.state import LiveState, Pending, aggregate_windows
+from backend.report.collect import GOODBYE, RunReports
 from backend.settings import Settings
 from backend.storage import (
     RankMetricRow,
@@ -48,6 +48,9 @@ from backend.storage.summaries import (
 )
 from backend.storage.writes import WriteBuffer, database_fault
 
+if TYPE_CHECKING:  # the metrics route imports the parts' dependencies; built in build_parts
+    from backend.api.routes.metrics import MetricsExporter
+
 __all__ = ["Parts", "build_parts", "init_db"]
 
 log = logging.getLogger("rebalancer")
@@ -63,8 +66,8 @@ class Parts:
 
     def __init__(self, *, settings: Settings, engine: Engine, sql: SqlGateway, live: LiveState,
                  connections: HookConnections, auth: AuthService, sockets: TokenSockets,
-                 controller: Controller, hub: DashboardHub, registry: CollectorRegistry,
-                 writes: WriteBuffer, storage: StorageHealth):
+                 controller: Controller, hub: DashboardHub, reports: RunReports,
+                 exporter: MetricsExporter, writes: WriteBuffer, storage: StorageHealth):
         self.settings = settings
         self.engine = engine
         self.sql = sql
@@ -74,11 +77,13 @@ class Parts:
         self.sockets = sockets
         self.controller = controller
         self.hub = hub
-        self.registry = registry
         self.writes = writes  # metric windows on their way to SQL, kept through faults
         self.storage = storage  # whether the database takes writes (/healthz)
+        self.reports = reports
+        self.exporter = exporter
         self.persisted_windows = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._report_tasks: set[asyncio.Task[Any]] = set()
 
     def flush_metrics(self) -> int:
         """Write what the live state gathered since the last flush; returns rows written.
@@ -140,6 +145,26 @@ class Parts:
         if fresh is not None:
             return fresh
         return await self.sql.run(lambda s: get_summary(s, job))
+
+    async def store_report(self, job: str, *, reason: str, finished: bool) -> dict[str, Any] | None:
+        """Persist what live state still holds, then build and store the job's report."""
+        await self.persist_now()
+        return await self.reports.store(job, reason=reason, finished=finished)
+
+    def run_ended(self, job: str) -> None:
+        """Every rank of ``job`` said goodbye: store its report in the background."""
+        task = asyncio.get_running_loop().create_task(self._store_ended(job), name=f"rebalancer-report-{job}")
+        self._report_tasks.add(task)
+        task.add_done_callback(self._report_tasks.discard)
+
+    async def _store_ended(self, job: str) -> None:
+        # The last metrics frames came before the goodbyes; let the hub fold them into the
+        # run's savings first (its next tick).
+        await asyncio.sleep(2 * self.hub.interval_s)
+        try:
+            await self.store_report(job, reason=GOODBYE, finished=True)
+        except Exception:  # the database may be away; an operator can still ask for it
+            log.exception("storing the run report of job %s failed", job)
 
     async def _preload_history(self) -> None:
         limit = self.hub.series_max
@@ -236,6 +261,8 @@ class Parts:
             self._tasks.append(asyncio.create_task(coro, name=f"rebalancer-{name}"))
 
     async def stop(self) -> None:
+        if self._report_tasks:  # reports of runs that just ended: let them finish
+            await asyncio.wait(set(self._report_tasks), timeout=10)
         for part in (self.hub, self.controller):
             with contextlib.suppress(Exception):
                 await part.stop()
@@ -260,7 +287,7 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
                 wall: Callable[[], float] = time.time) -> Parts:
     """Every part of one app, wired. ``policy``: the runner to use (tests pass their own
     decide function through it); ``clock``/``wall``: the controller's clocks."""
-    from backend.api.routes.metrics import make_registry
+    from backend.api.routes.metrics import MetricsExporter
 
     engine = make_engine(settings.db)
     init_db(engine)
@@ -282,8 +309,9 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
     writes = WriteBuffer(write_rows=insert_windows, job_of=lambda w: w.job,
                          max_windows=settings.persist_buffer_windows)
     storage = StorageHealth(engine, probe_table=RankMetricRow.__tablename__)
-    registry = make_registry(live=live, connections=connections, controller=controller,
-                             writes=writes, storage=storage)
+    exporter = MetricsExporter(live=live, connections=connections, controller=controller, hub=hub,
+                               settings=settings, writes=writes, storage=storage)
+    reports = RunReports(sql=sql, controller=controller, hub=hub, settings=settings)
     return Parts(settings=settings, engine=engine, sql=sql, live=live, connections=connections,
-                 auth=auth, sockets=TokenSockets(), controller=controller, hub=hub,
-                 registry=registry, writes=writes, storage=storage)
+                 auth=auth, sockets=TokenSockets(), controller=controller, hub=hub, reports=reports,
+                 exporter=exporter, writes=writes, storage=storage)

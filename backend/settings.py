@@ -77,6 +77,10 @@ class Settings(BaseSettings):
     ws_ping_interval_s: float = 20.0
     ws_ping_timeout_s: float = 60.0
 
+    # Who may scrape /metrics: "token" (a bearer token, viewer role or above; give the
+    # scraper a dedicated viewer token) or "loopback" (callers on this machine need none).
+    metrics_access: Literal["token", "loopback"] = "token"
+
     dashboard_max_hz: float = 10.0
     device_prices: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_DEVICE_PRICES))
 

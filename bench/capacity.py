@@ -13,6 +13,12 @@ moment a hook frame is handed to its socket to the moment a dashboard frame firs
 that rank at that frame's newest batch index or later. The dashboard client runs in its
 own process so that the generator's busy event loop does not delay what it sees.
 
+Prometheus's side: a scraper process fetches ``/metrics`` every ``SCRAPE_EVERY_S`` during
+the measured window (under the full load) and a few times once the hooks stopped (quiet):
+wall time per scrape, body size and series count. Every simulated rank reports an
+NVML-like device sample (GPU index, UUID, utilisation, memory, power, temperature, clocks,
+throttle reasons), so a scrape carries every per-rank and per-device series a GPU job has.
+
     python -m bench.capacity [--quick | --tiny] [--ranks 8,64,256,1024] [--seconds 15]
 """
 
@@ -25,7 +31,9 @@ import math
 import multiprocessing as mp
 import os
 import re
+import statistics
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +58,11 @@ _RECORD = (
     '"compute_ms":{c:.3f},"sync_wait_ms":1.5,"optimizer_ms":0.8,"step_ms":100.0,"t":{t:.6f}}}'
 )
 
-_DEVICE = '{{"t":{t:.6f},"source":"psutil","cpu_pct":97.0,"rss_bytes":1073741824}}'
+_DEVICE = ('{{"t":{t:.6f},"source":"nvml","util_pct":97.0,"mem_used_bytes":32212254720,'
+           '"mem_total_bytes":85899345920,"power_w":612.5,"temp_c":71.0,"sm_clock_mhz":1755.0,'
+           '"sm_clock_max_mhz":1980.0,"throttle_reasons":["sw_power_cap"]}}')
+SCRAPE_EVERY_S = 2.0
+QUIET_SCRAPES = 3
 
 
 @dataclass
@@ -74,6 +86,12 @@ class CapacityResult:
     dashboard_frames: int
     dashboard_bytes_per_s: float
     send_lag_p99_ms: float  # how late the generator sent frames (its own overload)
+    scrapes: int = 0  # /metrics fetched under load
+    scrape_p50_ms: float | None = None  # wall time of one scrape under load
+    scrape_max_ms: float | None = None
+    scrape_quiet_ms: float | None = None  # median of QUIET_SCRAPES after the hooks stopped
+    scrape_bytes: int | None = None  # body size of the last scrape
+    scrape_series: int | None = None  # samples (lines) in it
     errors: list[str] = field(default_factory=list)
 
 
@@ -113,8 +131,9 @@ async def _hook_client(load: _Load, base: str, rank: int, t0: float, ready: asyn
     gbs = max(world, 1) * 8
     hello = json.dumps({
         "type": "hello", "v": 1, "job": load.job, "rank": rank, "world_size": world,
-        "global_batch_size": gbs, "host": "bench", "pid": os.getpid(), "device_type": "cpu",
-        "device_name": f"sim-{rank}",
+        "global_batch_size": gbs, "host": f"node{rank // 8}", "pid": os.getpid(), "device_type": "H100",
+        "device_name": "NVIDIA H100 80GB HBM3", "gpu_index": rank % 8,
+        "gpu_uuid": f"GPU-{rank:08d}-0000-0000-0000-000000000000",
     })
     head = f'{{"type":"metrics","v":1,"job":"{load.job}","rank":{rank},"dropped":0,"steps":['
     device_every = max(1, round(DEVICE_EVERY_S / FLUSH_S))
@@ -226,6 +245,31 @@ def _dashboard_process(url: str, ranks: int, stop: Any, conn: Any) -> None:
     conn.close()
 
 
+def _scrape(url: str) -> tuple[float, int, int]:
+    """One ``/metrics`` fetch: (wall ms, bytes, samples)."""
+    t = time.perf_counter()
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+        body = r.read()
+    ms = (time.perf_counter() - t) * 1000.0
+    return ms, len(body), sum(1 for line in body.split(b"\n") if line and not line.startswith(b"#"))
+
+
+def _scrape_process(url: str, every_s: float, stop: Any, conn: Any) -> None:
+    """Scrape ``/metrics`` every ``every_s`` until ``stop``, in its own process (as
+    Prometheus would, apart from the load generator); sends back (start time, ms, bytes,
+    samples) per scrape."""
+    got: list[tuple[float, float, int, int]] = []
+    error = ""
+    while not stop.wait(every_s):
+        try:
+            got.append((time.time(), *_scrape(url)))
+        except Exception as exc:  # noqa: BLE001 - reported by the parent
+            error = repr(exc)
+            break
+    conn.send((got, error))
+    conn.close()
+
+
 def _latencies(sent_at: list[list[tuple[int, float]]], seen: list[tuple[int, int, float]],
                t_lo: float, t_hi: float) -> list[float]:
     """For every hook frame sent in [t_lo, t_hi): ms until a dashboard frame first showed
@@ -286,6 +330,13 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
     dash = ctx.Process(target=_dashboard_process, daemon=True,
                        args=(f"{base}/ws/dashboard?job={job}", ranks, stop, child_conn))
     dash.start()
+    # The scraper starts with the dashboard client, before the measured window (starting a
+    # process inside it would take the window's CPU); only scrapes inside it are counted.
+    scrape_stop = ctx.Event()
+    scrape_conn, scrape_child = ctx.Pipe(duplex=False)
+    scraper = ctx.Process(target=_scrape_process, daemon=True,
+                          args=(backend.url, min(SCRAPE_EVERY_S, seconds / 2), scrape_stop, scrape_child))
+    scraper.start()
     readies = [asyncio.Event() for _ in range(ranks)]
     tasks: list[asyncio.Task[None]] = []
     t0 = time.time() + 1.0
@@ -314,6 +365,7 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
     load.measuring = True
     await asyncio.sleep(seconds)
     load.measuring = False
+    scrape_stop.set()
     elapsed, wall1 = time.monotonic() - w0, time.time()
     c1 = _ingest_counters(backend)
     cpu_s = sum(server.cpu_times()[:2]) - cpu_s0
@@ -329,6 +381,12 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
         load.errors.append(f"{len(crashed)} hook connections ended with an error, e.g. {crashed[0]!r}")
     await asyncio.sleep(1.0)
     c2 = _ingest_counters(backend)
+    got, scrape_error = await asyncio.to_thread(scrape_conn.recv)
+    scraped = [x[1:] for x in got if wall0 <= x[0] < wall1]
+    scraper.join(timeout=10)
+    if scrape_error:
+        load.errors.append(f"scraper: {scrape_error}")
+    quiet = [await asyncio.to_thread(_scrape, backend.url) for _ in range(QUIET_SCRAPES)]
     stop.set()
     seen, frames, dash_error = await asyncio.to_thread(parent_conn.recv)
     dash.join(timeout=10)
@@ -374,6 +432,12 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
         dashboard_frames=len(in_window),
         dashboard_bytes_per_s=round(sum(in_window) / elapsed, 1),
         send_lag_p99_ms=_round(_pct([x * 1000 for x in load.lags], 99)) or 0.0,
+        scrapes=len(scraped),
+        scrape_p50_ms=_round(_pct([x[0] for x in scraped], 50)),
+        scrape_max_ms=_round(max((x[0] for x in scraped), default=None)),
+        scrape_quiet_ms=_round(statistics.median(x[0] for x in quiet)),
+        scrape_bytes=quiet[-1][1],
+        scrape_series=quiet[-1][2],
         errors=load.errors,
     )
 
@@ -410,6 +474,15 @@ def run_capacity(
          "generator CPU %", "dash frames/s", "dash p50 ms", "dash p99 ms"],
         rows,
     )
+    print_table(
+        "Prometheus scrape of /metrics (under the load above, and once the hooks stopped)",
+        ["ranks", "scrapes", "p50 ms", "max ms", "quiet ms", "kB", "series"],
+        [[r.ranks, r.scrapes, "-" if r.scrape_p50_ms is None else r.scrape_p50_ms,
+          "-" if r.scrape_max_ms is None else r.scrape_max_ms,
+          "-" if r.scrape_quiet_ms is None else r.scrape_quiet_ms,
+          "-" if r.scrape_bytes is None else round(r.scrape_bytes / 1024, 1),
+          "-" if r.scrape_series is None else r.scrape_series] for r in results],
+    )
     write_json(out_dir / f"{name}.json", {
         "steps_per_s_per_rank": STEPS_PER_S, "flush_s": FLUSH_S,
         "results": [asdict(r) for r in results],
@@ -421,6 +494,60 @@ def run_capacity(
     return results
 
 
+@dataclass
+class ScrapeCost:
+    """The exporter alone, in process: ``generate_latest`` over a backend's parts holding
+    one job of ``ranks`` GPU ranks (20 steps and an NVML sample each, controller state)."""
+
+    ranks: int
+    series: int
+    bytes: int
+    wall_ms_median: float
+    cpu_ms_median: float  # this process's CPU time: what one scrape costs the backend
+    repeats: int
+
+
+def scrape_cost(ranks: int, repeats: int = 7) -> ScrapeCost:
+    import tempfile
+
+    from backend.parts import build_parts
+    from backend.settings import Settings
+    from trainer_hook.protocol import decode
+
+    async def fill(parts: Any) -> None:
+        job, gbs = f"scrape-{ranks}", ranks * 8
+        for r in range(ranks):
+            hello = decode(json.dumps({
+                "type": "hello", "v": 1, "job": job, "rank": r, "world_size": ranks,
+                "global_batch_size": gbs, "host": f"node{r // 8}", "device_type": "H100",
+                "device_name": "NVIDIA H100 80GB HBM3", "gpu_index": r % 8,
+                "gpu_uuid": f"GPU-{r:08d}-0000-0000-0000-000000000000"}))
+            parts.live.register(hello)
+            await parts.controller.on_hello(hello)
+            now = time.time()
+            recs = ",".join(_RECORD.format(k=k, b=8, c=20.0, t=now - (19 - k) / STEPS_PER_S) for k in range(20))
+            parts.live.add_metrics(decode(
+                f'{{"type":"metrics","v":1,"job":"{job}","rank":{r},"dropped":0,"steps":[{recs}],'
+                f'"device":[{_DEVICE.format(t=now)}]}}'))
+
+    with tempfile.TemporaryDirectory(prefix="rb-scrape-") as tmp:
+        parts = build_parts(Settings(db=f"sqlite:///{tmp}/scrape.db", policy_process=False))
+        try:
+            asyncio.run(fill(parts))
+            walls, cpus, body = [], [], b""
+            for _ in range(repeats):
+                w, c = time.perf_counter(), time.process_time()
+                body = parts.exporter.exposition().encode()
+                cpus.append((time.process_time() - c) * 1000)
+                walls.append((time.perf_counter() - w) * 1000)
+        finally:
+            parts.sql.close()
+            parts.engine.dispose()
+    series = sum(1 for line in body.split(b"\n") if line and not line.startswith(b"#"))
+    return ScrapeCost(ranks=ranks, series=series, bytes=len(body), wall_ms_median=round(statistics.median(walls), 1),
+                      cpu_ms_median=round(statistics.median(cpus), 1), repeats=repeats)
+
+
 def main(argv: list[str] | None = None) -> int:
     stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -429,7 +556,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="smoke-test size")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--scrape-only", action="store_true",
+                    help="only the exporter's cost in process (scrape.json): no sockets, no load")
     args = ap.parse_args(argv)
+    if args.scrape_only:
+        costs = [scrape_cost(n) for n in ([int(x) for x in args.ranks.split(",")] if args.ranks else [1024])]
+        print_table("/metrics exposition in process (median of the repeats)",
+                    ["ranks", "series", "kB", "wall ms", "CPU ms"],
+                    [[c.ranks, c.series, round(c.bytes / 1024, 1), c.wall_ms_median, c.cpu_ms_median] for c in costs])
+        write_json(args.out / "scrape.json", {"results": [asdict(c) for c in costs]})
+        return 0
     if args.tiny:
         ranks, secs, warm = [4], 1.0, 1.0
     elif args.quick:

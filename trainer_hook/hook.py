@@ -801,9 +801,11 @@ class RebalanceHook:
 
     def _hello(self) -> Hello:
         device_type, device_name, mem_total = "CPU", "", None
+        gpu_index, gpu_uuid = None, ""
         if self._probe is not None:
             try:
                 device_type, device_name, mem_total = self._probe.describe()
+                gpu_index, gpu_uuid = self._probe.identity()
             except Exception:  # a probe failure must not stop the connection
                 log.debug("device probe describe() failed", exc_info=True)
         return Hello(
@@ -816,6 +818,7 @@ class RebalanceHook:
             restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
             hook_version=HOOK_VERSION, total_steps=self.config.total_steps,
             memory_source=self._memory.source.name if self._memory is not None else "",
+            gpu_index=gpu_index, gpu_uuid=gpu_uuid,
         )
 
     def close(self, *, wait_for_peers: bool = True) -> None:

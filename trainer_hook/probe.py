@@ -107,6 +107,7 @@ class DeviceProbe:
 
         probe = DeviceProbe(interval_s=1.0, on_sample=transport.put_device)
         device_type, device_name, mem_total = probe.describe()   # ("H100", "NVIDIA H100 ...", ...)
+        gpu_index, gpu_uuid = probe.identity()                   # (3, "GPU-8d6f...") or (None, "")
         probe.start()
         ...
         probe.latest()   # newest DeviceSample or None
@@ -227,6 +228,18 @@ class DeviceProbe:
             except Exception:  # noqa: BLE001
                 total = None
         return "CPU", _cpu_name(), total
+
+    def identity(self) -> tuple[int | None, str]:
+        """(NVML device index, UUID) of this rank's GPU: dcgm-exporter's ``gpu`` and
+        ``UUID`` labels, so the backend's series join DCGM's. ``(None, "")`` without NVML."""
+        if self._nvml is None:
+            return None, ""
+        index = self._q("nvmlDeviceGetIndex")
+        uuid = self._q("nvmlDeviceGetUUID")
+        if isinstance(uuid, bytes):
+            uuid = uuid.decode(errors="replace")
+        return (int(index) if isinstance(index, int) and not isinstance(index, bool) else None,
+                str(uuid)[:128] if uuid else "")
 
     def _torch_device(self) -> tuple[str, int | None] | None:
         """(name, memory) of this rank's accelerator as torch sees it, when NVML cannot see

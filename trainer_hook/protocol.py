@@ -74,6 +74,7 @@ SUPPORTED_VERSIONS = (1, 2)
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_RECORDS_PER_MESSAGE = 2048
 MAX_WORLD_SIZE = 65536
+MAX_GPU_INDEX = 4095  # NVML device index; a node has far fewer GPUs
 _MAX_NAME = 128
 _MAX_TEXT = 2048
 
@@ -282,6 +283,10 @@ class Hello:
     # What the hook reads peak memory with ("cuda", "rocm", "xpu"; "" for nothing: a CPU
     # rank, whose placements then get no memory cap).
     memory_source: str = ""
+    # The GPU as NVML names it (dcgm-exporter's ``gpu`` and ``UUID`` labels); None and ""
+    # for a CPU rank or a GPU NVML cannot see.
+    gpu_index: int | None = None
+    gpu_uuid: str = ""
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Hello:
@@ -308,6 +313,8 @@ class Hello:
             hook_version=_str(d, "hook_version", default=""),
             total_steps=_int(d, "total_steps", lo=1, hi=MAX_BATCH_INDEX, default=None),
             memory_source=_str(d, "memory_source", max_len=32, default=""),
+            gpu_index=_int(d, "gpu_index", hi=MAX_GPU_INDEX, default=None),
+            gpu_uuid=_str(d, "gpu_uuid", default=""),
         )
 
 

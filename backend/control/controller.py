@@ -98,6 +98,8 @@ class _JobState:
     rollbacks: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     urgent: bool = False  # an urgent metrics frame came since the last policy run
     counts: dict[str, int] = field(default_factory=dict)  # proposals by status
+    # proposals and placements by source, rejected placements (db.activity_counts)
+    activity: dict[str, dict[str, int]] = field(default_factory=dict)
     snapshot: dict[str, Any] = field(default_factory=dict)
     cost_fit: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # the policy's, per rank
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -261,6 +263,7 @@ class Controller:
         st.pending = pending.public() if pending is not None else None
         st.counts = db.proposal_counts(s, st.job)
         st.rollbacks = records.recent_rollbacks(s, st.job)
+        st.activity = db.activity_counts(s, st.job)
 
     async def _require(self, job: str) -> _JobState:
         st = await self._load(job)
@@ -625,6 +628,13 @@ class Controller:
         """Proposals of ``job`` by status, for Prometheus ({} if unknown)."""
         st = self._jobs.get(job)
         return dict(st.counts) if st is not None else {}
+
+    def activity_counts(self, job: str) -> dict[str, dict[str, int]]:
+        """Proposals and placements of ``job`` by source, and placements a hook rejected,
+        counted from the stored rows after every change: Prometheus counters that survive a
+        restart ({} if unknown)."""
+        st = self._jobs.get(job)
+        return {k: dict(v) for k, v in st.activity.items()} if st is not None else {}
 
     async def policy_settings(self, job: str) -> dict[str, Any]:
         """Effective policy settings of a job (stored values over the backend defaults)."""

@@ -29,6 +29,7 @@ from trainer_hook.protocol import (
     CLOSE_CONFLICT,
     CLOSE_FORBIDDEN,
     CLOSE_MALFORMED,
+    CLOSE_NORMAL,
     CLOSE_RATE_LIMITED,
     CLOSE_TRY_AGAIN_LATER,
     CLOSE_UNAUTHORIZED,
@@ -119,12 +120,14 @@ async def hook_websocket(websocket: WebSocket) -> None:
     lost = False  # the peer vanished without a close frame
     budget = FrameBudget(frames_per_s=HOOK_FRAMES_PER_S, frames_burst=HOOK_FRAMES_BURST,
                          bytes_per_s=HOOK_BYTES_PER_S, bytes_burst=HOOK_BYTES_BURST)
+    goodbye = False  # the hook closed normally (its close()): this rank is done
     parts.sockets.add(actor, websocket)
     try:
         while True:
             frame = await websocket.receive()
             if frame["type"] == "websocket.disconnect":
                 lost = frame.get("code", 1005) not in _CLEAN_CLOSE
+                goodbye = frame.get("code") == CLOSE_NORMAL
                 break
             raw = frame.get("text")
             if raw is None:
@@ -221,6 +224,8 @@ async def hook_websocket(websocket: WebSocket) -> None:
             parts.connections.remove(hello.job, hello.rank, websocket)
             if not parts.connections.has(hello.job, hello.rank):
                 parts.live.set_connected(hello.job, hello.rank, False, lost=lost)
+                if goodbye and parts.live.said_goodbye(hello.job, hello.rank):
+                    parts.run_ended(hello.job)
             with contextlib.suppress(Exception):
                 parts.hub.notify(hello.job)
 

@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from backend.live.state import JobView, eta_seconds
 
-__all__ = ["Forecast", "forecast", "Savings", "savings", "eta_seconds"]
+__all__ = ["Forecast", "forecast", "Savings", "savings", "eta_seconds", "hourly_cost"]
 
 PriceFor = Callable[[str, str], "float | None"]
 
@@ -36,12 +36,18 @@ class Forecast:
         return asdict(self)
 
 
+def hourly_cost(price_for: PriceFor, devices: Iterable[tuple[str, str]]) -> tuple[float | None, int]:
+    """(USD per hour of the ranks' devices, ranks without a price); None when none has one.
+    ``devices`` are (device_type, device_name) per rank."""
+    prices = [price_for(t, n) for t, n in devices]
+    known = [p for p in prices if p is not None]
+    return (sum(known) if known else None), len(prices) - len(known)
+
+
 def forecast(view: JobView, price_for: PriceFor, total_steps: int | None = None) -> Forecast:
     """ETA and cost of ``view``'s job; ``total_steps`` overrides what its hooks reported."""
     total = view.total_steps if total_steps is None else total_steps
-    prices = [price_for(r.device_type, r.device_name) for r in view.ranks]
-    known = [p for p in prices if p is not None]
-    cost_h = sum(known) if known else None
+    cost_h, unpriced = hourly_cost(price_for, ((r.device_type, r.device_name) for r in view.ranks))
     done = (view.batch_index + 1) if view.batch_index is not None else 0
     eta = eta_seconds(total, view.batch_index, view.step_ms)
     return Forecast(
@@ -50,7 +56,7 @@ def forecast(view: JobView, price_for: PriceFor, total_steps: int | None = None)
         step_ms=view.step_ms, eta_s=eta, cost_per_hour=cost_h,
         idle_cost_per_hour=(cost_h * view.idle_fraction
                             if cost_h is not None and view.idle_fraction is not None else None),
-        unpriced_ranks=len(prices) - len(known),
+        unpriced_ranks=unpriced,
         cost_to_finish=eta / 3600.0 * cost_h if eta is not None and cost_h is not None else None,
     )
 

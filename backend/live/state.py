@@ -26,12 +26,14 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 from operator import attrgetter, itemgetter
 from typing import Any, Final
 
+from backend.metrics_contract import STEP_BUCKETS_S
 from backend.policy.memory import MemoryFit, MemoryReading, RankMemory, fit_memory
 from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
 
@@ -81,6 +83,7 @@ class _Rank:
     device: deque[DeviceRow]
     connected: bool = True
     lost: bool = False  # its connection dropped without a close (the process died?)
+    goodbye: bool = False  # closed its connection normally (the hook's close()) since its hello
     first_seen: float = 0.0
     last_seen: float = 0.0
     dropped: int = 0
@@ -109,6 +112,10 @@ class _Job:
     ranks: dict[int, _Rank] = field(default_factory=dict)
     total_steps: int | None = None  # the newest a hook said (hello or metrics)
     left_at: float = 0.0  # when its last connected rank went away
+    # Step wall times as rank 0 sent them (every rank of a synchronous job sees the same
+    # step): counts per STEP_BUCKETS_S bucket, the last one +Inf, and their sum in seconds.
+    step_buckets: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS_S) + 1))
+    step_sum_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +147,8 @@ class RankView:
     # newest reading (None where the rank sends none).
     memory: RankMemory | None = None
     mem_peak_bytes: int | None = None
+    gpu_index: int | None = None
+    gpu_uuid: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +256,7 @@ class LiveState:
                 )
             else:  # a reconnect keeps the history in the buffers
                 old.hello, old.connected, old.lost, old.last_seen = hello, True, False, now
+                old.goodbye = False
                 old.rev += 1
             return new_run
 
@@ -262,6 +272,12 @@ class LiveState:
                     r.memory.append(MemoryReading(s.local_batch_size, s.mem_peak_bytes,
                                                   s.mem_total_bytes, s.mem_reserved_bytes))
                     r.mem_stale = True
+            if msg.rank == 0:
+                buckets = job.step_buckets
+                for row in rows:
+                    step_s = row[STEP_MS] / 1000.0
+                    buckets[bisect_left(STEP_BUCKETS_S, step_s)] += 1
+                    job.step_sum_s += step_s
             r.steps.extend(rows)
             r.pending.extend(rows)
             if msg.device:
@@ -309,6 +325,18 @@ class LiveState:
             j = self._jobs.get(job)
             return (j.world_size, j.global_batch_size) if j is not None else None
 
+    def said_goodbye(self, job: str, rank: int) -> bool:
+        """Mark the rank as gone for good (a normal close); True when with it every rank of
+        the job has said goodbye: the run ended."""
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None or rank not in j.ranks:
+                return False
+            r = j.ranks[rank]
+            r.goodbye, r.connected = True, False
+            r.rev += 1
+            return len(j.ranks) == j.world_size and all(x.goodbye for x in j.ranks.values())
+
     def forget(self, job: str) -> None:
         with self._lock:
             self._jobs.pop(job, None)
@@ -354,6 +382,19 @@ class LiveState:
             j = self._jobs.get(job)
             r = j.ranks.get(rank) if j else None
             return tuple(r.memory) if r else ()
+    def step_histogram(self, job: str) -> tuple[tuple[int, ...], float] | None:
+        """The job's step-time histogram: cumulative counts per ``STEP_BUCKETS_S`` bound
+        then +Inf, and the sum of the steps in seconds (None if the job is unknown)."""
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None:
+                return None
+            counts, total = list(j.step_buckets), j.step_sum_s
+        running, cumulative = 0, []
+        for c in counts:
+            running += c
+            cumulative.append(running)
+        return tuple(cumulative), total
 
     def view(self, job: str) -> JobView | None:
         """A consistent snapshot of one job with derived numbers, or None if unknown."""
@@ -412,6 +453,7 @@ class LiveState:
             step_rate_hz=rate, n_steps=len(r.steps), dropped=r.dropped,
             device=_device(r.device[-1]) if r.device else None, lost=r.lost,
             memory=self._memory_of(r), mem_peak_bytes=r.memory[-1].peak_bytes if r.memory else None,
+            gpu_index=h.gpu_index, gpu_uuid=h.gpu_uuid,
         )
         r.cached = (r.rev, view)
         return view

@@ -34,9 +34,15 @@ __all__ = [
     "get_proposal",
     "list_audit",
     "proposal_counts",
+    "activity_counts",
+    "PROPOSAL_SOURCES",
+    "PLACEMENT_SOURCES",
 ]
 
 PROPOSAL_STATUSES = ("proposed", "approved", "applied", "rejected", "superseded", "failed", "expired")
+# Every source a proposal or a placement row can have (the counters export each, from 0).
+PROPOSAL_SOURCES = ("policy", "manual", "override")
+PLACEMENT_SOURCES = ("initial", "policy", "auto", "manual", "override", "rollback")
 
 
 class OverridesRow(Base):
@@ -284,3 +290,21 @@ def proposal_counts(session: Session, job: str) -> dict[str, int]:
     for status, n in session.execute(stmt):
         out[status] = int(n)
     return out
+
+
+def activity_counts(session: Session, job: str) -> dict[str, dict[str, int]]:
+    """Counts of ``job``'s stored rows, for counters that survive a restart: proposals made
+    and placement versions issued by source (every known source, zeros too), and placements
+    a hook rejected (``{"failed": {"": n}}``)."""
+    proposals = dict.fromkeys(PROPOSAL_SOURCES, 0)
+    for source, n in session.execute(select(ProposalRow.source, func.count(ProposalRow.id))
+                                     .where(ProposalRow.job == job).group_by(ProposalRow.source)):
+        proposals[source] = int(n)
+    placements = dict.fromkeys(PLACEMENT_SOURCES, 0)
+    failed = 0
+    for source, bad, n in session.execute(
+            select(PlacementRow.source, PlacementRow.failed, func.count(PlacementRow.id))
+            .where(PlacementRow.job == job).group_by(PlacementRow.source, PlacementRow.failed)):
+        placements[source] = placements.get(source, 0) + int(n)
+        failed += int(n) if bad else 0
+    return {"proposals": proposals, "placements": placements, "failed": {"": failed}}

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import (
+    JSON,
     BigInteger,
     CursorResult,
     Float,
@@ -55,6 +56,10 @@ class RunSummaryRow(Base):
     imbalance: Mapped[float | None] = mapped_column(Float, nullable=True)
     placement_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     updated_at: Mapped[float] = mapped_column(Float, default=time.time)
+    # The end-of-run report (backend/report), stored when every rank said goodbye or on demand.
+    report: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    report_reason: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    report_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     def public(self) -> dict[str, Any]:
         return {"job": self.job, **{k: getattr(self, k) for k in SUMMARY_FIELDS},

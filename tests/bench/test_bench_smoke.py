@@ -101,6 +101,8 @@ def test_capacity_tiny_loses_nothing(tmp_path: Path, backend: Backend) -> None:
     assert res.records_sent > 0
     assert res.records_lost == 0, res
     assert res.latency_samples > 0 and res.dashboard_frames > 0
+    # /metrics carries every rank's GPU series: 3 ranks of NVML-like samples
+    assert res.scrape_series is not None and res.scrape_series > 3 * 20 and res.scrape_bytes
     data = json.loads((tmp_path / "capacity.json").read_text())
     assert data["results"][0]["ranks"] == 3 and "machine" in data
 

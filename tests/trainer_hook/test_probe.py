@@ -9,7 +9,7 @@ import psutil
 import pynvml
 import pytest
 
-from tests.trainer_hook.fake_pynvml import FakeGpu, FakeNvml, NVMLError, NVMLError_GpuIsLost
+from tests.helpers.nvml import FakeGpu, FakeNvml, NVMLError, NVMLError_GpuIsLost
 from trainer_hook.probe import CLOCK_EVENT_NAMES, DeviceProbe, decode_clock_events, device_type_key
 from trainer_hook.protocol import DeviceSample, decode, encode
 
@@ -148,6 +148,18 @@ def test_device_index_and_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a")
     assert DeviceProbe(nvml=FakeNvml(gpus), device_index=0).describe() == (
         "A100-40GB", "NVIDIA A100-SXM4-40GB", 40 * 2**30)
+
+
+def test_identity_is_the_nvml_index_and_uuid_dcgm_labels_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpus = [FakeGpu(uuid="GPU-a"), FakeGpu(uuid="GPU-b"), FakeGpu(uuid="GPU-c")]
+    # CUDA index 0 is physical GPU 2: the labels name the physical one, as DCGM does.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    assert DeviceProbe(nvml=FakeNvml(gpus), device_index=0).identity() == (2, "GPU-c")
+    failing = FakeNvml([FakeGpu(fail={"nvmlDeviceGetUUID": NVMLError("Unknown Error"),
+                                      "nvmlDeviceGetIndex": NVMLError("Unknown Error")})])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert DeviceProbe(nvml=failing, device_index=0).identity() == (None, "")
+    assert DeviceProbe(use_nvml=False).identity() == (None, "")
 
 
 def test_missing_device_falls_back_to_psutil() -> None:

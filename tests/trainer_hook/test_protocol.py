@@ -11,6 +11,7 @@ from trainer_hook.protocol import (
     CLOSE_TOO_BIG,
     CLOSE_UNSUPPORTED_VERSION,
     MAX_MESSAGE_BYTES,
+    Hello,
     Metrics,
     ProtocolError,
     StepRecord,
@@ -74,6 +75,16 @@ def test_frames_that_break_the_envelope(raw: str, code: str, close: int) -> None
     with pytest.raises(ProtocolError) as err:
         decode(raw)
     assert (err.value.code, err.value.close_code) == (code, close)
+
+
+def test_hello_carries_the_gpu_index_and_uuid() -> None:
+    hello = Hello(job="j", rank=0, world_size=1, global_batch_size=8, gpu_index=3, gpu_uuid="GPU-x")
+    back = decode(encode(hello))
+    assert isinstance(back, Hello) and (back.gpu_index, back.gpu_uuid) == (3, "GPU-x")
+    old = decode('{"type":"hello","v":1,"job":"j","rank":0,"world_size":1,"global_batch_size":8}')
+    assert isinstance(old, Hello) and (old.gpu_index, old.gpu_uuid) == (None, "")
+    with pytest.raises(ProtocolError, match="'gpu_index' must be between 0 and 4095, got 4096."):
+        Hello.from_dict({"job": "j", "rank": 0, "world_size": 1, "global_batch_size": 8, "gpu_index": 4096})
 
 
 def test_check_shares_says_what_is_wrong() -> None:

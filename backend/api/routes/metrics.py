@@ -1,116 +1,239 @@
 """``GET /metrics``: Prometheus text exposition, read from live state at scrape time.
 
-Each app has its own ``CollectorRegistry`` (tests build many apps in one process), with one
-custom collector; nothing is updated on the ingest path.
+Each app has its own ``MetricsExporter``; nothing is updated on the ingest path. Names,
+labels and help texts come from the contract (backend/metrics_contract.py); figures come
+from their owners: live state (times, devices, the step histogram),
+``backend.live.forecast`` (ETA, cost), the dashboard hub (savings against the uniform
+split) and the controller's snapshot (mode, placement, proposals, and the counters, which
+count stored rows so that they survive a restart).
+
+The text is written directly (Prometheus text format 0.0.4), each rank's label set
+rendered once per scrape: at 1,024 GPU ranks (~25,000 series) prometheus_client's
+families and ``generate_latest`` took about three times the CPU (bench.capacity --scrape-only).
+
+Access (``REBALANCER_METRICS_ACCESS``): ``token`` asks for a bearer token with at least the
+viewer role (create a dedicated one for the scraper); ``loopback`` also answers callers on
+this machine without a token (a Prometheus beside the backend), and still asks others for one.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from fastapi import APIRouter, HTTPException, Request, Response, status
 
-from backend.api.deps import PartsDep, ViewerDep
+from backend.api.deps import PartsDep, bearer_secret
+from backend.auth.tokens import role_allows
+from backend.live.forecast import forecast
+from backend.live.state import JobView
+from backend.metrics_contract import CONTRACT, STEP_BUCKETS_S, THROTTLE_REASONS, MetricSpec
+from backend.settings import is_loopback
 
 if TYPE_CHECKING:
     from backend.control.controller import Controller
+    from backend.dashboard.hub import DashboardHub
     from backend.ingest.connections import HookConnections
     from backend.live.state import LiveState
+    from backend.parts import Parts
+    from backend.settings import Settings
     from backend.storage.health import StorageHealth
     from backend.storage.writes import WriteBuffer
 
-__all__ = ["router", "RebalancerCollector", "make_registry"]
+__all__ = ["router", "MetricsExporter", "CONTENT_TYPE"]
 
-log = logging.getLogger("rebalancer.prom")
 router = APIRouter()
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_MODES = ("observe", "approve", "auto")
+_BOUNDS = [*(f"{b:g}" for b in STEP_BUCKETS_S), "+Inf"]
 
 
-class RebalancerCollector(Collector):
-    """Exports per-job and per-rank gauges and the ingest counters of one app. Control
-    figures come from the controller's snapshots (memory, no SQL)."""
+def _esc(v: str) -> str:
+    if "\\" in v or '"' in v or "\n" in v:
+        return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return v
+
+
+def _labels(**kv: Any) -> str:
+    return ",".join(f'{k}="{_esc(str(v))}"' for k, v in kv.items())
+
+
+def _num(v: float) -> str:
+    return repr(float(v))
+
+
+class _Family:
+    """One metric family's lines; ``add`` takes its rendered labels (``k="v",...``)."""
+
+    __slots__ = ("spec", "lines")
+
+    def __init__(self, spec: MetricSpec):
+        self.spec = spec
+        self.lines: list[str] = []
+
+    def add(self, labels: str, value: float, name: str | None = None) -> None:
+        n = name or self.spec.name
+        self.lines.append(f"{n}{{{labels}}} {_num(value)}" if labels else f"{n} {_num(value)}")
+
+    def render(self) -> str:
+        s = self.spec
+        help_ = s.help.replace("\\", "\\\\").replace("\n", "\\n")
+        head = f"# HELP {s.name} {help_}\n# TYPE {s.name} {s.kind}\n"
+        return head + "".join(line + "\n" for line in self.lines)
+
+
+# Per-rank families: (metric, RankView attribute in ms).
+_RANK_TIMES = (("rebalancer_rank_compute_seconds", "compute_ms"),
+               ("rebalancer_rank_sync_wait_seconds", "sync_wait_ms"),
+               ("rebalancer_rank_data_wait_seconds", "data_wait_ms"))
+# Per-device gauges: (metric, DeviceSample attribute, factor to the base unit).
+_DEVICE = (("rebalancer_device_utilization_ratio", "util_pct", 0.01),
+           ("rebalancer_device_memory_used_bytes", "mem_used_bytes", 1.0),
+           ("rebalancer_device_memory_total_bytes", "mem_total_bytes", 1.0),
+           ("rebalancer_device_power_watts", "power_w", 1.0),
+           ("rebalancer_device_temperature_celsius", "temp_c", 1.0),
+           ("rebalancer_device_sm_clock_hertz", "sm_clock_mhz", 1e6),
+           ("rebalancer_device_sm_clock_max_hertz", "sm_clock_max_mhz", 1e6))
+
+
+class MetricsExporter:
+    """Writes every exported metric of the contract for one app."""
 
     def __init__(self, *, live: LiveState, connections: HookConnections, controller: Controller,
+                 hub: DashboardHub, settings: Settings,
                  writes: WriteBuffer, storage: StorageHealth):
         self.live = live
         self.connections = connections
         self.controller = controller
+        self.hub = hub
+        self.settings = settings
         self.writes = writes
         self.storage = storage
 
-    def collect(self) -> Iterator[Metric]:
-        s = self
-        compute = GaugeMetricFamily(
-            "rebalancer_rank_compute_seconds",
-            "Mean time until a rank's gradients are ready, over its recent steps.", labels=["job", "rank"])
-        step = GaugeMetricFamily(
-            "rebalancer_step_seconds", "Median wall time of one step over the job's ranks.", labels=["job"])
-        imbalance = GaugeMetricFamily(
-            "rebalancer_imbalance_ratio", "max/mean rank compute time minus 1.", labels=["job"])
-        version = GaugeMetricFamily(
-            "rebalancer_placement_version", "Version of the placement in force.", labels=["job"])
-        connected = GaugeMetricFamily(
-            "rebalancer_connected_ranks", "Ranks with an open hook connection.", labels=["job"])
-        proposals = GaugeMetricFamily(
-            "rebalancer_proposals", "Proposals by status.", labels=["job", "status"])
-        for job in s.live.jobs():
-            view = s.live.view(job)
+    def exposition(self) -> str:
+        """The whole scrape, as Prometheus text."""
+        fams = {m.name: _Family(m) for m in CONTRACT if m.exported}
+        for job in self.live.jobs():
+            view = self.live.view(job)
             if view is None:
                 continue
-            for r in view.ranks:
-                if r.compute_ms is not None:
-                    compute.add_metric([job, str(r.rank)], r.compute_ms / 1000.0)
-            if view.step_ms is not None:
-                step.add_metric([job], view.step_ms / 1000.0)
-            if view.imbalance is not None:
-                imbalance.add_metric([job], view.imbalance)
-            connected.add_metric([job], view.connected_ranks)
-            ctl = s.controller
-            try:
-                placement = ctl.job_control(job).get("placement") or {}
-                if "version" in placement:
-                    version.add_metric([job], placement["version"])
-                for status, n in sorted(ctl.proposal_counts(job).items()):
-                    proposals.add_metric([job, status], n)
-            except Exception:  # a scrape must still answer with what live state has
-                log.exception("reading control state of job %s for /metrics failed", job)
-        yield from (compute, step, imbalance, version, connected, proposals)
-        yield CounterMetricFamily(
-            "rebalancer_ingest_messages", "Hook messages ingested.", value=s.live.messages_total)
-        yield CounterMetricFamily(
-            "rebalancer_ingest_records", "Step and device records ingested.", value=s.live.records_total)
-        yield CounterMetricFamily(
-            "rebalancer_dropped_records", "Records the hooks reported as dropped.", value=s.live.dropped_total)
-        yield GaugeMetricFamily(
-            "rebalancer_hook_connections", "Open hook websockets.", value=s.connections.count())
-        yield CounterMetricFamily(
-            "rebalancer_persist_dropped_windows",
-            "Metric windows never stored: rows the database refused, or the oldest past the write buffer's bound.",
-            value=s.writes.dropped_total)
-        yield GaugeMetricFamily(
-            "rebalancer_persist_buffered_windows", "Metric windows waiting in memory for the database.",
-            value=len(s.writes))
-        yield GaugeMetricFamily(
-            "rebalancer_database_writable", "1 while the database takes writes, 0 while degraded.",
-            value=0 if (s.storage.problem or s.writes.fault) else 1)
-        yield GaugeMetricFamily(
-            "rebalancer_live_jobs", "Jobs held in memory (REBALANCER_MAX_LIVE_JOBS at most).",
-            value=s.live.job_count())
+            control = self.controller.job_control(job)
+            self._ranks(fams, view, control)
+            self._job(fams, view, control)
+            self._control(fams, job, control)
+        fams["rebalancer_ingest_messages_total"].add("", self.live.messages_total)
+        fams["rebalancer_ingest_records_total"].add("", self.live.records_total)
+        fams["rebalancer_dropped_records_total"].add("", self.live.dropped_total)
+        fams["rebalancer_hook_connections"].add("", self.connections.count())
+        fams["rebalancer_persist_dropped_windows_total"].add("", self.writes.dropped_total)
+        fams["rebalancer_persist_buffered_windows"].add("", len(self.writes))
+        fams["rebalancer_database_writable"].add("", 0 if (self.storage.problem or self.writes.fault) else 1)
+        fams["rebalancer_live_jobs"].add("", self.live.job_count())
+        return "".join(f.render() for f in fams.values() if f.lines)
+
+    def _ranks(self, fams: dict[str, _Family], view: JobView, control: dict[str, Any]) -> None:
+        job, gbs = _esc(view.job), view.global_batch_size
+        shares = (control.get("placement") or {}).get("shares") or []
+        times = [(fams[name], attr) for name, attr in _RANK_TIMES]
+        device = [(fams[name], attr, k) for name, attr, k in _DEVICE]
+        connected = fams["rebalancer_rank_connected"]
+        local, ratio = fams["rebalancer_rank_local_batch_size"], fams["rebalancer_rank_batch_share_ratio"]
+        throttle = fams["rebalancer_device_throttle_reason"]
+        for r in view.ranks:
+            labels = f'job="{job}",rank="{r.rank}"'
+            connected.add(labels, 1.0 if r.connected else 0.0)
+            for fam, attr in times:
+                ms = getattr(r, attr)
+                if ms is not None:
+                    fam.add(labels, ms / 1000.0)
+            share = shares[r.rank] if r.rank < len(shares) else r.local_batch_size
+            if share is not None:
+                local.add(labels, share)
+                ratio.add(labels, share / gbs)
+            d = r.device
+            if d is None or d.source != "nvml":
+                continue  # CPU ranks have no GPU series
+            # dcgm-exporter's labels (GPU_LABELS)
+            dev = labels + "," + _labels(Hostname=r.host, gpu="" if r.gpu_index is None else r.gpu_index,
+                                         UUID=r.gpu_uuid, modelName=r.device_name)
+            for fam, attr, k in device:
+                v = getattr(d, attr)
+                if v is not None:
+                    fam.add(dev, v * k)
+            active = set(d.throttle_reasons)
+            for reason in THROTTLE_REASONS:
+                throttle.add(f'{dev},reason="{reason}"', 1.0 if reason in active else 0.0)
+
+    def _job(self, fams: dict[str, _Family], view: JobView, control: dict[str, Any]) -> None:
+        labels = _labels(job=view.job)
+        for name, value in (("rebalancer_step_seconds", _s(view.step_ms)),
+                            ("rebalancer_imbalance_ratio", view.imbalance),
+                            ("rebalancer_connected_ranks", view.connected_ranks),
+                            ("rebalancer_world_size", view.world_size),
+                            ("rebalancer_global_batch_size", view.global_batch_size)):
+            if value is not None:
+                fams[name].add(labels, value)
+        hist = self.live.step_histogram(view.job)
+        if hist is not None:
+            cumulative, total_s = hist
+            fam, base = fams["rebalancer_step_duration_seconds"], "rebalancer_step_duration_seconds"
+            for le, n in zip(_BOUNDS, cumulative, strict=True):
+                fam.add(f'{labels},le="{le}"', n, f"{base}_bucket")
+            fam.add(labels, cumulative[-1], f"{base}_count")
+            fam.add(labels, total_s, f"{base}_sum")
+        fc = forecast(view, self.settings.price_for)
+        for name, value in (("rebalancer_eta_seconds", fc.eta_s),
+                            ("rebalancer_hourly_cost_dollars", fc.cost_per_hour),
+                            ("rebalancer_cost_to_finish_dollars", fc.cost_to_finish)):
+            if value is not None:
+                fams[name].add(labels, value)
+        saved = self.hub.savings(view.job)
+        if saved is not None:
+            fams["rebalancer_savings_seconds"].add(labels, saved["saved_s"] or 0.0)
+            if saved["saved_cost"] is not None:
+                fams["rebalancer_savings_dollars"].add(labels, saved["saved_cost"])
+        mode = control.get("mode")
+        if mode is not None:
+            for m in _MODES:
+                fams["rebalancer_mode"].add(f'{labels},mode="{m}"', 1.0 if m == mode else 0.0)
+        version = (control.get("placement") or {}).get("version")
+        if version is not None:
+            fams["rebalancer_placement_version"].add(labels, version)
+
+    def _control(self, fams: dict[str, _Family], job: str, control: dict[str, Any]) -> None:
+        if not control:
+            return  # the controller does not know the job (yet)
+        labels = _labels(job=job)
+        for st, n in sorted(self.controller.proposal_counts(job).items()):
+            fams["rebalancer_proposals"].add(f'{labels},status="{_esc(st)}"', n)
+        counts = self.controller.activity_counts(job)
+        if not counts:
+            return
+        for source, n in counts["proposals"].items():
+            fams["rebalancer_proposals_created_total"].add(f'{labels},source="{_esc(source)}"', n)
+        for source, n in counts["placements"].items():
+            fams["rebalancer_placements_total"].add(f'{labels},source="{_esc(source)}"', n)
+        fams["rebalancer_placement_failures_total"].add(labels, counts["failed"][""])
 
 
-def make_registry(*, live: LiveState, connections: HookConnections, controller: Controller,
-                  writes: WriteBuffer, storage: StorageHealth) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(RebalancerCollector(live=live, connections=connections, controller=controller,
-                                          writes=writes, storage=storage))
-    return registry
+def _s(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000.0
+
+
+def _may_scrape(request: Request, parts: Parts) -> None:
+    address = request.client.host if request.client else None
+    secret = bearer_secret(request.headers)
+    if secret is None and parts.settings.metrics_access == "loopback" and address and is_loopback(address):
+        return
+    actor = parts.auth.authenticate(secret, address)
+    if actor is None:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "Missing or invalid bearer token.",
+                            headers={"WWW-Authenticate": "Bearer"})
+    if not role_allows(actor.role, "viewer"):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "This action needs the viewer role.")
 
 
 @router.get("/metrics", include_in_schema=False)
-def metrics(_actor: ViewerDep, parts: PartsDep) -> Response:
-    """Prometheus exposition of live state; scrapers send a viewer token as a bearer."""
-    return Response(generate_latest(parts.registry), media_type=CONTENT_TYPE_LATEST)
+def metrics(request: Request, parts: PartsDep) -> Response:
+    """Prometheus exposition of live state; see the module's docstring for who may scrape."""
+    _may_scrape(request, parts)
+    return Response(parts.exporter.exposition(), media_type=CONTENT_TYPE)

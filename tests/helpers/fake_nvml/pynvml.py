@@ -1,12 +1,12 @@
 """``import pynvml`` for a torchrun job on a machine with no GPU: put this directory first on
 the workers' PYTHONPATH and each rank's DeviceProbe reads one of two fake GPUs (by
-LOCAL_RANK) through the real probe code. Values: tests/trainer_hook/fake_pynvml.py."""
+LOCAL_RANK) through the real probe code. Values: tests/helpers/nvml.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from tests.trainer_hook.fake_pynvml import (
+from tests.helpers.nvml import (
     NVML_CLOCK_SM,
     NVML_TEMPERATURE_GPU,
     FakeGpu,

@@ -1,4 +1,6 @@
-"""A small stand-in for the pynvml module, for machines without an NVIDIA GPU.
+"""A small stand-in for the pynvml module, for machines without an NVIDIA GPU: the one
+fake NVML of the tests. In-process tests pass ``FakeNvml([...])`` to ``DeviceProbe``;
+torchrun workers import it as ``pynvml`` through tests/helpers/fake_nvml/.
 
 It exposes the functions DeviceProbe calls with the real signatures and units (memory in
 bytes, power in milliwatts, energy in millijoules, clocks in MHz), holds per-device state
@@ -81,6 +83,13 @@ class FakeNvml:
             if g.uuid == uuid:
                 return i
         raise NVMLError("Not Found")
+
+    def nvmlDeviceGetIndex(self, h: int) -> int:
+        self._gpu("nvmlDeviceGetIndex", h)
+        return h
+
+    def nvmlDeviceGetUUID(self, h: int) -> str:
+        return self._gpu("nvmlDeviceGetUUID", h).uuid
 
     def nvmlDeviceGetName(self, h: int) -> str:
         return self._gpu("nvmlDeviceGetName", h).name

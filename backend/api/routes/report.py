@@ -1,0 +1,63 @@
+"""The end-of-run report of a job (docs/api.md, "End-of-run report").
+
+- ``GET /api/v1/jobs/{job}/report`` (viewer): JSON; ``?format=html`` for one self-contained
+  HTML page (plotly.js inlined, opens offline); ``?compare=OTHER`` for two runs side by side.
+  A job with ranks still connected gets a report built now; a finished one its stored report.
+- ``POST /api/v1/jobs/{job}/report`` (operator): build and store the report now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, HTTPException, Query
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from backend.api.deps import OperatorDep, PartsDep, ViewerDep
+from backend.parts import Parts
+from backend.report.collect import ON_DEMAND
+from backend.report.html import render, render_compare
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
+
+
+async def _report(parts: Parts, job: str) -> dict[str, Any]:
+    view = parts.live.view(job)
+    running = view is not None and view.connected_ranks > 0
+    found = None if running else await parts.reports.stored(job)
+    if found is None:
+        found = await parts.reports.build(job, reason=ON_DEMAND, finished=False)
+    if found is None:
+        raise HTTPException(404, f"Job '{job}' not found.")
+    return found
+
+
+@router.get("/{job}/report", summary="End-of-run report of a job")
+async def get_report(
+    job: str, _actor: ViewerDep, parts: PartsDep,
+    format: Annotated[Literal["json", "html"], Query(description="json, or html: one offline page")] = "json",
+    compare: Annotated[str | None, Query(min_length=1, max_length=128,
+                                         description="another job: both runs side by side")] = None,
+) -> Response:
+    a = await _report(parts, job)
+    if compare is None:
+        if format == "html":
+            return HTMLResponse(await asyncio.to_thread(render, a))
+        return JSONResponse(a)
+    b = await _report(parts, compare)
+    if format == "html":
+        return HTMLResponse(await asyncio.to_thread(render_compare, a, b))
+    return JSONResponse({"data": [a, b], "count": 2})
+
+
+@router.post("/{job}/report", summary="Store the job's report now")
+async def store_report(job: str, _actor: OperatorDep, parts: PartsDep) -> dict[str, Any]:
+    view = parts.live.view(job)
+    finished = view is not None and view.connected_ranks == 0
+    found = await parts.store_report(job, reason=ON_DEMAND, finished=finished)
+    if found is None:
+        raise HTTPException(404, f"Job '{job}' not found.")
+    return found

@@ -1,0 +1,1 @@
+"""End-of-run reports: build (pure), collect (I/O, the owner), html (self-contained page)."""
