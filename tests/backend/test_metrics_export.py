@@ -3,6 +3,7 @@ histogram, counters from stored rows (they survive a restart) and who may scrape
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backend.metrics_contract import CONTRACT, STEP_BUCKETS_S, THROTTLE_REASONS, exposed_names
 from tests.backend._app import hello, make_app, steps, sync
+from tests.helpers.waiting import wait_until
 from trainer_hook.protocol import DeviceSample, Metrics, encode
 
 ADMIN = "metrics-admin-secret-0123456789"
@@ -47,9 +49,9 @@ def _feed_two_gpus(client: TestClient) -> None:
             ws.send_text(_gpu_hello(r))
             ws.receive_json()
         a.send_text(encode(Metrics(job="j", rank=0, steps=steps(0, 4, step_ms=20.0, compute_ms=8.0),
-                                   device=[_device(1.0)])))
+                                   device=[_device(time.time())])))
         b.send_text(encode(Metrics(job="j", rank=1, steps=steps(0, 4, step_ms=20.0, compute_ms=16.0),
-                                   device=[_device(1.0, throttle_reasons=["sw_thermal", "sw_power_cap"])])))
+                                   device=[_device(time.time(), throttle_reasons=["sw_thermal", "sw_power_cap"])])))
         sync(a, _gpu_hello(0))
         sync(b, _gpu_hello(1))
 
@@ -57,7 +59,12 @@ def _feed_two_gpus(client: TestClient) -> None:
 def test_every_contract_metric_with_its_labels_and_dcgm_gpu_labels(tmp_path: Path):
     with TestClient(make_app(tmp_path)) as client:
         _feed_two_gpus(client)
-        text = client.get("/metrics").text
+        # Savings come from the dashboard hub's feed, built on its next tick.
+        def with_savings() -> str | None:
+            text = client.get("/metrics").text
+            return text if "rebalancer_savings_seconds{" in text else None
+
+        text = wait_until(with_savings, "the hub's feed to give the job's savings", 10)
     samples = _samples(text)
     names = {n for n, _ in samples}
     for spec in CONTRACT:
@@ -100,7 +107,7 @@ def test_cpu_ranks_have_no_device_series(tmp_path: Path):
         ws.send_text(hello())
         ws.receive_json()
         ws.send_text(encode(Metrics(job="j", rank=0, steps=steps(0, 2),
-                                    device=[DeviceSample(t=1.0, source="psutil", util_pct=50.0)])))
+                                    device=[DeviceSample(t=time.time(), source="psutil", util_pct=50.0)])))
         sync(ws, hello())
         text = client.get("/metrics").text
     assert "rebalancer_rank_compute_seconds{" in text
