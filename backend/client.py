@@ -260,6 +260,8 @@ class Health(TypedDict):
     open_mode: bool
     jobs: int
     hook_connections: int
+    buffered_windows: int
+    dropped_windows: int
 
 
 class WhoAmI(TypedDict):
