@@ -13,7 +13,9 @@ import json
 import os
 import subprocess
 import sys
+import signal
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -58,6 +60,18 @@ def _summary(url: str, job: str) -> str:
             f"placement v{pl.get('version')} {pl.get('shares')}")
 
 
+def _sigterm_stops_like_ctrl_c() -> None:
+    """``kill <pid>`` (a scheduler, a supervisor, a shell that left SIGINT ignored for a
+    background job) stops the job and the backend as Ctrl-C does."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def run_demo(
     *, port: int = 8000, steps: int | None = None, ranks: int = 4, speeds: str = DEFAULT_SPEEDS,
     mode: str = "approve", global_batch_size: int = 64, per_sample_ms: float = 2.0,
@@ -79,6 +93,7 @@ def run_demo(
         new = free_port()
         print(f"rebalancer demo: port {port} is busy; using {new} instead.")
         port = new
+    _sigterm_stops_like_ctrl_c()
     workdir = Path(tempfile.mkdtemp(prefix="rebalancer-demo-"))
     db = db or f"sqlite:///{workdir / 'rebalancer.db'}"
     url = f"http://127.0.0.1:{port}"

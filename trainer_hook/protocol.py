@@ -622,7 +622,7 @@ class Error:
 
 Message: TypeAlias = Hello | Metrics | Ack | Reject | Oom | Placement | Error
 _TYPES: dict[str, Any] = {c.TYPE: c for c in (Hello, Metrics, Ack, Reject, Oom, Placement, Error)}
-_V2_ONLY = {"memory_source"}  # hello fields a version-1 peer does not know
+_V2_ONLY = {"memory_source", "gpu_index", "gpu_uuid"}  # hello fields a version-1 peer does not know
 
 
 def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:

@@ -331,10 +331,12 @@ class Controller:
             previous = st.restart_count
             if (hello.world_size, hello.global_batch_size) != (st.world_size, st.global_batch_size):
                 st = await self._reshape(st, hello)
+            # Under the lock: the ranks of one restarted attempt say hello together, and
+            # only the first of them may see (and audit) the restart.
+            self._follow_restarts(st, hello, previous)
         if previous is not None and hello.restart_count > previous:
             await self._sql(_audit_restart(hello, previous))
         async with st.lock:
-            self._follow_restarts(st, hello, previous)
             st.devices[hello.rank] = hello
             st.last_metrics = self._wall()
             if st.status == "idle":

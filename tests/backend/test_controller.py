@@ -260,3 +260,19 @@ def test_policy_runs_are_spaced_by_their_own_cost(env):
     clock.t += 3.5
     run(policy_tick(ctl, JOB))
     assert st.last_run == clock.t
+
+
+def test_a_torchelastic_restart_is_audited_once_when_its_ranks_say_hello_together(env):
+    """All ranks of a restarted attempt say hello at about the same time; the restart is one
+    event, audited once (CI saw two audit rows when both hellos interleaved)."""
+    svc, ctl, _, _ = env
+
+    async def go() -> None:
+        await join(svc, ctl, world=2, b=32)
+        again = [Hello(job=JOB, rank=r, world_size=2, global_batch_size=32, device_name="cpu",
+                       restart_count=1) for r in range(2)]
+        await asyncio.gather(*(ctl.on_hello(h) for h in again))
+
+    run(go())
+    restarts = [a for a in run(ctl.audit(JOB)) if a["action"] == "job.restart"]
+    assert [a["params"]["restart_count"] for a in restarts] == [1], restarts

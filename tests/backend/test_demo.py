@@ -16,6 +16,14 @@ from tests.helpers.ports import free_port
 from tests.helpers.torchrun import REPO_ROOT
 
 
+def _ctrl_c_works() -> None:
+    """Popen's preexec_fn: a shell that started pytest in the background left SIGINT ignored,
+    and an ignored signal is inherited; a terminal's Ctrl-C reaches a demo with the default."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REBALANCER_")}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
@@ -33,7 +41,7 @@ def test_demo_keeps_the_finished_jobs_page_up_until_ctrl_c():
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "backend", "demo", "--steps", "30", "--ranks", "2",
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=REPO_ROOT, env=_env())
+                            cwd=REPO_ROOT, env=_env(), preexec_fn=_ctrl_c_works)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
@@ -86,7 +94,8 @@ def test_demo_refuses_mismatched_speeds(capsys):
 
 
 @pytest.mark.multiproc
-def test_demo_stops_everything_on_ctrl_c():
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_demo_stops_everything_on_ctrl_c_or_sigterm(sig):
     import signal
     import time
     import urllib.request
@@ -100,6 +109,7 @@ def test_demo_stops_everything_on_ctrl_c():
     proc = subprocess.Popen(
         [sys.executable, "-m", "backend", "demo", "--port", str(port), "--ranks", "2", "--job", job],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT, env=env,
+        preexec_fn=_ctrl_c_works,
     )
     try:
         deadline = time.monotonic() + 120
@@ -112,7 +122,7 @@ def test_demo_stops_everything_on_ctrl_c():
             except OSError:
                 pass
         assert seen >= 5, "the demo job never reported steps"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, sig))
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -29,6 +29,9 @@ def _run(client: TestClient, job: str, *, slow_ms: float, close: bool = True) ->
         sync(a, hello(job=job, rank=0))
         sync(b, hello(job=job, rank=1))
         app.state.parts.flush_metrics()  # type: ignore[attr-defined]
+        if slow_ms >= 30.0:  # rank 1 is 3x slower: the policy proposes before the operator does
+            wait_until(lambda: client.get(f"/api/v1/jobs/{job}/proposals").json()["data"],
+                       "the policy's proposal", 20)
         placed = client.post(f"/api/v1/jobs/{job}/proposals", json={"shares": [24, 8], "apply": True})
         assert placed.status_code == 201, placed.text
         a.receive_json()

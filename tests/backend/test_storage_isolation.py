@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from websockets.exceptions import ConnectionClosed
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.exc import OperationalError
 from websockets.sync.client import connect
@@ -132,8 +133,11 @@ def test_real_server_bad_frame_of_one_job_keeps_the_other_jobs_history(tmp_path)
                 frame["steps"][0]["t"] = 1e308
                 frame["steps"][1]["batch_index"] = 2**63
                 bad.send(json.dumps(frame))
-                with pytest.raises(Exception):  # noqa: B017 - refused or not, nothing more comes
-                    bad.recv(timeout=1)
+                replies = []
+                with pytest.raises((ConnectionClosed, TimeoutError)):  # refused (closed) or ignored
+                    while True:
+                        replies.append(json.loads(bad.recv(timeout=2))["type"])
+                assert set(replies) <= {"error"}, replies  # at most the refusal, nothing else
             good.send(metrics(job="good", rank=0, first=20, n=20))
             good.send(hello(job="good", rank=0, world_size=1, global_batch_size=16))
             assert json.loads(good.recv(timeout=10))["type"] == "placement"  # still served

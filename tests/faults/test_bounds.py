@@ -24,7 +24,7 @@ from websockets.sync.client import ClientConnection, connect
 from tests.backend._app import hello, metrics
 from tests.helpers.server import Server, running_server
 from tests.helpers.waiting import wait_until
-from trainer_hook.protocol import HOOK_FRAMES_BURST
+from trainer_hook.protocol import HOOK_FRAMES_BURST, PROTOCOL_VERSION
 
 pytestmark = pytest.mark.multiproc
 
@@ -80,7 +80,7 @@ def test_live_jobs_are_capped_with_a_clear_refusal(server: Server) -> None:
             extra.send(hello(job="cap-3", rank=0, world_size=1, global_batch_size=8))
             code, _, frames = closed(extra)
         assert code == 1013
-        assert frames[-1] == {"type": "error", "v": 1, "code": "try_again_later", "message": (
+        assert frames[-1] == {"type": "error", "v": PROTOCOL_VERSION, "code": "try_again_later", "message": (
             "The backend holds 3 live jobs with connected ranks (REBALANCER_MAX_LIVE_JOBS); "
             "job 'cap-3' can start once one of them ends.")}
         assert live_jobs(server) == 3
