@@ -23,6 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from ._values import Compact
+
 __all__ = [
     "DEFAULT_HEADROOM",
     "MemoryReading",
@@ -41,7 +43,7 @@ _SIZES_KEPT = 16  # distinct batch sizes the envelope remembers (the most recent
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryReading:
+class MemoryReading(Compact):
     """Peak allocated bytes over a few steps at ``local_batch_size`` (warm-up excluded)."""
 
     local_batch_size: int
@@ -51,7 +53,7 @@ class MemoryReading:
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryFit:
+class MemoryFit(Compact):
     """``peak(b) = m0_bytes + m_bytes * b`` for one rank, fitted from ``n`` readings."""
 
     m0_bytes: float
@@ -69,7 +71,7 @@ class MemoryFit:
 
 
 @dataclass(frozen=True, slots=True)
-class RankMemory:
+class RankMemory(Compact):
     """What the policy knows about one rank's memory.
 
     ``source`` is what the hook measures with ("cuda", "rocm", "xpu", or "" for nothing:

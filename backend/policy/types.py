@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from operator import attrgetter
+from typing import Any, Literal
 
+from ._values import Compact
 from .memory import DEFAULT_HEADROOM, RankMemory
 
 __all__ = [
@@ -25,7 +27,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class StepSample:
+class StepSample(Compact):
     """One measured step of one rank: ``compute_ms`` for ``local_batch_size`` samples."""
 
     batch_index: int
@@ -34,7 +36,7 @@ class StepSample:
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceSignals:
+class DeviceSignals(Compact):
     """Latest device reading of one rank (None where the probe cannot read it)."""
 
     t: float
@@ -49,7 +51,7 @@ class DeviceSignals:
 
 
 @dataclass(frozen=True, slots=True)
-class RankObservation:
+class RankObservation(Compact):
     rank: int
     device_type: str | None = None  # key into the device table, e.g. "H100", "A100-80GB", "CPU"
     mem_total_bytes: int | None = None
@@ -62,9 +64,28 @@ class RankObservation:
     # Peak-memory fit and what the rank measures it with (backend.policy.memory).
     memory: RankMemory = RankMemory()
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Steps and device samples travel as plain tuples (pickled in C) and become objects
+        # again in the policy process: 80 objects a rank, 80,000 at 1,024 ranks.
+        return _rank_observation, (self.rank, self.device_type, self.mem_total_bytes,
+                                   tuple(map(_STEP_FIELDS, self.steps)),
+                                   tuple(map(_DEVICE_FIELDS, self.device)), self.memory)
+
+
+_STEP_FIELDS = attrgetter(*StepSample.__slots__)
+_DEVICE_FIELDS = attrgetter(*DeviceSignals.__slots__)
+
+
+def _rank_observation(rank: int, device_type: str | None, mem_total_bytes: int | None,
+                      steps: tuple[tuple[Any, ...], ...], device: tuple[tuple[Any, ...], ...],
+                      memory: RankMemory) -> RankObservation:
+    return RankObservation(rank, device_type, mem_total_bytes,
+                           tuple(StepSample(*s) for s in steps), tuple(DeviceSignals(*d) for d in device),
+                           memory)
+
 
 @dataclass(frozen=True, slots=True)
-class Rollback:
+class Rollback(Compact):
     """A placement that was rolled back because the measured step time got worse.
 
     ``shares_after`` is the placement that was undone, ``shares_before`` the one restored;
@@ -78,7 +99,7 @@ class Rollback:
 
 
 @dataclass(frozen=True, slots=True)
-class JobObservation:
+class JobObservation(Compact):
     job: str
     world_size: int
     global_batch_size: int
@@ -92,7 +113,7 @@ class JobObservation:
 
 
 @dataclass(frozen=True, slots=True)
-class Constraints:
+class Constraints(Compact):
     """Operator overrides and derived limits. Ranks absent from a map are unconstrained."""
 
     pins: dict[int, int] = field(default_factory=dict)  # rank -> exact share
@@ -103,7 +124,7 @@ class Constraints:
 
 
 @dataclass(frozen=True, slots=True)
-class PolicyConfig:
+class PolicyConfig(Compact):
     strategy: str = "profiled"  # a registered strategy name
     workload: str = "llm"  # "llm" | "vision" | "diffusion" | "recsys" | "custom"
     custom_weights: dict[str, float] | None = None  # device type -> weight, for "custom"
@@ -120,7 +141,7 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class RankExplanation:
+class RankExplanation(Compact):
     rank: int
     share_before: int
     share_after: int
@@ -139,7 +160,7 @@ class RankExplanation:
 
 
 @dataclass(frozen=True, slots=True)
-class Explanation:
+class Explanation(Compact):
     strategy: str
     step_ms_before: float  # predicted max compute time with the shares in force
     step_ms_after: float
@@ -149,14 +170,14 @@ class Explanation:
 
 
 @dataclass(frozen=True, slots=True)
-class Proposal:
+class Proposal(Compact):
     shares: tuple[int, ...]
     reason: str  # one sentence for humans
     explanation: Explanation
 
 
 @dataclass(frozen=True, slots=True)
-class NoProposal:
+class NoProposal(Compact):
     status: Literal[
         "warming_up", "balanced", "cooldown", "insufficient_gain", "no_data", "infeasible"
     ]
