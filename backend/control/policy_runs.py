@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import TYPE_CHECKING, TypeAlias
@@ -34,6 +37,19 @@ def default_decide(obs: JobObservation, cfg: PolicyConfig, cons: Constraints) ->
     return decide(obs, cfg, cons)
 
 
+def _exit_with_parent(parent: int, every_s: float = 0.5) -> None:
+    """Worker initializer: end the worker when the backend is gone. A backend killed with
+    SIGKILL runs no shutdown, and the worker's call queue never reports end of file (the
+    worker holds the queue's write end too), so it would wait for work forever."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="rebalancer-parent-watch", daemon=True).start()
+
+
 class PolicyRunner:
     """Runs decisions in a worker process (``process=True``) or on a worker thread."""
 
@@ -47,7 +63,8 @@ class PolicyRunner:
             return await asyncio.to_thread(self._decide, obs, cfg, cons)
         if self._pool is None:
             # spawn: the backend has threads (SQL gateway, uvicorn); fork would copy their locks.
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_exit_with_parent, initargs=(os.getpid(),))
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._decide, obs, cfg, cons)
 

@@ -62,3 +62,57 @@ def test_decisions_in_the_worker_process_match_the_thread():
     in_process, on_thread = asyncio.run(both())
     assert isinstance(in_process, Proposal) and in_process == on_thread
     assert in_process.shares[2] < 16
+
+
+_KILLED_PARENT = """
+import asyncio, sys
+from backend.control.policy_runs import PolicyRunner
+from backend.policy.types import Constraints, PolicyConfig
+from tests.backend.test_status_and_policy_runs import _observation
+
+async def main():
+    runner = PolicyRunner(process=True)
+    await runner.decide(_observation(), PolicyConfig(strategy="profiled", min_steps=5), Constraints())
+    print(*runner._pool._processes, flush=True)  # the worker's pid
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiproc
+def test_the_policy_worker_exits_when_the_backend_is_killed():
+    """SIGKILL of the backend (the fault suite does it; so does an OOM killer) must not leave
+    its policy process running forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.helpers.torchrun import REPO_ROOT
+    from tests.helpers.waiting import wait_until
+
+    parent = subprocess.Popen([sys.executable, "-c", _KILLED_PARENT], cwd=REPO_ROOT, text=True,
+                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    try:
+        worker = int(parent.stdout.readline())  # type: ignore[union-attr]
+        assert psutil.pid_exists(worker)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+
+        def gone() -> bool:
+            try:
+                return psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        wait_until(gone, "the orphaned policy worker to exit", 20)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        try:
+            psutil.Process(worker).kill()
+        except (psutil.NoSuchProcess, UnboundLocalError):
+            pass
