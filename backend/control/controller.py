@@ -746,10 +746,11 @@ class Controller:
         constraints = inputs.constraints_from(st.overrides)
         version = st.version
         started = time.perf_counter()
-        # The observation reads live state on a worker thread (at thousands of ranks it
-        # takes long enough to delay every websocket); the decision runs in the runner.
+        # The observation's rows are copied from live state on a worker thread (at thousands
+        # of ranks it takes long enough to delay every websocket); its objects are built and
+        # the decision made in the runner (a process of its own at scale).
         obs = await asyncio.to_thread(
-            inputs.observation, self.live, st.job, world_size=st.world_size,
+            inputs.observation_rows, self.live, st.job, world_size=st.world_size,
             global_batch_size=st.global_batch_size, shares=list(st.shares), version=st.version,
             effective=st.effective, window_steps=cfg.window_steps,
             # The policy does not retry a rolled-back direction until the cost changed.

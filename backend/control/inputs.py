@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from backend.control.errors import InvalidError
@@ -21,13 +22,19 @@ from backend.live.state import STEP_COMPUTE as _COMPUTE
 from backend.live.state import STEP_LOCAL_BATCH as _LOCAL_BATCH
 
 if TYPE_CHECKING:
-    from backend.policy.types import Constraints, JobObservation, PolicyConfig, Rollback
+    from backend.policy.types import (
+        Constraints,
+        JobObservation,
+        ObservationRows,
+        PolicyConfig,
+        Rollback,
+    )
     from backend.settings import Settings
     from backend.storage.control import OverridesRow
 
 __all__ = [
     "OVERRIDE_KEYS", "policy_config", "knob", "policy_settings",
-    "constraints_from", "all_said_hello", "observation", "step_costs",
+    "constraints_from", "all_said_hello", "observation", "observation_rows", "step_costs",
     "predict_step_ms", "validate_overrides", "check_overrides",
     "overrides_dict", "median", "rank_memories", "memory_explanation", "memory_constraints",
 ]
@@ -103,15 +110,16 @@ def all_said_hello(live: Any, job: str, world_size: int) -> bool:
     return all(live.hello(job, r) is not None for r in range(world_size))
 
 
-def observation(live: Any, job: str, *, world_size: int, global_batch_size: int,
-                shares: Sequence[int], version: int, effective: int | None,
-                window_steps: int, rollbacks: Sequence[Rollback] = ()) -> JobObservation | None:
-    """The policy's snapshot of a job from ``LiveState``; None until every rank said hello.
+def observation_rows(live: Any, job: str, *, world_size: int, global_batch_size: int,
+                     shares: Sequence[int], version: int, effective: int | None,
+                     window_steps: int, rollbacks: Sequence[Rollback] = ()) -> ObservationRows | None:
+    """The policy's snapshot of a job from ``LiveState``, as rows (``ObservationRows``: the
+    objects are built where the policy runs); None until every rank said hello.
 
     Each rank's steps are its newest ``window_steps`` steps with samples: a rank drained to
     share 0 keeps its last measured cost instead of looking unmeasured."""
     from backend.policy import RankMemory, normalize_device
-    from backend.policy.types import DeviceSignals, JobObservation, RankObservation, StepSample
+    from backend.policy.types import ObservationRows
 
     view = live.view(job)
     if view is None or not all_said_hello(live, job, world_size):
@@ -119,29 +127,34 @@ def observation(live: Any, job: str, *, world_size: int, global_batch_size: int,
     ranks = []
     for r in range(world_size):
         h = live.hello(job, r)
-        steps = live.recent_work_rows(job, r, window_steps)
-        # The strategies read the newest 60 device samples (clock and temperature trends);
-        # each one costs an object per rank per run (1,024 ranks: 60k a run).
-        dev = live.recent_device_rows(job, r, _DEVICE_SAMPLES)
-        ranks.append(RankObservation(
-            rank=r,
-            device_type=normalize_device(h.device_name or h.device_type, h.mem_total_bytes) if h else None,
-            mem_total_bytes=h.mem_total_bytes if h else None,
-            memory=live.rank_memory(job, r) or RankMemory(),
-            steps=tuple(StepSample(s[_BATCH], s[_LOCAL_BATCH], s[_COMPUTE]) for s in steps),
-            # DEVICE_FIELDS order: t, source, util, mem used, mem total, power, temp, sm clock,
-            # sm clock max, throttle reasons (a tuple), cpu %, rss.
-            device=tuple(DeviceSignals(
-                t=d[0], util_pct=d[2], mem_used_bytes=d[3], mem_total_bytes=d[4], temp_c=d[6],
-                sm_clock_mhz=d[7], sm_clock_max_mhz=d[8], power_w=d[5], throttle_reasons=d[9])
-                for d in dev),
+        # The strategies read the newest 60 device samples (clock and temperature trends).
+        ranks.append((
+            r,
+            normalize_device(h.device_name or h.device_type, h.mem_total_bytes) if h else None,
+            h.mem_total_bytes if h else None,
+            tuple(map(_STEP_SAMPLE, live.recent_work_rows(job, r, window_steps))),
+            tuple(map(_DEVICE_SIGNALS, live.recent_device_rows(job, r, _DEVICE_SAMPLES))),
+            live.rank_memory(job, r) or RankMemory(),
         ))
-    return JobObservation(
+    return ObservationRows(
         job=job, world_size=world_size, global_batch_size=global_batch_size,
         batch_index=view.batch_index or 0, shares=tuple(shares), placement_version=version,
         steps_since_change=max(0, (view.batch_index or 0) - (effective or 0)), ranks=tuple(ranks),
         rollbacks=tuple(rollbacks),
     )
+
+
+def observation(live: Any, job: str, **kw: Any) -> JobObservation | None:
+    """``observation_rows`` with its objects built (for callers on the policy's side)."""
+    rows = observation_rows(live, job, **kw)
+    return rows.build() if rows is not None else None
+
+
+# Step rows -> StepSample's fields; device rows (DEVICE_FIELDS: t, source, util, mem used,
+# mem total, power, temp, sm clock, sm clock max, throttle reasons, cpu %, rss) ->
+# DeviceSignals's (t, util, mem used, mem total, temp, sm clock, sm clock max, power, reasons).
+_STEP_SAMPLE = itemgetter(_BATCH, _LOCAL_BATCH, _COMPUTE)
+_DEVICE_SIGNALS = itemgetter(0, 2, 3, 4, 6, 7, 8, 5, 9)
 
 
 def step_costs(live: Any, job: str, world_size: int) -> list[float] | None:

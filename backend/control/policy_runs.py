@@ -21,7 +21,14 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import TYPE_CHECKING, TypeAlias
 
 if TYPE_CHECKING:
-    from backend.policy.types import Constraints, JobObservation, NoProposal, PolicyConfig, Proposal
+    from backend.policy.types import (
+        Constraints,
+        JobObservation,
+        NoProposal,
+        ObservationRows,
+        PolicyConfig,
+        Proposal,
+    )
 
     Decide: TypeAlias = Callable[[JobObservation, PolicyConfig, Constraints], "Proposal | NoProposal"]
 else:
@@ -50,6 +57,14 @@ def _exit_with_parent(parent: int, every_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="rebalancer-parent-watch", daemon=True).start()
 
 
+def _decide_rows(decide: Decide, obs: JobObservation | ObservationRows, cfg: PolicyConfig,
+                 cons: Constraints) -> Proposal | NoProposal:
+    """Build the observation's objects (here: in the worker) and decide."""
+    from backend.policy.types import ObservationRows
+
+    return decide(obs.build() if isinstance(obs, ObservationRows) else obs, cfg, cons)
+
+
 class PolicyRunner:
     """Runs decisions in a worker process (``process=True``) or on a worker thread."""
 
@@ -58,15 +73,17 @@ class PolicyRunner:
         self.process = process
         self._pool: ProcessPoolExecutor | None = None
 
-    async def decide(self, obs: JobObservation, cfg: PolicyConfig, cons: Constraints) -> Proposal | NoProposal:
+    async def decide(self, obs: JobObservation | ObservationRows, cfg: PolicyConfig,
+                     cons: Constraints) -> Proposal | NoProposal:
+        """``obs`` as objects or as rows (built where the decision runs)."""
         if not self.process:
-            return await asyncio.to_thread(self._decide, obs, cfg, cons)
+            return await asyncio.to_thread(_decide_rows, self._decide, obs, cfg, cons)
         if self._pool is None:
             # spawn: the backend has threads (SQL gateway, uvicorn); fork would copy their locks.
             self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_exit_with_parent, initargs=(os.getpid(),))
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._decide, obs, cfg, cons)
+        return await loop.run_in_executor(self._pool, _decide_rows, self._decide, obs, cfg, cons)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -14,6 +14,7 @@ __all__ = [
     "DeviceSignals",
     "RankObservation",
     "JobObservation",
+    "ObservationRows",
     "Rollback",
     "Constraints",
     "PolicyConfig",
@@ -110,6 +111,35 @@ class JobObservation(Compact):
     ranks: tuple[RankObservation, ...]
     # Recent automatic rollbacks, oldest first (the controller keeps a few).
     rollbacks: tuple[Rollback, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ObservationRows(Compact):
+    """A ``JobObservation`` still in rows: what the backend copies out of its live state on
+    its own side, cheaply; ``build()`` makes the objects where the policy runs (its own
+    process at scale), so their cost is not paid against the backend's event loop.
+
+    Each entry of ``ranks`` is ``(rank, device_type, mem_total_bytes, step rows, device
+    rows, memory)``; a step row is ``StepSample``'s fields in order, a device row
+    ``DeviceSignals``'s.
+    """
+
+    job: str
+    world_size: int
+    global_batch_size: int
+    batch_index: int
+    shares: tuple[int, ...]
+    placement_version: int
+    steps_since_change: int
+    ranks: tuple[tuple[Any, ...], ...]
+    rollbacks: tuple[Rollback, ...] = ()
+
+    def build(self) -> JobObservation:
+        return JobObservation(
+            job=self.job, world_size=self.world_size, global_batch_size=self.global_batch_size,
+            batch_index=self.batch_index, shares=self.shares, placement_version=self.placement_version,
+            steps_since_change=self.steps_since_change,
+            ranks=tuple(_rank_observation(*r) for r in self.ranks), rollbacks=self.rollbacks)
 
 
 @dataclass(frozen=True, slots=True)
