@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +22,7 @@ import pytest
 
 from tests.backend.test_e2e_control import ADMIN, ENV, call, wait_for
 from tests.helpers.server import running_server
-from tests.helpers.torchrun import REPO_ROOT, start_torchrun
+from tests.helpers.torchrun import REPO_ROOT, running_torchrun
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
@@ -33,28 +30,11 @@ WORKER = os.path.join(REPO_ROOT, "tests", "backend", "_memory_worker.py")
 GB = 10**9
 
 
-@contextlib.contextmanager
 def memory_job(url: str, name: str, *, b: int, speeds: str, memory: str,
-               max_restarts: int = 0) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
-    proc = start_torchrun(len(speeds.split(",")), [
+               max_restarts: int = 0) -> contextlib.AbstractContextManager[tuple[subprocess.Popen[str], list[str]]]:
+    return running_torchrun(len(speeds.split(",")), [
         WORKER, "--server", url, "--job", name, "--token", ADMIN, "--global-batch-size", str(b),
         "--speeds", speeds, "--memory", memory, "--per-sample-ms", "1.0"], max_restarts=max_restarts)
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
-    reader.start()
-    try:
-        yield proc, out
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        reader.join(timeout=5)
 
 
 def memory_of(server: Any, name: str) -> list[dict[str, Any]] | None:

@@ -107,11 +107,11 @@ def start_torchrun(
 
 @contextlib.contextmanager
 def running_torchrun(
-    nproc: int, target: Sequence[str], *, env: dict[str, str] | None = None,
+    nproc: int, target: Sequence[str], *, env: dict[str, str] | None = None, max_restarts: int = 0,
 ) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
     """A background torchrun job and its output lines (read on a thread as they come);
     on exit SIGTERM to its process group, then SIGKILL after 20 s."""
-    proc = start_torchrun(nproc, target, env=env)
+    proc = start_torchrun(nproc, target, env=env, max_restarts=max_restarts)
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
