@@ -233,35 +233,17 @@ def _is_number(v: Any) -> bool:
 def validate_overrides(o: Mapping[str, Any], *, world_size: int,
                        global_batch_size: int) -> dict[str, Any]:
     """Overrides as sent by an operator -> the normalised dict (int rank keys, sorted
-    drains), or InvalidError naming the first entry that is wrong."""
-    n, b = world_size, global_batch_size
+    drains), or InvalidError naming the first entry that is wrong (``models.Overrides``)."""
+    from pydantic import ValidationError
 
-    def rank(r: Any, what: str) -> int:
-        try:
-            r = int(r)
-        except (TypeError, ValueError):
-            raise InvalidError(f"{what} keys must be rank numbers, got {r!r}.") from None
-        if not 0 <= r < n:
-            raise InvalidError(f"{what} names rank {r} but the job has ranks 0 to {n - 1}.")
-        return r
+    from backend.control.models import Overrides
 
-    out: dict[str, Any] = {}
-    for key in ("pins", "caps", "floors"):
-        m = {}
-        for r, v in (o.get(key) or {}).items():
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= b:
-                raise InvalidError(f"{key}[{r}] must be an integer between 0 and {b}, got {v!r}.")
-            m[rank(r, key)] = v
-        out[key] = m
-    out["drains"] = sorted({rank(r, "drains") for r in (o.get("drains") or [])})
-    g = o.get("granularity", 1)
-    if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= b:
-        raise InvalidError(f"granularity must be an integer between 1 and {b}, got {g!r}.")
-    out["granularity"] = g
-    both = sorted(set(out["pins"]) & set(out["drains"]))
-    if both:
-        raise InvalidError(f"Rank {both[0]} is both pinned and drained; choose one.")
-    return out
+    try:
+        ov = Overrides.model_validate(dict(o), context={"world_size": world_size,
+                                                        "global_batch_size": global_batch_size})
+    except ValidationError as exc:
+        raise InvalidError(exc.errors()[0]["msg"]) from None
+    return ov.normalised()
 
 
 def check_overrides(overrides: Mapping[str, Any], shares: Sequence[int], *,

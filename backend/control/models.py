@@ -12,12 +12,13 @@ import math
 from typing import Annotated, Any, Literal, get_args
 
 from annotated_types import Ge, Le
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
 from backend.control.errors import InvalidError
+from trainer_hook.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_WORLD_SIZE
 
-__all__ = ["PolicyChanges", "WORKLOADS", "Workload", "check_policy_changes", "policy_sentence"]
+__all__ = ["Overrides", "PolicyChanges", "WORKLOADS", "Workload", "check_policy_changes", "policy_sentence"]
 
 Workload = Literal["llm", "vision", "diffusion", "recsys", "custom"]
 WORKLOADS: tuple[str, ...] = get_args(Workload)
@@ -110,3 +111,117 @@ def check_policy_changes(changes: dict[str, Any]) -> dict[str, Any]:
     except ValidationError as exc:
         raise InvalidError(exc.errors()[0]["msg"]) from None
     return changes
+
+
+# --- overrides ------------------------------------------------------------------------------
+
+Samples = Annotated[int, Field(ge=0, le=MAX_GLOBAL_BATCH_SIZE, strict=True)]
+Rank = Annotated[int, Field(ge=0, lt=MAX_WORLD_SIZE)]
+
+
+class Overrides(BaseModel):
+    """A job's operator overrides: the body of ``PUT /api/v1/jobs/{job}/overrides`` (PUT
+    replaces; empty values clear) and what the controller stores and the solver obeys.
+
+    The ``Field``s hold the limits every job shares. A job's own (its ranks, its global
+    batch ``B``) come in the validation context, ``{"world_size": n, "global_batch_size":
+    B}``, as the controller validates; the first problem becomes one sentence naming the
+    entry and the rule, the same whether the REST edge or the controller finds it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    pins: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> exact share")
+    caps: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> most samples")
+    floors: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> fewest samples")
+    drains: list[Rank] = Field(default_factory=list, max_length=MAX_WORLD_SIZE,
+                               description="ranks that get no samples")
+    granularity: Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH_SIZE, strict=True)] = Field(
+        default=1, description="shares are multiples of this (one rank may carry the remainder)")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _one_sentence(cls, data: Any, handler: Any, info: ValidationInfo) -> Any:
+        ctx = info.context
+        if ctx is None and isinstance(data, dict):
+            # The REST edge, where the job is not known yet: the entries are kept as sent
+            # for the controller, which validates them with the job's ranks and batch (the
+            # sentences name the job's limits); only the other fields are checked here.
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                raise PydanticCustomError("policy", _unknown_override(unknown[0]))
+            out = handler({k: v for k, v in data.items() if k not in Overrides.model_fields})
+            for key in Overrides.model_fields:
+                if key in data:
+                    object.__setattr__(out, key, data[key])
+            return out
+        ctx = ctx or {}
+        sentence = overrides_problem(data, world_size=ctx.get("world_size"),
+                                     global_batch_size=ctx.get("global_batch_size"))
+        if sentence is not None:
+            raise PydanticCustomError("policy", sentence)
+        try:
+            return handler(data)
+        except ValidationError as exc:  # a shape the checks above do not name (rare)
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise PydanticCustomError("policy", f"{where or 'overrides'}: {err['msg']}.") from None
+
+    def entries(self) -> dict[str, Any]:
+        """The override fields as they are (as sent, at the REST edge)."""
+        return {key: getattr(self, key) for key in Overrides.model_fields}
+
+    def normalised(self) -> dict[str, Any]:
+        """The controller's dict: int rank keys, sorted distinct drains."""
+        return {"pins": dict(self.pins), "caps": dict(self.caps), "floors": dict(self.floors),
+                "drains": sorted(set(self.drains)), "granularity": self.granularity}
+
+
+def _unknown_override(key: str) -> str:
+    return f"Unknown override {key!r}; known: {', '.join(Overrides.model_fields)}."
+
+
+def overrides_problem(o: Any, *, world_size: int | None, global_batch_size: int | None) -> str | None:
+    """The first thing wrong with overrides ``o`` for a job of ``world_size`` ranks and
+    global batch ``global_batch_size`` (None: not known here, the limits every job shares
+    apply), as one sentence; None when they are valid."""
+    n = world_size if world_size is not None else MAX_WORLD_SIZE
+    b = global_batch_size if global_batch_size is not None else MAX_GLOBAL_BATCH_SIZE
+    ranks = f"the job has ranks 0 to {n - 1}" if world_size is not None else f"a job has at most {n} ranks"
+    if not isinstance(o, dict):
+        return f"Overrides must be an object with pins, caps, floors, drains and granularity, got {o!r}."
+    unknown = sorted(set(o) - set(Overrides.model_fields))
+    if unknown:
+        return _unknown_override(unknown[0])
+
+    def rank_problem(r: Any, what: str) -> str | None:
+        try:
+            r = int(r)
+        except (TypeError, ValueError):
+            return f"{what} keys must be rank numbers, got {r!r}."
+        if not 0 <= r < n:
+            return f"{what} names rank {r} but {ranks}."
+        return None
+
+    for key in ("pins", "caps", "floors"):
+        m = o.get(key) or {}
+        if not isinstance(m, dict):
+            return f"{key} must map ranks to samples, got {m!r}."
+        for r, v in m.items():
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= b:
+                return f"{key}[{r}] must be an integer between 0 and {b}, got {v!r}."
+            if (bad := rank_problem(r, key)) is not None:
+                return bad
+    drains = o.get("drains") or []
+    if not isinstance(drains, list):
+        return f"drains must be a list of ranks, got {drains!r}."
+    for r in drains:
+        if (bad := rank_problem(r, "drains")) is not None:
+            return bad
+    g = o.get("granularity", 1)
+    if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= b:
+        return f"granularity must be an integer between 1 and {b}, got {g!r}."
+    both = sorted({int(r) for r in (o.get("pins") or {})} & {int(r) for r in drains})
+    if both:
+        return f"Rank {both[0]} is both pinned and drained; choose one."
+    return None

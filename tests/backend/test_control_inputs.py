@@ -48,3 +48,33 @@ def test_overrides_name_the_bad_entry():
         validate_overrides({"drains": [3]}, world_size=3, global_batch_size=48)
     with pytest.raises(InvalidError, match="Rank 1 is both pinned and drained; choose one."):
         validate_overrides({"pins": {1: 0}, "drains": [1]}, world_size=3, global_batch_size=48)
+
+
+def test_overrides_model_checks_the_jobs_limits_from_its_context_and_documents_the_shared_ones():
+    from pydantic import ValidationError
+
+    from backend.api.routes.control import OverridesIn
+    from backend.control.models import Overrides
+
+    job = {"world_size": 3, "global_batch_size": 48}
+    ok = Overrides.model_validate({"pins": {"0": 8}, "drains": [2, 2], "granularity": 4}, context=job)
+    assert ok.normalised() == {"pins": {0: 8}, "caps": {}, "floors": {}, "drains": [2], "granularity": 4}
+    for bad, sentence in [
+        ({"caps": {"1": 49}}, "caps[1] must be an integer between 0 and 48, got 49."),
+        ({"floors": {"7": 1}}, "floors names rank 7 but the job has ranks 0 to 2."),
+        ({"weights": {}}, "Unknown override 'weights'; known: pins, caps, floors, drains, granularity."),
+    ]:
+        with pytest.raises(ValidationError) as got:
+            Overrides.model_validate(bad, context=job)
+        assert got.value.errors()[0]["msg"] == sentence
+    # At the REST edge the job is unknown: entries pass as sent (the controller checks them
+    # with the job's limits), unknown keys and the reason are checked at once.
+    edge = OverridesIn.model_validate({"caps": {"1": 99}, "reason": "why"})
+    assert edge.entries()["caps"] == {"1": 99} and edge.reason == "why"
+    with pytest.raises(ValidationError):
+        OverridesIn.model_validate({"cap": {}})
+    with pytest.raises(ValidationError):
+        OverridesIn.model_validate({"reason": "x" * 5000})
+    schema = Overrides.model_json_schema()["properties"]
+    assert schema["caps"]["additionalProperties"] == {"maximum": 16777216, "minimum": 0, "type": "integer"}
+    assert schema["granularity"]["minimum"] == 1

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
 from backend.api.deps import AdminDep, OperatorDep, PartsDep, RowId, ViewerDep
-from backend.control.models import PolicyChanges
+from backend.control.models import Overrides, PolicyChanges
 
 __all__ = [
     "router",
@@ -61,15 +61,11 @@ class DecisionIn(BaseModel):
     reason: str | None = Field(default=None, max_length=2048)
 
 
-class OverridesIn(BaseModel):
-    """The full set of overrides (PUT replaces); send empty values to clear them."""
+class OverridesIn(Overrides):
+    """The full set of overrides (PUT replaces); send empty values to clear them. Limits
+    every job shares are checked here, the job's own (its ranks, its global batch) by the
+    controller: both answer with one sentence naming the entry and the rule."""
 
-    # Loose types: the controller names the rank and the rule a bad value breaks.
-    pins: dict[str, Any] = Field(default_factory=dict, description="rank -> exact share")
-    caps: dict[str, Any] = Field(default_factory=dict, description="rank -> most samples")
-    floors: dict[str, Any] = Field(default_factory=dict, description="rank -> fewest samples")
-    drains: list[Any] = Field(default_factory=list, description="ranks that get no samples")
-    granularity: Any = 1
     reason: str | None = Field(default=None, max_length=2048)
 
 
@@ -231,8 +227,7 @@ async def get_overrides(job: str, actor: ViewerDep, parts: PartsDep) -> dict[str
 async def put_overrides(job: str, body: OverridesIn, actor: OperatorDep, parts: PartsDep) -> dict[str, Any]:
     """Replace the overrides; the policy respects them until cleared. When the placement in
     force breaks them, a proposal that respects them is created (``proposal_id``)."""
-    ov = body.model_dump(exclude={"reason"})
-    return await parts.controller.set_overrides(job, ov, actor=actor, reason=body.reason)
+    return await parts.controller.set_overrides(job, body.entries(), actor=actor, reason=body.reason)
 
 
 @router.post("/rollback", response_model=PlacementPublic)
