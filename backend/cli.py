@@ -109,6 +109,25 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
 
+def _exit_with_parent(parent: int, every_s: float = 0.5) -> None:
+    """Stop serving (SIGTERM to this process: uvicorn's graceful shutdown) once ``parent``,
+    the process that started the backend for its own lifetime, is gone."""
+    import logging
+    import os
+    import signal
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        logging.getLogger("rebalancer").warning(
+            "its parent process is gone (REBALANCER_EXIT_WITH_PARENT=%d): shutting down", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="rebalancer-parent-watch", daemon=True).start()
+
+
 def _serve_with(settings: Settings) -> int:
     from backend.storage import make_engine as _engine
 
@@ -149,6 +168,8 @@ def _serve_with(settings: Settings) -> int:
     from backend.main import create_app
 
     app = create_app(settings)  # opens the database: the caller turns its failure into one line
+    if settings.exit_with_parent is not None:
+        _exit_with_parent(settings.exit_with_parent)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 log_config=redact.log_config(),
                 ws_max_size=settings.ws_max_bytes, ws="websockets-sansio",

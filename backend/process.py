@@ -50,8 +50,11 @@ def spawn_backend(
 
     ``env`` replaces the environment (PYTHONUNBUFFERED is added so the log is live);
     ``new_session`` puts the server in its own process group (for ``stop_process(group=True)``).
+    The server stops by itself when the calling process is gone (REBALANCER_EXIT_WITH_PARENT).
     """
-    full_env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+    # The backend lives as long as the caller: it stops by itself if the caller is killed.
+    full_env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1",
+                "REBALANCER_EXIT_WITH_PARENT": str(os.getpid())}
     cmd = [sys.executable, "-m", "backend", "serve", "--host", host, "--port", str(port), "--db", db_url]
     with open(log_path, "wb") as log:
         return subprocess.Popen(

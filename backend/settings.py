@@ -106,6 +106,10 @@ class Settings(BaseSettings):
     policy_tick_s: Annotated[float, Field(ge=0.005, le=10.0)] = 0.05
     policy_min_interval_s: Annotated[float, Field(ge=0.0, le=600.0)] = 0.5
     policy_process: bool = True
+    # Set by a program that starts the backend for its own lifetime (`rebalancer demo`, the
+    # benchmarks, the tests): the backend shuts down by itself once that process is gone,
+    # even when it was killed with SIGKILL and ran no cleanup.
+    exit_with_parent: Annotated[int, Field(ge=1, le=2**22)] | None = None
     # Metric history: per-second windows older than this many days are deleted, checked
     # every retention_interval_s.
     retention_days: Annotated[float, Field(gt=0.0, le=3650.0)] = 7.0
