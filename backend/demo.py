@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-import signal
 import tempfile
 import threading
 import time

@@ -14,9 +14,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from websockets.exceptions import ConnectionClosed
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.exc import OperationalError
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from backend.live.state import Window
