@@ -14,7 +14,14 @@ comm hook: how much longer ``backward()`` (where DDP runs it) takes than the bas
 with DDP's built-in C++ all-reduce hook. The hook's Python body and the all-reduce
 launch inside it are timed too, as a breakdown. Targets: <= 1 % and <= 50 us.
 
-    python -m bench.hook_overhead [--quick] [--steps 200] [--rounds 3] [--step-ms 20]
+With ``--mechanisms`` it also compares ways of weighting DDP's gradients: forward plus
+backward time over DDP's built-in hook, for the weighted comm hook and for output scaling
+(a tensor hook multiplies the gradient entering the model's output by ``world_size *
+weight``; DDP's built-in hook averages), with 1 bucket and with one bucket per parameter.
+Output scaling is measured here, not shipped: it is inexact for loss terms that reach the
+parameters without passing through the output (tests/trainer_hook/test_exactness.py).
+
+    python -m bench.hook_overhead [--quick] [--steps 200] [--rounds 3] [--step-ms 20] [--mechanisms]
 """
 
 from __future__ import annotations
@@ -135,6 +142,53 @@ def _hot_step_calls_us(n: int = 3000) -> float:
     return _p50(times) * 1e6
 
 
+def _mechanism_costs(rounds: int, step_ms: float) -> dict[str, dict[str, float]]:
+    """Forward+backward p50 (us) over DDP's built-in hook, per mechanism and bucket layout.
+
+    Each step sleeps ``step_ms`` first (cold caches, as in training), then times the
+    forward and backward of a 6-layer MLP; models alternate in blocks of 10 steps.
+    """
+    from trainer_hook.gradients import GradientState
+
+    def build(mechanism: str, cap_mb: float) -> tuple[DDP, GradientState]:
+        torch.manual_seed(0)
+        layers: list[torch.nn.Module] = []
+        for _ in range(6):
+            layers += [torch.nn.Linear(32, 32), torch.nn.ReLU()]
+        model = DDP(torch.nn.Sequential(*layers, torch.nn.Linear(32, 1)), bucket_cap_mb=cap_mb)
+        state = GradientState()
+        state.weight = 0.5
+        if mechanism == "comm_hook":
+            model.register_comm_hook(state, gradients.weighted_allreduce_hook)
+        elif mechanism == "output_scale":
+            def scale(module: Any, args: Any, out: torch.Tensor) -> None:
+                s = dist.get_world_size() * state.weight
+                out.register_hook(lambda g: g * s)
+            model.register_forward_hook(scale)
+        return model, state
+
+    x, y = torch.randn(B, 32), torch.randn(B, 1)
+    out: dict[str, dict[str, float]] = {}
+    # 25 MB: all in one bucket; 1e-6 MB: one bucket per parameter (14 here).
+    for layout, cap_mb in (("1_bucket", 25.0), ("14_buckets", 1e-6)):
+        models = {m: build(m, cap_mb)[0] for m in ("builtin", "comm_hook", "output_scale")}
+        times: dict[str, list[float]] = {m: [] for m in models}
+        for r in range(rounds * 5 + 1):
+            for name, model in models.items():
+                for _ in range(10):
+                    time.sleep(step_ms / 1e3)
+                    t = time.perf_counter()
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    dt = time.perf_counter() - t
+                    model.zero_grad(set_to_none=True)
+                    if r:  # the first round warms up (DDP rebuilds its buckets after step 1)
+                        times[name].append(dt)
+        base = _p50(times["builtin"])
+        out[layout] = {"builtin_us": base * 1e6,
+                       **{f"{m}_added_us": (_p50(times[m]) - base) * 1e6 for m in ("comm_hook", "output_scale")}}
+    return out
+
+
 def _run_block(model: torch.nn.Module, it: Iterator[Any], opt: torch.optim.Optimizer, steps: int,
                hook: RebalanceHook | None) -> tuple[list[float], list[float], list[float]]:
     step_s: list[float] = []
@@ -164,7 +218,7 @@ def _run_block(model: torch.nn.Module, it: Iterator[Any], opt: torch.optim.Optim
     return step_s, hook_s, backward_s
 
 
-def run(*, steps: int, rounds: int, step_ms: float, server: str | None) -> dict[str, Any]:
+def run(*, steps: int, rounds: int, step_ms: float, server: str | None, mechanisms: bool = False) -> dict[str, Any]:
     """Alternate baseline and hooked blocks; return the measured figures."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -217,6 +271,7 @@ def run(*, steps: int, rounds: int, step_ms: float, server: str | None) -> dict[
         dropped, connected = hook.dropped, hook.connected
         hook.close()
         timer.uninstall()
+        mechanism_costs = _mechanism_costs(rounds, step_ms) if mechanisms else None
     finally:
         dist.destroy_process_group()
 
@@ -254,6 +309,7 @@ def run(*, steps: int, rounds: int, step_ms: float, server: str | None) -> dict[
                         "comm_hook_added": comm_added_us},
         "training_thread_added_us_per_step": added_us,
         "metrics_dropped": dropped,
+        **({"mechanisms_fwd_bwd_us": mechanism_costs} if mechanism_costs is not None else {}),
         "targets": {"overhead_ratio_max": 0.01, "added_us_max": 50.0},
         "meets_targets": {
             "overhead": med_hook / med_base - 1.0 <= 0.01,
@@ -269,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="baseline/hooked block pairs")
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--no-backend", action="store_true", help="run the hook offline (no transport)")
+    p.add_argument("--mechanisms", action="store_true",
+                   help="also compare gradient-weighting mechanisms (about 20 s more)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "hook_overhead.json")
     args = p.parse_args(argv)
     if args.quick:
@@ -281,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             from bench._backend import running_backend
 
             server = stack.enter_context(running_backend()).url
-        result = run(steps=args.steps, rounds=args.rounds, step_ms=args.step_ms, server=server)
+        result = run(steps=args.steps, rounds=args.rounds, step_ms=args.step_ms, server=server,
+                     mechanisms=args.mechanisms)
     rows = [
         ["baseline step (median)", f"{result['baseline_step_ms']['median']:.3f} ms", ""],
         ["hooked step (median)", f"{result['hooked_step_ms']['median']:.3f} ms", ""],
@@ -298,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         ["  comm hook added", f"{result['backward_us']['comm_hook_added']:.1f} us", ""],
         ["training-thread time added", f"{result['training_thread_added_us_per_step']:.1f} us", "<= 50 us"],
     ]
+    for layout, costs in result.get("mechanisms_fwd_bwd_us", {}).items():
+        rows += [
+            [f"{layout}: fwd+bwd, built-in hook", f"{costs['builtin_us']:.1f} us", ""],
+            ["  weighted comm hook added", f"{costs['comm_hook_added_us']:.1f} us", "(shipped)"],
+            ["  output scaling added", f"{costs['output_scale_added_us']:.1f} us", "(not exact)"],
+        ]
     print_table("Hook overhead (one rank, gloo, 20 ms steps)", ["figure", "value", "target"], rows)
     write_json(args.out, {"benchmark": "hook_overhead", **result})
     print(f"\nwrote {args.out}")

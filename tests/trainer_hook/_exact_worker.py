@@ -44,11 +44,40 @@ class IndexedData(Dataset):  # type: ignore[type-arg]
         return self.x[i], self.y[i], i
 
 
-def build_model() -> torch.nn.Module:
+def build_model() -> torch.nn.Sequential:
     torch.manual_seed(7)
     return torch.nn.Sequential(
         torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
     ).to(torch.float64)
+
+
+AUX_COEF = 0.5
+L2_COEF = 0.01
+
+
+class SideChannel(torch.nn.Module):
+    """``build_model()``'s layers, keeping an activation-dependent loss term on the module
+    instead of returning it (the habit of many mixture-of-experts layers)."""
+
+    def __init__(self, net: torch.nn.Sequential) -> None:
+        super().__init__()
+        self.net = net
+        self.aux = torch.zeros((), dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net[1](self.net[0](x))
+        self.aux = h.pow(2).mean()
+        return self.net[2](h)  # type: ignore[no-any-return]
+
+
+def loss_of(model: torch.nn.Module, inner: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The local mean loss; with a SideChannel model plus its stashed term and an L2 term
+    on the parameters, both of which reach the parameters without passing through the
+    model's output."""
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    if isinstance(inner, SideChannel):
+        loss = loss + AUX_COEF * inner.aux + L2_COEF * sum(p.pow(2).sum() for p in inner.parameters())
+    return loss
 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -79,13 +108,16 @@ def main() -> None:
     p.add_argument("--ckpt", default="", help="checkpoint file to write at --save-at, or to --resume from")
     p.add_argument("--save-at", type=int, default=-1, help="checkpoint after this many steps, then die 2 steps later")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--side-channel", action="store_true",
+                   help="SideChannel model: loss terms that bypass the model's output")
     args = p.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     extra = {} if args.lookahead == "default" else {"lookahead": int(args.lookahead)}
     hook = RebalanceHook(job="exact", global_batch_size=GLOBAL_BATCH, exchange_every=3, exchange_lag=1, **extra)
-    model = DDP(build_model())
+    inner = SideChannel(build_model()) if args.side_channel else build_model()
+    model = DDP(inner)
     hook.attach(model)
     opt = make_optimizer(model)
     ds = IndexedData()
@@ -137,7 +169,7 @@ def main() -> None:
                 assert k2 == k
                 if rank == args.slow_rank:
                     time.sleep(0.03)
-                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss = loss_of(model, inner, x, y)
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)

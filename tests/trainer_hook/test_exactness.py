@@ -24,15 +24,15 @@ def _run(tmp_path: Path, *extra: str, nproc: int = 3, steps: int = STEPS) -> lis
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def _reference_params(steps: int) -> list[torch.Tensor]:
+def _reference_params(steps: int, *, side_channel: bool = False) -> list[torch.Tensor]:
     """One process training on each whole global batch, the mean loss over it."""
     ds = w.IndexedData()
     order = RebalanceBatchSampler(ds, schedule=PlacementSchedule(1, w.GLOBAL_BATCH), rank=0, shuffle=True, seed=3)
-    model = w.build_model()
+    model = w.SideChannel(w.build_model()) if side_channel else w.build_model()
     opt = w.make_optimizer(model)
     for k in range(steps):
         idx = torch.tensor(order.global_batch(k))
-        loss = torch.nn.functional.mse_loss(model(ds.x[idx]), ds.y[idx])
+        loss = w.loss_of(model, model, ds.x[idx], ds.y[idx])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -95,6 +95,24 @@ def test_changing_placements_give_the_reference_parameters(
     # The run must have moved the parameters, or the comparison proves nothing.
     init = [p.detach() for p in w.build_model().parameters()]
     assert max((g - i).abs().max().item() for g, i in zip(got, init, strict=True)) > 1e-3
+
+
+def test_loss_terms_that_bypass_the_output_stay_exact(tmp_path: Path) -> None:
+    # A term computed from activations and kept on the module (not returned), plus an L2
+    # term on the parameters. Weighting each bucket by the rank's share keeps both exact.
+    # Scaling only the gradient that enters the model's output (and letting DDP average)
+    # would weight the stashed term 1 / world_size on every rank, the dummy batch of a
+    # drained rank included: off by about 1e-2 here, with no way for the hook to see it.
+    # This guards the gradient mechanism against that shortcut.
+    steps = 20
+    ranks = _run(tmp_path, "--plan", "1=2,4,6;5=6,6,0;9=1,10,1", "--side-channel", steps=steps)
+    starts = [s for s, _, _ in ranks[0]["timeline"]]
+    assert len(starts) == 4 and starts[-1] < steps, "every placement was trained"
+    assert any(e["dummy"] for e in ranks[2]["seen"]), "the drained rank trained a dummy batch"
+    _check_every_sample_once(ranks, steps)
+    got = [torch.tensor(p, dtype=torch.float64) for p in ranks[0]["params"]]
+    for g, r in zip(got, _reference_params(steps, side_channel=True), strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12)
 
 
 def test_placement_delivered_at_different_moments_switches_everywhere_at_once(tmp_path: Path) -> None:
