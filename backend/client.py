@@ -33,8 +33,8 @@ from typing import Any, TypedDict, cast
 
 __all__ = [
     "Client", "APIError", "ServerUnreachable", "DEFAULT_SERVER",
-    "Job", "Rank", "Device", "MetricPoint", "MetricsPage", "Forecast", "Proposal", "Placement",
-    "Effect", "Overrides", "OverridesSet", "AuditRecord", "Token", "TokenCreated", "Health", "WhoAmI",
+    "Job", "Rank", "Device", "MetricPoint", "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory",
+    "Proposal", "Placement", "Effect", "Overrides", "OverridesSet", "AuditRecord", "Token", "TokenCreated", "Health", "WhoAmI",
 ]
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
@@ -164,6 +164,44 @@ class Forecast(TypedDict):
     cost_per_hour: float | None
     unpriced_ranks: int
     cost_to_finish: float | None
+
+
+class Summary(TypedDict):
+    job: str
+    batch_index: int | None
+    total_steps: int | None
+    measured_s: float  # wall time of the closed batches
+    uniform_s: float  # what they would have taken under the uniform split
+    saved_s: float
+    saved_cost: float | None
+    cost_per_hour: float | None
+    step_ms: float | None
+    imbalance: float | None
+    placement_version: int | None
+    updated_at: float
+
+
+class RankMemory(TypedDict):
+    rank: int
+    source: str  # cuda | rocm | xpu; empty: not measured (no cap)
+    status: str  # fitted | measuring | unmeasured
+    share: int | None
+    readings: int
+    last_peak_bytes: int | None
+    total_bytes: int | None
+    fixed_bytes: float | None  # m0 of the fit peak = m0 + m * local_batch
+    per_sample_bytes: float | None  # m
+    method: str | None
+    batch_sizes: int
+    predicted_peak_bytes: float | None
+    limit_bytes: float | None
+    cap: int | None
+
+
+class Memory(TypedDict):
+    data: list[RankMemory]
+    count: int
+    memory_headroom: float
 
 
 class Proposal(TypedDict):
@@ -393,6 +431,14 @@ class Client:
     def forecast(self, job: str, *, total_steps: int | None = None) -> Forecast:
         return cast(Forecast, self.request("GET", self._job(job) + "/forecast",
                                            params={"total_steps": total_steps}))
+
+    def summary(self, job: str) -> Summary:
+        """Time and cost saved against the uniform split so far (404 before the first closed batches)."""
+        return cast(Summary, self.request("GET", self._job(job) + "/summary"))
+
+    def memory(self, job: str) -> Memory:
+        """Each rank's peak-memory fit and the cap it gives, with the job's headroom."""
+        return cast(Memory, self.request("GET", self._job(job) + "/memory"))
 
     def policy(self, job: str) -> dict[str, Any]:
         return cast("dict[str, Any]", self.request("GET", self._job(job) + "/policy"))

@@ -65,6 +65,9 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "The rank's share divided by the global batch size (0 to 1).", True),
     MetricSpec("rebalancer_rank_connected", "gauge", _RANK, "1",
                "1 while the rank's hook is connected, 0 once it is gone.", True),
+    MetricSpec("rebalancer_rank_lost", "gauge", _RANK, "1",
+               "1 while the rank's hook connection is gone without a close (its process died?) and it has "
+               "not said hello again; 0 otherwise (a clean close, the job finished, is not a loss).", True),
     # --- per rank: its device (NVML); absent for CPU ranks ---------------------------
     MetricSpec("rebalancer_device_utilization_ratio", "gauge", _DEVICE, "1",
                "GPU utilisation, 0 to 1 (NVML).", True),

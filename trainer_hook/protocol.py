@@ -189,6 +189,8 @@ def _str(obj: Mapping[str, Any], key: str, *, max_len: int = _MAX_NAME, default:
         raise ProtocolError(f"'{key}' must be a string, got {type(val).__name__}.")
     if len(val) > max_len:
         raise ProtocolError(f"'{key}' must be at most {max_len} characters, got {len(val)}.")
+    if "\x00" in val:  # PostgreSQL text cannot hold it: the frame would fail in SQL, not here
+        raise ProtocolError(f"'{key}' must not contain the NUL character (\\u0000).")
     if nonempty and not val.strip():
         raise ProtocolError(f"'{key}' must not be empty.")
     return val
@@ -428,7 +430,7 @@ class DeviceSample:
             raise ProtocolError(f"'source' must be 'nvml' or 'psutil', got {source!r}.")
         reasons = _list(d, "throttle_reasons", max_len=32, default=[])
         for r in reasons:
-            if not isinstance(r, str) or len(r) > 64:
+            if not isinstance(r, str) or len(r) > 64 or "\x00" in r:
                 raise ProtocolError("'throttle_reasons' must be a list of short strings.")
         return cls(
             t=_float(d, "t", hi=_MAX_UNIX_TIME),

@@ -15,7 +15,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError
 
 from backend.control.errors import ControlError
 from backend.storage.health import report_fault
@@ -55,7 +55,19 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _internal_error)
 
 
+# PostgreSQL's text cannot hold NUL (SQLite's can): a request carrying one anywhere (path,
+# query, body) is refused when SQL sees it, before anything is written.
+NUL_SENTENCE = "Text may not contain the NUL character (\\u0000); remove it and try again."
+
+
+def _nul_in_text(exc: DBAPIError) -> bool:
+    return isinstance(exc, DataError) and "cannot contain NUL" in str(exc.orig)
+
+
 async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, DBAPIError)
+    if _nul_in_text(exc):
+        return JSONResponse({"detail": NUL_SENTENCE}, status_code=422)
     if not database_fault(exc):
         return await _internal_error(request, exc)
     report_fault(log, f"{request.method} {request.url.path}", exc)

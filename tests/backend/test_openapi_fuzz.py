@@ -1,6 +1,13 @@
 """schemathesis over every REST operation of a real server, with an admin token (issue 15,
 defect 6's REST half): no 5xx, no response outside the OpenAPI document (status codes,
-bodies, ``Allow`` on 405), bounded in examples and time.
+content types, bodies, ``Allow`` on 405), bounded in examples and time.
+
+The server has a live 2-rank job (real hook websockets, metrics and a pending proposal), and
+most generated cases name it (a schemathesis dictionary on the ``job`` and ``proposal_id``
+path parameters), so the job routes are fuzzed past their 404: a run against an empty
+server only ever reached "Job 'x' not found.". Revoking tokens is fuzzed last and alone:
+it revokes the admin token the run uses (token 1 is an obvious id), after which every
+other operation answered only 401.
 
 Left out, on purpose: ``positive_data_acceptance``. Rules across fields (a hook token needs
 its job, a placement's shares sum to the global batch, a proposal must be pending) cannot
@@ -10,18 +17,38 @@ which that check counts as rejecting valid data.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import ClientConnection, connect
 
-from tests.helpers.server import running_server
+from tests.backend._app import hello, metrics
+from tests.helpers.server import Server, running_server
+from tests.helpers.waiting import wait_until
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(420)]
 
 ADMIN = "rb_fuzz_admin_0123456789abcdef"
+JOB = "fuzz-job"
 MAX_EXAMPLES = 8
 MAX_TIME_S = 60
+REVOKE = "revoke_api_v1_tokens__token_id__delete"
+CONFIG = f"""
+[dictionaries.jobs]
+values = ["{JOB}"]
+[dictionaries.proposals]
+values = [1, 2]
+[parameters]
+"path.job" = {{ dictionary = "jobs", probability = 0.8 }}
+"path.proposal_id" = {{ dictionary = "proposals", probability = 0.5 }}
+"""
 
 
 def _st() -> str:
@@ -31,20 +58,62 @@ def _st() -> str:
     return found
 
 
-def test_every_operation_answers_within_its_schema(tmp_path):
-    st = _st()
-    with running_server(tmp_path, env={"REBALANCER_ADMIN_TOKEN": ADMIN,
+@pytest.fixture
+def live_job(tmp_path: Path) -> Iterator[Server]:
+    """A server whose job JOB has two connected ranks (rank 1 three times slower) and a
+    pending proposal; the hook sockets stay open, answering nothing, until the test ends."""
+    with running_server(tmp_path, env={"REBALANCER_ADMIN_TOKEN": ADMIN, "REBALANCER_MIN_STEPS": "6",
                                        "REBALANCER_LOG_LEVEL": "warning"}) as server:
-        done = subprocess.run(
-            [st, "run", f"{server.url}/openapi.json", "-H", f"Authorization: Bearer {ADMIN}",
-             "--checks", "all", "--exclude-checks", "positive_data_acceptance",
-             "--max-examples", str(MAX_EXAMPLES), "--max-time", str(MAX_TIME_S),
-             "--generation-deterministic", "--generation-with-security-parameters", "false",
-             "--phases", "examples,coverage,fuzzing", "--no-color", "--workers", "1"],
-            capture_output=True, text=True, timeout=MAX_TIME_S + 120,
-        )
-        log = server.log()
+        auth = {"Authorization": f"Bearer {ADMIN}"}
+        with connect(server.ws_url + "/ws/hook", additional_headers=auth) as r0, \
+                connect(server.ws_url + "/ws/hook", additional_headers=auth) as r1:
+            for rank, ws in enumerate((r0, r1)):
+                ws.send(hello(job=JOB, rank=rank, world_size=2, global_batch_size=32))
+                assert json.loads(ws.recv(timeout=10))["type"] == "placement"
+            for rank, ws in enumerate((r0, r1)):
+                ws.send(metrics(job=JOB, rank=rank, first=0, n=30, compute_ms=10.0 * (1 + 2 * rank),
+                                step_ms=40.0))
+            readers = [threading.Thread(target=_drain, args=(ws,), daemon=True) for ws in (r0, r1)]
+            for t in readers:
+                t.start()
+            wait_until(lambda: server.get(f"/api/v1/jobs/{JOB}", ADMIN)["pending_proposal_id"],  # type: ignore[index]
+                       "a pending proposal", 30, log=server.log)
+            yield server
+
+
+def _drain(ws: ClientConnection) -> None:
+    try:
+        for _ in ws:
+            pass
+    except (ConnectionClosed, OSError):
+        pass
+
+
+def _run(st: str, server: Server, config: Path, *args: str) -> str:
+    done = subprocess.run(
+        [st, "--config-file", str(config), "run", f"{server.url}/openapi.json",
+         "-H", f"Authorization: Bearer {ADMIN}",
+         "--checks", "all", "--exclude-checks", "positive_data_acceptance",
+         "--generation-deterministic", "--generation-with-security-parameters", "false",
+         "--phases", "examples,coverage,fuzzing", "--no-color", "--workers", "1", *args],
+        capture_output=True, text=True, timeout=MAX_TIME_S + 120,
+    )
     report = done.stdout + done.stderr
     assert done.returncode == 0, report[-12000:]
     assert "Tested: " in report and "Selected: " in report, report[-3000:]
+    return report
+
+
+def test_every_operation_answers_within_its_schema(live_job: Server, tmp_path: Path):
+    st = _st()
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(CONFIG)
+    report = _run(st, live_job, config, "--exclude-operation-id", REVOKE,
+                  "--max-examples", str(MAX_EXAMPLES), "--max-time", str(MAX_TIME_S))
+    # The admin token held: no operation was left answering only 401/403.
+    assert "Authentication failed" not in report, report[-6000:]
+    assert live_job.get("/api/v1/whoami", ADMIN)["role"] == "admin"  # type: ignore[index]
+    _run(st, live_job, config, "--include-operation-id", REVOKE, "--max-examples", str(MAX_EXAMPLES),
+         "--max-time", "20")
+    log = live_job.log()
     assert "Traceback" not in log, log[-4000:]

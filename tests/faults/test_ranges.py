@@ -158,3 +158,41 @@ def test_a_valid_hello_still_works(server: Server) -> None:
         ws.send(encode(h))
         reply = json.loads(ws.recv(timeout=10))
     assert reply["type"] == "placement" and reply["shares"] == [2**23, 2**23]
+
+
+# --- NUL characters: PostgreSQL text cannot hold them -----------------------------------
+
+NUL_SENTENCE = "Text may not contain the NUL character (\\u0000); remove it and try again."
+
+
+def test_nul_in_a_hook_name_closes_4002(server: Server) -> None:
+    """A hello whose job (or host) holds a NUL used to reach SQL: 1011 on PostgreSQL."""
+    code, _, err = refused(server, [hello(job="n\x00ul", rank=0, world_size=1, global_batch_size=8)])
+    assert code == 4002 and err["message"] == "'job' must not contain the NUL character (\\u0000).", err
+    frame = hello(job="nul-host", rank=0, world_size=1, global_batch_size=8)
+    code, _, err = refused(server, [frame.replace('"host":"h"', '"host":"h\\u0000"')])
+    assert code == 4002 and err["message"] == "'host' must not contain the NUL character (\\u0000).", err
+    assert "n\x00ul" not in [j["job"] for j in server.get("/api/v1/jobs")["data"]]  # type: ignore[index]
+
+
+@pytest.mark.postgres
+def test_nul_in_rest_text_is_422_on_postgresql(tmp_path: Any) -> None:
+    """PostgreSQL refuses NUL in text: any REST string with one (path, query, body) gave 500."""
+    from tests.helpers.postgres import pg_schema
+
+    with pg_schema() as url, running_server(tmp_path, db_url=url) as pg:
+        with connect(pg.ws_url + "/ws/hook") as ws:
+            ws.send(hello(job="nul-rest", rank=0, world_size=1, global_batch_size=8))
+            assert json.loads(ws.recv(timeout=10))["type"] == "placement"
+            wait_until(lambda: pg.call("GET", "/api/v1/jobs/nul-rest")[0] == 200, "the job", 10)
+            for method, path, body in (
+                ("GET", "/api/v1/jobs/a%00b", None),
+                ("GET", "/api/v1/jobs/a%00b/placements", None),
+                ("GET", "/api/v1/audit?job=a%00b", None),
+                ("PUT", "/api/v1/jobs/nul-rest/mode", {"mode": "observe", "reason": "a\x00b"}),
+                ("POST", "/api/v1/tokens", {"role": "viewer", "name": "a\x00b"}),
+            ):
+                assert pg.call(method, path, body=body) == (422, {"detail": NUL_SENTENCE}), (method, path)
+            assert pg.call("GET", "/api/v1/jobs/nul-rest")[1]["mode"] != "observe"  # nothing changed
+            assert pg.call("GET", "/healthz")[1]["status"] == "ok"
+        assert "Traceback" not in pg.log(), pg.log()[-3000:]

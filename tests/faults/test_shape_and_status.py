@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import json
+import re
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -109,6 +111,14 @@ def test_a_restart_of_the_same_shape_is_audited_once(server: Server) -> None:
     assert restarts[0]["reason"] == "torchrun restarted the job's workers (restart 1)"
 
 
+def lost_gauge(server: Server, job: str, r: int) -> float | None:
+    """``rebalancer_rank_lost{job, rank}`` as the server's /metrics has it (None: no such series)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    found = re.search(rf'^rebalancer_rank_lost{{job="{re.escape(job)}",rank="{r}"}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else None
+
+
 def test_a_dropped_rank_makes_the_job_degraded_and_a_clean_close_does_not(server: Server) -> None:
     r0, r1 = rank(server, "lossy", 0), rank(server, "lossy", 1)
     r0.send(metrics(job="lossy", rank=0, first=0, n=5))
@@ -118,9 +128,24 @@ def test_a_dropped_rank_makes_the_job_degraded_and_a_clean_close_does_not(server
                      10, log=server.log)
     assert got["status_detail"] == "lost ranks: 1 (1 of 2 connected)"
     assert got["connected_ranks"] == 1
+    assert (lost_gauge(server, "lossy", 0), lost_gauge(server, "lossy", 1)) == (0.0, 1.0)  # for the alert
     back = rank(server, "lossy", 1)  # it comes back: no longer degraded
     wait_until(lambda: job(server, "lossy")["status"] != "degraded", "status back from degraded", 10)
+    assert lost_gauge(server, "lossy", 1) == 0.0
     r0.close()
     back.close()  # a clean close: the job stopped, nothing is lost
     wait_until(lambda: job(server, "lossy")["connected_ranks"] == 0, "both ranks gone", 10)
     assert job(server, "lossy")["status"] != "degraded"
+    assert (lost_gauge(server, "lossy", 0), lost_gauge(server, "lossy", 1)) == (0.0, 0.0)
+
+
+def test_a_job_whose_every_rank_dies_reads_lost_on_metrics(server: Server) -> None:
+    """One node's job dies whole: no rank trains on, yet each is lost (RebalancerRankLost)."""
+    r0, r1 = rank(server, "crashed", 0), rank(server, "crashed", 1)
+    for r, ws in enumerate((r0, r1)):
+        ws.send(metrics(job="crashed", rank=r, first=0, n=5))
+    r0.close_socket()
+    r1.close_socket()
+    wait_until(lambda: job(server, "crashed")["connected_ranks"] == 0, "both ranks gone", 10, log=server.log)
+    assert job(server, "crashed")["status"] == "degraded"
+    assert (lost_gauge(server, "crashed", 0), lost_gauge(server, "crashed", 1)) == (1.0, 1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -54,6 +55,16 @@ def test_bad_step_fields_are_named(key: str, value: object, expected: str) -> No
     with pytest.raises(ProtocolError) as err:
         StepRecord.from_dict(bad)
     assert str(err.value) == expected
+
+
+@pytest.mark.parametrize("key", ["job", "host", "device_name", "gpu_uuid"])
+def test_a_nul_in_any_string_is_refused(key: str) -> None:
+    """PostgreSQL's text cannot hold NUL: the edge refuses it before SQL fails on it."""
+    frame = json.loads(encode(Hello(job="j", rank=0, world_size=1, global_batch_size=8, host="h")))
+    frame[key] = "a\x00b"
+    with pytest.raises(ProtocolError) as err:
+        Hello.from_dict(frame)
+    assert str(err.value) == f"'{key}' must not contain the NUL character (\\u0000)."
 
 
 def test_missing_step_field_is_named() -> None:

@@ -136,11 +136,13 @@ class MetricsExporter:
         times = [(fams[name], attr) for name, attr in _RANK_TIMES]
         device = [(fams[name], attr, k) for name, attr, k in _DEVICE]
         connected = fams["rebalancer_rank_connected"]
+        lost = fams["rebalancer_rank_lost"]
         local, ratio = fams["rebalancer_rank_local_batch_size"], fams["rebalancer_rank_batch_share_ratio"]
         throttle = fams["rebalancer_device_throttle_reason"]
         for r in view.ranks:
             labels = f'job="{job}",rank="{r.rank}"'
             connected.add(labels, 1.0 if r.connected else 0.0)
+            lost.add(labels, 1.0 if r.lost else 0.0)
             for fam, attr in times:
                 ms = getattr(r, attr)
                 if ms is not None:

@@ -35,7 +35,16 @@ async def _report(parts: Parts, job: str) -> dict[str, Any]:
     return found
 
 
-@router.get("/{job}/report", summary="End-of-run report of a job")
+# Both media types of the answer, so the OpenAPI document says what ``?format=html`` returns.
+_REPORT_CONTENT: dict[int | str, dict[str, Any]] = {200: {
+    "description": "The report as JSON (two of them, `{data, count}`, with `compare`), or with "
+                   "`format=html` one self-contained HTML page.",
+    "content": {"application/json": {"schema": {"type": "object"}},
+                "text/html": {"schema": {"type": "string"}}},
+}}
+
+
+@router.get("/{job}/report", summary="End-of-run report of a job", responses=_REPORT_CONTENT)
 async def get_report(
     job: str, _actor: ViewerDep, parts: PartsDep,
     format: Annotated[Literal["json", "html"], Query(description="json, or html: one offline page")] = "json",
