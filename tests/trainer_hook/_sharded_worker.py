@@ -41,6 +41,9 @@ def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
         return DDP(model, broadcast_buffers=False)
     if how == "compiled-ddp":
         return DDP(torch.compile(model))
+    if how in ("ddp-compiled", "ddp-then-compiled"):
+        # torch.compile(DDP(model)): compiled here, or after hook.attach (main()).
+        return torch.compile(DDP(model)) if how == "ddp-compiled" else DDP(model)
     if how == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -96,6 +99,8 @@ def main() -> None:
     hook = RebalanceHook(job="sharded", global_batch_size=GLOBAL_BATCH, exchange_every=2, exchange_lag=1)
     model = wrap(build_model(args.batchnorm), args.wrap)
     hook.attach(model)
+    if args.wrap == "ddp-then-compiled":
+        model = torch.compile(model)
     opt = make_optimizer(model)
     ds = IndexedData()
     loader: DataLoader[Any] = hook.data_loader(ds, shuffle=True, seed=3, num_workers=args.num_workers)
@@ -132,7 +137,7 @@ def main() -> None:
     params = full_params(model, args.wrap)
     if bn is not None:
         out["bn"] = {"steps": norm_steps, "tracked": int(bn.num_batches_tracked)}
-    if args.wrap == "compiled-ddp":
+    if "compiled" in args.wrap:
         from torch._dynamo.utils import counters
 
         out["graphs"] = int(counters["stats"]["unique_graphs"])
