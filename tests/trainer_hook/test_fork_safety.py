@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 from websockets.sync.server import ServerConnection, serve
 
+from tests.helpers.nvml import FakeGpu, FakeNvml
 from tests.helpers.ports import free_port
 from tests.helpers.waiting import wait_until
-from tests.helpers.nvml import FakeGpu, FakeNvml
 from trainer_hook import RebalanceHook
 from trainer_hook.probe import DeviceProbe
 from trainer_hook.protocol import StepRecord
