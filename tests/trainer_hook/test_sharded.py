@@ -142,4 +142,6 @@ def test_sync_wait_is_measured_on_every_gradient_path(tmp_path: Path, wrap: str,
     fast, slow = ({k: r[k][2:] for k in ("compute_ms", "sync_wait_ms")} for r in ranks)  # skip warm-up
     assert _median(slow["compute_ms"]) > 2 * _median(fast["compute_ms"]), (fast, slow)
     assert _median(fast["sync_wait_ms"]) > 2 * _median(slow["sync_wait_ms"]), (fast, slow)
-    assert _median(fast["sync_wait_ms"]) > _median(fast["compute_ms"]), (fast, slow)
+    # The fast rank waits about as long as the slow one computes longer: at least half of it.
+    lag = _median(slow["compute_ms"]) - _median(fast["compute_ms"])
+    assert _median(fast["sync_wait_ms"]) > lag / 2, (fast, slow)
