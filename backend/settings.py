@@ -122,7 +122,7 @@ class Settings(BaseSettings):
     # Python's cyclic GC walks every object the backend holds; freezing the start-up heap
     # keeps those out of each collection (shorter pauses at 1,024 ranks).
     gc_freeze: bool = True
-    # Memory caps keep this fraction of each device's memory free (DESIGN.md invariant 8).
+    # Memory caps keep this fraction of each device's memory free (docs/design.md, invariant 8).
     memory_headroom: Annotated[float, Field(ge=0.0, le=0.9)] = 0.1
 
     @field_validator("port")

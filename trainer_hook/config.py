@@ -1,6 +1,6 @@
 """HookConfig: every knob of the training hook, validated at construction.
 
-Defaults are meant to work untouched (DESIGN.md: over-tuning is a pitfall). ``server``,
+Defaults are meant to work untouched (docs/design.md: over-tuning is a pitfall). ``server``,
 ``job``, ``token`` and ``total_steps`` also come from the environment
 (``REBALANCER_SERVER``, ``REBALANCER_JOB``, ``REBALANCER_TOKEN``,
 ``REBALANCER_TOTAL_STEPS``) so that a launcher can set them for every rank.

@@ -3,7 +3,7 @@
 The sampler asks for batch k, possibly several batches ahead of training (DataLoader
 prefetch); the gradient hook asks for the batch being trained. Both get the same answer
 because a placement is tied to the batch index it starts at, never to the moment it
-arrived (DESIGN.md invariant 2). ``settled_until`` is the last batch index no future
+arrived (docs/design.md invariant 2). ``settled_until`` is the last batch index no future
 exchange can change; asking beyond it is an error, not a guess.
 """
 

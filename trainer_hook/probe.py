@@ -51,6 +51,11 @@ def device_type_key(name: str, mem_total_bytes: int | None = None) -> str:
     return device_key(name, mem_total_bytes) or name.strip()
 
 
+def _name_and_memory(props: Any) -> tuple[str, int | None]:
+    total = getattr(props, "total_memory", None)
+    return str(props.name), int(total) if isinstance(total, int) else None
+
+
 def decode_clock_events(mask: int) -> list[str]:
     """Names of the clock-event (throttle) reasons set in an NVML bitmask, lowest bit first."""
     names = [n for bit, n in CLOCK_EVENT_NAMES.items() if mask & bit]
@@ -243,18 +248,26 @@ class DeviceProbe:
 
     def _torch_device(self) -> tuple[str, int | None] | None:
         """(name, memory) of this rank's accelerator as torch sees it, when NVML cannot see
-        it (AMD GPUs under ROCm, NVIDIA without NVML); None for a CPU rank."""
+        it (AMD GPUs under ROCm, NVIDIA without NVML, Intel XPU, Apple MPS); None for a CPU
+        rank. A device counts once this process uses it (initialised, or memory allocated
+        on MPS), so a CPU rank on a machine that has one is still a CPU rank."""
         torch = sys.modules.get("torch")  # a rank that never imported torch trains on no GPU
         if torch is None:
             return None
         try:
-            if not torch.cuda.is_available():
-                return None
-            if not (self._explicit_index or torch.cuda.is_initialized()):
-                return None
-            props = torch.cuda.get_device_properties(self._index)
-            total = getattr(props, "total_memory", None)
-            return str(props.name), int(total) if isinstance(total, int) else None
+            if torch.cuda.is_available():
+                if not (self._explicit_index or torch.cuda.is_initialized()):
+                    return None
+                return _name_and_memory(torch.cuda.get_device_properties(self._index))
+            xpu = getattr(torch, "xpu", None)
+            if xpu is not None and xpu.is_available() and xpu.is_initialized():
+                return _name_and_memory(xpu.get_device_properties(xpu.current_device()))
+            mps = getattr(torch, "mps", None)
+            if mps is not None and torch.backends.mps.is_available() and mps.current_allocated_memory() > 0:
+                # torch names no Apple chip; the memory is what Metal lets one process use.
+                total = mps.recommended_max_memory() if hasattr(mps, "recommended_max_memory") else None
+                return "Apple MPS", int(total) if isinstance(total, int) else None
+            return None
         except Exception:  # noqa: BLE001 - a read that fails returns the sentinel
             return None
 

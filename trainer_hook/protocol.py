@@ -325,7 +325,7 @@ class StepRecord:
     """One step of one rank. Times in milliseconds; ``t`` is the Unix time at step end.
 
     ``compute_ms`` is the time until this rank's gradients were ready, excluding the wait
-    inside gradient synchronisation (``sync_wait_ms``); see DESIGN.md invariant 4.
+    inside gradient synchronisation (``sync_wait_ms``); see docs/design.md invariant 4.
 
     ``mem_peak_bytes`` (version 2, on some records only): the peak device memory the
     allocator handed out over the steps since the previous reading, all at this record's

@@ -1,6 +1,6 @@
 """RebalanceBatchSampler: each rank's contiguous slice of one seeded global order.
 
-Global batch k is the same set of samples whatever the placement (DESIGN.md invariant
+Global batch k is the same set of samples whatever the placement (docs/design.md invariant
 1): epoch e's order is a permutation seeded with ``seed + e`` (identity without shuffle),
 batch k is the next B samples of it, and rank i takes ``[sum(shares[:i]),
 sum(shares[:i+1]))`` of that batch under the placement in force for batch k. The sampler

@@ -3,7 +3,7 @@
 Data-wait is the gap between the end of the previous step and the start of this one
 (the loader's turn). Compute ends when the last gradient bucket is handed to the comm
 hook (local gradients ready); sync-wait runs from there until the last reduction
-completes; the rest until the step ends is the optimizer (DESIGN.md invariant 4).
+completes; the rest until the step ends is the optimizer (docs/design.md invariant 4).
 
 On CUDA the comm hook records events instead of timestamps; they are read one step
 later with ``Event.query()`` so the training thread never synchronises the device.

@@ -1,4 +1,4 @@
-"""Peak device memory per rank: the fit ``m0 + m * b`` and the caps it implies (DESIGN.md
+"""Peak device memory per rank: the fit ``m0 + m * b`` and the caps it implies (docs/design.md
 invariant 8). Pure: no I/O, no torch.
 
 The hook reports, every few steps, the peak memory the caching allocator handed out over

@@ -1,4 +1,4 @@
-"""Exact integer min-max split of the global batch (DESIGN.md, "The policy's math").
+"""Exact integer min-max split of the global batch (docs/design.md, "The policy's math").
 
 Minimise ``max_i a_i + c_i * b_i`` subject to ``sum b_i = B``, per-rank bounds and a
 granularity. The answer is the water-filling one: shares start at their lower bounds and

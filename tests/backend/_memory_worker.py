@@ -2,7 +2,7 @@
 
 Like trainer_hook.demo_worker (injected per-sample compute time per rank), plus a fake
 device per rank: ``--memory TOTAL:FIXED:PER_SAMPLE`` (bytes), one per rank, comma
-separated. Each step allocates ``FIXED + PER_SAMPLE * local batch``; past ``TOTAL`` it
+separated, or ``none`` for a rank that measures none. Each step allocates ``FIXED + PER_SAMPLE * local batch``; past ``TOTAL`` it
 raises torch's out-of-memory error inside ``hook.step()``, as a real allocator would.
 """
 
@@ -45,8 +45,11 @@ def main() -> int:
                             timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     speed = float(args.speeds.split(",")[rank])
-    total, fixed, per = (int(v) for v in args.memory.split(",")[rank].split(":"))
-    mem = FakeDeviceMemory(total_bytes=total, fixed_bytes=fixed, bytes_per_sample=per)
+    spec = args.memory.split(",")[rank]
+    mem: FakeDeviceMemory | None = None
+    if spec != "none":  # "none": a rank that measures no memory (a CPU rank)
+        total, fixed, per = (int(v) for v in spec.split(":"))
+        mem = FakeDeviceMemory(total_bytes=total, fixed_bytes=fixed, bytes_per_sample=per)
     hook = RebalanceHook(server=args.server, job=args.job, global_batch_size=args.global_batch_size,
                          token=args.token, memory_source=mem, memory_every=4)
     gen = torch.Generator().manual_seed(0)
@@ -60,7 +63,8 @@ def main() -> int:
         for xb, yb in DataLoader(dataset, batch_sampler=sampler):
             with hook.step() as k:
                 lo, hi = sampler.local_bounds(k)
-                mem.allocate(hi - lo)  # raises torch.OutOfMemoryError past the fake card's memory
+                if mem is not None:
+                    mem.allocate(hi - lo)  # raises torch.OutOfMemoryError past the fake card's memory
                 time.sleep((args.fixed_ms + (hi - lo) * args.per_sample_ms / speed) / 1e3)
                 torch.nn.functional.mse_loss(model(xb), yb).backward()
                 opt.step()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
@@ -41,6 +42,9 @@ def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
         return DDP(model, broadcast_buffers=False)
     if how == "compiled-ddp":
         return DDP(torch.compile(model))
+    if how in ("ddp-compiled", "ddp-then-compiled"):
+        # torch.compile(DDP(model)): compiled here, or after hook.attach (main()).
+        return torch.compile(DDP(model)) if how == "ddp-compiled" else DDP(model)
     if how == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -88,6 +92,8 @@ def main() -> None:
     p.add_argument("--plan", default="")
     p.add_argument("--batchnorm", action="store_true")
     p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--gradients", default="auto", help="hook.attach(model, gradients=...)")
+    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps 30 ms in each step's forward")
     p.add_argument("--mark-dynamic", action="store_true", help="mark the batch dimension dynamic up front")
     args = p.parse_args()
 
@@ -95,7 +101,9 @@ def main() -> None:
     rank = dist.get_rank()
     hook = RebalanceHook(job="sharded", global_batch_size=GLOBAL_BATCH, exchange_every=2, exchange_lag=1)
     model = wrap(build_model(args.batchnorm), args.wrap)
-    hook.attach(model)
+    hook.attach(model, gradients=args.gradients)
+    if args.wrap == "ddp-then-compiled":
+        model = torch.compile(model)
     opt = make_optimizer(model)
     ds = IndexedData()
     loader: DataLoader[Any] = hook.data_loader(ds, shuffle=True, seed=3, num_workers=args.num_workers)
@@ -115,6 +123,8 @@ def main() -> None:
                 for i, (xi, yi) in enumerate(pieces):
                     if args.mark_dynamic and len(xi) > 1:
                         torch._dynamo.mark_dynamic(xi, 0)
+                    if rank == args.slow_rank:
+                        time.sleep(0.03)  # before backward: compute, which the other rank waits for
                     with no_sync(model, args.wrap, last=i == len(pieces) - 1):
                         # The mean over this rank's whole local batch, spread over micro-batches.
                         loss = torch.nn.functional.mse_loss(model(xi), yi, reduction="sum") / len(x)
@@ -128,11 +138,13 @@ def main() -> None:
                 break
     hook.close()
     out: dict[str, Any] = {"rank": rank, "gradients": hook.gradients, "lookahead": hook.lookahead,
-                           "acks": hook.acks, "shares": [list(t.shares) for t in hook.schedule.timeline()]}
+                           "acks": hook.acks, "shares": [list(t.shares) for t in hook.schedule.timeline()],
+                           "compute_ms": [r.compute_ms for r in hook.history],
+                           "sync_wait_ms": [r.sync_wait_ms for r in hook.history]}
     params = full_params(model, args.wrap)
     if bn is not None:
         out["bn"] = {"steps": norm_steps, "tracked": int(bn.num_batches_tracked)}
-    if args.wrap == "compiled-ddp":
+    if "compiled" in args.wrap:
         from torch._dynamo.utils import counters
 
         out["graphs"] = int(counters["stats"]["unique_graphs"])

@@ -66,10 +66,13 @@ def test_placement_from_the_backend_is_acked_by_every_rank_at_one_batch_and_resu
         assert [r["local_batch_size"] for r in result["records"][1]] == [5] * 6
 
 
-def test_readme_example_streams_every_rank_to_the_backend(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [0, 4])
+def test_readme_example_streams_every_rank_to_the_backend(tmp_path: Path, workers: int) -> None:
+    # The README's loop uses num_workers=4 (issue 10: the DDP tutorial's habit crashed at batch 10).
     with running_server(tmp_path) as server:
         proc = run_torchrun(2, ["examples/ddp_train.py", "--server", server.url, "--job", "readme",
-                                "--epochs", "1", "--global-batch-size", "256"], timeout=120)
+                                "--epochs", "1", "--global-batch-size", "256",
+                                "--num-workers", str(workers)], timeout=120)
         assert "epoch 0: batch 16" in proc.stdout
         ranks: Any = wait_until(lambda: server.get("/api/v1/jobs/readme/ranks"), "ranks", 10, interval=0.3)
         assert sorted(r["rank"] for r in ranks["data"]) == [0, 1]

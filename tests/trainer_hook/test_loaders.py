@@ -42,12 +42,12 @@ def _consume(hook: RebalanceHook, loader: DataLoader, steps: int, plan: dict[int
     return seen
 
 
-@pytest.mark.parametrize(("workers", "prefetch", "expected"), [(0, None, 1), (2, None, 5), (4, None, 9), (2, 3, 7)])
+@pytest.mark.parametrize(("workers", "prefetch", "expected"), [(0, None, 1), (2, None, 5), (4, None, 9), (8, None, 17), (2, 3, 7)])
 def test_the_default_lookahead_is_measured_from_the_loader(workers: int, prefetch: int | None, expected: int) -> None:
     # Reported: DataLoader(batch_sampler=hook.batch_sampler(ds), num_workers=4) crashed at
     # batch 10 with "The placement for batch 10 is not settled yet" (lookahead was 8).
     hook = RebalanceHook(global_batch_size=4)
-    ds = _indexed()
+    ds = _indexed(256)  # 64 batches an epoch: more than 8 workers fetch ahead (a loader stops at its epoch's end)
     extra = {} if prefetch is None else {"prefetch_factor": prefetch}
     loader = DataLoader(ds, batch_sampler=hook.batch_sampler(ds, seed=2), num_workers=workers, **extra)
     assert hook.lookahead is None  # not measured before the first step

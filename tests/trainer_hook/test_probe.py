@@ -290,3 +290,34 @@ def test_accelerator_without_nvml_is_described_through_torch(monkeypatch: pytest
     # Without an explicit device and with CUDA never initialised, the rank is a CPU rank.
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert DeviceProbe(use_nvml=False).describe()[0] == "CPU"
+
+
+def test_intel_xpu_and_apple_mps_ranks_are_named_as_such_not_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 10. No XPU or MPS here, so torch's answers are faked; the choice of device and
+    # the naming rule (trainer_hook.devices, which the policy uses too) are real.
+    import torch
+
+    from backend.policy import normalize_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    monkeypatch.setattr(torch.xpu, "is_initialized", lambda: False)
+    assert DeviceProbe(use_nvml=False).describe()[0] == "CPU", "an XPU this process never used"
+
+    name = "Intel(R) Data Center GPU Max 1550"
+    props = type("Props", (), {"name": name, "total_memory": 128 * 10**9})()
+    monkeypatch.setattr(torch.xpu, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.xpu, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.xpu, "get_device_properties", lambda i: props if i == 2 else None)
+    key, got_name, total = DeviceProbe(use_nvml=False).describe()
+    assert (key, got_name, total) == (name, name, 128 * 10**9)
+    assert normalize_device(got_name, total) is None, "no datasheet row: the static split weighs it evenly"
+
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "current_allocated_memory", lambda: 0)
+    assert DeviceProbe(use_nvml=False).describe()[0] == "CPU", "MPS present but unused"
+    monkeypatch.setattr(torch.mps, "current_allocated_memory", lambda: 4096)
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 48 * 2**30)
+    assert DeviceProbe(use_nvml=False).describe() == ("Apple MPS", "Apple MPS", 48 * 2**30)
