@@ -216,8 +216,8 @@ def overrides_problem(o: Any, *, world_size: int | None, global_batch_size: int 
     if not isinstance(drains, list):
         return f"drains must be a list of ranks, got {drains!r}."
     for r in drains:
-        if isinstance(r, bool) or not isinstance(r, int):  # list items, unlike JSON keys, are typed
-            return f"drains must list rank numbers, got {r!r}."
+        if isinstance(r, bool) or not isinstance(r, int):  # int() would take False, 1.5, "2"
+            return f"drains must be a list of rank numbers, got {r!r}."
         if (bad := rank_problem(r, "drains")) is not None:
             return bad
     g = o.get("granularity", 1)

@@ -219,6 +219,10 @@ def test_bad_input_gets_one_plain_sentence(api):
             ("PUT", "/overrides", {"caps": {"1": 99}}, "caps[1] must be an integer between 0 and 48, got 99."),
             ("PUT", "/overrides", {"granularity": 0}, "granularity must be an integer between 1 and 48, got 0."),
             ("PUT", "/overrides", {"pins": {"1": 4}, "drains": [1]}, "Rank 1 is both pinned and drained; choose one."),
+            # JSON false, 1.5 and "2" are not ranks (they drained ranks 0, 1 and 2; found by the fuzz test)
+            ("PUT", "/overrides", {"drains": [False]}, "drains must be a list of rank numbers, got False."),
+            ("PUT", "/overrides", {"drains": [1.5]}, "drains must be a list of rank numbers, got 1.5."),
+            ("PUT", "/overrides", {"drains": ["2"]}, "drains must be a list of rank numbers, got '2'."),
         ]
         for method, path, body, detail in cases:
             r = client.request(method, base + path, json=body, headers=h(ADMIN))

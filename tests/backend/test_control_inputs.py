@@ -62,8 +62,8 @@ def test_overrides_model_checks_the_jobs_limits_from_its_context_and_documents_t
     for bad, sentence in [
         ({"caps": {"1": 49}}, "caps[1] must be an integer between 0 and 48, got 49."),
         ({"floors": {"7": 1}}, "floors names rank 7 but the job has ranks 0 to 2."),
-        ({"drains": ["1"]}, "drains must list rank numbers, got '1'."),
-        ({"drains": [1.0]}, "drains must list rank numbers, got 1.0."),
+        ({"drains": ["1"]}, "drains must be a list of rank numbers, got '1'."),
+        ({"drains": [1.0]}, "drains must be a list of rank numbers, got 1.0."),
         ({"weights": {}}, "Unknown override 'weights'; known: pins, caps, floors, drains, granularity."),
     ]:
         with pytest.raises(ValidationError) as got:

@@ -1,6 +1,6 @@
 """schemathesis over every REST operation of a real server, with an admin token (issue 15,
 defect 6's REST half): no 5xx, no response outside the OpenAPI document (status codes,
-content types, bodies, ``Allow`` on 405), bounded in examples and time.
+content types, bodies, ``Allow`` on 405), bounded in examples and time, on SQLite and on PostgreSQL (which refuses what SQLite takes).
 
 The server has a live 2-rank job (real hook websockets, metrics and a pending proposal), and
 most generated cases name it (a schemathesis dictionary on the ``job`` and ``proposal_id``
@@ -58,12 +58,24 @@ def _st() -> str:
     return found
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """Both databases: PostgreSQL refuses what SQLite takes (NUL in text, over-long strings)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'rebalancer.db'}"
+        return
+    from tests.helpers.postgres import pg_schema
+
+    with pg_schema() as url:
+        yield url
+
+
 @pytest.fixture
-def live_job(tmp_path: Path) -> Iterator[Server]:
+def live_job(tmp_path: Path, database: str) -> Iterator[Server]:
     """A server whose job JOB has two connected ranks (rank 1 three times slower) and a
     pending proposal; the hook sockets stay open, answering nothing, until the test ends."""
-    with running_server(tmp_path, env={"REBALANCER_ADMIN_TOKEN": ADMIN, "REBALANCER_MIN_STEPS": "6",
-                                       "REBALANCER_LOG_LEVEL": "warning"}) as server:
+    with running_server(tmp_path, db_url=database, env={
+            "REBALANCER_ADMIN_TOKEN": ADMIN, "REBALANCER_MIN_STEPS": "6", "REBALANCER_LOG_LEVEL": "warning"}) as server:
         auth = {"Authorization": f"Bearer {ADMIN}"}
         with connect(server.ws_url + "/ws/hook", additional_headers=auth) as r0, \
                 connect(server.ws_url + "/ws/hook", additional_headers=auth) as r1:
@@ -97,6 +109,7 @@ def _run(st: str, server: Server, config: Path, *args: str) -> str:
          "--generation-deterministic", "--generation-with-security-parameters", "false",
          "--phases", "examples,coverage,fuzzing", "--no-color", "--workers", "1", *args],
         capture_output=True, text=True, timeout=MAX_TIME_S + 120,
+        cwd=config.parent,  # its .schemathesis/ cache (replayed crashes) stays out of the repo
     )
     report = done.stdout + done.stderr
     assert done.returncode == 0, report[-12000:]
