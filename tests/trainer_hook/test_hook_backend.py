@@ -141,7 +141,7 @@ def test_a_run_resumed_from_a_checkpoint_is_one_continuous_job_on_the_backend(tm
             before = [k for k in got if k < 14]
             assert len(before) == len(set(before)), f"rank {rank} reported a batch twice: {got}"
             assert all(got.count(k) <= (2 if k in (14, 15) else 1) for k in got), got
-            assert got[:3] == [0, 1, 2] and got[-6:] == list(range(14, 20)), got
+            assert got[:3] == [0, 1, 2] and sorted({k for k in got if k >= 14}) == list(range(14, 20)), got
         ranks: Any = server.get("/api/v1/jobs/exact/ranks")
         assert [(r["rank"], r["batch_index"], r["placement_version"]) for r in ranks["data"]] == [
             (0, 19, 2), (1, 19, 2), (2, 19, 2)]
