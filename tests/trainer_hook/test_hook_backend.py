@@ -112,3 +112,38 @@ def test_torchelastic_restart_resumes_the_placement_in_force(tmp_path: Path) -> 
         assert got["first"] == [placement["version"], [9, 3]]
         assert got["acks"] == [[placement["version"], 0]]
         assert got["local"] == [share] * 6
+
+
+def test_a_run_resumed_from_a_checkpoint_is_one_continuous_job_on_the_backend(tmp_path: Path) -> None:
+    # Issue 10: train to batch 16 with a checkpoint at 14 (hook.state_dict() in it), die,
+    # resume to batch 20. The backend files both runs under one job, and the resumed ranks
+    # report batches 14 onwards: none restarts at 0.
+    ckpt = str(tmp_path / "ckpt.pt")
+    plan = "1=2,4,6;5=6,6,0;9=1,10,1;12=5,3,4"
+    worker = ["tests/trainer_hook/_exact_worker.py", "--steps", "20", "--plan", plan, "--ckpt", ckpt]
+    with running_server(tmp_path) as server:
+        env = {"REBALANCER_SERVER": server.url, "REBALANCER_JOB": "exact"}  # the worker's job name
+        for run, extra in (("first", ["--save-at", "14"]), ("second", ["--resume"])):
+            (tmp_path / run).mkdir()
+            # The first run dies two batches after its checkpoint, as a crashed job would.
+            run_torchrun(3, [*worker, "--out", str(tmp_path / run), *extra], env=env, timeout=120,
+                         check=run == "second")
+
+        def reported(rank: int) -> list[int] | None:
+            rows: Any = server.get(f"/api/v1/jobs/exact/metrics?source=live&rank={rank}")
+            got = sorted(p["batch_index"] for p in rows["data"])
+            return got if got and got[-1] == 19 else None
+
+        for rank in range(3):
+            got = wait_until(lambda rank=rank: reported(rank), f"rank {rank}'s batches up to 19", 30, interval=0.3)
+            # Batches 14 and 15 were trained after the checkpoint by the run that died, and
+            # again after the resume (if the first run's reports left before it died).
+            before = [k for k in got if k < 14]
+            assert len(before) == len(set(before)), f"rank {rank} reported a batch twice: {got}"
+            assert all(got.count(k) <= (2 if k in (14, 15) else 1) for k in got), got
+            assert got[:3] == [0, 1, 2] and sorted({k for k in got if k >= 14}) == list(range(14, 20)), got
+        ranks: Any = server.get("/api/v1/jobs/exact/ranks")
+        assert [(r["rank"], r["batch_index"], r["placement_version"]) for r in ranks["data"]] == [
+            (0, 19, 2), (1, 19, 2), (2, 19, 2)]
+        jobs: Any = server.get("/api/v1/jobs")
+        assert jobs["count"] == 1, jobs
