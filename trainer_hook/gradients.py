@@ -3,7 +3,7 @@
 With uneven local batches, DDP's default hook (sum, then divide by world size) no longer
 gives the global-batch mean. The comm hook here multiplies each bucket by this rank's
 weight (``shares[rank] / B`` for the batch being trained) and all-reduces with SUM, so
-the result is the global-batch mean whatever the split (DESIGN.md invariant 1). It also
+the result is the global-batch mean whatever the split (docs/design.md, invariant 1). It also
 timestamps each bucket hand-off and each reduction's completion, which is how compute
 time is told apart from the wait inside synchronisation (invariant 4).
 
@@ -127,6 +127,13 @@ def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     return pg.allreduce([buf], state._opts).get_future().then(state._done_cb)
 
 
+def _compiled_inner(model: Any) -> Any:
+    """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), else ``model``:
+    the wrapper runs the very module, so hooks registered on it apply."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule" else model
+
+
 def _is_ddp(model: Any) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
@@ -209,6 +216,7 @@ def register_gradient_weighting(model: torch.nn.Module, state: GradientState, wo
     """Weight each rank's gradient by its share of the global batch, the way the wrapper
     allows; returns the mechanism: ``"ddp_comm_hook"``, ``"fsdp2_reduce_scatter"``,
     ``"fsdp1_comm_hook"`` or ``"local"`` (one process, nothing to weight)."""
+    model = _compiled_inner(model)
     check_data_parallel(model)
     if _is_ddp(model):
         register_comm_hook(model, state)
@@ -317,21 +325,37 @@ def register_comm_hook(model: Any, state: GradientState) -> None:
 
 
 def register_grad_timer(model: torch.nn.Module, state: GradientState, *, count: int = 4) -> list[Any]:
-    """Timestamp the end of backward without a comm hook (loss-scaling path, one process).
+    """Timestamp compute and sync without a comm hook (the loss-scaling path, one process).
 
     Backward produces the first parameters' gradients last, so hooks on the first few
-    parameters mark when local gradients are ready; cheaper than hooking every one.
+    parameters mark when local gradients are ready (the end of compute); cheaper than
+    hooking every one. The end of the backward pass, after the framework's own gradient
+    synchronisation (DDP's reducer waits for its all-reduces in a final callback of the
+    autograd engine), marks when the reduction is done: the wait for slower ranks lands
+    between the two, as sync wait.
     """
+    engine = torch.autograd.Variable._execution_engine
+    queued = [False]  # one end-of-backward mark per backward pass
+
+    def reduced() -> None:
+        queued[0] = False
+        _mark_reduced(state, grad_seen[0])
+
+    def after_framework() -> None:
+        # Queued from a final callback, so it runs after every callback queued before it,
+        # DDP's finalize_backward included (that one is queued when its last bucket is
+        # ready, which is after the parameter hook below ran).
+        engine.queue_callback(reduced)
+
+    grad_seen: list[torch.Tensor] = [torch.empty(0)]
 
     def mark(p: torch.Tensor) -> None:
         # On CUDA an event (read a step later, never synchronising), as the comm hook does.
-        if p.is_cuda:
-            state.cuda = True
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            state.grad_event = ev
-        else:
-            state.last_bucket_t = time.perf_counter()
+        _mark_ready(state, p)
+        if not queued[0]:
+            queued[0] = True
+            grad_seen[0] = p
+            engine.queue_callback(after_framework)
 
     handles = []
     for p in list(model.parameters())[:count]:

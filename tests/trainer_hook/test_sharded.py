@@ -101,11 +101,6 @@ def test_a_ddp_model_compiled_after_attach_is_exact_with_accumulation(tmp_path: 
     _check_params(ranks[0], _replay(STEPS))
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="hook.attach(torch.compile(DDP(m))) is refused: gradients.register_gradient_weighting does "
-    "not look through OptimizedModule._orig_mod (reported; attach before compiling works)",
-)
 @pytest.mark.timeout(200)
 def test_attach_takes_a_ddp_model_already_compiled(tmp_path: Path) -> None:
     ranks = _run(tmp_path, "--wrap", "ddp-compiled")
@@ -127,11 +122,7 @@ def _median(values: list[float]) -> float:
             "slow one there, and that wait is timed as compute (measured 39 vs 40 ms on FSDP2, "
             "37 vs 35 on FSDP1), so the ranks cannot be told apart (the fix belongs in "
             "gradients.py; reported)")) for wrap in ("fsdp2", "fsdp1")),
-        pytest.param("ddp", "loss_scale", marks=pytest.mark.xfail(
-            strict=True, raises=AssertionError,
-            reason="the loss-scaling path marks when local gradients are ready but not when the "
-            "framework's all-reduce is done, so sync wait reads 0 (the fix belongs in "
-            "gradients.register_grad_timer; reported)")),
+        ("ddp", "loss_scale"),
     ],
 )
 def test_sync_wait_is_measured_on_every_gradient_path(tmp_path: Path, wrap: str, gradients: str) -> None:
