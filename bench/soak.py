@@ -303,6 +303,12 @@ def markdown_table(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def report_path(out: Path) -> Path:
+    """Where the report goes: ``out``, or ``out/soak.json`` for a folder (a long soak once
+    ran for 40 minutes and lost its report writing onto a folder)."""
+    return out / "soak.json" if out.is_dir() else out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=5, help="rounds over the paths (runs per path)")
@@ -311,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="busy-looping processes alongside (bare --burn: one per CPU)")
     p.add_argument("--timeout", type=float, default=None, help="seconds before a run counts as hung")
     p.add_argument("--max-minutes", type=float, default=None, help="start no new run after this")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.json")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.json",
+                   help="report file, or a folder to write soak.json in")
     p.add_argument("--log-dir", type=Path, default=None, help="failed runs' logs (default: a temp dir)")
     p.add_argument("--list", action="store_true", help="print the paths and exit")
     p.add_argument("--markdown", type=Path, default=None, metavar="JSON",
@@ -326,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.runs < 1 or args.burn < 0 or (args.timeout is not None and args.timeout <= 0):
         p.error("--runs must be >= 1, --burn >= 0, --timeout > 0")
+    args.out = report_path(args.out)  # before an hour of runs, not after
     names = list(PATHS) if args.paths == "all" else list(MAIN_PATHS) if args.paths == "main" else \
         [s.strip() for s in args.paths.split(",") if s.strip()]
     stop_on_sigterm()

@@ -86,3 +86,10 @@ def test_short_soak_every_main_path_once(tmp_path: Path) -> None:
            if p["hangs"] or p["abnormal"]}
     assert not bad, f"{proc.stdout[-3000:]}\n{json.dumps(bad, indent=1)[:8000]}"
     assert proc.returncode == 0 and report["totals"]["runs"] == len(CI_PATHS)
+
+
+def test_the_report_goes_into_a_folder_given_as_out(tmp_path):
+    from bench.soak import report_path
+
+    assert report_path(tmp_path) == tmp_path / "soak.json"
+    assert report_path(tmp_path / "mine.json") == tmp_path / "mine.json"
