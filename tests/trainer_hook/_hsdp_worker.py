@@ -29,9 +29,12 @@ def main() -> None:
     hook = RebalanceHook(global_batch_size=4)
     try:
         hook.attach(model)
-        print(f"rank {dist.get_rank()} ATTACHED {hook.gradients}", flush=True)
+        said = f"rank {dist.get_rank()} ATTACHED {hook.gradients}"
     except ValueError as exc:
-        print(f"rank {dist.get_rank()} REFUSED {exc}", flush=True)
+        said = f"rank {dist.get_rank()} REFUSED {exc}"
+    # One write per line: print() writes the text and the newline apart, and the two ranks
+    # share torchrun's stdout, so their lines could run into one another.
+    os.write(1, (said + "\n").encode())
     hook.close()
     dist.destroy_process_group()
 
