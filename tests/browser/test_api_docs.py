@@ -3,25 +3,19 @@ goes to the backend itself and succeeds, and the pages render the API."""
 
 from __future__ import annotations
 
-import os
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers.require import unavailable
+from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
 from tests.helpers.server import running_server
 
 pytestmark = [pytest.mark.browser]
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
 
-if not os.path.exists(CHROMIUM):
-    unavailable(f"{CHROMIUM} is missing; install Debian's chromium (make browser).", module=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+sync_api = playwright_sync_api()
 
 
 def _open(browser: Any, url: str, ready: str) -> list[str]:

@@ -21,21 +21,16 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.require import unavailable
+from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
 from tests.helpers.server import Server, running_server
 from tests.helpers.torchrun import REPO_ROOT, start_torchrun
 
 pytestmark = [pytest.mark.browser, pytest.mark.multiproc]
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
 JOB = "dash-e2e"
 ARTIFACTS = Path(REPO_ROOT) / "test-artifacts"
 
-if not os.path.exists(CHROMIUM):
-    unavailable(f"{CHROMIUM} is missing; install Debian's chromium (make browser).", module=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+sync_api = playwright_sync_api()
 
 
 @dataclass

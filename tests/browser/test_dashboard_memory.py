@@ -4,25 +4,19 @@ from the fake allocator behind the hook's memory-source seam (the only fake)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from tests.backend.test_e2e_control import ADMIN, ENV, call, wait_for
 from tests.backend.test_e2e_memory import GB, memory_job
-from tests.helpers.require import unavailable
+from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
 from tests.helpers.server import running_server
 
 pytestmark = [pytest.mark.browser, pytest.mark.multiproc, pytest.mark.timeout(300)]
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
 
-if not os.path.exists(CHROMIUM):
-    unavailable(f"{CHROMIUM} is missing; install Debian's chromium (make browser).", module=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+sync_api = playwright_sync_api()
 
 
 def test_device_table_shows_the_memory_fit_and_cap_of_each_rank(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ after a backend restart. Real backend, real Chromium."""
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -12,21 +11,16 @@ from typing import Any
 
 import pytest
 
+from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
 from tests.helpers.ports import free_port
-from tests.helpers.require import unavailable
 from tests.helpers.server import running_server
 from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord, encode
 
 pytestmark = [pytest.mark.browser]
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
 SLOW = (37, 300)
 
-if not os.path.exists(CHROMIUM):
-    unavailable(f"{CHROMIUM} is missing; install Debian's chromium (make browser).", module=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+sync_api = playwright_sync_api()
 websockets = pytest.importorskip("websockets")
 
 
