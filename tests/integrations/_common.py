@@ -3,7 +3,7 @@
 The jobs record, per rank and per trained batch, the dataset indices they used; the test
 rebuilds each global batch as the ranks' slices in rank order and trains the same model
 on it in one process. Equal final parameters then show that the split did not change
-the math (DESIGN.md invariant 1).
+the math (docs/design.md, invariant 1).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Exactness and lockstep with real torchrun/gloo ranks (DESIGN.md invariants 1 and 2)."""
+"""Exactness and lockstep with real torchrun/gloo ranks (docs/design.md, invariants 1 and 2)."""
 
 from __future__ import annotations
 

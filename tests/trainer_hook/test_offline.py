@@ -1,4 +1,4 @@
-"""Training keeps running at full speed when no backend is reachable (DESIGN.md invariant 3)."""
+"""Training keeps running at full speed when no backend is reachable (docs/design.md, invariant 3)."""
 
 from __future__ import annotations
 
