@@ -109,23 +109,20 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
 
-def _exit_with_parent(parent: int, every_s: float = 0.5) -> None:
+def _exit_with_parent(parent: int) -> None:
     """Stop serving (SIGTERM to this process: uvicorn's graceful shutdown) once ``parent``,
     the process that started the backend for its own lifetime, is gone."""
-    import logging
     import os
     import signal
-    import threading
-    import time
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(every_s)
+    from backend.process import on_parent_gone
+
+    def shut_down() -> None:
         logging.getLogger("rebalancer").warning(
             "its parent process is gone (REBALANCER_EXIT_WITH_PARENT=%d): shutting down", parent)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=watch, name="rebalancer-parent-watch", daemon=True).start()
+    on_parent_gone(parent, shut_down)
 
 
 def _serve_with(settings: Settings) -> int:

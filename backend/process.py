@@ -11,12 +11,25 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-__all__ = ["free_port", "port_free", "spawn_backend", "wait_healthy", "stop_process"]
+__all__ = ["free_port", "port_free", "spawn_backend", "wait_healthy", "stop_process", "on_parent_gone"]
+
+
+def on_parent_gone(parent: int, then: Callable[[], None], *, every_s: float = 0.5) -> None:
+    """Call ``then()`` on a daemon thread once ``parent`` is no longer this process's parent
+    (it exited, or was killed with SIGKILL and ran no cleanup of its children)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        then()
+
+    threading.Thread(target=watch, name="rebalancer-parent-watch", daemon=True).start()
 
 
 def free_port() -> int:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
-import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import TYPE_CHECKING, TypeAlias
@@ -44,17 +42,13 @@ def default_decide(obs: JobObservation, cfg: PolicyConfig, cons: Constraints) ->
     return decide(obs, cfg, cons)
 
 
-def _exit_with_parent(parent: int, every_s: float = 0.5) -> None:
+def _exit_with_parent(parent: int) -> None:
     """Worker initializer: end the worker when the backend is gone. A backend killed with
     SIGKILL runs no shutdown, and the worker's call queue never reports end of file (the
     worker holds the queue's write end too), so it would wait for work forever."""
+    from backend.process import on_parent_gone
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(every_s)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="rebalancer-parent-watch", daemon=True).start()
+    on_parent_gone(parent, lambda: os._exit(0))
 
 
 def _decide_rows(decide: Decide, obs: JobObservation | ObservationRows, cfg: PolicyConfig,
