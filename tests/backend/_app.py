@@ -49,3 +49,19 @@ def sync(ws: Any, hello_frame: str) -> None:
     ws.send_text(hello_frame)
     reply = ws.receive_json()
     assert reply["type"] == "placement", reply
+
+
+def closed(ws: Any) -> tuple[int, str, list[dict[str, Any]]]:
+    """Read a real websocket client connection until the server closes it; returns the close
+    code, its reason and every frame that came before."""
+    import json
+
+    from websockets.exceptions import ConnectionClosed
+
+    got = []
+    try:
+        while True:
+            got.append(json.loads(ws.recv(timeout=10)))
+    except ConnectionClosed as exc:
+        assert exc.rcvd is not None
+        return exc.rcvd.code, exc.rcvd.reason, got

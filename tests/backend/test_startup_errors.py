@@ -61,11 +61,9 @@ def test_a_backend_started_by_a_killed_parent_stops_by_itself(tmp_path):
     import subprocess
     import sys
 
-    import psutil
-
     from tests.helpers.ports import free_port
     from tests.helpers.torchrun import REPO_ROOT
-    from tests.helpers.waiting import wait_until
+    from tests.helpers.waiting import wait_gone
 
     log = tmp_path / "server.log"
     parent = subprocess.Popen(
@@ -76,14 +74,7 @@ def test_a_backend_started_by_a_killed_parent_stops_by_itself(tmp_path):
         server = int(parent.stdout.readline())  # type: ignore[union-attr]
         parent.send_signal(signal.SIGKILL)
         parent.wait(timeout=10)
-
-        def gone() -> bool:
-            try:
-                return psutil.Process(server).status() == psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return True
-
-        wait_until(gone, "the orphaned backend to stop", 30, log=lambda: log.read_text(errors="replace"))
+        wait_gone(server, "the orphaned backend to stop", 30, log=lambda: log.read_text(errors="replace"))
         assert "its parent process is gone" in log.read_text(errors="replace")
     finally:
         if parent.poll() is None:

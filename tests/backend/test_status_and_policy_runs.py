@@ -92,7 +92,7 @@ def test_the_policy_worker_exits_when_the_backend_is_killed():
     import psutil
 
     from tests.helpers.torchrun import REPO_ROOT
-    from tests.helpers.waiting import wait_until
+    from tests.helpers.waiting import wait_gone
 
     parent = subprocess.Popen([sys.executable, "-c", _KILLED_PARENT], cwd=REPO_ROOT, text=True,
                               stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": REPO_ROOT})
@@ -101,14 +101,7 @@ def test_the_policy_worker_exits_when_the_backend_is_killed():
         assert psutil.pid_exists(worker)
         parent.send_signal(signal.SIGKILL)
         parent.wait(timeout=10)
-
-        def gone() -> bool:
-            try:
-                return psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return True
-
-        wait_until(gone, "the orphaned policy worker to exit", 20)
+        wait_gone(worker, "the orphaned policy worker to exit", 20)
     finally:
         if parent.poll() is None:
             parent.kill()

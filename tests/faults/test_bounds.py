@@ -15,13 +15,12 @@ import re
 import time
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from websockets.exceptions import ConnectionClosed
-from websockets.sync.client import ClientConnection, connect
+from websockets.sync.client import connect
 
-from tests.backend._app import hello, metrics
+from tests.backend._app import closed, hello, metrics
 from tests.helpers.server import Server, running_server
 from tests.helpers.waiting import wait_until
 from trainer_hook.protocol import HOOK_FRAMES_BURST, PROTOCOL_VERSION
@@ -43,15 +42,6 @@ def live_jobs(server: Server) -> float:
     assert m, text
     return float(m.group(1))
 
-
-def closed(ws: ClientConnection) -> tuple[int, str, list[dict[str, Any]]]:
-    got = []
-    try:
-        while True:
-            got.append(json.loads(ws.recv(timeout=10)))
-    except ConnectionClosed as exc:
-        assert exc.rcvd is not None
-        return exc.rcvd.code, exc.rcvd.reason, got
 
 
 def test_a_job_without_ranks_leaves_memory_and_keeps_its_history(server: Server) -> None:

@@ -15,10 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from tests.backend._app import hello, metrics
+from tests.backend._app import closed, hello, metrics
 from tests.helpers.server import Server, running_server
 from tests.helpers.waiting import wait_until
 from trainer_hook.protocol import Ack, Hello, encode
@@ -48,17 +47,12 @@ def metrics_frame(job: str, rank: int = 0, *, steps: list[dict[str, Any]] | None
 def refused(server: Server, frames: list[str]) -> tuple[int, str, dict[str, Any]]:
     """Send ``frames`` on a new /ws/hook connection; return (close code, reason, error frame)."""
     with connect(server.ws_url + "/ws/hook") as ws:
-        replies = []
         for f in frames:
             ws.send(f)
-        try:
-            while True:
-                replies.append(json.loads(ws.recv(timeout=10)))
-        except ConnectionClosed as exc:
-            assert exc.rcvd is not None
-            errors = [r for r in replies if r["type"] == "error"]
-            assert len(errors) == 1, replies
-            return exc.rcvd.code, exc.rcvd.reason, errors[0]
+        code, reason, replies = closed(ws)
+    errors = [r for r in replies if r["type"] == "error"]
+    assert len(errors) == 1, replies
+    return code, reason, errors[0]
 
 
 HOSTILE_METRICS = {

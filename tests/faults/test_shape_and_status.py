@@ -17,10 +17,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from tests.backend._app import hello, metrics
+from tests.backend._app import closed, hello, metrics
 from tests.helpers.server import Server, running_server
 from tests.helpers.waiting import wait_until
 
@@ -40,15 +39,6 @@ def rank(server: Server, job: str, r: int, world: int = 2, batch: int = 32, **kw
     assert reply["type"] == "placement", reply
     return ws
 
-
-def closed(ws: ClientConnection) -> tuple[int, str, list[dict[str, Any]]]:
-    got = []
-    try:
-        while True:
-            got.append(json.loads(ws.recv(timeout=10)))
-    except ConnectionClosed as exc:
-        assert exc.rcvd is not None
-        return exc.rcvd.code, exc.rcvd.reason, got
 
 
 def job(server: Server, name: str) -> dict[str, Any]:

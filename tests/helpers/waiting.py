@@ -32,3 +32,16 @@ async def wait_until_async(pred: Callable[[], Any], what: str = "the condition",
             return got
         await asyncio.sleep(interval)
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def wait_gone(pid: int, what: str, timeout: float = 30.0, *, log: Callable[[], str] | None = None) -> None:
+    """Wait until process ``pid`` has exited (gone, or a zombie its dead parent left)."""
+    import psutil
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_until(gone, what, timeout, log=log)
