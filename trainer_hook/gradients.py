@@ -335,11 +335,13 @@ def register_grad_timer(model: torch.nn.Module, state: GradientState, *, count: 
     between the two, as sync wait.
     """
     engine = torch.autograd.Variable._execution_engine
-    queued = [False]  # one end-of-backward mark per backward pass
+    # A gradient of the backward pass under way, once its end-of-backward mark is queued.
+    pending: list[torch.Tensor | None] = [None]
 
     def reduced() -> None:
-        queued[0] = False
-        _mark_reduced(state, grad_seen[0])
+        grad, pending[0] = pending[0], None
+        assert grad is not None
+        _mark_reduced(state, grad)
 
     def after_framework() -> None:
         # Queued from a final callback, so it runs after every callback queued before it,
@@ -347,14 +349,11 @@ def register_grad_timer(model: torch.nn.Module, state: GradientState, *, count: 
         # ready, which is after the parameter hook below ran).
         engine.queue_callback(reduced)
 
-    grad_seen: list[torch.Tensor] = [torch.empty(0)]
-
     def mark(p: torch.Tensor) -> None:
         # On CUDA an event (read a step later, never synchronising), as the comm hook does.
         _mark_ready(state, p)
-        if not queued[0]:
-            queued[0] = True
-            grad_seen[0] = p
+        if pending[0] is None:
+            pending[0] = p
             engine.queue_callback(after_framework)
 
     handles = []

@@ -1,8 +1,8 @@
 """What the controller hands the policy, and the checks on what an operator may set.
 
 Functions of a job's stored settings, its overrides and live measurements: the policy's
-``PolicyConfig``, ``Constraints`` and ``JobObservation``, per-sample costs, and validation
-of policy settings and overrides (``InvalidError`` naming the key and the rule it breaks).
+``PolicyConfig``, ``Constraints`` and ``ObservationRows`` (a ``JobObservation`` in rows),
+per-sample costs, and validation of policy settings and overrides (``InvalidError`` naming the key and the rule it breaks).
 Nothing here writes; the controller acts on what these return.
 
 ``backend.policy`` (numpy) is imported where it is used, as the controller always did.
@@ -24,7 +24,6 @@ from backend.live.state import STEP_LOCAL_BATCH as _LOCAL_BATCH
 if TYPE_CHECKING:
     from backend.policy.types import (
         Constraints,
-        JobObservation,
         ObservationRows,
         PolicyConfig,
         Rollback,
@@ -34,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OVERRIDE_KEYS", "policy_config", "knob", "policy_settings",
-    "constraints_from", "all_said_hello", "observation", "observation_rows", "step_costs",
+    "constraints_from", "all_said_hello", "observation_rows", "step_costs",
     "predict_step_ms", "validate_overrides", "check_overrides",
     "overrides_dict", "median", "rank_memories", "memory_explanation", "memory_constraints",
 ]
@@ -142,12 +141,6 @@ def observation_rows(live: Any, job: str, *, world_size: int, global_batch_size:
         steps_since_change=max(0, (view.batch_index or 0) - (effective or 0)), ranks=tuple(ranks),
         rollbacks=tuple(rollbacks),
     )
-
-
-def observation(live: Any, job: str, **kw: Any) -> JobObservation | None:
-    """``observation_rows`` with its objects built (for callers on the policy's side)."""
-    rows = observation_rows(live, job, **kw)
-    return rows.build() if rows is not None else None
 
 
 # Step rows -> StepSample's fields; device rows (DEVICE_FIELDS: t, source, util, mem used,

@@ -1,5 +1,5 @@
-"""What the policy sees of a job: ``inputs.observation`` (rows copied from live state, objects
-built where the policy runs) carries each rank's measured steps and device signals field for
+"""What the policy sees of a job: ``inputs.observation_rows`` (rows copied from live state,
+objects built where the policy runs by ``build()``) carries each rank's measured steps and device signals field for
 field, and a pickle of the rows builds the same observation on the other side."""
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ def _live() -> LiveState:
 
 def test_each_rank_brings_its_working_steps_and_its_device_signals_field_for_field():
     kw = dict(world_size=2, global_batch_size=32, shares=[16, 16], version=0, effective=0, window_steps=4)
-    obs = inputs.observation(_live(), "j", **kw)
-    assert obs is not None and [r.rank for r in obs.ranks] == [0, 1]
+    rows = inputs.observation_rows(_live(), "j", **kw)
+    assert isinstance(rows, ObservationRows)
+    obs = rows.build()
+    assert [r.rank for r in obs.ranks] == [0, 1]
     one = obs.ranks[1]
     # The newest 4 steps with samples, oldest first (batch 3 had none on rank 1).
     assert one.steps == (StepSample(1, 16, 111.0), StepSample(2, 16, 112.0), StepSample(4, 16, 114.0),
@@ -41,6 +43,4 @@ def test_each_rank_brings_its_working_steps_and_its_device_signals_field_for_fie
                                            sm_clock_max_mhz=1980.0, power_w=302.0,
                                            throttle_reasons=("sw_thermal",))
     assert one.device_type == "H100" and one.mem_total_bytes == 80 * 2**30
-    rows = inputs.observation_rows(_live(), "j", **kw)
-    assert isinstance(rows, ObservationRows)
     assert pickle.loads(pickle.dumps(rows)).build() == obs
