@@ -5,7 +5,10 @@ gives the global-batch mean. The comm hook here multiplies each bucket by this r
 weight (``shares[rank] / B`` for the batch being trained) and all-reduces with SUM, so
 the result is the global-batch mean whatever the split (docs/design.md, invariant 1). It also
 timestamps each bucket hand-off and each reduction's completion, which is how compute
-time is told apart from the wait inside synchronisation (invariant 4).
+time is told apart from the wait inside synchronisation (invariant 4). FSDP also waits
+for its peers before computing, inside the all-gathers that unshard parameters (forward,
+and backward when parameters are resharded after forward): ``register_unshard_timer``
+brackets those, and the bracketed time counts as sync wait too.
 
 Where a comm hook cannot be used (another library owns DDP's hook), the loss-scaling
 path gives the same math: multiply the local mean loss by ``world_size * weight`` and
@@ -20,10 +23,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "GradientState", "weighted_allreduce_hook", "register_comm_hook", "register_grad_timer",
-    "register_gradient_weighting", "check_data_parallel",
+    "register_gradient_weighting", "register_unshard_timer", "check_data_parallel",
 ]
 
 
@@ -33,11 +37,17 @@ class GradientState:
     The hook sets ``weight`` at the start of every step and calls ``reset()``. On CPU
     the timestamps are ``time.perf_counter()`` values; on CUDA the hook records events
     (read a step later, never synchronising) in ``grad_event``/``done_event``.
+
+    Waits for peers before the local gradients are ready (FSDP's unshard all-gathers, a
+    blocking reduction that was not the step's last) go between ``begin_wait`` and
+    ``end_wait``: summed in ``wait_s`` (host seconds) or, on CUDA, kept as pairs of
+    events on the compute stream in ``wait_events``.
     """
 
     __slots__ = (
         "process_group", "weight", "_pg", "_opts", "last_bucket_t", "last_done_t", "buckets_seen",
         "repeated_bucket", "grad_event", "done_event", "cuda", "_done_cb", "_cb_refs",
+        "wait_s", "wait_events", "_wait_t0", "_wait_ev0",
     )
 
     def __init__(self, process_group: Any = None) -> None:
@@ -58,6 +68,39 @@ class GradientState:
         self.repeated_bucket = False
         self.grad_event: Any = None
         self.done_event: Any = None
+        self.wait_s = 0.0
+        self.wait_events: list[tuple[Any, Any]] | None = None  # made on the first CUDA wait only
+        self._wait_t0: float | None = None
+        self._wait_ev0: Any = None
+
+    def begin_wait(self, cuda: bool) -> None:
+        """A wait for peers starts (on CUDA: where the compute stream is now)."""
+        if cuda:
+            self.cuda = True
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._wait_ev0 = ev
+        else:
+            self._wait_t0 = _now()
+
+    def end_wait(self, cuda: bool) -> None:
+        """The wait begun last ends (on CUDA: once the compute stream may go on)."""
+        if cuda:
+            start = self._wait_ev0
+            if start is None:
+                return
+            self._wait_ev0 = None
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            if self.wait_events is None:
+                self.wait_events = [(start, ev)]
+            else:
+                self.wait_events.append((start, ev))
+        else:
+            t0 = self._wait_t0
+            if t0 is not None:
+                self._wait_t0 = None
+                self.wait_s += _now() - t0
 
     # Called on the gloo/NCCL completion thread (or inline when the reduction is already
     # complete): it holds the GIL the training thread wants, so it does as little as it can.
@@ -270,6 +313,16 @@ def _mark_reduced(state: GradientState, t: torch.Tensor) -> None:
         state.last_done_t = _now()
 
 
+def _mark_ready_blocking(state: GradientState, t: torch.Tensor) -> None:
+    """``_mark_ready`` for a reduction that blocks the training thread (gloo, on CPU): the
+    previous one of this step was not the last, so all its time was spent waiting."""
+    if not t.is_cuda:
+        done, ready = state.last_done_t, state.last_bucket_t
+        if done is not None and ready is not None:
+            state.wait_s += done - ready
+    _mark_ready(state, t)
+
+
 class WeightedReduceScatter:
     """FSDP2 custom reduce-scatter: ``input *= weight``, then SUM (no divide factor)."""
 
@@ -283,7 +336,10 @@ class WeightedReduceScatter:
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
     ) -> Any:
         state = self.state
-        _mark_ready(state, input_tensor)
+        if async_op:
+            _mark_ready(state, input_tensor)
+        else:
+            _mark_ready_blocking(state, input_tensor)
         input_tensor.mul_(state.weight)
         work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
         if not async_op:
@@ -293,7 +349,7 @@ class WeightedReduceScatter:
 
 def _fsdp1_weighted_hook(state, grad, output=None):  # type: ignore[no-untyped-def]
     """FSDP1 comm hook (FSDP skips its own pre/post division when one is registered)."""
-    _mark_ready(state, grad)
+    _mark_ready_blocking(state, grad)
     grad.mul_(state.weight)
     if output is None:  # NO_SHARD: an all-reduce in place
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=state.process_group)
@@ -360,4 +416,99 @@ def register_grad_timer(model: torch.nn.Module, state: GradientState, *, count: 
     for p in list(model.parameters())[:count]:
         if p.requires_grad:
             handles.append(p.register_post_accumulate_grad_hook(mark))
+    return handles
+
+
+class _TimedMethod:
+    """Times one object's method as a wait for peers: an instance attribute over the class's
+    method, so every caller (FSDP's own prefetches included) goes through it."""
+
+    __slots__ = ("obj", "name")
+
+    def __init__(self, obj: Any, name: str, state: GradientState, cuda: bool) -> None:
+        self.obj, self.name = obj, name
+        fn = getattr(type(obj), name)  # the class's, so attaching twice never stacks wrappers
+        begin, end = state.begin_wait, state.end_wait
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            begin(cuda)
+            try:
+                return fn(obj, *args, **kwargs)
+            finally:
+                end(cuda)
+
+        setattr(obj, name, timed)
+
+    def remove(self) -> None:
+        self.obj.__dict__.pop(self.name, None)
+
+
+def _on_grad_outputs(output: Any, fn: Any) -> None:
+    """Register the tensor hook ``fn`` on every output that will receive a gradient."""
+    if not torch.is_grad_enabled():
+        return
+    leaves = (output,) if isinstance(output, torch.Tensor) else tree_leaves(output)
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(fn)
+
+
+def _fsdp1_unshard_timer(model: Any, state: GradientState) -> list[Any]:
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    cuda = model.compute_device.type == "cuda"
+
+    def begin(*_: Any) -> None:
+        state.begin_wait(cuda)
+
+    def end(*_: Any) -> None:
+        state.end_wait(cuda)
+
+    def begin_backward(_module: Any, _args: Any, output: Any) -> None:
+        _on_grad_outputs(output, begin)
+
+    def end_backward(_module: Any, _args: Any, output: Any) -> None:
+        _on_grad_outputs(output, end)
+
+    handles = []
+    for m in FullyShardedDataParallel.fsdp_modules(model):
+        inner = m._fsdp_wrapped_module
+        # FullyShardedDataParallel.forward unshards (all-gather, then on CUDA the compute
+        # stream waits for it) between its own pre-hooks and its inner module's.
+        handles.append(m.register_forward_pre_hook(begin, prepend=True))
+        handles.append(inner.register_forward_pre_hook(end, prepend=True))
+        if m._handle is not None and m.sharding_strategy == ShardingStrategy.FULL_SHARD:
+            # Backward unshards in a tensor hook FSDP puts on the outputs after the inner
+            # module's forward hooks ran and before its own: hooks on one tensor run in the
+            # order they were registered.
+            handles.append(inner.register_forward_hook(begin_backward, prepend=True))
+            handles.append(m.register_forward_hook(end_backward))
+    return handles
+
+
+def register_unshard_timer(model: torch.nn.Module, state: GradientState) -> list[Any]:
+    """Time FSDP's unshards (the parameter all-gathers, where a fast rank waits for a slow
+    one before it can compute) as waits in ``state``; returns removable handles ([] for a
+    model that is not FSDP).
+
+    FSDP2: each parameter group's ``unshard`` and ``wait_for_unshard``, whoever calls them
+    (forward, backward, prefetches). On CPU (gloo) the all-gather blocks in ``unshard``;
+    on CUDA only ``wait_for_unshard`` holds the compute stream (it waits there for the
+    all-gather stream), so only it is timed, with events. FSDP1: its forward between the
+    FSDP module's pre-hooks and the wrapped module's, and in backward the output tensor
+    hooks around FSDP's own pre-backward hook.
+    """
+    model = _compiled_inner(model)
+    if _is_fsdp1(model):
+        return _fsdp1_unshard_timer(model, state)
+    handles: list[Any] = []
+    seen: set[int] = set()
+    for m in _fsdp2_modules(model):
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            if id(group) in seen:  # fully_shard([a, b]): one state for several modules
+                continue
+            seen.add(id(group))
+            cuda = group.device.type == "cuda"
+            for name in ("wait_for_unshard",) if cuda else ("unshard", "wait_for_unshard"):
+                handles.append(_TimedMethod(group, name, state, cuda))
     return handles

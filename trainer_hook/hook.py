@@ -39,6 +39,7 @@ from trainer_hook.gradients import (
     check_data_parallel,
     register_grad_timer,
     register_gradient_weighting,
+    register_unshard_timer,
 )
 from trainer_hook.memory import (
     MemoryMeter,
@@ -325,6 +326,8 @@ class RebalanceHook:
             mode = register_gradient_weighting(model, self._grads, self._world_size)
             if mode == "local":
                 self._grad_handles = register_grad_timer(model, self._grads)
+        # FSDP's parameter all-gathers are waits for peers on either path.
+        self._grad_handles += register_unshard_timer(model, self._grads)
         self._gradients_mode = mode
         # A drained rank trains a one-sample dummy batch (weight 0); batch norm would fold
         # it into its running statistics (and BatchNorm1d refuses one sample in training).

@@ -4,6 +4,9 @@ Data-wait is the gap between the end of the previous step and the start of this 
 (the loader's turn). Compute ends when the last gradient bucket is handed to the comm
 hook (local gradients ready); sync-wait runs from there until the last reduction
 completes; the rest until the step ends is the optimizer (docs/design.md invariant 4).
+Waits for peers before the gradients are ready (FSDP's unshard all-gathers, blocking
+reductions before the last: ``GradientState.wait_s``/``wait_events``) move from compute
+to sync-wait.
 
 On CUDA the comm hook records events instead of timestamps; they are read one step
 later with ``Event.query()`` so the training thread never synchronises the device.
@@ -28,16 +31,19 @@ def _cuda_event() -> Any:
 
 
 def split_step(
-    t0: float, t_end: float, t_grad: float | None, t_done: float | None
+    t0: float, t_end: float, t_grad: float | None, t_done: float | None, wait: float = 0.0
 ) -> tuple[float, float, float]:
-    """(compute_s, sync_wait_s, optimizer_s) of one step from its timestamps (seconds)."""
+    """(compute_s, sync_wait_s, optimizer_s) of one step from its timestamps (seconds) and
+    the time ``wait`` spent waiting for peers before the gradients were ready."""
     if t_grad is None or t_grad < t0 or t_grad > t_end:
-        return t_end - t0, 0.0, 0.0
-    compute = t_grad - t0
-    if t_done is None or t_done < t_grad:
-        return compute, 0.0, t_end - t_grad
-    t_done = min(t_done, t_end)
-    return compute, t_done - t_grad, t_end - t_done
+        compute, sync, opt = t_end - t0, 0.0, 0.0
+    elif t_done is None or t_done < t_grad:
+        compute, sync, opt = t_grad - t0, 0.0, t_end - t_grad
+    else:
+        t_done = min(t_done, t_end)
+        compute, sync, opt = t_grad - t0, t_done - t_grad, t_end - t_done
+    wait = min(max(wait, 0.0), compute)
+    return compute - wait, sync + wait, opt
 
 
 class StepTimer:
@@ -82,15 +88,16 @@ class StepTimer:
             end_ev = self._event()
             end_ev.record()
             self._pending_cuda.append(
-                (self._start_event, grads.grad_event, grads.done_event, end_ev, k, local, version,
-                 self._data_wait, t_end - self._t0, self._wall())
+                (self._start_event, grads.grad_event, grads.done_event, end_ev, grads.wait_events, k, local,
+                 version, self._data_wait, t_end - self._t0, self._wall())
             )
             return self._read_cuda()
         t0 = self._t0
         if grads is None:
             t_grad = t_done = None
+            wait = 0.0
         else:
-            t_grad, t_done = grads.last_bucket_t, grads.last_done_t
+            t_grad, t_done, wait = grads.last_bucket_t, grads.last_done_t, grads.wait_s
         # split_step(), inlined: this runs on the training thread every step.
         if t_grad is None or t_grad < t0 or t_grad > t_end:
             compute, sync, opt = t_end - t0, 0.0, 0.0
@@ -100,6 +107,11 @@ class StepTimer:
             if t_done > t_end:
                 t_done = t_end
             compute, sync, opt = t_grad - t0, t_done - t_grad, t_end - t_done
+        if wait > 0.0:
+            if wait > compute:
+                wait = compute
+            compute -= wait
+            sync += wait
         data_wait = self._data_wait
         return StepRecord(
             batch_index=k, local_batch_size=local, placement_version=version,
@@ -113,11 +125,15 @@ class StepTimer:
             if len(self._pending_cuda) > 8:
                 self._pending_cuda.pop(0)  # the device is far behind; give up on the oldest
             return None
-        start, grad, done, end, k, local, version, data_wait, cpu_s, t = self._pending_cuda.pop(0)
+        start, grad, done, end, waits, k, local, version, data_wait, cpu_s, t = self._pending_cuda.pop(0)
         total = start.elapsed_time(end)
         compute = start.elapsed_time(grad)
         sync = grad.elapsed_time(done) if done is not None and done.query() else 0.0
         sync = max(0.0, min(sync, total - compute))
+        if waits:  # recorded on the compute stream before the end event: complete too
+            wait = min(max(0.0, sum(a.elapsed_time(b) for a, b in waits)), max(0.0, compute))
+            compute -= wait
+            sync += wait
         return StepRecord(
             batch_index=k, local_batch_size=local, placement_version=version,
             data_wait_ms=data_wait * 1e3, compute_ms=max(0.0, compute), sync_wait_ms=sync,

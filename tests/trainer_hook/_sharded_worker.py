@@ -36,6 +36,23 @@ def build_model(batchnorm: bool) -> torch.nn.Module:
     return torch.nn.Sequential(*layers).to(torch.float64)
 
 
+def _sleep(grad: torch.Tensor) -> torch.Tensor:
+    time.sleep(0.03)
+    return grad
+
+
+class _SleepInBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: it runs before the gradient reaches the model's output."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return _sleep(grad)
+
+
 def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
     if how == "ddp":
         # Each rank keeps its own batch-norm statistics (what the BatchNorm test checks).
@@ -52,10 +69,14 @@ def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         return fully_shard(model)  # type: ignore[no-any-return]
-    if how == "fsdp1":
+    if how in ("fsdp1", "fsdp1-nested"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+        # Nested: each Linear its own FSDP instance, resharded after forward, so backward
+        # all-gathers it again.
+        policy = ModuleWrapPolicy({torch.nn.Linear}) if how == "fsdp1-nested" else None
+        return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True, auto_wrap_policy=policy)
     raise ValueError(how)
 
 
@@ -71,7 +92,7 @@ def no_sync(model: Any, how: str, last: bool) -> Any:
 
 
 def full_params(model: Any, how: str) -> list[list[Any]]:
-    if how == "fsdp1":
+    if how.startswith("fsdp1"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         with FSDP.summon_full_params(model):
@@ -93,7 +114,10 @@ def main() -> None:
     p.add_argument("--batchnorm", action="store_true")
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--gradients", default="auto", help="hook.attach(model, gradients=...)")
-    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps 30 ms in each step's forward")
+    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps 30 ms in each step")
+    p.add_argument("--slow-in", choices=("forward", "backward", "mid-backward"), default="forward",
+                   help="where the slow rank sleeps: before the forward, as backward starts (before FSDP's "
+                   "pre-backward unshard of the last layer), or after that unshard")
     p.add_argument("--mark-dynamic", action="store_true", help="mark the batch dimension dynamic up front")
     args = p.parse_args()
 
@@ -123,11 +147,17 @@ def main() -> None:
                 for i, (xi, yi) in enumerate(pieces):
                     if args.mark_dynamic and len(xi) > 1:
                         torch._dynamo.mark_dynamic(xi, 0)
-                    if rank == args.slow_rank:
+                    slow = rank == args.slow_rank
+                    if slow and args.slow_in == "forward":
                         time.sleep(0.03)  # before backward: compute, which the other rank waits for
                     with no_sync(model, args.wrap, last=i == len(pieces) - 1):
                         # The mean over this rank's whole local batch, spread over micro-batches.
-                        loss = torch.nn.functional.mse_loss(model(xi), yi, reduction="sum") / len(x)
+                        out = model(xi)
+                        if slow and args.slow_in == "backward":
+                            out = _SleepInBackward.apply(out)
+                        elif slow and args.slow_in == "mid-backward":
+                            out.register_hook(_sleep)  # after the hooks FSDP put on the output
+                        loss = torch.nn.functional.mse_loss(out, yi, reduction="sum") / len(x)
                         (loss * hook.loss_weight()).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)

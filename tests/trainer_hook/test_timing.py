@@ -14,6 +14,10 @@ def test_split_step_separates_compute_sync_and_optimizer() -> None:
     assert split_step(10.0, 10.1, 10.04, None) == pytest.approx((0.04, 0.0, 0.06))
     # A completion stamped after the step ended (clock skew between threads) is clipped.
     assert split_step(10.0, 10.1, 10.04, 10.2) == pytest.approx((0.04, 0.06, 0.0))
+    # Waits for peers before the gradients were ready (FSDP's all-gathers) are sync wait.
+    assert split_step(10.0, 10.1, 10.04, 10.07, wait=0.03) == pytest.approx((0.01, 0.06, 0.03))
+    assert split_step(10.0, 10.1, None, None, wait=0.02) == pytest.approx((0.08, 0.02, 0.0))
+    assert split_step(10.0, 10.1, 10.04, 10.07, wait=0.5) == pytest.approx((0.0, 0.07, 0.03))  # at most compute
 
 
 class FrozenClock:
@@ -47,6 +51,33 @@ def test_step_timer_records_data_wait_and_step_time() -> None:
     assert r1.compute_ms == pytest.approx(40.0)  # no gradient timestamps: all compute
     assert r1.step_ms == pytest.approx(50.0)  # data wait + step body
     assert clock.values == []
+
+
+def test_waits_for_peers_before_the_gradients_move_from_compute_to_sync() -> None:
+    # FSDP: the fast rank waited 20 ms inside a forward all-gather and 5 ms inside a
+    # blocking reduce-scatter that was not the step's last.
+    timer = StepTimer(clock=FrozenClock(1.000, 1.100), wall=lambda: 0.0)
+    grads = GradientState()
+    timer.start(0, 8, 0)
+    grads.last_bucket_t, grads.last_done_t, grads.wait_s = 1.060, 1.070, 0.025
+    rec = timer.finish(grads)
+    assert rec is not None
+    assert (rec.compute_ms, rec.sync_wait_ms, rec.optimizer_ms) == pytest.approx((35.0, 35.0, 30.0))
+    grads.reset()
+    assert grads.wait_s == 0.0 and grads.wait_events is None
+
+
+def test_gradient_state_sums_the_host_time_between_begin_and_end_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer_hook import gradients
+
+    monkeypatch.setattr(gradients, "_now", FrozenClock(2.0, 2.5, 3.0, 3.25))
+    grads = GradientState()
+    grads.end_wait(False)  # no wait begun: nothing
+    grads.begin_wait(False)
+    grads.end_wait(False)
+    grads.begin_wait(False)
+    grads.end_wait(False)
+    assert grads.wait_s == pytest.approx(0.75)
 
 
 class FakeEvent:
@@ -92,3 +123,15 @@ def test_cuda_path_reads_events_a_step_later_without_synchronising() -> None:
     assert rec.step_ms == pytest.approx(50.0)
     rec1 = timer._read_cuda()
     assert rec1 is not None and rec1.batch_index == 1 and rec1.compute_ms == pytest.approx(20.0)
+
+
+def test_cuda_path_moves_the_event_timed_waits_from_compute_to_sync() -> None:
+    events = iter([FakeEvent(0.0), FakeEvent(0.050)])
+    timer = StepTimer(clock=FrozenClock(1.0, 1.05), wall=lambda: 5.0, event_factory=lambda: next(events))
+    grads = GradientState()
+    timer.start(0, 8, 0, cuda=True)
+    grads.grad_event, grads.done_event = FakeEvent(0.030), FakeEvent(0.040)
+    grads.wait_events = [(FakeEvent(0.002), FakeEvent(0.012)), (FakeEvent(0.015), FakeEvent(0.020))]
+    rec = timer.finish(grads)
+    assert rec is not None
+    assert (rec.compute_ms, rec.sync_wait_ms, rec.optimizer_ms) == pytest.approx((15.0, 25.0, 10.0))
