@@ -1,4 +1,4 @@
-"""A synthetic CPU DDP job whose ranks compute at different, injected speeds.
+"""A synthetic CPU DDP (or FSDP2) job whose ranks compute at different, injected speeds.
 
 Run under torchrun (one process per rank)::
 
@@ -7,7 +7,8 @@ Run under torchrun (one process per rank)::
 
 Each rank's forward sleeps ``fixed_ms + local_batch * per_sample_ms / speed`` (times any
 ``--slowdown``/``--drift`` factor) to model heterogeneous devices, then runs a tiny MLP
-on synthetic data. Without ``--server`` (and no ``REBALANCER_SERVER``) it runs offline.
+on synthetic data, wrapped in DDP or, with ``--wrap fsdp2``, sharded with ``fully_shard``
+(each Linear, then the whole model). Without ``--server`` (and no ``REBALANCER_SERVER``) it runs offline.
 ``--steps 0`` (the default) runs until killed. ``--result PATH``: rank 0 writes a JSON
 file with every rank's per-step times and the placement timeline.
 """
@@ -78,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="RANK:STEP:FACTOR: from STEP on, RANK takes FACTOR times longer (repeatable)")
     p.add_argument("--drift", action="append", default=[], type=_triple("--drift", "1:50:0.5"),
                    help="RANK:START_STEP:PCT_PER_STEP: RANK slows by PCT percent more each step (repeatable)")
+    p.add_argument("--wrap", choices=("ddp", "fsdp2"), default="ddp",
+                   help="data parallelism with several ranks: DistributedDataParallel or FSDP2 (fully_shard)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--result", default=None, help="rank 0 writes a JSON result here")
@@ -168,7 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     job = args.job or os.environ.get("REBALANCER_JOB") or "demo"
     hook = RebalanceHook(server=args.server, job=job, global_batch_size=b, token=args.token, **extra)
     inner = _SlowMLP()
-    model: torch.nn.Module = DDP(inner) if distributed else inner
+    model: torch.nn.Module = inner
+    if distributed and args.wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in inner.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(inner)  # the same object, now an FSDPModule: model and delay_s still apply
+    elif distributed:
+        model = DDP(inner)
     hook.attach(model)
     sampler = hook.batch_sampler(dataset, shuffle=True, seed=args.seed)
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers)
