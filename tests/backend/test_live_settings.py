@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from backend.live.state import LiveState
 from backend.settings import Settings, is_loopback
 from tests.backend._app import steps
 from tests.helpers.torchrun import REPO_ROOT
-from trainer_hook.protocol import DeviceSample, Hello, Metrics
+from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
 
 
 def _live(world: int = 3, window: int = 4) -> LiveState:
@@ -35,6 +36,33 @@ def test_derived_numbers_use_the_recent_window():
     assert v.step_ms == 50.0 and v.batch_index == 7
     assert v.ranks[1].step_rate_hz == pytest.approx(20.0)  # 3 intervals of 50 ms
     assert v.connected_ranks == 3
+
+
+@pytest.mark.parametrize(("buffer", "window"), [(8, 4), (4, 4), (64, 5)])
+def test_window_means_follow_every_row_as_it_arrives(buffer: int, window: int):
+    # After every message the view's means, rate and position are those of the newest
+    # ``window`` rows, through the ring's eviction (buffer == window), a 10^6 ms outlier
+    # leaving the window, and messages longer than the window.
+    live = LiveState(step_buffer=buffer, device_buffer=2, window_steps=window)
+    live.register(Hello(job="j", rank=0, world_size=1, global_batch_size=8), now=100.0)
+    sent: list[StepRecord] = []
+    rng = random.Random(5)
+    b = 0
+    for n in [1, 3, 2, 7, 1, 1, 5, 4, 9] * 8:
+        recs = [StepRecord(batch_index=b + i, local_batch_size=8, placement_version=0,
+                           data_wait_ms=rng.uniform(0, 2), compute_ms=1e6 if b + i == 9 else rng.uniform(1, 90),
+                           sync_wait_ms=rng.uniform(0, 5), optimizer_ms=0.1 * i, step_ms=rng.uniform(50, 150),
+                           t=1000.0 + 0.1 * (b + i)) for i in range(n)]
+        b += n
+        sent += recs
+        live.add_metrics(Metrics(job="j", rank=0, steps=recs))
+        rv = live.view("j").ranks[0]  # type: ignore[union-attr]
+        win = sent[-window:]
+        for f in ("compute_ms", "sync_wait_ms", "data_wait_ms", "optimizer_ms", "step_ms"):
+            assert getattr(rv, f) == pytest.approx(sum(getattr(s, f) for s in win) / len(win), rel=1e-12, abs=1e-9), f
+        assert rv.batch_index == b - 1 and rv.n_steps == min(len(sent), buffer)
+        if len(win) >= 2:
+            assert rv.step_rate_hz == pytest.approx((len(win) - 1) / (win[-1].t - win[0].t))
 
 
 def test_ring_buffers_bound_memory_and_count_drops():
