@@ -18,6 +18,7 @@ from trainer_hook.protocol import (
     StepRecord,
     check_shares,
     decode,
+    decode_versioned,
     encode,
     uniform_shares,
 )
@@ -86,6 +87,44 @@ def test_frames_that_break_the_envelope(raw: str, code: str, close: int) -> None
     with pytest.raises(ProtocolError) as err:
         decode(raw)
     assert (err.value.code, err.value.close_code) == (code, close)
+
+
+def _frame(step: str) -> str:
+    return '{"v":2,"type":"metrics","job":"j","rank":0,"steps":[%s]}' % step
+
+
+_STEP = json.dumps(GOOD)
+
+
+@pytest.mark.parametrize("raw", [
+    _frame(_STEP),
+    _frame(_STEP.replace('"compute_ms": 20', '"compute_ms": NaN')),
+    _frame(_STEP.replace('"compute_ms": 20', '"compute_ms": -Infinity')),
+    _frame(_STEP.replace('"batch_index": 4', '"batch_index": 99999999999999999999999')),
+    _frame(_STEP.replace('"t": 1700000000.0', '"t": 1e999')),
+    '{"v":2,"type":"metrics","job":"j","rank":0,"steps":' + "[" * 2000 + "]" * 2000 + "}",
+    '{"v":2,"type":"metrics","job":"j","rank":0,"steps":[],"steps":[%s]}' % _STEP,
+    '{"v":2,"type":"metrics","job":"j\ud800","rank":0}',
+    _frame(_STEP)[:-3],
+    b'{"v":2,"type":"metrics","job":"\xff","rank":0}',
+    '{"v":2,"type":"metrics","job":"j","rank":0} trailing',
+], ids=["valid", "nan", "-inf", "int-beyond-64-bits", "float-overflow", "deep", "duplicate-key",
+        "lone-surrogate", "truncated", "bytes-escape", "trailing"])
+def test_frames_decode_alike_with_and_without_orjson(raw: str | bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The backend parses frames with orjson (its extra); a hook-only install with the
+    # standard library. Both must accept the same frames and word errors the same.
+    import trainer_hook.protocol as protocol
+
+    def outcome() -> object:
+        try:
+            return decode_versioned(raw)
+        except ProtocolError as exc:
+            return (type(exc), str(exc), exc.code, exc.close_code)
+
+    assert protocol._fast_loads is not None, "the dev install carries orjson"
+    fast = outcome()
+    monkeypatch.setattr(protocol, "_fast_loads", None)
+    assert outcome() == fast
 
 
 def test_hello_carries_the_gpu_index_and_uuid() -> None:
