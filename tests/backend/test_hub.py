@@ -266,7 +266,8 @@ async def test_big_job_sends_rank_columns_once_a_second_and_positions_between():
     task = asyncio.create_task(hub.attach(sock.send, "j"))
     await _settle()
     for b in range(12):  # ten ticks a second for 1.2 s
-        _feed(svc.live, b, per_sample=(1.0,) * world, shares=(8,) * world)
+        # Rank 0 computes 8 ms a batch for batches 0 to 9, then 80 ms.
+        _feed(svc.live, b, per_sample=(1.0 if b < 10 else 10.0,) + (1.0,) * (world - 1), shares=(8,) * world)
         now[0] = (b + 1) * 0.1
         hub.notify("j")
         hub.tick()
@@ -280,6 +281,12 @@ async def test_big_job_sends_rank_columns_once_a_second_and_positions_between():
         assert cols["rank"] == list(range(world))
         assert cols["batch_index"] == [f["summary"]["batch_index"]] * world
     assert all("control" not in f for f in later)  # unchanged: not sent again
+    # Heat columns too go out once a second, each the mean over the batches read since the
+    # previous one: the snapshot's (batch 0), then batches 1 to 10 at 1.0 s.
+    heat = [c for f in sock.frames for c in f["heat"]]
+    assert [c["b"] for c in heat] == [0, 10]
+    assert heat[1]["compute"][0] == pytest.approx((9 * 8.0 + 80.0) / 10) and heat[1]["compute"][1] == 8.0
+    assert len(heat[1]["util"]) == world and heat[1]["util"][5] == 55.0
     svc.control = {**control, "mode": "approve"}  # the controller published a change
     now[0] += 0.1
     hub.notify("j")
