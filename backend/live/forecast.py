@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
@@ -39,9 +40,14 @@ class Forecast:
 def hourly_cost(price_for: PriceFor, devices: Iterable[tuple[str, str]]) -> tuple[float | None, int]:
     """(USD per hour of the ranks' devices, ranks without a price); None when none has one.
     ``devices`` are (device_type, device_name) per rank."""
-    prices = [price_for(t, n) for t, n in devices]
-    known = [p for p in prices if p is not None]
-    return (sum(known) if known else None), len(prices) - len(known)
+    total, priced, unpriced = 0.0, False, 0
+    for (device_type, device_name), n in Counter(devices).items():  # a price per kind of device
+        p = price_for(device_type, device_name)
+        if p is None:
+            unpriced += n
+        else:
+            total, priced = total + p * n, True
+    return (total if priced else None), unpriced
 
 
 def forecast(view: JobView, price_for: PriceFor, total_steps: int | None = None) -> Forecast:

@@ -413,7 +413,11 @@ class LiveState:
             j = self._jobs.get(job)
             if j is None:
                 return None
-            ranks = tuple(self._rank_view(rank, r) for rank, r in sorted(j.ranks.items()))
+            views = []
+            for rank, r in sorted(j.ranks.items()):  # unchanged ranks: their cached view
+                c = r.cached
+                views.append(c[1] if c is not None and c[0] == r.rev else self._rank_view(rank, r))
+            ranks = tuple(views)
             meta = (j.job, j.world_size, j.global_batch_size, j.created_at, j.last_seen)
             total_steps = j.total_steps
         with_data = [r for r in ranks if r.compute_ms is not None]
@@ -437,8 +441,7 @@ class LiveState:
         )
 
     def _rank_view(self, rank: int, r: _Rank) -> RankView:
-        if r.cached is not None and r.cached[0] == r.rev:
-            return r.cached[1]
+        """The rank's view, built afresh (callers reuse ``r.cached`` while ``r.rev`` holds)."""
         ring = r.steps
         n = min(self.window_steps, len(ring))
         last = ring[-1] if n else None
