@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeAlias
 
+_fast_loads: Callable[[str | bytes], Any] | None
 try:  # the backend's extra: 3.5x faster on the frames of thousands of ranks
     from orjson import loads as _fast_loads
 except ImportError:  # a hook-only install: the standard library's parser for everything
     _fast_loads = None
 
 __all__ = [
+    "STEP_FIELDS",
+    "STEP_TIMES",
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
     "MAX_MESSAGE_BYTES",
@@ -396,7 +399,7 @@ class StepRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """The record as sent: memory fields only where read."""
-        d = {f: getattr(self, f) for f in _STEP_BASE}
+        d = {f: getattr(self, f) for f in STEP_FIELDS}
         if self.mem_peak_bytes is not None:
             d["mem_peak_bytes"] = self.mem_peak_bytes
             if self.mem_reserved_bytes is not None:
@@ -406,8 +409,13 @@ class StepRecord:
         return d
 
 
-_STEP_BASE = ("batch_index", "local_batch_size", "placement_version", "data_wait_ms",
-              "compute_ms", "sync_wait_ms", "optimizer_ms", "step_ms", "t")
+# The record's one definition of its shape: the fields every step record carries, in the
+# order of the backend's row layout (backend.live.state), and the ones that say where the
+# step's time went. Live state, storage, the REST models, the client, the dashboard feed
+# and the report carry the same names (tests/test_record_shape.py holds them to it).
+STEP_FIELDS = ("batch_index", "local_batch_size", "placement_version", "data_wait_ms",
+               "compute_ms", "sync_wait_ms", "optimizer_ms", "step_ms", "t")
+STEP_TIMES = ("compute_ms", "sync_wait_ms", "data_wait_ms", "optimizer_ms", "step_ms")
 _NUMBER_TYPES = frozenset((int, float))
 
 

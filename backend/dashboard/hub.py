@@ -54,7 +54,7 @@ from backend.live.state import (
 )
 from backend.policy.memory import DEFAULT_HEADROOM, memory_cap
 from backend.settings import Settings
-from trainer_hook.protocol import CLOSE_RATE_LIMITED, uniform_shares
+from trainer_hook.protocol import CLOSE_RATE_LIMITED, STEP_TIMES, uniform_shares
 
 __all__ = ["DashboardHub", "JobChanges", "CostFit"]
 
@@ -72,7 +72,7 @@ _LAG_LIMIT = 256  # a batch a connected rank never sent closes once the newest i
 _IDLE_REFRESH_S = 1.0  # watched jobs refresh this often even without metrics (stale flag)
 _RANKS_FULL_RATE_MAX = 128  # up to this many ranks, per-rank columns go out every tick
 _RANKS_EVERY_S = 1.0  # above it, at most this often
-_RANK_FIELDS = ("compute_ms", "sync_wait_ms", "data_wait_ms", "optimizer_ms", "step_ms",
+_RANK_FIELDS = (*STEP_TIMES,
                 "batch_index", "local_batch_size", "placement_version", "step_rate_hz")
 _DEVICE_FIELDS = ("util_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "temp_c",
                   "sm_clock_mhz", "sm_clock_max_mhz", "cpu_pct", "rss_bytes", "source")

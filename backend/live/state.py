@@ -35,14 +35,15 @@ from typing import Any, Final
 
 from backend.metrics_contract import STEP_BUCKETS_S
 from backend.policy.memory import MemoryFit, MemoryReading, RankMemory, fit_memory
-from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
+from trainer_hook.protocol import STEP_FIELDS, STEP_TIMES, DeviceSample, Hello, Metrics, StepRecord
 
 __all__ = ["LiveState", "RankView", "JobView", "Window", "eta_seconds", "STEP_FIELDS",
            "DEVICE_FIELDS", "STEP_BATCH", "STEP_LOCAL_BATCH", "STEP_VERSION", "STEP_COMPUTE",
            "STEP_MS", "STEP_T", "StepRow", "DeviceRow"]
 
-STEP_FIELDS = ("batch_index", "local_batch_size", "placement_version", "data_wait_ms",
-               "compute_ms", "sync_wait_ms", "optimizer_ms", "step_ms", "t")
+# A buffered step is a plain tuple in the protocol's ``STEP_FIELDS`` order; these index it
+# (literals, so that type checkers know each column's type; tests/test_record_shape.py
+# holds them to ``STEP_FIELDS``).
 STEP_BATCH: Final = 0
 STEP_LOCAL_BATCH: Final = 1
 STEP_VERSION: Final = 2
@@ -64,9 +65,8 @@ def _device_row(d: DeviceSample) -> DeviceRow:
 
 
 def _step(row: StepRow) -> StepRecord:
-    return StepRecord(batch_index=row[0], local_batch_size=row[1], placement_version=row[2],
-                      data_wait_ms=row[3], compute_ms=row[4], sync_wait_ms=row[5],
-                      optimizer_ms=row[6], step_ms=row[7], t=row[8])
+    fields: dict[str, Any] = dict(zip(STEP_FIELDS, row, strict=True))
+    return StepRecord(**fields)
 
 
 def _device(row: DeviceRow) -> DeviceSample:
@@ -203,8 +203,7 @@ class Window:
     device: DeviceSample | None
 
 
-_TIME_COLUMNS = tuple(STEP_FIELDS.index(f) for f in
-                      ("compute_ms", "sync_wait_ms", "data_wait_ms", "optimizer_ms", "step_ms"))
+_TIME_COLUMNS = tuple(STEP_FIELDS.index(f) for f in STEP_TIMES)
 
 
 def eta_seconds(total_steps: int | None, batch_index: int | None, step_ms: float | None) -> float | None:
@@ -449,7 +448,7 @@ class LiveState:
         if last is not None and n >= 2 and last[STEP_T] > (t0 := ring[-n][STEP_T]):
             rate = (n - 1) / (last[STEP_T] - t0)
         # Means oldest first: the same float sums whatever the ring's layout.
-        means: list[float | None] = [None] * 5
+        means: list[float | None] = [None] * len(STEP_TIMES)
         if n:
             win = list(islice(reversed(ring), n))
             win.reverse()
@@ -465,11 +464,7 @@ class LiveState:
             batch_index=last[STEP_BATCH] if last is not None else None,
             placement_version=last[STEP_VERSION] if last is not None else None,
             local_batch_size=last[STEP_LOCAL_BATCH] if last is not None else None,
-            compute_ms=means[0],
-            sync_wait_ms=means[1],
-            data_wait_ms=means[2],
-            optimizer_ms=means[3],
-            step_ms=means[4],
+            **dict(zip(STEP_TIMES, means, strict=True)),
             step_rate_hz=rate, n_steps=len(r.steps), dropped=r.dropped,
             device=r.device_obj, lost=r.lost,
             memory=self._memory_of(r), mem_peak_bytes=r.memory[-1].peak_bytes if r.memory else None,
@@ -596,13 +591,12 @@ def aggregate_windows(taken: list[Pending]) -> list[Window]:
     out = []
     for job, rank, steps, device, dropped in taken:
         n = len(steps)
-        bi, lb, _pv, dw, cm, sw, om, sm, _t = zip(*steps, strict=True)
+        cols = list(zip(*steps, strict=True))
         out.append(Window(
             job=job, rank=rank, t_start=steps[0][STEP_T], t_end=steps[-1][STEP_T],
-            batch_index_start=min(bi), batch_index_end=max(bi), n_steps=n,
-            placement_version=steps[-1][STEP_VERSION],
-            local_batch_size=sum(lb) / n, compute_ms=sum(cm) / n, sync_wait_ms=sum(sw) / n,
-            data_wait_ms=sum(dw) / n, optimizer_ms=sum(om) / n, step_ms=sum(sm) / n,
+            batch_index_start=min(cols[STEP_BATCH]), batch_index_end=max(cols[STEP_BATCH]), n_steps=n,
+            placement_version=steps[-1][STEP_VERSION], local_batch_size=sum(cols[STEP_LOCAL_BATCH]) / n,
+            **{f: sum(cols[i]) / n for f, i in zip(STEP_TIMES, _TIME_COLUMNS, strict=True)},
             dropped=dropped, device=_device(device[-1]) if device else None,
         ))
     return out

@@ -90,7 +90,7 @@ def test_frames_that_break_the_envelope(raw: str, code: str, close: int) -> None
 
 
 def _frame(step: str) -> str:
-    return '{"v":2,"type":"metrics","job":"j","rank":0,"steps":[%s]}' % step
+    return '{"v":2,"type":"metrics","job":"j","rank":0,"steps":[' + step + "]}"
 
 
 _STEP = json.dumps(GOOD)
@@ -103,7 +103,7 @@ _STEP = json.dumps(GOOD)
     _frame(_STEP.replace('"batch_index": 4', '"batch_index": 99999999999999999999999')),
     _frame(_STEP.replace('"t": 1700000000.0', '"t": 1e999')),
     '{"v":2,"type":"metrics","job":"j","rank":0,"steps":' + "[" * 2000 + "]" * 2000 + "}",
-    '{"v":2,"type":"metrics","job":"j","rank":0,"steps":[],"steps":[%s]}' % _STEP,
+    '{"v":2,"type":"metrics","job":"j","rank":0,"steps":[],"steps":[' + _STEP + "]}",
     '{"v":2,"type":"metrics","job":"j\ud800","rank":0}',
     _frame(_STEP)[:-3],
     b'{"v":2,"type":"metrics","job":"\xff","rank":0}',
