@@ -19,7 +19,8 @@ of 10 steps within 10% of the reference), the excess time paid over the referenc
 event to the end of the run (uniform shows what doing nothing costs), placements applied
 and rollbacks.
 
-    python -m bench.reaction [--quick | --tiny | --cases] [--lookahead N]
+    python -m bench.reaction [--quick | --tiny | --cases [--only EVENT ...]] [--lookahead N]
+    python -m bench.reaction --cases --only drift --lookahead 1   # the drift case alone
     python -m bench.reaction --sim      # the closed-loop simulator (bench/reaction_sim.py)
 """
 
@@ -214,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="smoke-test size")
     ap.add_argument("--cases", action="store_true",
                     help="every slowdown factor, rank and batch size, drift and equal ranks")
+    ap.add_argument("--only", action="append", default=None, metavar="EVENT",
+                    help="with --cases: run only these cases (repeatable), e.g. drift, equal, slowdown:3:2")
     ap.add_argument("--sim", action="store_true",
                     help="the closed-loop simulator instead of real jobs (a minute or two, no backend)")
     ap.add_argument("--lookahead", type=int, default=None, help="HookConfig.lookahead of the jobs")
@@ -221,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--event", type=int, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
+    cases = CASES
+    if args.only:
+        cases = tuple(c for c in CASES if c[0] in args.only)
+        unknown = sorted(set(args.only) - {c[0] for c in cases})
+        if unknown or not args.cases:
+            ap.error(f"--only takes case names of --cases ({', '.join(c[0] for c in CASES)}); "
+                     f"got {', '.join(unknown) or 'no --cases'}.")
     if args.sim:
         from bench import reaction_sim
 
@@ -231,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.quick:
         run_reaction(**QUICK, out_dir=args.out, lookahead=args.lookahead)
     elif args.cases:
-        run_reaction(steps=args.steps or 150, event=args.event or 60, cases=CASES,
-                     out_dir=args.out, name="reaction_cases", lookahead=args.lookahead)
+        name = "reaction_cases" if cases == CASES else "reaction_" + "_".join(
+            ev.replace(":", "-").replace(".", "p") for ev, _ in cases)
+        run_reaction(steps=args.steps or 150, event=args.event or 60, cases=cases,
+                     out_dir=args.out, name=name, lookahead=args.lookahead)
     else:
         run_reaction(out_dir=args.out, lookahead=args.lookahead)
     return 0
