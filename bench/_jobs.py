@@ -104,6 +104,9 @@ def _wait_job(backend: Backend, job: str, proc: subprocess.Popen[str], timeout: 
             last = backend.get(f"/api/v1/jobs/{job}")
             ws = last.get("world_size") or 0
             if ws and (last.get("connected_ranks") or 0) >= ws:
+                # The live view knows the ranks a moment before the controller has the job's
+                # row in SQL: until then PUT .../mode answers 404 (a run lost to it).
+                backend.get(f"/api/v1/jobs/{job}/policy")
                 return dict(last)
         except ApiError as exc:
             if exc.status != 404:

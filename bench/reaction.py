@@ -16,10 +16,12 @@ minus its model step time. Reported per case and strategy: steps after the event
 split in force stays within 10% of the moving oracle's model step time (from the placement
 timeline; noise-free), the same judged from measured step times (90% of rolling medians
 of 10 steps within 10% of the reference), the excess time paid over the reference from the
-event to the end of the run (uniform shows what doing nothing costs), placements applied
-and rollbacks.
+event to the end of the run (uniform shows what doing nothing costs), the same by the
+model from the placement timeline (noise-free: on a loaded machine the measured excess
+mostly counts the machine's wobble), placements applied and rollbacks.
 
-    python -m bench.reaction [--quick | --tiny | --cases] [--lookahead N]
+    python -m bench.reaction [--quick | --tiny | --cases [--only EVENT ...]] [--lookahead N]
+    python -m bench.reaction --cases --only drift --lookahead 1   # the drift case alone
     python -m bench.reaction --sim      # the closed-loop simulator (bench/reaction_sim.py)
 """
 
@@ -35,6 +37,7 @@ from bench._analysis import (
     excess_ms,
     model_step_ms,
     oracle_shares,
+    split_excess_ms,
     steady_ms,
     steps_until_split_within,
     steps_until_within,
@@ -65,6 +68,7 @@ class ReactionRow:
     notes: list[str]  # retries, a crash at teardown: anything that was not a clean run
     rollbacks: int = 0
     global_batch_size: int = 64
+    excess_ms_split: float | None = None  # the same by the model, from the placement timeline
 
 
 def cost_at(spec: JobSpec, step: int) -> tuple[list[float], list[float]]:
@@ -176,6 +180,8 @@ def run_reaction(
                     placements_applied=max(0, len(run.placements) - 1),
                     notes=[n for n in run.notes if "applied by hand" not in n],
                     rollbacks=rolled, global_batch_size=b,
+                    excess_ms_split=round(split_excess_ms(
+                        run.placements, lambda k, spec=spec: cost_at(spec, k), n, b, start=event), 1),
                 ))
                 series[strategy] = ys
                 timelines[strategy] = run.placements
@@ -185,11 +191,11 @@ def run_reaction(
                             "placements": timelines}
     print_table(
         "Reaction (4 ranks; steps until within 10% of the moving oracle; excess over it, ms)",
-        ["event", "strategy", "steps to 10%", "measured", "excess ms", "excess ms/step", "final ms",
-         "oracle ms", "placements", "rollbacks"],
+        ["event", "strategy", "steps to 10%", "measured", "excess ms", "excess ms (split)",
+         "excess ms/step", "final ms", "oracle ms", "placements", "rollbacks"],
         [[r.event, r.strategy, r.steps_to_within_10pct, r.steps_to_within_10pct_measured, r.excess_ms,
-          r.excess_ms_per_step, r.steady_after_ms, r.reference_end_ms, r.placements_applied,
-          r.rollbacks] for r in rows],
+          r.excess_ms_split, r.excess_ms_per_step, r.steady_after_ms, r.reference_end_ms,
+          r.placements_applied, r.rollbacks] for r in rows],
     )
     payload = {
         "config": {"steps": steps, "event_step": event, "slow_rank": SLOW_RANK,
@@ -214,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="smoke-test size")
     ap.add_argument("--cases", action="store_true",
                     help="every slowdown factor, rank and batch size, drift and equal ranks")
+    ap.add_argument("--only", action="append", default=None, metavar="EVENT",
+                    help="with --cases: run only these cases (repeatable), e.g. drift, equal, slowdown:3:2")
     ap.add_argument("--sim", action="store_true",
                     help="the closed-loop simulator instead of real jobs (a minute or two, no backend)")
     ap.add_argument("--lookahead", type=int, default=None, help="HookConfig.lookahead of the jobs")
@@ -221,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--event", type=int, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
+    cases = CASES
+    if args.only:
+        cases = tuple(c for c in CASES if c[0] in args.only)
+        unknown = sorted(set(args.only) - {c[0] for c in cases})
+        if unknown or not args.cases:
+            ap.error(f"--only takes case names of --cases ({', '.join(c[0] for c in CASES)}); "
+                     f"got {', '.join(unknown) or 'no --cases'}.")
     if args.sim:
         from bench import reaction_sim
 
@@ -231,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.quick:
         run_reaction(**QUICK, out_dir=args.out, lookahead=args.lookahead)
     elif args.cases:
-        run_reaction(steps=args.steps or 150, event=args.event or 60, cases=CASES,
-                     out_dir=args.out, name="reaction_cases", lookahead=args.lookahead)
+        name = "reaction_cases" if cases == CASES else "reaction_" + "_".join(
+            ev.replace(":", "-").replace(".", "p") for ev, _ in cases)
+        run_reaction(steps=args.steps or 150, event=args.event or 60, cases=cases,
+                     out_dir=args.out, name=name, lookahead=args.lookahead)
     else:
         run_reaction(out_dir=args.out, lookahead=args.lookahead)
     return 0

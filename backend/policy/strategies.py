@@ -390,7 +390,8 @@ def predictive_strategy(obs: JobObservation, config: PolicyConfig,
     """Profiled fit, pushed ``horizon_steps`` ahead by each rank's trend and device signals.
 
     Per rank, the forecast per-sample cost is the larger of: the robust trend of measured
-    cost extrapolated over the horizon (when the trend is significant), and the cost scaled
+    cost extrapolated to the job's batch index plus the horizon (when the trend is
+    significant, however young), and the cost scaled
     by how far the SM clock is expected to fall (a falling clock with a thermal or power
     clock-event reason, or below 97% of max). A temperature climbing to ``temp_limit_c``
     within the horizon, clocks still up, adds ``temp_penalty``. ``config.params``:
@@ -431,8 +432,16 @@ def predictive_strategy(obs: JobObservation, config: PolicyConfig,
         trend = _cost_trend(window, a_trend, n if n < len(window) else 0, 2 * config.min_steps)
         if trend is not None and trend.significant:
             c_now = trend.level
-            # Extrapolate no further than twice the segment the trend was seen over.
-            c_trend = max(c_now + trend.slope * min(h, 2.0 * trend.n), 0.5 * c_now)
+            # From the rank's newest step to the job's batch index plus the horizon: the
+            # placement lives from there on, and the rank's last frame may trail the batch
+            # index by the metrics batching (up to 5 steps). Over the whole horizon, however
+            # young the trend: capped at twice the trend's segment, a drift significant 8
+            # steps in (a CPU job's 1% timing noise) was forecast 16 steps ahead, and the
+            # split fell 10% behind it before the cooldown let the next placement land
+            # (issue 13). The significance test (four standard errors on a segment shorter
+            # than the window) keeps noise from being extrapolated.
+            behind = max(0, obs.batch_index - window[-1].batch_index)
+            c_trend = max(c_now + trend.slope * (behind + h), 0.5 * c_now)
             a_new[i] = a_trend
             info["trend_per_step"] = trend.slope
             info["trend_steps"] = trend.n

@@ -163,8 +163,9 @@ class PolicyConfig(Compact):
     min_steps: int = 10  # valid steps per rank before profiled/predictive propose
     window_steps: int = 100  # most recent steps used for a fit
     max_move_fraction: float | None = None  # auto mode: cap |new-old|/B per rank per change
-    # predictive: how far ahead to forecast; a placement lives about a cooldown plus the
-    # steps it takes to apply, and one aimed at the end of that stays ahead of a drift.
+    # predictive: how far past the job's batch index to forecast; a placement lives about a
+    # cooldown plus the steps it takes to apply, and one aimed at the end of that stays ahead
+    # of a drift.
     horizon_steps: int = 30
     params: dict[str, float] = field(default_factory=dict)  # strategy-specific extras
     memory_headroom: float = DEFAULT_HEADROOM  # memory caps keep this fraction free

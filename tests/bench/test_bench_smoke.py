@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from bench._analysis import excess_ms, rolling_median, steady_ms, steps_until_within
+from bench._analysis import (
+    excess_ms,
+    rolling_median,
+    split_excess_ms,
+    steady_ms,
+    steps_until_within,
+)
 from bench._backend import Backend, running_backend
 from bench._report import markdown_table, table_lines
 from bench.reaction import cost_at
@@ -37,6 +43,17 @@ def test_steps_until_within_ignores_one_spike_but_not_a_bad_split() -> None:
 def test_excess_counts_only_time_above_the_reference() -> None:
     assert excess_ms([10.0, 12.0, 8.0, 15.0], 10.0) == 7.0
     assert excess_ms([10.0, 12.0, 8.0, 15.0], lambda k: 10.0 + k, start=1) == 1.0 + 2.0
+
+
+def test_split_excess_is_the_model_time_above_the_best_split() -> None:
+    def costs(k: int) -> tuple[list[float], list[float]]:
+        return [0.0, 0.0], [1.0, 1.0 if k < 2 else 3.0]  # rank 1 three times slower from step 2
+
+    timeline = [{"version": 0, "start_batch": 0, "shares": [4, 4]},
+                {"version": 1, "start_batch": 3, "shares": [6, 2]}]
+    # At step 2, [4, 4] takes 12 where the best split, [6, 2], takes 6; from step 3 it is in force.
+    assert split_excess_ms(timeline, costs, 5, 8) == 6.0
+    assert split_excess_ms(timeline, costs, 5, 8, start=3) == 0.0
 
 
 def test_reaction_costs_follow_the_demo_worker() -> None:
