@@ -65,6 +65,8 @@ __all__ = ["Controller", "ControlError", "NotFoundError", "ConflictError", "Inva
 log = logging.getLogger(__name__)
 
 MODES = ("observe", "approve", "auto")
+# How long an action waits for a job whose first hello is being stored (``expect``).
+ARRIVAL_WAIT_S = 5.0
 _SYSTEM = "controller"
 T = TypeVar("T")
 ActorLike = Actor | str
@@ -135,6 +137,10 @@ class Controller:
         self._running: dict[str, asyncio.Task[None]] = {}
         self._loading: dict[str, asyncio.Future[_JobState | None]] = {}
         self._creating: dict[str, asyncio.Future[None]] = {}
+        # Jobs a rank said hello for whose control state is not made yet (``expect``):
+        # actions on them wait up to ``arrival_wait_s`` for ``on_hello`` instead of a 404.
+        self._arrivals: dict[str, asyncio.Event] = {}
+        self.arrival_wait_s = ARRIVAL_WAIT_S
         self._tasks: list[asyncio.Task[None]] = []
         self.policy_runs = 0
 
@@ -267,9 +273,24 @@ class Controller:
 
     async def _require(self, job: str) -> _JobState:
         st = await self._load(job)
+        if st is None and (arriving := self._arrivals.get(job)) is not None:
+            # Live state lists the job already (GET /jobs shows it); its hello is being stored.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(arriving.wait(), self.arrival_wait_s)
+            st = await self._load(job)
         if st is None:
             raise NotFoundError(f"Job '{job}' not found.")
         return st
+
+    def expect(self, job: str) -> None:
+        """A rank of ``job`` said hello (ingest, beside ``LiveState.register``): until
+        ``on_hello`` has made the job's control state, actions on it wait for it."""
+        if job not in self._jobs:
+            self._arrivals.setdefault(job, asyncio.Event())
+
+    def _arrived(self, job: str) -> None:
+        if (arriving := self._arrivals.pop(job, None)) is not None:
+            arriving.set()
 
     def known(self, job: str) -> bool:
         """True when the job has control state in memory (it said hello at least once)."""
@@ -288,6 +309,7 @@ class Controller:
             return False
         del self._jobs[job]
         self._dirty.discard(job)
+        self._arrivals.pop(job, None)
         return True
 
     def _config(self, st: _JobState) -> Any:
@@ -327,6 +349,7 @@ class Controller:
             finally:
                 self._creating.pop(job, None)
             st = await self._require(job)
+        self._arrived(job)
         async with st.lock:
             previous = st.restart_count
             if (hello.world_size, hello.global_batch_size) != (st.world_size, st.global_batch_size):

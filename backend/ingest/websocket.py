@@ -274,6 +274,7 @@ async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello, version: i
             f"job '{hello.job}' restarted with world_size {hello.world_size}; this is the previous attempt's connection",
             keep=websocket)
     new_run = parts.live.register(hello)
+    parts.controller.expect(hello.job)  # the job is listed now: actions on it wait for on_hello
     old = parts.connections.add(hello.job, hello.rank, websocket, version)
     if old is not None:
         log.info("job %s rank %d reconnected; closing its previous socket", hello.job, hello.rank)

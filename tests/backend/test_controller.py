@@ -276,3 +276,34 @@ def test_a_torchelastic_restart_is_audited_once_when_its_ranks_say_hello_togethe
     run(go())
     restarts = [a for a in run(ctl.audit(JOB)) if a["action"] == "job.restart"]
     assert [a["params"]["restart_count"] for a in restarts] == [1], restarts
+
+
+def test_an_action_right_after_the_first_hello_waits_for_the_job_instead_of_404(env):
+    # The job is in live state (GET /jobs lists it) from the moment a rank's hello arrives;
+    # its control state is made once the hello is stored. A PUT .../mode in between was
+    # answered 404 (bench.reaction lost 2 of 5 runs to it): now it waits for the job.
+    svc, ctl, _, _ = env
+
+    async def scenario():
+        h = hello(0)
+        svc.live.register(h)
+        ctl.expect(h.job)  # what ingest does beside live.register
+        early = asyncio.create_task(ctl.set_mode(JOB, "auto", actor=OPERATOR))
+        await asyncio.sleep(0.05)  # the hello's SQL write is still under way
+        assert not early.done()
+        await ctl.on_hello(h)
+        return await early
+
+    assert run(scenario())["mode"] == "auto"
+
+
+def test_an_action_on_a_job_whose_hello_never_lands_still_gets_404(env):
+    _, ctl, _, _ = env
+
+    async def scenario():
+        ctl.expect("ghost")  # its hello could not be stored (say, the database is away)
+        ctl.arrival_wait_s = 0.2
+        with pytest.raises(NotFoundError):
+            await ctl.set_mode("ghost", "auto", actor=OPERATOR)
+
+    run(scenario())
