@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 
@@ -62,9 +64,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await parts.start()
         if settings.gc_freeze:
             heap.freeze()
+        thresholds, collector = None, None
+        if settings.gc_full_interval_s > 0:
+            thresholds = heap.collect_on_schedule()
+            collector = asyncio.create_task(heap.full_collections(settings.gc_full_interval_s),
+                                            name="rebalancer-gc")
         try:
             yield
         finally:
+            if collector is not None:
+                collector.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collector
+            if thresholds is not None:
+                gc.set_threshold(*thresholds)
             await parts.stop()
 
     app = FastAPI(

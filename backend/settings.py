@@ -122,6 +122,9 @@ class Settings(BaseSettings):
     # Python's cyclic GC walks every object the backend holds; freezing the start-up heap
     # keeps those out of each collection (shorter pauses at 1,024 ranks).
     gc_freeze: bool = True
+    # Full garbage collections run this often (seconds) instead of whenever the heap grows,
+    # and young ones every 100,000 allocations (backend.heap); 0: Python's own schedule.
+    gc_full_interval_s: Annotated[float, Field(ge=0.0, le=86400.0, allow_inf_nan=False)] = 600.0
     # Memory caps keep this fraction of each device's memory free (docs/design.md, invariant 8).
     memory_headroom: Annotated[float, Field(ge=0.0, le=0.9)] = 0.1
 

@@ -138,3 +138,40 @@ def test_settings_from_environment_and_prices(monkeypatch):
 def test_backend_import_does_not_pull_in_torch():
     code = "import sys, backend.main, backend.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=60).returncode == 0
+
+
+def test_full_collections_run_on_the_schedule_and_the_thresholds_come_back(tmp_path):
+    # backend.heap: young collections every 100,000 allocations, the oldest generation
+    # only on the timer (REBALANCER_GC_FULL_INTERVAL_S), Python's thresholds restored when
+    # the app stops (in-process apps share the interpreter).
+    import gc
+
+    from fastapi.testclient import TestClient
+
+    from backend import heap
+    from backend.main import create_app
+    from tests.helpers.waiting import wait_until
+
+    before = gc.get_threshold()
+    app = create_app(Settings(db=f"sqlite:///{tmp_path / 'r.db'}", gc_freeze=False, gc_full_interval_s=0.2))
+    with TestClient(app) as client:
+        young, middle, oldest = gc.get_threshold()
+        assert (young, middle) == (heap.YOUNG_THRESHOLD, heap.MIDDLE_THRESHOLD) and oldest >= 2**31 - 1
+        full = gc.get_stats()[2]["collections"]
+        wait_until(lambda: gc.get_stats()[2]["collections"] >= full + 2, "two scheduled full collections",
+                   timeout=20)
+        assert client.get("/healthz").status_code == 200
+    assert gc.get_threshold() == before
+
+
+def test_python_keeps_its_own_collection_schedule_with_interval_0(tmp_path):
+    import gc
+
+    from fastapi.testclient import TestClient
+
+    from backend.main import create_app
+
+    before = gc.get_threshold()
+    with TestClient(create_app(Settings(db=f"sqlite:///{tmp_path / 'r.db'}", gc_freeze=False,
+                                        gc_full_interval_s=0))):
+        assert gc.get_threshold() == before
