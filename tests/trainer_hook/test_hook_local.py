@@ -232,6 +232,21 @@ def test_ddp_falls_back_to_the_python_comm_hook_where_the_cpp_one_cannot_be_buil
     hook.close()
 
 
+class _AskedInWorker(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> bool:
+        return _native_comm_hook.load() is None
+
+
+@pytest.mark.multiproc  # a DataLoader worker process
+def test_the_cpp_comm_hook_is_never_built_or_loaded_in_a_dataloader_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_native_comm_hook, "_loaded", [])  # nothing built yet, as in a fresh process
+    (in_worker,) = DataLoader(_AskedInWorker(), batch_size=None, num_workers=1)
+    assert in_worker is True
+
+
 @pytest.mark.multiproc  # builds the extension where the cache lacks it
 @pytest.mark.parametrize("native", [True, False], ids=["cpp_comm_hook", "python_comm_hook"])
 def test_both_ddp_comm_hooks_weight_buckets_bit_for_bit_alike(
