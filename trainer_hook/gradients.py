@@ -3,7 +3,9 @@
 With uneven local batches, DDP's default hook (sum, then divide by world size) no longer
 gives the global-batch mean. The comm hook here multiplies each bucket by this rank's
 weight (``shares[rank] / B`` for the batch being trained) and all-reduces with SUM, so
-the result is the global-batch mean whatever the split (docs/design.md, invariant 1). It also
+the result is the global-batch mean whatever the split (docs/design.md, invariant 1). The
+same hook in C++ (``_native_comm_hook``) takes DDP's CPU buckets where it can be built,
+without a call into Python per bucket; this module's hook is its fallback. It also
 timestamps each bucket hand-off and each reduction's completion, which is how compute
 time is told apart from the wait inside synchronisation (invariant 4). FSDP also waits
 for its peers before computing, inside the all-gathers that unshard parameters (forward,
@@ -421,7 +423,8 @@ def _register_native(model: Any, state: GradientState) -> bool:
     native.weight = state._weight
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     ext.register_hook(model.reducer, group, native)
-    model.logger._set_comm_hook_name("rebalancer_native_weighted_allreduce")
+    if model.logger is not None:  # DDP's usage log names the hook, as its register_comm_hook does
+        model.logger._set_comm_hook_name("rebalancer_native_weighted_allreduce")
     state._native = native
     return True
 
