@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ __all__ = ["load", "ENV_VAR"]
 log = logging.getLogger(__name__)
 
 ENV_VAR = "REBALANCER_NATIVE_COMM_HOOK"
+STALE_LOCK_S = 600.0  # a build takes 30 to 105 s on 2 busy cores
 
 # The math is the Python hook's, op for op: ``buf.mul_(weight)`` with a double scalar,
 # all-reduce SUM on the process group, the reduced bucket as the result. Timestamps are
@@ -141,6 +143,23 @@ def load() -> Any:
         return _loaded[0]
 
 
+def _stale_lock(name: str) -> bool:
+    """A build lock older than any build: an interrupted build left it, and torch would
+    wait on it for ever. Left in place (it may be another process's); says how to clear it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory(name, False), "lock")
+    try:
+        age_s = time.time() - os.stat(lock).st_mtime
+    except FileNotFoundError:
+        return False
+    if age_s < STALE_LOCK_S:
+        return False  # another process is building it now: wait for that build
+    log.warning("the native DDP comm hook is unavailable, using the Python one: a build "
+                "interrupted %.0f s ago left its lock %s; delete it to build again", age_s, lock)
+    return True
+
+
 def _build() -> Any:
     from torch.utils.cpp_extension import load_inline
 
@@ -154,6 +173,8 @@ def _build() -> Any:
     except ImportError:
         pass
     try:
+        if _stale_lock(_name()):
+            return None
         log.info("building the rebalancer's native DDP comm hook (once per torch version, about a minute)")
         return load_inline(_name(), cpp_sources=[_SOURCE], extra_cflags=["-O2"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any failure to build or load means: use the Python hook

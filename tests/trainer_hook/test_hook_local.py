@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -230,6 +231,24 @@ def test_ddp_falls_back_to_the_python_comm_hook_where_the_cpp_one_cannot_be_buil
         torch.testing.assert_close(a.grad, b.grad)
     assert hook._grads.last_bucket_t is not None and hook._grads.last_done_t is not None
     hook.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_build_lock_left_by_an_interrupted_build_falls_back_instead_of_waiting_forever(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch's build lock has no timeout: a first build killed half-way (Ctrl-C at the
+    # first attach()) left every later process waiting on it for ever.
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(_native_comm_hook, "_loaded", [])
+    lock = Path(_get_build_directory(_native_comm_hook._name(), False)) / "lock"
+    lock.touch()
+    old = lock.stat().st_mtime - _native_comm_hook.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    assert _native_comm_hook.load() is None
+    assert lock.exists(), "another process's lock is not ours to remove"
 
 
 class _AskedInWorker(torch.utils.data.Dataset):  # type: ignore[type-arg]
