@@ -3,7 +3,9 @@
 With uneven local batches, DDP's default hook (sum, then divide by world size) no longer
 gives the global-batch mean. The comm hook here multiplies each bucket by this rank's
 weight (``shares[rank] / B`` for the batch being trained) and all-reduces with SUM, so
-the result is the global-batch mean whatever the split (docs/design.md, invariant 1). It also
+the result is the global-batch mean whatever the split (docs/design.md, invariant 1). The
+same hook in C++ (``_native_comm_hook``) takes DDP's CPU buckets where it can be built,
+without a call into Python per bucket; this module's hook is its fallback. It also
 timestamps each bucket hand-off and each reduction's completion, which is how compute
 time is told apart from the wait inside synchronisation (invariant 4). FSDP also waits
 for its peers before computing, inside the all-gathers that unshard parameters (forward,
@@ -45,7 +47,7 @@ class GradientState:
     """
 
     __slots__ = (
-        "process_group", "weight", "_pg", "_opts", "last_bucket_t", "last_done_t", "buckets_seen",
+        "process_group", "_weight", "_native", "_pg", "_opts", "last_bucket_t", "last_done_t", "buckets_seen",
         "repeated_bucket", "grad_event", "done_event", "cuda", "_done_cb", "_cb_refs",
         "wait_s", "wait_events", "_wait_t0", "_wait_ev0",
     )
@@ -54,7 +56,8 @@ class GradientState:
         self.process_group = process_group
         self._pg: Any = None
         self._opts: Any = None
-        self.weight = 1.0
+        self._native: Any = None  # the C++ hook's state (_native_comm_hook), when it runs
+        self._weight = 1.0
         self.cuda = False
         self._done_cb = self._mark_done  # bound once, not per bucket
         self._cb_refs = sys.getrefcount(self._done_cb)  # references with no future holding it
@@ -72,6 +75,31 @@ class GradientState:
         self.wait_events: list[tuple[Any, Any]] | None = None  # made on the first CUDA wait only
         self._wait_t0: float | None = None
         self._wait_ev0: Any = None
+        if self._native is not None:
+            self._native.reset()
+
+    @property
+    def weight(self) -> float:
+        """This rank's gradient weight for the step: its share of the batch over B."""
+        return self._weight
+
+    @weight.setter
+    def weight(self, value: float) -> None:
+        self._weight = value
+        if self._native is not None:
+            self._native.weight = value
+
+    @property
+    def native(self) -> bool:
+        """Whether DDP's buckets go through the C++ comm hook (else the Python one)."""
+        return self._native is not None
+
+    def collect(self) -> None:
+        """Copy what the C++ hook recorded this step into the attributes the step reads."""
+        if self._native is not None:
+            t_bucket, t_done, self.repeated_bucket = self._native.times()
+            self.last_bucket_t = None if t_bucket != t_bucket else t_bucket  # NaN: no bucket
+            self.last_done_t = None if t_done != t_done else t_done
 
     def begin_wait(self, cuda: bool) -> None:
         """A wait for peers starts (on CUDA: where the compute stream is now)."""
@@ -159,7 +187,7 @@ def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
         state.grad_event = ev
     else:
         state.last_bucket_t = _now()
-    buf.mul_(state.weight)
+    buf.mul_(state._weight)
     pg = state._pg
     if pg is None:
         # Straight to the ProcessGroup: dist.all_reduce's Python checks and logging cost
@@ -369,7 +397,8 @@ def register_comm_hook(model: Any, state: GradientState) -> None:
             "your loss by hook.loss_weight() if something else averages gradients across ranks."
         )
     try:
-        model.register_comm_hook(state, weighted_allreduce_hook)
+        if not _register_native(model, state):
+            model.register_comm_hook(state, weighted_allreduce_hook)
     except RuntimeError as exc:
         raise RuntimeError(
             "This DDP model already has a communication hook registered, and DDP allows only one. "
@@ -378,6 +407,26 @@ def register_comm_hook(model: Any, state: GradientState) -> None:
             "or use attach(model, gradients='loss_scale') with hook.loss_weight()."
             f" (DDP said: {exc})"
         ) from None
+
+
+def _register_native(model: Any, state: GradientState) -> bool:
+    """The C++ comm hook on DDP's reducer, where it can run (CPU buckets, DDP's C++
+    reducer, the extension built); False: the caller registers the Python hook."""
+    if model._use_python_reducer or any(p.device.type != "cpu" for p in model.parameters()):
+        return False
+    from trainer_hook import _native_comm_hook
+
+    ext = _native_comm_hook.load()
+    if ext is None:
+        return False
+    native = ext.WeightState()
+    native.weight = state._weight
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    ext.register_hook(model.reducer, group, native)
+    if model.logger is not None:  # DDP's usage log names the hook, as its register_comm_hook does
+        model.logger._set_comm_hook_name("rebalancer_native_weighted_allreduce")
+    state._native = native
+    return True
 
 
 def register_grad_timer(model: torch.nn.Module, state: GradientState, *, count: int = 4) -> list[Any]:

@@ -533,6 +533,7 @@ class RebalanceHook:
             for m in self._frozen:
                 m.train(True)
             self._frozen = []
+        self._grads.collect()
         rec = self._timer.finish(self._grads)
         if failed:
             return

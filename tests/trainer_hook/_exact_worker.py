@@ -197,6 +197,7 @@ def main() -> None:
         "request_errors": errors,
         "timeline": [[t.start_batch, t.version, list(t.shares)] for t in hook.schedule.timeline()],
         "lookahead": hook.lookahead,
+        "gradients": hook.gradients, "native": hook._grads.native,
         "compute_ms": [r.compute_ms for r in hook.history],
         "step_ms": [r.step_ms for r in hook.history],
     }

@@ -11,6 +11,7 @@ import torch
 
 from tests.helpers.torchrun import run_torchrun
 from tests.trainer_hook import _exact_worker as w
+from trainer_hook import _native_comm_hook
 from trainer_hook.placement import PlacementSchedule
 from trainer_hook.sampler import RebalanceBatchSampler
 
@@ -19,8 +20,8 @@ WORKER = ["tests/trainer_hook/_exact_worker.py"]
 STEPS = 20  # a bit over two epochs of 9 batches (the 9th holds 4 samples)
 
 
-def _run(tmp_path: Path, *extra: str, nproc: int = 3, steps: int = STEPS) -> list[dict]:
-    run_torchrun(nproc, [*WORKER, "--out", str(tmp_path), "--steps", str(steps), *extra], timeout=120)
+def _run(tmp_path: Path, *extra: str, nproc: int = 3, steps: int = STEPS, env: dict[str, str] | None = None) -> list[dict]:
+    run_torchrun(nproc, [*WORKER, "--out", str(tmp_path), "--steps", str(steps), *extra], timeout=120, env=env)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -97,7 +98,8 @@ def test_changing_placements_give_the_reference_parameters(
     assert max((g - i).abs().max().item() for g, i in zip(got, init, strict=True)) > 1e-3
 
 
-def test_loss_terms_that_bypass_the_output_stay_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["cpp_comm_hook", "python_comm_hook"])
+def test_loss_terms_that_bypass_the_output_stay_exact(tmp_path: Path, native: bool) -> None:
     # A term computed from activations and kept on the module (not returned), plus an L2
     # term on the parameters. Weighting each bucket by the rank's share keeps both exact.
     # Scaling only the gradient that enters the model's output (and letting DDP average)
@@ -105,7 +107,11 @@ def test_loss_terms_that_bypass_the_output_stay_exact(tmp_path: Path) -> None:
     # drained rank included: off by about 1e-2 here, with no way for the hook to see it.
     # This guards the gradient mechanism against that shortcut.
     steps = 20
-    ranks = _run(tmp_path, "--plan", "1=2,4,6;5=6,6,0;9=1,10,1", "--side-channel", steps=steps)
+    # Both DDP comm hooks (C++ where it builds, else Python) give these exact numbers.
+    env = {_native_comm_hook.ENV_VAR: "1" if native else "0"}
+    ranks = _run(tmp_path, "--plan", "1=2,4,6;5=6,6,0;9=1,10,1", "--side-channel", steps=steps, env=env)
+    assert [r["native"] for r in ranks] == [native] * 3
+    assert [r["gradients"] for r in ranks] == ["ddp_comm_hook"] * 3
     starts = [s for s, _, _ in ranks[0]["timeline"]]
     assert len(starts) == 4 and starts[-1] < steps, "every placement was trained"
     assert any(e["dummy"] for e in ranks[2]["seen"]), "the drained rank trained a dummy batch"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainer_hook import RebalanceHook
+from trainer_hook import RebalanceHook, _native_comm_hook
 from trainer_hook.gradients import GradientState, register_comm_hook
 from trainer_hook.protocol import Error, Placement
 
@@ -200,6 +203,94 @@ def test_ddp_comm_hook_weights_and_times_buckets(one_rank_group: None) -> None:
     rec = hook.last_step
     assert rec is not None and rec.compute_ms > 0 and rec.sync_wait_ms >= 0
     assert hook._grads.last_bucket_t is not None and hook._grads.last_done_t is not None
+    hook.close()
+
+
+@pytest.mark.multiproc  # the failed build runs the compiler
+def test_ddp_falls_back_to_the_python_comm_hook_where_the_cpp_one_cannot_be_built(
+    one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No working compiler (CXX names one that fails) and an empty extensions cache: the
+    # build fails, attach() registers the Python hook, and the step is the same.
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(_native_comm_hook, "_loaded", [])  # this process has not tried yet
+    assert _native_comm_hook.load() is None
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(4, 1)
+    model = DDP(torch.nn.Linear(4, 1))
+    model.module.load_state_dict(plain.state_dict())
+    hook = RebalanceHook(global_batch_size=8)
+    hook.attach(model)
+    assert hook.gradients == "ddp_comm_hook" and not hook._grads.native
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with hook.step():
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    torch.nn.functional.mse_loss(plain(x), y).backward()
+    for a, b in zip(model.module.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert hook._grads.last_bucket_t is not None and hook._grads.last_done_t is not None
+    hook.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_build_lock_left_by_an_interrupted_build_falls_back_instead_of_waiting_forever(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch's build lock has no timeout: a first build killed half-way (Ctrl-C at the
+    # first attach()) left every later process waiting on it for ever.
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(_native_comm_hook, "_loaded", [])
+    lock = Path(_get_build_directory(_native_comm_hook._name(), False)) / "lock"
+    lock.touch()
+    old = lock.stat().st_mtime - _native_comm_hook.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    assert _native_comm_hook.load() is None
+    assert lock.exists(), "another process's lock is not ours to remove"
+
+
+class _AskedInWorker(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> bool:
+        return _native_comm_hook.load() is None
+
+
+@pytest.mark.multiproc  # a DataLoader worker process
+def test_the_cpp_comm_hook_is_never_built_or_loaded_in_a_dataloader_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_native_comm_hook, "_loaded", [])  # nothing built yet, as in a fresh process
+    (in_worker,) = DataLoader(_AskedInWorker(), batch_size=None, num_workers=1)
+    assert in_worker is True
+
+
+@pytest.mark.multiproc  # builds the extension where the cache lacks it
+@pytest.mark.parametrize("native", [True, False], ids=["cpp_comm_hook", "python_comm_hook"])
+def test_both_ddp_comm_hooks_weight_buckets_bit_for_bit_alike(
+    one_rank_group: None, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    # float64, one bucket per parameter, a new weight every step: the reduced gradients
+    # equal weight * the local gradients exactly (one rank: the SUM is the rank's own).
+    monkeypatch.setenv(_native_comm_hook.ENV_VAR, "1" if native else "0")
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)).double()
+    model = DDP(copy.deepcopy(plain), bucket_cap_mb=1e-6)
+    hook = RebalanceHook(global_batch_size=8)
+    hook.attach(model)
+    assert hook._grads.native is native
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    for weight in (1 / 3, 0.7, 1e-3):
+        with hook.step():
+            hook._grads.weight = weight  # as a placement of weight * B samples would set it
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(plain(x), y).backward()
+        for a, b in zip(model.module.parameters(), plain.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None
+            assert torch.equal(a.grad, b.grad.mul_(weight))
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
     hook.close()
 
 
