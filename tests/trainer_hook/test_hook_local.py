@@ -260,9 +260,11 @@ class _AskedInWorker(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 
 @pytest.mark.multiproc  # a DataLoader worker process
-def test_the_cpp_comm_hook_is_never_built_or_loaded_in_a_dataloader_worker(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_native_comm_hook, "_loaded", [])  # nothing built yet, as in a fresh process
-    (in_worker,) = DataLoader(_AskedInWorker(), batch_size=None, num_workers=1)
+def test_the_cpp_comm_hook_is_never_built_or_loaded_in_a_dataloader_worker() -> None:
+    # A spawned worker: a fresh interpreter with nothing loaded (a worker forked from this
+    # test process, which has run threads of every kind by now, once died of SIGSEGV in CI).
+    loader = DataLoader(_AskedInWorker(), batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    (in_worker,) = loader
     assert in_worker is True
 
 
