@@ -48,7 +48,7 @@ serve: $(STAMP)
 	$(BIN)/rebalancer serve --port $(PORT)
 
 test: $(STAMP) browser prometheus
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
 
 # The fast lane: in-process tests only (no torchrun, servers, browser or installs), < 1 minute.
 test-unit: $(STAMP)
