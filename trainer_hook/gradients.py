@@ -105,9 +105,7 @@ class GradientState:
         """A wait for peers starts (on CUDA: where the compute stream is now)."""
         if cuda:
             self.cuda = True
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._wait_ev0 = ev
+            self._wait_ev0 = _recorded_event()
         else:
             self._wait_t0 = _now()
 
@@ -118,8 +116,7 @@ class GradientState:
             if start is None:
                 return
             self._wait_ev0 = None
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev = _recorded_event()
             if self.wait_events is None:
                 self.wait_events = [(start, ev)]
             else:
@@ -153,15 +150,20 @@ class GradientState:
 
     def _mark_done(self, fut: torch.futures.Future[Any]) -> torch.Tensor:
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.done_event = ev
+            self.done_event = _recorded_event()
         else:
             self.last_done_t = _now()
         return fut.value()[0]  # type: ignore[no-any-return]
 
 
 _now = time.perf_counter
+
+
+def _recorded_event() -> Any:
+    """A CUDA timing event recorded on the current stream now (read later, never synchronising)."""
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
 
 
 # No annotations: DDP compares them with the real classes, and this module's
@@ -182,9 +184,7 @@ def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     buf = bucket.buffer()
     if buf.is_cuda:
         state.cuda = True
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        state.grad_event = ev
+        state.grad_event = _recorded_event()
     else:
         state.last_bucket_t = _now()
     buf.mul_(state._weight)
@@ -325,18 +325,14 @@ def register_gradient_weighting(model: torch.nn.Module, state: GradientState, wo
 def _mark_ready(state: GradientState, t: torch.Tensor) -> None:
     if t.is_cuda:
         state.cuda = True
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        state.grad_event = ev
+        state.grad_event = _recorded_event()
     else:
         state.last_bucket_t = _now()
 
 
 def _mark_reduced(state: GradientState, t: torch.Tensor) -> None:
     if t.is_cuda:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        state.done_event = ev
+        state.done_event = _recorded_event()
     else:
         state.last_done_t = _now()
 
