@@ -187,7 +187,9 @@ def test_accumulation_without_no_sync_is_reported(one_rank_group: None) -> None:
     hook.close()
 
 
-def test_ddp_comm_hook_weights_and_times_buckets(one_rank_group: None) -> None:
+def _one_ddp_step_like_a_plain_model() -> RebalanceHook:
+    """A one-rank DDP Linear under the hook: one step, whose gradients must equal those of
+    the same model without DDP or hook; returns the (open) hook."""
     torch.manual_seed(0)
     plain = torch.nn.Linear(4, 1)
     model = DDP(torch.nn.Linear(4, 1))
@@ -200,9 +202,14 @@ def test_ddp_comm_hook_weights_and_times_buckets(one_rank_group: None) -> None:
     torch.nn.functional.mse_loss(plain(x), y).backward()
     for a, b in zip(model.module.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad)
+    assert hook._grads.last_bucket_t is not None and hook._grads.last_done_t is not None
+    return hook
+
+
+def test_ddp_comm_hook_weights_and_times_buckets(one_rank_group: None) -> None:
+    hook = _one_ddp_step_like_a_plain_model()
     rec = hook.last_step
     assert rec is not None and rec.compute_ms > 0 and rec.sync_wait_ms >= 0
-    assert hook._grads.last_bucket_t is not None and hook._grads.last_done_t is not None
     hook.close()
 
 
@@ -216,20 +223,8 @@ def test_ddp_falls_back_to_the_python_comm_hook_where_the_cpp_one_cannot_be_buil
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     monkeypatch.setattr(_native_comm_hook, "_loaded", [])  # this process has not tried yet
     assert _native_comm_hook.load() is None
-    torch.manual_seed(0)
-    plain = torch.nn.Linear(4, 1)
-    model = DDP(torch.nn.Linear(4, 1))
-    model.module.load_state_dict(plain.state_dict())
-    hook = RebalanceHook(global_batch_size=8)
-    hook.attach(model)
+    hook = _one_ddp_step_like_a_plain_model()
     assert hook.gradients == "ddp_comm_hook" and not hook._grads.native
-    x, y = torch.randn(8, 4), torch.randn(8, 1)
-    with hook.step():
-        torch.nn.functional.mse_loss(model(x), y).backward()
-    torch.nn.functional.mse_loss(plain(x), y).backward()
-    for a, b in zip(model.module.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad)
-    assert hook._grads.last_bucket_t is not None and hook._grads.last_done_t is not None
     hook.close()
 
 
