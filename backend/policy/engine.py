@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from ._guards import rollback_blocks
 from .memory import DEFAULT_HEADROOM, format_bytes, memory_bounds, memory_limit_bytes
 from .solver import NO_CONSTRAINTS, check_placement, predicted_step_ms, rank_bounds, solve
-from .strategies import Estimate, get_strategy, static_strategy
+from .strategies import Estimate, Strategy, get_strategy, static_strategy
 from .types import (
     Constraints,
     Decision,
@@ -255,6 +256,10 @@ def _held_ranks(est: Estimate, obs: JobObservation, cfg: PolicyConfig,
 
 # Steps after a switch that still pay its one-off costs (as the controller's effect window).
 _SETTLE = 2
+# Steps into a placement before a significant trend may end its cooldown: the switch has
+# settled and the rank's first frame from under the new split (metrics go out every 5
+# steps) is in.
+_TREND_SETTLE = 5
 
 
 def _shifted_since(est: Estimate | NoProposal, batch_index: int) -> list[int]:
@@ -265,6 +270,35 @@ def _shifted_since(est: Estimate | NoProposal, batch_index: int) -> list[int]:
     if not isinstance(shifts, dict):
         return []
     return sorted(int(r) for r, k in shifts.items() if isinstance(k, int) and k >= batch_index)
+
+
+def _trending(est: Estimate | NoProposal) -> list[int]:
+    """Ranks whose forecast follows a significant trend of their cost (``predictive``)."""
+    if isinstance(est, NoProposal):
+        return []
+    forecasts = est.evidence.get("forecasts")
+    if not isinstance(forecasts, list):
+        return []
+    return sorted(int(f["rank"]) for f in forecasts
+                  if isinstance(f, dict) and "trend_per_step" in f and "rank" in f)
+
+
+def _trending_through(obs: JobObservation, est: Estimate | NoProposal, effective: int,
+                      strategy: Strategy, config: PolicyConfig, cons: Constraints) -> list[int]:
+    """Ranks trending now that were trending before the placement took at ``effective``.
+
+    A trend must not be the placement's own doing: a rank whose share fell from 32 to 10
+    pays its fixed cost over fewer samples, and a line through the switch looks like a
+    drift. One seen on the steps before the switch as well is the card's.
+    """
+    now = _trending(est)
+    if not now:
+        return []
+    past = replace(obs, batch_index=effective - 1, ranks=tuple(
+        replace(r, steps=tuple(s for s in r.steps if s.batch_index < effective))
+        for r in obs.ranks))
+    before = set(_trending(strategy(past, config, cons)))
+    return [i for i in now if i in before]
 
 
 def _check_config(cfg: PolicyConfig) -> None:
@@ -300,7 +334,12 @@ def decide(obs: JobObservation, config: PolicyConfig,
       static weights stand in while measurements are missing);
     - ``cooldown`` while ``steps_since_change < cooldown_steps`` (not at version 0), unless
       a rank's cost shifted (a confirmed level shift, see ``_fit.detect_shift``) after the
-      placement took effect: the explanation then says ``cooldown_ended_by_shift``;
+      placement took effect: the explanation then says ``cooldown_ended_by_shift``; or
+      unless, ``_TREND_SETTLE`` steps into the placement, a rank's cost follows a
+      significant trend (``predictive``) that it followed before the placement as well:
+      ``cooldown_ended_by_trend``. A drifting card
+      moves on while the cooldown runs; an early answer on a young trend that understated
+      it would otherwise stand until the split is 10% behind;
     - the strategy's ``warming_up`` / ``no_data`` until every working rank has
       ``min_steps`` valid steps;
     - solve with each cost two standard errors high (``params["plan_margin_se"]``), holding
@@ -348,14 +387,21 @@ def decide(obs: JobObservation, config: PolicyConfig,
     if cooling:
         # A confirmed level shift that began after the placement took effect (not the
         # placement's own doing) ends the cooldown: waiting it out is paid at the slow pace.
+        # So does a significant trend once the placement has settled; the gain threshold
+        # below still decides whether the forecast is worth a move.
         effective = obs.batch_index - obs.steps_since_change
         shifted = _shifted_since(est, effective + _SETTLE)
-        if not shifted:
+        trending = _trending_through(obs, est, effective, strategy, config, eff) \
+            if obs.steps_since_change >= _TREND_SETTLE else []
+        if trending and not shifted:
+            extra["cooldown_ended_by_trend"] = trending
+        elif not shifted:
             left = config.cooldown_steps - obs.steps_since_change
             return NoProposal("cooldown",
                               f"cooldown: {left} more steps after placement v{obs.placement_version}",
                               steps_remaining=left)
-        extra["cooldown_ended_by_shift"] = shifted
+        else:
+            extra["cooldown_ended_by_shift"] = shifted
     if isinstance(est, NoProposal):
         if violation is None:
             return est

@@ -73,7 +73,7 @@ def test_predictive_keeps_up_with_a_1_percent_per_step_drift_and_beats_profiled(
     assert paid["predictive"] < paid["profiled"] < paid["uniform"], paid
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 17])
 def test_predictive_keeps_up_with_a_drift_at_a_cpu_jobs_noise_with_the_defaults(seed):
     # A real CPU job's step times wobble by about 1% (the simulator's default is 3%): the
     # drift's trend is significant after 8 to 12 steps, and its forecast must still reach
@@ -88,3 +88,15 @@ def test_predictive_keeps_up_with_a_drift_at_a_cpu_jobs_noise_with_the_defaults(
     paid = {name: sum(r.step_ms[case.event:])
             for name, r in (("predictive", pred), ("profiled", prof), ("uniform", uniform))}
     assert paid["predictive"] < paid["profiled"] < paid["uniform"], paid
+
+
+@pytest.mark.parametrize("seed", [5, 11, 13, 19])
+def test_a_drift_is_not_left_behind_by_the_cooldown_after_an_early_answer(seed):
+    # Seeds whose first answer came early, on a young trend that understated the drift:
+    # the cooldown then held the next placement until the split was 10% behind (51 to 55
+    # steps). A significant trend ends the cooldown once the placement has settled.
+    case = replace(_case("drift", "rank 3"), noise=0.03)
+    run = simulate(case, DEFAULTS, "predictive", seed=seed)
+    got = steps_to_within(run, 0.10)
+    assert got is not None and got <= 40, (got, run.proposals)
+    assert not run.rollbacks

@@ -92,3 +92,30 @@ def test_a_shift_after_the_placement_took_effect_ends_the_cooldown():
     # Steady ranks in cooldown wait it out; so does a change that began with the placement.
     assert decide(_cooling_job(shift_from=10_000), PolicyConfig(cooldown_steps=20)).status == "cooldown"
     assert decide(_cooling_job(shift_from=100), PolicyConfig(cooldown_steps=20)).status == "cooldown"
+
+
+def _drifting_job(*, effective: int, now: int = 110, drift_from: int = 60):
+    from backend.policy import JobObservation, RankObservation
+
+    ranks = []
+    for i in range(4):
+        level = (lambda k: 1.0 + 0.01 * max(0, k - drift_from)) if i == 1 else (lambda k: 1.0)
+        ranks.append(RankObservation(rank=i, steps=tuple(_series(now + 1, seed=i, noise=0.01,
+                                                                    level=level))))
+    return JobObservation(job="j", world_size=4, global_batch_size=128, batch_index=now,
+                          shares=(32, 32, 32, 32), placement_version=2,
+                          steps_since_change=now - effective, ranks=tuple(ranks))
+
+
+def test_a_significant_trend_ends_the_cooldown_once_the_placement_settled():
+    from backend.policy import PolicyConfig, Proposal, decide
+
+    cfg = PolicyConfig(strategy="predictive", cooldown_steps=20)
+    got = decide(_drifting_job(effective=100), cfg)
+    assert isinstance(got, Proposal) and got.shares[1] < 32
+    assert got.explanation.evidence["cooldown_ended_by_trend"] == [1]
+    # Not in the first steps of the placement (its own switch), not without a trend
+    # (profiled fits no trend), and not for steady ranks.
+    assert decide(_drifting_job(effective=107), cfg).status == "cooldown"
+    assert decide(_drifting_job(effective=100), PolicyConfig(cooldown_steps=20)).status == "cooldown"
+    assert decide(_drifting_job(effective=100, drift_from=10_000), cfg).status == "cooldown"
