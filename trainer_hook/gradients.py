@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "GradientState", "weighted_allreduce_hook", "register_comm_hook", "register_grad_timer",
-    "register_gradient_weighting", "register_unshard_timer", "check_data_parallel",
+    "register_gradient_weighting", "register_unshard_timer", "check_data_parallel", "timing_event",
 ]
 
 
@@ -37,18 +37,20 @@ class GradientState:
     """Per-step state the comm hook reads (weight) and writes (timestamps).
 
     The hook sets ``weight`` at the start of every step and calls ``reset()``. On CPU
-    the timestamps are ``time.perf_counter()`` values; on CUDA the hook records events
-    (read a step later, never synchronising) in ``grad_event``/``done_event``.
+    the timestamps are ``time.perf_counter()`` values; on a device torch offers timing
+    events for (``timing_event``: CUDA, XPU, MPS) the hook records events (read a step
+    later, never synchronising) in ``grad_event``/``done_event``, and ``events`` holds
+    their class once the first one is recorded.
 
     Waits for peers before the local gradients are ready (FSDP's unshard all-gathers, a
     blocking reduction that was not the step's last) go between ``begin_wait`` and
-    ``end_wait``: summed in ``wait_s`` (host seconds) or, on CUDA, kept as pairs of
+    ``end_wait``: summed in ``wait_s`` (host seconds) or, with events, kept as pairs of
     events on the compute stream in ``wait_events``.
     """
 
     __slots__ = (
         "process_group", "_weight", "_native", "_pg", "_opts", "last_bucket_t", "last_done_t", "buckets_seen",
-        "repeated_bucket", "grad_event", "done_event", "cuda", "_done_cb", "_cb_refs",
+        "repeated_bucket", "grad_event", "done_event", "events", "_done_cb", "_cb_refs",
         "wait_s", "wait_events", "_wait_t0", "_wait_ev0",
     )
 
@@ -58,7 +60,7 @@ class GradientState:
         self._opts: Any = None
         self._native: Any = None  # the C++ hook's state (_native_comm_hook), when it runs
         self._weight = 1.0
-        self.cuda = False
+        self.events: Any = None  # the device's timing event class (timing_event), once seen
         self._done_cb = self._mark_done  # bound once, not per bucket
         self._cb_refs = sys.getrefcount(self._done_cb)  # references with no future holding it
         self.reset()
@@ -72,7 +74,7 @@ class GradientState:
         self.grad_event: Any = None
         self.done_event: Any = None
         self.wait_s = 0.0
-        self.wait_events: list[tuple[Any, Any]] | None = None  # made on the first CUDA wait only
+        self.wait_events: list[tuple[Any, Any]] | None = None  # made on the first event-timed wait only
         self._wait_t0: float | None = None
         self._wait_ev0: Any = None
         if self._native is not None:
@@ -101,22 +103,23 @@ class GradientState:
             self.last_bucket_t = None if t_bucket != t_bucket else t_bucket  # NaN: no bucket
             self.last_done_t = None if t_done != t_done else t_done
 
-    def begin_wait(self, cuda: bool) -> None:
-        """A wait for peers starts (on CUDA: where the compute stream is now)."""
-        if cuda:
-            self.cuda = True
-            self._wait_ev0 = _recorded_event()
+    def begin_wait(self, events: Any) -> None:
+        """A wait for peers starts (with ``events``, the device's ``timing_event`` class:
+        where the compute stream is now; None: a host timestamp)."""
+        if events is not None:
+            self.events = events
+            self._wait_ev0 = _recorded_event(events)
         else:
             self._wait_t0 = _now()
 
-    def end_wait(self, cuda: bool) -> None:
-        """The wait begun last ends (on CUDA: once the compute stream may go on)."""
-        if cuda:
+    def end_wait(self, events: Any) -> None:
+        """The wait begun last ends (with events: once the compute stream may go on)."""
+        if events is not None:
             start = self._wait_ev0
             if start is None:
                 return
             self._wait_ev0 = None
-            ev = _recorded_event()
+            ev = _recorded_event(events)
             if self.wait_events is None:
                 self.wait_events = [(start, ev)]
             else:
@@ -149,8 +152,9 @@ class GradientState:
         return True
 
     def _mark_done(self, fut: torch.futures.Future[Any]) -> torch.Tensor:
-        if self.cuda:
-            self.done_event = _recorded_event()
+        events = self.events
+        if events is not None:
+            self.done_event = _recorded_event(events)
         else:
             self.last_done_t = _now()
         return fut.value()[0]  # type: ignore[no-any-return]
@@ -159,9 +163,33 @@ class GradientState:
 _now = time.perf_counter
 
 
-def _recorded_event() -> Any:
-    """A CUDA timing event recorded on the current stream now (read later, never synchronising)."""
-    ev = torch.cuda.Event(enable_timing=True)
+def timing_event(device_type: str) -> Any:
+    """The timing event class torch offers for a device type (``torch.device.type``), or
+    None where the hook takes host timestamps instead (CPU, and devices without one).
+
+    CUDA (and ROCm, which answers through ``torch.cuda``), Intel XPU and Apple MPS: each
+    records on the device's current stream and is read a step later with ``query()`` and
+    ``elapsed_time()`` (milliseconds), never synchronising.
+    """
+    if device_type == "cuda":
+        return torch.cuda.Event
+    if device_type == "xpu":
+        return torch.xpu.Event
+    if device_type == "mps":
+        return torch.mps.event.Event
+    return None
+
+
+def _tensor_event(t: torch.Tensor) -> Any:
+    """``timing_event`` of the device ``t`` lives on (``is_cpu`` first: a CPU tensor's
+    ``device`` costs a few hundred nanoseconds, on every bucket)."""
+    return None if t.is_cpu else timing_event(t.device.type)
+
+
+def _recorded_event(events: Any) -> Any:
+    """A timing event of class ``events`` recorded on the device's current stream now
+    (read later, never synchronising)."""
+    ev = events(enable_timing=True)
     ev.record()
     return ev
 
@@ -182,11 +210,7 @@ def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
         state.repeated_bucket = True
     state.buckets_seen = seen | bit
     buf = bucket.buffer()
-    if buf.is_cuda:
-        state.cuda = True
-        state.grad_event = _recorded_event()
-    else:
-        state.last_bucket_t = _now()
+    _mark_ready(state, buf)
     buf.mul_(state._weight)
     pg = state._pg
     if pg is None:
@@ -323,16 +347,18 @@ def register_gradient_weighting(model: torch.nn.Module, state: GradientState, wo
 
 
 def _mark_ready(state: GradientState, t: torch.Tensor) -> None:
-    if t.is_cuda:
-        state.cuda = True
-        state.grad_event = _recorded_event()
+    events = _tensor_event(t)
+    if events is not None:
+        state.events = events
+        state.grad_event = _recorded_event(events)
     else:
         state.last_bucket_t = _now()
 
 
 def _mark_reduced(state: GradientState, t: torch.Tensor) -> None:
-    if t.is_cuda:
-        state.done_event = _recorded_event()
+    events = _tensor_event(t)
+    if events is not None:
+        state.done_event = _recorded_event(events)
     else:
         state.last_done_t = _now()
 
@@ -340,7 +366,7 @@ def _mark_reduced(state: GradientState, t: torch.Tensor) -> None:
 def _mark_ready_blocking(state: GradientState, t: torch.Tensor) -> None:
     """``_mark_ready`` for a reduction that blocks the training thread (gloo, on CPU): the
     previous one of this step was not the last, so all its time was spent waiting."""
-    if not t.is_cuda:
+    if _tensor_event(t) is None:
         done, ready = state.last_done_t, state.last_bucket_t
         if done is not None and ready is not None:
             state.wait_s += done - ready
@@ -451,7 +477,7 @@ def register_grad_timer(model: torch.nn.Module, state: GradientState, *, count: 
         engine.queue_callback(reduced)
 
     def mark(p: torch.Tensor) -> None:
-        # On CUDA an event (read a step later, never synchronising), as the comm hook does.
+        # On an accelerator an event (read a step later, never synchronising), as the comm hook does.
         _mark_ready(state, p)
         if pending[0] is None:
             pending[0] = p
@@ -470,17 +496,17 @@ class _TimedMethod:
 
     __slots__ = ("obj", "name")
 
-    def __init__(self, obj: Any, name: str, state: GradientState, cuda: bool) -> None:
+    def __init__(self, obj: Any, name: str, state: GradientState, events: Any) -> None:
         self.obj, self.name = obj, name
         fn = getattr(type(obj), name)  # the class's, so attaching twice never stacks wrappers
         begin, end = state.begin_wait, state.end_wait
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            begin(cuda)
+            begin(events)
             try:
                 return fn(obj, *args, **kwargs)
             finally:
-                end(cuda)
+                end(events)
 
         setattr(obj, name, timed)
 
@@ -501,13 +527,13 @@ def _on_grad_outputs(output: Any, fn: Any) -> None:
 def _fsdp1_unshard_timer(model: Any, state: GradientState) -> list[Any]:
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-    cuda = model.compute_device.type == "cuda"
+    events = timing_event(model.compute_device.type)
 
     def begin(*_: Any) -> None:
-        state.begin_wait(cuda)
+        state.begin_wait(events)
 
     def end(*_: Any) -> None:
-        state.end_wait(cuda)
+        state.end_wait(events)
 
     def begin_backward(_module: Any, _args: Any, output: Any) -> None:
         _on_grad_outputs(output, begin)
@@ -518,7 +544,7 @@ def _fsdp1_unshard_timer(model: Any, state: GradientState) -> list[Any]:
     handles = []
     for m in FullyShardedDataParallel.fsdp_modules(model):
         inner = m._fsdp_wrapped_module
-        # FullyShardedDataParallel.forward unshards (all-gather, then on CUDA the compute
+        # FullyShardedDataParallel.forward unshards (all-gather, then on a GPU the compute
         # stream waits for it) between its own pre-hooks and its inner module's.
         handles.append(m.register_forward_pre_hook(begin, prepend=True))
         handles.append(inner.register_forward_pre_hook(end, prepend=True))
@@ -538,10 +564,10 @@ def register_unshard_timer(model: torch.nn.Module, state: GradientState) -> list
 
     FSDP2: each parameter group's ``unshard`` and ``wait_for_unshard``, whoever calls them
     (forward, backward, prefetches). On CPU (gloo) the all-gather blocks in ``unshard``;
-    on CUDA only ``wait_for_unshard`` holds the compute stream (it waits there for the
-    all-gather stream), so only it is timed, with events. FSDP1: its forward between the
-    FSDP module's pre-hooks and the wrapped module's, and in backward the output tensor
-    hooks around FSDP's own pre-backward hook.
+    on a device with timing events (CUDA, XPU) only ``wait_for_unshard`` holds the compute
+    stream (it waits there for the all-gather stream), so only it is timed, with events.
+    FSDP1: its forward between the FSDP module's pre-hooks and the wrapped module's, and
+    in backward the output tensor hooks around FSDP's own pre-backward hook.
     """
     model = _compiled_inner(model)
     if _is_fsdp1(model):
@@ -553,7 +579,7 @@ def register_unshard_timer(model: torch.nn.Module, state: GradientState) -> list
             if id(group) in seen:  # fully_shard([a, b]): one state for several modules
                 continue
             seen.add(id(group))
-            cuda = group.device.type == "cuda"
-            for name in ("wait_for_unshard",) if cuda else ("unshard", "wait_for_unshard"):
-                handles.append(_TimedMethod(group, name, state, cuda))
+            events = timing_event(group.device.type)
+            for name in ("wait_for_unshard",) if events is not None else ("unshard", "wait_for_unshard"):
+                handles.append(_TimedMethod(group, name, state, events))
     return handles

@@ -487,7 +487,7 @@ class RebalanceHook:
         self._trained = p
         if self._memory is not None:
             self._memory.begin(local)
-        self._timer.start(k, local, p.version, cuda=grads.cuda)
+        self._timer.start(k, local, p.version, events=grads.events)
         return k
 
     def _agree_lookahead(self, k: int) -> None:

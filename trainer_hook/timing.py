@@ -8,8 +8,9 @@ Waits for peers before the gradients are ready (FSDP's unshard all-gathers, bloc
 reductions before the last: ``GradientState.wait_s``/``wait_events``) move from compute
 to sync-wait.
 
-On CUDA the comm hook records events instead of timestamps; they are read one step
-later with ``Event.query()`` so the training thread never synchronises the device.
+On a device torch offers timing events for (CUDA, XPU, MPS: ``gradients.timing_event``)
+the hook records events instead of timestamps; they are read one step later with
+``Event.query()`` so the training thread never synchronises the device.
 """
 
 from __future__ import annotations
@@ -18,16 +19,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainer_hook.gradients import GradientState
+from trainer_hook.gradients import GradientState, _recorded_event
 from trainer_hook.protocol import StepRecord
 
 __all__ = ["StepTimer", "split_step"]
-
-
-def _cuda_event() -> Any:
-    import torch
-
-    return torch.cuda.Event(enable_timing=True)
 
 
 def split_step(
@@ -47,51 +42,47 @@ def split_step(
 
 
 class StepTimer:
-    """Timestamps one step at a time; ``finish`` returns the StepRecord (or None on CUDA
-    until the events of an earlier step are complete)."""
+    """Timestamps one step at a time; ``finish`` returns the StepRecord (or None, with
+    events, until the events of an earlier step are complete)."""
 
     def __init__(
         self,
         *,
         clock: Callable[[], float] = time.perf_counter,
         wall: Callable[[], float] = time.time,
-        event_factory: Callable[[], Any] | None = None,
     ) -> None:
         self._clock = clock
         self._wall = wall
-        self._event = event_factory or _cuda_event
         self._prev_end: float | None = None
         self._t0 = 0.0
         self._meta: tuple[int, int, int] = (0, 0, 0)
         self._data_wait = 0.0
+        self._events: Any = None
         self._start_event: Any = None
-        self._pending_cuda: list[tuple[Any, ...]] = []
+        self._pending_events: list[tuple[Any, ...]] = []
 
-    def start(self, batch_index: int, local_batch_size: int, placement_version: int, *, cuda: bool = False) -> None:
+    def start(self, batch_index: int, local_batch_size: int, placement_version: int, *, events: Any = None) -> None:
+        """A step starts; ``events``: the device's timing event class (``GradientState.events``),
+        None for host timestamps."""
         t0 = self._clock()
         self._t0 = t0
         prev = self._prev_end
         self._data_wait = 0.0 if prev is None or t0 < prev else t0 - prev
         self._meta = (batch_index, local_batch_size, placement_version)
-        if cuda:
-            ev = self._event()
-            ev.record()
-            self._start_event = ev
-        else:
-            self._start_event = None
+        self._events = events
+        self._start_event = None if events is None else _recorded_event(events)
 
     def finish(self, grads: GradientState | None) -> StepRecord | None:
         t_end = self._clock()
         self._prev_end = t_end
         k, local, version = self._meta
         if self._start_event is not None and grads is not None and grads.grad_event is not None:
-            end_ev = self._event()
-            end_ev.record()
-            self._pending_cuda.append(
+            end_ev = _recorded_event(self._events)
+            self._pending_events.append(
                 (self._start_event, grads.grad_event, grads.done_event, end_ev, grads.wait_events, k, local,
                  version, self._data_wait, t_end - self._t0, self._wall())
             )
-            return self._read_cuda()
+            return self._read_events()
         t0 = self._t0
         if grads is None:
             t_grad = t_done = None
@@ -119,13 +110,13 @@ class StepTimer:
             optimizer_ms=opt * 1e3, step_ms=(data_wait + t_end - t0) * 1e3, t=self._wall(),
         )
 
-    def _read_cuda(self) -> StepRecord | None:
+    def _read_events(self) -> StepRecord | None:
         # Oldest pending step whose end event has completed; query() never blocks.
-        if not self._pending_cuda[0][3].query():
-            if len(self._pending_cuda) > 8:
-                self._pending_cuda.pop(0)  # the device is far behind; give up on the oldest
+        if not self._pending_events[0][3].query():
+            if len(self._pending_events) > 8:
+                self._pending_events.pop(0)  # the device is far behind; give up on the oldest
             return None
-        start, grad, done, end, waits, k, local, version, data_wait, cpu_s, t = self._pending_cuda.pop(0)
+        start, grad, done, end, waits, k, local, version, data_wait, cpu_s, t = self._pending_events.pop(0)
         total = start.elapsed_time(end)
         compute = start.elapsed_time(grad)
         sync = grad.elapsed_time(done) if done is not None and done.query() else 0.0

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
+import torch
 
 from trainer_hook.gradients import GradientState
 from trainer_hook.timing import StepTimer, split_step
@@ -72,11 +77,11 @@ def test_gradient_state_sums_the_host_time_between_begin_and_end_wait(monkeypatc
 
     monkeypatch.setattr(gradients, "_now", FrozenClock(2.0, 2.5, 3.0, 3.25))
     grads = GradientState()
-    grads.end_wait(False)  # no wait begun: nothing
-    grads.begin_wait(False)
-    grads.end_wait(False)
-    grads.begin_wait(False)
-    grads.end_wait(False)
+    grads.end_wait(None)  # no wait begun: nothing
+    grads.begin_wait(None)
+    grads.end_wait(None)
+    grads.begin_wait(None)
+    grads.end_wait(None)
     assert grads.wait_s == pytest.approx(0.75)
 
 
@@ -87,6 +92,12 @@ class FakeEvent:
 
     def __init__(self, at: float, done: bool = True) -> None:
         self.at, self.done = at, done
+
+    @staticmethod
+    def handing_out(events: list[FakeEvent]) -> Callable[..., FakeEvent]:
+        """An event class for StepTimer.start(events=...) that hands out ``events`` in order."""
+        it = iter(events)
+        return lambda enable_timing: next(it)
 
     def record(self) -> None:
         FakeEvent.log.append("record")
@@ -104,16 +115,16 @@ class FakeEvent:
 
 def test_cuda_path_reads_events_a_step_later_without_synchronising() -> None:
     # Device times (s) handed out in order: start of step 0, end of step 0, start of step 1, ...
-    events = iter([FakeEvent(0.0), FakeEvent(0.050, done=False), FakeEvent(0.060), FakeEvent(0.110)])
-    timer = StepTimer(clock=FrozenClock(1.0, 1.01, 1.02, 1.03), wall=lambda: 5.0, event_factory=lambda: next(events))
+    events = FakeEvent.handing_out([FakeEvent(0.0), FakeEvent(0.050, done=False), FakeEvent(0.060), FakeEvent(0.110)])
+    timer = StepTimer(clock=FrozenClock(1.0, 1.01, 1.02, 1.03), wall=lambda: 5.0)
     grads = GradientState()
-    timer.start(0, 8, 0, cuda=True)
+    timer.start(0, 8, 0, events=events)
     grads.grad_event, grads.done_event = FakeEvent(0.020), FakeEvent(0.045)
     assert timer.finish(grads) is None  # step 0's end event has not completed yet
-    end0 = timer._pending_cuda[0][3]
+    end0 = timer._pending_events[0][3]
     end0.done = True
     grads.reset()
-    timer.start(1, 8, 0, cuda=True)
+    timer.start(1, 8, 0, events=events)
     grads.grad_event, grads.done_event = FakeEvent(0.080), FakeEvent(0.100)
     rec = timer.finish(grads)
     assert rec is not None and rec.batch_index == 0
@@ -121,17 +132,109 @@ def test_cuda_path_reads_events_a_step_later_without_synchronising() -> None:
     assert rec.sync_wait_ms == pytest.approx(25.0)
     assert rec.optimizer_ms == pytest.approx(5.0)
     assert rec.step_ms == pytest.approx(50.0)
-    rec1 = timer._read_cuda()
+    rec1 = timer._read_events()
     assert rec1 is not None and rec1.batch_index == 1 and rec1.compute_ms == pytest.approx(20.0)
 
 
 def test_cuda_path_moves_the_event_timed_waits_from_compute_to_sync() -> None:
-    events = iter([FakeEvent(0.0), FakeEvent(0.050)])
-    timer = StepTimer(clock=FrozenClock(1.0, 1.05), wall=lambda: 5.0, event_factory=lambda: next(events))
+    events = FakeEvent.handing_out([FakeEvent(0.0), FakeEvent(0.050)])
+    timer = StepTimer(clock=FrozenClock(1.0, 1.05), wall=lambda: 5.0)
     grads = GradientState()
-    timer.start(0, 8, 0, cuda=True)
+    timer.start(0, 8, 0, events=events)
     grads.grad_event, grads.done_event = FakeEvent(0.030), FakeEvent(0.040)
     grads.wait_events = [(FakeEvent(0.002), FakeEvent(0.012)), (FakeEvent(0.015), FakeEvent(0.020))]
     rec = timer.finish(grads)
     assert rec is not None
     assert (rec.compute_ms, rec.sync_wait_ms, rec.optimizer_ms) == pytest.approx((15.0, 25.0, 10.0))
+
+
+def test_timing_event_names_the_event_class_of_each_accelerator_and_none_for_the_host() -> None:
+    from trainer_hook.gradients import timing_event
+
+    assert timing_event("cuda") is torch.cuda.Event
+    assert timing_event("xpu") is torch.xpu.Event
+    assert timing_event("mps") is torch.mps.event.Event
+    assert timing_event("cpu") is None and timing_event("meta") is None
+
+
+class DeviceClockEvent:
+    """Stands in for torch.xpu.Event / torch.mps.event.Event (no such device here): record()
+    stamps the next time of a fake device clock, elapsed_time() is in milliseconds."""
+
+    device_times: list[float] = []
+    made = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing, "a timing event must be made with enable_timing=True"
+        DeviceClockEvent.made += 1
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = DeviceClockEvent.device_times.pop(0)
+
+    def query(self) -> bool:
+        return self.at is not None
+
+    def elapsed_time(self, end: DeviceClockEvent) -> float:
+        assert self.at is not None and end.at is not None
+        return (end.at - self.at) * 1e3
+
+    def synchronize(self) -> None:  # pragma: no cover - must never be called
+        raise AssertionError("the timer must not synchronise the device")
+
+
+def _one_step(timer: StepTimer, grads: GradientState, k: int, tensor: Any) -> Any:
+    """What the hook and its gradient paths call in one step: an FSDP-style wait for peers
+    before the gradients, the last gradient ready, its reduction complete."""
+    from trainer_hook.gradients import _mark_ready, _mark_reduced, _tensor_event
+
+    grads.reset()
+    timer.start(k, 8, 0, events=grads.events)
+    waits = _tensor_event(tensor)  # what register_unshard_timer passes for this device
+    grads.begin_wait(waits)
+    grads.end_wait(waits)
+    _mark_ready(grads, tensor)
+    _mark_reduced(grads, tensor)
+    return timer.finish(grads)
+
+
+@pytest.mark.parametrize("device", ["xpu", "mps"])
+def test_an_xpu_or_mps_rank_is_timed_with_its_device_events(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    from trainer_hook import gradients
+
+    if device == "xpu":
+        monkeypatch.setattr(torch.xpu, "Event", DeviceClockEvent)
+    else:
+        monkeypatch.setattr(torch.mps.event, "Event", DeviceClockEvent)
+    # Device times (s): step 0's four marks, then step 1 starts at 0, waits for a peer
+    # 2..12 ms, its last gradient is ready at 30 ms, reduced at 45 ms, and ends at 50 ms.
+    # The host clock says a second a step, and no mark may take a host timestamp.
+    monkeypatch.setattr(gradients, "_now", lambda: pytest.fail("a host timestamp on an event-timed device"))
+    DeviceClockEvent.device_times = [9.0, 9.1, 9.2, 9.3] + [0.0, 0.002, 0.012, 0.030, 0.045, 0.050]
+    timer = StepTimer(clock=FrozenClock(1.0, 2.0, 2.0, 3.0), wall=lambda: 5.0)
+    grads = GradientState()
+    on_device = SimpleNamespace(is_cpu=False, device=torch.device(device))
+    # Step 0 learns the device from its first gradient (as on CUDA): host time for the step.
+    first = _one_step(timer, grads, 0, on_device)
+    assert first is not None and first.compute_ms == pytest.approx(1000.0)
+    assert grads.events is DeviceClockEvent
+    rec = _one_step(timer, grads, 1, on_device)
+    assert rec is not None and rec.batch_index == 1
+    assert (rec.compute_ms, rec.sync_wait_ms, rec.optimizer_ms) == pytest.approx((20.0, 25.0, 5.0))
+    assert DeviceClockEvent.device_times == []  # every mark of step 1 was a device event
+
+
+def test_a_cpu_rank_keeps_host_timestamps(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer_hook import gradients
+
+    # Accelerator event classes present but never made for a CPU tensor.
+    monkeypatch.setattr(torch.xpu, "Event", DeviceClockEvent)
+    monkeypatch.setattr(torch.mps.event, "Event", DeviceClockEvent)
+    DeviceClockEvent.made = 0
+    # Host marks: wait 1.002..1.012, gradient ready 1.030, reduced 1.045.
+    monkeypatch.setattr(gradients, "_now", FrozenClock(1.002, 1.012, 1.030, 1.045))
+    timer = StepTimer(clock=FrozenClock(1.0, 1.05), wall=lambda: 5.0)
+    grads = GradientState()
+    rec = _one_step(timer, grads, 0, torch.zeros(1))
+    assert rec is not None and grads.events is None and DeviceClockEvent.made == 0
+    assert (rec.compute_ms, rec.sync_wait_ms, rec.optimizer_ms) == pytest.approx((20.0, 25.0, 5.0))
