@@ -50,7 +50,7 @@ class GradientState:
 
     __slots__ = (
         "process_group", "_weight", "_native", "_pg", "_opts", "last_bucket_t", "last_done_t", "buckets_seen",
-        "repeated_bucket", "grad_event", "done_event", "events", "_done_cb", "_cb_refs",
+        "repeated_bucket", "grad_event", "done_event", "events", "_done_cb", "_cb_refs", "_futs", "_prev_futs",
         "wait_s", "wait_events", "_wait_t0", "_wait_ev0",
     )
 
@@ -63,6 +63,9 @@ class GradientState:
         self.events: Any = None  # the device's timing event class (timing_event), once seen
         self._done_cb = self._mark_done  # bound once, not per bucket
         self._cb_refs = sys.getrefcount(self._done_cb)  # references with no future holding it
+        # The futures the Python hook handed DDP this step and the last (see release_callbacks).
+        self._futs: list[Any] = []
+        self._prev_futs: list[Any] = []
         self.reset()
 
     def reset(self) -> None:
@@ -79,6 +82,11 @@ class GradientState:
         self._wait_ev0: Any = None
         if self._native is not None:
             self._native.reset()
+        futs = self._futs
+        if futs:  # the Python hook ran: its futures are kept one step more, the older ones dropped
+            prev = self._prev_futs
+            prev.clear()
+            self._prev_futs, self._futs = futs, prev
 
     @property
     def weight(self) -> float:
@@ -143,6 +151,13 @@ class GradientState:
         thread may hold the GIL all the way to exit, so the hook waits here (the GIL
         released) until the reference count of the callback is back to its resting
         value. Returns False if ``timeout_s`` passed first.
+
+        The same thread then drops its reference to the future ``then`` made, whose value
+        is a Python object (DDP requires one from a Python hook): were that the last
+        reference, freeing the value would take the GIL once more, after this wait. So
+        the state keeps the futures of the current and the previous step (a
+        communication thread is never further behind: it gets the GIL in every backward)
+        until it is itself freed, on the thread that holds the GIL.
         """
         deadline = time.monotonic() + timeout_s
         while sys.getrefcount(self._done_cb) > self._cb_refs:
@@ -219,7 +234,9 @@ def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
         pg = state._pg = state.process_group if state.process_group is not None else dist.group.WORLD
         opts = state._opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-    return pg.allreduce([buf], state._opts).get_future().then(state._done_cb)
+    fut = pg.allreduce([buf], state._opts).get_future().then(state._done_cb)
+    state._futs.append(fut)  # freed by this thread, never last by gloo's (release_callbacks)
+    return fut
 
 
 def _compiled_inner(model: Any) -> Any:

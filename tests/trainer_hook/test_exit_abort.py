@@ -9,6 +9,11 @@ aborts. Rare under normal scheduling (one run in about 45), certain once the rac
 reached: the worker holds the GIL (a huge switch interval) and exits right after a step
 where gloo's thread still held the callback. Before the fix all 4 such runs aborted,
 with or without hook.close() and destroy_process_group().
+
+A second way to the same abort, seen once in CI (no close, Python hook): the future
+``then`` makes holds a Python object, and gloo's thread, when it drops the last reference
+to one DDP has already replaced, frees it with the GIL after the callback's guard is gone.
+The hook now keeps the futures of the last two steps, so that thread never drops the last.
 """
 
 from __future__ import annotations
@@ -56,3 +61,21 @@ def test_exit_right_after_a_step_gloo_still_holds_the_callback_does_not_abort(mo
         pytest.skip("the race was not reached in 10 runs (gloo's thread always dropped the callback first)")
     out = proc.stdout + proc.stderr
     assert "terminate called" not in out and proc.returncode == 0, f"exit {proc.returncode}:\n{out[-3000:]}"
+
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_the_hook_keeps_the_futures_a_communication_thread_may_still_hold(tmp_path: Path) -> None:
+    # The deterministic half of the abort above. DDP requires a Python hook's future to hold
+    # a Python object, and whichever thread drops the last reference to that future frees
+    # it, taking the GIL. Were it gloo's thread, after release_callbacks() returned, the
+    # interpreter could already be finalising (the abort once more). The hook keeps the
+    # futures of the last two steps, so gloo's thread never drops the last reference.
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.trainer_hook._exit_race_worker", "futures", str(tmp_path / "store")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=100,
+        env={**os.environ, "REBALANCER_NATIVE_COMM_HOOK": "0"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "futures kept per step: no no yes yes"
