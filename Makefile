@@ -47,8 +47,15 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/rebalancer serve --port $(PORT)
 
-test: $(STAMP) browser prometheus
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
+# Two pytest workers (pytest-xdist), a test file per worker at a time: most tests wait on
+# real processes and servers, so two keep two cores busy. TEST_WORKERS=0 runs them in one.
+# The C++ comm hook (about 50 s of one core on a cold cache) is built while apt installs
+# Chromium and Prometheus, instead of holding both workers at their first test.
+TEST_WORKERS ?= 2
+test: $(STAMP)
+	@$(BIN)/python -c "from trainer_hook import _native_comm_hook as n; n.load()" & build=$$!; \
+		$(MAKE) --no-print-directory browser prometheus; status=$$?; wait $$build; exit $$status
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile
 
 # The fast lane: in-process tests only (no torchrun, servers, browser or installs), < 1 minute.
 test-unit: $(STAMP)

@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(420)]
 ADMIN = "rb_fuzz_admin_0123456789abcdef"
 JOB = "fuzz-job"
 MAX_EXAMPLES = 8
-MAX_TIME_S = 40
+MAX_TIME_S = 30
 REVOKE = "revoke_api_v1_tokens__token_id__delete"
 CONFIG = f"""
 [dictionaries.jobs]
