@@ -14,6 +14,8 @@ A second way to the same abort, seen once in CI (no close, Python hook): the fut
 ``then`` makes holds a Python object, and gloo's thread, when it drops the last reference
 to one DDP has already replaced, frees it with the GIL after the callback's guard is gone.
 The hook now keeps the futures of the last two steps, so that thread never drops the last.
+That did not end the abort: it came back in a later CI run (no close, Python hook), so
+the no-close case below is an expected failure until the rest of the cause is found.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ def test_release_callbacks_waits_until_no_thread_holds_the_callback() -> None:
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["close", pytest.param("no-close", marks=pytest.mark.xfail(
-    reason="open defect: with the Python comm hook and no close(), the exit still aborts in about one "
-           "CI run in two under load (2026-12-03); keeping the last two steps' futures did not end it",
+    reason="open defect: with the Python comm hook and no close(), the exit still aborts under load "
+           "(2 of 5 CI runs on 2026-12-03); keeping the last two steps' futures did not end it",
     strict=False))])
 def test_exit_right_after_a_step_gloo_still_holds_the_callback_does_not_abort(mode: str, tmp_path: Path) -> None:
     for attempt in range(10):
@@ -64,7 +66,6 @@ def test_exit_right_after_a_step_gloo_still_holds_the_callback_does_not_abort(mo
         pytest.skip("the race was not reached in 10 runs (gloo's thread always dropped the callback first)")
     out = proc.stdout + proc.stderr
     assert "terminate called" not in out and proc.returncode == 0, f"exit {proc.returncode}:\n{out[-3000:]}"
-
 
 
 @pytest.mark.multiproc
