@@ -122,6 +122,22 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "rollback); every source from 0.", True),
     MetricSpec("rebalancer_placement_failures_total", "counter", ("job",), "1",
                "Placements a rank's hook rejected.", True),
+    # --- the fleet: every job held in memory (backend.live.fleet, the home page's totals) --
+    MetricSpec("rebalancer_fleet_jobs", "gauge", (), "1",
+               "Jobs held in memory (the fleet view's rows).", True),
+    MetricSpec("rebalancer_fleet_ranks", "gauge", (), "1",
+               "Ranks of those jobs in all (their world sizes summed).", True),
+    MetricSpec("rebalancer_fleet_running_jobs", "gauge", (), "1",
+               "Jobs whose status is not idle.", True),
+    MetricSpec("rebalancer_fleet_wasted_gpu_seconds", "gauge", (), "seconds",
+               "Accelerator time spent waiting for the slowest rank's compute, summed over ranks and "
+               "closed batches of those jobs since the backend took them in (divide by 3600: GPU-hours).", True),
+    MetricSpec("rebalancer_fleet_saved_seconds", "gauge", (), "seconds",
+               "Training time saved against the uniform split, summed over those jobs.", True),
+    MetricSpec("rebalancer_fleet_saved_dollars", "gauge", (), "dollars",
+               "The saved time priced at each job's hourly cost, summed over the priced jobs.", True),
+    MetricSpec("rebalancer_fleet_pending_proposals", "gauge", (), "1",
+               "Proposals waiting for an operator, over all jobs.", True),
     # --- the backend -------------------------------------------------------------------
     MetricSpec("rebalancer_ingest_messages_total", "counter", (), "1",
                "Hook messages ingested.", True),

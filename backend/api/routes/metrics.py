@@ -4,7 +4,7 @@ Each app has its own ``MetricsExporter``; nothing is updated on the ingest path.
 labels and help texts come from the contract (backend/metrics_contract.py); figures come
 from their owners: live state (times, devices, the step histogram),
 ``backend.live.forecast`` (ETA, cost), the dashboard hub (savings against the uniform
-split) and the controller's snapshot (mode, placement, proposals, and the counters, which
+split, and the fleet totals of ``backend.live.fleet``) and the controller's snapshot (mode, placement, proposals, and the counters, which
 count stored rows so that they survive a restart).
 
 The text is written directly (Prometheus text format 0.0.4), each rank's label set
@@ -128,7 +128,19 @@ class MetricsExporter:
         fams["rebalancer_persist_buffered_windows"].add("", len(self.writes))
         fams["rebalancer_database_writable"].add("", 0 if (self.storage.problem or self.writes.fault) else 1)
         fams["rebalancer_live_jobs"].add("", self.live.job_count())
+        self._fleet(fams)
         return "".join(f.render() for f in fams.values() if f.lines)
+
+    def _fleet(self, fams: dict[str, _Family]) -> None:
+        t = self.hub.fleet()["totals"]  # the home page's totals (backend.live.fleet)
+        for name, value in (("rebalancer_fleet_jobs", t["jobs"]), ("rebalancer_fleet_ranks", t["ranks"]),
+                            ("rebalancer_fleet_running_jobs", t["running"]),
+                            ("rebalancer_fleet_wasted_gpu_seconds", t["wasted_gpu_hours"] * 3600.0),
+                            ("rebalancer_fleet_saved_seconds", t["saved_s"]),
+                            ("rebalancer_fleet_saved_dollars", t["saved_cost"]),
+                            ("rebalancer_fleet_pending_proposals", t["pending_proposals"])):
+            if value is not None:
+                fams[name].add("", value)
 
     def _ranks(self, fams: dict[str, _Family], view: JobView, control: dict[str, Any]) -> None:
         job, gbs = _esc(view.job), view.global_batch_size
