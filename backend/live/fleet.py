@@ -97,7 +97,7 @@ def fleet_summary(jobs: Iterable[FleetJob]) -> dict[str, Any]:
             "world_size": j.world_size, "connected_ranks": j.connected_ranks,
             "devices": [{"kind": k, "count": n} for k, n in j.devices],
             "step_ms": _r(j.step_ms, 4), "balanced_step_ms": _r(balanced, 4), "efficiency": _r(eff, 4),
-            "wasted_gpu_hours": _r(j.wasted_ms / MS_PER_HOUR, 9),
+            "wasted_gpu_hours": j.wasted_ms / MS_PER_HOUR,
             "saved_s": _r(j.saved_s, 3), "saved_cost": _r(j.saved_cost),
             "cost_per_hour": _r(j.cost_per_hour, 4), "imbalance": _r(j.imbalance, 4),
             "eta_s": _r(j.eta_s, 3), "batch_index": j.batch_index, "bound": _bound(j.bound),
@@ -118,7 +118,7 @@ def fleet_summary(jobs: Iterable[FleetJob]) -> dict[str, Any]:
     totals = {
         "jobs": len(rows), "ranks": ranks, "connected_ranks": connected, "running": running,
         "by_status": dict(sorted(by_status.items())),
-        "wasted_gpu_hours": round(wasted_ms / MS_PER_HOUR, 9), "saved_s": round(saved_s, 3),
+        "wasted_gpu_hours": wasted_ms / MS_PER_HOUR, "saved_s": round(saved_s, 3),
         "saved_cost": _r(saved_cost), "pending_proposals": pending,
         # rank-weighted mean over the jobs that have a figure
         "efficiency": round(eff_num / eff_den, 4) if eff_den else None,
