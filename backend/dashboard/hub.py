@@ -501,7 +501,7 @@ class DashboardHub:
             step_ms=view.step_ms, balance_gap_ms=feed.gap_ms, wasted_ms=feed.wasted_ms,
             saved_s=saved.get("saved_s"), saved_cost=saved.get("saved_cost"),
             cost_per_hour=s["cost_per_hour"], imbalance=view.imbalance, eta_s=s["eta_s"],
-            batch_index=view.batch_index, bound=s.get("bound"),
+            batch_index=view.batch_index, bound=s.get("bound", ctl.get("bound")),
             pending_proposal_id=pending.get("id") if pending.get("status") == "proposed" else None)
 
     def _publish_fleet(self) -> dict[str, Any]:

@@ -47,7 +47,7 @@ class FleetJob:
     imbalance: float | None = None
     eta_s: float | None = None
     batch_index: int | None = None
-    bound: str | None = None  # compute, communication or input (None: not known)
+    bound: Any = None  # compute, communication or input (None: not known); see _bound
     pending_proposal_id: int | None = None  # a proposal waiting for an operator
 
 
@@ -74,6 +74,10 @@ def _efficiency(j: FleetJob) -> tuple[float | None, float | None]:
 
 
 def _bound(v: Any) -> str | None:
+    """The verdict of a job's ``bound`` (a word, or a mapping holding it as ``bound`` or
+    ``verdict``); None where there is none."""
+    if isinstance(v, dict):
+        v = v.get("bound") or v.get("verdict")
     return v if isinstance(v, str) and v else None
 
 

@@ -22,6 +22,7 @@ from tests.backend.test_hub import (
     _settle,
 )
 from tests.conftest import ADMIN
+from tests.helpers.waiting import wait_until
 
 # --- the pure function ----------------------------------------------------------------
 
@@ -75,9 +76,11 @@ def test_a_gap_larger_than_the_step_never_makes_a_negative_step():
     assert row["balanced_step_ms"] == 0.0 and row["efficiency"] == 0.0
 
 
-def test_a_bound_that_is_not_a_verdict_reads_as_unknown():
-    rows = fleet_summary([_job("x", bound=""), _job("y", bound={"verdict": "input"})])["data"]  # type: ignore[arg-type]
-    assert [r["bound"] for r in rows] == [None, None]
+def test_bound_reads_the_verdict_and_anything_else_as_unknown():
+    rows = fleet_summary([_job("a", bound="compute"), _job("b", bound={"verdict": "input"}),
+                          _job("c", bound={"bound": "communication", "share": 0.4}),
+                          _job("d", bound=""), _job("e", bound=3), _job("f", bound={"x": 1})])["data"]
+    assert [r["bound"] for r in rows] == ["compute", "input", "communication", None, None, None]
 
 
 def test_balance_gap_is_the_oracle_split_against_the_placement():
@@ -219,6 +222,12 @@ def _bearer(secret: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"}
 
 
+def _scraped(client) -> dict[str, float]:
+    text = client.get("/metrics", headers=_bearer(ADMIN)).text
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
+                                     if line.startswith("rebalancer_fleet_"))}
+
+
 def test_rest_and_metrics_show_the_same_totals(app_client):
     client = app_client
     assert client.get("/api/v1/fleet").json() == {"detail": "Missing or invalid bearer token."}
@@ -235,18 +244,18 @@ def test_rest_and_metrics_show_the_same_totals(app_client):
             assert r.status_code == 200, r.text
             return r.json()
 
-        from tests.helpers.waiting import wait_until
         got = wait_until(lambda: (f := fleet())["data"] and f["data"][0]["wasted_gpu_hours"] > 0 and f,
                          "the job's closed batches in the fleet", 20)
         assert got["count"] == 1 and got["data"][0]["job"] == "j"
         assert got["data"][0]["wasted_gpu_hours"] == pytest.approx(5 * 20.0 / 3.6e6, abs=1e-9)
         t = got["totals"]
         assert t["jobs"] == 1 and t["ranks"] == 2 and t["running"] == 1
-        text = client.get("/metrics", headers=_bearer(ADMIN)).text
-        lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("rebalancer_fleet_"))
-        assert float(lines["rebalancer_fleet_jobs"]) == 1.0
-        assert float(lines["rebalancer_fleet_ranks"]) == 2.0
-        assert float(lines["rebalancer_fleet_running_jobs"]) == 1.0
-        assert float(lines["rebalancer_fleet_wasted_gpu_seconds"]) == pytest.approx(5 * 20.0 / 1000, abs=1e-4)
-        assert float(lines["rebalancer_fleet_pending_proposals"]) == t["pending_proposals"]
-        assert float(lines["rebalancer_fleet_saved_seconds"]) == t["saved_s"]
+        lines = _scraped(client)
+        assert lines["rebalancer_fleet_jobs"] == 1.0
+        assert lines["rebalancer_fleet_ranks"] == 2.0
+        assert lines["rebalancer_fleet_running_jobs"] == 1.0
+        assert lines["rebalancer_fleet_wasted_gpu_seconds"] == pytest.approx(5 * 20.0 / 1000, abs=1e-4)
+        # The policy may propose between two reads: wait until both read the same count.
+        wait_until(lambda: _scraped(client)["rebalancer_fleet_pending_proposals"]
+                   == fleet()["totals"]["pending_proposals"], "the same pending count", 20)
+        assert lines["rebalancer_fleet_saved_seconds"] == t["saved_s"]
