@@ -17,6 +17,7 @@ from backend.api.routes import (
     audit,
     control,
     docs,
+    fleet,
     health,
     jobs,
     memory,
@@ -36,7 +37,7 @@ log = logging.getLogger("rebalancer")
 
 # Every router, listed: the hook websocket, then one per REST resource and the dashboard's pages.
 ROUTERS: tuple[APIRouter, ...] = (
-    ingest.router, metrics.router, audit.router, control.router, docs.router, health.router,
+    ingest.router, metrics.router, audit.router, control.router, docs.router, fleet.router, health.router,
     jobs.router, memory.router, pages.router, report.router, tokens.router,
 )
 

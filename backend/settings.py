@@ -80,6 +80,12 @@ class Settings(BaseSettings):
     # Who may scrape /metrics: "token" (a bearer token, viewer role or above; give the
     # scraper a dedicated viewer token) or "loopback" (callers on this machine need none).
     metrics_access: Literal["token", "loopback"] = "token"
+    # Per-rank series of /metrics: "slowest" keeps, per job, the metrics_slowest_ranks ranks
+    # with the longest compute plus every rank that is gone while its job runs (what the
+    # rank-lost alert reads); "all" exports every rank (16,384 GPU ranks: ~400,000 series).
+    # Per-job aggregates (rebalancer_max_compute_seconds, ...) cover every rank either way.
+    metrics_rank_series: Literal["slowest", "all"] = "slowest"
+    metrics_slowest_ranks: Annotated[int, Field(ge=1, le=100_000)] = 8
 
     dashboard_max_hz: float = 10.0
     device_prices: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_DEVICE_PRICES))

@@ -507,7 +507,7 @@ class ScrapeCost:
     repeats: int
 
 
-def scrape_cost(ranks: int, repeats: int = 7) -> ScrapeCost:
+def scrape_cost(ranks: int, repeats: int = 7, rank_series: str = "slowest") -> ScrapeCost:
     import tempfile
 
     from backend.parts import build_parts
@@ -531,7 +531,8 @@ def scrape_cost(ranks: int, repeats: int = 7) -> ScrapeCost:
                 f'"device":[{_DEVICE.format(t=now)}]}}'))
 
     with tempfile.TemporaryDirectory(prefix="rb-scrape-") as tmp:
-        parts = build_parts(Settings(db=f"sqlite:///{tmp}/scrape.db", policy_process=False))
+        parts = build_parts(Settings(db=f"sqlite:///{tmp}/scrape.db", policy_process=False,
+                                     metrics_rank_series=rank_series))  # type: ignore[arg-type]
         try:
             asyncio.run(fill(parts))
             walls, cpus, body = [], [], b""
@@ -558,9 +559,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     ap.add_argument("--scrape-only", action="store_true",
                     help="only the exporter's cost in process (scrape.json): no sockets, no load")
+    ap.add_argument("--rank-series", choices=("slowest", "all"), default="slowest",
+                    help="--scrape-only: REBALANCER_METRICS_RANK_SERIES of the measured backend")
     args = ap.parse_args(argv)
     if args.scrape_only:
-        costs = [scrape_cost(n) for n in ([int(x) for x in args.ranks.split(",")] if args.ranks else [1024])]
+        costs = [scrape_cost(n, rank_series=args.rank_series) for n in ([int(x) for x in args.ranks.split(",")] if args.ranks else [1024])]
         print_table("/metrics exposition in process (median of the repeats)",
                     ["ranks", "series", "kB", "wall ms", "CPU ms"],
                     [[c.ranks, c.series, round(c.bytes / 1024, 1), c.wall_ms_median, c.cpu_ms_median] for c in costs])

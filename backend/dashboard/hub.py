@@ -10,7 +10,9 @@ the feeds: a slow client only delays itself, and whatever piled up while it was 
 out as one frame (latest wins, nothing of the series is lost while it stays buffered).
 
 Frames (JSON text):
-- ``{"type": "overview", "t", "jobs": [summary, ...]}`` for clients without a job;
+- ``{"type": "overview", "t", "jobs": [summary, ...], "fleet": {"data", "count", "totals"}}``
+  for clients without a job: the fleet summary (``backend.live.fleet``), rebuilt and
+  encoded once per tick in which a job changed, the same text for every overview client;
 - ``{"type": "job", "full": bool, "job", "t", "summary", "control", "ranks", "series",
   "markers", "heat", "savings"}`` for ``?job=NAME``: the first frame is a full snapshot
   (``full: true``), later ones carry only the series points and heatmap columns added since
@@ -43,6 +45,7 @@ from backend.ingest.budget import (
     DASHBOARD_MAX_FRAME_BYTES,
     FrameBudget,
 )
+from backend.live.fleet import FleetJob, balance_gap_ms, fleet_summary
 from backend.live.forecast import forecast, savings
 from backend.live.state import (
     STEP_BATCH,
@@ -72,6 +75,7 @@ _LAG_LIMIT = 256  # a batch a connected rank never sent closes once the newest i
 _IDLE_REFRESH_S = 1.0  # watched jobs refresh this often even without metrics (stale flag)
 _RANKS_FULL_RATE_MAX = 128  # up to this many ranks, per-rank columns go out every tick
 _RANKS_EVERY_S = 1.0  # above it, at most this often
+_FLEET_READER_S = 60.0  # after a REST or /metrics read of the fleet, keep every job fresh this long
 _RANK_FIELDS = (*STEP_TIMES,
                 "batch_index", "local_batch_size", "placement_version", "step_rate_hz")
 _DEVICE_FIELDS = ("util_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "temp_c",
@@ -146,6 +150,14 @@ class _Feed:
     measured_ms: float = 0.0
     uniform_ms: float = 0.0
     unsaved: list[dict[str, Any]] = field(default_factory=list)  # points not yet stored
+    # The fleet view's figures (backend.live.fleet): rank-ms spent waiting for the slowest
+    # rank's compute, device kinds, and the oracle's gap for (cost fit, placement version).
+    wasted_ms: float = 0.0
+    devices: tuple[tuple[str, int], ...] = ()
+    gap_key: tuple[Any, Any] = (None, None)
+    gap_ms: float | None = None
+    fleet_job: FleetJob | None = None
+    updated_at: float = float("-inf")
 
 
 @dataclass(eq=False)
@@ -202,6 +214,12 @@ class DashboardHub:
         # job -> (stored points, stored summary): what a restarted backend refills charts from
         self._history: dict[str, tuple[list[dict[str, Any]], dict[str, Any] | None]] = {}
         self.ticks = 0
+        # The fleet summary (backend.live.fleet): rebuilt at most once per tick, only when a
+        # job changed, and its overview frame encoded once for every overview client.
+        self._fleet: dict[str, Any] | None = None
+        self._fleet_dirty = True
+        self._fleet_read_at = float("-inf")
+        self._overview_text = ""
 
     # --- called by ingest and the controller ------------------------------------------
 
@@ -247,7 +265,7 @@ class DashboardHub:
             # Control changes and staleness show even when no metrics arrive.
             self._last_refresh = now
             dirty |= {c.job for c in self._clients if c.job is not None}
-            if any(c.job is None for c in self._clients):
+            if any(c.job is None for c in self._clients) or now - self._fleet_read_at < _FLEET_READER_S:
                 dirty |= set(self._live_jobs())
         if not dirty:
             return 0
@@ -256,6 +274,8 @@ class DashboardHub:
                 self._update(job, now)
             except Exception:  # one job's bad state must not freeze the others' dashboards
                 log.exception("dashboard update of job %s failed", job)
+        if any(c.job is None for c in self._clients):
+            self._publish_fleet()  # once per tick, whatever the number of overview clients
         woken = 0
         for c in self._clients:
             if c.job is None or c.job in dirty:
@@ -269,7 +289,8 @@ class DashboardHub:
     def _update(self, job: str, now: float) -> None:
         view = self.live.view(job)
         if view is None:
-            self._feeds.pop(job, None)
+            if self._feeds.pop(job, None) is not None:
+                self._fleet_dirty = True
             return
         feed = self._feeds.get(job)
         if feed is None or feed.summary.get("world_size") not in (None, view.world_size):
@@ -285,6 +306,9 @@ class DashboardHub:
         feed.positions = {"rank": [rv.rank for rv in view.ranks],
                           "batch_index": [rv.batch_index for rv in view.ranks]}
         feed.summary = self._summary(feed, view)
+        feed.fleet_job = self._fleet_job(feed, view)
+        feed.updated_at = now
+        self._fleet_dirty = True
 
 
     def _fold_steps(self, feed: _Feed, view: JobView) -> None:
@@ -337,6 +361,8 @@ class DashboardHub:
                 feed.markers.append({"b": b, "version": point["version"]})
             feed.last_version = point["version"]
             feed.measured_ms += point["step_ms"]
+            top = max(s[STEP_COMPUTE] for s in recs.values())
+            feed.wasted_ms += sum(top - s[STEP_COMPUTE] for s in recs.values())
             if point["uniform_step_ms"] is not None:
                 feed.uniform_ms += point["uniform_step_ms"]
                 feed.saved_ms += point["uniform_step_ms"] - point["step_ms"]
@@ -405,6 +431,11 @@ class DashboardHub:
             keep = {rv.rank for rv in view.ranks}
             for r in [r for r in cache if r not in keep]:
                 del cache[r]
+        kinds: dict[str, int] = {}
+        for rv in view.ranks:
+            kind = rv.device_name or rv.device_type or "unknown"
+            kinds[kind] = kinds.get(kind, 0) + 1
+        feed.devices = tuple(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
         feed.ranks = ({k: list(col) for k, col in zip(_RANK_COLUMNS, zip(*rows, strict=True), strict=True)}
                       if rows else {k: [] for k in _RANK_COLUMNS})
         try:
@@ -448,6 +479,61 @@ class DashboardHub:
             "remaining_steps": fc.remaining_steps, "eta_s": _r(fc.eta_s),
             "cost_to_finish": _r(fc.cost_to_finish),
         }
+
+    # --- the fleet: every job's row and the totals (backend.live.fleet) -----------------------
+
+    def _fleet_job(self, feed: _Feed, view: JobView) -> FleetJob:
+        s, ctl = feed.summary, feed.control
+        fit = self.cost_fit(feed.job)
+        version = (ctl.get("placement") or {}).get("version")
+        if fit is None:
+            feed.gap_key, feed.gap_ms = (None, None), None
+        elif not (feed.gap_key[0] is fit and feed.gap_key[1] == version):
+            # One exact solve per new fit or placement (the policy refits every few seconds).
+            shares = (ctl.get("placement") or {}).get("shares") or []
+            feed.gap_key = (fit, version)
+            feed.gap_ms = balance_gap_ms(fit[0], fit[1], shares, view.global_batch_size)
+        saved = self.savings(feed.job) or {}
+        pending = ctl.get("pending_proposal") or {}
+        return FleetJob(
+            job=feed.job, status=s["status"], status_detail=s["status_detail"], mode=s["mode"],
+            world_size=view.world_size, connected_ranks=view.connected_ranks, devices=feed.devices,
+            step_ms=view.step_ms, balance_gap_ms=feed.gap_ms, wasted_ms=feed.wasted_ms,
+            saved_s=saved.get("saved_s"), saved_cost=saved.get("saved_cost"),
+            cost_per_hour=s["cost_per_hour"], imbalance=view.imbalance, eta_s=s["eta_s"],
+            batch_index=view.batch_index, bound=s.get("bound", ctl.get("bound")),
+            pending_proposal_id=pending.get("id") if pending.get("status") == "proposed" else None)
+
+    def _publish_fleet(self) -> dict[str, Any]:
+        """Rebuild the fleet summary and the overview frame if a job changed since the last."""
+        if self._fleet is not None and not self._fleet_dirty:
+            return self._fleet
+        self._fleet_dirty = False
+        feeds = list(self._feeds.values())
+        fleet = fleet_summary(f.fleet_job for f in feeds if f.fleet_job is not None)
+        jobs = [f.summary for f in sorted(feeds, key=attrgetter("job")) if f.summary]
+        try:
+            self._overview_text = json.dumps({"type": "overview", "t": self._wall(), "jobs": jobs, "fleet": fleet},
+                                             separators=(",", ":"), allow_nan=False)
+        except ValueError:  # a non-finite number; browsers cannot parse NaN in JSON
+            log.exception("overview frame not serialisable; kept the previous one")
+        self._fleet = fleet
+        return fleet
+
+    def fleet(self, *, refresh: bool = False) -> dict[str, Any]:
+        """The fleet summary (``{data, count, totals}``) that the home page, ``GET
+        /api/v1/fleet`` and ``/metrics`` show. ``refresh`` (event loop only) first updates
+        jobs whose feed is older than a second; a read keeps every job refreshed once a
+        second for the next minute, so the next read is fresh without it."""
+        now = self._clock()
+        self._fleet_read_at = now
+        if refresh:
+            for job in self._live_jobs():
+                feed = self._feeds.get(job)
+                if feed is None or now - feed.updated_at >= _IDLE_REFRESH_S:
+                    with contextlib.suppress(Exception):
+                        self._update(job, now)
+        return self._publish_fleet()
 
     # --- history: stored by the parts' persist loop, read back after a restart -------------
 
@@ -504,9 +590,8 @@ class DashboardHub:
 
     def _frame(self, c: _Client) -> dict[str, Any]:
         t = self._wall()
-        if c.job is None:
-            jobs = [f.summary for _, f in sorted(self._feeds.items()) if f.summary]
-            return {"type": "overview", "t": t, "jobs": jobs}
+        if c.job is None:  # _encode sends the shared overview frame instead
+            return {"type": "overview", "t": t}
         feed = self._feeds.get(c.job)
         if feed is None:
             return {"type": "job", "full": True, "job": c.job, "t": t, "summary": None,
@@ -539,6 +624,11 @@ class DashboardHub:
 
     def _encode(self, c: _Client) -> str:
         """The client's next frame as JSON text (ValueError if a number is not finite)."""
+        if c.job is None:
+            self._publish_fleet()
+            if not self._overview_text:
+                raise ValueError("no overview frame could be encoded")
+            return self._overview_text
         frame = self._frame(c)
         shared = [(k, v) for k, v in (("ranks", _RANKS), ("control", _CONTROL)) if frame.get(k) is v]
         if not shared:

@@ -4,8 +4,12 @@ Each app has its own ``MetricsExporter``; nothing is updated on the ingest path.
 labels and help texts come from the contract (backend/metrics_contract.py); figures come
 from their owners: live state (times, devices, the step histogram),
 ``backend.live.forecast`` (ETA, cost), the dashboard hub (savings against the uniform
-split) and the controller's snapshot (mode, placement, proposals, and the counters, which
+split, and the fleet totals of ``backend.live.fleet``) and the controller's snapshot (mode, placement, proposals, and the counters, which
 count stored rows so that they survive a restart).
+
+Per-rank series: by default only each job's ``REBALANCER_METRICS_SLOWEST_RANKS`` slowest
+ranks and every rank that is gone (``REBALANCER_METRICS_RANK_SERIES=all``: every rank), so a
+scrape of 16,384 ranks stays small; per-job aggregates cover every rank.
 
 The text is written directly (Prometheus text format 0.0.4), each rank's label set
 rendered once per scrape: at 1,024 GPU ranks (~25,000 series) prometheus_client's
@@ -18,6 +22,7 @@ this machine without a token (a Prometheus beside the backend), and still asks o
 
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, HTTPException, Request, Response, status
@@ -25,7 +30,7 @@ from fastapi import APIRouter, HTTPException, Request, Response, status
 from backend.api.deps import PartsDep, bearer_secret
 from backend.auth.tokens import role_allows
 from backend.live.forecast import forecast
-from backend.live.state import JobView
+from backend.live.state import JobView, RankView
 from backend.metrics_contract import CONTRACT, STEP_BUCKETS_S, THROTTLE_REASONS, MetricSpec
 from backend.settings import is_loopback
 
@@ -128,10 +133,45 @@ class MetricsExporter:
         fams["rebalancer_persist_buffered_windows"].add("", len(self.writes))
         fams["rebalancer_database_writable"].add("", 0 if (self.storage.problem or self.writes.fault) else 1)
         fams["rebalancer_live_jobs"].add("", self.live.job_count())
+        self._fleet(fams)
         return "".join(f.render() for f in fams.values() if f.lines)
+
+    def _fleet(self, fams: dict[str, _Family]) -> None:
+        t = self.hub.fleet()["totals"]  # the home page's totals (backend.live.fleet)
+        for name, value in (("rebalancer_fleet_jobs", t["jobs"]), ("rebalancer_fleet_ranks", t["ranks"]),
+                            ("rebalancer_fleet_running_jobs", t["running"]),
+                            ("rebalancer_fleet_wasted_gpu_seconds", t["wasted_gpu_hours"] * 3600.0),
+                            ("rebalancer_fleet_saved_seconds", t["saved_s"]),
+                            ("rebalancer_fleet_saved_dollars", t["saved_cost"]),
+                            ("rebalancer_fleet_pending_proposals", t["pending_proposals"])):
+            if value is not None:
+                fams[name].add("", value)
+
+    def _exported_ranks(self, view: JobView) -> tuple[RankView, ...]:
+        """The ranks with per-rank series: all, or (``slowest``, the default) the k with the
+        longest compute and every rank that is gone while others of its job still run."""
+        k = self.settings.metrics_slowest_ranks
+        ranks = view.ranks
+        if self.settings.metrics_rank_series == "all" or len(ranks) <= k:
+            return ranks
+        running = view.connected_ranks > 0
+        gone = [r for r in ranks if r.lost or (running and not r.connected)]
+        timed = [r for r in ranks if r.compute_ms is not None]
+        slowest = heapq.nlargest(k, timed, key=lambda r: (r.compute_ms, -r.rank))
+        if len(slowest) < k:  # ranks without steps yet fill the rest, lowest first
+            slowest += [r for r in ranks if r.compute_ms is None][:k - len(slowest)]
+        keep = {r.rank for r in slowest} | {r.rank for r in gone}
+        return tuple(r for r in ranks if r.rank in keep)
 
     def _ranks(self, fams: dict[str, _Family], view: JobView, control: dict[str, Any]) -> None:
         job, gbs = _esc(view.job), view.global_batch_size
+        exported = self._exported_ranks(view)
+        fams["rebalancer_rank_series_omitted"].add(_labels(job=view.job), len(view.ranks) - len(exported))
+        fams["rebalancer_lost_ranks"].add(_labels(job=view.job), len(view.lost_ranks))
+        compute = [r.compute_ms for r in view.ranks if r.compute_ms is not None]
+        if compute:
+            fams["rebalancer_max_compute_seconds"].add(_labels(job=view.job), max(compute) / 1000.0)
+            fams["rebalancer_mean_compute_seconds"].add(_labels(job=view.job), sum(compute) / len(compute) / 1000.0)
         shares = (control.get("placement") or {}).get("shares") or []
         times = [(fams[name], attr) for name, attr in _RANK_TIMES]
         device = [(fams[name], attr, k) for name, attr, k in _DEVICE]
@@ -139,7 +179,7 @@ class MetricsExporter:
         lost = fams["rebalancer_rank_lost"]
         local, ratio = fams["rebalancer_rank_local_batch_size"], fams["rebalancer_rank_batch_share_ratio"]
         throttle = fams["rebalancer_device_throttle_reason"]
-        for r in view.ranks:
+        for r in exported:
             labels = f'job="{job}",rank="{r.rank}"'
             connected.add(labels, 1.0 if r.connected else 0.0)
             lost.add(labels, 1.0 if r.lost else 0.0)
