@@ -60,7 +60,7 @@ from trainer_hook.protocol import (
     StepRecord,
     check_shares,
 )
-from trainer_hook.sampler import RebalanceBatchSampler
+from trainer_hook.sampler import RebalanceBatchSampler, SampleCost
 from trainer_hook.timing import StepTimer
 
 __all__ = ["RebalanceHook"]
@@ -353,9 +353,10 @@ class RebalanceHook:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        sample_cost: SampleCost | None = None,
         **loader_kwargs: Any,
     ) -> DataLoader[Any]:
-        """A ``DataLoader`` over ``batch_sampler(dataset, shuffle, seed, drop_last)``.
+        """A ``DataLoader`` over ``batch_sampler(dataset, shuffle, seed, drop_last, sample_cost)``.
 
         Every other ``DataLoader`` argument passes through (``num_workers``,
         ``prefetch_factor``, ``persistent_workers``, ``pin_memory``, ``collate_fn``, ...).
@@ -395,13 +396,19 @@ class RebalanceHook:
                 f"lookahead={self.config.lookahead} is too short for this loader, which prefetches "
                 f"{depth} batches: use lookahead={depth + 1} or leave lookahead out (measured)."
             )
-        sampler = self.batch_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        sampler = self.batch_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, sample_cost=sample_cost)
         loader = HookDataLoader(dataset, sampler, **loader_kwargs)
         self._known_lookahead = max(self._known_lookahead, depth + 1)
         return loader
 
     def batch_sampler(
-        self, dataset: Sized | int, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+        self,
+        dataset: Sized | int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        sample_cost: SampleCost | None = None,
     ) -> RebalanceBatchSampler:
         """This rank's batch sampler: pass it to ``DataLoader(batch_sampler=...)``.
 
@@ -412,11 +419,22 @@ class RebalanceHook:
         ``iter()`` starts at ``hook.batch_index``, so breaking out of an epoch and looping
         again continues with the next untrained batch. The hook takes the batch sizes of
         an epoch's short last batch from the sampler created last.
+
+        ``sample_cost`` makes the split balance work instead of samples when samples differ
+        in cost (variable-length sequences): a sequence with one number >= 0 per dataset
+        index (token counts, say) or a callable ``index -> number``. The placement's shares
+        are then shares of each batch's work; the samples of batch k go to ranks by a
+        longest-processing-time-first partition every rank computes alike, so batch k is
+        still the same samples, each trained once. Every rank must pass the same costs::
+
+            lengths = [len(ex["input_ids"]) for ex in ds]
+            loader = hook.data_loader(ds, shuffle=True, seed=0, sample_cost=lengths)
         """
         self._init_distributed("hook.batch_sampler()")
         sampler = RebalanceBatchSampler(
             dataset, schedule=self._schedule, rank=self._rank, shuffle=shuffle, seed=seed,
             drop_last=drop_last, position=lambda: self._next_batch, before_iter=self._ensure_started,
+            sample_cost=sample_cost,
         )
         self._sampler = sampler
         return sampler
@@ -465,7 +483,10 @@ class RebalanceHook:
         p = self._schedule.at(k)
         sampler = self._sampler
         b = self.config.global_batch_size
-        if sampler is None or sampler.batch_length(k) == b:
+        if sampler is not None and sampler.has_cost:  # a cost partition: the count varies per batch
+            local = sampler.local_size(k)
+            weight = local / sampler.batch_length(k)
+        elif sampler is None or sampler.batch_length(k) == b:
             # Full batch: this rank's share and weight only change with the placement.
             if p is not self._full_for:
                 local = p.shares[self._rank]

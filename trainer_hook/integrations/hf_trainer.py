@@ -232,8 +232,7 @@ class RebalancingTrainer(Trainer):
         for i, batch in enumerate(batches):
             labels = batch.get("labels") if isinstance(batch, dict) else None
             if sampler is not None and torch.is_tensor(labels):
-                lo, hi = sampler.local_bounds(first + i)
-                if hi == lo:
+                if sampler.local_size(first + i) == 0:
                     batch["labels"] = torch.full_like(labels, -100)
         return batches, self._get_num_items_in_batch(batches, device)
 
