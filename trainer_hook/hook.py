@@ -569,6 +569,10 @@ class RebalanceHook:
             if pending is not None and rec is not None and rec.local_batch_size == pending.local_batch_size:
                 rec.mem_peak_bytes, rec.mem_reserved_bytes, rec.mem_total_bytes = pending[1:]
                 self._mem_pending = None
+        sampler = self._sampler
+        if rec is not None and sampler is not None and sampler.has_cost:
+            rec.work = sampler.local_work(rec.batch_index) if rec.local_batch_size else 0.0
+            rec.batch_work = sampler.batch_work(rec.batch_index)
         if rec is not None:
             self.history.append(rec)
             if self._transport is not None:

@@ -31,6 +31,7 @@ from trainer_hook.placement import PlacementSchedule
 __all__ = ["RebalanceBatchSampler", "SampleCost"]
 
 SampleCost = Sequence[float] | Callable[[int], float]
+_Partition = tuple[object, tuple[tuple[int, ...], ...], tuple[float, ...], float]
 _PARTITIONS_KEPT = 256  # batch partitions cached: a loader's prefetch plus the step being trained
 
 
@@ -107,8 +108,8 @@ class RebalanceBatchSampler:
                 self._cost_fn = sample_cost
             else:
                 self._costs = _check_cost_sequence(sample_cost, n)
-        # batch index -> (placement, per-rank positions in the batch, per-rank work)
-        self._parts: dict[int, tuple[object, tuple[tuple[int, ...], ...], tuple[float, ...]]] = {}
+        # batch index -> (placement, per-rank positions in the batch, per-rank work, batch work)
+        self._parts: dict[int, _Partition] = {}
 
     @property
     def has_cost(self) -> bool:
@@ -171,7 +172,7 @@ class RebalanceBatchSampler:
         rank i's samples. Without a cost, each entry is the rank's contiguous slice."""
         return self._partition(batch_index)[1]
 
-    def _partition(self, batch_index: int) -> tuple[object, tuple[tuple[int, ...], ...], tuple[float, ...]]:
+    def _partition(self, batch_index: int) -> _Partition:
         placement = self.schedule.at(batch_index)
         cached = self._parts.get(batch_index)
         if cached is not None and cached[0] is placement:
@@ -181,12 +182,12 @@ class RebalanceBatchSampler:
             for r in range(self.schedule.world_size):
                 lo, hi = self._bounds(batch_index, r)
                 parts.append(tuple(range(lo, hi)))
-            result: tuple[object, tuple[tuple[int, ...], ...], tuple[float, ...]] = (
-                placement, tuple(parts), tuple(float(len(q)) for q in parts))
+            result: _Partition = (placement, tuple(parts), tuple(float(len(q)) for q in parts),
+                                  float(self.batch_length(batch_index)))
         else:
             costs = [self.cost(i) for i in self.global_batch(batch_index)]
             positions, work = lpt_partition(costs, placement.shares)
-            result = (placement, positions, work)
+            result = (placement, positions, work, float(sum(costs)))
         with self._lock:
             if len(self._parts) >= _PARTITIONS_KEPT:
                 self._parts.pop(min(self._parts))
@@ -206,6 +207,12 @@ class RebalanceBatchSampler:
         if not self.has_cost:
             return float(self.local_size(batch_index))
         return self._partition(batch_index)[2][self.rank]
+
+    def batch_work(self, batch_index: int) -> float:
+        """Global batch ``batch_index``'s summed cost (its sample count without a cost)."""
+        if not self.has_cost:
+            return float(self.batch_length(batch_index))
+        return self._partition(batch_index)[3]
 
     def local_bounds(self, batch_index: int) -> tuple[int, int]:
         """This rank's slice ``[lo, hi)`` of global batch ``batch_index`` (may be empty).

@@ -103,6 +103,8 @@ class _Rank:
     memory: deque[MemoryReading] = field(default_factory=lambda: deque(maxlen=_MEMORY_READINGS))
     mem_fit: MemoryFit | None = None
     mem_stale: bool = False
+    # (batch_index, work, batch_work) of the step records that carry a per-sample cost.
+    work: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=_WORK_ROWS))
 
 
 @dataclass(slots=True)
@@ -215,6 +217,8 @@ def eta_seconds(total_steps: int | None, batch_index: int | None, step_ms: float
 
 
 _MEMORY_READINGS = 256  # peak-memory readings kept per rank (one every few steps)
+_WORK_ROWS = 512  # work rows kept per rank: more than a policy window
+
 
 
 def _mean(vals: list[float]) -> float:
@@ -274,6 +278,8 @@ class LiveState:
             r = job.ranks[msg.rank]
             rows = list(map(_step_row, msg.steps))
             for s in msg.steps:
+                if s.work is not None and s.batch_work is not None:
+                    r.work.append((s.batch_index, s.work, s.batch_work))
                 if s.mem_peak_bytes is not None:
                     r.memory.append(MemoryReading(s.local_batch_size, s.mem_peak_bytes,
                                                   s.mem_total_bytes, s.mem_reserved_bytes))
@@ -491,6 +497,16 @@ class LiveState:
             tail = list(islice(reversed(r.steps), n))  # O(n) from the newest end
         tail.reverse()
         return tuple(tail)
+
+    def work_by_batch(self, job: str, rank: int) -> dict[int, tuple[float, float]]:
+        """``batch_index -> (work, batch_work)`` for the recent steps of ``rank`` that carry a
+        per-sample cost (empty without one)."""
+        with self._lock:
+            j = self._jobs.get(job)
+            r = j.ranks.get(rank) if j else None
+            if r is None:
+                return {}
+            return {k: (w, bw) for k, w, bw in r.work}
 
     def recent_work_rows(self, job: str, rank: int, n: int) -> tuple[StepRow, ...]:
         """The newest ``n`` step rows in which ``rank`` had samples (local batch > 0), oldest
