@@ -462,6 +462,67 @@ class RebalanceHook:
             return self._world_size * self._grads.weight
         return 1.0
 
+    def token_loss_weight(self, n_valid: int | torch.Tensor) -> float | torch.Tensor:
+        """Factor that turns this rank's summed token loss into its part of the global token mean.
+
+        ``n_valid`` is the number of valid tokens (labels not equal to the ignore index) in
+        this rank's local batch of the step being trained; with gradient accumulation, over
+        all of the step's micro-batches. The global count is all-reduced (SUM) over the
+        data-parallel ranks: one scalar, on the device of ``n_valid`` when it is a device
+        tensor (no host sync; the result is then a float64 tensor), else on the hook's CPU
+        group (the result is a float). The factor also undoes whatever gradient weighting
+        ``attach`` set up for this split (the DDP comm hook's ``share / B``, the loss-scaling
+        path's average over ranks), so parameters follow the mean loss over all valid
+        tokens of the global batch, however the batch is split. A rank with no valid
+        tokens gets 0, and a drained rank's dummy batch counts none. Call it inside ``with hook.step():``,
+        once per step. Example::
+
+            with hook.step():
+                logits = model(input_ids)
+                loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                           ignore_index=-100, reduction="sum")
+                n_valid = (labels != -100).sum()
+                (loss_sum * hook.token_loss_weight(n_valid)).backward()
+                opt.step(); opt.zero_grad()
+        """
+        scale = self._token_scale()
+        if isinstance(n_valid, torch.Tensor):
+            if n_valid.numel() != 1 or n_valid.is_floating_point() and not torch.isfinite(n_valid).all():
+                raise ValueError(
+                    f"token_loss_weight expects this rank's count of valid tokens (one number), got a "
+                    f"tensor of shape {tuple(n_valid.shape)}; pass (labels != ignore_index).sum()."
+                )
+            total = n_valid.detach().reshape(()).to(torch.float64)
+            if self._grads.weight == 0:  # a dummy batch: its tokens are not the global batch's
+                total = torch.zeros_like(total)
+            if self._world_size > 1:
+                group = self._control.group if total.device.type == "cpu" else None
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+            # 0 valid tokens in the whole batch: nothing to learn, and no division by zero.
+            return torch.where(total > 0, scale / total.clamp_min(1.0), torch.zeros_like(total))
+        if isinstance(n_valid, bool) or not isinstance(n_valid, int) or n_valid < 0:
+            raise ValueError(
+                f"token_loss_weight expects this rank's count of valid tokens, an integer >= 0 (or a "
+                f"one-element tensor), got {n_valid!r}."
+            )
+        count = float(n_valid) if self._grads.weight > 0 else 0.0  # a dummy batch counts nothing
+        if self._world_size > 1:
+            buf = torch.tensor([count], dtype=torch.float64)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._control.group)
+            count = float(buf[0])
+        return scale / count if count > 0 else 0.0
+
+    def _token_scale(self) -> float:
+        """1 over the gradient scale attach() applies to this rank's loss after backward."""
+        mode, w = self._gradients_mode, self._grads.weight
+        if w <= 0:  # a dummy batch: its loss must not reach the gradients on any path
+            return 0.0
+        if mode in ("ddp_comm_hook", "fsdp2_reduce_scatter", "fsdp1_comm_hook"):
+            return 1.0 / w
+        if mode == "local":
+            return 1.0
+        return float(self._world_size)  # the wrapper averages over ranks (loss_scale, or no attach)
+
     def _begin_step(self) -> int:
         if self._closed:
             if self._forked:
