@@ -191,3 +191,23 @@ def test_cost_partition_under_pushed_placements_gives_the_reference_parameters(t
     assert any(e["dummy"] for e in b[2]["seen"])
     for got, want in zip(b[0]["params"], _reference_params(STEPS), strict=True):
         assert torch.allclose(torch.tensor(got, dtype=torch.float64), want, rtol=0, atol=1e-9)
+
+
+def test_step_records_carry_the_work_of_the_rank_and_of_the_batch() -> None:
+    from torch.utils.data import TensorDataset
+
+    from trainer_hook import RebalanceHook
+
+    ds = TensorDataset(torch.arange(10, dtype=torch.float64))
+    costs = [float(i + 1) for i in range(10)]
+    hook = RebalanceHook(job="t", global_batch_size=4)
+    loader = hook.data_loader(ds, shuffle=False, sample_cost=costs)
+    for (x,) in loader:
+        with hook.step():
+            pass
+        if hook.batch_index >= 3:
+            break
+    hook.close()
+    assert [(r.local_batch_size, r.work, r.batch_work) for r in hook.history] == [
+        (4, 10.0, 10.0), (4, 26.0, 26.0), (2, 19.0, 19.0)]
+    assert "work" in hook.history[0].to_dict()
