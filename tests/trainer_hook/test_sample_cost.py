@@ -202,7 +202,7 @@ def test_step_records_carry_the_work_of_the_rank_and_of_the_batch() -> None:
     costs = [float(i + 1) for i in range(10)]
     hook = RebalanceHook(job="t", global_batch_size=4)
     loader = hook.data_loader(ds, shuffle=False, sample_cost=costs)
-    for (x,) in loader:
+    for (_x,) in loader:
         with hook.step():
             pass
         if hook.batch_index >= 3:
