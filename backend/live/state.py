@@ -28,7 +28,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from operator import attrgetter
 from typing import Any, Final
@@ -158,6 +158,10 @@ class RankView:
     mem_peak_bytes: int | None = None
     gpu_index: int | None = None
     gpu_uuid: str = ""
+    # With a per-sample cost (tokens, say): work per second of compute over the recent
+    # steps, and the mean fraction of each global batch's work the rank trained.
+    work_per_s: float | None = None
+    work_share: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +223,24 @@ def eta_seconds(total_steps: int | None, batch_index: int | None, step_ms: float
 _MEMORY_READINGS = 256  # peak-memory readings kept per rank (one every few steps)
 _WORK_ROWS = 512  # work rows kept per rank: more than a policy window
 
+
+
+def _work_rates(work: deque[tuple[int, float, float]], win: list[StepRow]) -> tuple[float | None, float | None]:
+    """(work per second of compute, mean work share) over the window's steps that carry work."""
+    compute = {row[STEP_BATCH]: row[STEP_COMPUTE] for row in win}
+    done = ms = share = 0.0
+    n = 0
+    for k, w, bw in work:
+        c = compute.get(k)
+        if c is None:
+            continue
+        done += w
+        ms += c
+        share += w / bw if bw > 0 else 0.0
+        n += 1
+    if n == 0:
+        return None, None
+    return (done / (ms / 1000.0) if ms > 0 else None), share / n
 
 
 def _mean(vals: list[float]) -> float:
@@ -455,6 +477,7 @@ class LiveState:
             rate = (n - 1) / (last[STEP_T] - t0)
         # Means oldest first: the same float sums whatever the ring's layout.
         means: list[float | None] = [None] * len(STEP_TIMES)
+        win: list[StepRow] = []
         if n:
             win = list(islice(reversed(ring), n))
             win.reverse()
@@ -476,6 +499,9 @@ class LiveState:
             memory=self._memory_of(r), mem_peak_bytes=r.memory[-1].peak_bytes if r.memory else None,
             gpu_index=h.gpu_index, gpu_uuid=h.gpu_uuid,
         )
+        if r.work and win:
+            work_per_s, work_share = _work_rates(r.work, win)
+            view = replace(view, work_per_s=work_per_s, work_share=work_share)
         r.cached = (r.rev, view)
         return view
 

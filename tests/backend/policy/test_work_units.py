@@ -116,3 +116,8 @@ def test_step_records_carry_work_on_the_wire_and_into_the_observation() -> None:
     obs = rows.build()
     assert obs.ranks[0].steps == (StepSample(4, 3, 5.0, 420.0, 1000.0), StepSample(5, 3, 5.0, 420.0, 1000.0))
     assert pickle.loads(pickle.dumps(rows)).build() == obs
+    # The job view says how fast the rank works and what share of the work it has.
+    view = live.view("j")
+    assert view is not None
+    assert view.ranks[0].work_per_s == pytest.approx(840.0 / 0.010)
+    assert view.ranks[0].work_share == pytest.approx(0.42)
