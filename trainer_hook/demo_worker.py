@@ -192,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         while not stop["now"] and (args.steps == 0 or hook.batch_index < args.steps):
             for xb, yb in loader:
                 with hook.step() as k:
-                    lo, hi = sampler.local_bounds(k)
-                    inner.delay_s = delay_ms(args, rank, k, hi - lo) / 1e3
+                    inner.delay_s = delay_ms(args, rank, k, sampler.local_size(k)) / 1e3
                     loss = torch.nn.functional.mse_loss(model(xb), yb)
                     loss.backward()
                     opt.step()

@@ -60,7 +60,7 @@ from trainer_hook.protocol import (
     StepRecord,
     check_shares,
 )
-from trainer_hook.sampler import RebalanceBatchSampler
+from trainer_hook.sampler import RebalanceBatchSampler, SampleCost
 from trainer_hook.timing import StepTimer
 
 __all__ = ["RebalanceHook"]
@@ -353,9 +353,10 @@ class RebalanceHook:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        sample_cost: SampleCost | None = None,
         **loader_kwargs: Any,
     ) -> DataLoader[Any]:
-        """A ``DataLoader`` over ``batch_sampler(dataset, shuffle, seed, drop_last)``.
+        """A ``DataLoader`` over ``batch_sampler(dataset, shuffle, seed, drop_last, sample_cost)``.
 
         Every other ``DataLoader`` argument passes through (``num_workers``,
         ``prefetch_factor``, ``persistent_workers``, ``pin_memory``, ``collate_fn``, ...).
@@ -395,13 +396,19 @@ class RebalanceHook:
                 f"lookahead={self.config.lookahead} is too short for this loader, which prefetches "
                 f"{depth} batches: use lookahead={depth + 1} or leave lookahead out (measured)."
             )
-        sampler = self.batch_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        sampler = self.batch_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, sample_cost=sample_cost)
         loader = HookDataLoader(dataset, sampler, **loader_kwargs)
         self._known_lookahead = max(self._known_lookahead, depth + 1)
         return loader
 
     def batch_sampler(
-        self, dataset: Sized | int, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+        self,
+        dataset: Sized | int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        sample_cost: SampleCost | None = None,
     ) -> RebalanceBatchSampler:
         """This rank's batch sampler: pass it to ``DataLoader(batch_sampler=...)``.
 
@@ -412,11 +419,22 @@ class RebalanceHook:
         ``iter()`` starts at ``hook.batch_index``, so breaking out of an epoch and looping
         again continues with the next untrained batch. The hook takes the batch sizes of
         an epoch's short last batch from the sampler created last.
+
+        ``sample_cost`` makes the split balance work instead of samples when samples differ
+        in cost (variable-length sequences): a sequence with one number >= 0 per dataset
+        index (token counts, say) or a callable ``index -> number``. The placement's shares
+        are then shares of each batch's work; the samples of batch k go to ranks by a
+        longest-processing-time-first partition every rank computes alike, so batch k is
+        still the same samples, each trained once. Every rank must pass the same costs::
+
+            lengths = [len(ex["input_ids"]) for ex in ds]
+            loader = hook.data_loader(ds, shuffle=True, seed=0, sample_cost=lengths)
         """
         self._init_distributed("hook.batch_sampler()")
         sampler = RebalanceBatchSampler(
             dataset, schedule=self._schedule, rank=self._rank, shuffle=shuffle, seed=seed,
             drop_last=drop_last, position=lambda: self._next_batch, before_iter=self._ensure_started,
+            sample_cost=sample_cost,
         )
         self._sampler = sampler
         return sampler
@@ -444,6 +462,67 @@ class RebalanceHook:
             return self._world_size * self._grads.weight
         return 1.0
 
+    def token_loss_weight(self, n_valid: int | torch.Tensor) -> float | torch.Tensor:
+        """Factor that turns this rank's summed token loss into its part of the global token mean.
+
+        ``n_valid`` is the number of valid tokens (labels not equal to the ignore index) in
+        this rank's local batch of the step being trained; with gradient accumulation, over
+        all of the step's micro-batches. The global count is all-reduced (SUM) over the
+        data-parallel ranks: one scalar, on the device of ``n_valid`` when it is a device
+        tensor (no host sync; the result is then a float64 tensor), else on the hook's CPU
+        group (the result is a float). The factor also undoes whatever gradient weighting
+        ``attach`` set up for this split (the DDP comm hook's ``share / B``, the loss-scaling
+        path's average over ranks), so parameters follow the mean loss over all valid
+        tokens of the global batch, however the batch is split. A rank with no valid
+        tokens gets 0, and a drained rank's dummy batch counts none. Call it inside ``with hook.step():``,
+        once per step. Example::
+
+            with hook.step():
+                logits = model(input_ids)
+                loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                           ignore_index=-100, reduction="sum")
+                n_valid = (labels != -100).sum()
+                (loss_sum * hook.token_loss_weight(n_valid)).backward()
+                opt.step(); opt.zero_grad()
+        """
+        scale = self._token_scale()
+        if isinstance(n_valid, torch.Tensor):
+            if n_valid.numel() != 1 or n_valid.is_floating_point() and not torch.isfinite(n_valid).all():
+                raise ValueError(
+                    f"token_loss_weight expects this rank's count of valid tokens (one number), got a "
+                    f"tensor of shape {tuple(n_valid.shape)}; pass (labels != ignore_index).sum()."
+                )
+            total = n_valid.detach().reshape(()).to(torch.float64)
+            if self._grads.weight == 0:  # a dummy batch: its tokens are not the global batch's
+                total = torch.zeros_like(total)
+            if self._world_size > 1:
+                group = self._control.group if total.device.type == "cpu" else None
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+            # 0 valid tokens in the whole batch: nothing to learn, and no division by zero.
+            return torch.where(total > 0, scale / total.clamp_min(1.0), torch.zeros_like(total))
+        if isinstance(n_valid, bool) or not isinstance(n_valid, int) or n_valid < 0:
+            raise ValueError(
+                f"token_loss_weight expects this rank's count of valid tokens, an integer >= 0 (or a "
+                f"one-element tensor), got {n_valid!r}."
+            )
+        count = float(n_valid) if self._grads.weight > 0 else 0.0  # a dummy batch counts nothing
+        if self._world_size > 1:
+            buf = torch.tensor([count], dtype=torch.float64)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._control.group)
+            count = float(buf[0])
+        return scale / count if count > 0 else 0.0
+
+    def _token_scale(self) -> float:
+        """1 over the gradient scale attach() applies to this rank's loss after backward."""
+        mode, w = self._gradients_mode, self._grads.weight
+        if w <= 0:  # a dummy batch: its loss must not reach the gradients on any path
+            return 0.0
+        if mode in ("ddp_comm_hook", "fsdp2_reduce_scatter", "fsdp1_comm_hook"):
+            return 1.0 / w
+        if mode == "local":
+            return 1.0
+        return float(self._world_size)  # the wrapper averages over ranks (loss_scale, or no attach)
+
     def _begin_step(self) -> int:
         if self._closed:
             if self._forked:
@@ -465,7 +544,10 @@ class RebalanceHook:
         p = self._schedule.at(k)
         sampler = self._sampler
         b = self.config.global_batch_size
-        if sampler is None or sampler.batch_length(k) == b:
+        if sampler is not None and sampler.has_cost:  # a cost partition: the count varies per batch
+            local = sampler.local_size(k)
+            weight = local / sampler.batch_length(k)
+        elif sampler is None or sampler.batch_length(k) == b:
             # Full batch: this rank's share and weight only change with the placement.
             if p is not self._full_for:
                 local = p.shares[self._rank]
@@ -548,6 +630,10 @@ class RebalanceHook:
             if pending is not None and rec is not None and rec.local_batch_size == pending.local_batch_size:
                 rec.mem_peak_bytes, rec.mem_reserved_bytes, rec.mem_total_bytes = pending[1:]
                 self._mem_pending = None
+        sampler = self._sampler
+        if rec is not None and sampler is not None and sampler.has_cost:
+            rec.work = sampler.local_work(rec.batch_index) if rec.local_batch_size else 0.0
+            rec.batch_work = sampler.batch_work(rec.batch_index)
         if rec is not None:
             self.history.append(rec)
             if self._transport is not None:

@@ -94,6 +94,7 @@ MAX_GLOBAL_BATCH_SIZE = 1 << 24  # 16,777,216 samples per global batch
 MAX_BATCH_INDEX = _INT32_MAX  # 68 years at one step a second
 MAX_VERSION = _INT32_MAX  # placement versions and proposal ids
 MAX_COUNT = _INT32_MAX  # dropped (per frame), restart_count, pid
+MAX_WORK = 1e15  # summed per-sample cost of one global batch (tokens, say)
 MAX_BYTES = 1 << 53  # 8 PiB; exact in a double, so browsers read it unchanged
 MAX_DURATION_MS = 86_400_000.0  # one day, for every per-step time
 _MAX_UNIX_TIME = 1e10  # year 2286: the context-free bound on ``t``
@@ -339,6 +340,10 @@ class StepRecord:
     allocator handed out over the steps since the previous reading, all at this record's
     local batch size; ``mem_reserved_bytes`` what the caching allocator holds and
     ``mem_total_bytes`` the device's memory at that moment. Absent where not read.
+
+    ``work`` and ``batch_work`` (only with a per-sample cost, ``sample_cost=``): this
+    rank's summed cost in the step and the whole global batch's, so that speed is learned
+    in work per second. Absent without a cost (every sample costs 1).
     """
 
     batch_index: int
@@ -353,6 +358,8 @@ class StepRecord:
     mem_peak_bytes: int | None = None
     mem_reserved_bytes: int | None = None
     mem_total_bytes: int | None = None
+    work: float | None = None
+    batch_work: float | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepRecord:
@@ -395,6 +402,8 @@ class StepRecord:
             mem_peak_bytes=_int(d, "mem_peak_bytes", hi=MAX_BYTES, default=None),
             mem_reserved_bytes=_int(d, "mem_reserved_bytes", hi=MAX_BYTES, default=None),
             mem_total_bytes=_int(d, "mem_total_bytes", hi=MAX_BYTES, default=None),
+            work=_float(d, "work", hi=MAX_WORK, default=None),
+            batch_work=_float(d, "batch_work", hi=MAX_WORK, default=None),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -406,6 +415,9 @@ class StepRecord:
                 d["mem_reserved_bytes"] = self.mem_reserved_bytes
             if self.mem_total_bytes is not None:
                 d["mem_total_bytes"] = self.mem_total_bytes
+        if self.work is not None:
+            d["work"] = self.work
+            d["batch_work"] = self.batch_work
         return d
 
 

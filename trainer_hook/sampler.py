@@ -6,19 +6,33 @@ batch k is the next B samples of it, and rank i takes ``[sum(shares[:i]),
 sum(shares[:i+1]))`` of that batch under the placement in force for batch k. The sampler
 runs in the main process (DataLoader ``batch_sampler=``), ahead of training when workers
 prefetch, which is why it asks the schedule by batch index and nothing else.
+
+With a per-sample cost (``sample_cost=``: token counts, say), a share is a share of the
+batch's work, not of its samples: the samples of batch k go to ranks by
+longest-processing-time first on ``cost / share`` (ties by position in the batch, then by
+rank), a pure function of batch k's samples, their costs and the placement, so every rank
+computes the same partition without communication. Batch k is still the same samples,
+each trained once, under any placement; a rank's sample count then varies per batch and
+its gradient weight is that count over the batch's.
 """
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
+from numbers import Real
 
 import torch
 from torch.utils.data import IterableDataset
 
 from trainer_hook.placement import PlacementSchedule
 
-__all__ = ["RebalanceBatchSampler"]
+__all__ = ["RebalanceBatchSampler", "SampleCost"]
+
+SampleCost = Sequence[float] | Callable[[int], float]
+_Partition = tuple[object, tuple[tuple[int, ...], ...], tuple[float, ...], float]
+_PARTITIONS_KEPT = 256  # batch partitions cached: a loader's prefetch plus the step being trained
 
 
 class RebalanceBatchSampler:
@@ -33,6 +47,9 @@ class RebalanceBatchSampler:
     gets a one-sample dummy batch (the global batch's first sample) because collate
     functions fail on empty batches; its gradient weight is 0, so it changes nothing.
     ``on_batch`` (if given) is called with ``(batch_index, indices, is_dummy)``.
+
+    ``sample_cost`` (optional) gives each dataset index's work: a sequence of numbers >= 0
+    (one per index) or a callable ``index -> number``; shares then split work, not samples.
     """
 
     def __init__(
@@ -47,6 +64,7 @@ class RebalanceBatchSampler:
         position: Callable[[], int] | None = None,
         before_iter: Callable[[], None] | None = None,
         on_batch: Callable[[int, list[int], bool], None] | None = None,
+        sample_cost: SampleCost | None = None,
     ) -> None:
         if isinstance(dataset, IterableDataset):
             raise ValueError(
@@ -83,6 +101,36 @@ class RebalanceBatchSampler:
         self._per_epoch = n // b if drop_last else -(-n // b)
         self._lock = threading.Lock()
         self._orders: dict[int, list[int]] = {}
+        self._cost_fn: Callable[[int], float] | None = None
+        self._costs: list[float] | None = None
+        if sample_cost is not None:
+            if callable(sample_cost):
+                self._cost_fn = sample_cost
+            else:
+                self._costs = _check_cost_sequence(sample_cost, n)
+        # batch index -> (placement, per-rank positions in the batch, per-rank work, batch work)
+        self._parts: dict[int, _Partition] = {}
+
+    @property
+    def has_cost(self) -> bool:
+        """Whether samples carry a cost (shares split work) or all cost 1 (shares split samples)."""
+        return self._costs is not None or self._cost_fn is not None
+
+    def cost(self, index: int) -> float:
+        """Dataset index ``index``'s work (1.0 without ``sample_cost``)."""
+        if self._costs is not None:
+            return self._costs[index]
+        if self._cost_fn is None:
+            return 1.0
+        try:
+            value = self._cost_fn(index)
+        except Exception as exc:
+            raise ValueError(
+                f"sample_cost({index}) raised {type(exc).__name__}: {exc}. The sample_cost callable must "
+                f"return a number >= 0 for every dataset index 0..{self.num_samples - 1}; fix it or pass "
+                "a list of costs."
+            ) from exc
+        return _check_cost(value, index, "sample_cost(" + str(index) + ") returned")
 
     def __len__(self) -> int:
         """Global batches per epoch (the same on every rank)."""
@@ -118,30 +166,91 @@ class RebalanceBatchSampler:
         b = self.schedule.global_batch_size
         return min(b, self.num_samples - j * b)
 
+    def partition(self, batch_index: int) -> tuple[tuple[int, ...], ...]:
+        """Every rank's positions in global batch ``batch_index`` (ascending, disjoint, all
+        of them), from the cost partition: ``global_batch(k)[p]`` for ``p`` in entry i are
+        rank i's samples. Without a cost, each entry is the rank's contiguous slice."""
+        return self._partition(batch_index)[1]
+
+    def _partition(self, batch_index: int) -> _Partition:
+        placement = self.schedule.at(batch_index)
+        cached = self._parts.get(batch_index)
+        if cached is not None and cached[0] is placement:
+            return cached
+        if not self.has_cost:
+            parts = []
+            for r in range(self.schedule.world_size):
+                lo, hi = self._bounds(batch_index, r)
+                parts.append(tuple(range(lo, hi)))
+            result: _Partition = (placement, tuple(parts), tuple(float(len(q)) for q in parts),
+                                  float(self.batch_length(batch_index)))
+        else:
+            costs = [self.cost(i) for i in self.global_batch(batch_index)]
+            positions, work = lpt_partition(costs, placement.shares)
+            result = (placement, positions, work, float(sum(costs)))
+        with self._lock:
+            if len(self._parts) >= _PARTITIONS_KEPT:
+                self._parts.pop(min(self._parts))
+            self._parts[batch_index] = result
+        return result
+
+    def local_size(self, batch_index: int) -> int:
+        """How many samples this rank trains in ``batch_index`` (0: a dummy batch)."""
+        if not self.has_cost:
+            lo, hi = self.local_bounds(batch_index)
+            return hi - lo
+        return len(self._partition(batch_index)[1][self.rank])
+
+    def local_work(self, batch_index: int) -> float:
+        """This rank's work in ``batch_index`` (its samples' summed cost; its sample count
+        without a cost)."""
+        if not self.has_cost:
+            return float(self.local_size(batch_index))
+        return self._partition(batch_index)[2][self.rank]
+
+    def batch_work(self, batch_index: int) -> float:
+        """Global batch ``batch_index``'s summed cost (its sample count without a cost)."""
+        if not self.has_cost:
+            return float(self.batch_length(batch_index))
+        return self._partition(batch_index)[3]
+
     def local_bounds(self, batch_index: int) -> tuple[int, int]:
         """This rank's slice ``[lo, hi)`` of global batch ``batch_index`` (may be empty).
 
         A short last batch (``drop_last=False``) is cut in proportion to the shares, so
-        every sample of it is still used exactly once.
+        every sample of it is still used exactly once. With a cost the rank's samples are
+        not one slice: use ``partition`` (``local_size`` for the count).
         """
+        if self.has_cost:
+            raise RuntimeError(
+                "local_bounds() has no answer with sample_cost: a rank's samples are not one slice of "
+                "the batch. Use local_size(k) for the count or partition(k) for the positions."
+            )
+        return self._bounds(batch_index, self.rank)
+
+    def _bounds(self, batch_index: int, rank: int) -> tuple[int, int]:
         placement = self.schedule.at(batch_index)
         n = self.batch_length(batch_index)
         b = self.schedule.global_batch_size
         if n == b:
-            return placement.offsets(self.rank)
-        return _scaled_offsets(placement.shares, self.rank, n, b)
+            return placement.offsets(rank)
+        return _scaled_offsets(placement.shares, rank, n, b)
 
     def weight(self, batch_index: int) -> float:
         """This rank's gradient weight for ``batch_index``: its real samples over the batch's."""
-        lo, hi = self.local_bounds(batch_index)
-        return (hi - lo) / self.batch_length(batch_index)
+        return self.local_size(batch_index) / self.batch_length(batch_index)
 
     def local_batch(self, batch_index: int) -> tuple[list[int], bool]:
         """This rank's indices for ``batch_index`` and whether it is a dummy (share 0)."""
-        lo, hi = self.local_bounds(batch_index)
         whole = self.global_batch(batch_index)
-        if hi > lo:
-            return whole[lo:hi], False
+        if not self.has_cost:
+            lo, hi = self.local_bounds(batch_index)
+            if hi > lo:
+                return whole[lo:hi], False
+            return whole[:1], True
+        mine = self._partition(batch_index)[1][self.rank]
+        if mine:
+            return [whole[p] for p in mine], False
         return whole[:1], True
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -178,6 +287,59 @@ class RebalanceBatchSampler:
         call changes nothing."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"set_epoch expects an epoch number >= 0, got {epoch!r}.")
+
+
+def lpt_partition(costs: Sequence[float], shares: Sequence[int]) -> tuple[tuple[tuple[int, ...], ...], tuple[float, ...]]:
+    """Longest-processing-time first: positions of ``costs`` per rank so that ``work_i /
+    shares_i`` is as even as LPT makes it; a rank with share 0 gets nothing.
+
+    Deterministic (every rank computes the same answer): samples in decreasing cost, ties
+    by position; each goes to the rank whose ``(work + cost) / share`` is least, ties by
+    ``(count + 1) / share`` (so zero-cost samples still spread in proportion) then by rank.
+    Returns (per-rank ascending positions, per-rank summed cost).
+    """
+    ranks = [r for r, s in enumerate(shares) if s > 0]
+    work = [0.0] * len(shares)
+    count = [0] * len(shares)
+    mine: list[list[int]] = [[] for _ in shares]
+    for p in sorted(range(len(costs)), key=lambda q: (-costs[q], q)):
+        c = costs[p]
+        best = min(ranks, key=lambda r: ((work[r] + c) / shares[r], (count[r] + 1) / shares[r], r))
+        work[best] += c
+        count[best] += 1
+        mine[best].append(p)
+    return tuple(tuple(sorted(m)) for m in mine), tuple(work)
+
+
+def _check_cost(value: object, index: int, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(
+            f"{what} {value!r} for dataset index {index}: a sample's cost must be a number >= 0 "
+            "(its token count, say). Fix the cost for that index."
+        )
+    v = float(value)
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(
+            f"{what} {v} for dataset index {index}: a sample's cost must be a finite number >= 0 "
+            "(its token count, say). Fix the cost for that index."
+        )
+    return v
+
+
+def _check_cost_sequence(costs: object, n: int) -> list[float]:
+    if isinstance(costs, (str, bytes)) or not hasattr(costs, "__len__") or not hasattr(costs, "__getitem__"):
+        raise ValueError(
+            f"sample_cost must be a sequence of numbers (one per dataset index) or a callable "
+            f"index -> number, got {type(costs).__name__}."
+        )
+    if len(costs) < n:  # type: ignore[arg-type]
+        raise ValueError(
+            f"sample_cost holds {len(costs)} costs but the dataset has {n} samples: give one "  # type: ignore[arg-type]
+            "cost per dataset index (or a callable index -> cost)."
+        )
+    if isinstance(costs, torch.Tensor):
+        costs = costs.tolist()
+    return [_check_cost(costs[i], i, "sample_cost holds") for i in range(n)]  # type: ignore[index]
 
 
 def _scaled_offsets(shares: tuple[int, ...], rank: int, n: int, b: int) -> tuple[int, int]:

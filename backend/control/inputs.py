@@ -131,7 +131,8 @@ def observation_rows(live: Any, job: str, *, world_size: int, global_batch_size:
             r,
             normalize_device(h.device_name or h.device_type, h.mem_total_bytes) if h else None,
             h.mem_total_bytes if h else None,
-            tuple(map(_STEP_SAMPLE, live.recent_work_rows(job, r, window_steps))),
+            _with_work(map(_STEP_SAMPLE, live.recent_work_rows(job, r, window_steps)),
+                       live.work_by_batch(job, r)),
             tuple(map(_DEVICE_SIGNALS, live.recent_device_rows(job, r, _DEVICE_SAMPLES))),
             live.rank_memory(job, r) or RankMemory(),
         ))
@@ -148,6 +149,13 @@ def observation_rows(live: Any, job: str, *, world_size: int, global_batch_size:
 # DeviceSignals's (t, util, mem used, mem total, temp, sm clock, sm clock max, power, reasons).
 _STEP_SAMPLE = itemgetter(_BATCH, _LOCAL_BATCH, _COMPUTE)
 _DEVICE_SIGNALS = itemgetter(0, 2, 3, 4, 6, 7, 8, 5, 9)
+
+
+def _with_work(rows: Any, work: dict[int, tuple[float, float]]) -> tuple[tuple[Any, ...], ...]:
+    """Step rows with ``(work, batch_work)`` appended where the step carried a cost."""
+    if not work:
+        return tuple(rows)
+    return tuple((*row, *work[row[0]]) if row[0] in work else row for row in rows)
 
 
 def step_costs(live: Any, job: str, world_size: int) -> list[float] | None:

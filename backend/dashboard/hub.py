@@ -77,7 +77,8 @@ _RANKS_FULL_RATE_MAX = 128  # up to this many ranks, per-rank columns go out eve
 _RANKS_EVERY_S = 1.0  # above it, at most this often
 _FLEET_READER_S = 60.0  # after a REST or /metrics read of the fleet, keep every job fresh this long
 _RANK_FIELDS = (*STEP_TIMES,
-                "batch_index", "local_batch_size", "placement_version", "step_rate_hz")
+                "batch_index", "local_batch_size", "placement_version", "step_rate_hz",
+                "work_per_s", "work_share")
 _DEVICE_FIELDS = ("util_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "temp_c",
                   "sm_clock_mhz", "sm_clock_max_mhz", "cpu_pct", "rss_bytes", "source")
 # Peak-memory fit per rank (backend.policy.memory): newest peak, m0, m per sample, the cap.

@@ -28,7 +28,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from operator import attrgetter
 from typing import Any, Final
@@ -103,6 +103,8 @@ class _Rank:
     memory: deque[MemoryReading] = field(default_factory=lambda: deque(maxlen=_MEMORY_READINGS))
     mem_fit: MemoryFit | None = None
     mem_stale: bool = False
+    # (batch_index, work, batch_work) of the step records that carry a per-sample cost.
+    work: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=_WORK_ROWS))
 
 
 @dataclass(slots=True)
@@ -156,6 +158,10 @@ class RankView:
     mem_peak_bytes: int | None = None
     gpu_index: int | None = None
     gpu_uuid: str = ""
+    # With a per-sample cost (tokens, say): work per second of compute over the recent
+    # steps, and the mean fraction of each global batch's work the rank trained.
+    work_per_s: float | None = None
+    work_share: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +221,26 @@ def eta_seconds(total_steps: int | None, batch_index: int | None, step_ms: float
 
 
 _MEMORY_READINGS = 256  # peak-memory readings kept per rank (one every few steps)
+_WORK_ROWS = 512  # work rows kept per rank: more than a policy window
+
+
+
+def _work_rates(work: deque[tuple[int, float, float]], win: list[StepRow]) -> tuple[float | None, float | None]:
+    """(work per second of compute, mean work share) over the window's steps that carry work."""
+    compute = {row[STEP_BATCH]: row[STEP_COMPUTE] for row in win}
+    done = ms = share = 0.0
+    n = 0
+    for k, w, bw in work:
+        c = compute.get(k)
+        if c is None:
+            continue
+        done += w
+        ms += c
+        share += w / bw if bw > 0 else 0.0
+        n += 1
+    if n == 0:
+        return None, None
+    return (done / (ms / 1000.0) if ms > 0 else None), share / n
 
 
 def _mean(vals: list[float]) -> float:
@@ -274,6 +300,8 @@ class LiveState:
             r = job.ranks[msg.rank]
             rows = list(map(_step_row, msg.steps))
             for s in msg.steps:
+                if s.work is not None and s.batch_work is not None:
+                    r.work.append((s.batch_index, s.work, s.batch_work))
                 if s.mem_peak_bytes is not None:
                     r.memory.append(MemoryReading(s.local_batch_size, s.mem_peak_bytes,
                                                   s.mem_total_bytes, s.mem_reserved_bytes))
@@ -449,6 +477,7 @@ class LiveState:
             rate = (n - 1) / (last[STEP_T] - t0)
         # Means oldest first: the same float sums whatever the ring's layout.
         means: list[float | None] = [None] * len(STEP_TIMES)
+        win: list[StepRow] = []
         if n:
             win = list(islice(reversed(ring), n))
             win.reverse()
@@ -470,6 +499,9 @@ class LiveState:
             memory=self._memory_of(r), mem_peak_bytes=r.memory[-1].peak_bytes if r.memory else None,
             gpu_index=h.gpu_index, gpu_uuid=h.gpu_uuid,
         )
+        if r.work and win:
+            work_per_s, work_share = _work_rates(r.work, win)
+            view = replace(view, work_per_s=work_per_s, work_share=work_share)
         r.cached = (r.rev, view)
         return view
 
@@ -491,6 +523,16 @@ class LiveState:
             tail = list(islice(reversed(r.steps), n))  # O(n) from the newest end
         tail.reverse()
         return tuple(tail)
+
+    def work_by_batch(self, job: str, rank: int) -> dict[int, tuple[float, float]]:
+        """``batch_index -> (work, batch_work)`` for the recent steps of ``rank`` that carry a
+        per-sample cost (empty without one)."""
+        with self._lock:
+            j = self._jobs.get(job)
+            r = j.ranks.get(rank) if j else None
+            if r is None:
+                return {}
+            return {k: (w, bw) for k, w, bw in r.work}
 
     def recent_work_rows(self, job: str, rank: int, n: int) -> tuple[StepRow, ...]:
         """The newest ``n`` step rows in which ``rank`` had samples (local batch > 0), oldest

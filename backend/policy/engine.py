@@ -23,6 +23,7 @@ from .types import (
     Proposal,
     RankExplanation,
 )
+from .work import in_work_units
 
 __all__ = ["decide", "memory_caps", "limit_moves", "with_caps"]
 
@@ -367,6 +368,7 @@ def decide(obs: JobObservation, config: PolicyConfig,
             f"global batch {b_total}."
         )
     _check_config(config)
+    obs = in_work_units(obs)  # with a per-sample cost, shares and fits are in work units
     strategy = get_strategy(config.strategy)
     headroom = config.memory_headroom
     mem_caps, mem_why = memory_bounds([r.memory for r in obs.ranks], obs.shares, b_total,

@@ -29,11 +29,17 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class StepSample(Compact):
-    """One measured step of one rank: ``compute_ms`` for ``local_batch_size`` samples."""
+    """One measured step of one rank: ``compute_ms`` for ``local_batch_size`` samples.
+
+    With a per-sample cost, ``work`` is the rank's summed cost in the step and
+    ``batch_work`` the global batch's (None without one); ``decide`` then reads
+    ``local_batch_size`` in work units (``backend.policy.work``)."""
 
     batch_index: int
-    local_batch_size: int
+    local_batch_size: float
     compute_ms: float
+    work: float | None = None
+    batch_work: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

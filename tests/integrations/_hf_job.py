@@ -20,6 +20,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from tests.integrations._common import (
     GLOBAL_BATCH,
+    N_SAMPLES,
     IndexedData,
     TinyNet,
     TokenData,
@@ -85,7 +86,9 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 def main() -> None:
     out_dir, max_steps = sys.argv[1], int(sys.argv[2])
     accum = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-    tokens = len(sys.argv) > 4 and sys.argv[4] == "tokens"
+    tokens = len(sys.argv) > 4 and sys.argv[4] in ("tokens", "tokens_cost")
+    # tokens_cost: each sample's valid-target count is its cost, so shares split tokens
+    cost = [i % 3 + 1 for i in range(N_SAMPLES)] if len(sys.argv) > 4 and sys.argv[4] == "tokens_cost" else None
     ckpt = sys.argv[5] if len(sys.argv) > 5 else ""
     ckpt_root = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "hf_ckpt")
     # Issue 10: created before TrainingArguments (no process group yet): it waits for it.
@@ -101,7 +104,7 @@ def main() -> None:
         dataloader_pin_memory=False, ddp_find_unused_parameters=False, seed=3, data_seed=7,
     )
     trainer = RebalancingTrainer(
-        rebalance_hook=hook, model=model, args=args, train_dataset=TokenData() if tokens else IndexedData(), data_collator=collate,
+        rebalance_hook=hook, sample_cost=cost, model=model, args=args, train_dataset=TokenData() if tokens else IndexedData(), data_collator=collate,
         optimizers=(optimizer, constant), callbacks=[Requests(hook, TOKEN_REQUESTS if tokens else REQUESTS)],
     )
     if ckpt == "resume":

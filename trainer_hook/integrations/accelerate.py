@@ -12,6 +12,7 @@ from collections.abc import Sized
 from typing import Any
 
 from trainer_hook.integrations._loader import check_accelerator, prepared_loader
+from trainer_hook.sampler import SampleCost
 
 __all__ = ["prepare_with_rebalancer", "gradient_mode_for"]
 
@@ -44,6 +45,7 @@ def prepare_with_rebalancer(
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = False,
+    sample_cost: SampleCost | None = None,
     **dataloader_kwargs: Any,
 ) -> tuple[Any, Any, Any]:
     """``accelerator.prepare`` for rebalanced training; returns ``(model, optimizer, loader)``.
@@ -55,6 +57,9 @@ def prepare_with_rebalancer(
     (``collate_fn``, ``num_workers``, ...) go to ``torch.utils.data.DataLoader``;
     ``batch_size``, ``sampler`` and the like are refused because the hook decides them.
     Prepare schedulers and other objects with ``accelerator.prepare`` as usual.
+    ``sample_cost`` (token counts per dataset index, or a callable) makes the shares split
+    work instead of samples (``hook.batch_sampler``); for a mean over valid tokens
+    back-propagate ``loss_sum * hook.token_loss_weight(n_valid)`` instead.
 
     In the loop, wrap each batch in ``hook.step()`` and back-propagate
     ``loss * hook.loss_weight()``: the factor is 1.0 on the comm-hook path and the
@@ -90,7 +95,8 @@ def prepare_with_rebalancer(
             "prepare_with_rebalancer so the hook can attach to the DDP wrapper it creates."
         )
     loader = prepared_loader(
-        accelerator, hook, dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, **dataloader_kwargs
+        accelerator, hook, dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, sample_cost=sample_cost,
+        **dataloader_kwargs,
     )
     model = accelerator.prepare_model(model)
     hook.attach(model, gradients=gradient_mode_for(accelerator))

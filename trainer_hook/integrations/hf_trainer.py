@@ -115,6 +115,9 @@ class RebalancingTrainer(Trainer):
     takes every other Trainer argument unchanged. The global batch size is the hook's
     ``global_batch_size`` (``per_device_train_batch_size`` is not used for training);
     the order is seeded with ``args.data_seed`` (or ``args.seed``) and shuffled.
+    ``sample_cost`` (token counts per dataset index, or a callable) makes the shares
+    split work instead of samples (``hook.batch_sampler``); the Trainer's global token
+    mean (``average_tokens_across_devices``) stays exact under that split.
     Example::
 
         hook = RebalanceHook(job="bert-ft", global_batch_size=64)
@@ -128,12 +131,13 @@ class RebalancingTrainer(Trainer):
     tensor parallelism, ``split_batches``, ``dispatch_batches``, an iterable dataset).
     """
 
-    def __init__(self, *args: Any, rebalance_hook: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, rebalance_hook: Any, sample_cost: Any = None, **kwargs: Any) -> None:
         if rebalance_hook is None:
             raise ValueError("rebalance_hook is required: RebalancingTrainer(rebalance_hook=RebalanceHook(...), ...).")
         super().__init__(*args, **kwargs)
         check_accelerator(self.accelerator)
         self.rebalance_hook = rebalance_hook
+        self.rebalance_sample_cost = sample_cost  # per dataset index: shares split work (tokens)
         self.rebalance_callback = RebalanceCallback(rebalance_hook)
         self.rebalance_callback.trainer = self
         accum = int(self.args.gradient_accumulation_steps)
@@ -188,7 +192,7 @@ class RebalancingTrainer(Trainer):
         loader = prepared_loader(
             self.accelerator, self.rebalance_hook, dataset,
             shuffle=True, seed=seed, drop_last=args.dataloader_drop_last,
-            held=max(1, int(args.gradient_accumulation_steps)), **kwargs,
+            held=max(1, int(args.gradient_accumulation_steps)), sample_cost=self.rebalance_sample_cost, **kwargs,
         )
         self._rebalance_sampler = sampler_of(loader)
         if self._rebalance_resumed and not args.ignore_data_skip:
@@ -232,8 +236,7 @@ class RebalancingTrainer(Trainer):
         for i, batch in enumerate(batches):
             labels = batch.get("labels") if isinstance(batch, dict) else None
             if sampler is not None and torch.is_tensor(labels):
-                lo, hi = sampler.local_bounds(first + i)
-                if hi == lo:
+                if sampler.local_size(first + i) == 0:
                     batch["labels"] = torch.full_like(labels, -100)
         return batches, self._get_num_items_in_batch(batches, device)
 

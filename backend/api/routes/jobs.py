@@ -101,6 +101,9 @@ class RankPublic(BaseModel):
     dropped: int = 0
     last_seen: float | None = None
     price_per_hour: float | None = None
+    # With a per-sample cost (tokens): work per second of compute, mean share of the batch's work.
+    work_per_s: float | None = None
+    work_share: float | None = None
 
 
 class RanksPublic(BaseModel):
@@ -249,6 +252,7 @@ def _rank_live(parts: Parts, r: RankView, shares: list[int] | None) -> RankPubli
         step_ms=r.step_ms, step_rate_hz=r.step_rate_hz, local_batch_size=r.local_batch_size,
         n_steps=r.n_steps, device=_device(r.device), dropped=r.dropped, last_seen=r.last_seen,
         price_per_hour=parts.settings.price_for(r.device_type, r.device_name),
+        work_per_s=r.work_per_s, work_share=r.work_share,
     )
 
 

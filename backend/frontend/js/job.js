@@ -91,6 +91,8 @@ function renderDevices(r, shares) {
       el("td", {}, r.host[i] || ""),
       el("td", { title: r.device_name[i] || "" }, r.device_type[i] || ""),
       el("td", { class: "num" }, shares[i] ?? r.share[i] ?? "–"),
+      el("td", { class: "num" }, r.work_per_s ? fmt(r.work_per_s[i], 0) : "–"),
+      el("td", { class: "num" }, r.work_share ? pct(r.work_share[i]) : "–"),
       el("td", { class: "num" }, fmt(r.compute_ms[i], 1, " ms")),
       el("td", { class: "num" }, fmt(r.sync_wait_ms[i], 1, " ms")),
       el("td", { class: "num" }, fmt(r.data_wait_ms[i], 1, " ms")),
