@@ -33,7 +33,8 @@ __all__ = ["Monitor", "install", "ENABLE_LINE", "REJECT_REASON", "HOOK_VERSION_T
 
 log = logging.getLogger("trainer_hook")
 
-# The hook_version a zero-code rank reports; the dashboard shows its notice on it.
+# The hook_version a zero-code rank reports, followed by ": <framework>" (ddp, accelerate,
+# hf_trainer, lightning); the job page shows its notice, with that framework's line, on it.
 HOOK_VERSION_TAG = "observe-only (rebalancer run)"
 ENABLE_LINE = (
     "hook = RebalanceHook(global_batch_size=B); hook.attach(ddp_model); "
@@ -86,14 +87,43 @@ def _first_len(batch: Any) -> int | None:
     return None
 
 
+def _framework() -> str:
+    """Which adapter's line would enable rebalancing in this script (what it imported)."""
+    mods = sys.modules
+    if "pytorch_lightning" in mods or "lightning.pytorch" in mods:
+        return "lightning"
+    if "transformers.trainer" in mods:
+        return "hf_trainer"
+    if "accelerate.accelerator" in mods:
+        return "accelerate"
+    return "ddp"
+
+
 class Monitor:
     """One process's observe-only monitoring (see the module docstring)."""
 
     def __init__(self, env: dict[str, str] | None = None) -> None:
-        from trainer_hook.config import HookConfig
         from trainer_hook.timing import StepTimer
 
-        env = dict(os.environ) if env is None else env
+        self._env = dict(os.environ) if env is None else env
+        self.rank_text = self._env.get("RANK", "0")
+        self.config: Any = None  # read at the first optimizer step: torchrun's agent never gets there
+        self._timer = StepTimer()
+        self._optimizer: int | None = None  # id() of the optimizer whose steps are counted
+        self._open = False
+        self._loader_seen = False
+        self._local = 0
+        self._k = 0
+        self._transport: Any = None
+        self._probe: Any = None
+        self.off = False
+        self._handles: list[Any] = []
+
+    def _configure(self) -> None:
+        """Rank, world size and the backend from the environment (range-checked)."""
+        from trainer_hook.config import HookConfig
+
+        env = self._env
         self.world_size = _env_int(env, "WORLD_SIZE", 1, 1)
         self.rank = _env_int(env, "RANK", 0, 0, self.world_size)
         self.local_rank = _env_int(env, "LOCAL_RANK", 0, 0)
@@ -105,17 +135,6 @@ class Monitor:
         self.config = HookConfig.from_env(env=env, global_batch_size=max(1, self.global_batch_size))
         if not self.config.server:
             raise ValueError("REBALANCER_SERVER is not set")
-        self._timer = StepTimer()
-        self._optimizer: int | None = None  # id() of the optimizer whose steps are counted
-        self._open = False
-        self._loader_seen = False
-        self._local = 0
-        self._k = 0
-        self._transport: Any = None
-        self._probe: Any = None
-        self.off = False
-        self._handles: list[Any] = []
-        self._orig_next: Any = None
 
     # --- installation ----------------------------------------------------------------
 
@@ -125,7 +144,6 @@ class Monitor:
 
         self._handles.append(register_optimizer_step_post_hook(self._after_optimizer_step))
         orig = _BaseDataLoaderIter.__next__
-        self._orig_next = orig
         monitor = self
 
         def __next__(it: Any) -> Any:  # noqa: N807 - replaces the iterator's own
@@ -140,7 +158,7 @@ class Monitor:
 
     def _fail(self, where: str, exc: BaseException) -> None:
         self.off = True
-        _say(f"monitoring is off for rank {self.rank} ({where} failed: {type(exc).__name__}: {exc}); "
+        _say(f"monitoring is off for rank {self.rank_text} ({where}: {type(exc).__name__}: {exc}); "
              "training goes on unmonitored")
         try:
             for h in self._handles:
@@ -164,11 +182,17 @@ class Monitor:
             self._timer.start(self._k, self._local, 0)
             self._open = True
         except Exception as exc:  # noqa: BLE001 - never break the job
-            self._fail("reading a batch", exc)
+            self._fail("reading a batch failed", exc)
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.off:
             return
+        if self.config is None:
+            try:
+                self._configure()
+            except Exception as exc:  # noqa: BLE001 - never break the job
+                self._fail("invalid settings", exc)
+                return
         try:
             if self._optimizer is None:
                 self._optimizer = id(optimizer)
@@ -188,7 +212,7 @@ class Monitor:
                 self._timer.start(self._k, max(1, self._local or self._batch_guess()), 0)
                 self._open = True
         except Exception as exc:  # noqa: BLE001 - never break the job
-            self._fail("timing a step", exc)
+            self._fail("timing a step failed", exc)
 
     def _batch_guess(self) -> int:
         return max(1, self.global_batch_size // self.world_size) if self.global_batch_size else 1
@@ -238,7 +262,7 @@ class Monitor:
             device_name=device_name, mem_total_bytes=mem_total, placement_version=0,
             batch_index=self._k,
             restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-            hook_version=f"{HOOK_VERSION} {HOOK_VERSION_TAG}", gpu_index=gpu_index, gpu_uuid=gpu_uuid,
+            hook_version=f"{HOOK_VERSION} {HOOK_VERSION_TAG}: {_framework()}", gpu_index=gpu_index, gpu_uuid=gpu_uuid,
         )
 
     def _on_message(self, msg: Any) -> None:
