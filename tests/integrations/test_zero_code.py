@@ -135,7 +135,7 @@ def test_a_failure_inside_a_step_logs_one_line_and_turns_monitoring_off(capsys):
 
     from trainer_hook.zero_code import Monitor
 
-    m = Monitor({"RANK": "1", "WORLD_SIZE": "2", "REBALANCER_SERVER": "http://127.0.0.1:1"})
+    m = Monitor({"RANK": "1", "WORLD_SIZE": "2", "REBALANCER_SERVER": "http://127.0.0.1:1", "REBALANCER_JOB": "j"})
 
     def broken(*_a, **_k):
         raise RuntimeError("forced")
