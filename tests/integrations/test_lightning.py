@@ -64,3 +64,55 @@ def test_lightning_resumes_from_its_own_checkpoint(full_run):
     want = reference(batches)
     for p in params:
         assert_close_params(p, want, rtol=1e-9)
+
+
+def _fit_one_process(tmp_path: Path, *, accumulate: int = 1, own_loader: bool = True) -> str:
+    """One process, in-process: fit a tiny module and return the error the callback raised."""
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader
+
+    from tests.integrations._common import IndexedData, TinyNet, make_optimizer
+    from trainer_hook import RebalanceHook
+    from trainer_hook.integrations.lightning import RebalanceLightningCallback
+
+    rebalance = RebalanceLightningCallback(RebalanceHook(global_batch_size=12))
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = TinyNet()
+
+        def train_dataloader(self):
+            data = IndexedData()
+            return rebalance.train_dataloader(data) if own_loader else DataLoader(data, batch_size=6)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch["x"], batch["labels"])["loss"]
+
+        def configure_optimizers(self):
+            return make_optimizer(self.net)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, accumulate_grad_batches=accumulate,
+                         callbacks=[rebalance], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    try:
+        trainer.fit(Module())
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        rebalance.hook.close()
+    return "no error"
+
+
+# Lightning 2.6 on torch 2.13 calls a pytree API torch deprecated: not ours to fix.
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning")
+def test_lightning_refuses_what_it_cannot_keep_exact(tmp_path):
+    assert _fit_one_process(tmp_path, accumulate=2) == (
+        "Trainer(accumulate_grad_batches=2) is not supported with the rebalancer's Lightning callback: "
+        "Lightning accumulates under no_sync, where each micro-batch would be weighted as a whole batch. "
+        "Use accumulate_grad_batches=1 and a larger global_batch_size on the hook.")
+    assert _fit_one_process(tmp_path, own_loader=False) == (
+        "The training loader was not made by the rebalancer: return callback.train_dataloader(dataset, ...) "
+        "from the LightningModule's (or the DataModule's) train_dataloader, so every rank trains its share "
+        "of each global batch.")
+    assert _fit_one_process(tmp_path) == "no error"
