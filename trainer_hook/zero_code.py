@@ -15,7 +15,8 @@ make its peers wait): each rank streams its steps and device samples to the back
 - device metrics: the hook's DeviceProbe; sync wait is not separated from compute
   (that needs ``hook.attach``, a code change).
 
-Placements from the backend are rejected with a reason saying rebalancing needs the hook's
+A script that makes its own RebalanceHook is left to it (the monitor stands down at the
+first optimizer step). Placements from the backend are rejected with a reason saying rebalancing needs the hook's
 sampler. Any failure logs one line (``rebalancer: monitoring is off ...``) and switches
 this process's monitoring off; training goes on.
 """
@@ -85,6 +86,13 @@ def _first_len(batch: Any) -> int | None:
             if n is not None:
                 return n
     return None
+
+
+def _script_has_hook() -> bool:
+    """True when the script made a RebalanceHook itself: it reports this rank already."""
+    from trainer_hook import _lifecycle
+
+    return len(_lifecycle._live) > 0
 
 
 def _framework() -> str:
@@ -189,6 +197,11 @@ class Monitor:
             return
         if self.config is None:
             try:
+                if _script_has_hook():
+                    self.off = True
+                    if self.rank_text in ("", "0"):
+                        _say("the script has its own RebalanceHook: the injected monitoring stands down")
+                    return
                 self._configure()
             except Exception as exc:  # noqa: BLE001 - never break the job
                 self._fail("invalid settings", exc)

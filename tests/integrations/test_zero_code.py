@@ -149,3 +149,19 @@ def test_a_failure_inside_a_step_logs_one_line_and_turns_monitoring_off(capsys):
     assert capsys.readouterr().err == (
         "rebalancer: monitoring is off for rank 1 (timing a step failed: RuntimeError: forced); "
         "training goes on unmonitored\n")
+
+
+def test_the_monitor_stands_down_when_the_script_has_its_own_hook(capsys):
+    # Both would report the same rank of the same job: the script's hook wins.
+    import torch
+
+    from trainer_hook import RebalanceHook
+    from trainer_hook.zero_code import Monitor
+
+    m = Monitor({"RANK": "0", "WORLD_SIZE": "1", "REBALANCER_SERVER": "http://127.0.0.1:1", "REBALANCER_JOB": "j"})
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with RebalanceHook(global_batch_size=4):  # offline, one process
+        m._after_optimizer_step(opt, (), {})
+    assert m.off and m._transport is None
+    assert capsys.readouterr().err == (
+        "rebalancer: the script has its own RebalanceHook: the injected monitoring stands down\n")
