@@ -7,9 +7,10 @@ make its peers wait): each rank streams its steps and device samples to the back
 - step boundary: the first optimizer that steps (``register_optimizer_step_post_hook``,
   a global hook of torch.optim; DDP, FSDP2, Accelerate and the HF Trainer all step a
   ``torch.optim.Optimizer``); one step ends when that optimizer's ``step()`` returns;
-- data wait: from the end of a step until the next batch leaves a DataLoader iterator
-  (``_BaseDataLoaderIter.__next__``); the step starts there (or, with no DataLoader, at
-  the previous step's end);
+- step time: from the previous step's end (the first step: its first batch) to this one;
+- data wait: the time spent in DataLoader iterators (``_BaseDataLoaderIter.__next__``)
+  within it, whether the loop fetches its batch first or prefetches (Accelerate, the HF
+  Trainer, Lightning); optimizer: the optimizer's ``step()``; compute: the rest;
 - the local batch size: the first dimension of the batch's first tensor; the global batch
   is it times the world size, unless ``REBALANCER_GLOBAL_BATCH_SIZE`` says otherwise;
 - device metrics: the hook's DeviceProbe; sync wait is not separated from compute
@@ -28,7 +29,10 @@ import logging
 import os
 import socket
 import sys
+import time
 from typing import Any
+
+from trainer_hook.protocol import StepRecord
 
 __all__ = ["Monitor", "install", "ENABLE_LINE", "REJECT_REASON", "HOOK_VERSION_TAG"]
 
@@ -111,15 +115,13 @@ class Monitor:
     """One process's observe-only monitoring (see the module docstring)."""
 
     def __init__(self, env: dict[str, str] | None = None) -> None:
-        from trainer_hook.timing import StepTimer
-
         self._env = dict(os.environ) if env is None else env
         self.rank_text = self._env.get("RANK", "0")
         self.config: Any = None  # read at the first optimizer step: torchrun's agent never gets there
-        self._timer = StepTimer()
         self._optimizer: int | None = None  # id() of the optimizer whose steps are counted
-        self._open = False
-        self._loader_seen = False
+        self._prev_end: float | None = None  # perf_counter() at the last step's end
+        self._fetch_s = 0.0  # DataLoader waits since then
+        self._opt_t0 = -1.0  # perf_counter() when the optimizer's step() began
         self._local = 0
         self._k = 0
         self._transport: Any = None
@@ -147,17 +149,26 @@ class Monitor:
     # --- installation ----------------------------------------------------------------
 
     def install(self) -> None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
         from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+        self._handles.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
         self._handles.append(register_optimizer_step_post_hook(self._after_optimizer_step))
         orig = _BaseDataLoaderIter.__next__
         monitor = self
 
         def __next__(it: Any) -> Any:  # noqa: N807 - replaces the iterator's own
-            batch = orig(it)
-            if not monitor.off:
-                monitor._batch_ready(batch)
+            if monitor.off:
+                return orig(it)
+            t = time.perf_counter()
+            try:
+                batch = orig(it)
+            finally:  # StopIteration included: the wait for the end of an epoch counts too
+                monitor._fetched(t)
+            monitor._batch_ready(batch)
             return batch
 
         _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign,assignment]
@@ -180,21 +191,30 @@ class Monitor:
 
     # --- the training thread -----------------------------------------------------------
 
+    def _fetched(self, t0: float) -> None:
+        """A DataLoader iterator returned (or ended) after waiting since ``t0``."""
+        if self._prev_end is None:
+            self._prev_end = t0  # the first step starts with its first batch
+        self._fetch_s += time.perf_counter() - t0
+
     def _batch_ready(self, batch: Any) -> None:
         try:
-            self._loader_seen = True
-            if self._open:
-                return
             n = _first_len(batch)
-            self._local = n if n is not None else max(1, self._local)
-            self._timer.start(self._k, self._local, 0)
-            self._open = True
+            if n is not None:
+                self._local = n
         except Exception as exc:  # noqa: BLE001 - never break the job
             self._fail("reading a batch failed", exc)
 
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.off and (self._optimizer is None or self._optimizer == id(optimizer)):
+            self._opt_t0 = time.perf_counter()
+
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """One step ends: from the previous step's end (or the first batch) until now, of
+        which the DataLoader waits are data wait and the optimizer's step() its own part."""
         if self.off:
             return
+        now = time.perf_counter()
         if self.config is None:
             try:
                 if _script_has_hook():
@@ -211,19 +231,22 @@ class Monitor:
                 self._optimizer = id(optimizer)
             elif self._optimizer != id(optimizer):
                 return  # a second optimizer (GAN-style loops): one step is the first one's
-            if self._open:
-                rec = self._timer.finish(None)
-                self._open = False
-                self._k += 1
-                if rec is not None:
-                    if self._transport is None:
-                        self._start_io()
-                    self._transport.put_step(rec)
-            else:  # the first step without a DataLoader: time from here on
-                self._timer.finish(None)
-            if not self._loader_seen:
-                self._timer.start(self._k, max(1, self._local or self._batch_guess()), 0)
-                self._open = True
+            k, prev = self._k, self._prev_end
+            self._k += 1
+            self._prev_end, fetch, self._fetch_s = now, self._fetch_s, 0.0
+            if prev is None:
+                return  # the first step of a loop without a DataLoader: its start is unknown
+            step = max(0.0, now - prev)
+            data = min(fetch, step)
+            opt = min(max(0.0, now - self._opt_t0), step - data) if self._opt_t0 >= prev else 0.0
+            rec = StepRecord(
+                batch_index=k, local_batch_size=max(1, self._local or self._batch_guess()),
+                placement_version=0, data_wait_ms=data * 1e3, compute_ms=(step - data - opt) * 1e3,
+                sync_wait_ms=0.0, optimizer_ms=opt * 1e3, step_ms=step * 1e3, t=time.time(),
+            )
+            if self._transport is None:
+                self._start_io()
+            self._transport.put_step(rec)
         except Exception as exc:  # noqa: BLE001 - never break the job
             self._fail("timing a step failed", exc)
 
