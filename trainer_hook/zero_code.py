@@ -131,11 +131,16 @@ class Monitor:
 
     def _configure(self) -> None:
         """Rank, world size and the backend from the environment (range-checked)."""
+        import torch.distributed as dist
+
         from trainer_hook.config import HookConfig
 
         env = self._env
         self.world_size = _env_int(env, "WORLD_SIZE", 1, 1)
         self.rank = _env_int(env, "RANK", 0, 0, self.world_size)
+        if dist.is_available() and dist.is_initialized():  # mp.spawn scripts set no RANK
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.rank_text = str(self.rank)
         self.local_rank = _env_int(env, "LOCAL_RANK", 0, 0)
         self.global_batch_size = _env_int(env, "REBALANCER_GLOBAL_BATCH_SIZE", 0, 0)
         if 0 < self.global_batch_size < self.world_size:
