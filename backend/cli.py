@@ -1,4 +1,4 @@
-"""The ``rebalancer`` command: ``serve``, ``demo``, ``token create|list|revoke``, and the
+"""The ``rebalancer`` command: ``serve``, ``demo``, ``run``, ``token create|list|revoke``, and the
 REST client's commands (``jobs``, ``approve``, ``watch``, ... in ``backend.cli_client``).
 
 Server packages (pydantic, FastAPI) are imported only by the server commands, so the
@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     for sp in (create, lst, rev):
         sp.add_argument("--db", help="database URL (env REBALANCER_DB)")
     cli_client.add_commands(sub)
+    from backend import run_cmd
+
+    run_cmd.add_command(sub)
     return p
 
 
@@ -241,6 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _token(args)
     if args.command == "db":
         return _db(args)
+    if args.command == "run":
+        from backend import run_cmd
+
+        return run_cmd.run(args)
     from backend.demo import run_demo
 
     return run_demo(port=args.port, steps=args.steps, ranks=args.ranks, speeds=args.speeds, mode=args.mode,

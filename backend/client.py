@@ -131,6 +131,7 @@ class Rank(TypedDict, total=False):
     dropped: int
     last_seen: float | None
     price_per_hour: float | None
+    hook_version: str
 
 
 class MetricPoint(TypedDict):

@@ -4,11 +4,13 @@
   Hugging Face Accelerate.
 - :mod:`trainer_hook.integrations.hf_trainer`: ``RebalancingTrainer`` and
   ``RebalanceCallback`` for the transformers Trainer.
+- :mod:`trainer_hook.integrations.lightning`: ``RebalanceLightningCallback`` for
+  PyTorch Lightning's ``Trainer``.
 - :mod:`trainer_hook.integrations.notebook`: ``notebook_launch`` around
   ``accelerate.notebook_launcher``.
 
 Names are imported lazily so that ``import trainer_hook`` never pulls in accelerate or
-transformers; each adapter needs its framework only when used.
+transformers or lightning; each adapter needs its framework only when used.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "RebalanceCallback",
     "RebalancingTrainer",
     "notebook_launch",
+    "RebalanceLightningCallback",
 ]
 
 _WHERE = {
@@ -30,6 +33,7 @@ _WHERE = {
     "RebalanceCallback": "hf_trainer",
     "RebalancingTrainer": "hf_trainer",
     "notebook_launch": "notebook",
+    "RebalanceLightningCallback": "lightning",
 }
 
 

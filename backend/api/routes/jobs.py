@@ -104,6 +104,9 @@ class RankPublic(BaseModel):
     # With a per-sample cost (tokens): work per second of compute, mean share of the batch's work.
     work_per_s: float | None = None
     work_share: float | None = None
+    # What the rank's hook reported in its hello; "... observe-only (rebalancer run)" for
+    # a rank monitored by `rebalancer run` without code change (the job page says so).
+    hook_version: str = ""
 
 
 class RanksPublic(BaseModel):
@@ -243,7 +246,8 @@ def _shares(parts: Parts, job: str) -> list[int] | None:
     return list(shares) if shares else None
 
 
-def _rank_live(parts: Parts, r: RankView, shares: list[int] | None) -> RankPublic:
+def _rank_live(parts: Parts, job: str, r: RankView, shares: list[int] | None) -> RankPublic:
+    hello = parts.live.hello(job, r.rank)
     return RankPublic(
         rank=r.rank, host=r.host, device_type=r.device_type, device_name=r.device_name,
         connected=r.connected, share=shares[r.rank] if shares and r.rank < len(shares) else None,
@@ -253,6 +257,7 @@ def _rank_live(parts: Parts, r: RankView, shares: list[int] | None) -> RankPubli
         n_steps=r.n_steps, device=_device(r.device), dropped=r.dropped, last_seen=r.last_seen,
         price_per_hour=parts.settings.price_for(r.device_type, r.device_name),
         work_per_s=r.work_per_s, work_share=r.work_share,
+        hook_version=hello.hook_version if hello is not None else "",
     )
 
 
@@ -271,7 +276,7 @@ async def get_ranks(job: str, _actor: ViewerDep, parts: PartsDep) -> RanksPublic
     shares = _shares(parts, job)
     view = parts.live.view(job)
     if view is not None:
-        data = [_rank_live(parts, r, shares) for r in view.ranks]
+        data = [_rank_live(parts, job, r, shares) for r in view.ranks]
         return RanksPublic(data=data, count=len(data))
     stored = await parts.sql.run(lambda s: _stored_ranks(s, job))
     if stored is None:
@@ -286,6 +291,7 @@ async def get_ranks(job: str, _actor: ViewerDep, parts: PartsDep) -> RanksPublic
         data_wait_ms=m.data_wait_ms if m else None, optimizer_ms=m.optimizer_ms if m else None,
         step_ms=m.step_ms if m else None, local_batch_size=m.local_batch_size if m else None,
         last_seen=row.last_seen, price_per_hour=price(row.device_type, row.device_name),
+        hook_version=row.hook_version,
     ) for row, m in stored]
     return RanksPublic(data=data, count=len(data))
 

@@ -2,7 +2,7 @@
 // Job view: wires the live socket to the charts, the tables and the operator controls.
 import { Charts } from "./charts.js";
 import {
-  STATUS_LABEL, bytes, duration, el, forecastFor, fmt, liveSocket, money,
+  STATUS_LABEL, api, bytes, duration, el, forecastFor, fmt, liveSocket, money,
   mountTokenBox, pct, setTotalSteps, totalSteps,
 } from "./common.js";
 import { Controls, stat } from "./controls.js";
@@ -191,6 +191,47 @@ function setConn(s, detail) {
   c.className = `conn ${s}`;
   c.textContent = s === "open" ? "live" : s === "closed" ? `reconnecting${detail ? `: ${detail}` : ""}` : "connecting";
 }
+
+// Zero-code monitoring (`rebalancer run`, trainer_hook/zero_code.py): the ranks say so in
+// their hook_version ("... observe-only (rebalancer run): <framework>"); the notice under
+// the header gives the one line that enables rebalancing in that framework and the gain
+// the policy predicts for it (its pending proposal: shown, never sent, in observe mode).
+const ZERO_CODE = "observe-only (rebalancer run)";
+const ENABLE_LINE = {
+  ddp: (b) => `hook = RebalanceHook(global_batch_size=${b}); hook.attach(ddp_model); loader = hook.data_loader(dataset)`
+    + " (and `with hook.step():` around each step)",
+  accelerate: (b) => `model, optimizer, loader = prepare_with_rebalancer(accelerator, RebalanceHook(global_batch_size=${b}), model, optimizer, dataset)`,
+  hf_trainer: (b) => `trainer = RebalancingTrainer(rebalance_hook=RebalanceHook(global_batch_size=${b}), model=model, args=args, train_dataset=ds)`,
+  lightning: (b) => `rebalance = RebalanceLightningCallback(RebalanceHook(global_batch_size=${b}))`
+    + " (pass callbacks=[rebalance] and return rebalance.train_dataloader(dataset) from train_dataloader)",
+};
+state.zeroCode = null; // the framework, once a rank reported it
+
+async function checkZeroCode() {
+  try {
+    const ranks = await api(`/jobs/${encodeURIComponent(job)}/ranks`);
+    const tagged = ranks.data.map((r) => r.hook_version || "").find((v) => v.includes(ZERO_CODE));
+    if (tagged) state.zeroCode = tagged.split(`${ZERO_CODE}:`)[1]?.trim() || "ddp";
+  } catch { /* not there yet, or the server restarts: next round */ }
+  renderZeroCode();
+}
+
+function renderZeroCode() {
+  const box = $("zero-code-notice");
+  if (!state.zeroCode) { box.hidden = true; return; }
+  const b = state.summary ? state.summary.global_batch_size : "B";
+  const line = (ENABLE_LINE[state.zeroCode] || ENABLE_LINE.ddp)(b);
+  const p = state.control && state.control.pending_proposal;
+  const gain = p && p.predicted_gain !== null && p.predicted_gain !== undefined
+    ? `the policy predicts ${pct(p.predicted_gain)} faster steps with it (proposal ${p.id}, observe mode).`
+    : "the policy predicts no gain above its threshold yet (observe mode).";
+  box.replaceChildren(
+    `Monitored by rebalancer run without code change: observe only. One line enables rebalancing: `,
+    el("code", { id: "zero-code-line" }, line), "; ", el("span", { id: "zero-code-gain" }, gain));
+  box.hidden = false;
+}
+checkZeroCode();
+setInterval(() => { if (state.zeroCode) renderZeroCode(); else checkZeroCode(); }, 3000);
 
 setInterval(() => {
   if (state.lastFrameAt && Date.now() - state.lastFrameAt > STALE_MS) {

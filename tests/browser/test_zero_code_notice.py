@@ -1,0 +1,48 @@
+"""The job page of a job monitored by `rebalancer run` (no code change) says so under its
+header, with the one line that enables rebalancing and the policy's predicted gain."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
+from tests.helpers.server import running_server
+from tests.helpers.torchrun import REPO_ROOT, job_env
+
+pytestmark = [pytest.mark.browser, pytest.mark.multiproc, pytest.mark.timeout(240)]
+
+sync_api = playwright_sync_api()
+SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "_plain_single_job.py")
+
+
+def test_job_page_shows_the_zero_code_notice(tmp_path: Path) -> None:
+    with running_server(tmp_path) as server:
+        proc = subprocess.run(
+            [sys.executable, "-m", "backend", "run", "--server", server.url, "--job", "zc-page", "--",
+             sys.executable, SCRIPT, "60"],
+            env=job_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=150)
+        assert proc.returncode == 0 and proc.stdout == "done\n", proc.stderr
+        ranks = server.get("/api/v1/jobs/zc-page/ranks")["data"]  # type: ignore[index]
+        assert ranks[0]["hook_version"].endswith("observe-only (rebalancer run): ddp")
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+            try:
+                page = browser.new_page()
+                page.set_default_timeout(60_000)
+                page.goto(f"{server.url}/job/zc-page")
+                page.wait_for_selector("#zero-code-notice:not([hidden])")
+                text = page.locator("#zero-code-notice").inner_text()
+                assert text.startswith("Monitored by rebalancer run without code change: observe only. "
+                                       "One line enables rebalancing: ")
+                line = page.locator("#zero-code-line").inner_text()
+                assert line.startswith("hook = RebalanceHook(global_batch_size=4); hook.attach(ddp_model); "
+                                       "loader = hook.data_loader(dataset)")
+                gain = page.locator("#zero-code-gain").inner_text()
+                assert gain == "the policy predicts no gain above its threshold yet (observe mode)."
+            finally:
+                browser.close()

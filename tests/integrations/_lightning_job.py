@@ -1,0 +1,78 @@
+"""torchrun target: a LightningModule under Trainer(strategy="ddp") on CPU with the
+rebalancer's callback; placements requested mid-run; records what every rank trained.
+
+Usage: python -m tests.integrations._lightning_job OUT_DIR STEPS [CKPT_DIR] [resume]
+
+Without ``resume`` a ModelCheckpoint saves every 8 steps into CKPT_DIR; with it the run
+resumes from CKPT_DIR/step8.ckpt (Lightning's own checkpoint) and trains to STEPS.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch.distributed as dist
+
+from tests.integrations._common import GLOBAL_BATCH, IndexedData, TinyNet, dump, make_optimizer
+from trainer_hook import RebalanceHook
+from trainer_hook.integrations.lightning import RebalanceLightningCallback, pl
+
+# (request at step, shares) for 2 ranks; B = 12. The third is agreed around the checkpoint.
+REQUESTS = {1: [9, 3], 5: [2, 10], 7: [7, 5]}
+
+
+class Module(pl.LightningModule):
+    def __init__(self, rebalance: RebalanceLightningCallback) -> None:
+        super().__init__()
+        self.net = TinyNet()
+        self.rebalance = rebalance
+        self.batches: dict[int, dict[str, Any]] = {}
+
+    def train_dataloader(self) -> Any:
+        return self.rebalance.train_dataloader(IndexedData(), shuffle=True, seed=7)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        hook = self.rebalance.hook
+        k = hook.batch_index
+        if hook.rank == 0 and k in REQUESTS:
+            hook.request_placement(REQUESTS[k], reason="test")
+        self.batches[k] = {
+            "idx": batch["idx"].tolist(), "version": hook.placement_version,
+            "dummy": hook.shares[hook.rank] == 0,
+        }
+        return self.net(batch["x"], batch["labels"])["loss"]
+
+    def configure_optimizers(self) -> Any:
+        return make_optimizer(self.net)
+
+
+def main() -> None:
+    out_dir, steps = sys.argv[1], int(sys.argv[2])
+    ckpt_dir = sys.argv[3] if len(sys.argv) > 3 else None
+    resume = len(sys.argv) > 4 and sys.argv[4] == "resume"
+    hook = RebalanceHook(global_batch_size=GLOBAL_BATCH, exchange_every=2, exchange_lag=1)
+    rebalance = RebalanceLightningCallback(hook)
+    callbacks: list[Any] = [rebalance]
+    if ckpt_dir and not resume:
+        callbacks.append(pl.callbacks.ModelCheckpoint(
+            dirpath=ckpt_dir, filename="step{step}", auto_insert_metric_name=False,
+            every_n_train_steps=8, save_top_k=-1))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp", max_steps=steps,
+        callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=bool(ckpt_dir and not resume), num_sanity_val_steps=0,
+    )
+    module = Module(rebalance)
+    trainer.fit(module, ckpt_path=os.path.join(ckpt_dir, "step8.ckpt") if resume else None)
+    payload = {"batches": module.batches, "acks": hook.acks, "world": trainer.world_size,
+               "gradients": hook.gradients, "total_steps": hook.total_steps}
+    hook.close()
+    dump(out_dir, hook.rank, payload, module.net)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""`rebalancer run -- torchrun ...`: a plain DDP script with no rebalancer import is
+monitored live by a real backend; a broken injection changes neither its output nor
+its exit code (trainer_hook.zero_code, trainer_hook/_site/sitecustomize.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from backend.run_cmd import job_name_for, site_dir
+from tests.helpers.ports import free_port
+from tests.helpers.server import Server, running_server
+from tests.helpers.torchrun import REPO_ROOT, job_env, torchrun_cmd
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.multiproc]
+
+SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "_plain_ddp_job.py")
+STEPS = 120  # per rank: 8 samples each, 16 a global batch
+
+
+def _torchrun(steps: int = STEPS, code: int = 0) -> list[str]:
+    return torchrun_cmd(2, [SCRIPT, str(steps), str(code)])
+
+
+def _stdout_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("final loss")]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    with running_server(tmp_path_factory.mktemp("zero_code")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def baseline() -> subprocess.CompletedProcess[str]:
+    # The script alone, no injection: what every run below must print and return.
+    proc = subprocess.run(_torchrun(code=3), env=job_env(), cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=150)
+    # Each worker exits with 3, which torchrun reports as its own failure status, 1.
+    assert proc.returncode == 1, proc.stderr
+    assert len(_stdout_lines(proc.stdout)) == 1
+    return proc
+
+
+def test_rebalancer_run_monitors_a_plain_ddp_script_live(server: Server, baseline):
+    cmd = [sys.executable, "-m", "backend", "run", "--server", server.url, "--job", "plain",
+           "--", *_torchrun(code=3)]
+    proc = subprocess.Popen(cmd, env=job_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    live = 0
+    try:
+        while proc.poll() is None:  # the ranks show up while the script trains
+            status, body = server.call("GET", "/api/v1/jobs/plain/ranks")
+            if status == 200:
+                live = max(live, sum(r["connected"] for r in body["data"]))
+            time.sleep(0.1)
+        out, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == baseline.returncode, err  # the command's own exit status
+    assert _stdout_lines(out) == _stdout_lines(baseline.stdout)
+    assert live == 2, err
+    ranks = server.get("/api/v1/jobs/plain/ranks")["data"]  # type: ignore[index]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["n_steps"] == STEPS and r["batch_index"] == STEPS - 1
+        assert r["local_batch_size"] == 8 and r["placement_version"] == 0
+        assert r["step_ms"] > 0 and r["data_wait_ms"] >= 0 and r["device"] is not None
+    job = server.get("/api/v1/jobs/plain")
+    assert job["world_size"] == 2 and job["global_batch_size"] == 16  # type: ignore[index]
+    assert job["mode"] == "observe"  # type: ignore[index]
+    assert "rebalancer: monitoring job 'plain' (2 rank(s), global batch 16)" in err
+    assert f"rebalancer run: dashboard: {server.url}/job/plain" in err
+
+
+@pytest.mark.parametrize(("extra", "line"), [
+    # The backend's address is a closed port: the transport retries quietly, training is unchanged.
+    ({"REBALANCER_SERVER": "http://127.0.0.1:{closed}"}, None),
+    # A forced failure inside the injection: one line per rank, then the script as usual.
+    ({"REBALANCER_GLOBAL_BATCH_SIZE": "many"},
+     "rebalancer: monitoring is off for rank {r} (invalid settings: ValueError: "
+     "REBALANCER_GLOBAL_BATCH_SIZE='many' is not an integer); training goes on unmonitored"),
+], ids=["closed-port", "forced-exception"])
+def test_a_broken_injection_leaves_output_and_exit_code_unchanged(baseline, extra, line):
+    env = job_env({"PYTHONPATH": site_dir() + os.pathsep + REPO_ROOT, "REBALANCER_MONITOR": "1",
+                   "REBALANCER_JOB": "broken", "REBALANCER_SERVER": "http://127.0.0.1:1",
+                   **{k: v.format(closed=free_port()) for k, v in extra.items()}})
+    proc = subprocess.run(_torchrun(code=3), env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == baseline.returncode, proc.stderr
+    assert proc.stdout == baseline.stdout
+    if line is not None:  # once on each rank, nothing from torchrun's agent
+        assert [proc.stderr.count(line.format(r=r)) for r in (0, 1)] == [1, 1], proc.stderr
+        assert proc.stderr.count("rebalancer:") == 2, proc.stderr
+    assert "trainer_hook" not in proc.stderr  # no traceback through the injection
+
+
+def test_the_users_own_sitecustomize_still_runs(tmp_path: Path):
+    # Python imports only the first sitecustomize on the path; ours runs the next one.
+    user = tmp_path / "site"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("import sys\nprint('user sitecustomize ran', file=sys.stderr)\n")
+    env = job_env({"PYTHONPATH": site_dir() + os.pathsep + str(user) + os.pathsep + REPO_ROOT,
+                   "REBALANCER_MONITOR": "1", "REBALANCER_SERVER": "http://127.0.0.1:1"})
+    proc = subprocess.run([sys.executable, "-c", "import sys; print('script'); sys.exit(5)"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (5, "script\n", "user sitecustomize ran\n")
+
+
+def test_rebalancer_run_refuses_a_missing_command():
+    proc = subprocess.run([sys.executable, "-m", "backend", "run", "--job", "x"], env=job_env(), cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == ("rebalancer run: give the command to run after --, e.g. rebalancer run -- torchrun "
+                           "--nproc-per-node 2 train.py\n")
+
+
+def test_job_names_come_from_the_script():
+    t = time.mktime((2026, 1, 2, 3, 4, 5, 0, 0, -1))
+    assert job_name_for(["torchrun", "--nproc-per-node", "2", "path/train.py", "--lr", "1"], t) == "train-030405"
+    assert job_name_for(["python", "-m", "pkg.finetune"], t) == "finetune-030405"
+    assert job_name_for(["./launch.sh"], t) == "job-030405"
+
+
+def test_a_failure_inside_a_step_logs_one_line_and_turns_monitoring_off(capsys):
+    # In-process: the optimizer hook's own failure never reaches the training loop.
+    import torch
+
+    from trainer_hook.zero_code import Monitor
+
+    m = Monitor({"RANK": "1", "WORLD_SIZE": "2", "REBALANCER_SERVER": "http://127.0.0.1:1", "REBALANCER_JOB": "j"})
+
+    m._transport = object()  # sending the step record fails
+    m._prev_end = 0.0
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    m._after_optimizer_step(opt, (), {})
+    m._after_optimizer_step(opt, (), {})  # off: silent
+    assert m.off
+    assert capsys.readouterr().err == (
+        "rebalancer: monitoring is off for rank 1 (timing a step failed: AttributeError: 'object' object "
+        "has no attribute 'put_step'); "
+        "training goes on unmonitored\n")
+
+
+def test_the_monitor_stands_down_when_the_script_has_its_own_hook(capsys):
+    # Both would report the same rank of the same job: the script's hook wins.
+    import torch
+
+    from trainer_hook import RebalanceHook
+    from trainer_hook.zero_code import Monitor
+
+    m = Monitor({"RANK": "0", "WORLD_SIZE": "1", "REBALANCER_SERVER": "http://127.0.0.1:1", "REBALANCER_JOB": "j"})
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with RebalanceHook(global_batch_size=4):  # offline, one process
+        m._after_optimizer_step(opt, (), {})
+    assert m.off and m._transport is None
+    assert capsys.readouterr().err == (
+        "rebalancer: the script has its own RebalanceHook: the injected monitoring stands down\n")

@@ -1,0 +1,346 @@
+"""Zero-code monitoring: what ``rebalancer run -- torchrun ... train.py`` injects into
+every worker, through the ``sitecustomize`` in ``trainer_hook/_site`` (docs/integrations.md).
+
+Observe only, and with no collective of its own (a rank whose monitoring fails can never
+make its peers wait): each rank streams its steps and device samples to the backend.
+
+- step boundary: the first optimizer that steps (``register_optimizer_step_post_hook``,
+  a global hook of torch.optim; DDP, FSDP2, Accelerate and the HF Trainer all step a
+  ``torch.optim.Optimizer``); one step ends when that optimizer's ``step()`` returns;
+- step time: from the previous step's end (the first step: its first batch) to this one;
+- data wait: the time spent in DataLoader iterators (``_BaseDataLoaderIter.__next__``)
+  within it, whether the loop fetches its batch first or prefetches (Accelerate, the HF
+  Trainer, Lightning); optimizer: the optimizer's ``step()``; compute: the rest;
+- the local batch size: the first dimension of the batch's first tensor; the global batch
+  is it times the world size, unless ``REBALANCER_GLOBAL_BATCH_SIZE`` says otherwise;
+- device metrics: the hook's DeviceProbe; sync wait is not separated from compute
+  (that needs ``hook.attach``, a code change).
+
+A script that makes its own RebalanceHook is left to it (the monitor stands down at the
+first optimizer step). Placements from the backend are rejected with a reason saying rebalancing needs the hook's
+sampler. Any failure logs one line (``rebalancer: monitoring is off ...``) and switches
+this process's monitoring off; training goes on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from trainer_hook.protocol import StepRecord
+
+__all__ = ["Monitor", "install", "ENABLE_LINE", "REJECT_REASON", "HOOK_VERSION_TAG"]
+
+log = logging.getLogger("trainer_hook")
+
+# The hook_version a zero-code rank reports, followed by ": <framework>" (ddp, accelerate,
+# hf_trainer, lightning); the job page shows its notice, with that framework's line, on it.
+HOOK_VERSION_TAG = "observe-only (rebalancer run)"
+ENABLE_LINE = (
+    "hook = RebalanceHook(global_batch_size=B); hook.attach(ddp_model); "
+    "loader = hook.data_loader(dataset)  # and `with hook.step():` around each step"
+)
+REJECT_REASON = (
+    "this job is monitored by `rebalancer run` without code change: rebalancing needs the "
+    "hook's batch sampler and gradient weighting (RebalanceHook.data_loader and attach)."
+)
+_MAX_ENV_INT = 1 << 31
+
+
+def _say(msg: str) -> None:
+    """One line on stderr, whatever logging the script configured."""
+    try:
+        sys.stderr.write(f"rebalancer: {msg}\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - a closed stderr must not stop training
+        pass
+
+
+def _env_int(env: dict[str, str], name: str, default: int, lo: int, hi: int = _MAX_ENV_INT) -> int:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if not lo <= value < hi:
+        raise ValueError(f"{name}={value} is out of range [{lo}, {hi})")
+    return value
+
+
+def _first_len(batch: Any) -> int | None:
+    """The first dimension of the first tensor in a batch (tensor, dict, list, tuple)."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else None
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return int(v.shape[0])
+    for v in values:
+        if isinstance(v, (dict, list, tuple)):
+            n = _first_len(v)
+            if n is not None:
+                return n
+    return None
+
+
+def _script_has_hook() -> bool:
+    """True when the script made a RebalanceHook itself: it reports this rank already."""
+    from trainer_hook import _lifecycle
+
+    return len(_lifecycle._live) > 0
+
+
+def _framework() -> str:
+    """Which adapter's line would enable rebalancing in this script (what it imported)."""
+    mods = sys.modules
+    if "pytorch_lightning" in mods or "lightning.pytorch" in mods:
+        return "lightning"
+    if "transformers.trainer" in mods:
+        return "hf_trainer"
+    if "accelerate.accelerator" in mods:
+        return "accelerate"
+    return "ddp"
+
+
+class Monitor:
+    """One process's observe-only monitoring (see the module docstring)."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self._env = dict(os.environ) if env is None else env
+        self.rank_text = self._env.get("RANK", "0")
+        self.config: Any = None  # read at the first optimizer step: torchrun's agent never gets there
+        self._optimizer: int | None = None  # id() of the optimizer whose steps are counted
+        self._prev_end: float | None = None  # perf_counter() at the last step's end
+        self._fetch_s = 0.0  # DataLoader waits since then
+        self._opt_t0 = -1.0  # perf_counter() when the optimizer's step() began
+        self._local = 0
+        self._k = 0
+        self._transport: Any = None
+        self._probe: Any = None
+        self.off = False
+        self._handles: list[Any] = []
+
+    def _configure(self) -> None:
+        """Rank, world size and the backend from the environment (range-checked)."""
+        import torch.distributed as dist
+
+        from trainer_hook.config import HookConfig
+
+        env = self._env
+        self.world_size = _env_int(env, "WORLD_SIZE", 1, 1)
+        self.rank = _env_int(env, "RANK", 0, 0, self.world_size)
+        if dist.is_available() and dist.is_initialized():  # mp.spawn scripts set no RANK
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.rank_text = str(self.rank)
+        self.local_rank = _env_int(env, "LOCAL_RANK", 0, 0)
+        self.global_batch_size = _env_int(env, "REBALANCER_GLOBAL_BATCH_SIZE", 0, 0)
+        if 0 < self.global_batch_size < self.world_size:
+            raise ValueError(
+                f"REBALANCER_GLOBAL_BATCH_SIZE={self.global_batch_size} is below the world size "
+                f"({self.world_size})")
+        self.config = HookConfig.from_env(env=env, global_batch_size=max(1, self.global_batch_size))
+        if not self.config.server:
+            raise ValueError("REBALANCER_SERVER is not set")
+
+    # --- installation ----------------------------------------------------------------
+
+    def install(self) -> None:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        self._handles.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
+        self._handles.append(register_optimizer_step_post_hook(self._after_optimizer_step))
+        orig = _BaseDataLoaderIter.__next__
+        monitor = self
+
+        def __next__(it: Any) -> Any:  # noqa: N807 - replaces the iterator's own
+            if monitor.off:
+                return orig(it)
+            t = time.perf_counter()
+            try:
+                batch = orig(it)
+            finally:  # StopIteration included: the wait for the end of an epoch counts too
+                monitor._fetched(t)
+            monitor._batch_ready(batch)
+            return batch
+
+        _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign,assignment]
+        os.register_at_fork(after_in_child=self._forked)
+        atexit.register(self.close)
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        self.off = True
+        _say(f"monitoring is off for rank {self.rank_text} ({where}: {type(exc).__name__}: {exc}); "
+             "training goes on unmonitored")
+        try:
+            for h in self._handles:
+                h.remove()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _forked(self) -> None:  # a DataLoader worker: never streams (the threads stayed behind)
+        self.off = True
+        self._transport = self._probe = None
+
+    # --- the training thread -----------------------------------------------------------
+
+    def _fetched(self, t0: float) -> None:
+        """A DataLoader iterator returned (or ended) after waiting since ``t0``."""
+        if self._prev_end is None:
+            self._prev_end = t0  # the first step starts with its first batch
+        self._fetch_s += time.perf_counter() - t0
+
+    def _batch_ready(self, batch: Any) -> None:
+        try:
+            n = _first_len(batch)
+            if n is not None:
+                self._local = n
+        except Exception as exc:  # noqa: BLE001 - never break the job
+            self._fail("reading a batch failed", exc)
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.off and (self._optimizer is None or self._optimizer == id(optimizer)):
+            self._opt_t0 = time.perf_counter()
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """One step ends: from the previous step's end (or the first batch) until now, of
+        which the DataLoader waits are data wait and the optimizer's step() its own part."""
+        if self.off:
+            return
+        now = time.perf_counter()
+        if self.config is None:
+            try:
+                if _script_has_hook():
+                    self.off = True
+                    if self.rank_text in ("", "0"):
+                        _say("the script has its own RebalanceHook: the injected monitoring stands down")
+                    return
+                self._configure()
+            except Exception as exc:  # noqa: BLE001 - never break the job
+                self._fail("invalid settings", exc)
+                return
+        try:
+            if self._optimizer is None:
+                self._optimizer = id(optimizer)
+            elif self._optimizer != id(optimizer):
+                return  # a second optimizer (GAN-style loops): one step is the first one's
+            k, prev = self._k, self._prev_end
+            self._k += 1
+            self._prev_end, fetch, self._fetch_s = now, self._fetch_s, 0.0
+            if prev is None:
+                return  # the first step of a loop without a DataLoader: its start is unknown
+            step = max(0.0, now - prev)
+            data = min(fetch, step)
+            opt = min(max(0.0, now - self._opt_t0), step - data) if self._opt_t0 >= prev else 0.0
+            rec = StepRecord(
+                batch_index=k, local_batch_size=max(1, self._local or self._batch_guess()),
+                placement_version=0, data_wait_ms=data * 1e3, compute_ms=(step - data - opt) * 1e3,
+                sync_wait_ms=0.0, optimizer_ms=opt * 1e3, step_ms=step * 1e3, t=time.time(),
+            )
+            if self._transport is None:
+                self._start_io()
+            self._transport.put_step(rec)
+        except Exception as exc:  # noqa: BLE001 - never break the job
+            self._fail("timing a step failed", exc)
+
+    def _batch_guess(self) -> int:
+        return max(1, self.global_batch_size // self.world_size) if self.global_batch_size else 1
+
+    # --- I/O (once, at the first step's end) -------------------------------------------
+
+    def _start_io(self) -> None:
+        import torch
+
+        from trainer_hook.probe import DeviceProbe
+        from trainer_hook.transport import Transport
+
+        if not self.global_batch_size:
+            self.global_batch_size = max(1, self._local) * self.world_size
+        cfg = self.config
+        device_index = None
+        if torch.cuda.is_available():
+            device_index = self.local_rank % max(1, torch.cuda.device_count())
+        self._transport = Transport(
+            url=cfg.server or "", token=cfg.token, hello=self._hello, on_message=self._on_message,
+            max_queue=cfg.max_queue, flush_interval_s=cfg.flush_interval_s,
+            flush_on_deviation=cfg.flush_on_deviation,
+        )
+        self._probe = DeviceProbe(interval_s=cfg.probe_interval_s, device_index=device_index,
+                                  on_sample=self._transport.put_device)
+        self._transport.start()
+        self._probe.start()
+        if self.rank == 0:
+            _say(f"monitoring job '{cfg.job_name}' ({self.world_size} rank(s), global batch "
+                 f"{self.global_batch_size}) on {cfg.server}; observe only")
+
+    def _hello(self) -> Any:
+        from trainer_hook.hook import HOOK_VERSION
+        from trainer_hook.protocol import Hello
+
+        device_type, device_name, mem_total = "CPU", "", None
+        gpu_index, gpu_uuid = None, ""
+        try:
+            device_type, device_name, mem_total = self._probe.describe()
+            gpu_index, gpu_uuid = self._probe.identity()
+        except Exception:  # noqa: BLE001 - a probe failure must not stop the connection
+            log.debug("device probe describe() failed", exc_info=True)
+        return Hello(
+            job=self.config.job_name, rank=self.rank, world_size=self.world_size,
+            global_batch_size=self.global_batch_size, local_rank=self.local_rank,
+            host=socket.gethostname(), pid=os.getpid(), device_type=device_type,
+            device_name=device_name, mem_total_bytes=mem_total, placement_version=0,
+            batch_index=self._k,
+            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            hook_version=f"{HOOK_VERSION} {HOOK_VERSION_TAG}: {_framework()}", gpu_index=gpu_index, gpu_uuid=gpu_uuid,
+        )
+
+    def _on_message(self, msg: Any) -> None:
+        from trainer_hook.protocol import Error, Placement, Reject
+
+        if isinstance(msg, Placement) and self.rank == 0 and msg.version > 0:
+            self._transport.send_control(
+                Reject(job=self.config.job_name, rank=self.rank, version=msg.version, reason=REJECT_REASON))
+        elif isinstance(msg, Error):
+            log.warning("backend error %s: %s", msg.code, msg.message)
+
+    def close(self) -> None:
+        """Flush and stop (at interpreter exit); never raises."""
+        probe, transport = self._probe, self._transport
+        self._probe = self._transport = None
+        try:
+            if probe is not None:
+                probe.stop()
+            if transport is not None:
+                transport.close()
+        except Exception as exc:  # noqa: BLE001
+            log.debug("closing the monitor failed: %s", exc)
+
+
+_installed: Monitor | None = None
+
+
+def install(env: dict[str, str] | None = None) -> Monitor | None:
+    """Start monitoring this process (once); on any failure one line and None."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    try:
+        monitor = Monitor(env)
+        monitor.install()
+    except Exception as exc:  # noqa: BLE001 - the injection never breaks a job
+        _say(f"monitoring is off ({type(exc).__name__}: {exc}); training goes on unmonitored")
+        return None
+    _installed = monitor
+    return monitor
