@@ -148,13 +148,20 @@ class Rig:
         return FakeNvml([FakeGpu(name=REHEARSAL_NAME, uuid="GPU-rehearsal", mem_total=2 * 2**30, energy_mj=None,
                                  mem_used=2**30, util_gpu=90, sm_clock=1500, sm_clock_max=1980)])
 
-    def use_host_events(self, monkeypatch: Any) -> None:
+    def use_host_events(self, monkeypatch: Any = None) -> None:
         """Rehearsal: make the hook take CPU tensors for a device with timing events, so the
-        event path (recorded events, read a step later with query()) runs here."""
+        event path (recorded events, read a step later with query()) runs here. With a
+        pytest ``monkeypatch`` the change is undone after the test; without (a torchrun
+        worker), it lasts the process."""
         if self.is_cuda:
             return
         from trainer_hook import gradients
 
-        monkeypatch.setattr(gradients, "_tensor_event", lambda t: HostEvent)
-        monkeypatch.setattr(gradients, "timing_event", lambda device_type: HostEvent)
-        monkeypatch.setenv("REBALANCER_NATIVE_COMM_HOOK", "0")  # the Python comm hook records events
+        set_attr = monkeypatch.setattr if monkeypatch is not None else setattr
+        set_attr(gradients, "_tensor_event", lambda t: HostEvent)
+        set_attr(gradients, "timing_event", lambda device_type: HostEvent)
+        # The Python comm hook records events; the C++ one takes host timestamps.
+        if monkeypatch is not None:
+            monkeypatch.setenv("REBALANCER_NATIVE_COMM_HOOK", "0")
+        else:
+            os.environ["REBALANCER_NATIVE_COMM_HOOK"] = "0"
