@@ -165,3 +165,63 @@ class Rig:
             monkeypatch.setenv("REBALANCER_NATIVE_COMM_HOOK", "0")
         else:
             os.environ["REBALANCER_NATIVE_COMM_HOOK"] = "0"
+
+    # --- device memory: torch's caching allocator, or the rehearsal's host ledger ----------
+
+    def memory(self) -> DeviceMemory:
+        return DeviceMemory(self.is_cuda)
+
+
+class DeviceMemory:
+    """Allocations on the device with torch.cuda's figures beside them; in the rehearsal a
+    ledger of host allocations that keeps the same figures (and is the hook's MemorySource,
+    as ``TorchCudaMemory`` is on CUDA)."""
+
+    name = "cuda"
+
+    def __init__(self, is_cuda: bool) -> None:
+        self.is_cuda = is_cuda
+        self._allocated = 0
+        self._peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        if self.is_cuda:
+            return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        self._sizes[id(t)] = nbytes
+        self._allocated += nbytes
+        self._peak = max(self._peak, self._allocated)
+        return t
+
+    def free(self, t: torch.Tensor) -> None:
+        if not self.is_cuda:
+            self._allocated -= self._sizes.pop(id(t))
+
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(0) if self.is_cuda else self._peak
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated(0) if self.is_cuda else self._allocated
+
+    def memory_reserved(self) -> int:
+        return torch.cuda.memory_reserved(0) if self.is_cuda else self._allocated
+
+    def source(self) -> Any:
+        """The hook's memory source for this device."""
+        if self.is_cuda:
+            from trainer_hook.memory import default_memory_source
+
+            return default_memory_source(0)
+        return self
+
+    # MemorySource (the rehearsal's)
+    def total_bytes(self) -> int | None:
+        return 2 * 2**30
+
+    def read_and_reset(self) -> tuple[int, int | None]:
+        peak, self._peak = self._peak, self._allocated
+        return peak, self._allocated
+
+    def reset(self) -> None:
+        self._peak = self._allocated
