@@ -61,10 +61,26 @@ def _wrap(rig: Rig, model: torch.nn.Module, how: str) -> torch.nn.Module:
     return fully_shard(model)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize(("how", "gradients", "mechanism"),
-                         [("ddp", "auto", "ddp_comm_hook"), ("fsdp2", "loss_scale", "loss_scale")])
+# Where the loop reads its loss (a CPU-GPU sync point, as a loop that logs every step):
+# "inside" hook.step(), or "after" it. Without any sync point these few long kernels would
+# let the host run dozens of steps ahead of the device, past the 8 steps of events the hook
+# keeps pending (it then drops the oldest): a real model's thousands of kernels a step fill
+# CUDA's launch queue long before that.
+SUSPECTED_DOUBLE_COUNT = (
+    "suspected, unverified on a GPU: with the sync after hook.step(), the host's wait for the "
+    "device lands in the next step's data_wait while the device time is also in step_ms")
+
+
+@pytest.mark.parametrize(("how", "gradients", "mechanism", "sync_point"), [
+    ("ddp", "auto", "ddp_comm_hook", "inside"),
+    ("fsdp2", "loss_scale", "loss_scale", "inside"),
+    ("ddp", "auto", "ddp_comm_hook", "after"),
+])
 def test_event_timing_matches_the_injected_delays_and_the_wall_clock(
-        rig: Rig, one_rank: None, how: str, gradients: str, mechanism: str) -> None:
+        rig: Rig, one_rank: None, how: str, gradients: str, mechanism: str, sync_point: str,
+        request: pytest.FixtureRequest) -> None:
+    if sync_point == "after" and rig.is_cuda:
+        request.applymarker(pytest.mark.xfail(reason=SUSPECTED_DOUBLE_COUNT, strict=False))
     hook = RebalanceHook(global_batch_size=32, memory_source=None)
     model = hook.attach(_wrap(rig, Delayed(rig), how), gradients=gradients)
     assert hook.gradients == mechanism
@@ -81,6 +97,10 @@ def test_event_timing_matches_the_injected_delays_and_the_wall_clock(
             rig.busy(OPTIMIZER_MS)
             opt.step()
             opt.zero_grad()
+            if sync_point == "inside":
+                loss.item()  # a CPU-GPU sync point
+        if sync_point == "after":
+            loss.item()  # a CPU-GPU sync point
     rig.sync()
     wall_s = time.perf_counter() - t0
     hook.close()
@@ -93,10 +113,11 @@ def test_event_timing_matches_the_injected_delays_and_the_wall_clock(
     sync = statistics.median(r.sync_wait_ms for r in recs)
     per_step_wall_ms = wall_s * 1e3 / (STEPS - WARMUP)
     per_step_hook_ms = statistics.mean(r.step_ms for r in recs)
-    write_fact(f"timing_{how}", {"mechanism": mechanism, "events": getattr(events, "__qualname__", str(events)),
+    write_fact(f"timing_{how}_{sync_point}", {"mechanism": mechanism, "sync_point": sync_point, "events": getattr(events, "__qualname__", str(events)),
                                  "forward_ms": FORWARD_MS, "optimizer_ms_injected": OPTIMIZER_MS,
                                  "compute_ms_median": compute, "optimizer_ms_median": optimizer,
                                  "sync_wait_ms_median": sync, "step_ms_mean": per_step_hook_ms,
+                                 "data_wait_ms_median": statistics.median(r.data_wait_ms for r in recs),
                                  "wall_ms_per_step": per_step_wall_ms})
     # Compute holds the forward's delay (plus a small backward); the optimizer section its own.
     # The rehearsal's "device" is a shared CPU whose busy loop can only run long: there the
