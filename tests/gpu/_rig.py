@@ -114,7 +114,7 @@ class Rig:
     def cycles_per_ms(self) -> float:
         """``torch.cuda._sleep`` cycles per millisecond, measured once with events."""
         if self._cycles_per_ms is None:
-            cycles = 1_000_000
+            cycles = 10_000_000  # a few milliseconds: long enough for the events' resolution
             torch.cuda._sleep(cycles)  # warm-up
             start, end = self.event(), self.event()
             start.record()

@@ -34,8 +34,9 @@ def test_name_memory_and_clocks_agree_with_torch(rig: Rig) -> None:
     del block
     assert name == rig.name()
     assert nvml_total is not None and sample.mem_total_bytes == nvml_total
-    # NVML counts the whole card; torch the part CUDA lets it use (a little less: the driver's reserve).
-    assert 0.9 * nvml_total <= torch_total <= nvml_total
+    # The same card counted twice (CUDA's total may leave out what the driver reserves; which
+    # of the two is larger depends on the driver, so only closeness is asserted).
+    assert 0.9 * nvml_total <= torch_total <= 1.05 * nvml_total
     # NVML's used memory covers the allocator's reservation and the CUDA context besides.
     assert sample.mem_used_bytes is not None and sample.mem_used_bytes >= reserved
     assert sample.sm_clock_mhz is not None and sample.sm_clock_max_mhz is not None
