@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 PORT   ?= 8000
 STEPS  ?=
 
-.PHONY: setup demo test test-unit check check-min-versions lint typecheck bench bench-quick soak browser prometheus serve clean
+.PHONY: setup demo test test-unit test-gpu gpu-check gpu-rehearsal check check-min-versions lint typecheck bench bench-quick soak browser prometheus serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,22 @@ test: $(STAMP)
 # The fast lane: in-process tests only (no torchrun, servers, browser or installs), < 1 minute.
 test-unit: $(STAMP)
 	REBALANCER_UNIT_LANE=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not multiproc and not browser and not install"
+
+# The GPU checks (tests/gpu, marked gpu; docs/gpu.md): skipped without a CUDA device. No
+# setup dependency: on a CUDA machine `make setup` would put the CPU build of torch into
+# .venv, so these run with GPU_PYTHON (scripts/gpu-check passes the Python whose torch has CUDA).
+GPU_PYTHON      ?= $(BIN)/python
+GPU_PYTEST_ARGS ?=
+test-gpu:
+	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rA -m gpu tests/gpu $(GPU_PYTEST_ARGS)
+
+# test-gpu and the GPU bench in one go, results under $$OUT or bench/results/gpu/ (8 minutes at most).
+gpu-check:
+	scripts/gpu-check
+
+# The same on CPU with the GPU parts faked: the script's plumbing and every test's logic.
+gpu-rehearsal:
+	PYTHON=$(GPU_PYTHON) scripts/gpu-check --rehearse
 
 lint: $(STAMP)
 	$(BIN)/ruff check trainer_hook backend tests bench examples
