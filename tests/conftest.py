@@ -86,3 +86,33 @@ def _unit_lane_spawns_nothing(request: pytest.FixtureRequest, monkeypatch: pytes
         raise RuntimeError(f"{request.node.nodeid} starts a process; mark it multiproc (make test-unit runs none)")
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+
+# The slowest test files, slowest first (measured with --durations on 2 busy cores). Under
+# `--dist loadfile` a file runs whole on one worker, and xdist hands files out in order; by
+# default it orders them by how many tests they hold, which put the long few-test files
+# (the short soak, the OpenAPI fuzz) last, where one of them ran alone while the other
+# worker sat idle. Longest first instead (then the files with the most process-starting
+# tests), so the short files fill the gaps at the end.
+SLOW_FILES = (
+)
+_HEAVY_MARKS = ("multiproc", "browser", "install", "postgres")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    heavy: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        heavy[path] = heavy.get(path, 0) + any(item.get_closest_marker(m) for m in _HEAVY_MARKS)
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return rank.get(path, len(SLOW_FILES)), -heavy[path]
+
+    items.sort(key=key)  # stable: a file's tests keep their order
