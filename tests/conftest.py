@@ -95,6 +95,14 @@ def _unit_lane_spawns_nothing(request: pytest.FixtureRequest, monkeypatch: pytes
 # worker sat idle. Longest first instead (then the files with the most process-starting
 # tests), so the short files fill the gaps at the end.
 SLOW_FILES = (
+    "tests/bench/test_soak.py",
+    "tests/trainer_hook/test_clean_exit.py",
+    "tests/backend/test_openapi_fuzz.py",
+    "tests/integrations/test_accelerate.py",
+    "tests/integrations/test_hf_trainer.py",
+    "tests/trainer_hook/test_hook_backend.py",
+    "tests/trainer_hook/test_exit_abort.py",
+    "tests/integrations/test_elastic.py",
 )
 _HEAVY_MARKS = ("multiproc", "browser", "install", "postgres")
 
