@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 PORT   ?= 8000
 STEPS  ?=
 
-.PHONY: setup demo test test-unit test-gpu gpu-check gpu-rehearsal check check-min-versions lint typecheck bench bench-quick soak browser prometheus serve clean
+.PHONY: setup demo test test-unit test-gpu gpu-check gpu-rehearsal check check-min-versions lint typecheck bench bench-quick soak browser prometheus system-packages serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,17 +29,30 @@ setup: $(STAMP)
 
 # Debian's Chromium for the browser tests (Playwright's own download cannot work offline).
 browser:
-	@test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+	@test -x /usr/bin/chromium || (apt-get update -qq && $(APT_CHROMIUM))
 
 # Debian's Prometheus (prometheus, promtool) and docker-compose for the deploy/ tests. The
 # package's own Prometheus service is stopped and disabled: tests start theirs on free ports.
 prometheus:
 	@test -x /usr/bin/prometheus -a -x /usr/bin/promtool -a -x /usr/bin/docker-compose || \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-		prometheus docker-compose >/dev/null)
-	@-if [ -d /run/systemd/system ]; then systemctl disable --now prometheus >/dev/null 2>&1; fi; \
-		if [ -x /etc/init.d/prometheus ]; then /etc/init.d/prometheus stop >/dev/null 2>&1; \
-		update-rc.d prometheus disable >/dev/null 2>&1; fi; true
+		(apt-get update -qq && $(APT_PROMETHEUS))
+	@$(PROMETHEUS_SERVICE_OFF)
+
+# Both of the above with one `apt-get update` (what `make test` runs).
+system-packages:
+	@need_browser=0; need_prom=0; test -x /usr/bin/chromium || need_browser=1; \
+		test -x /usr/bin/prometheus -a -x /usr/bin/promtool -a -x /usr/bin/docker-compose || need_prom=1; \
+		if [ $$need_browser = 1 ] || [ $$need_prom = 1 ]; then apt-get update -qq || exit 1; fi; \
+		if [ $$need_browser = 1 ]; then $(APT_CHROMIUM) || exit 1; fi; \
+		if [ $$need_prom = 1 ]; then $(APT_PROMETHEUS) || exit 1; fi
+	@$(PROMETHEUS_SERVICE_OFF)
+
+APT_CHROMIUM   = DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+APT_PROMETHEUS = DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	prometheus docker-compose >/dev/null
+PROMETHEUS_SERVICE_OFF = if [ -d /run/systemd/system ]; then systemctl disable --now prometheus >/dev/null 2>&1; fi; \
+	if [ -x /etc/init.d/prometheus ]; then /etc/init.d/prometheus stop >/dev/null 2>&1; \
+	update-rc.d prometheus disable >/dev/null 2>&1; fi; true
 
 demo: $(STAMP)
 	$(BIN)/rebalancer demo --port $(PORT) $(if $(STEPS),--steps $(STEPS),)
@@ -49,12 +62,16 @@ serve: $(STAMP)
 
 # Two pytest workers (pytest-xdist), a test file per worker at a time: most tests wait on
 # real processes and servers, so two keep two cores busy. TEST_WORKERS=0 runs them in one.
-# The C++ comm hook (about 50 s of one core on a cold cache) is built while apt installs
-# Chromium and Prometheus, instead of holding both workers at their first test.
+# Nothing waits that need not: apt installs Chromium and Prometheus (one `apt-get update`)
+# while the venv is set up and the C++ comm hook (about 50 s of one core on a cold cache)
+# is built, instead of each step after the other. tests/conftest.py sends the slowest test
+# files to the workers first, so that no long file is left to run alone at the end.
 TEST_WORKERS ?= 2
-test: $(STAMP)
-	@$(BIN)/python -c "from trainer_hook import _native_comm_hook as n; n.load()" & build=$$!; \
-		$(MAKE) --no-print-directory browser prometheus; status=$$?; wait $$build; exit $$status
+test:
+	@$(MAKE) --no-print-directory system-packages & apt=$$!; \
+		$(MAKE) --no-print-directory setup && \
+		$(BIN)/python -c "from trainer_hook import _native_comm_hook as n; n.load()"; status=$$?; \
+		wait $$apt || status=1; exit $$status
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile
 
 # The fast lane: in-process tests only (no torchrun, servers, browser or installs), < 1 minute.

@@ -86,3 +86,42 @@ def _unit_lane_spawns_nothing(request: pytest.FixtureRequest, monkeypatch: pytes
         raise RuntimeError(f"{request.node.nodeid} starts a process; mark it multiproc (make test-unit runs none)")
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+
+# The test files known to be slow (issue 26's CI run: the short soak, the OpenAPI fuzz, the
+# exits, the torchrun integrations), roughly slowest first; re-measure with --durations. Under
+# `--dist loadfile` a file runs whole on one worker, and xdist hands files out in order; by
+# default it orders them by how many tests they hold, which leaves the long files with few
+# tests (the clean exits, the Accelerate and HF Trainer jobs were still running in the last
+# minutes of a run here) to the end, where a worker may wait on one alone. Longest first
+# instead (then the files with the most process-starting tests), so short files fill the end.
+SLOW_FILES = (
+    "tests/bench/test_soak.py",
+    "tests/trainer_hook/test_clean_exit.py",
+    "tests/backend/test_openapi_fuzz.py",
+    "tests/integrations/test_accelerate.py",
+    "tests/integrations/test_hf_trainer.py",
+    "tests/trainer_hook/test_hook_backend.py",
+    "tests/trainer_hook/test_exit_abort.py",
+    "tests/integrations/test_elastic.py",
+)
+_HEAVY_MARKS = ("multiproc", "browser", "install", "postgres")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    heavy: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        heavy[path] = heavy.get(path, 0) + any(item.get_closest_marker(m) for m in _HEAVY_MARKS)
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return rank.get(path, len(SLOW_FILES)), -heavy[path]
+
+    items.sort(key=key)  # stable: a file's tests keep their order
