@@ -30,6 +30,7 @@ except ImportError:  # a hook-only install: the standard library's parser for ev
     _fast_loads = None
 
 __all__ = [
+    "check_job_name",
     "STEP_FIELDS",
     "STEP_TIMES",
     "PROTOCOL_VERSION",
@@ -228,6 +229,12 @@ def _job(obj: Mapping[str, Any]) -> str:
     if any(c in job for c in "/?#\\") or job != job.strip():
         raise ProtocolError(f"'job' may not contain '/', '?', '#', '\\' or surrounding spaces, got {job!r}.")
     return job
+
+
+def check_job_name(job: str) -> str:
+    """The protocol's one job-name rule (what a ``hello`` may name), for callers outside a
+    frame (the backend's token creation); ``ProtocolError`` (a ``ValueError``) when refused."""
+    return _job({"job": job})
 
 
 def check_shares(shares: Sequence[Any], *, world_size: int, global_batch_size: int) -> list[int]:
