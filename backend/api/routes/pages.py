@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.resources
 import importlib.util
 import json
@@ -22,7 +23,7 @@ import mimetypes
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Query, WebSocket
+from fastapi import APIRouter, HTTPException, Query, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,7 +33,7 @@ from backend.api.deps import PartsDep, ViewerDep, bearer_secret, websocket_actor
 from backend.auth.tokens import Actor, role_allows
 from backend.live.forecast import forecast as job_forecast
 from backend.parts import Parts
-from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED, MAX_BATCH_INDEX
+from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_TOO_BIG, CLOSE_UNAUTHORIZED, MAX_BATCH_INDEX
 
 __all__ = ["router", "FRONTEND_DIR", "plotly_js_path", "FrontendFiles", "AUTH_TIMEOUT_S", "AUTH_FRAME_MAX_BYTES"]
 
@@ -110,13 +111,19 @@ async def dashboard_ws(websocket: WebSocket, job: str | None = None) -> None:
     actor = await websocket_actor(websocket)
     await websocket.accept()
     if actor is None and bearer_secret(websocket.headers, websocket.query_params) is None:
-        actor = await _first_message_actor(websocket)
+        try:
+            actor = await _first_message_actor(websocket)
+        except _Refused as refused:
+            await _close(websocket, refused.code, str(refused))
+            return
+        except WebSocketDisconnect:
+            return  # the client left before it sent a token: nothing to answer
     if actor is None:
-        await websocket.close(CLOSE_UNAUTHORIZED,
-                              "Missing or invalid token; send {\"type\": \"auth\", \"token\": T} first.")
+        await _close(websocket, CLOSE_UNAUTHORIZED,
+                     "Missing or invalid token; send {\"type\": \"auth\", \"token\": T} first.")
         return
     if not role_allows(actor.role, "viewer"):
-        await websocket.close(CLOSE_FORBIDDEN, "The dashboard needs the viewer role.")
+        await _close(websocket, CLOSE_FORBIDDEN, "The dashboard needs the viewer role.")
         return
     parts: Parts = websocket.app.state.parts
     parts.sockets.add(actor, websocket)
@@ -126,16 +133,39 @@ async def dashboard_ws(websocket: WebSocket, job: str | None = None) -> None:
         parts.sockets.discard(actor, websocket)
 
 
+class _Refused(Exception):
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+AUTH_FRAME_TOO_LARGE = (f"The first frame must be the auth message, at most {AUTH_FRAME_MAX_BYTES} bytes; "
+                        "send {\"type\": \"auth\", \"token\": T}.")
+
+
+async def _close(websocket: WebSocket, code: int, reason: str) -> None:
+    """Close with a reason; a client that already left is not an error (nothing to log)."""
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+        await websocket.close(code, reason)
+
+
 async def _first_message_actor(websocket: WebSocket) -> Actor | None:
     """The actor of ``{"type": "auth", "token": T}``, the first frame of a browser's socket
     (so the secret is in no URL, hence in no access log); None when anything else comes, or
-    nothing within ``AUTH_TIMEOUT_S``."""
+    nothing within ``AUTH_TIMEOUT_S``; ``_Refused`` (1009) for a frame over
+    ``AUTH_FRAME_MAX_BYTES``; ``WebSocketDisconnect`` when the client left."""
     try:
         frame = await asyncio.wait_for(websocket.receive(), AUTH_TIMEOUT_S)
     except TimeoutError:
         return None
+    if frame["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(frame.get("code", 1000))
     raw = frame.get("text")
-    if not isinstance(raw, str) or len(raw) > AUTH_FRAME_MAX_BYTES:
+    if raw is None:
+        raw = frame.get("bytes") or b""
+    if len(raw) > AUTH_FRAME_MAX_BYTES:
+        raise _Refused(CLOSE_TOO_BIG, AUTH_FRAME_TOO_LARGE)
+    if not isinstance(raw, str):
         return None
     try:
         msg = json.loads(raw)
