@@ -33,7 +33,12 @@ from backend.api.deps import PartsDep, ViewerDep, bearer_secret, websocket_actor
 from backend.auth.tokens import Actor, role_allows
 from backend.live.forecast import forecast as job_forecast
 from backend.parts import Parts
-from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_TOO_BIG, CLOSE_UNAUTHORIZED, MAX_BATCH_INDEX
+from trainer_hook.protocol import (
+    CLOSE_FORBIDDEN,
+    CLOSE_TOO_BIG,
+    CLOSE_UNAUTHORIZED,
+    MAX_BATCH_INDEX,
+)
 
 __all__ = ["router", "FRONTEND_DIR", "plotly_js_path", "FrontendFiles", "AUTH_TIMEOUT_S", "AUTH_FRAME_MAX_BYTES"]
 
