@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.resources
 import importlib.util
 import json
@@ -30,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
 from backend.api.deps import PartsDep, ViewerDep, bearer_secret, websocket_actor
+from backend.api.edge import CSP, csp, sha256_source
 from backend.auth.tokens import Actor, role_allows
 from backend.live.forecast import forecast as job_forecast
 from backend.parts import Parts
@@ -40,7 +42,8 @@ from trainer_hook.protocol import (
     MAX_BATCH_INDEX,
 )
 
-__all__ = ["router", "FRONTEND_DIR", "plotly_js_path", "FrontendFiles", "AUTH_TIMEOUT_S", "AUTH_FRAME_MAX_BYTES"]
+__all__ = ["router", "FRONTEND_DIR", "plotly_js_path", "FrontendFiles", "AUTH_TIMEOUT_S", "AUTH_FRAME_MAX_BYTES",
+           "report_csp"]
 
 AUTH_TIMEOUT_S = 5.0  # a dashboard socket without a token in its URL sends it within this
 AUTH_FRAME_MAX_BYTES = 4096
@@ -82,11 +85,28 @@ def plotly_js_path() -> Path:
     return path
 
 
-def _page(name: str) -> FileResponse:
+@functools.cache
+def report_csp() -> str:
+    """The Content-Security-Policy of the job page and of the HTML report. The job page
+    shows the report in a ``srcdoc`` frame, which lives under the page's policy: the
+    report's own inline scripts (plotly.js, its chart runner) are allowed by hash, no other
+    inline script. plotly.js styles what it draws with inline ``<style>`` rules, so these
+    two pages (and only they) allow inline styles (CSS runs no code)."""
+    from backend.report.html import inline_code  # it finds plotly.js through this module
+
+    try:
+        scripts, _styles = inline_code()
+    except RuntimeError:  # plotly missing: the page says so, the report route fails anyway
+        scripts = []
+    return csp([sha256_source(x) for x in scripts], ["'unsafe-inline'"])
+
+
+def _page(name: str, policy: str = CSP) -> FileResponse:
     path = FRONTEND_DIR / name
     if not path.is_file():
         raise HTTPException(404, f"Dashboard file {name} is missing from {FRONTEND_DIR}.")
-    return FileResponse(path, media_type="text/html", headers=_NO_CACHE)
+    return FileResponse(path, media_type="text/html",
+                        headers={**_NO_CACHE, "Content-Security-Policy": policy})
 
 
 @router.get("/", include_in_schema=False)
@@ -96,7 +116,7 @@ def overview_page() -> FileResponse:
 
 @router.get("/job/{job}", include_in_schema=False)
 def job_page(job: str) -> FileResponse:
-    return _page("job.html")
+    return _page("job.html", report_csp())
 
 
 @router.get("/static/plotly.min.js", include_in_schema=False)
