@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeAlias
@@ -31,6 +32,7 @@ except ImportError:  # a hook-only install: the standard library's parser for ev
 
 __all__ = [
     "check_job_name",
+    "JOB_NAME_PATTERN",
     "STEP_FIELDS",
     "STEP_TIMES",
     "PROTOCOL_VERSION",
@@ -224,9 +226,15 @@ def _obj(val: Any, what: str) -> Mapping[str, Any]:
     return val
 
 
+# The job-name rule as a pattern (the backend's OpenAPI document states it): no '/', '?',
+# '#', '\\', no surrounding whitespace, not empty. ``_job`` applies it, with its sentence.
+JOB_NAME_PATTERN = r"^[^/?#\\\s]([^/?#\\]*[^/?#\\\s])?$"
+_JOB_NAME = re.compile(JOB_NAME_PATTERN)
+
+
 def _job(obj: Mapping[str, Any]) -> str:
     job = _str(obj, "job", nonempty=True)
-    if any(c in job for c in "/?#\\") or job != job.strip():
+    if not _JOB_NAME.fullmatch(job):
         raise ProtocolError(f"'job' may not contain '/', '?', '#', '\\' or surrounding spaces, got {job!r}.")
     return job
 

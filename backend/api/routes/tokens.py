@@ -19,6 +19,7 @@ from backend.auth.tokens import (
     revoke_token,
 )
 from backend.storage.control import record_audit
+from trainer_hook.protocol import JOB_NAME_PATTERN, ProtocolError
 
 __all__ = ["router", "TokenCreate", "TokenPublic", "TokenCreated", "TokensPublic"]
 
@@ -32,7 +33,9 @@ router = APIRouter(prefix="/api/v1/tokens", tags=["tokens"])
 class TokenCreate(BaseModel):
     role: Literal["viewer", "operator", "admin", "hook"]
     name: str = Field("", max_length=128)
-    job: str | None = Field(None, max_length=128, description="Required for hook tokens, refused otherwise.")
+    job: str | None = Field(None, max_length=128, description="Required for hook tokens (400 without), refused "
+                            "otherwise (400); a name the hook protocol accepts.",
+                            json_schema_extra={"pattern": JOB_NAME_PATTERN})
     reason: str = Field("", max_length=2048)
 
 
@@ -80,8 +83,10 @@ async def create(body: TokenCreate, actor: AdminDep, parts: PartsDep) -> TokenCr
 
     try:
         created = await parts.sql.run(run)
-    except ValueError as exc:
-        raise HTTPException(422, str(exc).replace(" pass --job NAME.", " give its job name.")) from None
+    except ProtocolError as exc:  # a job name no hook may use
+        raise HTTPException(422, str(exc)) from None
+    except ValueError as exc:  # role and job do not go together: a rule across fields
+        raise HTTPException(400, str(exc).replace(" pass --job NAME.", " give its job name.")) from None
     parts.auth.invalidate()
     return created
 
