@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
-from backend.control.errors import InvalidError
+from backend.control.errors import InvalidError, StateError
 from backend.live.state import STEP_BATCH as _BATCH
 from backend.live.state import STEP_COMPUTE as _COMPUTE
 from backend.live.state import STEP_LOCAL_BATCH as _LOCAL_BATCH
@@ -245,22 +245,22 @@ def check_overrides(overrides: Mapping[str, Any], shares: Sequence[int], *,
     ov, g = overrides, overrides["granularity"]
     for r, v in ov["pins"].items():
         if shares[r] != v:
-            raise InvalidError(f"Placement breaks the overrides: rank {r} is pinned to {v} samples but gets {shares[r]}.")
+            raise StateError(f"Placement breaks the overrides: rank {r} is pinned to {v} samples but gets {shares[r]}.")
     for r in ov["drains"]:
         if shares[r] != 0:
-            raise InvalidError(f"Placement breaks the overrides: rank {r} is drained but gets {shares[r]} samples.")
+            raise StateError(f"Placement breaks the overrides: rank {r} is drained but gets {shares[r]} samples.")
     for r, v in ov["caps"].items():
         if shares[r] > v:
-            raise InvalidError(f"Placement breaks the overrides: rank {r} is capped at {v} samples but gets {shares[r]}.")
+            raise StateError(f"Placement breaks the overrides: rank {r} is capped at {v} samples but gets {shares[r]}.")
     for r, v in ov["floors"].items():
         if shares[r] < v:
-            raise InvalidError(f"Placement breaks the overrides: rank {r} needs at least {v} samples but gets {shares[r]}.")
+            raise StateError(f"Placement breaks the overrides: rank {r} needs at least {v} samples but gets {shares[r]}.")
     if g > 1:
         fixed = set(ov["pins"]) | set(ov["drains"])
         off = [r for r, v in enumerate(shares) if r not in fixed and v % g]
         # When B is no multiple of g one rank must carry the remainder.
         if len(off) > (1 if global_batch_size % g else 0):
-            raise InvalidError(f"Placement breaks the overrides: rank {off[0]} gets {shares[off[0]]} samples, not a multiple of the granularity {g}.")
+            raise StateError(f"Placement breaks the overrides: rank {off[0]} gets {shares[off[0]]} samples, not a multiple of the granularity {g}.")
 
 
 def overrides_dict(row: OverridesRow | None) -> dict[str, Any]:
