@@ -48,13 +48,13 @@ class PolicyChanges(BaseModel):
     custom_weights: dict[str, Any] | None = Field(default=None, description="device type -> weight > 0, for workload custom")
     params: dict[str, Any] | None = Field(default=None, description="strategy-specific numbers")
     min_gain: Annotated[float, Field(ge=0.0, le=0.99, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="propose only above this predicted gain")
-    cooldown_steps: Annotated[int, BeforeValidator(_whole), Field(ge=0, le=1_000_000, strict=True)] | None = Field(default=None, description="steps to wait after each change")
-    min_steps: Annotated[int, BeforeValidator(_whole), Field(ge=1, le=1_000_000, strict=True)] | None = Field(default=None, description="valid steps per rank before measuring strategies propose")
-    window_steps: Annotated[int, BeforeValidator(_whole), Field(ge=2, le=100_000, strict=True)] | None = Field(default=None, description="recent steps used for a fit")
+    cooldown_steps: Annotated[int, Field(ge=0, le=1_000_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="steps to wait after each change")
+    min_steps: Annotated[int, Field(ge=1, le=1_000_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="valid steps per rank before measuring strategies propose")
+    window_steps: Annotated[int, Field(ge=2, le=100_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="recent steps used for a fit")
     max_move_fraction: Annotated[float, Field(ge=0.001, le=1.0, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="auto mode: most of B one change moves a rank")
-    horizon_steps: Annotated[int, BeforeValidator(_whole), Field(ge=1, le=100_000, strict=True)] | None = Field(default=None, description="predictive: steps to forecast ahead")
+    horizon_steps: Annotated[int, Field(ge=1, le=100_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="predictive: steps to forecast ahead")
     rollback_threshold: Annotated[float, Field(ge=0.0, le=1.0, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="auto mode: roll back when steps get this much slower")
-    effect_window_steps: Annotated[int, BeforeValidator(_whole), Field(ge=2, le=10_000, strict=True)] | None = Field(default=None, description="steps before/after a change to measure its effect")
+    effect_window_steps: Annotated[int, Field(ge=2, le=10_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="steps before/after a change to measure its effect")
     proposal_ttl_s: Annotated[float, Field(ge=1.0, le=7 * 86400.0, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="seconds a proposal stays approvable")
     memory_headroom: Annotated[float, Field(ge=0.0, le=0.9, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="fraction of device memory the memory caps keep free")
 
@@ -138,8 +138,8 @@ def check_policy_changes(changes: dict[str, Any]) -> dict[str, Any]:
 
 # --- overrides ------------------------------------------------------------------------------
 
-Samples = Annotated[int, BeforeValidator(_whole), Field(ge=0, le=MAX_GLOBAL_BATCH_SIZE, strict=True)]
-Rank = Annotated[int, BeforeValidator(_whole), Field(ge=0, lt=MAX_WORLD_SIZE)]
+Samples = Annotated[int, Field(ge=0, le=MAX_GLOBAL_BATCH_SIZE, strict=True), BeforeValidator(_whole)]
+Rank = Annotated[int, Field(ge=0, lt=MAX_WORLD_SIZE)]
 
 
 class Overrides(BaseModel):
@@ -159,7 +159,7 @@ class Overrides(BaseModel):
     floors: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> fewest samples")
     drains: list[Rank] = Field(default_factory=list, max_length=MAX_WORLD_SIZE,
                                description="ranks that get no samples")
-    granularity: Annotated[int, BeforeValidator(_whole), Field(ge=1, le=MAX_GLOBAL_BATCH_SIZE, strict=True)] = Field(
+    granularity: Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH_SIZE, strict=True), BeforeValidator(_whole)] = Field(
         default=1, description="shares are multiples of this (one rank may carry the remainder)")
 
     @model_validator(mode="wrap")
