@@ -42,6 +42,7 @@ __all__ = [
 
 NUL_SENTENCE = "Text may not contain the NUL character (\\u0000); remove it and try again."
 
+
 def too_large(limit: int) -> str:
     return (f"The request body is larger than {limit} bytes, the limit of this server "
             f"(REBALANCER_MAX_BODY_BYTES); send less.")
