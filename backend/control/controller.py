@@ -1013,6 +1013,9 @@ class Controller:
         """
         st = await self._require(job)
         async with st.lock:
+            if isinstance(shares, list):  # JSON Schema's integers include 12.0
+                shares = [int(x) if isinstance(x, float) and x.is_integer() and abs(x) < 2**53 else x
+                          for x in shares]
             well_formed = isinstance(shares, list) and all(
                 isinstance(x, int) and not isinstance(x, bool) for x in shares)
             try:

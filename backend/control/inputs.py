@@ -235,8 +235,30 @@ def validate_overrides(o: Mapping[str, Any], *, world_size: int,
         ov = Overrides.model_validate(dict(o), context={"world_size": world_size,
                                                         "global_batch_size": global_batch_size})
     except ValidationError as exc:
-        raise InvalidError(exc.errors()[0]["msg"]) from None
+        # Entries of the documented types and bounds that this job refuses (a rank it does
+        # not have, more samples than its batch) are the job's refusal: 400, not 422.
+        error = StateError if _documented_form(o) else InvalidError
+        raise error(exc.errors()[0]["msg"]) from None
     return ov.normalised()
+
+
+def _whole_in(v: Any, lo: int, hi: int) -> bool:
+    ok = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
+    return ok and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _documented_form(o: Mapping[str, Any]) -> bool:
+    """True when ``o`` has the form the OpenAPI document gives overrides (types, bounds)."""
+    from trainer_hook.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_WORLD_SIZE
+
+    for key in ("pins", "caps", "floors"):
+        v = o.get(key, {})
+        if not isinstance(v, dict) or not all(_whole_in(x, 0, MAX_GLOBAL_BATCH_SIZE) for x in v.values()):
+            return False
+    drains = o.get("drains", [])
+    if not isinstance(drains, list) or not all(_whole_in(x, 0, MAX_WORLD_SIZE - 1) for x in drains):
+        return False
+    return _whole_in(o.get("granularity", 1), 1, MAX_GLOBAL_BATCH_SIZE)
 
 
 def check_overrides(overrides: Mapping[str, Any], shares: Sequence[int], *,

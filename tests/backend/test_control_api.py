@@ -125,7 +125,7 @@ def test_overrides_are_validated_and_respected(api):
     base = f"/api/v1/jobs/{JOB}"
     with hooks(client):
         r = client.put(f"{base}/overrides", json={"drains": [5]}, headers=h(tok["operator"]))
-        assert (r.status_code, r.json()["detail"]) == (422, "drains names rank 5 but the job has ranks 0 to 2.")
+        assert (r.status_code, r.json()["detail"]) == (400, "drains names rank 5 but the job has ranks 0 to 2.")
         r = client.put(f"{base}/overrides", json={"pins": {"0": 40, "1": 40}}, headers=h(tok["operator"]))
         assert r.status_code == 400 and r.json()["detail"].startswith("The overrides admit no placement: ")
         r = client.put(f"{base}/overrides", json={"drains": [2], "caps": {"0": 30}, "reason": "rank 2 flaky"},
