@@ -255,6 +255,8 @@ def _documented_form(o: Mapping[str, Any]) -> bool:
         v = o.get(key, {})
         if not isinstance(v, dict) or not all(_whole_in(x, 0, MAX_GLOBAL_BATCH_SIZE) for x in v.values()):
             return False
+        if not all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 5 for k in v):
+            return False
     drains = o.get("drains", [])
     if not isinstance(drains, list) or not all(_whole_in(x, 0, MAX_WORLD_SIZE - 1) for x in drains):
         return False

@@ -33,6 +33,9 @@ def _whole(v: Any) -> Any:
     return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**53 else v
 
 
+# The keys of pins, caps and floors are rank numbers (JSON object keys are strings).
+_RANK_KEYS: dict[str, Any] = {"propertyNames": {"pattern": "^[0-9]{1,5}$"}}
+
 Workload = Literal["llm", "vision", "diffusion", "recsys", "custom"]
 WORKLOADS: tuple[str, ...] = get_args(Workload)
 
@@ -154,9 +157,12 @@ class Overrides(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    pins: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> exact share")
-    caps: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> most samples")
-    floors: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> fewest samples")
+    pins: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> exact share",
+                                     json_schema_extra=_RANK_KEYS)
+    caps: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> most samples",
+                                     json_schema_extra=_RANK_KEYS)
+    floors: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> fewest samples",
+                                     json_schema_extra=_RANK_KEYS)
     drains: list[Rank] = Field(default_factory=list, max_length=MAX_WORLD_SIZE,
                                description="ranks that get no samples")
     granularity: Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH_SIZE, strict=True), BeforeValidator(_whole)] = Field(
