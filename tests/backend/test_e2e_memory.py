@@ -111,4 +111,4 @@ def test_oom_is_reported_and_the_restarted_job_runs_the_previous_placement(tmp_p
         assert any("attempt 1 starts" in line for line in out), "".join(out)
         # The policy never offers rank 0 the failing share again.
         status, body = call(server, "POST", f"{base}/proposals", ADMIN, {"shares": [13, 3], "force": True})
-        assert status == 422 and "capped at 12 samples" in body["detail"], body
+        assert status == 400 and "capped at 12 samples" in body["detail"], body
