@@ -173,6 +173,10 @@ def _serve_with(settings: Settings) -> int:
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 log_config=redact.log_config(),
                 ws_max_size=settings.ws_max_bytes, ws="websockets-sansio",
+                # X-Forwarded-For counts only from the configured proxies (none by default;
+                # uvicorn's own default trusts any local client)
+                proxy_headers=bool(settings.forwarded_allow_ips),
+                forwarded_allow_ips=settings.forwarded_allow_ips or None,
                 ws_ping_interval=settings.ws_ping_interval_s, ws_ping_timeout=settings.ws_ping_timeout_s)
     return 0
 

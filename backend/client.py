@@ -506,7 +506,7 @@ class Client:
     def submit_placement(self, job: str, shares: Sequence[int], *, reason: str | None = None,
                          apply: bool = False, force: bool = False) -> Proposal:
         """A placement by hand; with ``apply`` it is approved in the same call. One that
-        breaks a memory cap is refused (422) unless ``force`` (audited)."""
+        breaks a memory cap is refused (400) unless ``force`` (audited)."""
         body: dict[str, Any] = {"shares": list(shares), "reason": reason, "apply": apply}
         if force:
             body["force"] = True

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, FastAPI
 
 from backend import heap
+from backend.api.edge import Edge
 from backend.api.errors import install_error_handlers
 from backend.api.openapi import install_openapi
 from backend.api.routes import (
@@ -96,5 +97,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in ROUTERS:  # pages includes /ws/dashboard (the hub's feed)
         app.include_router(router)
     app.mount("/static", pages.FrontendFiles(), name="static")  # after /static/plotly.min.js
+    app.add_middleware(Edge, max_body_bytes=settings.max_body_bytes)
 
     return app

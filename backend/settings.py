@@ -72,6 +72,13 @@ class Settings(BaseSettings):
     stale_after_s: float = 30.0
     # uvicorn's frame limit; above the protocol's so the app itself answers with 1009.
     ws_max_bytes: int = 4 * MAX_MESSAGE_BYTES
+    # The largest request body a route accepts (REST bodies are small: a placement for 1,024
+    # ranks is under 10 KB); a larger one is answered 413 before it is read.
+    max_body_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024)] = 256 * 1024
+    # Proxies whose X-Forwarded-For / X-Forwarded-Proto are believed (uvicorn's
+    # --forwarded-allow-ips: comma-separated addresses or networks, "*" for any). Empty: none,
+    # so the audit log records the address that connected, which no client can forge.
+    forwarded_allow_ips: str = ""
     # Keepalive pings to hooks and dashboards. A training node at 100% CPU (or 1,024 ranks
     # connecting at once) can answer late; the hook reconnects when it is dropped anyway.
     ws_ping_interval_s: float = 20.0
@@ -147,6 +154,21 @@ class Settings(BaseSettings):
         if not v.strip():
             raise ValueError("REBALANCER_HOST must not be empty; use 127.0.0.1 or 0.0.0.0.")
         return v.strip()
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _forwarded(cls, v: str) -> str:
+        items = [x.strip() for x in v.split(",") if x.strip()]
+        for item in items:
+            if item == "*" or item.startswith("unix:"):
+                continue
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"REBALANCER_FORWARDED_ALLOW_IPS must list proxy addresses or networks "
+                    f"(e.g. 10.0.0.5,10.1.0.0/16), or '*', got {item!r}.") from None
+        return ",".join(items)
 
     @field_validator("db")
     @classmethod

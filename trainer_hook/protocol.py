@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeAlias
@@ -30,6 +31,8 @@ except ImportError:  # a hook-only install: the standard library's parser for ev
     _fast_loads = None
 
 __all__ = [
+    "check_job_name",
+    "JOB_NAME_PATTERN",
     "STEP_FIELDS",
     "STEP_TIMES",
     "PROTOCOL_VERSION",
@@ -224,11 +227,23 @@ def _obj(val: Any, what: str) -> Mapping[str, Any]:
     return val
 
 
+# The job-name rule as a pattern (the backend's OpenAPI document states it): no '/', '?',
+# '#', '\\', no surrounding whitespace, not empty. ``_job`` applies it, with its sentence.
+JOB_NAME_PATTERN = r"^[^/?#\\\s]([^/?#\\]*[^/?#\\\s])?$"
+_JOB_NAME = re.compile(JOB_NAME_PATTERN)
+
+
 def _job(obj: Mapping[str, Any]) -> str:
     job = _str(obj, "job", nonempty=True)
-    if any(c in job for c in "/?#\\") or job != job.strip():
+    if not _JOB_NAME.fullmatch(job):
         raise ProtocolError(f"'job' may not contain '/', '?', '#', '\\' or surrounding spaces, got {job!r}.")
     return job
+
+
+def check_job_name(job: str) -> str:
+    """The protocol's one job-name rule (what a ``hello`` may name), for callers outside a
+    frame (the backend's token creation); ``ProtocolError`` (a ``ValueError``) when refused."""
+    return _job({"job": job})
 
 
 def check_shares(shares: Sequence[Any], *, world_size: int, global_batch_size: int) -> list[int]:

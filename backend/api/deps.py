@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Path, Request, WebSocket, status
 
@@ -32,7 +32,19 @@ __all__ = [
     "AdminDep",
     "RowId",
     "ROW_ID_MAX",
+    "ROLE_OF_CHECK",
+    "UNAUTHORIZED",
+    "forbidden",
 ]
+
+UNAUTHORIZED = "Missing or invalid bearer token."
+# require() registers each role check here, so the edge (backend.api.edge) knows a route's
+# role from the route's own dependencies and refuses before reading a body.
+ROLE_OF_CHECK: dict[Callable[..., Any], str] = {}
+
+
+def forbidden(role: str) -> str:
+    return f"This action needs the {role} role."
 
 
 def get_parts(request: Request) -> Parts:
@@ -71,7 +83,7 @@ async def get_actor(request: Request, parts: PartsDep) -> Actor:
     actor = await authenticate(parts, bearer_secret(request.headers), address)
     if actor is None:
         raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED, "Missing or invalid bearer token.",
+            status.HTTP_401_UNAUTHORIZED, UNAUTHORIZED,
             headers={"WWW-Authenticate": "Bearer"},
         )
     return actor
@@ -87,10 +99,11 @@ def require(role: str) -> Callable[[Actor], Actor]:
 
     def check(actor: ActorDep) -> Actor:
         if not role_allows(actor.role, role):
-            raise HTTPException(status.HTTP_403_FORBIDDEN, f"This action needs the {role} role.")
+            raise HTTPException(status.HTTP_403_FORBIDDEN, forbidden(role))
         return actor
 
     check.__name__ = f"require_{role}"
+    ROLE_OF_CHECK[check] = role
     return check
 
 

@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, DBAPIError
 
+from backend.api.edge import NUL_SENTENCE
 from backend.control.errors import ControlError
 from backend.storage.health import report_fault
 from backend.storage.writes import database_fault, one_line
@@ -55,9 +56,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _internal_error)
 
 
-# PostgreSQL's text cannot hold NUL (SQLite's can): a request carrying one anywhere (path,
-# query, body) is refused when SQL sees it, before anything is written.
-NUL_SENTENCE = "Text may not contain the NUL character (\\u0000); remove it and try again."
+# PostgreSQL's text cannot hold NUL: the edge refuses a request carrying one (backend.api.edge);
+# one that reaches SQL some other way is refused there, before anything is written.
 
 
 def _nul_in_text(exc: DBAPIError) -> bool:

@@ -23,6 +23,7 @@ from sqlalchemy import Float, Integer, String, func, select
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from backend.storage.base import Base
+from trainer_hook.protocol import check_job_name
 
 __all__ = [
     "ROLES",
@@ -36,6 +37,7 @@ __all__ = [
     "list_tokens",
     "revoke_token",
     "active_token_count",
+    "is_last_admin",
 ]
 
 ROLES = ("hook", "viewer", "operator", "admin")
@@ -82,6 +84,8 @@ def _check_role(role: str, job: str | None) -> None:
         raise ValueError(f"Unknown role {role!r}; expected one of {', '.join(ROLES)}.")
     if role == "hook" and not job:
         raise ValueError("A hook token must be scoped to a job; pass --job NAME.")
+    if role == "hook" and job:
+        check_job_name(job)  # the hook protocol's rule: a token for a name no hello may carry is useless
     if role != "hook" and job:
         raise ValueError("Only hook tokens are scoped to a job; drop the job for this role.")
 
@@ -114,6 +118,15 @@ def revoke_token(session: Session, token_id: int) -> TokenRow | None:
     if row is not None and row.revoked_at is None:
         row.revoked_at = time.time()
     return row
+
+
+def is_last_admin(session: Session, row: TokenRow) -> bool:
+    """True when ``row`` is the only admin token not revoked: revoking it would leave nobody
+    who can administer over the API."""
+    if row.role != "admin" or row.revoked_at is not None:
+        return False
+    admins = select(func.count(TokenRow.id)).where(TokenRow.role == "admin", TokenRow.revoked_at.is_(None))
+    return int(session.scalar(admins) or 0) <= 1
 
 
 def active_token_count(session: Session) -> int:

@@ -44,6 +44,7 @@ from backend.control.errors import (
     ControlError,
     InvalidError,
     NotFoundError,
+    StateError,
     error_detail,
 )
 from backend.control.models import check_policy_changes
@@ -1012,14 +1013,21 @@ class Controller:
         """
         st = await self._require(job)
         async with st.lock:
+            if isinstance(shares, list):  # JSON Schema's integers include 12.0
+                shares = [int(x) if isinstance(x, float) and x.is_integer() and abs(x) < 2**53 else x
+                          for x in shares]
+            well_formed = isinstance(shares, list) and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in shares)
             try:
                 shares = check_shares(shares, world_size=st.world_size, global_batch_size=st.global_batch_size)
             except ValueError as exc:
-                raise InvalidError(f"Invalid placement: {exc}") from None
+                # integers that do not fit this job (count, sum, range) are the job's refusal
+                error = StateError if well_formed else InvalidError
+                raise error(f"Invalid placement: {exc}") from None
             self._check_overrides(st, shares)
             problems, expl = self._memory_problems(st, shares)
             if problems and not force:
-                raise InvalidError(f"Placement breaks memory caps: {'; '.join(problems)}. "
+                raise StateError(f"Placement breaks memory caps: {'; '.join(problems)}. "
                                    "Send force=true to submit it anyway.")
             if problems:
                 expl["memory_forced"] = problems
@@ -1126,7 +1134,7 @@ class Controller:
                 target = list(solve([0.0] * st.world_size, costs or [1.0] * st.world_size,
                                     st.global_batch_size, self._memory_constraints(st, ov)))
             except InfeasibleError as exc:
-                raise InvalidError(f"The overrides admit no placement: {exc}") from None
+                raise StateError(f"The overrides admit no placement: {exc}") from None
             broken: str | None = None
             try:
                 inputs.check_overrides(ov, st.shares, global_batch_size=st.global_batch_size)

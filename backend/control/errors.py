@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ControlError", "NotFoundError", "ConflictError", "InvalidError", "error_detail"]
+__all__ = ["ControlError", "NotFoundError", "ConflictError", "InvalidError", "StateError", "error_detail"]
 
 
 class ControlError(Exception):
@@ -28,6 +28,14 @@ class ConflictError(ControlError):
 
 class InvalidError(ControlError):
     status_code = 422
+
+
+class StateError(InvalidError):
+    """Well-formed input that the job's state refuses (a placement that does not sum to its
+    global batch, breaks its overrides or memory caps): 400, since the OpenAPI document
+    cannot say it and a 422 means the request broke the document."""
+
+    status_code = 400
 
 
 def error_detail(exc: Exception) -> str:

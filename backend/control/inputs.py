@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
-from backend.control.errors import InvalidError
+from backend.control.errors import InvalidError, StateError
 from backend.live.state import STEP_BATCH as _BATCH
 from backend.live.state import STEP_COMPUTE as _COMPUTE
 from backend.live.state import STEP_LOCAL_BATCH as _LOCAL_BATCH
@@ -243,8 +243,32 @@ def validate_overrides(o: Mapping[str, Any], *, world_size: int,
         ov = Overrides.model_validate(dict(o), context={"world_size": world_size,
                                                         "global_batch_size": global_batch_size})
     except ValidationError as exc:
-        raise InvalidError(exc.errors()[0]["msg"]) from None
+        # Entries of the documented types and bounds that this job refuses (a rank it does
+        # not have, more samples than its batch) are the job's refusal: 400, not 422.
+        error = StateError if _documented_form(o) else InvalidError
+        raise error(exc.errors()[0]["msg"]) from None
     return ov.normalised()
+
+
+def _whole_in(v: Any, lo: int, hi: int) -> bool:
+    ok = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
+    return ok and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _documented_form(o: Mapping[str, Any]) -> bool:
+    """True when ``o`` has the form the OpenAPI document gives overrides (types, bounds)."""
+    from trainer_hook.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_WORLD_SIZE
+
+    for key in ("pins", "caps", "floors"):
+        v = o.get(key, {})
+        if not isinstance(v, dict) or not all(_whole_in(x, 0, MAX_GLOBAL_BATCH_SIZE) for x in v.values()):
+            return False
+        if not all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 5 for k in v):
+            return False
+    drains = o.get("drains", [])
+    if not isinstance(drains, list) or not all(_whole_in(x, 0, MAX_WORLD_SIZE - 1) for x in drains):
+        return False
+    return _whole_in(o.get("granularity", 1), 1, MAX_GLOBAL_BATCH_SIZE)
 
 
 def check_overrides(overrides: Mapping[str, Any], shares: Sequence[int], *,
@@ -253,22 +277,22 @@ def check_overrides(overrides: Mapping[str, Any], shares: Sequence[int], *,
     ov, g = overrides, overrides["granularity"]
     for r, v in ov["pins"].items():
         if shares[r] != v:
-            raise InvalidError(f"Placement breaks the overrides: rank {r} is pinned to {v} samples but gets {shares[r]}.")
+            raise StateError(f"Placement breaks the overrides: rank {r} is pinned to {v} samples but gets {shares[r]}.")
     for r in ov["drains"]:
         if shares[r] != 0:
-            raise InvalidError(f"Placement breaks the overrides: rank {r} is drained but gets {shares[r]} samples.")
+            raise StateError(f"Placement breaks the overrides: rank {r} is drained but gets {shares[r]} samples.")
     for r, v in ov["caps"].items():
         if shares[r] > v:
-            raise InvalidError(f"Placement breaks the overrides: rank {r} is capped at {v} samples but gets {shares[r]}.")
+            raise StateError(f"Placement breaks the overrides: rank {r} is capped at {v} samples but gets {shares[r]}.")
     for r, v in ov["floors"].items():
         if shares[r] < v:
-            raise InvalidError(f"Placement breaks the overrides: rank {r} needs at least {v} samples but gets {shares[r]}.")
+            raise StateError(f"Placement breaks the overrides: rank {r} needs at least {v} samples but gets {shares[r]}.")
     if g > 1:
         fixed = set(ov["pins"]) | set(ov["drains"])
         off = [r for r, v in enumerate(shares) if r not in fixed and v % g]
         # When B is no multiple of g one rank must carry the remainder.
         if len(off) > (1 if global_batch_size % g else 0):
-            raise InvalidError(f"Placement breaks the overrides: rank {off[0]} gets {shares[off[0]]} samples, not a multiple of the granularity {g}.")
+            raise StateError(f"Placement breaks the overrides: rank {off[0]} gets {shares[off[0]]} samples, not a multiple of the granularity {g}.")
 
 
 def overrides_dict(row: OverridesRow | None) -> dict[str, Any]:

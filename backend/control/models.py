@@ -12,13 +12,29 @@ import math
 from typing import Annotated, Any, Literal, get_args
 
 from annotated_types import Ge, Le
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from backend.control.errors import InvalidError
 from trainer_hook.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_WORLD_SIZE
 
 __all__ = ["Overrides", "PolicyChanges", "WORKLOADS", "Workload", "check_policy_changes", "policy_sentence"]
+
+def _whole(v: Any) -> Any:
+    # JSON Schema's integer includes 434.0: take a whole float as the integer it is.
+    return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**53 else v
+
+
+# The keys of pins, caps and floors are rank numbers (JSON object keys are strings).
+_RANK_KEYS: dict[str, Any] = {"propertyNames": {"pattern": "^[0-9]{1,5}$"}}
 
 Workload = Literal["llm", "vision", "diffusion", "recsys", "custom"]
 WORKLOADS: tuple[str, ...] = get_args(Workload)
@@ -29,18 +45,19 @@ class PolicyChanges(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    strategy: str | None = Field(default=None, description="a registered strategy: static, profiled, predictive")
+    strategy: str | None = Field(default=None, description="a registered strategy: static, profiled, predictive",
+                                 json_schema_extra=lambda s: _strategy_enum(s))
     workload: Workload | None = Field(default=None, description="llm | vision | diffusion | recsys | custom")
     custom_weights: dict[str, Any] | None = Field(default=None, description="device type -> weight > 0, for workload custom")
     params: dict[str, Any] | None = Field(default=None, description="strategy-specific numbers")
     min_gain: Annotated[float, Field(ge=0.0, le=0.99, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="propose only above this predicted gain")
-    cooldown_steps: Annotated[int, Field(ge=0, le=1_000_000, strict=True)] | None = Field(default=None, description="steps to wait after each change")
-    min_steps: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] | None = Field(default=None, description="valid steps per rank before measuring strategies propose")
-    window_steps: Annotated[int, Field(ge=2, le=100_000, strict=True)] | None = Field(default=None, description="recent steps used for a fit")
+    cooldown_steps: Annotated[int, Field(ge=0, le=1_000_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="steps to wait after each change")
+    min_steps: Annotated[int, Field(ge=1, le=1_000_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="valid steps per rank before measuring strategies propose")
+    window_steps: Annotated[int, Field(ge=2, le=100_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="recent steps used for a fit")
     max_move_fraction: Annotated[float, Field(ge=0.001, le=1.0, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="auto mode: most of B one change moves a rank")
-    horizon_steps: Annotated[int, Field(ge=1, le=100_000, strict=True)] | None = Field(default=None, description="predictive: steps to forecast ahead")
+    horizon_steps: Annotated[int, Field(ge=1, le=100_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="predictive: steps to forecast ahead")
     rollback_threshold: Annotated[float, Field(ge=0.0, le=1.0, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="auto mode: roll back when steps get this much slower")
-    effect_window_steps: Annotated[int, Field(ge=2, le=10_000, strict=True)] | None = Field(default=None, description="steps before/after a change to measure its effect")
+    effect_window_steps: Annotated[int, Field(ge=2, le=10_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="steps before/after a change to measure its effect")
     proposal_ttl_s: Annotated[float, Field(ge=1.0, le=7 * 86400.0, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="seconds a proposal stays approvable")
     memory_headroom: Annotated[float, Field(ge=0.0, le=0.9, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="fraction of device memory the memory caps keep free")
 
@@ -66,6 +83,14 @@ class PolicyChanges(BaseModel):
         return out
 
 
+def _strategy_enum(schema: dict[str, Any]) -> None:
+    # The document lists the strategies registered when it is built; the validator above
+    # keeps its own sentence for any other name.
+    from backend.policy import available_strategies
+
+    schema["enum"] = [*available_strategies(), None]
+
+
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -74,8 +99,9 @@ def _bound(key: str) -> tuple[str, float, float]:
     info = PolicyChanges.model_fields[key]
     ann = next(a for a in get_args(info.annotation) if a is not type(None))
     kind, *meta = get_args(ann)
-    lo = float(next(m.ge for m in meta[0].metadata if isinstance(m, Ge)))  # type: ignore[arg-type]
-    hi = float(next(m.le for m in meta[0].metadata if isinstance(m, Le)))  # type: ignore[arg-type]
+    limits = [m for f in meta for m in getattr(f, "metadata", ())]
+    lo = float(next(m.ge for m in limits if isinstance(m, Ge)))  # type: ignore[arg-type]
+    hi = float(next(m.le for m in limits if isinstance(m, Le)))  # type: ignore[arg-type]
     return ("an integer" if kind is int else "a number"), lo, hi
 
 
@@ -115,7 +141,7 @@ def check_policy_changes(changes: dict[str, Any]) -> dict[str, Any]:
 
 # --- overrides ------------------------------------------------------------------------------
 
-Samples = Annotated[int, Field(ge=0, le=MAX_GLOBAL_BATCH_SIZE, strict=True)]
+Samples = Annotated[int, Field(ge=0, le=MAX_GLOBAL_BATCH_SIZE, strict=True), BeforeValidator(_whole)]
 Rank = Annotated[int, Field(ge=0, lt=MAX_WORLD_SIZE)]
 
 
@@ -131,12 +157,15 @@ class Overrides(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    pins: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> exact share")
-    caps: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> most samples")
-    floors: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> fewest samples")
+    pins: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> exact share",
+                                     json_schema_extra=_RANK_KEYS)
+    caps: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> most samples",
+                                     json_schema_extra=_RANK_KEYS)
+    floors: dict[Rank, Samples] = Field(default_factory=dict, description="rank -> fewest samples",
+                                     json_schema_extra=_RANK_KEYS)
     drains: list[Rank] = Field(default_factory=list, max_length=MAX_WORLD_SIZE,
                                description="ranks that get no samples")
-    granularity: Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH_SIZE, strict=True)] = Field(
+    granularity: Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH_SIZE, strict=True), BeforeValidator(_whole)] = Field(
         default=1, description="shares are multiples of this (one rank may carry the remainder)")
 
     @model_validator(mode="wrap")

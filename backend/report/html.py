@@ -15,7 +15,7 @@ from typing import Any
 
 from backend.api.routes.pages import plotly_js_path
 
-__all__ = ["render", "render_compare"]
+__all__ = ["render", "render_compare", "inline_code"]
 
 _CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1100px;color:#1d232a;padding:0 16px}
@@ -148,18 +148,32 @@ def _details(r: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+# The report's only inline code besides plotly.js: static, so a Content-Security-Policy can
+# allow it by hash (the charts' data travels in a JSON block, which runs nothing).
+_RUNNER = (
+    "const CHARTS=JSON.parse(document.getElementById('charts').textContent);"
+    "for(const [id,spec] of Object.entries(CHARTS)){const el=document.getElementById(id);"
+    "if(el){Plotly.newPlot(el,spec.data,Object.assign({margin:{t:10,r:10,b:40,l:60},"
+    "legend:{orientation:'h'}},spec.layout),{displaylogo:false,responsive:true});}}")
+
+
+def _plotly_inline() -> str:
+    return plotly_js_path().read_text(encoding="utf-8").replace("</script", "<\\/script")
+
+
+def inline_code() -> tuple[list[str], list[str]]:
+    """The exact inline scripts and styles every report page holds (for a CSP's hashes)."""
+    return [_plotly_inline(), _RUNNER], [_CSS]
+
+
 def _page(title: str, body: str, charts: list[tuple[str, str, dict[str, Any]]]) -> str:
-    plotly = plotly_js_path().read_text(encoding="utf-8").replace("</script", "<\\/script")
     divs = {cid: spec for cid, _, spec in charts}
     return (
-        "<!doctype html><html lang=en><head><meta charset=utf-8>"
+        "<!doctype html><html lang=en><head><meta charset=utf-8><link rel=icon href=\"data:,\">"
         f"<title>{_e(title)}</title><style>{_CSS}</style>"
-        f"<script>{plotly}</script></head><body>{body}"
-        f"<script>const CHARTS={_script_json(divs)};"
-        "for(const [id,spec] of Object.entries(CHARTS)){const el=document.getElementById(id);"
-        "if(el){Plotly.newPlot(el,spec.data,Object.assign({margin:{t:10,r:10,b:40,l:60},"
-        "legend:{orientation:'h'}},spec.layout),{displaylogo:false,responsive:true});}}"
-        "</script></body></html>")
+        f"<script>{_plotly_inline()}</script></head><body>{body}"
+        f"<script type=application/json id=charts>{_script_json(divs)}</script>"
+        f"<script>{_RUNNER}</script></body></html>")
 
 
 def _chart_divs(charts: list[tuple[str, str, dict[str, Any]]]) -> str:

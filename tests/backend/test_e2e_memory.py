@@ -81,7 +81,7 @@ def test_oom_is_reported_and_the_restarted_job_runs_the_previous_placement(tmp_p
                  proc=proc, log=out)
         # Over the cap (proportional fit at 8: 0.225 GB a sample, cap floor(1.98 / 0.225) = 8).
         status, body = call(server, "POST", f"{base}/proposals", ADMIN, {"shares": [13, 3], "apply": True})
-        assert status == 422, body
+        assert status == 400, body
         assert body["detail"] == (
             "Placement breaks memory caps: rank 0 would peak at 2.7 GiB with 13 samples, above its "
             "limit of 1.8 GiB (90% of 2.0 GiB); its memory cap is 8 samples. Send force=true to "
@@ -111,4 +111,4 @@ def test_oom_is_reported_and_the_restarted_job_runs_the_previous_placement(tmp_p
         assert any("attempt 1 starts" in line for line in out), "".join(out)
         # The policy never offers rank 0 the failing share again.
         status, body = call(server, "POST", f"{base}/proposals", ADMIN, {"shares": [13, 3], "force": True})
-        assert status == 422 and "capped at 12 samples" in body["detail"], body
+        assert status == 400 and "capped at 12 samples" in body["detail"], body

@@ -52,7 +52,7 @@ def test_metrics_filters(client):
     both = client.get("/api/v1/jobs/j/metrics?rank=0&rank=1&limit=4").json()
     assert [(p["rank"], p["batch_index"]) for p in both["data"]] == [(0, 8), (1, 8), (0, 9), (1, 9)]
     bad = client.get("/api/v1/jobs/j/metrics", params={"batch_from": 5, "batch_to": 2})
-    assert bad.status_code == 422 and bad.json() == {"detail": "batch_from (5) must not exceed batch_to (2)."}
+    assert bad.status_code == 400 and bad.json() == {"detail": "batch_from (5) must not exceed batch_to (2)."}
 
 
 def test_history_source_after_flush(client):

@@ -86,4 +86,5 @@ def test_a_dashboard_socket_without_a_valid_first_message_gets_4401(server: Serv
     with connect(f"{server.ws_url}/ws/dashboard") as ws:
         with contextlib.suppress(ConnectionClosed):
             ws.send(first)
-        assert close_code(ws) == 4401
+        # a first frame over 4096 bytes: too big to be an auth message (issue 26)
+        assert close_code(ws) == (1009 if len(first) > 4096 else 4401)

@@ -16,6 +16,8 @@ from pydantic import BaseModel, Field
 
 from backend.api.deps import AdminDep, OperatorDep, PartsDep, RowId, ViewerDep
 from backend.control.models import Overrides, PolicyChanges
+from backend.storage.control import PROPOSAL_STATUSES
+from trainer_hook.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_WORLD_SIZE
 
 __all__ = [
     "router",
@@ -37,7 +39,8 @@ router = APIRouter(prefix="/api/v1/jobs/{job}", tags=["control"])
 
 class ModeIn(BaseModel):
     # str, not Literal: the controller answers a wrong mode with one plain sentence.
-    mode: str = Field(description="observe | approve | auto")
+    mode: str = Field(description="observe | approve | auto",
+                      json_schema_extra={"enum": ["observe", "approve", "auto"]})
     reason: str | None = Field(default=None, max_length=2048)
 
 
@@ -51,7 +54,10 @@ class PolicyIn(PolicyChanges):
 
 class ManualPlacementIn(BaseModel):
     # Any: the controller's check says exactly which entry is wrong and why.
-    shares: Any = Field(description="one integer share per rank, summing to the global batch size")
+    shares: Any = Field(description="one integer share per rank, summing to the global batch size",
+                        json_schema_extra={"type": "array", "minItems": 1, "maxItems": MAX_WORLD_SIZE,
+                                           "items": {"type": "integer", "minimum": 0,
+                                                     "maximum": MAX_GLOBAL_BATCH_SIZE}})
     reason: str | None = Field(default=None, max_length=2048)
     apply: bool = False  # approve it in the same call
     force: bool = Field(default=False, description="submit it even though it breaks a memory cap (audited)")
@@ -181,7 +187,8 @@ async def put_policy(job: str, body: PolicyIn, actor: AdminDep, parts: PartsDep)
 @router.get("/proposals", response_model=ProposalsPublic)
 async def list_proposals(
     job: str, actor: ViewerDep, parts: PartsDep,
-    status: str | None = Query(default=None, description="only proposals in this status"),
+    status: str | None = Query(default=None, description="only proposals in this status",
+                               json_schema_extra={"enum": list(PROPOSAL_STATUSES)}),
     limit: int = Query(default=100, ge=1, le=1000),
 ) -> dict[str, Any]:
     """Proposals of the job, newest first."""

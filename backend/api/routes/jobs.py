@@ -303,15 +303,15 @@ async def get_metrics(
     parts: PartsDep,
     rank: Annotated[list[Annotated[int, Field(ge=0, le=MAX_WORLD_SIZE - 1)]] | None,
                     Query(description="Only these ranks (repeat the parameter).")] = None,
-    batch_from: Annotated[int | None, Query(ge=0, le=MAX_BATCH_INDEX, description="First batch index (inclusive).")] = None,
-    batch_to: Annotated[int | None, Query(ge=0, le=MAX_BATCH_INDEX, description="Last batch index (inclusive).")] = None,
+    batch_from: Annotated[int | None, Query(ge=0, le=MAX_BATCH_INDEX, description="First batch index (inclusive); batch_from <= batch_to.")] = None,
+    batch_to: Annotated[int | None, Query(ge=0, le=MAX_BATCH_INDEX, description="Last batch index (inclusive); not below batch_from (400 otherwise).")] = None,
     source: Annotated[Literal["auto", "live", "history"], Query(
         description="live: every buffered step; history: stored per-window means; "
         "auto: live when the job is in memory.")] = "auto",
     limit: Annotated[int, Query(ge=1, le=100_000, description="Newest points kept.")] = 5000,
 ) -> MetricsPublic:
     if batch_from is not None and batch_to is not None and batch_from > batch_to:
-        raise HTTPException(422, f"batch_from ({batch_from}) must not exceed batch_to ({batch_to}).")
+        raise HTTPException(400, f"batch_from ({batch_from}) must not exceed batch_to ({batch_to}).")
     ranks = set(rank) if rank else None
 
     use_live = source == "live" or (source == "auto" and job in parts.live)

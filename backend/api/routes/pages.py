@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import importlib.resources
 import importlib.util
 import json
@@ -22,19 +24,26 @@ import mimetypes
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Query, WebSocket
+from fastapi import APIRouter, HTTPException, Query, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
 from backend.api.deps import PartsDep, ViewerDep, bearer_secret, websocket_actor
+from backend.api.edge import CSP, csp, sha256_source
 from backend.auth.tokens import Actor, role_allows
 from backend.live.forecast import forecast as job_forecast
 from backend.parts import Parts
-from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED, MAX_BATCH_INDEX
+from trainer_hook.protocol import (
+    CLOSE_FORBIDDEN,
+    CLOSE_TOO_BIG,
+    CLOSE_UNAUTHORIZED,
+    MAX_BATCH_INDEX,
+)
 
-__all__ = ["router", "FRONTEND_DIR", "plotly_js_path", "FrontendFiles", "AUTH_TIMEOUT_S", "AUTH_FRAME_MAX_BYTES"]
+__all__ = ["router", "FRONTEND_DIR", "plotly_js_path", "FrontendFiles", "AUTH_TIMEOUT_S", "AUTH_FRAME_MAX_BYTES",
+           "report_csp"]
 
 AUTH_TIMEOUT_S = 5.0  # a dashboard socket without a token in its URL sends it within this
 AUTH_FRAME_MAX_BYTES = 4096
@@ -76,11 +85,28 @@ def plotly_js_path() -> Path:
     return path
 
 
-def _page(name: str) -> FileResponse:
+@functools.cache
+def report_csp() -> str:
+    """The Content-Security-Policy of the job page and of the HTML report. The job page
+    shows the report in a ``srcdoc`` frame, which lives under the page's policy: the
+    report's own inline scripts (plotly.js, its chart runner) are allowed by hash, no other
+    inline script. plotly.js styles what it draws with inline ``<style>`` rules, so these
+    two pages (and only they) allow inline styles (CSS runs no code)."""
+    from backend.report.html import inline_code  # it finds plotly.js through this module
+
+    try:
+        scripts, _styles = inline_code()
+    except RuntimeError:  # plotly missing: the page says so, the report route fails anyway
+        scripts = []
+    return csp([sha256_source(x) for x in scripts], ["'unsafe-inline'"])
+
+
+def _page(name: str, policy: str = CSP) -> FileResponse:
     path = FRONTEND_DIR / name
     if not path.is_file():
         raise HTTPException(404, f"Dashboard file {name} is missing from {FRONTEND_DIR}.")
-    return FileResponse(path, media_type="text/html", headers=_NO_CACHE)
+    return FileResponse(path, media_type="text/html",
+                        headers={**_NO_CACHE, "Content-Security-Policy": policy})
 
 
 @router.get("/", include_in_schema=False)
@@ -90,7 +116,7 @@ def overview_page() -> FileResponse:
 
 @router.get("/job/{job}", include_in_schema=False)
 def job_page(job: str) -> FileResponse:
-    return _page("job.html")
+    return _page("job.html", report_csp())
 
 
 @router.get("/static/plotly.min.js", include_in_schema=False)
@@ -110,13 +136,19 @@ async def dashboard_ws(websocket: WebSocket, job: str | None = None) -> None:
     actor = await websocket_actor(websocket)
     await websocket.accept()
     if actor is None and bearer_secret(websocket.headers, websocket.query_params) is None:
-        actor = await _first_message_actor(websocket)
+        try:
+            actor = await _first_message_actor(websocket)
+        except _Refused as refused:
+            await _close(websocket, refused.code, str(refused))
+            return
+        except WebSocketDisconnect:
+            return  # the client left before it sent a token: nothing to answer
     if actor is None:
-        await websocket.close(CLOSE_UNAUTHORIZED,
-                              "Missing or invalid token; send {\"type\": \"auth\", \"token\": T} first.")
+        await _close(websocket, CLOSE_UNAUTHORIZED,
+                     "Missing or invalid token; send {\"type\": \"auth\", \"token\": T} first.")
         return
     if not role_allows(actor.role, "viewer"):
-        await websocket.close(CLOSE_FORBIDDEN, "The dashboard needs the viewer role.")
+        await _close(websocket, CLOSE_FORBIDDEN, "The dashboard needs the viewer role.")
         return
     parts: Parts = websocket.app.state.parts
     parts.sockets.add(actor, websocket)
@@ -126,16 +158,39 @@ async def dashboard_ws(websocket: WebSocket, job: str | None = None) -> None:
         parts.sockets.discard(actor, websocket)
 
 
+class _Refused(Exception):
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+AUTH_FRAME_TOO_LARGE = (f"The first frame must be the auth message, at most {AUTH_FRAME_MAX_BYTES} bytes; "
+                        "send {\"type\": \"auth\", \"token\": T}.")
+
+
+async def _close(websocket: WebSocket, code: int, reason: str) -> None:
+    """Close with a reason; a client that already left is not an error (nothing to log)."""
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+        await websocket.close(code, reason)
+
+
 async def _first_message_actor(websocket: WebSocket) -> Actor | None:
     """The actor of ``{"type": "auth", "token": T}``, the first frame of a browser's socket
     (so the secret is in no URL, hence in no access log); None when anything else comes, or
-    nothing within ``AUTH_TIMEOUT_S``."""
+    nothing within ``AUTH_TIMEOUT_S``; ``_Refused`` (1009) for a frame over
+    ``AUTH_FRAME_MAX_BYTES``; ``WebSocketDisconnect`` when the client left."""
     try:
         frame = await asyncio.wait_for(websocket.receive(), AUTH_TIMEOUT_S)
     except TimeoutError:
         return None
+    if frame["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(frame.get("code", 1000))
     raw = frame.get("text")
-    if not isinstance(raw, str) or len(raw) > AUTH_FRAME_MAX_BYTES:
+    if raw is None:
+        raw = frame.get("bytes") or b""
+    if len(raw) > AUTH_FRAME_MAX_BYTES:
+        raise _Refused(CLOSE_TOO_BIG, AUTH_FRAME_TOO_LARGE)
+    if not isinstance(raw, str):
         return None
     try:
         msg = json.loads(raw)

@@ -15,6 +15,7 @@ from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from backend.api.deps import OperatorDep, PartsDep, ViewerDep
+from backend.api.routes.pages import report_csp
 from backend.parts import Parts
 from backend.report.collect import ON_DEMAND
 from backend.report.html import render, render_compare
@@ -54,11 +55,11 @@ async def get_report(
     a = await _report(parts, job)
     if compare is None:
         if format == "html":
-            return HTMLResponse(await asyncio.to_thread(render, a))
+            return HTMLResponse(await asyncio.to_thread(render, a), headers={"Content-Security-Policy": report_csp()})
         return JSONResponse(a)
     b = await _report(parts, compare)
     if format == "html":
-        return HTMLResponse(await asyncio.to_thread(render_compare, a, b))
+        return HTMLResponse(await asyncio.to_thread(render_compare, a, b), headers={"Content-Security-Policy": report_csp()})
     return JSONResponse({"data": [a, b], "count": 2})
 
 

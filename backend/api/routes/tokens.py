@@ -10,19 +10,32 @@ from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from backend.api.deps import AdminDep, PartsDep, RowId
-from backend.auth.tokens import Actor, TokenRow, create_token, list_tokens, revoke_token
+from backend.auth.tokens import (
+    Actor,
+    TokenRow,
+    create_token,
+    is_last_admin,
+    list_tokens,
+    revoke_token,
+)
 from backend.storage.control import record_audit
+from trainer_hook.protocol import JOB_NAME_PATTERN, ProtocolError
 
 __all__ = ["router", "TokenCreate", "TokenPublic", "TokenCreated", "TokensPublic"]
 
 log = logging.getLogger("rebalancer.api")
+LAST_ADMIN = ("This is the last admin token: revoking it would leave nobody to administer the "
+              "backend. Create another admin token first (POST /api/v1/tokens with role admin), "
+              "then revoke this one.")
 router = APIRouter(prefix="/api/v1/tokens", tags=["tokens"])
 
 
 class TokenCreate(BaseModel):
     role: Literal["viewer", "operator", "admin", "hook"]
     name: str = Field("", max_length=128)
-    job: str | None = Field(None, max_length=128, description="Required for hook tokens, refused otherwise.")
+    job: str | None = Field(None, max_length=128, description="Required for hook tokens (400 without), refused "
+                            "otherwise (400); a name the hook protocol accepts.",
+                            json_schema_extra={"pattern": JOB_NAME_PATTERN})
     reason: str = Field("", max_length=2048)
 
 
@@ -70,8 +83,10 @@ async def create(body: TokenCreate, actor: AdminDep, parts: PartsDep) -> TokenCr
 
     try:
         created = await parts.sql.run(run)
-    except ValueError as exc:
-        raise HTTPException(422, str(exc).replace(" pass --job NAME.", " give its job name.")) from None
+    except ProtocolError as exc:  # a job name no hook may use
+        raise HTTPException(422, str(exc)) from None
+    except ValueError as exc:  # role and job do not go together: a rule across fields
+        raise HTTPException(400, str(exc).replace(" pass --job NAME.", " give its job name.")) from None
     parts.auth.invalidate()
     return created
 
@@ -88,12 +103,16 @@ async def list_all(
     return await parts.sql.run(run)
 
 
-@router.delete("/{token_id}", response_model=TokenPublic, summary="Revoke a token")
+@router.delete("/{token_id}", response_model=TokenPublic, summary="Revoke a token",
+               responses={409: {"description": "The last admin token: create another admin token first."}})
 async def revoke(
     token_id: RowId, actor: AdminDep, parts: PartsDep,
     reason: Annotated[str, Query(max_length=2048)] = "",
 ) -> TokenPublic:
     def run(s: Session) -> TokenPublic | None:
+        existing = s.get(TokenRow, token_id)
+        if existing is not None and is_last_admin(s, existing):
+            raise HTTPException(409, LAST_ADMIN)
         row = revoke_token(s, token_id)
         if row is None:
             return None

@@ -196,7 +196,7 @@ function explanationTable(ex) {
     el("td", { class: "num" }, r.compute_ms_before === undefined ? "" : `${fmt(r.compute_ms_before, 1)} → ${fmt(r.compute_ms_after, 1)} ms`),
     el("td", { class: "num" }, r.c_ms === undefined ? "" : fmt(r.c_ms, 3, " ms/sample")),
     el("td", { class: "num mem-peak" }, peakText(r))));
-  return el("div", { class: "scroll", style: "max-height:160px" }, el("table", { class: "grid" },
+  return el("div", { class: "scroll h160" }, el("table", { class: "grid" },
     el("thead", {}, el("tr", {}, el("th", {}, "rank"), el("th", { class: "num" }, "share"),
       el("th", { class: "num" }, "predicted compute"), el("th", { class: "num" }, "cost"),
       el("th", { class: "num" }, "predicted peak memory"))),
