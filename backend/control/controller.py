@@ -1104,6 +1104,14 @@ class Controller:
                     policy.pop(k, None)
                 else:
                     policy[k] = v
+            # Each value may be in range and the whole still unusable (window below min_steps):
+            # every policy run after it would fail, so refuse it before it is stored.
+            from backend.policy.engine import check_config
+
+            try:
+                check_config(inputs.policy_config(policy, st.mode, self.settings))
+            except ValueError as exc:
+                raise StateError(str(exc)) from None
 
             def work(s: Session) -> None:
                 row = db.get_settings(s, job)

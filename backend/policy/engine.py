@@ -25,7 +25,7 @@ from .types import (
 )
 from .work import in_work_units
 
-__all__ = ["decide", "memory_caps", "limit_moves", "with_caps"]
+__all__ = ["check_config", "decide", "memory_caps", "limit_moves", "with_caps"]
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +302,9 @@ def _trending_through(obs: JobObservation, est: Estimate | NoProposal, effective
     return [i for i in now if i in before]
 
 
-def _check_config(cfg: PolicyConfig) -> None:
+def check_config(cfg: PolicyConfig) -> None:
+    """ValueError naming the setting when ``cfg`` is not one ``decide`` can run with."""
+
     def bad(key: str, want: str, got: object) -> ValueError:
         return ValueError(f"policy.{key} must be {want}, got {got!r}.")
 
@@ -367,7 +369,7 @@ def decide(obs: JobObservation, config: PolicyConfig,
             f"observation of job {obs.job!r}: shares sum to {sum(obs.shares)}, not the "
             f"global batch {b_total}."
         )
-    _check_config(config)
+    check_config(config)
     obs = in_work_units(obs)  # with a per-sample cost, shares and fits are in work units
     strategy = get_strategy(config.strategy)
     headroom = config.memory_headroom
