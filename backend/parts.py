@@ -163,6 +163,7 @@ class Parts:
         await asyncio.sleep(2 * self.hub.interval_s)
         while True:
             try:
+                await self.controller.run_ended(job)
                 await self.store_report(job, reason=GOODBYE, finished=True)
                 return
             except Exception as exc:
