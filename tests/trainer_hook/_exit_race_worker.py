@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,6 +83,7 @@ def main() -> int:
     # still alive, holds it until this thread has finished the last step, then lets it go
     # on while this thread keeps the GIL (a huge switch interval) and heads for exit: gloo's
     # thread still holds the callback and waits for the GIL, every run.
+    Path(store + ".peer").unlink(missing_ok=True)  # a file store left by an earlier run
     peer_proc = subprocess.Popen([sys.executable, "-m", "tests.trainer_hook._exit_race_worker", "peer",
                                   store + ".peer"])
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
