@@ -470,6 +470,8 @@ class Controller:
             async with st.lock:
                 await self._run_policy(st)
         except Exception as exc:  # a policy bug must not take ingest down with it
+            if isinstance(exc, ConflictError) and self.live.ended(st.job):
+                return  # the run ended under it (an auto rollback refused): nothing failed
             log_failure(log, f"the policy run for job {st.job}", exc)
             st.status_detail = "the policy failed; see the backend log"
             self._publish(st)
