@@ -22,14 +22,17 @@ import atexit
 import logging
 import os
 import threading
-import weakref
 from typing import Any
 
-__all__ = ["track", "close_all"]
+__all__ = ["track", "forget", "close_all"]
 
 log = logging.getLogger("trainer_hook")
 
-_live: weakref.WeakSet[Any] = weakref.WeakSet()
+# Strong references: a hook the script dropped without close() (the locals of a main()
+# that returned) must still be here when the atexit handler runs. Held weakly, a garbage
+# collection between the script's end and the handler took it away unclosed, its comm
+# hook's callback still held by gloo's thread: the exit aborted (issue 26, item 10).
+_live: set[Any] = set()
 _registered = False
 _guard = threading.Lock()
 
@@ -42,6 +45,12 @@ def track(hook: Any) -> None:
         if not _registered:
             atexit.register(close_all)
             _registered = True
+
+
+def forget(hook: Any) -> None:
+    """A hook closed: nothing left to do for it at exit."""
+    with _guard:
+        _live.discard(hook)
 
 
 def close_all() -> None:

@@ -1,15 +1,17 @@
 """One-process gloo job that ends while gloo's worker thread still holds the comm hook's
 callback (see GradientState.release_callbacks), then exits at once.
 
-Usage: python -m tests.trainer_hook._exit_race_worker {close|no-close|futures} STORE_FILE
+Usage: python -m tests.trainer_hook._exit_race_worker {close|no-close|dropped|futures} STORE_FILE
 ``close``/``no-close``: the race forced (see main), then the exit with or without
-``hook.close()``; it prints whether the race was reached. ``futures``: four steps with the
+``hook.close()``; it prints whether the race was reached. ``dropped``: no-close, and a
+garbage collection after main() returned, before the exit handler. ``futures``: four steps with the
 comm hook's futures recorded; prints which of them the hook still keeps after close().
 ``peer``: rank 1 of the forced race's gradient group (started by ``main``).
 """
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import threading
@@ -128,8 +130,13 @@ def main() -> int:
     if mode == "close":
         hook.close()
         dist.destroy_process_group()
-    return 0  # no-close: the interpreter's exit closes the hook
+    return 0  # no-close, dropped: the interpreter's exit closes the hook
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if sys.argv[1] == "dropped":
+        # The script's hook and model were main()'s locals, garbage now: a collection
+        # before the exit handler runs (any allocation may start one) takes them.
+        gc.collect()
+    sys.exit(code)

@@ -14,8 +14,10 @@ A second way to the same abort, seen once in CI (no close, Python hook): the fut
 ``then`` makes holds a Python object, and gloo's thread, when it drops the last reference
 to one DDP has already replaced, frees it with the GIL after the callback's guard is gone.
 The hook now keeps the futures of the last two steps, so that thread never drops the last.
-That did not end the abort: it came back in a later CI run (no close, Python hook), so
-the no-close case below is an expected failure until the rest of the cause is found.
+That did not end the abort: it came back in later CI runs (no close, Python hook). The
+rest of the cause: the exit handler's registry held hooks weakly, and a garbage collection
+after the script's main() returned took its hook away unclosed
+(test_exit_dropped_hook.py); the registry now keeps a hook until it is closed.
 
 The race is forced (``_exit_race_worker``: a peer process that joins the all-reduce late,
 a second callback holding gloo's thread), one run per mode; without ``release_callbacks``
@@ -50,11 +52,7 @@ def test_release_callbacks_waits_until_no_thread_holds_the_callback() -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["close", pytest.param("no-close", marks=pytest.mark.xfail(
-    reason="open defect: with the Python comm hook and no close(), the exit aborted under load in 2 of 5 "
-           "CI runs on 2026-12-03 by a road not yet found (this forced interleaving exits cleanly); "
-           "see docs/reliability.md",
-    strict=False))])
+@pytest.mark.parametrize("mode", ["close", "no-close"])
 def test_exit_right_after_a_step_gloo_still_holds_the_callback_does_not_abort(mode: str, tmp_path: Path) -> None:
     # The interleaving is forced, not waited for (the worker's main() says how): one run,
     # and it always reaches the race.
