@@ -14,6 +14,8 @@ when the first hook is made, so after ``init_process_group`` and before any hand
 torch registered earlier runs), while the interpreter is whole. Left to finalisation,
 its daemon threads and its gloo group would be torn down with the interpreter half gone,
 which is where ``terminate called without an active exception`` (SIGABRT) comes from.
+The registry holds each hook until it is closed, so a hook the script dropped (the locals
+of a ``main()`` that returned) is still closed.
 """
 
 from __future__ import annotations
