@@ -161,10 +161,19 @@ class Parts:
         # The last metrics frames came before the goodbyes; let the hub fold them into the
         # run's savings first (its next tick).
         await asyncio.sleep(2 * self.hub.interval_s)
-        try:
-            await self.store_report(job, reason=GOODBYE, finished=True)
-        except Exception:  # the database may be away; an operator can still ask for it
-            log.exception("storing the run report of job %s failed", job)
+        while True:
+            try:
+                await self.controller.run_ended(job)
+                await self.store_report(job, reason=GOODBYE, finished=True)
+                return
+            except Exception as exc:
+                if not database_fault(exc):
+                    log.exception("storing the run report of job %s failed", job)
+                    return
+                # The database does not take writes now: try again until it does (the
+                # report is built from what live state holds, which waits with it).
+                report_fault(log, f"storing the run report of job {job}", exc)
+            await asyncio.sleep(self.settings.health_interval_s)
 
     async def _preload_history(self) -> None:
         limit = self.hub.series_max
@@ -263,6 +272,10 @@ class Parts:
     async def stop(self) -> None:
         if self._report_tasks:  # reports of runs that just ended: let them finish
             await asyncio.wait(set(self._report_tasks), timeout=10)
+            for t in list(self._report_tasks):  # still waiting for the database: give up
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
         for part in (self.hub, self.controller):
             with contextlib.suppress(Exception):
                 await part.stop()

@@ -14,6 +14,8 @@ when the first hook is made, so after ``init_process_group`` and before any hand
 torch registered earlier runs), while the interpreter is whole. Left to finalisation,
 its daemon threads and its gloo group would be torn down with the interpreter half gone,
 which is where ``terminate called without an active exception`` (SIGABRT) comes from.
+The registry holds each hook until it is closed, so a hook the script dropped (the locals
+of a ``main()`` that returned) is still closed.
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ import atexit
 import logging
 import os
 import threading
-import weakref
 from typing import Any
 
-__all__ = ["track", "close_all"]
+__all__ = ["track", "forget", "close_all"]
 
 log = logging.getLogger("trainer_hook")
 
-_live: weakref.WeakSet[Any] = weakref.WeakSet()
+# Strong references: a hook the script dropped without close() (the locals of a main()
+# that returned) must still be here when the atexit handler runs. Held weakly, a garbage
+# collection between the script's end and the handler took it away unclosed, its comm
+# hook's callback still held by gloo's thread: the exit aborted (issue 26, item 10).
+_live: set[Any] = set()
 _registered = False
 _guard = threading.Lock()
 
@@ -42,6 +47,12 @@ def track(hook: Any) -> None:
         if not _registered:
             atexit.register(close_all)
             _registered = True
+
+
+def forget(hook: Any) -> None:
+    """A hook closed: nothing left to do for it at exit."""
+    with _guard:
+        _live.discard(hook)
 
 
 def close_all() -> None:

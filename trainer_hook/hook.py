@@ -926,6 +926,7 @@ class RebalanceHook:
         if self._closed:
             return
         self._closed = True
+        _lifecycle.forget(self)  # nothing left for the exit handler
         if not self._ready:
             return  # never used: no group, no threads
         try:

@@ -471,6 +471,8 @@ class Controller:
             async with st.lock:
                 await self._run_policy(st)
         except Exception as exc:  # a policy bug must not take ingest down with it
+            if isinstance(exc, ConflictError) and self.live.ended(st.job):
+                return  # the run ended under it (an auto rollback refused): nothing failed
             log_failure(log, f"the policy run for job {st.job}", exc)
             st.status_detail = "the policy failed; see the backend log"
             self._publish(st)
@@ -513,6 +515,16 @@ class Controller:
                     prop.status = "applied"
         if row.version == st.version and row.applied_at is not None:
             st.follow(row)
+
+    async def run_ended(self, job: str) -> None:
+        """Every rank of ``job`` said goodbye: wait for a policy run or an operator's action
+        in flight (the job's lock), then record the acks its last metrics carried, so that
+        the report built next sees every placement and when each took effect."""
+        st = self._jobs.get(job)
+        if st is None:
+            return
+        async with st.lock:
+            await self._acks_from_metrics(st)
 
     async def _acks_from_metrics(self, st: _JobState) -> None:
         """Acks lost on the way (say, sent while the backend restarted): every rank's steps
@@ -753,6 +765,8 @@ class Controller:
                    for r in view.ranks)
 
     async def _run_policy(self, st: _JobState) -> None:
+        if self.live.ended(st.job):
+            return  # the run ended: nothing it is sent would take effect (run_ended)
         self.policy_runs += 1
         await self._acks_from_metrics(st)
         await self._measure_effect(st)
@@ -810,11 +824,13 @@ class Controller:
         if pending is not None and list(pending["shares"]) == shares and pending["base_version"] == st.version:
             # Already on the table (say, shown before the mode became auto).
             if st.mode == "auto" and pending["status"] == "proposed":
-                await self._apply(st, pending["id"], actor="auto", reason="auto mode", auto=True)
+                await self._apply_auto(st, pending["id"])
             return
         assert expl is not None  # a Proposal always explains itself
 
         def work(s: Session) -> int | str:
+            if self.live.ended(st.job):
+                return "the job ended (every rank said goodbye) while the policy was deciding"
             blocked = records.refused_before(s, st.job, st.version, shares)
             if blocked:
                 return blocked
@@ -835,7 +851,17 @@ class Controller:
         st.status, st.status_detail = "proposal_pending", decision.reason
         self._publish(st)
         if st.mode == "auto":
-            await self._apply(st, got, actor="auto", reason="auto mode", auto=True)
+            await self._apply_auto(st, got)
+
+    async def _apply_auto(self, st: _JobState, proposal_id: int) -> None:
+        """Auto mode applies the policy's proposal; a job that ended meanwhile keeps it unapplied."""
+        try:
+            await self._apply(st, proposal_id, actor="auto", reason="auto mode", auto=True)
+        except ConflictError as exc:
+            if not self.live.ended(st.job):
+                raise
+            st.status, st.status_detail = "balanced", exc.detail
+            self._publish(st)
 
     async def _measure_effect(self, st: _JobState) -> None:
         if not st.applied or st.effective is None or st.measured:
@@ -891,6 +917,7 @@ class Controller:
         # Pending proposals stay: approving one now answers 409 (computed against an older
         # version), and the next policy run supersedes it.
         def work(s: Session) -> dict[str, Any]:
+            self._refuse_if_ended(st.job)
             old = db.latest_placement(s, st.job)
             row = self._new_placement(s, st, shares, source=source, actor=actor, reason=reason,
                                       current=old)
@@ -912,12 +939,21 @@ class Controller:
     def _reset_applied(self, st: _JobState) -> None:
         st.applied, st.effective, st.measured = False, None, False
 
+    def _refuse_if_ended(self, job: str) -> None:
+        """No placement for a job whose ranks have all said goodbye: none would receive it,
+        and its report, stored at the goodbye, would not list it. Checked inside the SQL
+        work that stores the placement, so a goodbye lands either before the check (refused)
+        or after the commit (the report, read later on the same SQL thread, has it)."""
+        if self.live.ended(job):
+            raise ConflictError(f"Job '{job}' has ended (every rank said goodbye); a placement would never take effect.")
+
     async def _apply(self, st: _JobState, proposal_id: int, *, actor: ActorLike, reason: str | None,
                      auto: bool = False) -> dict[str, Any]:
         job = st.job
 
         def work(s: Session) -> dict[str, Any]:
             prop = records.proposal_to_decide(s, job, proposal_id, "approved")
+            self._refuse_if_ended(job)
             if st.mode == "observe":
                 raise ConflictError(f"Job '{job}' is in observe mode; set the mode to approve or auto to apply proposals.")
             if prop.base_version != st.version:
@@ -1034,6 +1070,7 @@ class Controller:
             costs = self._costs(st)
 
             def work(s: Session) -> tuple[int, dict[str, Any]]:
+                self._refuse_if_ended(job)
                 self._close_pending(s, job, "superseded", "an operator submitted a placement")
                 prop = self._add_proposal(s, st, shares, source="manual", strategy="manual", actor=actor,
                                           reason=reason or "manual placement", costs=costs,

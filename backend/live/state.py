@@ -372,6 +372,14 @@ class LiveState:
             r.rev += 1
             return len(j.ranks) == j.world_size and all(x.goodbye for x in j.ranks.values())
 
+    def ended(self, job: str) -> bool:
+        """True when every rank of ``job`` has said goodbye since its hello: the run ended, and
+        nothing sent to it would take effect (a new hello makes it live again)."""
+        with self._lock:
+            j = self._jobs.get(job)
+            return (j is not None and len(j.ranks) == j.world_size
+                    and all(x.goodbye for x in j.ranks.values()))
+
     def forget(self, job: str) -> None:
         with self._lock:
             self._jobs.pop(job, None)

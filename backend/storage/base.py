@@ -15,7 +15,16 @@ class Base(DeclarativeBase):
 
 
 def make_engine(url: str) -> Engine:
-    """An engine for a SQLite file (parent folder created, WAL on) or a PostgreSQL URL.
+    """An engine for a SQLite file (parent folder created, rollback journal) or a PostgreSQL URL.
+
+    SQLite runs with its rollback journal (``journal_mode=DELETE``), not WAL: WAL keeps its
+    index in a memory-mapped ``-shm`` file, and a write to a mapped page of a file that
+    became unwritable (``chattr +i``, a file system gone read-only) kills the process with
+    SIGBUS instead of failing the statement. The rollback journal maps nothing, so every
+    storage fault is an error the backend can report and wait out (docs/reliability.md).
+    The backend runs all its SQL on one thread, so WAL's readers-beside-a-writer buys it
+    nothing; other processes (the CLI, ``rebalancer report``) wait up to 5 s for a lock.
+    A database made in WAL mode by an earlier version is switched back on first open.
 
     ``postgresql://`` is rewritten to the psycopg 3 driver, the one the project installs.
     """
@@ -29,7 +38,7 @@ def make_engine(url: str) -> Engine:
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn, _record):  # type: ignore[no-untyped-def]
             cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA journal_mode=DELETE")
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()

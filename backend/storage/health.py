@@ -3,7 +3,7 @@ the persist loop and the log.
 
 ``check()`` (SQL thread) finds, in order: for SQLite, whether the file at the configured
 path is still the one the backend opened (same device and inode); then whether it may write (for
-SQLite the file and its folder are writable; then a statement that updates no row, rolled
+SQLite the file, its folder and any journal beside it are writable; then a statement that updates no row, rolled
 back). A SQLite file deleted
 while serving is restored from the backend's own open connection (which still sees every
 committed row): ``VACUUM INTO`` a file beside it from an idle pooled connection, close the old connections, move the copy
@@ -77,6 +77,11 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def _side_files(path: Path) -> list[Path]:
+    """The SQLite files beside the database that exist now (journal, WAL, WAL index)."""
+    return [p for p in (path.with_name(path.name + s) for s in ("-journal", "-wal", "-shm")) if p.exists()]
+
+
 class StorageHealth:
     """Database health. ``problem`` is None while it takes writes, else one sentence."""
 
@@ -139,8 +144,8 @@ class StorageHealth:
                 tmp.unlink()
             with self.engine.connect() as c:
                 c.exec_driver_sql("VACUUM INTO ?", (str(tmp),))
-            # Old connections checkpoint and remove the -wal/-shm by name when they close:
-            # close them all before the copy takes the path.
+            # Close the old connections before the copy takes the path (one that closed
+            # later could still act on side files by name).
             self.engine.dispose()
             os.replace(tmp, self.path)
         except (SQLAlchemyError, sqlite3.Error, OSError) as exc:
@@ -156,7 +161,10 @@ class StorageHealth:
             # hands a new connection a descriptor an old one opened (POSIX locks are per
             # process), which keeps its write access; opening the file ourselves would drop
             # SQLite's locks when closed.
-            for p in (self.path, self.path.parent):
+            # Every file SQLite writes: the database, its folder (the journal is made and
+            # removed there) and a side file that exists (a journal left by a crash, the -wal
+            # and -shm of a database an earlier version ran in WAL mode).
+            for p in (self.path, self.path.parent, *_side_files(self.path)):
                 if not os.access(p, os.W_OK):
                     return f"the database does not take writes: {p} is read-only"
         try:
