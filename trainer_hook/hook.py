@@ -68,6 +68,9 @@ __all__ = ["RebalanceHook"]
 log = logging.getLogger("trainer_hook")
 HOOK_VERSION = "0.1.0"
 _GRADIENT_MODES = ("auto", "comm_hook", "loss_scale")
+# The collective each gradient mechanism reports its bytes for (Hello.comm_kind).
+_COMM_KIND = {"ddp_comm_hook": "all_reduce", "fsdp2_reduce_scatter": "reduce_scatter",
+              "fsdp1_comm_hook": "reduce_scatter"}
 # How long close() at interpreter exit waits for the exchange in flight: every rank
 # launched it, so it is normally complete; a peer stuck elsewhere must not hold the exit.
 _EXIT_WAIT_S = 30.0
@@ -823,6 +826,7 @@ class RebalanceHook:
             hook_version=HOOK_VERSION, total_steps=self.config.total_steps,
             memory_source=self._memory.source.name if self._memory is not None else "",
             gpu_index=gpu_index, gpu_uuid=gpu_uuid,
+            comm_kind=_COMM_KIND.get(self._gradients_mode or "", ""),
         )
 
     def close(self, *, wait_for_peers: bool = True) -> None:

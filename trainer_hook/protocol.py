@@ -31,6 +31,7 @@ except ImportError:  # a hook-only install: the standard library's parser for ev
 
 __all__ = [
     "STEP_FIELDS",
+    "COMM_KINDS",
     "STEP_TIMES",
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
@@ -297,6 +298,8 @@ class Hello:
     # for a CPU rank or a GPU NVML cannot see.
     gpu_index: int | None = None
     gpu_uuid: str = ""
+    # The collective the step records' ``comm_bytes`` go through (COMM_KINDS; "" unknown).
+    comm_kind: str = ""
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Hello:
@@ -325,6 +328,7 @@ class Hello:
             memory_source=_str(d, "memory_source", max_len=32, default=""),
             gpu_index=_int(d, "gpu_index", hi=MAX_GPU_INDEX, default=None),
             gpu_uuid=_str(d, "gpu_uuid", default=""),
+            comm_kind=_comm_kind(d),
         )
 
 
@@ -339,6 +343,11 @@ class StepRecord:
     allocator handed out over the steps since the previous reading, all at this record's
     local batch size; ``mem_reserved_bytes`` what the caching allocator holds and
     ``mem_total_bytes`` the device's memory at that moment. Absent where not read.
+
+    ``comm_bytes`` (version 2, optional): bytes this rank handed to gradient collectives
+    in the step (DDP: its bucket buffers; FSDP: its reduce-scatter inputs); ``comm_ms``
+    the time one of them was in flight, overlapped with compute or not (the exposed part
+    is in ``sync_wait_ms``). Absent where not measured, never 0 for unknown.
     """
 
     batch_index: int
@@ -353,13 +362,16 @@ class StepRecord:
     mem_peak_bytes: int | None = None
     mem_reserved_bytes: int | None = None
     mem_total_bytes: int | None = None
+    comm_bytes: int | None = None
+    comm_ms: float | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepRecord:
         # Fast path: step records are most of what the backend parses (thousands a second),
         # so check the common, valid shape in one pass; anything off takes the slow path,
         # which names the field that is wrong. Records with memory fields take it too.
-        if type(d) is dict and len(d) == 9:
+        n_fields = len(d) if type(d) is dict else 0
+        if n_fields == 9 or (n_fields == 11 and "comm_ms" in d):
             try:
                 bi, lb, pv = d["batch_index"], d["local_batch_size"], d["placement_version"]
                 dw, cm, sw = d["data_wait_ms"], d["compute_ms"], d["sync_wait_ms"]
@@ -377,11 +389,20 @@ class StepRecord:
                     and 0 <= dw <= ms and 0 <= cm <= ms and 0 <= sw <= ms
                     and 0 <= om <= ms and 0 <= sm <= ms and 0 <= t <= _MAX_UNIX_TIME
                 ):
-                    return cls(
-                        batch_index=bi, local_batch_size=lb, placement_version=pv,
-                        data_wait_ms=float(dw), compute_ms=float(cm), sync_wait_ms=float(sw),
-                        optimizer_ms=float(om), step_ms=float(sm), t=float(t),
-                    )
+                    if n_fields == 9:
+                        return cls(
+                            batch_index=bi, local_batch_size=lb, placement_version=pv,
+                            data_wait_ms=float(dw), compute_ms=float(cm), sync_wait_ms=float(sw),
+                            optimizer_ms=float(om), step_ms=float(sm), t=float(t),
+                        )
+                    cb, cms = d.get("comm_bytes"), d["comm_ms"]
+                    if type(cb) is int and 0 < cb <= MAX_BYTES and type(cms) in num and 0 <= cms <= ms:
+                        return cls(
+                            batch_index=bi, local_batch_size=lb, placement_version=pv,
+                            data_wait_ms=float(dw), compute_ms=float(cm), sync_wait_ms=float(sw),
+                            optimizer_ms=float(om), step_ms=float(sm), t=float(t),
+                            comm_bytes=cb, comm_ms=float(cms),
+                        )
         return cls(
             batch_index=_int(d, "batch_index", hi=MAX_BATCH_INDEX),
             local_batch_size=_int(d, "local_batch_size", hi=MAX_GLOBAL_BATCH_SIZE),
@@ -395,11 +416,17 @@ class StepRecord:
             mem_peak_bytes=_int(d, "mem_peak_bytes", hi=MAX_BYTES, default=None),
             mem_reserved_bytes=_int(d, "mem_reserved_bytes", hi=MAX_BYTES, default=None),
             mem_total_bytes=_int(d, "mem_total_bytes", hi=MAX_BYTES, default=None),
+            comm_bytes=_int(d, "comm_bytes", lo=1, hi=MAX_BYTES, default=None),
+            comm_ms=_float(d, "comm_ms", hi=MAX_DURATION_MS, default=None),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The record as sent: memory fields only where read."""
+        """The record as sent: memory and communication fields only where read."""
         d = {f: getattr(self, f) for f in STEP_FIELDS}
+        if self.comm_bytes is not None:
+            d["comm_bytes"] = self.comm_bytes
+            if self.comm_ms is not None:
+                d["comm_ms"] = self.comm_ms
         if self.mem_peak_bytes is not None:
             d["mem_peak_bytes"] = self.mem_peak_bytes
             if self.mem_reserved_bytes is not None:
@@ -407,6 +434,17 @@ class StepRecord:
             if self.mem_total_bytes is not None:
                 d["mem_total_bytes"] = self.mem_total_bytes
         return d
+
+
+# The gradient collectives a hook reports bytes for (Hello.comm_kind); "" for unknown.
+COMM_KINDS = ("all_reduce", "reduce_scatter")
+
+
+def _comm_kind(d: Mapping[str, Any]) -> str:
+    kind = _str(d, "comm_kind", max_len=32, default="")
+    if kind not in ("", *COMM_KINDS):
+        raise ProtocolError(f"'comm_kind' must be one of {', '.join(COMM_KINDS)} or empty, got {kind!r}.")
+    return str(kind)
 
 
 # The record's one definition of its shape: the fields every step record carries, in the
