@@ -32,6 +32,7 @@ except ImportError:  # a hook-only install: the standard library's parser for ev
 __all__ = [
     "STEP_FIELDS",
     "COMM_KINDS",
+    "LINK_FIELDS",
     "STEP_TIMES",
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
@@ -436,6 +437,11 @@ class StepRecord:
         return d
 
 
+# DeviceSample's link rates (bytes per second), in order.
+LINK_FIELDS = ("nic_tx_bytes_per_s", "nic_rx_bytes_per_s", "ib_tx_bytes_per_s", "ib_rx_bytes_per_s",
+               "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s", "nvlink_tx_bytes_per_s", "nvlink_rx_bytes_per_s")
+MAX_LINK_BYTES_PER_S = 1e13  # 10 TB/s: above any link of one node today
+
 # The gradient collectives a hook reports bytes for (Hello.comm_kind); "" for unknown.
 COMM_KINDS = ("all_reduce", "reduce_scatter")
 
@@ -473,6 +479,16 @@ class DeviceSample:
     throttle_reasons: list[str] = field(default_factory=list)
     cpu_pct: float | None = None
     rss_bytes: int | None = None
+    # Link throughput of the node, bytes per second each way (trainer_hook.links): host
+    # NICs, InfiniBand ports, this GPU's PCIe and NVLink. None where there is no counter.
+    nic_tx_bytes_per_s: float | None = None
+    nic_rx_bytes_per_s: float | None = None
+    ib_tx_bytes_per_s: float | None = None
+    ib_rx_bytes_per_s: float | None = None
+    pcie_tx_bytes_per_s: float | None = None
+    pcie_rx_bytes_per_s: float | None = None
+    nvlink_tx_bytes_per_s: float | None = None
+    nvlink_rx_bytes_per_s: float | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DeviceSample:
@@ -496,6 +512,7 @@ class DeviceSample:
             throttle_reasons=list(reasons),
             cpu_pct=_float(d, "cpu_pct", hi=_MAX_CPU_PCT, default=None),
             rss_bytes=_int(d, "rss_bytes", hi=MAX_BYTES, default=None),
+            **{f: _float(d, f, hi=MAX_LINK_BYTES_PER_S, default=None) for f in LINK_FIELDS},
         )
 
 

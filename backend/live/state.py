@@ -36,7 +36,15 @@ from typing import Any, Final
 from backend.metrics_contract import STEP_BUCKETS_S
 from backend.policy.comm import CommStep, Communication, assess
 from backend.policy.memory import MemoryFit, MemoryReading, RankMemory, fit_memory
-from trainer_hook.protocol import STEP_FIELDS, STEP_TIMES, DeviceSample, Hello, Metrics, StepRecord
+from trainer_hook.protocol import (
+    LINK_FIELDS,
+    STEP_FIELDS,
+    STEP_TIMES,
+    DeviceSample,
+    Hello,
+    Metrics,
+    StepRecord,
+)
 
 __all__ = ["LiveState", "RankView", "JobView", "Window", "eta_seconds", "STEP_FIELDS",
            "DEVICE_FIELDS", "STEP_BATCH", "STEP_LOCAL_BATCH", "STEP_VERSION", "STEP_COMPUTE",
@@ -53,7 +61,7 @@ STEP_MS: Final = 7
 STEP_T: Final = 8
 DEVICE_FIELDS = ("t", "source", "util_pct", "mem_used_bytes", "mem_total_bytes", "power_w",
                  "temp_c", "sm_clock_mhz", "sm_clock_max_mhz", "throttle_reasons", "cpu_pct",
-                 "rss_bytes")
+                 "rss_bytes", *LINK_FIELDS)
 StepRow = tuple[int, int, int, float, float, float, float, float, float]  # STEP_FIELDS
 DeviceRow = tuple[Any, ...]  # DEVICE_FIELDS, throttle_reasons as a tuple
 _step_row = attrgetter(*STEP_FIELDS)
@@ -74,7 +82,7 @@ def _device(row: DeviceRow) -> DeviceSample:
     return DeviceSample(t=row[0], source=row[1], util_pct=row[2], mem_used_bytes=row[3],
                         mem_total_bytes=row[4], power_w=row[5], temp_c=row[6], sm_clock_mhz=row[7],
                         sm_clock_max_mhz=row[8], throttle_reasons=list(row[9]), cpu_pct=row[10],
-                        rss_bytes=row[11])
+                        rss_bytes=row[11], **dict(zip(LINK_FIELDS, row[12:], strict=True)))
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from backend.live.state import JobView, RankView
 from backend.parts import Parts
 from backend.policy.comm import RankComm
 from backend.storage import metrics as store
-from trainer_hook.protocol import MAX_BATCH_INDEX, MAX_WORLD_SIZE
+from trainer_hook.protocol import LINK_FIELDS, MAX_BATCH_INDEX, MAX_WORLD_SIZE
 
 __all__ = ["router", "SummaryPublic", "BoundPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
 
@@ -100,6 +100,14 @@ class DevicePublic(BaseModel):
     throttle_reasons: list[str] = []
     cpu_pct: float | None = None
     rss_bytes: int | None = None
+    nic_tx_bytes_per_s: float | None = None
+    nic_rx_bytes_per_s: float | None = None
+    ib_tx_bytes_per_s: float | None = None
+    ib_rx_bytes_per_s: float | None = None
+    pcie_tx_bytes_per_s: float | None = None
+    pcie_rx_bytes_per_s: float | None = None
+    nvlink_tx_bytes_per_s: float | None = None
+    nvlink_rx_bytes_per_s: float | None = None
 
 
 class RankPublic(BaseModel):
@@ -259,6 +267,7 @@ def _device(d: Any) -> DevicePublic | None:
         mem_total_bytes=d.mem_total_bytes, power_w=d.power_w, temp_c=d.temp_c,
         sm_clock_mhz=d.sm_clock_mhz, sm_clock_max_mhz=d.sm_clock_max_mhz,
         throttle_reasons=list(d.throttle_reasons), cpu_pct=d.cpu_pct, rss_bytes=d.rss_bytes,
+        **{f: getattr(d, f) for f in LINK_FIELDS},
     )
 
 
