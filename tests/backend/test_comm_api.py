@@ -67,3 +67,15 @@ def test_absent_counters_are_null(client):
     assert (r["comm_bytes_per_step"], r["comm_ms"], r["wait_ms"], r["busbw_gbps"]) == (None, None, None, None)
     bound = client.get("/api/v1/jobs/plain").json()["bound"]
     assert bound["busbw_gbps"] is None and bound["comm_bytes_per_step"] is None and bound["kind"] is None
+
+
+def test_metrics_carry_bytes_busbw_exposed_seconds_and_the_verdict(client):
+    text = client.get("/metrics").text
+    lines = set(text.splitlines())
+    assert 'rebalancer_rank_comm_bytes{job="ar",rank="0"} 2000000.0' in lines
+    assert 'rebalancer_rank_comm_wait_seconds{job="ar",rank="0"} 0.02' in lines
+    assert 'rebalancer_rank_bus_bandwidth_bytes_per_second{job="ar",rank="1"} 500000000.0' in lines
+    assert 'rebalancer_exposed_comm_seconds{job="ar"} 0.003' in lines
+    assert 'rebalancer_bound{job="ar",bound="compute-bound"} 1.0' in lines
+    assert 'rebalancer_bound{job="ar",bound="communication-bound"} 0.0' in lines
+    assert 'rebalancer_rank_comm_bytes{job="plain",rank="0"}' not in text  # absent, not 0
