@@ -332,6 +332,9 @@ class RebalanceHook:
         # FSDP's parameter all-gathers are waits for peers on either path.
         self._grad_handles += register_unshard_timer(model, self._grads)
         self._gradients_mode = mode
+        if self._transport is not None and mode in _COMM_KIND:
+            # The hello sent on connecting (at the top of attach) could not name the collective yet.
+            self._transport.send_control(self._hello())
         # A drained rank trains a one-sample dummy batch (weight 0); batch norm would fold
         # it into its running statistics (and BatchNorm1d refuses one sample in training).
         # SyncBatchNorm is left alone: in eval it would skip its collective and hang peers.
