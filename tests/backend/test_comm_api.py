@@ -79,3 +79,13 @@ def test_metrics_carry_bytes_busbw_exposed_seconds_and_the_verdict(client):
     assert 'rebalancer_bound{job="ar",bound="compute-bound"} 1.0' in lines
     assert 'rebalancer_bound{job="ar",bound="communication-bound"} 0.0' in lines
     assert 'rebalancer_rank_comm_bytes{job="plain",rank="0"}' not in text  # absent, not 0
+
+
+def test_the_run_report_carries_the_verdict_and_each_ranks_communication(client):
+    report = client.post("/api/v1/jobs/ar/report").json()
+    comm = report["communication"]
+    assert comm["verdict"] == "compute-bound" and comm["busbw_gbps"] == pytest.approx(0.5)
+    assert [(r["rank"], r["comm_bytes_per_step"]) for r in comm["ranks"]] == [(0, MB), (1, MB)]
+    assert comm["ranks"][0]["wait_ms"] == pytest.approx(20.0)
+    page = client.get("/api/v1/jobs/ar/report", params={"format": "html"}).text
+    assert "<h2>Communication</h2>" in page and "compute-bound" in page
