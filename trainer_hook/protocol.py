@@ -704,13 +704,24 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
         del body["total_steps"]  # optional and rarely set: absent rather than null
     if body.get("urgent", True) is False:
         del body["urgent"]  # likewise
+    if body.get("comm_kind", None) == "":
+        del body["comm_kind"]  # likewise
     if version < 2:
         for key in _V2_ONLY:
             body.pop(key, None)
     if isinstance(msg, Metrics):
         body["steps"] = [s.to_dict() for s in msg.steps]
-        body["device"] = [asdict(s) for s in msg.device]
+        body["device"] = [_device_dict(s) for s in msg.device]
     return json.dumps({"type": msg.TYPE, "v": version, **body}, separators=(",", ":"))
+
+
+def _device_dict(s: DeviceSample) -> dict[str, Any]:
+    """A device sample as sent: link rates only where the node has the counter."""
+    d = asdict(s)
+    for f in LINK_FIELDS:
+        if d[f] is None:
+            del d[f]
+    return d
 
 
 def decode(raw: str | bytes) -> Message:
