@@ -56,7 +56,7 @@ def test_the_first_arriver_waits_inside_the_collective_the_last_does_not(job: di
     wait = [f["comm_ms"] - s["comm_ms"] for f, s in zip(fast, slow, strict=True)]
     extra = [s["compute_ms"] - f["compute_ms"] for f, s in zip(fast, slow, strict=True)]
     assert statistics.median(wait) == pytest.approx(statistics.median(extra), rel=0.35)
-    assert statistics.median(s["comm_ms"] for s in slow) < 0.5 * statistics.median(wait)
+    assert statistics.median(s["comm_ms"] for s in slow) < statistics.median(wait)
 
 
 def _record(**extra: Any) -> dict[str, Any]:
