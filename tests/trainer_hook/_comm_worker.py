@@ -47,24 +47,29 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=0.1)
     p.add_argument("--server", default=None)
     p.add_argument("--job", default="comm")
+    p.add_argument("--base-ms", type=float, default=0.0, help="per-sample sleep of every rank (slow ranks add --delay-ms)")
+    p.add_argument("--shares", default="", help="a placement rank 0 requests at the first step")
+    p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     slow = {int(r) for r in args.slow.split(",") if r}
     torch.manual_seed(0)
-    model = Sleepy(args.width, args.delay_ms / 1e3 if rank in slow else 0.0)
+    model = Sleepy(args.width, (args.base_ms + (args.delay_ms if rank in slow else 0.0)) / 1e3)
     ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
-    hook = RebalanceHook(server=args.server, job=args.job, global_batch_size=GLOBAL_BATCH,
+    hook = RebalanceHook(server=args.server, job=args.job, global_batch_size=args.global_batch,
                          total_steps=args.steps)
     hook.attach(ddp)
     gen = torch.Generator().manual_seed(1)
-    ds = TensorDataset(torch.randn(GLOBAL_BATCH * args.steps, 8, generator=gen),
-                       torch.randn(GLOBAL_BATCH * args.steps, 1, generator=gen))
+    ds = TensorDataset(torch.randn(args.global_batch * args.steps, 8, generator=gen),
+                       torch.randn(args.global_batch * args.steps, 1, generator=gen))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     loader = hook.data_loader(ds, shuffle=False)
     for x, y in loader:
         if hook.batch_index >= args.steps:
             break
+        if args.shares and rank == 0 and hook.batch_index == 0:
+            hook.request_placement([int(v) for v in args.shares.split(",")])
         with hook.step():
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
