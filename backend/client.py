@@ -33,7 +33,7 @@ from typing import Any, TypedDict, cast
 
 __all__ = [
     "Client", "APIError", "ServerUnreachable", "DEFAULT_SERVER",
-    "Job", "Rank", "Device", "MetricPoint", "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory",
+    "Job", "Bound", "Rank", "Device", "MetricPoint", "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory",
     "Proposal", "Placement", "Effect", "Overrides", "OverridesSet", "AuditRecord", "Token", "TokenCreated", "Health", "WhoAmI",
 ]
 
@@ -71,6 +71,26 @@ class PlacementBrief(TypedDict):
     shares: list[int]
 
 
+class Bound(TypedDict, total=False):
+    """What bounds a job's step, with its figures (``GET /api/v1/jobs/{job}``'s ``bound``)."""
+
+    verdict: str  # compute-bound | communication-bound | input-bound | balanced | unknown
+    detail: str
+    n_steps: int
+    kind: str | None
+    step_ms: float | None
+    compute_ms: float | None
+    exposed_comm_ms: float | None
+    data_wait_ms: float | None
+    compute_share: float | None
+    comm_share: float | None
+    input_share: float | None
+    comm_bytes_per_step: float | None
+    transfer_ms: float | None
+    algbw_gbps: float | None
+    busbw_gbps: float | None
+
+
 class Job(TypedDict, total=False):
     job: str
     world_size: int
@@ -93,6 +113,7 @@ class Job(TypedDict, total=False):
     eta_s: float | None
     cost_per_hour: float | None
     idle_cost_per_hour: float | None
+    bound: Bound | None
 
 
 class Device(TypedDict, total=False):
@@ -108,6 +129,14 @@ class Device(TypedDict, total=False):
     throttle_reasons: list[str]
     cpu_pct: float | None
     rss_bytes: int | None
+    nic_tx_bytes_per_s: float | None
+    nic_rx_bytes_per_s: float | None
+    ib_tx_bytes_per_s: float | None
+    ib_rx_bytes_per_s: float | None
+    pcie_tx_bytes_per_s: float | None
+    pcie_rx_bytes_per_s: float | None
+    nvlink_tx_bytes_per_s: float | None
+    nvlink_rx_bytes_per_s: float | None
 
 
 class Rank(TypedDict, total=False):
@@ -132,6 +161,10 @@ class Rank(TypedDict, total=False):
     last_seen: float | None
     price_per_hour: float | None
     hook_version: str
+    comm_bytes_per_step: float | None
+    comm_ms: float | None
+    wait_ms: float | None
+    busbw_gbps: float | None
 
 
 class MetricPoint(TypedDict):

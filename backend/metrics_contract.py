@@ -68,6 +68,21 @@ CONTRACT: tuple[MetricSpec, ...] = (
     MetricSpec("rebalancer_rank_lost", "gauge", _RANK, "1",
                "1 while the rank's hook connection is gone without a close (its process died?) and it has "
                "not said hello again; 0 otherwise (a clean close, the job finished, is not a loss).", True),
+    # --- per rank: communication (absent where the hook does not measure it) ---------
+    MetricSpec("rebalancer_rank_comm_bytes", "gauge", _RANK, "bytes",
+               "Bytes the rank hands to gradient collectives per step (DDP: its buckets), mean of recent steps.",
+               True),
+    MetricSpec("rebalancer_rank_comm_seconds", "gauge", _RANK, "seconds",
+               "Time per step with a gradient collective of the rank in flight (overlapped or not).", True),
+    MetricSpec("rebalancer_rank_comm_wait_seconds", "gauge", _RANK, "seconds",
+               "Of the rank's collective time, the wait for peers: its time less the last arriver's.", True),
+    MetricSpec("rebalancer_rank_bus_bandwidth_bytes_per_second", "gauge", _RANK, "bytes_per_second",
+               "Bus bandwidth of the rank's gradient collectives (nccl-tests: algbw x 2(n-1)/n for "
+               "all-reduce, (n-1)/n for reduce-scatter), over the transfer time.", True),
+    MetricSpec("rebalancer_rank_link_bytes_per_second", "gauge", (*_RANK, "link", "direction"),
+               "bytes_per_second",
+               "Throughput of the rank's node over a link (link: nic, ib, pcie, nvlink; direction: tx, rx), "
+               "where the hardware has a counter.", True),
     # --- per rank: its device (NVML); absent for CPU ranks ---------------------------
     MetricSpec("rebalancer_device_utilization_ratio", "gauge", _DEVICE, "1",
                "GPU utilisation, 0 to 1 (NVML).", True),
@@ -91,6 +106,12 @@ CONTRACT: tuple[MetricSpec, ...] = (
     MetricSpec("rebalancer_step_duration_seconds", "histogram", ("job",), "seconds",
                "Wall time of each step as rank 0 measured it (every rank of a synchronous job "
                "sees the same step), buckets STEP_BUCKETS_S.", True),
+    MetricSpec("rebalancer_exposed_comm_seconds", "gauge", ("job",), "seconds",
+               "Communication per step no compute hid: the last arriver's sync wait (no split changes it).",
+               True),
+    MetricSpec("rebalancer_bound", "gauge", ("job", "bound"), "1",
+               "1 for what bounds the job's step (compute-bound, communication-bound, input-bound, "
+               "balanced, unknown), 0 for the others.", True),
     MetricSpec("rebalancer_imbalance_ratio", "gauge", ("job",), "1",
                "Slowest rank's compute time over the mean, minus 1 (0 = balanced).", True),
     MetricSpec("rebalancer_placement_version", "gauge", ("job",), "1",

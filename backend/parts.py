@@ -324,7 +324,7 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
     storage = StorageHealth(engine, probe_table=RankMetricRow.__tablename__)
     exporter = MetricsExporter(live=live, connections=connections, controller=controller, hub=hub,
                                settings=settings, writes=writes, storage=storage)
-    reports = RunReports(sql=sql, controller=controller, hub=hub, settings=settings)
+    reports = RunReports(sql=sql, controller=controller, hub=hub, settings=settings, live=live)
     return Parts(settings=settings, engine=engine, sql=sql, live=live, connections=connections,
                  auth=auth, sockets=TokenSockets(), controller=controller, hub=hub, reports=reports,
                  exporter=exporter, writes=writes, storage=storage)

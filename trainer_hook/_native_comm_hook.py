@@ -37,7 +37,9 @@ _SOURCE = r"""
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <ctime>
+#include <mutex>
 #include <vector>
 
 namespace {
@@ -55,12 +57,30 @@ struct WeightState {
   std::atomic<double> last_done_t{NAN};   // the backend's completion thread
   std::vector<bool> seen;
   bool repeated_bucket = false;
+  int64_t comm_bytes = 0;                 // the training thread: bytes handed to all-reduces
+  // The completion thread(s): seconds with an all-reduce of this step in flight, each
+  // bucket counted from when it was handed over or the previous one completed, whichever
+  // is later (the union of the buckets' intervals, which complete in order).
+  std::mutex done_mu;
+  double comm_s = 0.0;
 
   void reset() {
     last_bucket_t = NAN;
     last_done_t.store(NAN);
     std::fill(seen.begin(), seen.end(), false);
     repeated_bucket = false;
+    comm_bytes = 0;
+    std::lock_guard<std::mutex> g(done_mu);
+    comm_s = 0.0;
+  }
+
+  void done(double t_ready) {
+    std::lock_guard<std::mutex> g(done_mu);
+    double t = now_s();
+    double prev = last_done_t.load();
+    double start = (std::isnan(prev) || prev < t_ready) ? t_ready : prev;
+    if (t > start) comm_s += t - start;
+    last_done_t.store(t);
   }
 };
 
@@ -76,7 +96,9 @@ class WeightedHook : public c10d::CommHookInterface {
     s.seen[i] = true;
     at::Tensor& buf = bucket.getBufferRef();
     TORCH_CHECK(buf.is_cpu(), "the rebalancer's native comm hook takes CPU buckets only");
-    s.last_bucket_t = now_s();
+    double t_ready = now_s();
+    s.last_bucket_t = t_ready;
+    s.comm_bytes += static_cast<int64_t>(buf.nbytes());
     buf.mul_(s.weight);
     std::vector<at::Tensor> tensors = {buf};
     c10d::AllreduceOptions opts;
@@ -84,8 +106,8 @@ class WeightedHook : public c10d::CommHookInterface {
     auto fut = s.pg->allreduce(tensors, opts)->getFuture();
     std::shared_ptr<WeightState> keep = s_;
     return fut->then(
-        [keep](c10::ivalue::Future& f) -> c10::IValue {
-          keep->last_done_t.store(now_s());
+        [keep, t_ready](c10::ivalue::Future& f) -> c10::IValue {
+          keep->done(t_ready);
           return f.value();
         },
         fut->elementType());
@@ -115,7 +137,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("weight", &WeightState::weight)
       .def("reset", &WeightState::reset)
       .def("times", [](WeightState& s) {
-        return py::make_tuple(s.last_bucket_t, s.last_done_t.load(), s.repeated_bucket);
+        double comm_s;
+        {
+          std::lock_guard<std::mutex> g(s.done_mu);
+          comm_s = s.comm_s;
+        }
+        return py::make_tuple(s.last_bucket_t, s.last_done_t.load(), s.repeated_bucket,
+                              s.comm_bytes, comm_s);
       });
   m.def("register_hook", &register_hook);
 }

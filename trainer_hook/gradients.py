@@ -42,6 +42,12 @@ class GradientState:
     later, never synchronising) in ``grad_event``/``done_event``, and ``events`` holds
     their class once the first one is recorded.
 
+    Communication of the step: ``comm_bytes``, the bytes handed to gradient collectives
+    (DDP's bucket buffers; FSDP's reduce-scatter inputs), and ``comm_s``, the host seconds
+    with one of them in flight (each counted from its hand-off or the previous one's
+    completion, whichever is later); None where not measured (``comm_s`` with timing
+    events).
+
     Waits for peers before the local gradients are ready (FSDP's unshard all-gathers, a
     blocking reduction that was not the step's last) go between ``begin_wait`` and
     ``end_wait``: summed in ``wait_s`` (host seconds) or, with events, kept as pairs of
@@ -51,7 +57,7 @@ class GradientState:
     __slots__ = (
         "process_group", "_weight", "_native", "_pg", "_opts", "last_bucket_t", "last_done_t", "buckets_seen",
         "repeated_bucket", "grad_event", "done_event", "events", "_done_cb", "_cb_refs", "_futs", "_prev_futs",
-        "wait_s", "wait_events", "_wait_t0", "_wait_ev0",
+        "wait_s", "wait_events", "_wait_t0", "_wait_ev0", "comm_bytes", "comm_s", "_ready", "_n_done",
     )
 
     def __init__(self, process_group: Any = None) -> None:
@@ -66,6 +72,7 @@ class GradientState:
         # The futures the Python hook handed DDP this step and the last (see release_callbacks).
         self._futs: list[Any] = []
         self._prev_futs: list[Any] = []
+        self._ready: list[float | None] = []  # hand-off time of each bucket of the step, in order
         self.reset()
 
     def reset(self) -> None:
@@ -80,6 +87,10 @@ class GradientState:
         self.wait_events: list[tuple[Any, Any]] | None = None  # made on the first event-timed wait only
         self._wait_t0: float | None = None
         self._wait_ev0: Any = None
+        self.comm_bytes = 0
+        self.comm_s: float | None = 0.0
+        self._ready.clear()
+        self._n_done = 0
         if self._native is not None:
             self._native.reset()
         futs = self._futs
@@ -107,7 +118,7 @@ class GradientState:
     def collect(self) -> None:
         """Copy what the C++ hook recorded this step into the attributes the step reads."""
         if self._native is not None:
-            t_bucket, t_done, self.repeated_bucket = self._native.times()
+            t_bucket, t_done, self.repeated_bucket, self.comm_bytes, self.comm_s = self._native.times()
             self.last_bucket_t = None if t_bucket != t_bucket else t_bucket  # NaN: no bucket
             self.last_done_t = None if t_done != t_done else t_done
 
@@ -170,8 +181,20 @@ class GradientState:
         events = self.events
         if events is not None:
             self.done_event = _recorded_event(events)
+            self.comm_s = None  # the device's stream, not the host, does the work: not timed
         else:
-            self.last_done_t = _now()
+            t = _now()
+            i = self._n_done
+            self._n_done = i + 1
+            ready = self._ready
+            t_ready = ready[i] if i < len(ready) else None
+            comm = self.comm_s
+            if t_ready is not None and comm is not None:
+                prev = self.last_done_t
+                start = t_ready if prev is None or prev < t_ready else prev
+                if t > start:
+                    self.comm_s = comm + (t - start)
+            self.last_done_t = t
         return fut.value()[0]  # type: ignore[no-any-return]
 
 
@@ -226,6 +249,8 @@ def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     state.buckets_seen = seen | bit
     buf = bucket.buffer()
     _mark_ready(state, buf)
+    state.comm_bytes += buf.nbytes
+    state._ready.append(state.last_bucket_t if state.events is None else None)
     buf.mul_(state._weight)
     pg = state._pg
     if pg is None:
@@ -380,6 +405,17 @@ def _mark_reduced(state: GradientState, t: torch.Tensor) -> None:
         state.last_done_t = _now()
 
 
+def _mark_reduced_blocking(state: GradientState, t: torch.Tensor) -> None:
+    """``_mark_reduced`` for a reduction that blocked the training thread since its
+    ``_mark_ready``: all that time was inside the collective."""
+    _mark_reduced(state, t)
+    done, ready, comm = state.last_done_t, state.last_bucket_t, state.comm_s
+    if done is not None and ready is not None and comm is not None and done > ready:
+        state.comm_s = comm + (done - ready)
+    elif done is None:
+        state.comm_s = None  # timed with events: not on the host
+
+
 def _mark_ready_blocking(state: GradientState, t: torch.Tensor) -> None:
     """``_mark_ready`` for a reduction that blocks the training thread (gloo, on CPU): the
     previous one of this step was not the last, so all its time was spent waiting."""
@@ -405,25 +441,28 @@ class WeightedReduceScatter:
         state = self.state
         if async_op:
             _mark_ready(state, input_tensor)
+            state.comm_s = None  # completes out of the hook's sight
         else:
             _mark_ready_blocking(state, input_tensor)
+        state.comm_bytes += input_tensor.nbytes
         input_tensor.mul_(state.weight)
         work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
         if not async_op:
-            _mark_reduced(state, output_tensor)
+            _mark_reduced_blocking(state, output_tensor)
         return work
 
 
 def _fsdp1_weighted_hook(state, grad, output=None):  # type: ignore[no-untyped-def]
     """FSDP1 comm hook (FSDP skips its own pre/post division when one is registered)."""
     _mark_ready_blocking(state, grad)
+    state.comm_bytes += grad.nbytes
     grad.mul_(state.weight)
     if output is None:  # NO_SHARD: an all-reduce in place
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=state.process_group)
-        _mark_reduced(state, grad)
+        _mark_reduced_blocking(state, grad)
     else:
         dist.reduce_scatter_tensor(output, grad, op=dist.ReduceOp.SUM, group=state.process_group)
-        _mark_reduced(state, output)
+        _mark_reduced_blocking(state, output)
 
 
 def register_comm_hook(model: Any, state: GradientState) -> None:

@@ -68,6 +68,9 @@ __all__ = ["RebalanceHook"]
 log = logging.getLogger("trainer_hook")
 HOOK_VERSION = "0.1.0"
 _GRADIENT_MODES = ("auto", "comm_hook", "loss_scale")
+# The collective each gradient mechanism reports its bytes for (Hello.comm_kind).
+_COMM_KIND = {"ddp_comm_hook": "all_reduce", "fsdp2_reduce_scatter": "reduce_scatter",
+              "fsdp1_comm_hook": "reduce_scatter"}
 # How long close() at interpreter exit waits for the exchange in flight: every rank
 # launched it, so it is normally complete; a peer stuck elsewhere must not hold the exit.
 _EXIT_WAIT_S = 30.0
@@ -329,6 +332,9 @@ class RebalanceHook:
         # FSDP's parameter all-gathers are waits for peers on either path.
         self._grad_handles += register_unshard_timer(model, self._grads)
         self._gradients_mode = mode
+        if self._transport is not None and mode in _COMM_KIND:
+            # The hello sent on connecting (at the top of attach) could not name the collective yet.
+            self._transport.send_control(self._hello())
         # A drained rank trains a one-sample dummy batch (weight 0); batch norm would fold
         # it into its running statistics (and BatchNorm1d refuses one sample in training).
         # SyncBatchNorm is left alone: in eval it would skip its collective and hang peers.
@@ -909,6 +915,7 @@ class RebalanceHook:
             hook_version=HOOK_VERSION, total_steps=self.config.total_steps,
             memory_source=self._memory.source.name if self._memory is not None else "",
             gpu_index=gpu_index, gpu_uuid=gpu_uuid,
+            comm_kind=_COMM_KIND.get(self._gradients_mode or "", ""),
         )
 
     def close(self, *, wait_for_peers: bool = True) -> None:

@@ -21,7 +21,8 @@ from types import ModuleType
 from typing import Any
 
 from trainer_hook.devices import device_key
-from trainer_hook.protocol import DeviceSample
+from trainer_hook.links import LinkCounters
+from trainer_hook.protocol import LINK_FIELDS, DeviceSample
 
 __all__ = ["DeviceProbe", "device_type_key", "decode_clock_events", "load_nvml"]
 
@@ -121,7 +122,9 @@ class DeviceProbe:
     ``device_index`` is the CUDA device index (as torch counts it); by default the current
     torch device, else ``LOCAL_RANK``. ``nvml`` injects a pynvml-like module (tests); by
     default pynvml is loaded if a driver is present. ``clock``/``wall`` are the monotonic
-    and Unix clocks, injectable to test the power arithmetic.
+    and Unix clocks, injectable to test the power arithmetic. Each sample also carries the
+    node's link rates (``trainer_hook.links``: NICs, InfiniBand under ``sysfs``, PCIe,
+    NVLink), None where a counter is absent.
     """
 
     def __init__(
@@ -134,6 +137,7 @@ class DeviceProbe:
         use_nvml: bool = True,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        sysfs: str = "/sys",
     ) -> None:
         if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s > 0:
             raise ValueError(f"interval_s must be a number > 0, got {interval_s!r}.")
@@ -164,6 +168,8 @@ class DeviceProbe:
         if self._nvml is None:
             self._init_psutil()
         self._max_sm: float | None = self._q("nvmlDeviceGetMaxClockInfo", _NVML_CLOCK_SM)
+        self._links = LinkCounters(nvml=self._nvml, handle=self._handle, psutil=_import_psutil(), sysfs=sysfs,
+                                   clock=clock)
 
     @property
     def source(self) -> str:
@@ -274,6 +280,13 @@ class DeviceProbe:
     def sample_now(self) -> DeviceSample:
         """Take one sample on the calling thread and store it as ``latest()``."""
         sample = self._sample_nvml() if self._nvml is not None else self._sample_psutil()
+        try:
+            rates = self._links.read()
+            for name, value in zip(LINK_FIELDS, (rates.nic_tx, rates.nic_rx, rates.ib_tx, rates.ib_rx, rates.pcie_tx,
+                                                 rates.pcie_rx, rates.nvlink_tx, rates.nvlink_rx), strict=True):
+                setattr(sample, name, value)
+        except Exception:  # noqa: BLE001 - a link counter must never cost the device sample
+            log.debug("link counters failed", exc_info=True)
         with self._lock:
             self._latest = sample
         return sample
@@ -377,6 +390,14 @@ class DeviceProbe:
                 log.exception("Device probe sample failed; will retry.")
             # Keep a steady cadence: subtract the time the reads took.
             self._stop.wait(max(0.0, self.interval_s - (self._clock() - started)))
+
+
+def _import_psutil() -> Any:
+    try:
+        import psutil
+    except ImportError:  # optional dependency: no NIC rates
+        return None
+    return psutil
 
 
 def _int_attr(obj: Any, name: str) -> int | None:

@@ -34,6 +34,8 @@ __all__ = [
     "check_job_name",
     "JOB_NAME_PATTERN",
     "STEP_FIELDS",
+    "COMM_KINDS",
+    "LINK_FIELDS",
     "STEP_TIMES",
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
@@ -313,6 +315,8 @@ class Hello:
     # for a CPU rank or a GPU NVML cannot see.
     gpu_index: int | None = None
     gpu_uuid: str = ""
+    # The collective the step records' ``comm_bytes`` go through (COMM_KINDS; "" unknown).
+    comm_kind: str = ""
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Hello:
@@ -341,6 +345,7 @@ class Hello:
             memory_source=_str(d, "memory_source", max_len=32, default=""),
             gpu_index=_int(d, "gpu_index", hi=MAX_GPU_INDEX, default=None),
             gpu_uuid=_str(d, "gpu_uuid", default=""),
+            comm_kind=_comm_kind(d),
         )
 
 
@@ -359,6 +364,10 @@ class StepRecord:
     ``work`` and ``batch_work`` (only with a per-sample cost, ``sample_cost=``): this
     rank's summed cost in the step and the whole global batch's, so that speed is learned
     in work per second. Absent without a cost (every sample costs 1).
+    ``comm_bytes`` (version 2, optional): bytes this rank handed to gradient collectives
+    in the step (DDP: its bucket buffers; FSDP: its reduce-scatter inputs); ``comm_ms``
+    the time one of them was in flight, overlapped with compute or not (the exposed part
+    is in ``sync_wait_ms``). Absent where not measured, never 0 for unknown.
     """
 
     batch_index: int
@@ -375,13 +384,16 @@ class StepRecord:
     mem_total_bytes: int | None = None
     work: float | None = None
     batch_work: float | None = None
+    comm_bytes: int | None = None
+    comm_ms: float | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepRecord:
         # Fast path: step records are most of what the backend parses (thousands a second),
         # so check the common, valid shape in one pass; anything off takes the slow path,
         # which names the field that is wrong. Records with memory fields take it too.
-        if type(d) is dict and len(d) == 9:
+        n_fields = len(d) if type(d) is dict else 0
+        if n_fields == 9 or (n_fields == 11 and "comm_ms" in d):
             try:
                 bi, lb, pv = d["batch_index"], d["local_batch_size"], d["placement_version"]
                 dw, cm, sw = d["data_wait_ms"], d["compute_ms"], d["sync_wait_ms"]
@@ -399,11 +411,20 @@ class StepRecord:
                     and 0 <= dw <= ms and 0 <= cm <= ms and 0 <= sw <= ms
                     and 0 <= om <= ms and 0 <= sm <= ms and 0 <= t <= _MAX_UNIX_TIME
                 ):
-                    return cls(
-                        batch_index=bi, local_batch_size=lb, placement_version=pv,
-                        data_wait_ms=float(dw), compute_ms=float(cm), sync_wait_ms=float(sw),
-                        optimizer_ms=float(om), step_ms=float(sm), t=float(t),
-                    )
+                    if n_fields == 9:
+                        return cls(
+                            batch_index=bi, local_batch_size=lb, placement_version=pv,
+                            data_wait_ms=float(dw), compute_ms=float(cm), sync_wait_ms=float(sw),
+                            optimizer_ms=float(om), step_ms=float(sm), t=float(t),
+                        )
+                    cb, cms = d.get("comm_bytes"), d["comm_ms"]
+                    if type(cb) is int and 0 < cb <= MAX_BYTES and type(cms) in num and 0 <= cms <= ms:
+                        return cls(
+                            batch_index=bi, local_batch_size=lb, placement_version=pv,
+                            data_wait_ms=float(dw), compute_ms=float(cm), sync_wait_ms=float(sw),
+                            optimizer_ms=float(om), step_ms=float(sm), t=float(t),
+                            comm_bytes=cb, comm_ms=float(cms),
+                        )
         return cls(
             batch_index=_int(d, "batch_index", hi=MAX_BATCH_INDEX),
             local_batch_size=_int(d, "local_batch_size", hi=MAX_GLOBAL_BATCH_SIZE),
@@ -419,11 +440,17 @@ class StepRecord:
             mem_total_bytes=_int(d, "mem_total_bytes", hi=MAX_BYTES, default=None),
             work=_float(d, "work", hi=MAX_WORK, default=None),
             batch_work=_float(d, "batch_work", hi=MAX_WORK, default=None),
+            comm_bytes=_int(d, "comm_bytes", lo=1, hi=MAX_BYTES, default=None),
+            comm_ms=_float(d, "comm_ms", hi=MAX_DURATION_MS, default=None),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The record as sent: memory fields only where read."""
+        """The record as sent: memory and communication fields only where read."""
         d = {f: getattr(self, f) for f in STEP_FIELDS}
+        if self.comm_bytes is not None:
+            d["comm_bytes"] = self.comm_bytes
+            if self.comm_ms is not None:
+                d["comm_ms"] = self.comm_ms
         if self.mem_peak_bytes is not None:
             d["mem_peak_bytes"] = self.mem_peak_bytes
             if self.mem_reserved_bytes is not None:
@@ -434,6 +461,22 @@ class StepRecord:
             d["work"] = self.work
             d["batch_work"] = self.batch_work
         return d
+
+
+# DeviceSample's link rates (bytes per second), in order.
+LINK_FIELDS = ("nic_tx_bytes_per_s", "nic_rx_bytes_per_s", "ib_tx_bytes_per_s", "ib_rx_bytes_per_s",
+               "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s", "nvlink_tx_bytes_per_s", "nvlink_rx_bytes_per_s")
+MAX_LINK_BYTES_PER_S = 1e13  # 10 TB/s: above any link of one node today
+
+# The gradient collectives a hook reports bytes for (Hello.comm_kind); "" for unknown.
+COMM_KINDS = ("all_reduce", "reduce_scatter")
+
+
+def _comm_kind(d: Mapping[str, Any]) -> str:
+    kind = _str(d, "comm_kind", max_len=32, default="")
+    if kind not in ("", *COMM_KINDS):
+        raise ProtocolError(f"'comm_kind' must be one of {', '.join(COMM_KINDS)} or empty, got {kind!r}.")
+    return str(kind)
 
 
 # The record's one definition of its shape: the fields every step record carries, in the
@@ -462,6 +505,16 @@ class DeviceSample:
     throttle_reasons: list[str] = field(default_factory=list)
     cpu_pct: float | None = None
     rss_bytes: int | None = None
+    # Link throughput of the node, bytes per second each way (trainer_hook.links): host
+    # NICs, InfiniBand ports, this GPU's PCIe and NVLink. None where there is no counter.
+    nic_tx_bytes_per_s: float | None = None
+    nic_rx_bytes_per_s: float | None = None
+    ib_tx_bytes_per_s: float | None = None
+    ib_rx_bytes_per_s: float | None = None
+    pcie_tx_bytes_per_s: float | None = None
+    pcie_rx_bytes_per_s: float | None = None
+    nvlink_tx_bytes_per_s: float | None = None
+    nvlink_rx_bytes_per_s: float | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DeviceSample:
@@ -485,6 +538,7 @@ class DeviceSample:
             throttle_reasons=list(reasons),
             cpu_pct=_float(d, "cpu_pct", hi=_MAX_CPU_PCT, default=None),
             rss_bytes=_int(d, "rss_bytes", hi=MAX_BYTES, default=None),
+            **{f: _float(d, f, hi=MAX_LINK_BYTES_PER_S, default=None) for f in LINK_FIELDS},
         )
 
 
@@ -676,13 +730,24 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
         del body["total_steps"]  # optional and rarely set: absent rather than null
     if body.get("urgent", True) is False:
         del body["urgent"]  # likewise
+    if body.get("comm_kind", None) == "":
+        del body["comm_kind"]  # likewise
     if version < 2:
         for key in _V2_ONLY:
             body.pop(key, None)
     if isinstance(msg, Metrics):
         body["steps"] = [s.to_dict() for s in msg.steps]
-        body["device"] = [asdict(s) for s in msg.device]
+        body["device"] = [_device_dict(s) for s in msg.device]
     return json.dumps({"type": msg.TYPE, "v": version, **body}, separators=(",", ":"))
+
+
+def _device_dict(s: DeviceSample) -> dict[str, Any]:
+    """A device sample as sent: link rates only where the node has the counter."""
+    d = asdict(s)
+    for f in LINK_FIELDS:
+        if d[f] is None:
+            del d[f]
+    return d
 
 
 def decode(raw: str | bytes) -> Message:

@@ -6,7 +6,9 @@ hook (local gradients ready); sync-wait runs from there until the last reduction
 completes; the rest until the step ends is the optimizer (docs/design.md invariant 4).
 Waits for peers before the gradients are ready (FSDP's unshard all-gathers, blocking
 reductions before the last: ``GradientState.wait_s``/``wait_events``) move from compute
-to sync-wait.
+to sync-wait. The record also carries the step's communication: ``comm_bytes`` handed to
+gradient collectives and ``comm_ms``, the time one was in flight (overlapped with compute
+or not; ``sync_wait_ms`` is the exposed part), None where not measured.
 
 On a device torch offers timing events for (CUDA, XPU, MPS: ``gradients.timing_event``)
 the hook records events instead of timestamps; they are read one step later with
@@ -80,15 +82,22 @@ class StepTimer:
             end_ev = _recorded_event(self._events)
             self._pending_events.append(
                 (self._start_event, grads.grad_event, grads.done_event, end_ev, grads.wait_events, k, local,
-                 version, self._data_wait, t_end - self._t0, self._wall())
+                 version, self._data_wait, t_end - self._t0, self._wall(), grads.comm_bytes or None)
             )
             return self._read_events()
         t0 = self._t0
+        comm_bytes: int | None = None
+        comm_ms: float | None = None
         if grads is None:
             t_grad = t_done = None
             wait = 0.0
         else:
             t_grad, t_done, wait = grads.last_bucket_t, grads.last_done_t, grads.wait_s
+            if grads.comm_bytes:
+                comm_bytes = grads.comm_bytes
+                comm_s = grads.comm_s
+                if comm_s is not None:
+                    comm_ms = comm_s * 1e3
         # split_step(), inlined: this runs on the training thread every step.
         if t_grad is None or t_grad < t0 or t_grad > t_end:
             compute, sync, opt = t_end - t0, 0.0, 0.0
@@ -108,6 +117,7 @@ class StepTimer:
             batch_index=k, local_batch_size=local, placement_version=version,
             data_wait_ms=data_wait * 1e3, compute_ms=compute * 1e3, sync_wait_ms=sync * 1e3,
             optimizer_ms=opt * 1e3, step_ms=(data_wait + t_end - t0) * 1e3, t=self._wall(),
+            comm_bytes=comm_bytes, comm_ms=comm_ms,
         )
 
     def _read_events(self) -> StepRecord | None:
@@ -116,7 +126,7 @@ class StepTimer:
             if len(self._pending_events) > 8:
                 self._pending_events.pop(0)  # the device is far behind; give up on the oldest
             return None
-        start, grad, done, end, waits, k, local, version, data_wait, cpu_s, t = self._pending_events.pop(0)
+        start, grad, done, end, waits, k, local, version, data_wait, cpu_s, t, comm_bytes = self._pending_events.pop(0)
         total = start.elapsed_time(end)
         compute = start.elapsed_time(grad)
         sync = grad.elapsed_time(done) if done is not None and done.query() else 0.0
@@ -129,5 +139,5 @@ class StepTimer:
             batch_index=k, local_batch_size=local, placement_version=version,
             data_wait_ms=data_wait * 1e3, compute_ms=max(0.0, compute), sync_wait_ms=sync,
             optimizer_ms=max(0.0, total - compute - sync),
-            step_ms=data_wait * 1e3 + max(total, cpu_s * 1e3), t=t,
+            step_ms=data_wait * 1e3 + max(total, cpu_s * 1e3), t=t, comm_bytes=comm_bytes,
         )

@@ -162,7 +162,7 @@ class Transport:
         self._steps: deque[StepRecord] = deque(maxlen=max_queue)
         # Device samples arrive at ~1 Hz; a smaller buffer still covers many minutes offline.
         self._devices: deque[DeviceSample] = deque(maxlen=max(16, min(max_queue, 3600)))
-        self._control: deque[Ack | Reject | Oom] = deque()
+        self._control: deque[Ack | Reject | Oom | Hello] = deque()
         # Single-writer counters, so no lock on the hot path: producers bump *_dropped,
         # the sender thread bumps _reported; the difference is what is not yet reported.
         self._steps_dropped = 0
@@ -207,10 +207,11 @@ class Transport:
             self._devices_dropped += 1
         q.append(sample)
 
-    def send_control(self, msg: Ack | Reject | Oom) -> None:
-        """Queue an ack, reject or oom; sent before any pending metrics, survives reconnects."""
-        if not isinstance(msg, (Ack, Reject, Oom)):
-            log.error("send_control expects an Ack, Reject or Oom, got %s; ignored.", type(msg).__name__)
+    def send_control(self, msg: Ack | Reject | Oom | Hello) -> None:
+        """Queue an ack, reject or oom (or a hello that says more than the one sent on
+        connecting); sent before any pending metrics, survives reconnects."""
+        if not isinstance(msg, (Ack, Reject, Oom, Hello)):
+            log.error("send_control expects an Ack, Reject, Oom or Hello, got %s; ignored.", type(msg).__name__)
             return
         if len(self._control) >= _MAX_CONTROL:
             log.error("More than %d acks/rejects are waiting to be sent; dropping the oldest.", _MAX_CONTROL)

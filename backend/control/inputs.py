@@ -140,7 +140,7 @@ def observation_rows(live: Any, job: str, *, world_size: int, global_batch_size:
         job=job, world_size=world_size, global_batch_size=global_batch_size,
         batch_index=view.batch_index or 0, shares=tuple(shares), placement_version=version,
         steps_since_change=max(0, (view.batch_index or 0) - (effective or 0)), ranks=tuple(ranks),
-        rollbacks=tuple(rollbacks),
+        rollbacks=tuple(rollbacks), comm=live.communication(job),
     )
 
 

@@ -34,8 +34,17 @@ from operator import attrgetter
 from typing import Any, Final
 
 from backend.metrics_contract import STEP_BUCKETS_S
+from backend.policy.comm import CommStep, Communication, assess
 from backend.policy.memory import MemoryFit, MemoryReading, RankMemory, fit_memory
-from trainer_hook.protocol import STEP_FIELDS, STEP_TIMES, DeviceSample, Hello, Metrics, StepRecord
+from trainer_hook.protocol import (
+    LINK_FIELDS,
+    STEP_FIELDS,
+    STEP_TIMES,
+    DeviceSample,
+    Hello,
+    Metrics,
+    StepRecord,
+)
 
 __all__ = ["LiveState", "RankView", "JobView", "Window", "eta_seconds", "STEP_FIELDS",
            "DEVICE_FIELDS", "STEP_BATCH", "STEP_LOCAL_BATCH", "STEP_VERSION", "STEP_COMPUTE",
@@ -52,7 +61,7 @@ STEP_MS: Final = 7
 STEP_T: Final = 8
 DEVICE_FIELDS = ("t", "source", "util_pct", "mem_used_bytes", "mem_total_bytes", "power_w",
                  "temp_c", "sm_clock_mhz", "sm_clock_max_mhz", "throttle_reasons", "cpu_pct",
-                 "rss_bytes")
+                 "rss_bytes", *LINK_FIELDS)
 StepRow = tuple[int, int, int, float, float, float, float, float, float]  # STEP_FIELDS
 DeviceRow = tuple[Any, ...]  # DEVICE_FIELDS, throttle_reasons as a tuple
 _step_row = attrgetter(*STEP_FIELDS)
@@ -73,7 +82,7 @@ def _device(row: DeviceRow) -> DeviceSample:
     return DeviceSample(t=row[0], source=row[1], util_pct=row[2], mem_used_bytes=row[3],
                         mem_total_bytes=row[4], power_w=row[5], temp_c=row[6], sm_clock_mhz=row[7],
                         sm_clock_max_mhz=row[8], throttle_reasons=list(row[9]), cpu_pct=row[10],
-                        rss_bytes=row[11])
+                        rss_bytes=row[11], **dict(zip(LINK_FIELDS, row[12:], strict=True)))
 
 
 @dataclass(slots=True)
@@ -105,6 +114,8 @@ class _Rank:
     mem_stale: bool = False
     # (batch_index, work, batch_work) of the step records that carry a per-sample cost.
     work: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=_WORK_ROWS))
+    # (batch_index, comm_bytes, comm_ms) of the steps that carried communication counters.
+    comm: deque[tuple[int, int, float | None]] = field(default_factory=lambda: deque(maxlen=_COMM_READINGS))
 
 
 @dataclass(slots=True)
@@ -121,6 +132,8 @@ class _Job:
     # step): counts per STEP_BUCKETS_S bucket, the last one +Inf, and their sum in seconds.
     step_buckets: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS_S) + 1))
     step_sum_s: float = 0.0
+    # The newest ``communication`` answer and the ranks' revisions it was computed at.
+    comm_cached: tuple[tuple[int, ...], Communication] | None = None
 
 
 @dataclass(slots=True)
@@ -222,7 +235,7 @@ def eta_seconds(total_steps: int | None, batch_index: int | None, step_ms: float
 
 _MEMORY_READINGS = 256  # peak-memory readings kept per rank (one every few steps)
 _WORK_ROWS = 512  # work rows kept per rank: more than a policy window
-
+_COMM_READINGS = 256  # steps with communication counters kept per rank
 
 
 def _work_rates(work: deque[tuple[int, float, float]], win: list[StepRow]) -> tuple[float | None, float | None]:
@@ -302,6 +315,8 @@ class LiveState:
             for s in msg.steps:
                 if s.work is not None and s.batch_work is not None:
                     r.work.append((s.batch_index, s.work, s.batch_work))
+                if s.comm_bytes is not None:
+                    r.comm.append((s.batch_index, s.comm_bytes, s.comm_ms))
                 if s.mem_peak_bytes is not None:
                     r.memory.append(MemoryReading(s.local_batch_size, s.mem_peak_bytes,
                                                   s.mem_total_bytes, s.mem_reserved_bytes))
@@ -441,6 +456,38 @@ class LiveState:
             running += c
             cumulative.append(running)
         return tuple(cumulative), total
+
+    def communication(self, job: str) -> Communication | None:
+        """The job's communication and what bounds its step over the newest
+        ``window_steps`` steps (``backend.policy.comm.assess``); None if the job is unknown."""
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None:
+                return None
+            key = tuple(r.rev for _, r in sorted(j.ranks.items()))
+            cached = j.comm_cached
+            if cached is not None and cached[0] == key:
+                return cached[1]
+            n = self.window_steps
+            kind = next((r.hello.comm_kind for r in j.ranks.values() if r.hello.comm_kind), "")
+            taken = {rank: (list(islice(reversed(r.steps), n)), list(islice(reversed(r.comm), 2 * n)))
+                     for rank, r in j.ranks.items()}
+            world = j.world_size
+        steps: dict[int, list[CommStep]] = {}
+        for rank, (rows, comm) in taken.items():
+            by_k = {c[0]: c for c in comm}
+            out = []
+            for row in reversed(rows):
+                c = by_k.get(row[STEP_BATCH])
+                out.append(CommStep(row[STEP_BATCH], row[4], row[5], row[3], row[STEP_MS],
+                                    c[1] if c else None, c[2] if c else None))
+            steps[rank] = out
+        result = assess(kind, world, steps, window=n)
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is not None:
+                j.comm_cached = (key, result)
+        return result
 
     def view(self, job: str) -> JobView | None:
         """A consistent snapshot of one job with derived numbers, or None if unknown."""

@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 
 from ._guards import rollback_blocks
+from .comm import Communication, comm_bound_text
 from .memory import DEFAULT_HEADROOM, format_bytes, memory_bounds, memory_limit_bytes
 from .solver import NO_CONSTRAINTS, check_placement, predicted_step_ms, rank_bounds, solve
 from .strategies import Estimate, Strategy, get_strategy, static_strategy
@@ -25,7 +26,7 @@ from .types import (
 )
 from .work import in_work_units
 
-__all__ = ["check_config", "decide", "memory_caps", "limit_moves", "with_caps"]
+__all__ = ["check_config", "decide", "memory_caps", "limit_moves", "with_caps", "exposed_comm_ms"]
 
 log = logging.getLogger(__name__)
 
@@ -167,11 +168,32 @@ def _reason(est: Estimate, current: Sequence[int], target: Sequence[int], before
     return f"{lead}; moving {moved} samples{src} to {dst} {effect}"
 
 
+def exposed_comm_ms(obs: JobObservation, units: str = "ms") -> float:
+    """The exposed communication every predicted step adds (0 where unknown, or where the
+    estimate is not in milliseconds)."""
+    c = obs.comm
+    if units != "ms" or c is None or c.exposed_comm_ms is None:
+        return 0.0
+    return max(0.0, c.exposed_comm_ms)
+
+
+def _comm_evidence(c: Communication | None, exposed: float) -> dict[str, object]:
+    if c is None or c.n_steps == 0:
+        return {}
+    return {"communication": {"exposed_comm_ms": exposed, "comm_share": c.comm_share, "bound": c.bound,
+                              "busbw_gbps": c.busbw_gbps, "comm_bytes_per_step": c.bytes_per_step,
+                              "transfer_ms": c.transfer_ms, "kind": c.kind or None}}
+
+
 def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Sequence[int],
              evidence_extra: dict[str, object], obs: JobObservation,
              mem_caps: dict[int, int], headroom: float) -> Explanation:
-    before = predicted_step_ms(est.a_ms, est.c_ms, current)
-    after = predicted_step_ms(est.a_ms, est.c_ms, target)
+    # A step is the slowest rank's compute plus the exposed communication, which no split
+    # changes but which every prediction must include (ignoring it promised 31 ms on a job
+    # that then took 62).
+    exposed = exposed_comm_ms(obs, est.units)
+    before = predicted_step_ms(est.a_ms, est.c_ms, current) + exposed
+    after = predicted_step_ms(est.a_ms, est.c_ms, target) + exposed
     gain = (before - after) / before if before > 0 else 0.0
     mem = [_memory_fields(obs, i, current[i], target[i], headroom) for i in range(len(current))]
     ranks = tuple(
@@ -187,8 +209,35 @@ def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Seque
         )
         for i in range(len(current))
     )
-    evidence = {"units": est.units, **est.evidence, **evidence_extra}
+    evidence = {"units": est.units, **est.evidence, **evidence_extra, **_comm_evidence(obs.comm, exposed)}
     return Explanation(strategy, before, after, gain, ranks, evidence)
+
+
+def _comm_clause(obs: JobObservation, expl: Explanation) -> str:
+    """How much of the predicted step is communication (a clause of the reason)."""
+    c = obs.comm
+    exposed = exposed_comm_ms(obs, str(expl.evidence.get("units", "ms")))
+    if c is None or exposed <= 0 or expl.step_ms_before <= 0:
+        return ""
+    what = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter"}.get(c.kind, "communication")
+    bw = f" at {c.busbw_gbps:.3g} GB/s busbw" if c.busbw_gbps is not None else ""
+    return (f"communication is {exposed / expl.step_ms_after:.0%} of the predicted step "
+            f"({_ms(exposed)} of exposed {what}{bw})")
+
+
+def _comm_bound_detail(obs: JobObservation, expl: Explanation, threshold: float) -> str | None:
+    """The advice line for a job whose split would clear the gain threshold on compute
+    alone but not once the exposed communication is counted; None otherwise."""
+    c = obs.comm
+    exposed = exposed_comm_ms(obs, str(expl.evidence.get("units", "ms")))
+    if c is None or exposed <= 0:
+        return None
+    compute_before, compute_after = expl.step_ms_before - exposed, expl.step_ms_after - exposed
+    if compute_before <= 0 or (compute_before - compute_after) / compute_before < threshold:
+        return None  # the split is not worth it even without communication
+    head = "communication-bound" if c.bound == "communication-bound" else "communication eats the gain"
+    figures = comm_bound_text(c) or f"{exposed / expl.step_ms_before:.0%} of the step is exposed communication"
+    return f"{head}: {figures}; the best split gains at most {max(expl.gain, 0.0):.0%}"
 
 
 def _memory_fields(obs: JobObservation, i: int, before: int, after: int,
@@ -465,6 +514,9 @@ def decide(obs: JobObservation, config: PolicyConfig,
     threshold = config.min_gain + noise
     if violation is None and expl.gain < threshold:
         margin = f" (+{noise:.1%} for measurement noise)" if noise >= 0.0005 else ""
+        comm_bound = _comm_bound_detail(obs, expl, threshold)
+        if comm_bound is not None:
+            return NoProposal("insufficient_gain", comm_bound, explanation=expl)
         return NoProposal(
             "insufficient_gain",
             f"predicted gain {expl.gain:.1%} is below the {config.min_gain:.0%} "
@@ -475,5 +527,8 @@ def decide(obs: JobObservation, config: PolicyConfig,
                      expl.gain, strategy_name, violation)
     if note:
         reason = f"{reason}; {note}"
+    comm = _comm_clause(obs, expl)
+    if comm:
+        reason = f"{reason}; {comm}"
     log.debug("job %s: proposing %s (%s)", obs.job, target, reason)
     return Proposal(shares=target, reason=reason, explanation=expl)

@@ -7,6 +7,7 @@ from operator import attrgetter
 from typing import Any, Literal
 
 from ._values import Compact
+from .comm import Communication
 from .memory import DEFAULT_HEADROOM, RankMemory
 
 __all__ = [
@@ -117,6 +118,9 @@ class JobObservation(Compact):
     ranks: tuple[RankObservation, ...]
     # Recent automatic rollbacks, oldest first (the controller keeps a few).
     rollbacks: tuple[Rollback, ...] = ()
+    # The job's communication (``backend.policy.comm.assess``): its exposed part is added
+    # to every predicted step, since no split changes it. None: unknown, priced as 0.
+    comm: Communication | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,13 +143,15 @@ class ObservationRows(Compact):
     steps_since_change: int
     ranks: tuple[tuple[Any, ...], ...]
     rollbacks: tuple[Rollback, ...] = ()
+    comm: Communication | None = None
 
     def build(self) -> JobObservation:
         return JobObservation(
             job=self.job, world_size=self.world_size, global_batch_size=self.global_batch_size,
             batch_index=self.batch_index, shares=self.shares, placement_version=self.placement_version,
             steps_since_change=self.steps_since_change,
-            ranks=tuple(_rank_observation(*r) for r in self.ranks), rollbacks=self.rollbacks)
+            ranks=tuple(_rank_observation(*r) for r in self.ranks), rollbacks=self.rollbacks,
+            comm=self.comm)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +205,10 @@ class RankExplanation(Compact):
 @dataclass(frozen=True, slots=True)
 class Explanation(Compact):
     strategy: str
-    step_ms_before: float  # predicted max compute time with the shares in force
+    # Predicted step: the slowest rank's compute plus the exposed communication (which no
+    # split changes; ``evidence["communication"]`` has its figures), with the shares in
+    # force and after.
+    step_ms_before: float
     step_ms_after: float
     gain: float  # (before - after) / before
     ranks: tuple[RankExplanation, ...]

@@ -57,6 +57,9 @@ class ReportInputs:
     cost_per_hour: float | None
     unpriced_ranks: int
     fit_window_steps: int = 100
+    # What bounded the step over the run's last steps, with per-rank communication
+    # (``backend.policy.comm``, as the REST ``bound`` object plus ``ranks``); None: unknown.
+    communication: dict[str, Any] | None = None
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -176,5 +179,6 @@ def build_report(inp: ReportInputs) -> dict[str, Any]:
         "cost": {"per_hour": _r(inp.cost_per_hour, 9), "total": _r(cost_total, 9),
                  "unpriced_ranks": inp.unpriced_ranks},
         "advice": _advice(inp, rank_rows),
+        "communication": inp.communication,
         "series": list(inp.series),
     }

@@ -29,6 +29,7 @@ from backend.storage.summaries import get_summary
 if TYPE_CHECKING:
     from backend.control.controller import Controller
     from backend.dashboard.hub import DashboardHub
+    from backend.live.state import LiveState
     from backend.settings import Settings
     from backend.storage.gateway import SqlGateway
 
@@ -53,8 +54,9 @@ class _Stored:
 
 class RunReports:
     def __init__(self, *, sql: SqlGateway, controller: Controller, hub: DashboardHub,
-                 settings: Settings, clock: Callable[[], float] = time.time):
+                 settings: Settings, live: LiveState, clock: Callable[[], float] = time.time):
         self._sql = sql
+        self._live = live
         self._controller = controller
         self._hub = hub
         self._settings = settings
@@ -96,7 +98,8 @@ class RunReports:
             finished=finished, reason=reason, generated_at=self._clock(), ranks=ranks, totals=got.totals,
             series=got.series, fit_windows=got.fits, placements=placements, proposals=proposals,
             savings=savings, cost_per_hour=cost_h, unpriced_ranks=unpriced,
-            fit_window_steps=self._settings.policy_window_steps)
+            fit_window_steps=self._settings.policy_window_steps,
+            communication=_communication(self._live.communication(job)))
         return await asyncio.to_thread(build_report, inputs)
 
     async def store(self, job: str, *, reason: str, finished: bool) -> dict[str, Any] | None:
@@ -113,3 +116,13 @@ class RunReports:
         self.stored_count += 1
         log.info("stored the run report of job %s (%s)", job, reason)
         return report
+
+
+def _communication(comm: Any) -> dict[str, Any] | None:
+    """The run's last communication figures (``backend.policy.comm``; live state only: they
+    are not stored), None when live state no longer holds the job or saw no step."""
+    if comm is None or comm.n_steps == 0:
+        return None
+    return {**comm.figures(), "ranks": [
+        {"rank": r.rank, "comm_bytes_per_step": r.comm_bytes_per_step, "comm_ms": r.comm_ms,
+         "wait_ms": r.wait_ms, "busbw_gbps": r.busbw_gbps} for r in comm.ranks]}

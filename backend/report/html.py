@@ -145,6 +145,15 @@ def _details(r: dict[str, Any]) -> str:
                      f"(of which {_num(adv['overhead_ms'])} ms no split changes).</p>")
     else:
         parts.append("<p>Not enough stored steps per rank to fit the policy's model.</p>")
+    comm = r.get("communication")
+    parts.append("<h2>Communication</h2>")
+    if comm:
+        parts.append(f"<p><b>{_e(comm['verdict'])}</b>: {_e(comm['detail'])}</p>")
+        parts.append(_table(["rank", "bytes per step", "ms in collectives", "ms waiting for peers", "busbw GB/s"],
+                            [[c["rank"], _num(c["comm_bytes_per_step"]), _num(c["comm_ms"]), _num(c["wait_ms"]),
+                              _num(c["busbw_gbps"])] for c in comm["ranks"]]))
+    else:
+        parts.append("<p>Not measured (the backend no longer held the run's last steps).</p>")
     return "".join(parts)
 
 

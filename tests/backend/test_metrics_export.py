@@ -4,6 +4,7 @@ histogram, counters from stored rows (they survive a restart) and who may scrape
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from backend.metrics_contract import CONTRACT, STEP_BUCKETS_S, THROTTLE_REASONS, exposed_names
 from tests.backend._app import hello, make_app, steps, sync
 from tests.helpers.waiting import wait_until
-from trainer_hook.protocol import DeviceSample, Metrics, encode
+from trainer_hook.protocol import DeviceSample, Metrics, StepRecord, encode
 
 ADMIN = "metrics-admin-secret-0123456789"
 UUIDS = ("GPU-11111111-1111-1111-1111-111111111111", "GPU-22222222-2222-2222-2222-222222222222")
@@ -32,7 +33,11 @@ def _value(samples: dict, name: str, **labels: str) -> float:
 
 def _gpu_hello(rank: int) -> str:
     return hello(rank=rank, device_type="H100", device_name="NVIDIA H100 80GB HBM3",
-                 gpu_index=rank + 2, gpu_uuid=UUIDS[rank], total_steps=1000)
+                 gpu_index=rank + 2, gpu_uuid=UUIDS[rank], total_steps=1000, comm_kind="all_reduce")
+
+
+def _with_comm(records: list[StepRecord], comm_ms: float) -> list[StepRecord]:
+    return [replace(s, comm_bytes=1 << 20, comm_ms=comm_ms) for s in records]
 
 
 def _device(t: float, **kw: object) -> DeviceSample:
@@ -48,9 +53,9 @@ def _feed_two_gpus(client: TestClient) -> None:
         for ws, r in ((a, 0), (b, 1)):
             ws.send_text(_gpu_hello(r))
             ws.receive_json()
-        a.send_text(encode(Metrics(job="j", rank=0, steps=steps(0, 4, step_ms=20.0, compute_ms=8.0),
-                                   device=[_device(time.time())])))
-        b.send_text(encode(Metrics(job="j", rank=1, steps=steps(0, 4, step_ms=20.0, compute_ms=16.0),
+        a.send_text(encode(Metrics(job="j", rank=0, steps=_with_comm(steps(0, 4, step_ms=20.0, compute_ms=8.0), 11.0),
+                                   device=[_device(time.time(), nic_tx_bytes_per_s=1e6)])))
+        b.send_text(encode(Metrics(job="j", rank=1, steps=_with_comm(steps(0, 4, step_ms=20.0, compute_ms=16.0), 3.0),
                                    device=[_device(time.time(), throttle_reasons=["sw_thermal", "sw_power_cap"])])))
         sync(a, _gpu_hello(0))
         sync(b, _gpu_hello(1))

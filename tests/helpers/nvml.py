@@ -42,6 +42,11 @@ class FakeGpu:
     sm_clock: int = 1755
     sm_clock_max: int = 1980
     reasons: int = 0
+    # Link counters: PCIe KiB/s (None: not supported), NVLink cumulative KiB (None: no NVLink).
+    pcie_tx_kib_s: int | None = 2_000_000
+    pcie_rx_kib_s: int | None = 1_000_000
+    nvlink_tx_kib: int | None = None
+    nvlink_rx_kib: int | None = None
     # function name -> exception instance raised instead of answering
     fail: dict[str, Exception] = field(default_factory=dict)
 
@@ -127,3 +132,20 @@ class FakeNvml:
 
     def nvmlDeviceGetCurrentClocksThrottleReasons(self, h: int) -> int:
         return self._gpu("nvmlDeviceGetCurrentClocksThrottleReasons", h).reasons
+
+    def nvmlDeviceGetPcieThroughput(self, h: int, counter: int) -> int:
+        gpu = self._gpu("nvmlDeviceGetPcieThroughput", h)
+        value = gpu.pcie_tx_kib_s if counter == 0 else gpu.pcie_rx_kib_s
+        if value is None:
+            raise NVMLError_NotSupported("Not Supported")
+        return value
+
+    def nvmlDeviceGetFieldValues(self, h: int, field_ids: list[Any]) -> list[SimpleNamespace]:
+        gpu = self._gpu("nvmlDeviceGetFieldValues", h)
+        out = []
+        for f in field_ids:
+            fid = f[0] if isinstance(f, tuple) else f
+            value = {138: gpu.nvlink_tx_kib, 139: gpu.nvlink_rx_kib}.get(fid)
+            out.append(SimpleNamespace(fieldId=fid, nvmlReturn=0 if value is not None else 3,
+                                       value=SimpleNamespace(ullVal=value or 0)))
+        return out

@@ -19,10 +19,11 @@ from backend.control.status import NEVER_CONNECTED, job_status
 from backend.live.forecast import forecast
 from backend.live.state import JobView, RankView
 from backend.parts import Parts
+from backend.policy.comm import RankComm
 from backend.storage import metrics as store
-from trainer_hook.protocol import MAX_BATCH_INDEX, MAX_WORLD_SIZE
+from trainer_hook.protocol import LINK_FIELDS, MAX_BATCH_INDEX, MAX_WORLD_SIZE
 
-__all__ = ["router", "SummaryPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
+__all__ = ["router", "SummaryPublic", "BoundPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
 
 log = logging.getLogger("rebalancer.api")
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
@@ -58,6 +59,27 @@ class JobPublic(BaseModel):
     eta_s: float | None = Field(None, description="Seconds to finish: steps left times the recent step time.")
     cost_per_hour: float | None = None
     idle_cost_per_hour: float | None = None
+    bound: BoundPublic | None = Field(None, description="What bounds the step (live jobs only).")
+
+
+class BoundPublic(BaseModel):
+    """What bounds the job's step, with the figures behind it (``backend.policy.comm``)."""
+
+    verdict: Literal["compute-bound", "communication-bound", "input-bound", "balanced", "unknown"]
+    detail: str = ""
+    n_steps: int = Field(0, description="Steps assessed (the newest every rank reported).")
+    kind: str | None = Field(None, description="The gradient collective: all_reduce or reduce_scatter.")
+    step_ms: float | None = None
+    compute_ms: float | None = Field(None, description="The slowest rank's compute time.")
+    exposed_comm_ms: float | None = Field(None, description="The last arriver's sync wait: communication no compute hid.")
+    data_wait_ms: float | None = Field(None, description="The longest data wait.")
+    compute_share: float | None = None
+    comm_share: float | None = None
+    input_share: float | None = None
+    comm_bytes_per_step: float | None = None
+    transfer_ms: float | None = Field(None, description="The last arriver's time inside the collectives.")
+    algbw_gbps: float | None = None
+    busbw_gbps: float | None = Field(None, description="algbw x 2(n-1)/n (all-reduce) or (n-1)/n (reduce-scatter).")
 
 
 class JobsPublic(BaseModel):
@@ -78,6 +100,14 @@ class DevicePublic(BaseModel):
     throttle_reasons: list[str] = []
     cpu_pct: float | None = None
     rss_bytes: int | None = None
+    nic_tx_bytes_per_s: float | None = None
+    nic_rx_bytes_per_s: float | None = None
+    ib_tx_bytes_per_s: float | None = None
+    ib_rx_bytes_per_s: float | None = None
+    pcie_tx_bytes_per_s: float | None = None
+    pcie_rx_bytes_per_s: float | None = None
+    nvlink_tx_bytes_per_s: float | None = None
+    nvlink_rx_bytes_per_s: float | None = None
 
 
 class RankPublic(BaseModel):
@@ -107,6 +137,10 @@ class RankPublic(BaseModel):
     # What the rank's hook reported in its hello; "... observe-only (rebalancer run)" for
     # a rank monitored by `rebalancer run` without code change (the job page says so).
     hook_version: str = ""
+    comm_bytes_per_step: float | None = Field(default=None, description="Bytes handed to gradient collectives a step.")
+    comm_ms: float | None = Field(default=None, description="Time a step with a gradient collective in flight.")
+    wait_ms: float | None = Field(default=None, description="Of comm_ms, the wait for peers (the rest is transfer).")
+    busbw_gbps: float | None = Field(default=None, description="Bus bandwidth, GB/s (nccl-tests definition).")
 
 
 class RanksPublic(BaseModel):
@@ -161,7 +195,9 @@ def _not_found(job: str) -> HTTPException:
 
 def _job_from_live(parts: Parts, view: JobView) -> dict[str, Any]:
     fc = forecast(view, parts.settings.price_for)
+    comm = parts.live.communication(view.job)
     return {
+        "bound": comm.figures() if comm is not None else None,
         "job": view.job, "world_size": view.world_size, "global_batch_size": view.global_batch_size,
         "batch_index": view.batch_index,
         "step_rate_hz": view.step_rate_hz, "step_ms": view.step_ms, "imbalance": view.imbalance,
@@ -237,6 +273,7 @@ def _device(d: Any) -> DevicePublic | None:
         mem_total_bytes=d.mem_total_bytes, power_w=d.power_w, temp_c=d.temp_c,
         sm_clock_mhz=d.sm_clock_mhz, sm_clock_max_mhz=d.sm_clock_max_mhz,
         throttle_reasons=list(d.throttle_reasons), cpu_pct=d.cpu_pct, rss_bytes=d.rss_bytes,
+        **{f: getattr(d, f) for f in LINK_FIELDS},
     )
 
 
@@ -246,9 +283,12 @@ def _shares(parts: Parts, job: str) -> list[int] | None:
     return list(shares) if shares else None
 
 
-def _rank_live(parts: Parts, job: str, r: RankView, shares: list[int] | None) -> RankPublic:
+def _rank_live(parts: Parts, job: str, r: RankView, shares: list[int] | None,
+               comm: RankComm | None) -> RankPublic:
     hello = parts.live.hello(job, r.rank)
     return RankPublic(
+        comm_bytes_per_step=comm.comm_bytes_per_step if comm else None, comm_ms=comm.comm_ms if comm else None,
+        wait_ms=comm.wait_ms if comm else None, busbw_gbps=comm.busbw_gbps if comm else None,
         rank=r.rank, host=r.host, device_type=r.device_type, device_name=r.device_name,
         connected=r.connected, share=shares[r.rank] if shares and r.rank < len(shares) else None,
         batch_index=r.batch_index, placement_version=r.placement_version, compute_ms=r.compute_ms,
@@ -276,7 +316,9 @@ async def get_ranks(job: str, _actor: ViewerDep, parts: PartsDep) -> RanksPublic
     shares = _shares(parts, job)
     view = parts.live.view(job)
     if view is not None:
-        data = [_rank_live(parts, job, r, shares) for r in view.ranks]
+        comm = parts.live.communication(job)
+        by_rank = {c.rank: c for c in comm.ranks} if comm is not None else {}
+        data = [_rank_live(parts, job, r, shares, by_rank.get(r.rank)) for r in view.ranks]
         return RanksPublic(data=data, count=len(data))
     stored = await parts.sql.run(lambda s: _stored_ranks(s, job))
     if stored is None:

@@ -32,7 +32,9 @@ from backend.auth.tokens import role_allows
 from backend.live.forecast import forecast
 from backend.live.state import JobView, RankView
 from backend.metrics_contract import CONTRACT, STEP_BUCKETS_S, THROTTLE_REASONS, MetricSpec
+from backend.policy.comm import BOUNDS
 from backend.settings import is_loopback
+from trainer_hook.protocol import LINK_FIELDS
 
 if TYPE_CHECKING:
     from backend.control.controller import Controller
@@ -122,6 +124,7 @@ class MetricsExporter:
             if view is None:
                 continue
             control = self.controller.job_control(job)
+            self._comm(fams, view)
             self._ranks(fams, view, control)
             self._job(fams, view, control)
             self._control(fams, job, control)
@@ -204,6 +207,37 @@ class MetricsExporter:
             active = set(d.throttle_reasons)
             for reason in THROTTLE_REASONS:
                 throttle.add(f'{dev},reason="{reason}"', 1.0 if reason in active else 0.0)
+
+    def _comm(self, fams: dict[str, _Family], view: JobView) -> None:
+        comm = self.live.communication(view.job)
+        if comm is None:
+            return
+        job = _esc(view.job)
+        labels = _labels(job=view.job)
+        if comm.exposed_comm_ms is not None:
+            fams["rebalancer_exposed_comm_seconds"].add(labels, comm.exposed_comm_ms / 1000.0)
+        for b in BOUNDS:
+            fams["rebalancer_bound"].add(f'{labels},bound="{b}"', 1.0 if b == comm.bound else 0.0)
+        for rc in comm.ranks:
+            rank = f'job="{job}",rank="{rc.rank}"'
+            for name, value in (("rebalancer_rank_comm_bytes", rc.comm_bytes_per_step),
+                                ("rebalancer_rank_comm_seconds", _s(rc.comm_ms)),
+                                ("rebalancer_rank_comm_wait_seconds", _s(rc.wait_ms)),
+                                ("rebalancer_rank_bus_bandwidth_bytes_per_second",
+                                 rc.busbw_gbps * 1e9 if rc.busbw_gbps is not None else None)):
+                if value is not None:
+                    fams[name].add(rank, value)
+        links = fams["rebalancer_rank_link_bytes_per_second"]
+        for r in view.ranks:
+            d = r.device
+            if d is None:
+                continue
+            rank = f'job="{job}",rank="{r.rank}"'
+            for f in LINK_FIELDS:
+                v = getattr(d, f)
+                if v is not None:
+                    link, direction = f.split("_")[:2]
+                    links.add(f'{rank},link="{link}",direction="{direction}"', v)
 
     def _job(self, fams: dict[str, _Family], view: JobView, control: dict[str, Any]) -> None:
         labels = _labels(job=view.job)

@@ -1,6 +1,7 @@
 /* global Plotly */
 // Job view: wires the live socket to the charts, the tables and the operator controls.
 import { Charts } from "./charts.js";
+import { CommCard } from "./comm.js";
 import {
   STATUS_LABEL, api, bytes, duration, el, forecastFor, fmt, liveSocket, money,
   mountTokenBox, pct, setTotalSteps, totalSteps,
@@ -257,3 +258,6 @@ mountTokenBox($("token-box")).then((me) => {
   if (charts.placement.data) Plotly.Plots.resize(charts.placement);
 });
 liveSocket(job, onFrame, setConn);
+const comm = new CommCard(job);
+window.rebalancer.comm = comm;
+comm.start();

@@ -1,0 +1,86 @@
+"""torchrun target for the communication tests: a DDP MLP whose slow ranks sleep per sample.
+
+Each rank trains ``--steps`` global batches with RebalanceHook (offline, or streaming to
+``--server``) and writes ``OUT/rank{r}.json``: its step records as sent and the bytes of
+its parameters. Ranks in ``--slow`` sleep ``--delay-ms`` per sample in forward (the
+device's compute), so the others wait for them inside the all-reduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import TensorDataset
+
+from trainer_hook import RebalanceHook
+
+GLOBAL_BATCH = 16
+
+
+class Sleepy(torch.nn.Module):
+    def __init__(self, width: int, delay_s: float) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
+                                       torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+        self.delay_s = delay_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.delay_s:
+            time.sleep(self.delay_s * len(x))
+        return self.net(x)  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--delay-ms", type=float, default=0.0)
+    p.add_argument("--slow", default="", help="comma-separated ranks that sleep --delay-ms per sample")
+    p.add_argument("--bucket-mb", type=float, default=0.1)
+    p.add_argument("--server", default=None)
+    p.add_argument("--job", default="comm")
+    p.add_argument("--base-ms", type=float, default=0.0, help="per-sample sleep of every rank (slow ranks add --delay-ms)")
+    p.add_argument("--shares", default="", help="a placement rank 0 requests at the first step")
+    p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
+    args = p.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    slow = {int(r) for r in args.slow.split(",") if r}
+    torch.manual_seed(0)
+    model = Sleepy(args.width, (args.base_ms + (args.delay_ms if rank in slow else 0.0)) / 1e3)
+    ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+    hook = RebalanceHook(server=args.server, job=args.job, global_batch_size=args.global_batch,
+                         total_steps=args.steps)
+    hook.attach(ddp)
+    gen = torch.Generator().manual_seed(1)
+    ds = TensorDataset(torch.randn(args.global_batch * args.steps, 8, generator=gen),
+                       torch.randn(args.global_batch * args.steps, 1, generator=gen))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    loader = hook.data_loader(ds, shuffle=False)
+    for x, y in loader:
+        if hook.batch_index >= args.steps:
+            break
+        if args.shares and rank == 0 and hook.batch_index == 0:
+            hook.request_placement([int(v) for v in args.shares.split(",")])
+        with hook.step():
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    records = [r.to_dict() for r in hook.history]
+    hook.close()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"records": records, "param_bytes": param_bytes, "native": hook._grads.native}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
