@@ -465,6 +465,8 @@ class DashboardHub:
                 stale_after_s=self.settings.stale_after_s, lost_ranks=view.lost_ranks,
                 world_size=view.world_size)
         fc = forecast(view, self._price)
+        comm = self.live.communication(feed.job)
+        bound = comm.bound if comm is not None else None
         return {
             "job": view.job, "world_size": view.world_size,
             "global_batch_size": view.global_batch_size,
@@ -479,6 +481,8 @@ class DashboardHub:
             "cost_per_hour": _r(fc.cost_per_hour), "total_steps": fc.total_steps,
             "remaining_steps": fc.remaining_steps, "eta_s": _r(fc.eta_s),
             "cost_to_finish": _r(fc.cost_to_finish),
+            # What bounds the step (backend.policy.comm, cached per new step); None until known.
+            "bound": bound if bound != "unknown" else None,
         }
 
     # --- the fleet: every job's row and the totals (backend.live.fleet) -----------------------

@@ -89,3 +89,10 @@ def test_the_run_report_carries_the_verdict_and_each_ranks_communication(client)
     assert comm["ranks"][0]["wait_ms"] == pytest.approx(20.0)
     page = client.get("/api/v1/jobs/ar/report", params={"format": "html"}).text
     assert "<h2>Communication</h2>" in page and "compute-bound" in page
+
+
+def test_the_fleet_view_shows_the_same_verdict(client):
+    rows = {r["job"]: r for r in client.get("/api/v1/fleet").json()["data"]}
+    for job in ("ar", "plain"):  # the one rule: the fleet row says what the job's REST says
+        assert rows[job]["bound"] == client.get(f"/api/v1/jobs/{job}").json()["bound"]["verdict"]
+    assert rows["ar"]["bound"] == "compute-bound"
