@@ -319,7 +319,7 @@ class RebalanceHook:
         if self._gradients_mode is not None:
             raise RuntimeError("attach() was already called on this hook; call it once per model.")
         if gradients == "loss_scale":
-            check_data_parallel(model)
+            check_data_parallel(model, self._world_size)
             self._grad_handles = register_grad_timer(model, self._grads)
             mode = "loss_scale"
         else:

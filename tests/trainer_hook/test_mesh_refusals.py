@@ -8,14 +8,13 @@ turn (tests/trainer_hook/_mesh_worker.py) and writes what attach() said."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from tests.helpers.torchrun import run_torchrun
 
 WORLD = 4
-DP_MESH = "dp_mesh=..., which this version does not support yet"
+DP_MESH = "need RebalanceHook(..., dp_mesh=...), which this version does not support yet"
 
 
 @pytest.fixture(scope="module")
