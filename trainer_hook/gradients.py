@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "GradientState", "weighted_allreduce_hook", "register_comm_hook", "register_grad_timer",
-    "register_gradient_weighting", "register_unshard_timer", "check_data_parallel", "timing_event",
+    "register_gradient_weighting", "register_unshard_timer", "check_data_parallel", "check_mesh", "timing_event",
 ]
 
 
@@ -301,7 +301,95 @@ def _is_fsdp1(model: Any) -> bool:
     return isinstance(model, FullyShardedDataParallel)
 
 
-def check_data_parallel(model: Any) -> None:
+_NEEDS_DP_MESH = (
+    "Tensor/context-parallel meshes, and data parallelism over part of the world, need "
+    "RebalanceHook(..., dp_mesh=...), which this version does not support yet; until then "
+    "every rank of the world must be its own data-parallel worker (DDP, FSDP1 or FSDP2 over "
+    "the whole world)."
+)
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _ranks_along(mesh: Any, dim: int) -> set[int]:
+    """The ranks of ``mesh`` that share this rank's coordinates in every dim but ``dim``
+    (this rank's group along ``dim``), read from the mesh's rank tensor: no collective."""
+    coord = mesh.get_coordinate()
+    if coord is None:  # this rank is not in the mesh
+        return set()
+    index: list[Any] = list(coord)
+    index[dim] = slice(None)
+    return {int(r) for r in mesh.mesh[tuple(index)].flatten().tolist()}
+
+
+def _mesh_dim_name(mesh: Any, dim: int) -> str:
+    names = getattr(mesh, "mesh_dim_names", None)
+    return names[dim] if names else f"dim {dim}"
+
+
+def check_mesh(model: Any, world_size: int | None = None) -> None:
+    """Refuse, naming ``dp_mesh``, a model whose gradients are reduced over part of the
+    world or whose parameters are split over a mesh dim that is not data parallel: the
+    hook gives every rank of the world its own samples, so ranks of one tensor/context-
+    parallel group would see different batches (issue 24; ``dp_mesh`` is not built yet)."""
+    world = _world_size() if world_size is None else world_size
+    if world <= 1:
+        return
+    inner = _compiled_inner(model)
+    for label, group in (("DistributedDataParallel", getattr(inner, "process_group", None) if _is_ddp(inner)
+                          else None),
+                         ("FullyShardedDataParallel (FSDP1)", getattr(inner, "process_group", None)
+                          if _is_fsdp1(inner) else None)):
+        if group is not None and dist.get_world_size(group) != world:
+            raise ValueError(
+                f"Rebalancer balances data-parallel ranks only: {label} reduces gradients over a "
+                f"process group of {dist.get_world_size(group)} of the {world} ranks, while the "
+                f"hook splits each global batch over all {world}. {_NEEDS_DP_MESH}"
+            )
+    # The ranks FSDP2 reduces gradients over: the data-parallel ranks of this rank.
+    dp_ranks: set[int] = set()
+    fsdp_meshes = []
+    for m in _fsdp2_modules(inner):
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            mesh = group.mesh_info.mesh
+            fsdp_meshes.append(mesh)
+            dp_ranks |= {int(r) for r in mesh.mesh.flatten().tolist()}
+    dtensor_cls: Any = None
+    try:
+        from torch.distributed.tensor import DTensor as dtensor_cls
+    except ImportError:  # torch without DTensor
+        pass
+    if dtensor_cls is not None:
+        for pname, p in inner.named_parameters():
+            if not isinstance(p, dtensor_cls):
+                continue
+            mesh = p.device_mesh
+            for dim in range(mesh.ndim):
+                along = _ranks_along(mesh, dim)
+                if len(along) <= 1 or along <= dp_ranks:
+                    continue
+                names = tuple(_mesh_dim_name(mesh, d) for d in range(mesh.ndim))
+                placements = ", ".join(repr(pl) for pl in p.placements)
+                raise ValueError(
+                    f"Rebalancer balances data-parallel ranks only: parameter {pname!r} is a DTensor "
+                    f"over mesh dims {names} with placements ({placements}); mesh dim "
+                    f"{_mesh_dim_name(mesh, dim)!r} ({len(along)} ranks) is not data parallel "
+                    f"(tensor or context parallelism), and all its ranks must see the same samples. "
+                    f"{_NEEDS_DP_MESH}"
+                )
+    if fsdp_meshes and len(dp_ranks) != world:
+        names = tuple(dict.fromkeys(
+            _mesh_dim_name(mesh, d) for mesh in fsdp_meshes for d in range(mesh.ndim)))
+        raise ValueError(
+            f"Rebalancer balances data-parallel ranks only: FSDP2 (fully_shard) reduces gradients "
+            f"over {len(dp_ranks)} of the {world} ranks (mesh dims {names}), while the hook splits "
+            f"each global batch over all {world}. {_NEEDS_DP_MESH}"
+        )
+
+
+def check_data_parallel(model: Any, world_size: int | None = None) -> None:
     """Refuse, naming what is supported, set-ups whose ranks are not all data-parallel
     replicas of one model (their gradients cannot be weighted by batch share alone)."""
     cls = type(model)
@@ -324,6 +412,7 @@ def check_data_parallel(model: Any) -> None:
                 f"reduce-scattered in a shard group, then all-reduced across replicas, and the hook "
                 f"weights only one of the two. Use ShardingStrategy.FULL_SHARD. {_SUPPORTED}"
             )
+        check_mesh(model, world_size)
         return
     fsdp2 = _fsdp2_modules(model)
     for m in fsdp2:
@@ -335,6 +424,7 @@ def check_data_parallel(model: Any) -> None:
                     f"pure data-parallel replicas can take different shares. {_SUPPORTED}"
                 )
     if fsdp2:
+        check_mesh(model, world_size)
         return
     dtensor_cls: Any = None
     try:
@@ -345,8 +435,9 @@ def check_data_parallel(model: Any) -> None:
         raise ValueError(
             "tensor parallelism (DTensor parameters outside FSDP) is not supported by the "
             "rebalancer: ranks that hold pieces of one model replica must see the same batch. "
-            f"{_SUPPORTED}"
+            f"{_SUPPORTED} {_NEEDS_DP_MESH}"
         )
+    check_mesh(model, world_size)
 
 
 def register_gradient_weighting(model: torch.nn.Module, state: GradientState, world_size: int) -> str:
@@ -354,7 +445,7 @@ def register_gradient_weighting(model: torch.nn.Module, state: GradientState, wo
     allows; returns the mechanism: ``"ddp_comm_hook"``, ``"fsdp2_reduce_scatter"``,
     ``"fsdp1_comm_hook"`` or ``"local"`` (one process, nothing to weight)."""
     model = _compiled_inner(model)
-    check_data_parallel(model)
+    check_data_parallel(model, world_size)
     if _is_ddp(model):
         register_comm_hook(model, state)
         return "ddp_comm_hook"

@@ -302,7 +302,10 @@ class RebalanceHook:
         framework's averaging all-reduce do the rest (where another library owns DDP's
         comm hook). Any other model with several ranks is refused with a message saying
         to do exactly that. DeepSpeed, pipeline parallelism, tensor parallelism and
-        HSDP are refused, naming what is supported.
+        HSDP are refused, naming what is supported; so is any device mesh the hook cannot
+        balance (DTensor parameters over a tensor/context-parallel dim, FSDP2 over a
+        sub-mesh, DDP or FSDP1 over a sub-group): every rank of the world must be its own
+        data-parallel worker until ``dp_mesh=`` exists.
 
         Gradient accumulation: all micro-batches of one global batch inside one
         ``hook.step()``, gradient sync off for all but the last (``model.no_sync()``, or
@@ -322,7 +325,7 @@ class RebalanceHook:
         if self._gradients_mode is not None:
             raise RuntimeError("attach() was already called on this hook; call it once per model.")
         if gradients == "loss_scale":
-            check_data_parallel(model)
+            check_data_parallel(model, self._world_size)
             self._grad_handles = register_grad_timer(model, self._grads)
             mode = "loss_scale"
         else:
