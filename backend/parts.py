@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
@@ -27,6 +27,7 @@ from backend.control.policy_runs import PolicyRunner
 from backend.dashboard.hub import DashboardHub, JobChanges
 from backend.ingest.connections import HookConnections
 from backend.live.state import LiveState, Pending, aggregate_windows
+from backend.metrics_export import MetricsExporter
 from backend.report.collect import GOODBYE, RunReports
 from backend.settings import Settings
 from backend.storage import (
@@ -47,9 +48,6 @@ from backend.storage.summaries import (
     save_summary,
 )
 from backend.storage.writes import WriteBuffer, database_fault
-
-if TYPE_CHECKING:  # the metrics route imports the parts' dependencies; built in build_parts
-    from backend.api.routes.metrics import MetricsExporter
 
 __all__ = ["Parts", "build_parts", "init_db"]
 
@@ -300,8 +298,6 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
                 wall: Callable[[], float] = time.time) -> Parts:
     """Every part of one app, wired. ``policy``: the runner to use (tests pass their own
     decide function through it); ``clock``/``wall``: the controller's clocks."""
-    from backend.api.routes.metrics import MetricsExporter
-
     engine = make_engine(settings.db)
     init_db(engine)
     sessions = make_sessionmaker(engine)

@@ -1,0 +1,286 @@
+"""The Prometheus exposition of live state (``GET /metrics`` serves it), built at scrape time.
+
+Each app has its own ``MetricsExporter``; nothing is updated on the ingest path. Names,
+labels and help texts come from the contract (backend/metrics_contract.py); figures come
+from their owners: live state (times, devices, the step histogram),
+``backend.live.forecast`` (ETA, cost), the dashboard hub (savings against the uniform
+split, and the fleet totals of ``backend.live.fleet``) and the controller's snapshot (mode,
+placement, proposals, and the counters, which count stored rows so that they survive a
+restart). It lives beside the other parts, not under the routes, so that the wiring
+(``backend.parts``) builds it without importing a route.
+
+Per-rank series: by default only each job's ``REBALANCER_METRICS_SLOWEST_RANKS`` slowest
+ranks and every rank that is gone (``REBALANCER_METRICS_RANK_SERIES=all``: every rank), so a
+scrape of 16,384 ranks stays small; per-job aggregates cover every rank.
+
+The text is written directly (Prometheus text format 0.0.4), each rank's label set
+rendered once per scrape: at 1,024 GPU ranks (~25,000 series) prometheus_client's
+families and ``generate_latest`` took about three times the CPU (bench.capacity --scrape-only).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING, Any
+
+from backend.live.forecast import forecast
+from backend.live.state import JobView, RankView
+from backend.metrics_contract import CONTRACT, STEP_BUCKETS_S, THROTTLE_REASONS, MetricSpec
+from backend.policy.comm import BOUNDS
+from trainer_hook.protocol import LINK_FIELDS
+
+if TYPE_CHECKING:
+    from backend.control.controller import Controller
+    from backend.dashboard.hub import DashboardHub
+    from backend.ingest.connections import HookConnections
+    from backend.live.state import LiveState
+    from backend.settings import Settings
+    from backend.storage.health import StorageHealth
+    from backend.storage.writes import WriteBuffer
+
+__all__ = ["MetricsExporter", "CONTENT_TYPE"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_MODES = ("observe", "approve", "auto")
+_BOUNDS = [*(f"{b:g}" for b in STEP_BUCKETS_S), "+Inf"]
+
+
+def _esc(v: str) -> str:
+    if "\\" in v or '"' in v or "\n" in v:
+        return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return v
+
+
+def _labels(**kv: Any) -> str:
+    return ",".join(f'{k}="{_esc(str(v))}"' for k, v in kv.items())
+
+
+def _num(v: float) -> str:
+    return repr(float(v))
+
+
+class _Family:
+    """One metric family's lines; ``add`` takes its rendered labels (``k="v",...``)."""
+
+    __slots__ = ("spec", "lines")
+
+    def __init__(self, spec: MetricSpec):
+        self.spec = spec
+        self.lines: list[str] = []
+
+    def add(self, labels: str, value: float, name: str | None = None) -> None:
+        n = name or self.spec.name
+        self.lines.append(f"{n}{{{labels}}} {_num(value)}" if labels else f"{n} {_num(value)}")
+
+    def render(self) -> str:
+        s = self.spec
+        help_ = s.help.replace("\\", "\\\\").replace("\n", "\\n")
+        head = f"# HELP {s.name} {help_}\n# TYPE {s.name} {s.kind}\n"
+        return head + "".join(line + "\n" for line in self.lines)
+
+
+# Per-rank families: (metric, RankView attribute in ms).
+_RANK_TIMES = (("rebalancer_rank_compute_seconds", "compute_ms"),
+               ("rebalancer_rank_sync_wait_seconds", "sync_wait_ms"),
+               ("rebalancer_rank_data_wait_seconds", "data_wait_ms"))
+# Per-device gauges: (metric, DeviceSample attribute, factor to the base unit).
+_DEVICE = (("rebalancer_device_utilization_ratio", "util_pct", 0.01),
+           ("rebalancer_device_memory_used_bytes", "mem_used_bytes", 1.0),
+           ("rebalancer_device_memory_total_bytes", "mem_total_bytes", 1.0),
+           ("rebalancer_device_power_watts", "power_w", 1.0),
+           ("rebalancer_device_temperature_celsius", "temp_c", 1.0),
+           ("rebalancer_device_sm_clock_hertz", "sm_clock_mhz", 1e6),
+           ("rebalancer_device_sm_clock_max_hertz", "sm_clock_max_mhz", 1e6))
+
+
+class MetricsExporter:
+    """Writes every exported metric of the contract for one app."""
+
+    def __init__(self, *, live: LiveState, connections: HookConnections, controller: Controller,
+                 hub: DashboardHub, settings: Settings,
+                 writes: WriteBuffer, storage: StorageHealth):
+        self.live = live
+        self.connections = connections
+        self.controller = controller
+        self.hub = hub
+        self.settings = settings
+        self.writes = writes
+        self.storage = storage
+
+    def exposition(self) -> str:
+        """The whole scrape, as Prometheus text."""
+        fams = {m.name: _Family(m) for m in CONTRACT if m.exported}
+        for job in self.live.jobs():
+            view = self.live.view(job)
+            if view is None:
+                continue
+            control = self.controller.job_control(job)
+            self._comm(fams, view)
+            self._ranks(fams, view, control)
+            self._job(fams, view, control)
+            self._control(fams, job, control)
+        fams["rebalancer_ingest_messages_total"].add("", self.live.messages_total)
+        fams["rebalancer_ingest_records_total"].add("", self.live.records_total)
+        fams["rebalancer_dropped_records_total"].add("", self.live.dropped_total)
+        fams["rebalancer_hook_connections"].add("", self.connections.count())
+        fams["rebalancer_persist_dropped_windows_total"].add("", self.writes.dropped_total)
+        fams["rebalancer_persist_buffered_windows"].add("", len(self.writes))
+        fams["rebalancer_database_writable"].add("", 0 if (self.storage.problem or self.writes.fault) else 1)
+        fams["rebalancer_live_jobs"].add("", self.live.job_count())
+        self._fleet(fams)
+        return "".join(f.render() for f in fams.values() if f.lines)
+
+    def _fleet(self, fams: dict[str, _Family]) -> None:
+        t = self.hub.fleet()["totals"]  # the home page's totals (backend.live.fleet)
+        for name, value in (("rebalancer_fleet_jobs", t["jobs"]), ("rebalancer_fleet_ranks", t["ranks"]),
+                            ("rebalancer_fleet_running_jobs", t["running"]),
+                            ("rebalancer_fleet_wasted_gpu_seconds", t["wasted_gpu_hours"] * 3600.0),
+                            ("rebalancer_fleet_saved_seconds", t["saved_s"]),
+                            ("rebalancer_fleet_saved_dollars", t["saved_cost"]),
+                            ("rebalancer_fleet_pending_proposals", t["pending_proposals"])):
+            if value is not None:
+                fams[name].add("", value)
+
+    def _exported_ranks(self, view: JobView) -> tuple[RankView, ...]:
+        """The ranks with per-rank series: all, or (``slowest``, the default) the k with the
+        longest compute and every rank that is gone while others of its job still run."""
+        k = self.settings.metrics_slowest_ranks
+        ranks = view.ranks
+        if self.settings.metrics_rank_series == "all" or len(ranks) <= k:
+            return ranks
+        running = view.connected_ranks > 0
+        gone = [r for r in ranks if r.lost or (running and not r.connected)]
+        timed = [r for r in ranks if r.compute_ms is not None]
+        slowest = heapq.nlargest(k, timed, key=lambda r: (r.compute_ms, -r.rank))
+        if len(slowest) < k:  # ranks without steps yet fill the rest, lowest first
+            slowest += [r for r in ranks if r.compute_ms is None][:k - len(slowest)]
+        keep = {r.rank for r in slowest} | {r.rank for r in gone}
+        return tuple(r for r in ranks if r.rank in keep)
+
+    def _ranks(self, fams: dict[str, _Family], view: JobView, control: dict[str, Any]) -> None:
+        job, gbs = _esc(view.job), view.global_batch_size
+        exported = self._exported_ranks(view)
+        fams["rebalancer_rank_series_omitted"].add(_labels(job=view.job), len(view.ranks) - len(exported))
+        fams["rebalancer_lost_ranks"].add(_labels(job=view.job), len(view.lost_ranks))
+        compute = [r.compute_ms for r in view.ranks if r.compute_ms is not None]
+        if compute:
+            fams["rebalancer_max_compute_seconds"].add(_labels(job=view.job), max(compute) / 1000.0)
+            fams["rebalancer_mean_compute_seconds"].add(_labels(job=view.job), sum(compute) / len(compute) / 1000.0)
+        shares = (control.get("placement") or {}).get("shares") or []
+        times = [(fams[name], attr) for name, attr in _RANK_TIMES]
+        device = [(fams[name], attr, k) for name, attr, k in _DEVICE]
+        connected = fams["rebalancer_rank_connected"]
+        lost = fams["rebalancer_rank_lost"]
+        local, ratio = fams["rebalancer_rank_local_batch_size"], fams["rebalancer_rank_batch_share_ratio"]
+        throttle = fams["rebalancer_device_throttle_reason"]
+        for r in exported:
+            labels = f'job="{job}",rank="{r.rank}"'
+            connected.add(labels, 1.0 if r.connected else 0.0)
+            lost.add(labels, 1.0 if r.lost else 0.0)
+            for fam, attr in times:
+                ms = getattr(r, attr)
+                if ms is not None:
+                    fam.add(labels, ms / 1000.0)
+            share = shares[r.rank] if r.rank < len(shares) else r.local_batch_size
+            if share is not None:
+                local.add(labels, share)
+                ratio.add(labels, share / gbs)
+            d = r.device
+            if d is None or d.source != "nvml":
+                continue  # CPU ranks have no GPU series
+            # dcgm-exporter's labels (GPU_LABELS)
+            dev = labels + "," + _labels(Hostname=r.host, gpu="" if r.gpu_index is None else r.gpu_index,
+                                         UUID=r.gpu_uuid, modelName=r.device_name)
+            for fam, attr, k in device:
+                v = getattr(d, attr)
+                if v is not None:
+                    fam.add(dev, v * k)
+            active = set(d.throttle_reasons)
+            for reason in THROTTLE_REASONS:
+                throttle.add(f'{dev},reason="{reason}"', 1.0 if reason in active else 0.0)
+
+    def _comm(self, fams: dict[str, _Family], view: JobView) -> None:
+        comm = self.live.communication(view.job)
+        if comm is None:
+            return
+        job = _esc(view.job)
+        labels = _labels(job=view.job)
+        if comm.exposed_comm_ms is not None:
+            fams["rebalancer_exposed_comm_seconds"].add(labels, comm.exposed_comm_ms / 1000.0)
+        for b in BOUNDS:
+            fams["rebalancer_bound"].add(f'{labels},bound="{b}"', 1.0 if b == comm.bound else 0.0)
+        for rc in comm.ranks:
+            rank = f'job="{job}",rank="{rc.rank}"'
+            for name, value in (("rebalancer_rank_comm_bytes", rc.comm_bytes_per_step),
+                                ("rebalancer_rank_comm_seconds", _s(rc.comm_ms)),
+                                ("rebalancer_rank_comm_wait_seconds", _s(rc.wait_ms)),
+                                ("rebalancer_rank_bus_bandwidth_bytes_per_second",
+                                 rc.busbw_gbps * 1e9 if rc.busbw_gbps is not None else None)):
+                if value is not None:
+                    fams[name].add(rank, value)
+        links = fams["rebalancer_rank_link_bytes_per_second"]
+        for r in view.ranks:
+            d = r.device
+            if d is None:
+                continue
+            rank = f'job="{job}",rank="{r.rank}"'
+            for f in LINK_FIELDS:
+                v = getattr(d, f)
+                if v is not None:
+                    link, direction = f.split("_")[:2]
+                    links.add(f'{rank},link="{link}",direction="{direction}"', v)
+
+    def _job(self, fams: dict[str, _Family], view: JobView, control: dict[str, Any]) -> None:
+        labels = _labels(job=view.job)
+        for name, value in (("rebalancer_step_seconds", _s(view.step_ms)),
+                            ("rebalancer_imbalance_ratio", view.imbalance),
+                            ("rebalancer_connected_ranks", view.connected_ranks),
+                            ("rebalancer_world_size", view.world_size),
+                            ("rebalancer_global_batch_size", view.global_batch_size)):
+            if value is not None:
+                fams[name].add(labels, value)
+        hist = self.live.step_histogram(view.job)
+        if hist is not None:
+            cumulative, total_s = hist
+            fam, base = fams["rebalancer_step_duration_seconds"], "rebalancer_step_duration_seconds"
+            for le, n in zip(_BOUNDS, cumulative, strict=True):
+                fam.add(f'{labels},le="{le}"', n, f"{base}_bucket")
+            fam.add(labels, cumulative[-1], f"{base}_count")
+            fam.add(labels, total_s, f"{base}_sum")
+        fc = forecast(view, self.settings.price_for)
+        for name, value in (("rebalancer_eta_seconds", fc.eta_s),
+                            ("rebalancer_hourly_cost_dollars", fc.cost_per_hour),
+                            ("rebalancer_cost_to_finish_dollars", fc.cost_to_finish)):
+            if value is not None:
+                fams[name].add(labels, value)
+        saved = self.hub.savings(view.job)
+        if saved is not None:
+            fams["rebalancer_savings_seconds"].add(labels, saved["saved_s"] or 0.0)
+            if saved["saved_cost"] is not None:
+                fams["rebalancer_savings_dollars"].add(labels, saved["saved_cost"])
+        mode = control.get("mode")
+        if mode is not None:
+            for m in _MODES:
+                fams["rebalancer_mode"].add(f'{labels},mode="{m}"', 1.0 if m == mode else 0.0)
+        version = (control.get("placement") or {}).get("version")
+        if version is not None:
+            fams["rebalancer_placement_version"].add(labels, version)
+
+    def _control(self, fams: dict[str, _Family], job: str, control: dict[str, Any]) -> None:
+        if not control:
+            return  # the controller does not know the job (yet)
+        labels = _labels(job=job)
+        for st, n in sorted(self.controller.proposal_counts(job).items()):
+            fams["rebalancer_proposals"].add(f'{labels},status="{_esc(st)}"', n)
+        counts = self.controller.activity_counts(job)
+        if not counts:
+            return
+        for source, n in counts["proposals"].items():
+            fams["rebalancer_proposals_created_total"].add(f'{labels},source="{_esc(source)}"', n)
+        for source, n in counts["placements"].items():
+            fams["rebalancer_placements_total"].add(f'{labels},source="{_esc(source)}"', n)
+        fams["rebalancer_placement_failures_total"].add(labels, counts["failed"][""])
+
+
+def _s(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000.0
