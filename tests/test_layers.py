@@ -16,7 +16,6 @@ UPPER = ("backend.api", "backend.parts", "backend.main", "backend.cli", "backend
 KNOWN_UPWARD = {
     ("backend/ingest/websocket.py", "backend.api.deps"),
     ("backend/ingest/websocket.py", "backend.parts"),
-    ("backend/report/html.py", "backend.api.routes.pages"),
 }
 
 

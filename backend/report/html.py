@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from backend.api.routes.pages import plotly_js_path
+from backend.assets import plotly_js_path
 
 __all__ = ["render", "render_compare", "inline_code"]
 

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from backend.api.routes.pages import plotly_js_path
+from backend.assets import plotly_js_path
 from tests.backend._app import hello, metrics, steps, sync
 from tests.conftest import ADMIN
 from tests.helpers.waiting import wait_until

@@ -32,6 +32,7 @@ from starlette.types import Scope
 
 from backend.api.deps import PartsDep, ViewerDep, bearer_secret, websocket_actor
 from backend.api.edge import CSP, csp, sha256_source
+from backend.assets import plotly_js_path
 from backend.auth.tokens import Actor, role_allows
 from backend.live.forecast import forecast as job_forecast
 from backend.parts import Parts
@@ -42,7 +43,7 @@ from trainer_hook.protocol import (
     MAX_BATCH_INDEX,
 )
 
-__all__ = ["router", "FRONTEND_DIR", "plotly_js_path", "FrontendFiles", "AUTH_TIMEOUT_S", "AUTH_FRAME_MAX_BYTES",
+__all__ = ["router", "FRONTEND_DIR", "FrontendFiles", "AUTH_TIMEOUT_S", "AUTH_FRAME_MAX_BYTES",
            "report_csp"]
 
 AUTH_TIMEOUT_S = 5.0  # a dashboard socket without a token in its URL sends it within this
@@ -72,17 +73,6 @@ class FrontendFiles(StaticFiles):
             raise
         response.headers.update(_NO_CACHE)
         return response
-
-
-def plotly_js_path() -> Path:
-    """Where the installed plotly package keeps plotly.min.js (RuntimeError if absent)."""
-    spec = importlib.util.find_spec("plotly")
-    if spec is None or not spec.origin:
-        raise RuntimeError("The plotly package is not installed; pip install 'rebalancer[server]'.")
-    path = Path(spec.origin).parent / "package_data" / "plotly.min.js"
-    if not path.is_file():
-        raise RuntimeError(f"plotly.min.js is missing from the plotly package (looked at {path}).")
-    return path
 
 
 @functools.cache
