@@ -48,8 +48,11 @@ class PolicyChanges(BaseModel):
     strategy: str | None = Field(default=None, description="a registered strategy: static, profiled, predictive",
                                  json_schema_extra=lambda s: _strategy_enum(s))
     workload: Workload | None = Field(default=None, description="llm | vision | diffusion | recsys | custom")
-    custom_weights: dict[str, Any] | None = Field(default=None, description="device type -> weight > 0, for workload custom")
-    params: dict[str, Any] | None = Field(default=None, description="strategy-specific numbers")
+    custom_weights: dict[str, Any] | None = Field(
+        default=None, description="device type -> weight > 0, for workload custom",
+        json_schema_extra={"additionalProperties": {"type": "number", "exclusiveMinimum": 0}})
+    params: dict[str, Any] | None = Field(default=None, description="strategy-specific numbers",
+                                          json_schema_extra={"additionalProperties": {"type": "number"}})
     min_gain: Annotated[float, Field(ge=0.0, le=0.99, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="propose only above this predicted gain")
     cooldown_steps: Annotated[int, Field(ge=0, le=1_000_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="steps to wait after each change")
     min_steps: Annotated[int, Field(ge=1, le=1_000_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="valid steps per rank before measuring strategies propose")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import AdminDep, OperatorDep, PartsDep, RowId, ViewerDep
 from backend.control.models import Overrides, PolicyChanges
@@ -38,6 +38,7 @@ router = APIRouter(prefix="/api/v1/jobs/{job}", tags=["control"])
 
 
 class ModeIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not ignored
     # str, not Literal: the controller answers a wrong mode with one plain sentence.
     mode: str = Field(description="observe | approve | auto",
                       json_schema_extra={"enum": ["observe", "approve", "auto"]})
@@ -53,6 +54,7 @@ class PolicyIn(PolicyChanges):
 
 
 class ManualPlacementIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not ignored
     # Any: the controller's check says exactly which entry is wrong and why.
     shares: Any = Field(description="one integer share per rank, summing to the global batch size",
                         json_schema_extra={"type": "array", "minItems": 1, "maxItems": MAX_WORLD_SIZE,
@@ -64,6 +66,7 @@ class ManualPlacementIn(BaseModel):
 
 
 class DecisionIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not ignored
     reason: str | None = Field(default=None, max_length=2048)
 
 
