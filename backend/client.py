@@ -161,6 +161,8 @@ class Rank(TypedDict, total=False):
     last_seen: float | None
     price_per_hour: float | None
     hook_version: str
+    work_per_s: float | None
+    work_share: float | None
     comm_bytes_per_step: float | None
     comm_ms: float | None
     wait_ms: float | None
@@ -448,6 +450,11 @@ class Client:
 
     def jobs(self) -> list[Job]:
         return cast("list[Job]", self.request("GET", "/api/v1/jobs")["data"])
+
+    def fleet(self) -> dict[str, Any]:
+        """Every job held in memory, one row each, and the fleet's totals:
+        ``{"data": rows, "count": n, "totals": {...}}`` (the home page's figures)."""
+        return cast("dict[str, Any]", self.request("GET", "/api/v1/fleet"))
 
     def job(self, job: str) -> Job:
         return cast(Job, self.request("GET", self._job(job)))
