@@ -107,7 +107,10 @@ def test_every_job_has_a_row_and_the_totals_add_up(fleet: Fleet) -> None:
     # 40 batches; fleet-05 computes 16 and 4 ms a batch: 12 ms waited a batch.
     assert rest["fleet-05"]["wasted_gpu_hours"] == pytest.approx(40 * 12.0 / 3.6e6, rel=1e-6)
     assert rest["fleet-04"]["wasted_gpu_hours"] == 0.0  # one rank waits for nobody
-    assert rest["fleet-05"]["bound"] is None and row.locator("td").nth(8).inner_text() == "n/a"
+    # The bound column says what the job's own REST says (backend.policy.comm, the one rule).
+    verdict = fleet.server.get("/api/v1/jobs/fleet-05", fleet.admin)["bound"]["verdict"]  # type: ignore[index]
+    assert rest["fleet-05"]["bound"] == verdict == "compute-bound"
+    assert row.locator("td").nth(8).inner_text() == verdict
     # Pending proposals: the policy proposes for imbalanced jobs (approve mode); the row
     # links to the job page, where Approve is.
     pending = wait_until(lambda: [r for r in fleet.rest()["data"] if r["pending_proposals"]],

@@ -219,8 +219,9 @@ async function checkZeroCode() {
 
 function renderZeroCode() {
   const box = $("zero-code-notice");
-  if (!state.zeroCode) { box.hidden = true; return; }
-  const b = state.summary ? state.summary.global_batch_size : "B";
+  // Shown once the job's summary gave its global batch size: the line is meant to be pasted.
+  if (!state.zeroCode || !state.summary) { box.hidden = true; return; }
+  const b = state.summary.global_batch_size;
   const line = (ENABLE_LINE[state.zeroCode] || ENABLE_LINE.ddp)(b);
   const p = state.control && state.control.pending_proposal;
   const gain = p && p.predicted_gain !== null && p.predicted_gain !== undefined
