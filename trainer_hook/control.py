@@ -81,7 +81,12 @@ class ControlChannel:
     def set_lookahead(self, start: int, lookahead: int) -> None:
         """Start at batch ``start`` with the agreed ``lookahead`` (before any exchange)."""
         self.lookahead = lookahead
-        self.schedule.restart_settled(start + self.lag + lookahead - 1)
+        # The first exchange launches at the first multiple of ``every`` from ``start`` (a
+        # resumed run may start off that grid) and is collected ``lag`` steps later; the loader
+        # runs ``lookahead`` ahead of training meanwhile. That exchange cannot start a
+        # placement before ``first + lag + lookahead``, so everything before is final.
+        first = -(-start // self.every) * self.every
+        self.schedule.restart_settled(first + self.lag + lookahead - 1)
 
     @property
     def pending(self) -> PendingPlacement | None:

@@ -41,9 +41,9 @@ def main() -> None:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    # A fixed lookahead: resuming mid-epoch with workers and the measured one fails on its
-    # own (without a cost too), which is not what this worker tests.
-    hook = RebalanceHook(job="cost", global_batch_size=w.GLOBAL_BATCH, exchange_every=3, exchange_lag=1, lookahead=6)
+    # The lookahead is measured (the default), also when the resume with workers comes off
+    # the exchange grid (batch 11, exchanges every 3).
+    hook = RebalanceHook(job="cost", global_batch_size=w.GLOBAL_BATCH, exchange_every=3, exchange_lag=1)
     model = DDP(w.build_model())
     hook.attach(model)
     opt = w.make_optimizer(model)
