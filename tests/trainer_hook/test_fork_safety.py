@@ -180,6 +180,10 @@ def test_a_forked_child_forgets_the_nvml_handle_without_shutting_nvml_down() -> 
     try:
         from trainer_hook import _lifecycle
 
+        # The child reads the parent's last sample: wait for the first one (the probe's thread
+        # takes it; since the link counters, a first sample takes a few ms more).
+        wait_until(lambda: probe.latest() is not None, "the probe's first sample", timeout=10.0)
+
         class Holder:  # the probe as a live hook owns it
             def __init__(self) -> None:
                 self.probe = probe
