@@ -245,6 +245,11 @@ class Settings(BaseSettings):
                 f"REBALANCER_STEP_BUFFER ({self.step_buffer}) must be at least "
                 f"REBALANCER_WINDOW_STEPS ({self.window_steps})."
             )
+        if self.policy_window_steps < self.min_steps:  # the policy's own rule (check_config)
+            raise ValueError(
+                f"REBALANCER_POLICY_WINDOW_STEPS ({self.policy_window_steps}) must be at least "
+                f"REBALANCER_MIN_STEPS ({self.min_steps}): the policy fits each rank over that window."
+            )
         return self
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from fastapi.testclient import TestClient
 
 from backend.main import create_app
@@ -29,3 +30,12 @@ def test_a_policy_change_that_breaks_the_combined_settings_is_refused(tmp_path: 
         assert client.get(base, headers=h(ADMIN)).json() == before  # nothing stored
         r = client.put(base, json={"window_steps": 12, "min_steps": 12}, headers=h(ADMIN))
         assert r.status_code == 200 and r.json()["window_steps"] == 12
+
+
+def test_settings_whose_policy_defaults_break_the_combined_rule_are_refused_at_startup():
+    # Found in the TorchElastic test: REBALANCER_MIN_STEPS=1000000 with the default policy
+    # window (100) started a server whose every policy run failed with a traceback.
+    with pytest.raises(ValueError, match=r"REBALANCER_POLICY_WINDOW_STEPS \(100\) must be at least "
+                                         r"REBALANCER_MIN_STEPS \(1000000\)"):
+        Settings(min_steps=1_000_000)
+    assert Settings(min_steps=100, policy_window_steps=100).min_steps == 100
