@@ -303,9 +303,9 @@ def _is_fsdp1(model: Any) -> bool:
 
 _NEEDS_DP_MESH = (
     "Tensor/context-parallel meshes, and data parallelism over part of the world, need "
-    "RebalanceHook(..., dp_mesh=...), which this version does not support yet; until then "
-    "every rank of the world must be its own data-parallel worker (DDP, FSDP1 or FSDP2 over "
-    "the whole world)."
+    "RebalanceHook(..., dp_mesh=mesh['dp']) (the whole 2-D mesh for HSDP), which makes shares "
+    "per data-parallel replica (docs/meshes.md); without it every rank of the world is its own "
+    "data-parallel worker (DDP, FSDP1 or FSDP2 over the whole world)."
 )
 
 

@@ -34,7 +34,6 @@ from torch.utils.data import DataLoader
 from trainer_hook import _lifecycle
 from trainer_hook.config import HookConfig, check_total_steps
 from trainer_hook.control import ControlChannel, PendingPlacement
-from trainer_hook.mesh import replica_of
 from trainer_hook.gradients import (
     GradientState,
     check_data_parallel,
@@ -49,6 +48,7 @@ from trainer_hook.memory import (
     default_memory_source,
     is_out_of_memory,
 )
+from trainer_hook.mesh import replica_of
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.protocol import (
     Ack,
@@ -748,6 +748,14 @@ class RebalanceHook:
                     checked = check_shares(shares, world_size=self._world_size, global_batch_size=global_batch_size)
                 except ValueError as exc:
                     error = f"placement version {version} is invalid: {exc}"
+                    if (self._members > 1 and isinstance(shares, (list, tuple))
+                            and len(shares) == self._world_size * self._members):
+                        error = (
+                            f"placement version {version} is invalid: it has one share per rank "
+                            f"({len(shares)}), but with dp_mesh shares are per data-parallel replica: "
+                            f"this job has {self._world_size} replicas of {self._members} ranks each; "
+                            f"give {self._world_size} shares."
+                        )
             if error is None and version <= newest:
                 known = pending if pending is not None and pending.version == version else None
                 if version == latest.version and tuple(checked) == latest.shares:

@@ -38,20 +38,24 @@ def replica_of(dp_mesh: Any) -> tuple[int, int, tuple[int, ...]]:
             f"dp_mesh must be a torch DeviceMesh of the data-parallel dimensions (mesh['dp'], or "
             f"the whole 2-D mesh for HSDP), got {type(dp_mesh).__name__}."
         ) from None
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if coord is None:
-        raise ValueError(
-            f"dp_mesh {_names(dp_mesh)} (ranks {sorted(_mesh_ranks(dp_mesh))}) does not contain this "
-            f"rank ({rank}): pass this rank's data-parallel sub-mesh of the world mesh, e.g. mesh['dp']."
-        )
-    index = 0
-    for c, n in zip(coord, shape):
-        index = index * n + int(c)
-    replicas = 1
+    world = dist.get_world_size()
+    index, replicas = -1, 1
     for n in shape:
         replicas *= n
+    if coord is not None:
+        index = 0
+        for c, n in zip(coord, shape, strict=True):
+            index = index * n + int(c)
+    # Every rank takes part before any raises, so that all of them raise instead of hanging.
     every: list[Any] = [None] * world
     dist.all_gather_object(every, (index, replicas))
+    outside = [r for r, e in enumerate(every) if e[0] < 0]
+    if outside:
+        raise ValueError(
+            f"dp_mesh is not a sub-mesh of the world: ranks {outside} of the {world} are not in the "
+            f"dp_mesh they passed ({_names(dp_mesh)}, ranks {sorted(_mesh_ranks(dp_mesh))} here); every "
+            f"rank must pass its own data-parallel slice of one world mesh, e.g. mesh['dp']."
+        )
     if any(e[1] != replicas for e in every) or world % replicas:
         raise ValueError(
             f"dp_mesh is not a sub-mesh of the world: ranks report data-parallel sizes "
@@ -71,7 +75,13 @@ def replica_of(dp_mesh: Any) -> tuple[int, int, tuple[int, ...]]:
 def check_dp_mesh(model: Any, dp_mesh: Any) -> None:
     """Refuse a model whose gradients are reduced over other ranks than ``dp_mesh``'s, or
     whose parameters are split over a dim that crosses data-parallel ranks."""
-    from trainer_hook.gradients import _fsdp2_modules, _is_ddp, _is_fsdp1, _mesh_dim_name, _ranks_along
+    from trainer_hook.gradients import (
+        _fsdp2_modules,
+        _is_ddp,
+        _is_fsdp1,
+        _mesh_dim_name,
+        _ranks_along,
+    )
 
     dp = _mesh_ranks(dp_mesh)
     dp_names = _names(dp_mesh)

@@ -36,7 +36,11 @@ def tokens(idx: torch.Tensor) -> torch.Tensor:
 def build(case: str) -> tuple[torch.nn.Module, object]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     model = w.build_model()
     if case == "hsdp":
@@ -47,6 +51,27 @@ def build(case: str) -> tuple[torch.nn.Module, object]:
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     return model, mesh["dp"]
+
+
+def refusals(out: dict[str, object]) -> None:
+    """What a wrong dp_mesh gets: a model whose mesh disagrees, a mesh outside the world."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    model, _ = build("dp2_tp2")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    hook = RebalanceHook(job="mesh-disagree", global_batch_size=w.GLOBAL_BATCH, dp_mesh=mesh["tp"])
+    try:
+        hook.attach(model)
+        out["disagree"] = "ATTACHED"
+    except ValueError as exc:
+        out["disagree"] = f"REFUSED {exc}"
+    hook.close()
+    try:
+        RebalanceHook(job="mesh-outside", global_batch_size=w.GLOBAL_BATCH,
+                      dp_mesh=DeviceMesh("cpu", [0, 1], mesh_dim_names=("dp",)))
+        out["outside"] = "CREATED"
+    except ValueError as exc:
+        out["outside"] = f"REFUSED {exc}"
 
 
 def run(case: str, out: dict[str, object]) -> None:
@@ -65,6 +90,11 @@ def run(case: str, out: dict[str, object]) -> None:
         epoch += 1
         for batch in sampler:
             k = hook.batch_index
+            if rank == 0 and k == 0 and case == "dp2_tp2":
+                try:
+                    hook.request_placement([3, 3, 3, 3])
+                except ValueError as exc:
+                    out["per_rank_shares"] = str(exc)
             if rank == 0 and k in PLANS[case]:
                 hook.request_placement(PLANS[case][k], reason=f"plan@{k}")
             idx = torch.tensor(batch, dtype=torch.int64)
@@ -78,7 +108,8 @@ def run(case: str, out: dict[str, object]) -> None:
                     torch.nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            seen.append(idx.tolist())
+            lo, hi = sampler.local_bounds(k)
+            seen.append(idx.tolist() if hi > lo else [])  # a drained replica's dummy sample: weight 0
             if hook.batch_index >= STEPS:
                 break
     out[case] = {
@@ -93,6 +124,7 @@ def run(case: str, out: dict[str, object]) -> None:
 def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     out: dict[str, object] = {}
+    refusals(out)
     for case in PLANS:
         run(case, out)
     with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
