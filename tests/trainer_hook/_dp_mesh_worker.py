@@ -1,8 +1,8 @@
 """torchrun target (4 gloo ranks) for issue 24: RebalanceHook(..., dp_mesh=M) trains exactly.
 
 Runs each case in turn in one launch (CI time): DP2 x TP2 (FSDP2 over mesh['dp'] plus
-Colwise/Rowwise over 'tp'), HSDP 2 x 2 (fully_shard on the 2-D mesh) and DP2 x TP2 with the
-token-mean loss. Global rank 0 pushes three placements per case; each rank records the
+Colwise/Rowwise over 'tp'), HSDP 2 x 2 (fully_shard on the 2-D mesh), DP2 x TP2 with the
+token-mean loss, and DDP over the 'dp' sub-group of a 2 x 2 mesh. Global rank 0 pushes three placements per case; each rank records the
 dataset indices it trained per batch index; rank 0 writes the full parameters."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -25,6 +26,7 @@ PLANS = {  # batch index -> shares per replica (each takes effect a lookahead la
     "dp2_tp2": {1: [8, 4], 5: [3, 9], 9: [11, 1]},
     "hsdp": {1: [6, 2, 3, 1], 5: [1, 1, 5, 5], 9: [2, 4, 4, 2]},
     "dp2_tp2_tokens": {1: [8, 4], 5: [3, 9], 9: [11, 1]},
+    "dp2_ddp": {1: [8, 4], 5: [3, 9], 9: [11, 1]},
 }
 
 
@@ -48,6 +50,8 @@ def build(case: str) -> tuple[torch.nn.Module, object]:
         fully_shard(model, mesh=mesh)
         return model, mesh
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    if case.endswith("_ddp"):  # DDP takes no DTensor parameters: plain ones, replicated over "tp"
+        return DDP(model, process_group=mesh["dp"].get_group()), mesh["dp"]
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     return model, mesh["dp"]
@@ -116,7 +120,7 @@ def run(case: str, out: dict[str, object]) -> None:
         "seen": seen, "replica": hook.rank, "replicas": hook.world_size, "gradients": hook.gradients,
         "shares": [list(t.shares) for t in hook.schedule.timeline()],
         "params": [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist()
-                   for p in model.parameters()],
+                   for p in getattr(model, "module", model).parameters()],
     }
     hook.close()
 

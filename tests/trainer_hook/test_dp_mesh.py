@@ -2,7 +2,7 @@
 
 One real torchrun job of 4 gloo ranks (tests/trainer_hook/_dp_mesh_worker.py) runs every
 case in turn: DP2 x TP2 (FSDP2 over mesh['dp'] + Colwise/Rowwise over 'tp'), HSDP 2 x 2 and
-DP2 x TP2 with the token-mean loss, each under three pushed placements; the parameters
+DP2 x TP2 with the token-mean loss and DDP over the 'dp' sub-group, each under three pushed placements; the parameters
 must equal a single-process replay of the same global batches (float64, 1e-9)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from trainer_hook.placement import PlacementSchedule
 from trainer_hook.sampler import RebalanceBatchSampler
 
 WORLD = 4
-REPLICAS = {"dp2_tp2": [0, 0, 1, 1], "hsdp": [0, 1, 2, 3], "dp2_tp2_tokens": [0, 0, 1, 1]}
+REPLICAS = {"dp2_tp2": [0, 0, 1, 1], "hsdp": [0, 1, 2, 3], "dp2_tp2_tokens": [0, 0, 1, 1], "dp2_ddp": [0, 0, 1, 1]}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_mesh_job_under_changing_placements_gives_the_single_process_parameters(
     got = [r[case] for r in ranks]
     assert [g["replica"] for g in got] == REPLICAS[case]
     assert {g["replicas"] for g in got} == {max(REPLICAS[case]) + 1}
-    assert got[0]["gradients"] == "fsdp2_reduce_scatter"
+    assert got[0]["gradients"] == ("ddp_comm_hook" if case.endswith("_ddp") else "fsdp2_reduce_scatter")
     # All three pushed placements took effect, per replica.
     assert got[0]["shares"][1:] == list(PLANS[case].values())
     order = RebalanceBatchSampler(w.N_SAMPLES, schedule=PlacementSchedule(1, w.GLOBAL_BATCH), rank=0, seed=3)
