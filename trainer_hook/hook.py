@@ -115,6 +115,17 @@ class RebalanceHook:
     ROCm, XPU; nothing on CPU); ``memory_source`` replaces that source (tests inject a
     fake one, see ``trainer_hook.memory``), ``None`` turns it off. An out-of-memory error
     inside ``hook.step()`` is reported to the backend, and flushed, before it propagates.
+
+    ``dp_mesh``: for a device-mesh job, the DeviceMesh of its data-parallel dimensions
+    (``mesh["dp"]`` for DP x TP, the whole 2-D mesh for HSDP). Shares are then per
+    data-parallel replica: ``rank`` is this rank's replica index, ``world_size`` the number
+    of replicas, every rank of a replica reads the same samples, and only each replica's
+    first rank talks to the backend (docs/meshes.md). Example::
+
+        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], plan); fully_shard(model, mesh=mesh["dp"])
+        hook = RebalanceHook(global_batch_size=64, dp_mesh=mesh["dp"])
+        hook.attach(model)
     """
 
     def __init__(
@@ -317,8 +328,10 @@ class RebalanceHook:
         to do exactly that. DeepSpeed, pipeline parallelism, tensor parallelism and
         HSDP are refused, naming what is supported; so is any device mesh the hook cannot
         balance (DTensor parameters over a tensor/context-parallel dim, FSDP2 over a
-        sub-mesh, DDP or FSDP1 over a sub-group): every rank of the world must be its own
-        data-parallel worker until ``dp_mesh=`` exists.
+        sub-mesh, DDP or FSDP1 over a sub-group) unless the hook was given ``dp_mesh``;
+        with it, FSDP2 over ``dp_mesh`` (1-D, or 2-D for HSDP, with or without TP) and
+        DDP over its group are weighted per replica, and a model whose mesh disagrees
+        with ``dp_mesh`` is refused naming both.
 
         Gradient accumulation: all micro-batches of one global batch inside one
         ``hook.step()``, gradient sync off for all but the last (``model.no_sync()``, or
