@@ -303,9 +303,9 @@ def _is_fsdp1(model: Any) -> bool:
 
 _NEEDS_DP_MESH = (
     "Tensor/context-parallel meshes, and data parallelism over part of the world, need "
-    "RebalanceHook(..., dp_mesh=...), which this version does not support yet; until then "
-    "every rank of the world must be its own data-parallel worker (DDP, FSDP1 or FSDP2 over "
-    "the whole world)."
+    "RebalanceHook(..., dp_mesh=mesh['dp']) (the whole 2-D mesh for HSDP), which makes shares "
+    "per data-parallel replica (docs/meshes.md); without it every rank of the world is its own "
+    "data-parallel worker (DDP, FSDP1 or FSDP2 over the whole world)."
 )
 
 
@@ -389,9 +389,10 @@ def check_mesh(model: Any, world_size: int | None = None) -> None:
         )
 
 
-def check_data_parallel(model: Any, world_size: int | None = None) -> None:
+def check_data_parallel(model: Any, world_size: int | None = None, *, dp_mesh: Any = None) -> None:
     """Refuse, naming what is supported, set-ups whose ranks are not all data-parallel
-    replicas of one model (their gradients cannot be weighted by batch share alone)."""
+    replicas of one model (their gradients cannot be weighted by batch share alone); with
+    ``dp_mesh``, a model whose mesh disagrees with it."""
     cls = type(model)
     name, module = cls.__name__, cls.__module__
     if module.startswith("deepspeed") or "DeepSpeedEngine" in name:
@@ -404,6 +405,10 @@ def check_data_parallel(model: Any, world_size: int | None = None) -> None:
             f"pipeline parallelism ({name}) is not supported by the rebalancer: every stage of a "
             f"pipeline must see the same micro-batches, so no stage can take a different share. {_SUPPORTED}"
         )
+    if dp_mesh is not None:
+        from trainer_hook.mesh import check_dp_mesh
+        check_dp_mesh(_compiled_inner(model), dp_mesh)
+        return
     if _is_fsdp1(model):
         strategy = str(getattr(model, "sharding_strategy", "")).split(".")[-1]
         if "HYBRID" in strategy:
@@ -440,13 +445,17 @@ def check_data_parallel(model: Any, world_size: int | None = None) -> None:
     check_mesh(model, world_size)
 
 
-def register_gradient_weighting(model: torch.nn.Module, state: GradientState, world_size: int) -> str:
+def register_gradient_weighting(
+    model: torch.nn.Module, state: GradientState, world_size: int, *, dp_mesh: Any = None
+) -> str:
     """Weight each rank's gradient by its share of the global batch, the way the wrapper
     allows; returns the mechanism: ``"ddp_comm_hook"``, ``"fsdp2_reduce_scatter"``,
     ``"fsdp1_comm_hook"`` or ``"local"`` (one process, nothing to weight)."""
     model = _compiled_inner(model)
-    check_data_parallel(model, world_size)
+    check_data_parallel(model, world_size, dp_mesh=dp_mesh)
     if _is_ddp(model):
+        if dp_mesh is not None:  # DDP over the dp sub-group: reduce over it, not the world
+            state.process_group = model.process_group
         register_comm_hook(model, state)
         return "ddp_comm_hook"
     fsdp2 = _fsdp2_modules(model)

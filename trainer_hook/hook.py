@@ -48,6 +48,7 @@ from trainer_hook.memory import (
     default_memory_source,
     is_out_of_memory,
 )
+from trainer_hook.mesh import replica_of
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.protocol import (
     Ack,
@@ -114,6 +115,17 @@ class RebalanceHook:
     ROCm, XPU; nothing on CPU); ``memory_source`` replaces that source (tests inject a
     fake one, see ``trainer_hook.memory``), ``None`` turns it off. An out-of-memory error
     inside ``hook.step()`` is reported to the backend, and flushed, before it propagates.
+
+    ``dp_mesh``: for a device-mesh job, the DeviceMesh of its data-parallel dimensions
+    (``mesh["dp"]`` for DP x TP, the whole 2-D mesh for HSDP). Shares are then per
+    data-parallel replica: ``rank`` is this rank's replica index, ``world_size`` the number
+    of replicas, every rank of a replica reads the same samples, and only each replica's
+    first rank talks to the backend (docs/meshes.md). Example::
+
+        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], plan); fully_shard(model, mesh=mesh["dp"])
+        hook = RebalanceHook(global_batch_size=64, dp_mesh=mesh["dp"])
+        hook.attach(model)
     """
 
     def __init__(
@@ -124,6 +136,7 @@ class RebalanceHook:
         token: str | None = None,
         *,
         memory_source: MemorySource | None = _AUTO,
+        dp_mesh: Any = None,
         **config: Any,
     ) -> None:
         self.config = HookConfig.from_env(
@@ -131,6 +144,11 @@ class RebalanceHook:
         )
         cfg = self.config
         self._lock = threading.Lock()
+        # dp_mesh: shares are per data-parallel replica (issue 24, docs/meshes.md).
+        self._dp_mesh = dp_mesh
+        self._root = True  # global rank 0: decides placements and their batch index
+        self._members = 1  # ranks per replica (its tensor/context-parallel group)
+        self._replica_ranks: tuple[int, ...] = ()
         # The lookahead in force: given, or measured at the first step (None until then).
         self._lookahead: int | None = cfg.lookahead if isinstance(cfg.lookahead, int) else None
         self._known_lookahead = 0  # what hook.data_loader() knows its loader needs
@@ -174,6 +192,12 @@ class RebalanceHook:
         if self._ready:
             return
         self._rank, self._world_size = _rank_and_world(where)
+        global_world, leader = self._world_size, True
+        self._root = self._rank == 0
+        if self._dp_mesh is not None:
+            self._rank, self._world_size, self._replica_ranks = replica_of(self._dp_mesh)
+            self._members = len(self._replica_ranks)
+            leader = dist.get_rank() == self._replica_ranks[0]
         cfg = self.config
         b = cfg.global_batch_size
         if b < self._world_size:
@@ -182,18 +206,18 @@ class RebalanceHook:
                 "so the uniform split gives every rank a sample."
             )
         self._schedule = PlacementSchedule(self._world_size, b)
-        group = dist.new_group(backend="gloo") if self._world_size > 1 else None
+        group = dist.new_group(backend="gloo") if global_world > 1 else None
         # Measured: settle nothing in particular until the first step agrees on it; no
         # exchange can start a placement before then.
         lookahead = self._lookahead if self._lookahead is not None else _UNMEASURED
         self._control = ControlChannel(
-            rank=self._rank, world_size=self._world_size, schedule=self._schedule,
+            rank=0 if self._root else 1 + self._rank, world_size=self._world_size, schedule=self._schedule,
             exchange_every=cfg.exchange_every, exchange_lag=cfg.exchange_lag,
             lookahead=lookahead, group=group,
         )
         self._trained: ScheduledPlacement = self._schedule.at(0)
         self._ready = True
-        if not cfg.offline:
+        if not cfg.offline and leader:  # only a replica's leader talks to the backend
             self._start_io()
         _lifecycle.track(self)  # after init_process_group: its atexit runs before torch's
 
@@ -304,8 +328,10 @@ class RebalanceHook:
         to do exactly that. DeepSpeed, pipeline parallelism, tensor parallelism and
         HSDP are refused, naming what is supported; so is any device mesh the hook cannot
         balance (DTensor parameters over a tensor/context-parallel dim, FSDP2 over a
-        sub-mesh, DDP or FSDP1 over a sub-group): every rank of the world must be its own
-        data-parallel worker until ``dp_mesh=`` exists.
+        sub-mesh, DDP or FSDP1 over a sub-group) unless the hook was given ``dp_mesh``;
+        with it, FSDP2 over ``dp_mesh`` (1-D, or 2-D for HSDP, with or without TP) and
+        DDP over its group are weighted per replica, and a model whose mesh disagrees
+        with ``dp_mesh`` is refused naming both.
 
         Gradient accumulation: all micro-batches of one global batch inside one
         ``hook.step()``, gradient sync off for all but the last (``model.no_sync()``, or
@@ -325,11 +351,11 @@ class RebalanceHook:
         if self._gradients_mode is not None:
             raise RuntimeError("attach() was already called on this hook; call it once per model.")
         if gradients == "loss_scale":
-            check_data_parallel(model, self._world_size)
+            check_data_parallel(model, self._world_size, dp_mesh=self._dp_mesh)
             self._grad_handles = register_grad_timer(model, self._grads)
             mode = "loss_scale"
         else:
-            mode = register_gradient_weighting(model, self._grads, self._world_size)
+            mode = register_gradient_weighting(model, self._grads, self._world_size, dp_mesh=self._dp_mesh)
             if mode == "local":
                 self._grad_handles = register_grad_timer(model, self._grads)
         # FSDP's parameter all-gathers are waits for peers on either path.
@@ -507,6 +533,8 @@ class RebalanceHook:
             if self._world_size > 1:
                 group = self._control.group if total.device.type == "cpu" else None
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+                if self._members > 1:  # every member of a replica counted the same tokens
+                    total = total / self._members
             # 0 valid tokens in the whole batch: nothing to learn, and no division by zero.
             return torch.where(total > 0, scale / total.clamp_min(1.0), torch.zeros_like(total))
         if isinstance(n_valid, bool) or not isinstance(n_valid, int) or n_valid < 0:
@@ -518,7 +546,7 @@ class RebalanceHook:
         if self._world_size > 1:
             buf = torch.tensor([count], dtype=torch.float64)
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._control.group)
-            count = float(buf[0])
+            count = float(buf[0]) / self._members  # every member of a replica counted the same tokens
         return scale / count if count > 0 else 0.0
 
     def _token_scale(self) -> float:
@@ -701,7 +729,7 @@ class RebalanceHook:
         This is the same path a backend ``placement`` message takes.
         """
         self._init_distributed("hook.request_placement()")
-        if self._rank != 0:
+        if not self._root:
             raise RuntimeError(
                 f"request_placement() was called on rank {self._rank}; only rank 0 decides "
                 "placements. Call it on rank 0 (the others learn it at the next exchange)."
@@ -733,6 +761,14 @@ class RebalanceHook:
                     checked = check_shares(shares, world_size=self._world_size, global_batch_size=global_batch_size)
                 except ValueError as exc:
                     error = f"placement version {version} is invalid: {exc}"
+                    if (self._members > 1 and isinstance(shares, (list, tuple))
+                            and len(shares) == self._world_size * self._members):
+                        error = (
+                            f"placement version {version} is invalid: it has one share per rank "
+                            f"({len(shares)}), but with dp_mesh shares are per data-parallel replica: "
+                            f"this job has {self._world_size} replicas of {self._members} ranks each; "
+                            f"give {self._world_size} shares."
+                        )
             if error is None and version <= newest:
                 known = pending if pending is not None and pending.version == version else None
                 if version == latest.version and tuple(checked) == latest.shares:
@@ -752,7 +788,7 @@ class RebalanceHook:
     def _on_message(self, msg: Message) -> None:
         """Transport thread: a backend ``placement`` (rank 0 acts on it) or ``error``."""
         if isinstance(msg, Placement):
-            if self._rank != 0:
+            if not self._root:
                 return  # rank 0 decides for everyone; the exchange brings it here
             with self._lock:
                 startup = not self._started
@@ -772,7 +808,7 @@ class RebalanceHook:
         self._init_distributed("the first batch")
         version: int | None = None
         shares: list[int] | None = None
-        if self._rank == 0 and self._transport is not None:
+        if self._root and self._transport is not None:
             self._initial_event.wait(self.config.startup_wait_s)
             with self._lock:
                 initial, self._initial = self._initial, None
@@ -819,7 +855,7 @@ class RebalanceHook:
         k = self._next_batch
         current = self._schedule.at(k)
         nxt = self._schedule.latest
-        pending = self._control.undelivered if self._rank == 0 else None
+        pending = self._control.undelivered if self._root else None
         upcoming = pending if pending is not None and pending.version > nxt.version else nxt
         sampler = self._sampler
         return {
@@ -858,7 +894,7 @@ class RebalanceHook:
         if group is not None:  # rank 0's copy decides, so ranks cannot disagree
             w = self._world_size
             buf = torch.full((2 + w,), -1, dtype=torch.int64)
-            if self._rank == 0:
+            if self._root:
                 buf[0], buf[1] = k, version if shares is not None else -1
                 if shares is not None:
                     buf[2:] = torch.tensor(shares, dtype=torch.int64)
@@ -873,7 +909,7 @@ class RebalanceHook:
                 self._schedule.replace_initial(version, shares)
             self._next_batch = k
             self._trained = self._schedule.at(k)
-        if nxt is not None and self._rank == 0 and nxt[0] > self._schedule.latest.version:
+        if nxt is not None and self._root and nxt[0] > self._schedule.latest.version:
             self._control.offer(PendingPlacement(nxt[0], tuple(nxt[1]), "resumed from a checkpoint"))
 
     # --- I/O -------------------------------------------------------------------------

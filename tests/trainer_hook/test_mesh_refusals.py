@@ -14,7 +14,7 @@ import pytest
 from tests.helpers.torchrun import run_torchrun
 
 WORLD = 4
-DP_MESH = "need RebalanceHook(..., dp_mesh=...), which this version does not support yet"
+DP_MESH = "need RebalanceHook(..., dp_mesh=mesh['dp']) (the whole 2-D mesh for HSDP), which makes shares per data-parallel replica"
 
 
 @pytest.fixture(scope="module")
