@@ -20,6 +20,7 @@ from backend.control.errors import (
     ConflictError,
     NotFoundError,
 )
+from backend.control.modes import MODES
 from backend.control.policy_runs import PolicyRunner
 from backend.ingest.connections import HookConnections
 from backend.live.state import LiveState
@@ -32,7 +33,6 @@ __all__ = ["ARRIVAL_WAIT_S", "MODES", "SYSTEM", "ActorLike", "ControllerCore", "
 
 log = logging.getLogger("backend.control.controller")
 
-MODES = ("observe", "approve", "auto")
 # How long an action waits for a job whose first hello is being stored (``expect``).
 ARRIVAL_WAIT_S = 5.0
 SYSTEM = "controller"
