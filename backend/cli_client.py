@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TextIO
 
 from backend.client import APIError, Client, ServerUnreachable
+from backend.control.modes import MODES
 
 __all__ = ["COMMANDS", "add_commands", "run", "EXIT_OK", "EXIT_REFUSED", "EXIT_USAGE",
            "EXIT_UNREACHABLE", "EXIT_SERVER_ERROR", "render_watch"]
@@ -24,7 +25,6 @@ __all__ = ["COMMANDS", "add_commands", "run", "EXIT_OK", "EXIT_REFUSED", "EXIT_U
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_SERVER_ERROR = 0, 1, 2, 3, 4
 COMMANDS = ("jobs", "job", "proposals", "approve", "reject", "mode", "override", "place", "rollback", "watch",
             "report")
-MODES = ("observe", "approve", "auto")
 
 
 class UsageError(ValueError):

@@ -20,6 +20,7 @@ from backend.api.routes import (
     docs,
     fleet,
     health,
+    hook,
     jobs,
     memory,
     metrics,
@@ -27,7 +28,6 @@ from backend.api.routes import (
     report,
     tokens,
 )
-from backend.ingest import websocket as ingest
 from backend.parts import Parts, build_parts
 from backend.settings import Settings
 
@@ -38,7 +38,7 @@ log = logging.getLogger("rebalancer")
 
 # Every router, listed: the hook websocket, then one per REST resource and the dashboard's pages.
 ROUTERS: tuple[APIRouter, ...] = (
-    ingest.router, metrics.router, audit.router, control.router, docs.router, fleet.router, health.router,
+    hook.router, metrics.router, audit.router, control.router, docs.router, fleet.router, health.router,
     jobs.router, memory.router, pages.router, report.router, tokens.router,
 )
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Any
 
+from backend.control.modes import MODES
 from backend.live.forecast import forecast
 from backend.live.state import JobView, RankView
 from backend.metrics_contract import CONTRACT, STEP_BUCKETS_S, THROTTLE_REASONS, MetricSpec
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["MetricsExporter", "CONTENT_TYPE"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_MODES = ("observe", "approve", "auto")
 _BOUNDS = [*(f"{b:g}" for b in STEP_BUCKETS_S), "+Inf"]
 
 
@@ -260,7 +260,7 @@ class MetricsExporter:
                 fams["rebalancer_savings_dollars"].add(labels, saved["saved_cost"])
         mode = control.get("mode")
         if mode is not None:
-            for m in _MODES:
+            for m in MODES:
                 fams["rebalancer_mode"].add(f'{labels},mode="{m}"', 1.0 if m == mode else 0.0)
         version = (control.get("placement") or {}).get("version")
         if version is not None:

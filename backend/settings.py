@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from backend.control.modes import Mode
 from trainer_hook.protocol import MAX_MESSAGE_BYTES
 
 __all__ = ["Settings", "DEFAULT_DEVICE_PRICES", "is_loopback"]
@@ -98,7 +99,7 @@ class Settings(BaseSettings):
     device_prices: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_DEVICE_PRICES))
 
     # Control loop defaults (the controller reads these; per-job settings override them).
-    default_mode: Literal["observe", "approve", "auto"] = "approve"
+    default_mode: Mode = "approve"
     default_strategy: str = "profiled"
     default_workload: str = "llm"
     proposal_ttl_s: float = 300.0

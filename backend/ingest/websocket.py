@@ -1,4 +1,5 @@
-"""``/ws/hook``: where training hooks say hello and stream their metrics.
+"""The conversation of ``/ws/hook`` (the route in ``backend/api/routes/hook.py`` authenticates
+and hands the socket here): hello, then metrics, acks and rejects.
 
 Conversation (docs/protocol.md): the hook authenticates (hook token scoped to the job, or
 an admin token; none needed in open mode), sends ``hello`` first and gets the placement in
@@ -13,15 +14,21 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
-from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from fastapi import WebSocket, WebSocketDisconnect
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from backend.api.deps import websocket_actor
+from backend.auth.sockets import TokenSockets
+from backend.auth.tokens import Actor
+from backend.control.controller import Controller
+from backend.dashboard.hub import DashboardHub
 from backend.ingest.budget import FrameBudget
-from backend.parts import Parts
+from backend.ingest.connections import HookConnections
+from backend.live.state import LiveState
+from backend.settings import Settings
+from backend.storage.gateway import SqlGateway
 from backend.storage.health import report_fault
 from backend.storage.metrics import upsert_hello
 from backend.storage.writes import database_fault
@@ -32,7 +39,6 @@ from trainer_hook.protocol import (
     CLOSE_NORMAL,
     CLOSE_RATE_LIMITED,
     CLOSE_TRY_AGAIN_LATER,
-    CLOSE_UNAUTHORIZED,
     HOOK_BYTES_BURST,
     HOOK_BYTES_PER_S,
     HOOK_FRAMES_BURST,
@@ -50,15 +56,30 @@ from trainer_hook.protocol import (
     encode,
 )
 
-__all__ = ["router", "hook_websocket"]
+__all__ = ["IngestParts", "converse", "refuse"]
 
 log = logging.getLogger("rebalancer.ingest")
-router = APIRouter()
 CLOSE_INTERNAL = 1011
 # While the database refuses writes, a connection's hello is stored (and its control state
 # made) again on its metrics, at most this often.
 HELLO_RETRY_S = 2.0
 T = TypeVar("T")
+
+
+class IngestParts(Protocol):
+    """What the conversation uses of the app's parts (``backend.parts.Parts`` has them)."""
+
+    settings: Settings
+    sql: SqlGateway
+    live: LiveState
+    connections: HookConnections
+    sockets: TokenSockets
+    controller: Controller
+    hub: DashboardHub
+
+    def make_room(self, job: str) -> bool: ...
+
+    def run_ended(self, job: str) -> None: ...
 
 
 async def _unless_database_fault(what: str, work: Awaitable[T]) -> tuple[bool, T | None]:
@@ -74,7 +95,7 @@ async def _unless_database_fault(what: str, work: Awaitable[T]) -> tuple[bool, T
 _CLEAN_CLOSE = (1000, 1001)  # the hook closed (job done) or went away on purpose
 
 
-async def _refuse(ws: WebSocket, code: str, message: str, close_code: int) -> None:
+async def refuse(ws: WebSocket, code: str, message: str, close_code: int) -> None:
     with contextlib.suppress(Exception):
         await ws.send_text(encode(Error(code=code, message=message)))
     with contextlib.suppress(Exception):
@@ -97,22 +118,8 @@ def _store_hello(hello: Hello, new_run: bool) -> Callable[[Session], None]:
     return work
 
 
-@router.websocket("/ws/hook")
-async def hook_websocket(websocket: WebSocket) -> None:
-    """One rank's connection: authenticate, hello, then metrics / ack / reject frames."""
-    parts: Parts = websocket.app.state.parts
-    await websocket.accept()
-    actor = await websocket_actor(websocket)
-    if actor is None:
-        await _refuse(websocket, "unauthorized",
-                      "Missing or invalid token; send 'Authorization: Bearer TOKEN' or '?token=TOKEN'.",
-                      CLOSE_UNAUTHORIZED)
-        return
-    if actor.role not in ("hook", "admin"):
-        await _refuse(websocket, "forbidden",
-                      f"A {actor.role} token cannot send metrics; use a hook token for the job or an admin token.",
-                      CLOSE_FORBIDDEN)
-        return
+async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> None:
+    """One rank's accepted, authenticated connection: hello, then metrics / ack / reject frames."""
     hello: Hello | None = None
     hello_stored = True  # False while the database refused this connection's hello
     hello_version = PROTOCOL_VERSION
@@ -137,30 +144,30 @@ async def hook_websocket(websocket: WebSocket) -> None:
             over = budget.take(len(raw))
             if over is not None:
                 log.warning("closing hook connection from %s: %s", actor.address, over)
-                await _refuse(websocket, "rate_limited", over, CLOSE_RATE_LIMITED)
+                await refuse(websocket, "rate_limited", over, CLOSE_RATE_LIMITED)
                 return
             try:
                 msg, version = decode_versioned(raw)
             except ProtocolError as exc:
                 log.info("closing hook connection from %s: %s", actor.address, exc)
-                await _refuse(websocket, exc.code, str(exc), exc.close_code)
+                await refuse(websocket, exc.code, str(exc), exc.close_code)
                 return
             if isinstance(msg, Hello) and (over := budget.take(0, HOOK_HELLO_FRAMES - 1)) is not None:
                 log.warning("closing hook connection from %s: %s", actor.address, over)
-                await _refuse(websocket, "rate_limited", over, CLOSE_RATE_LIMITED)
+                await refuse(websocket, "rate_limited", over, CLOSE_RATE_LIMITED)
                 return
             if hello is None or isinstance(msg, Hello):
                 if not isinstance(msg, Hello):
-                    await _refuse(websocket, "malformed",
+                    await refuse(websocket, "malformed",
                                   f"The first message must be 'hello', got '{msg.TYPE}'.", CLOSE_MALFORMED)
                     return
                 if actor.role == "hook" and actor.job != msg.job:
-                    await _refuse(websocket, "forbidden",
+                    await refuse(websocket, "forbidden",
                                   f"This hook token is for job '{actor.job}'; it may not speak for job '{msg.job}'.",
                                   CLOSE_FORBIDDEN)
                     return
                 if hello is not None and (msg.job, msg.rank) != (hello.job, hello.rank):
-                    await _refuse(websocket, "malformed",
+                    await refuse(websocket, "malformed",
                                   f"This connection speaks for job '{hello.job}' rank {hello.rank}; "
                                   f"open a new connection for job '{msg.job}' rank {msg.rank}.",
                                   CLOSE_MALFORMED)
@@ -173,12 +180,12 @@ async def hook_websocket(websocket: WebSocket) -> None:
                 retry_at = time.monotonic() + HELLO_RETRY_S
                 continue
             if not isinstance(msg, (Metrics, Ack, Reject, Oom)):
-                await _refuse(websocket, "malformed",
+                await refuse(websocket, "malformed",
                               f"Hooks may not send '{msg.TYPE}' messages; expected metrics, ack, reject or oom.",
                               CLOSE_MALFORMED)
                 return
             if (msg.job, msg.rank) != (hello.job, hello.rank):
-                await _refuse(websocket, "malformed",
+                await refuse(websocket, "malformed",
                               f"This connection speaks for job '{hello.job}' rank {hello.rank}; "
                               f"got a '{msg.TYPE}' for job '{msg.job}' rank {msg.rank}.",
                               CLOSE_MALFORMED)
@@ -190,7 +197,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
                     msg.check_against(hello, time.time())
                 except ProtocolError as exc:
                     log.info("closing hook connection of job %s rank %d: %s", hello.job, hello.rank, exc)
-                    await _refuse(websocket, exc.code, str(exc), exc.close_code)
+                    await refuse(websocket, exc.code, str(exc), exc.close_code)
                     return
                 parts.live.add_metrics(msg)
                 if not hello_stored and time.monotonic() >= retry_at:
@@ -216,7 +223,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
     except Exception:  # a bug in one handler must not take the server or other ranks down
         log.exception("hook connection failed (job=%s rank=%s)",
                       hello.job if hello else None, hello.rank if hello else None)
-        await _refuse(websocket, "internal", "The backend failed to handle this message; see its log.",
+        await refuse(websocket, "internal", "The backend failed to handle this message; see its log.",
                       CLOSE_INTERNAL)
     finally:
         parts.sockets.discard(actor, websocket)
@@ -230,7 +237,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
                 parts.hub.notify(hello.job)
 
 
-def _reshape_refusal(parts: Parts, websocket: WebSocket, hello: Hello) -> tuple[str | None, bool]:
+def _reshape_refusal(parts: IngestParts, websocket: WebSocket, hello: Hello) -> tuple[str | None, bool]:
     """(why this hello is refused or None, whether it changes the job's shape).
 
     A hello may change a live job's world size or global batch only when no rank of the old
@@ -251,7 +258,7 @@ def _reshape_refusal(parts: Parts, websocket: WebSocket, hello: Hello) -> tuple[
             f"restart, with a higher restart count, may change the shape)."), True
 
 
-async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello, version: int) -> bool | None:
+async def _on_hello(parts: IngestParts, websocket: WebSocket, hello: Hello, version: int) -> bool | None:
     """Register the rank live, store it, answer with the placement in force. None when the
     hello was refused (the socket is closed); False when the database refused it: the rank
     streams on (live state, dashboard) and keeps the placement it has, and storing and the
@@ -259,12 +266,12 @@ async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello, version: i
     refusal, reshaped = _reshape_refusal(parts, websocket, hello)
     if refusal is not None:
         log.warning("refused hello of job %s rank %d: %s", hello.job, hello.rank, refusal)
-        await _refuse(websocket, "conflict", refusal, CLOSE_CONFLICT)
+        await refuse(websocket, "conflict", refusal, CLOSE_CONFLICT)
         return None
     if not parts.make_room(hello.job):
         cap = parts.settings.max_live_jobs
         log.warning("refused hello of job %s: %d live jobs have connected ranks", hello.job, cap)
-        await _refuse(websocket, "try_again_later",
+        await refuse(websocket, "try_again_later",
                       f"The backend holds {cap} live jobs with connected ranks (REBALANCER_MAX_LIVE_JOBS); "
                       f"job '{hello.job}' can start once one of them ends.", CLOSE_TRY_AGAIN_LATER)
         return None
@@ -285,7 +292,7 @@ async def _on_hello(parts: Parts, websocket: WebSocket, hello: Hello, version: i
     return stored
 
 
-async def _hello_to_sql(parts: Parts, websocket: WebSocket, hello: Hello, new_run: bool = False,
+async def _hello_to_sql(parts: IngestParts, websocket: WebSocket, hello: Hello, new_run: bool = False,
                         version: int = PROTOCOL_VERSION) -> bool:
     ok, _ = await _unless_database_fault("storing a hello", parts.sql.run(_store_hello(hello, new_run)))
     if not ok:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import AdminDep, OperatorDep, PartsDep, RowId, ViewerDep
 from backend.control.models import Overrides, PolicyChanges
+from backend.control.modes import MODES
 from backend.storage.control import PROPOSAL_STATUSES
 from trainer_hook.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_WORLD_SIZE
 
@@ -41,7 +42,7 @@ class ModeIn(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not ignored
     # str, not Literal: the controller answers a wrong mode with one plain sentence.
     mode: str = Field(description="observe | approve | auto",
-                      json_schema_extra={"enum": ["observe", "approve", "auto"]})
+                      json_schema_extra={"enum": list(MODES)})
     reason: str | None = Field(default=None, max_length=2048)
 
 

@@ -1,0 +1,274 @@
+"""Operator actions (the REST routes call these): approve, reject, manual placements, rollback,
+mode, policy settings and overrides."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from backend.control import inputs, records
+from backend.control.core import MODES, ActorLike, ControllerCore, JobState
+from backend.control.errors import (
+    ConflictError,
+    ControlError,
+    InvalidError,
+    StateError,
+    error_detail,
+)
+from backend.control.models import check_policy_changes
+from backend.storage import control as db
+from trainer_hook.protocol import check_shares
+
+__all__ = ["OperatorActions"]
+
+log = logging.getLogger("backend.control.controller")
+
+
+class OperatorActions(ControllerCore):
+
+    async def _apply(self, st: JobState, proposal_id: int, *, actor: ActorLike, reason: str | None,
+                     auto: bool = False) -> dict[str, Any]:
+        job = st.job
+
+        def work(s: Session) -> dict[str, Any]:
+            prop = records.proposal_to_decide(s, job, proposal_id, "approved")
+            self._refuse_if_ended(job)
+            if st.mode == "observe":
+                raise ConflictError(f"Job '{job}' is in observe mode; set the mode to approve or auto to apply proposals.")
+            if prop.base_version != st.version:
+                records.decide(prop, "expired", f"placement version {st.version} came into force", self._wall())
+                s.commit()
+                self._read_facts(s, st)
+                raise ConflictError(
+                    f"Proposal {proposal_id} was computed against placement version {prop.base_version} "
+                    f"but version {st.version} is in force; refresh.")
+            if prop.expires_at is not None and self._wall() > prop.expires_at:
+                records.decide(prop, "expired", "older than its TTL", self._wall())
+                s.commit()
+                self._read_facts(s, st)
+                raise ConflictError(f"Proposal {proposal_id} expired; refresh.")
+            shares = list(prop.shares)
+            try:
+                check_shares(shares, world_size=st.world_size, global_batch_size=st.global_batch_size)
+                self._check_overrides(st, shares)
+            except (ValueError, InvalidError) as exc:
+                raise ConflictError(f"Proposal {proposal_id} no longer fits: {error_detail(exc)} Refresh.") from None
+            row = self._new_placement(
+                s, st, shares, source="auto" if auto else prop.source, actor=actor,
+                reason=reason or prop.reason, proposal_id=prop.id, auto=auto,
+                predicted_step_ms=prop.predicted_step_ms_after)
+            records.decide(prop, "approved", reason or "", self._wall(), by=actor)
+            prop.placement_version = row.version
+            self._close_pending(s, job, "superseded", f"proposal {prop.id} was approved", keep=prop.id)
+            db.record_audit(s, actor=actor, action="proposal.auto_apply" if auto else "proposal.approve",
+                            job=job, params={"proposal_id": prop.id, "version": row.version,
+                                             "shares": shares}, reason=reason)
+            s.commit()
+            self._read_facts(s, st)
+            return prop.public()
+
+        try:
+            out = await self._sql(work)
+        except ControlError:
+            self._publish(st)
+            raise
+        self._reset_applied(st)
+        st.status, st.status_detail = "proposal_pending", st.waiting_detail()
+        self._publish(st)
+        await self._send(job, self._placement_msg(st, proposal_id=proposal_id, reason=out["reason"]))
+        return out
+
+    async def approve(self, job: str, proposal_id: int, *, actor: ActorLike,
+                      reason: str | None = None) -> dict[str, Any]:
+        """Send exactly the reviewed shares as the next placement version."""
+        st = await self._require(job)
+        async with st.lock:
+            return await self._apply(st, proposal_id, actor=actor, reason=reason)
+
+    async def reject(self, job: str, proposal_id: int, *, actor: ActorLike,
+                     reason: str | None = None) -> dict[str, Any]:
+        st = await self._require(job)
+        async with st.lock:
+            def work(s: Session) -> dict[str, Any]:
+                prop = records.proposal_to_decide(s, job, proposal_id, "rejected")
+                records.decide(prop, "rejected", reason or "", self._wall(), by=actor)
+                db.record_audit(s, actor=actor, action="proposal.reject", job=job,
+                                params={"proposal_id": proposal_id}, reason=reason)
+                s.commit()
+                self._read_facts(s, st)
+                return prop.public()
+
+            out = await self._sql(work)
+            st.status, st.status_detail = "imbalanced", f"proposal {proposal_id} was rejected"
+            self._publish(st)
+            return out
+
+    async def submit_manual(self, job: str, shares: Any, *, actor: ActorLike, reason: str | None = None,
+                            apply: bool = False, force: bool = False) -> dict[str, Any]:
+        """An operator's own placement: validated, stored as a proposal, applied if asked.
+
+        A placement whose predicted peak memory breaks a rank's memory cap is refused with
+        the predicted peak and the cap, unless ``force`` (audited as ``placement.memory_force``).
+        """
+        st = await self._require(job)
+        async with st.lock:
+            if isinstance(shares, list):  # JSON Schema's integers include 12.0
+                shares = [int(x) if isinstance(x, float) and x.is_integer() and abs(x) < 2**53 else x
+                          for x in shares]
+            well_formed = isinstance(shares, list) and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in shares)
+            try:
+                shares = check_shares(shares, world_size=st.world_size, global_batch_size=st.global_batch_size)
+            except ValueError as exc:
+                # integers that do not fit this job (count, sum, range) are the job's refusal
+                error = StateError if well_formed else InvalidError
+                raise error(f"Invalid placement: {exc}") from None
+            self._check_overrides(st, shares)
+            problems, expl = self._memory_problems(st, shares)
+            if problems and not force:
+                raise StateError(f"Placement breaks memory caps: {'; '.join(problems)}. "
+                                   "Send force=true to submit it anyway.")
+            if problems:
+                expl["memory_forced"] = problems
+            costs = self._costs(st)
+
+            def work(s: Session) -> tuple[int, dict[str, Any]]:
+                self._refuse_if_ended(job)
+                self._close_pending(s, job, "superseded", "an operator submitted a placement")
+                prop = self._add_proposal(s, st, shares, source="manual", strategy="manual", actor=actor,
+                                          reason=reason or "manual placement", costs=costs,
+                                          explanation=expl)
+                db.record_audit(s, actor=actor, action="proposal.create", job=job,
+                                params={"proposal_id": prop.id, "shares": shares, "apply": apply,
+                                        "force": force},
+                                reason=reason)
+                if problems:
+                    db.record_audit(s, actor=actor, action="placement.memory_force", job=job,
+                                    params={"proposal_id": prop.id, "shares": shares,
+                                            "problems": problems}, reason=reason)
+                s.commit()
+                self._read_facts(s, st)
+                return prop.id, prop.public()
+
+            pid, out = await self._sql(work)
+            self._publish(st)
+            if apply:
+                return await self._apply(st, pid, actor=actor, reason=reason)
+            return out
+
+    async def rollback(self, job: str, *, actor: ActorLike, reason: str | None = None) -> dict[str, Any]:
+        """Go back to exactly the shares in force before the current placement."""
+        st = await self._require(job)
+        async with st.lock:
+            def read(s: Session) -> tuple[list[int], int | None]:
+                cur = db.latest_placement(s, job)
+                if cur is None or cur.previous_shares is None:
+                    raise ConflictError(f"Job '{job}' has no previous placement to roll back to.")
+                return list(cur.previous_shares), cur.previous_version
+
+            shares, prev_version = await self._sql(read)
+            if len(shares) != st.world_size:
+                raise ConflictError(f"The previous placement of job '{job}' has another world size; it cannot return.")
+            return await self._issue(st, shares, source="rollback", actor=actor,
+                                     reason=reason or f"rollback to the shares of version {prev_version}",
+                                     action="placement.rollback", params={"to_version": prev_version})
+
+    async def set_mode(self, job: str, mode: str, *, actor: ActorLike, reason: str | None = None) -> dict[str, Any]:
+        st = await self._require(job)
+        if mode not in MODES:
+            raise InvalidError(f"Mode must be one of observe, approve, auto; got {mode!r}.")
+        async with st.lock:
+            def work(s: Session) -> None:
+                row = db.get_settings(s, job)
+                assert row is not None
+                old, row.mode, row.updated_at = row.mode, mode, self._wall()
+                db.record_audit(s, actor=actor, action="job.mode", job=job,
+                                params={"mode": mode, "previous": old}, reason=reason)
+                s.commit()
+
+            await self._sql(work)
+            st.mode, st.last_run = mode, -math.inf
+            self._dirty.add(job)
+            self._publish(st)
+        return self.job_control(job)
+
+    async def set_policy(self, job: str, changes: dict[str, Any], *, actor: ActorLike,
+                         reason: str | None = None) -> dict[str, Any]:
+        """Merge ``changes`` into the job's policy settings (None removes a stored value)."""
+        st = await self._require(job)
+        check_policy_changes(changes)
+        async with st.lock:
+            policy = dict(st.policy)
+            for k, v in changes.items():
+                if v is None:
+                    policy.pop(k, None)
+                else:
+                    policy[k] = v
+            # Each value may be in range and the whole still unusable (window below min_steps):
+            # every policy run after it would fail, so refuse it before it is stored.
+            from backend.policy.engine import check_config
+
+            try:
+                check_config(inputs.policy_config(policy, st.mode, self.settings))
+            except ValueError as exc:
+                raise StateError(str(exc)) from None
+
+            def work(s: Session) -> None:
+                row = db.get_settings(s, job)
+                assert row is not None
+                row.policy, row.updated_at = policy, self._wall()
+                db.record_audit(s, actor=actor, action="job.policy", job=job, params=changes, reason=reason)
+                s.commit()
+
+            await self._sql(work)
+            st.policy, st.last_run, st.static_checked = policy, -math.inf, False
+            self._dirty.add(job)
+            self._publish(st)
+            return inputs.policy_settings(st.policy, st.mode, self.settings)
+
+    async def set_overrides(self, job: str, overrides: dict[str, Any], *, actor: ActorLike,
+                            reason: str | None = None) -> dict[str, Any]:
+        """Replace the job's overrides; when the placement in force breaks them, propose one
+        that respects them (applied right away in auto mode)."""
+        from backend.policy import InfeasibleError, solve
+
+        st = await self._require(job)
+        ov = inputs.validate_overrides(overrides, world_size=st.world_size,
+                                       global_batch_size=st.global_batch_size)
+        async with st.lock:
+            costs = self._costs(st)
+            try:
+                # Memory caps too: the proposal that respects the overrides must fit the cards.
+                target = list(solve([0.0] * st.world_size, costs or [1.0] * st.world_size,
+                                    st.global_batch_size, self._memory_constraints(st, ov)))
+            except InfeasibleError as exc:
+                raise StateError(f"The overrides admit no placement: {exc}") from None
+            broken: str | None = None
+            try:
+                inputs.check_overrides(ov, st.shares, global_batch_size=st.global_batch_size)
+            except InvalidError as exc:
+                broken = exc.detail
+
+            def work(s: Session) -> int | None:
+                records.store_overrides(s, job, ov, actor=actor, reason=reason, at=self._wall())
+                pid = None
+                if broken is not None:
+                    self._close_pending(s, job, "superseded", "the overrides changed")
+                    prop = self._add_proposal(s, st, target, source="override", strategy="override",
+                                              actor=actor, reason=f"respect the new overrides: {broken}",
+                                              costs=costs)
+                    pid = prop.id
+                s.commit()
+                self._read_facts(s, st)
+                return pid
+
+            pid = await self._sql(work)
+            st.overrides, st.last_run = ov, -math.inf
+            self._dirty.add(job)
+            self._publish(st)
+            if pid is not None and st.mode == "auto":
+                await self._apply(st, pid, actor="auto", reason="auto mode: overrides changed", auto=True)
+            return {**ov, "proposal_id": pid}

@@ -1,0 +1,358 @@
+"""The controller's shared core: each job's in-memory control state (``JobState``), loading it
+from SQL, publishing its snapshot, and the placement and proposal writes every action uses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from sqlalchemy.orm import Session
+
+from backend.auth.tokens import Actor
+from backend.control import inputs, records
+from backend.control.errors import (
+    ConflictError,
+    NotFoundError,
+)
+from backend.control.modes import MODES
+from backend.control.policy_runs import PolicyRunner
+from backend.ingest.connections import HookConnections
+from backend.live.state import LiveState
+from backend.settings import Settings
+from backend.storage import control as db
+from backend.storage.gateway import SqlGateway
+from trainer_hook.protocol import Hello, Placement, uniform_shares
+
+__all__ = ["ARRIVAL_WAIT_S", "MODES", "SYSTEM", "ActorLike", "ControllerCore", "JobState", "T"]
+
+log = logging.getLogger("backend.control.controller")
+
+# How long an action waits for a job whose first hello is being stored (``expect``).
+ARRIVAL_WAIT_S = 5.0
+SYSTEM = "controller"
+T = TypeVar("T")
+ActorLike = Actor | str
+
+
+@dataclass
+class JobState:
+    """What the controller keeps in memory for one job (SQL holds the truth)."""
+
+    job: str
+    world_size: int
+    global_batch_size: int
+    mode: str
+    policy: dict[str, Any]
+    overrides: dict[str, Any]
+    version: int
+    shares: list[int]
+    status: str = "warming_up"  # the controller's verdict; job_status() adds the rest
+    status_detail: str = "waiting for the first steps"
+    last_run: float = -math.inf
+    last_metrics: float | None = None  # wall time of the newest metrics or hello
+    devices: dict[int, Hello] = field(default_factory=dict)
+    last_effect: dict[str, Any] | None = None
+    static_checked: bool = False
+    applied: bool = False  # every rank acked the placement in force
+    effective: int | None = None  # the batch index it took effect at
+    measured: bool = False  # its effect is on record
+    think_s: float = 0.0  # how long the last policy run took (wall clock)
+    pending: dict[str, Any] | None = None  # the pending proposal (public form)
+    # Recent rolled-back policy changes: (batch index, shares before, shares undone).
+    rollbacks: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    urgent: bool = False  # an urgent metrics frame came since the last policy run
+    counts: dict[str, int] = field(default_factory=dict)  # proposals by status
+    # proposals and placements by source, rejected placements (db.activity_counts)
+    activity: dict[str, dict[str, int]] = field(default_factory=dict)
+    snapshot: dict[str, Any] = field(default_factory=dict)
+    cost_fit: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # the policy's, per rank
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    restart_count: int | None = None  # TorchElastic attempt of the ranks (None: none seen since load)
+
+    def follow(self, row: db.PlacementRow) -> None:
+        """Take applied / effective / measured from the placement row in force."""
+        self.applied = row.applied_at is not None
+        self.effective = row.effective_batch_index if self.applied else None
+        self.measured = row.step_ms_after is not None
+
+    def waiting_detail(self) -> str:
+        return f"waiting for every rank to apply version {self.version}"
+
+
+
+class ControllerCore:
+    """The state and plumbing the controller's parts share (``Controller`` is all of them)."""
+
+    def __init__(self, *, settings: Settings, sql: SqlGateway, live: LiveState,
+                 connections: HookConnections, notify: Callable[[str], None],
+                 policy: PolicyRunner, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time):
+        self.settings = settings
+        self.sql = sql
+        self.live = live
+        self.connections = connections
+        self._notify_hub = notify
+        self.policy = policy
+        self._clock = clock
+        self._wall = wall
+        self._jobs: dict[str, JobState] = {}
+        self._dirty: set[str] = set()
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._loading: dict[str, asyncio.Future[JobState | None]] = {}
+        self._creating: dict[str, asyncio.Future[None]] = {}
+        # Jobs a rank said hello for whose control state is not made yet (``expect``):
+        # actions on them wait up to ``arrival_wait_s`` for ``on_hello`` instead of a 404.
+        self._arrivals: dict[str, asyncio.Event] = {}
+        self.arrival_wait_s = ARRIVAL_WAIT_S
+        self._tasks: list[asyncio.Task[None]] = []
+        self.policy_runs = 0
+
+    async def _sql(self, fn: Callable[[Session], T]) -> T:
+        return await self.sql.run(fn)
+
+    def _publish(self, st: JobState) -> None:
+        """Refresh the job's snapshot (what job_control serves) and tell the dashboard."""
+        st.snapshot = {
+            "mode": st.mode,
+            "strategy": self._config(st).strategy,
+            "policy": inputs.policy_settings(st.policy, st.mode, self.settings),
+            "overrides": dict(st.overrides),
+            "placement": {"version": st.version, "shares": list(st.shares)},
+            "pending_proposal": st.pending,
+            "pending_proposal_id": st.pending["id"] if st.pending else None,
+            "verdict": st.status,
+            "verdict_detail": st.status_detail,
+            "last_effect": st.last_effect,
+            "last_metrics": st.last_metrics,
+        }
+        with contextlib.suppress(Exception):  # the dashboard is never worth a failed action
+            self._notify_hub(st.job)
+
+    async def _send(self, job: str, msg: Placement) -> None:
+        try:
+            await self.connections.send(job, msg)
+        except Exception:  # a dead socket must not undo a recorded decision; hello resyncs
+            log.exception("sending placement %s of job %s failed", msg.version, job)
+
+    async def _load(self, job: str) -> JobState | None:
+        st = self._jobs.get(job)
+        if st is not None:
+            return st
+        # Every rank of a new job says hello at once: one read from SQL, the others wait on it.
+        pending = self._loading.get(job)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[JobState | None] = asyncio.get_running_loop().create_future()
+        self._loading[job] = fut
+        try:
+            st = await self._load_from_sql(job)
+            fut.set_result(st)
+            return st
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: waiters get it, nobody else must
+            raise
+        finally:
+            del self._loading[job]
+
+    async def _load_from_sql(self, job: str) -> JobState | None:
+
+        def read(s: Session) -> JobState | None:
+            row = db.get_settings(s, job)
+            if row is None:
+                return None
+            pl = db.latest_placement(s, job)
+            st = JobState(
+                job=job, world_size=row.world_size, global_batch_size=row.global_batch_size,
+                mode=row.mode or self.settings.default_mode, policy=dict(row.policy or {}),
+                overrides=inputs.overrides_dict(s.get(db.OverridesRow, job)),
+                version=pl.version if pl else 0,
+                shares=list(pl.shares) if pl else uniform_shares(row.world_size, row.global_batch_size),
+                status="idle", status_detail="no ranks connected since the backend started",
+            )
+            st.last_effect = records.last_effect(s, job)
+            if pl is not None:
+                st.follow(pl)
+            self._read_facts(s, st)
+            return st
+
+        loaded = await self._sql(read)
+        if loaded is None:
+            return None
+        st = self._jobs.setdefault(job, loaded)
+        if st is loaded:
+            self._publish(st)
+        return st
+
+    def _read_facts(self, s: Session, st: JobState) -> None:
+        """Pending proposal and counts by status, read after every change (gateway thread)."""
+        pending = records.pending_proposal(s, st.job)
+        st.pending = pending.public() if pending is not None else None
+        st.counts = db.proposal_counts(s, st.job)
+        st.rollbacks = records.recent_rollbacks(s, st.job)
+        st.activity = db.activity_counts(s, st.job)
+
+    async def _require(self, job: str) -> JobState:
+        st = await self._load(job)
+        if st is None and (arriving := self._arrivals.get(job)) is not None:
+            # Live state lists the job already (GET /jobs shows it); its hello is being stored.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(arriving.wait(), self.arrival_wait_s)
+            st = await self._load(job)
+        if st is None:
+            raise NotFoundError(f"Job '{job}' not found.")
+        return st
+
+    def expect(self, job: str) -> None:
+        """A rank of ``job`` said hello (ingest, beside ``LiveState.register``): until
+        ``on_hello`` has made the job's control state, actions on it wait for it."""
+        if job not in self._jobs:
+            self._arrivals.setdefault(job, asyncio.Event())
+
+    def _arrived(self, job: str) -> None:
+        if (arriving := self._arrivals.pop(job, None)) is not None:
+            arriving.set()
+
+    def known(self, job: str) -> bool:
+        """True when the job has control state in memory (it said hello at least once)."""
+        return job in self._jobs
+
+    def jobs(self) -> list[str]:
+        return sorted(self._jobs)
+
+    def forget(self, job: str) -> bool:
+        """Drop a job's control state from memory (SQL keeps it; the next hello or read
+        loads it again). False while an action or a policy run holds it: try later."""
+        st = self._jobs.get(job)
+        if st is None:
+            return True
+        if st.lock.locked() or job in self._running:
+            return False
+        del self._jobs[job]
+        self._dirty.discard(job)
+        self._arrivals.pop(job, None)
+        return True
+
+    def _config(self, st: JobState) -> Any:
+        return inputs.policy_config(st.policy, st.mode, self.settings)
+
+    def _knob(self, st: JobState, name: str) -> Any:
+        return inputs.knob(st.policy, self.settings, name)
+
+    def _check_overrides(self, st: JobState, shares: Sequence[int]) -> None:
+        inputs.check_overrides(st.overrides, shares, global_batch_size=st.global_batch_size)
+
+    def _memory_constraints(self, st: JobState, overrides: dict[str, Any]) -> Any:
+        return inputs.memory_constraints(self.live, st.job, overrides, st.shares, st.global_batch_size,
+                                         self._config(st).memory_headroom)
+
+    def _costs(self, st: JobState) -> list[float] | None:
+        return inputs.step_costs(self.live, st.job, st.world_size)
+
+    def _placement_msg(self, st: JobState, *, proposal_id: int | None = None, reason: str = "") -> Placement:
+        return Placement(job=st.job, version=st.version, shares=list(st.shares),
+                         global_batch_size=st.global_batch_size, proposal_id=proposal_id,
+                         reason=reason)
+
+    def _new_placement(self, s: Session, st: JobState, shares: Sequence[int], *, source: str,
+                       actor: ActorLike, reason: str, proposal_id: int | None = None,
+                       current: db.PlacementRow | None | bool = True,
+                       predicted_step_ms: float | None = None, auto: bool = False) -> db.PlacementRow:
+        """Add the next placement version and make it the one in force here (the caller
+        commits, then sends it)."""
+        row = records.new_placement(
+            s, st.job, shares, source=source, actor=actor, reason=reason, at=self._wall(),
+            proposal_id=proposal_id, current=current, predicted_step_ms=predicted_step_ms, auto=auto)
+        st.version, st.shares = row.version, list(shares)
+        return row
+
+    def _close_pending(self, s: Session, job: str, status: str, why: str, keep: int | None = None) -> None:
+        records.close_pending(s, job, status, why, self._wall(), keep)
+
+    def _add_proposal(self, s: Session, st: JobState, shares: list[int], *, source: str, strategy: str,
+                      actor: ActorLike, reason: str, explanation: dict[str, Any] | None = None,
+                      before: float | None = None, after: float | None = None,
+                      gain: float | None = None, costs: list[float] | None = None) -> db.ProposalRow:
+        if before is None:
+            before = inputs.predict_step_ms(costs, st.shares)
+            after = inputs.predict_step_ms(costs, shares)
+            if before and after is not None:
+                gain = (before - after) / before
+        return records.add_proposal(
+            s, st.job, base_version=st.version, current_shares=st.shares, shares=shares,
+            source=source, strategy=strategy, actor=actor, reason=reason, at=self._wall(),
+            ttl_s=float(self._knob(st, "proposal_ttl_s")), explanation=explanation,
+            before=before, after=after, gain=gain)
+
+    async def _issue(self, st: JobState, shares: list[int], *, source: str, actor: ActorLike,
+                     reason: str, action: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Record and send a placement that no proposal stands behind (rollback)."""
+        # Pending proposals stay: approving one now answers 409 (computed against an older
+        # version), and the next policy run supersedes it.
+        def work(s: Session) -> dict[str, Any]:
+            self._refuse_if_ended(st.job)
+            old = db.latest_placement(s, st.job)
+            row = self._new_placement(s, st, shares, source=source, actor=actor, reason=reason,
+                                      current=old)
+            if old is not None and source == "rollback":
+                old.rolled_back = True
+            db.record_audit(s, actor=actor, action=action, job=st.job,
+                            params={**(params or {}), "version": row.version, "shares": shares},
+                            reason=reason)
+            s.commit()
+            self._read_facts(s, st)
+            return row.public()
+
+        out = await self._sql(work)
+        self._reset_applied(st)
+        self._publish(st)
+        await self._send(st.job, self._placement_msg(st, reason=reason))
+        return out
+
+    def _reset_applied(self, st: JobState) -> None:
+        st.applied, st.effective, st.measured = False, None, False
+
+    def _refuse_if_ended(self, job: str) -> None:
+        """No placement for a job whose ranks have all said goodbye: none would receive it,
+        and its report, stored at the goodbye, would not list it. Checked inside the SQL
+        work that stores the placement, so a goodbye lands either before the check (refused)
+        or after the commit (the report, read later on the same SQL thread, has it)."""
+        if self.live.ended(job):
+            raise ConflictError(f"Job '{job}' has ended (every rank said goodbye); a placement would never take effect.")
+
+    def _memory_problems(self, st: JobState, shares: Sequence[int]) -> tuple[list[str], dict[str, Any]]:
+        """Why ``shares`` breaks a memory cap (one sentence per rank, with the predicted peak
+        and the cap), and the per-rank memory explanation of ``shares``."""
+        from backend.policy import memory_violations
+
+        memories = inputs.rank_memories(self.live, st.job, st.world_size)
+        headroom = self._config(st).memory_headroom
+        problems = memory_violations(memories, shares, headroom)
+        problems += [
+            f"rank {i} measures memory but has no fit yet, so it may not gain work "
+            f"({st.shares[i]} now, {shares[i]} asked)"
+            for i, rm in enumerate(memories)
+            if rm.source and rm.fit is None and shares[i] > st.shares[i]]
+        expl: dict[str, Any] = {"memory": inputs.memory_explanation(memories, st.shares, shares, headroom)}
+        return problems, expl
+
+    # --- what one part of the controller calls in another (``Controller`` has each) ------
+
+    async def _run_policy(self, st: JobState) -> None:
+        raise NotImplementedError  # policy_loop.PolicyLoop
+
+    async def _acks_from_metrics(self, st: JobState) -> None:
+        raise NotImplementedError  # hook_events.HookEvents
+
+    async def _apply(self, st: JobState, proposal_id: int, *, actor: ActorLike, reason: str | None,
+                     auto: bool = False) -> dict[str, Any]:
+        raise NotImplementedError  # actions.OperatorActions
+
+    def job_control(self, job: str) -> dict[str, Any]:
+        raise NotImplementedError  # read_model.ReadModel

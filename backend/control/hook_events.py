@@ -1,0 +1,281 @@
+"""What the hooks tell the controller: hello (the placement in force back), acks, OOMs,
+rejects and the end of a run."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session
+
+from backend.control import effect, inputs, records
+from backend.control.core import SYSTEM, ControllerCore, JobState
+from backend.control.errors import (
+    InvalidError,
+)
+from backend.live.state import LiveState
+from backend.storage import control as db
+from trainer_hook.protocol import Ack, Hello, Oom, Placement, Reject, uniform_shares
+
+__all__ = ["HookEvents"]
+
+log = logging.getLogger("backend.control.controller")
+
+
+class HookEvents(ControllerCore):
+
+    async def on_hello(self, hello: Hello) -> Placement:
+        """Return the placement in force; a new job gets version 0, the uniform split."""
+        job = hello.job
+        st = await self._load(job)
+        if st is None:
+            mode = self.settings.default_mode
+
+            def create(s: Session) -> None:
+                if db.get_settings(s, job) is None:  # another rank's hello got there first
+                    records.create_job(s, hello, mode=mode, actor=SYSTEM, at=self._wall())
+                    s.commit()
+
+            if job not in self._creating:
+                self._creating[job] = asyncio.ensure_future(self._sql(create))
+            try:
+                await asyncio.shield(self._creating[job])
+            finally:
+                self._creating.pop(job, None)
+            st = await self._require(job)
+        self._arrived(job)
+        async with st.lock:
+            previous = st.restart_count
+            if (hello.world_size, hello.global_batch_size) != (st.world_size, st.global_batch_size):
+                st = await self._reshape(st, hello)
+            # Under the lock: the ranks of one restarted attempt say hello together, and
+            # only the first of them may see (and audit) the restart.
+            self._follow_restarts(st, hello, previous)
+        if previous is not None and hello.restart_count > previous:
+            await self._sql(_audit_restart(hello, previous))
+        async with st.lock:
+            st.devices[hello.rank] = hello
+            st.last_metrics = self._wall()
+            if st.status == "idle":
+                st.status, st.status_detail = "warming_up", "waiting for the first steps"
+            if self._config(st).strategy == "static" and not st.static_checked:
+                await self._static_now(st)
+            self._publish(st)
+            return self._placement_msg(st)
+
+    def _follow_restarts(self, st: JobState, hello: Hello, previous: int | None) -> None:
+        """Track the ranks' TorchElastic attempt: a higher count is a restart (audited by
+        on_hello); a lower one, with no other rank connected, a new launch of the job."""
+        known = st.restart_count if st.restart_count is not None else previous
+        alone = not [r for r in self.connections.ranks(st.job) if r != hello.rank]
+        if known is None or hello.restart_count > known or alone:
+            st.restart_count = hello.restart_count
+        else:
+            st.restart_count = known
+
+    async def _reshape(self, st: JobState, hello: Hello) -> JobState:
+        """The job came back with another shape: old placements cannot apply."""
+        job = st.job
+        reason = (f"job restarted with world_size {hello.world_size} and global batch "
+                  f"{hello.global_batch_size} (was {st.world_size} and {st.global_batch_size})")
+
+        def work(s: Session) -> None:
+            row = db.get_settings(s, job)
+            assert row is not None
+            row.world_size, row.global_batch_size = hello.world_size, hello.global_batch_size
+            row.updated_at = self._wall()
+            self._close_pending(s, job, "superseded", reason)
+            records.new_placement(
+                s, job, uniform_shares(hello.world_size, hello.global_batch_size), source="initial",
+                actor=SYSTEM, reason=reason, at=self._wall(), current=None)
+            db.record_audit(s, actor=SYSTEM, action="job.reshape", job=job,
+                            params={"world_size": hello.world_size,
+                                    "global_batch_size": hello.global_batch_size}, reason=reason)
+            s.commit()
+
+        await self._sql(work)
+        self._jobs.pop(job, None)
+        return await self._require(job)
+
+    async def _static_now(self, st: JobState) -> None:
+        """The static strategy needs no measurement: propose its split as soon as every
+        rank has said hello (auto mode applies it before the first steps)."""
+        if not inputs.all_said_hello(self.live, st.job, st.world_size):
+            return
+        st.static_checked = True
+        try:
+            await self._run_policy(st)
+        except Exception:
+            log.exception("static placement for job %s failed", st.job)
+
+    async def on_ack(self, ack: Ack) -> None:
+        """Record the batch index at which a rank applied a version; all acked -> applied."""
+        st = await self._load(ack.job)
+        if st is None:
+            return
+        async with st.lock:
+            live = self.live
+
+            def work(s: Session) -> bool:
+                row = db.get_placement(s, ack.job, ack.version)
+                if row is None:
+                    return False
+                self._record_acks(s, st, row, {ack.rank: ack.batch_index}, live)
+                s.commit()
+                self._read_facts(s, st)
+                return True
+
+            if not await self._sql(work):
+                log.warning("ack for unknown placement %s of job %s", ack.version, ack.job)
+                return
+            self._publish(st)
+
+    def _record_acks(self, s: Session, st: JobState, row: db.PlacementRow, new: dict[int, int],
+                     live: LiveState) -> None:
+        row.acks = acks = effect.merge_acks(row.acks, new)
+        if row.applied_at is None and len(acks) >= st.world_size:
+            row.applied_at = self._wall()
+            row.effective_batch_index = e = max(acks.values())
+            lo, hi = effect.before_window(e, int(self._knob(st, "effect_window_steps")))
+            row.step_ms_before = effect.window_step_ms(live, st.job, lo=lo, hi=hi)
+            if row.proposal_id is not None:
+                prop = s.get(db.ProposalRow, row.proposal_id)
+                if prop is not None and prop.status == "approved":
+                    prop.status = "applied"
+        if row.version == st.version and row.applied_at is not None:
+            st.follow(row)
+
+    async def run_ended(self, job: str) -> None:
+        """Every rank of ``job`` said goodbye: wait for a policy run or an operator's action
+        in flight (the job's lock), then record the acks its last metrics carried, so that
+        the report built next sees every placement and when each took effect."""
+        st = self._jobs.get(job)
+        if st is None:
+            return
+        async with st.lock:
+            await self._acks_from_metrics(st)
+
+    async def _acks_from_metrics(self, st: JobState) -> None:
+        """Acks lost on the way (say, sent while the backend restarted): every rank's steps
+        show the version in force, so take the first batch index each trained under it."""
+        if st.applied or st.version == 0:
+            return
+        first = effect.first_batches_under(self.live, st.job, st.world_size, st.version)
+        if first is None:
+            return  # not every rank shows it yet; or the switch fell out of the buffers
+        live = self.live
+
+        def work(s: Session) -> None:
+            row = db.get_placement(s, st.job, st.version)
+            if row is not None:
+                missing = {r: k for r, k in first.items() if str(r) not in (row.acks or {})}
+                self._record_acks(s, st, row, missing, live)
+                s.commit()
+                self._read_facts(s, st)
+
+        await self._sql(work)
+
+    async def on_oom(self, oom: Oom) -> None:
+        """A rank ran out of memory: mark the placement it trained under unsafe, never give
+        that rank as many samples again (a cap in the overrides, audited), and roll the job
+        back to the previous placement, which its next run (a restart) receives."""
+
+        st = await self._load(oom.job)
+        if st is None or not 0 <= oom.rank < st.world_size:
+            return
+        ceiling = max(0, oom.local_batch_size - 1)
+        why = (f"rank {oom.rank} ran out of memory at {oom.local_batch_size} samples under "
+               f"placement version {oom.version}")
+        async with st.lock:
+            ov = {**st.overrides, "caps": dict(st.overrides["caps"])}
+            ov["caps"][oom.rank] = min(ceiling, ov["caps"].get(oom.rank, ceiling))
+
+            def work(s: Session) -> list[int] | None:
+                previous: list[int] | None = None
+                row = db.get_placement(s, oom.job, oom.version)
+                if row is not None:
+                    if not row.failed:
+                        row.failed, row.error = True, f"unsafe: {why}"
+                    if row.previous_shares is not None and len(row.previous_shares) == st.world_size:
+                        previous = list(row.previous_shares)
+                db.record_audit(s, actor=SYSTEM, action="placement.oom", job=oom.job,
+                                params={"version": oom.version, "rank": oom.rank,
+                                        "local_batch_size": oom.local_batch_size,
+                                        "batch_index": oom.batch_index,
+                                        "mem_peak_bytes": oom.mem_peak_bytes,
+                                        "mem_total_bytes": oom.mem_total_bytes, "cap": ceiling},
+                                reason=oom.message[:500] or why)
+                records.store_overrides(s, oom.job, ov, actor=SYSTEM,
+                                        reason=f"{why}: capped at {ceiling}", at=self._wall())
+                s.commit()
+                self._read_facts(s, st)
+                return previous
+
+            previous = await self._sql(work)
+            st.overrides, st.last_run = ov, -math.inf
+            st.status, st.status_detail = "imbalanced", why
+            self._dirty.add(oom.job)
+            target = self._oom_target(st, oom, previous)
+            if isinstance(target, str):
+                st.status_detail = f"{why}; {target}"
+            elif target is not None and target != st.shares:
+                await self._issue(st, target, source="rollback", actor=SYSTEM,
+                                  reason=f"{why}; rolled back for the next run",
+                                  action="placement.oom_rollback", params={"from_version": oom.version})
+            self._publish(st)
+
+    def _oom_target(self, st: JobState, oom: Oom, previous: list[int] | None) -> list[int] | str | None:
+        """Where an out-of-memory error sends the job: the previous placement when it fits
+        the new cap, else the placement in force if that fits, else a solve under the
+        overrides; a sentence when the overrides admit none."""
+        from backend.policy import InfeasibleError, solve
+
+        for shares in ([previous] if oom.version == st.version and previous is not None else []) + [st.shares]:
+            try:
+                self._check_overrides(st, shares)
+                return shares
+            except InvalidError:
+                continue
+        try:
+            costs = self._costs(st) or [1.0] * st.world_size
+            return list(solve([0.0] * st.world_size, costs, st.global_batch_size,
+                              self._memory_constraints(st, st.overrides)))
+        except InfeasibleError as exc:
+            return f"the overrides admit no placement: {exc}"
+
+    async def on_reject(self, reject: Reject) -> None:
+        """A rank refused a placement: mark it and its proposal failed, with the reason."""
+        st = await self._load(reject.job)
+        if st is None:
+            return
+        async with st.lock:
+            def work(s: Session) -> None:
+                row = db.get_placement(s, reject.job, reject.version)
+                if row is None:
+                    return
+                if not row.failed:
+                    records.fail_placement(s, row, rank=reject.rank, reason=reject.reason, actor=SYSTEM)
+                s.commit()
+                if st.version == reject.version:
+                    prev = db.latest_placement(s, reject.job)
+                    if prev is not None:
+                        st.version, st.shares = prev.version, list(prev.shares)
+                        st.follow(prev)
+                        st.measured = True  # do not re-measure (or roll back) the restored one
+                self._read_facts(s, st)
+
+            await self._sql(work)
+            self._publish(st)
+
+
+def _audit_restart(hello: Hello, previous: int) -> Callable[[Session], None]:
+    def work(s: Session) -> None:
+        db.record_audit(s, actor=SYSTEM, action="job.restart", job=hello.job, params={
+            "restart_count": hello.restart_count, "previous_restart_count": previous,
+            "rank": hello.rank, "world_size": hello.world_size,
+            "global_batch_size": hello.global_batch_size,
+        }, reason=f"torchrun restarted the job's workers (restart {hello.restart_count})")
+        s.commit()
+    return work

@@ -1,0 +1,200 @@
+"""One policy run for a job (under its lock): hand the policy its inputs, record the proposal,
+apply it in auto mode, and measure the effect of the placement in force."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.orm import Session
+
+from backend.control import effect, inputs, records
+from backend.control.errors import (
+    ConflictError,
+)
+from backend.storage import control as db
+
+if TYPE_CHECKING:
+    from backend.policy.types import Explanation
+
+from backend.control.core import SYSTEM, ControllerCore, JobState
+
+__all__ = ["PolicyLoop"]
+
+log = logging.getLogger("backend.control.controller")
+
+
+class PolicyLoop(ControllerCore):
+
+    def _settled(self, st: JobState) -> bool:
+        """True once every rank trains under the placement in force (acked or seen in metrics)."""
+        if st.applied or st.version == 0:  # version 0 is every hook's starting split
+            return True
+        view = self.live.view(st.job)
+        if view is None or len(view.ranks) < st.world_size:
+            return False
+        return all(r.placement_version is not None and r.placement_version >= st.version
+                   for r in view.ranks)
+
+    async def _run_policy(self, st: JobState) -> None:
+        if self.live.ended(st.job):
+            return  # the run ended: nothing it is sent would take effect (run_ended)
+        self.policy_runs += 1
+        await self._acks_from_metrics(st)
+        await self._measure_effect(st)
+        from backend.policy import InfeasibleError, Rollback
+        from backend.policy.types import Proposal as PolicyProposal
+
+        if not self._settled(st):
+            st.status, st.status_detail = "proposal_pending", st.waiting_detail()
+            self._publish(st)
+            return
+        pending = st.pending
+        if pending is not None and pending["source"] != "policy":
+            return  # an operator's own proposal is not replaced by the policy
+        cfg = self._config(st)
+        constraints = inputs.constraints_from(st.overrides)
+        version = st.version
+        started = time.perf_counter()
+        # The observation's rows are copied from live state on a worker thread (at thousands
+        # of ranks it takes long enough to delay every websocket); its objects are built and
+        # the decision made in the runner (a process of its own at scale).
+        obs = await asyncio.to_thread(
+            inputs.observation_rows, self.live, st.job, world_size=st.world_size,
+            global_batch_size=st.global_batch_size, shares=list(st.shares), version=st.version,
+            effective=st.effective, window_steps=cfg.window_steps,
+            # The policy does not retry a rolled-back direction until the cost changed.
+            rollbacks=[Rollback(k, tuple(before), tuple(after)) for k, before, after in st.rollbacks])
+        if obs is None:
+            return  # no data yet
+        try:
+            decision = await self.policy.decide(obs, cfg, constraints)
+        except InfeasibleError as exc:
+            st.status, st.status_detail = "imbalanced", f"the overrides admit no placement: {exc}"
+            self._publish(st)
+            return
+        finally:
+            st.think_s = time.perf_counter() - started
+        expl = decision.explanation
+        if expl is not None and len(expl.ranks) == st.world_size:
+            ranks = sorted(expl.ranks, key=lambda r: r.rank)
+            st.cost_fit = (tuple(r.a_ms for r in ranks), tuple(r.c_ms for r in ranks))
+        if st.version != version:
+            return  # the placement changed while the policy was thinking
+        if not isinstance(decision, PolicyProposal):
+            st.status = ("warming_up" if decision.status in ("warming_up", "no_data")
+                         else "imbalanced" if decision.status == "infeasible" else "balanced")
+            st.status_detail = decision.detail
+            self._publish(st)
+            return
+        # The policy capped the move already (auto mode: max_move_fraction, memory caps).
+        shares = list(decision.shares)
+        if shares == st.shares:
+            st.status, st.status_detail = "balanced", "the policy's split equals the placement in force"
+            self._publish(st)
+            return
+        if pending is not None and list(pending["shares"]) == shares and pending["base_version"] == st.version:
+            # Already on the table (say, shown before the mode became auto).
+            if st.mode == "auto" and pending["status"] == "proposed":
+                await self._apply_auto(st, pending["id"])
+            return
+        assert expl is not None  # a Proposal always explains itself
+
+        def work(s: Session) -> int | str:
+            if self.live.ended(st.job):
+                return "the job ended (every rank said goodbye) while the policy was deciding"
+            blocked = records.refused_before(s, st.job, st.version, shares)
+            if blocked:
+                return blocked
+            self._close_pending(s, st.job, "superseded", "a newer policy proposal replaced it")
+            prop = self._add_proposal(
+                s, st, shares, source="policy", strategy=expl.strategy, actor=SYSTEM,
+                reason=decision.reason, explanation=_explanation_dict(expl),
+                before=expl.step_ms_before, after=expl.step_ms_after, gain=expl.gain)
+            s.commit()
+            self._read_facts(s, st)
+            return prop.id
+
+        got = await self._sql(work)
+        if isinstance(got, str):
+            st.status, st.status_detail = "imbalanced", got
+            self._publish(st)
+            return
+        st.status, st.status_detail = "proposal_pending", decision.reason
+        self._publish(st)
+        if st.mode == "auto":
+            await self._apply_auto(st, got)
+
+    async def _apply_auto(self, st: JobState, proposal_id: int) -> None:
+        """Auto mode applies the policy's proposal; a job that ended meanwhile keeps it unapplied."""
+        try:
+            await self._apply(st, proposal_id, actor="auto", reason="auto mode", auto=True)
+        except ConflictError as exc:
+            if not self.live.ended(st.job):
+                raise
+            st.status, st.status_detail = "balanced", exc.detail
+            self._publish(st)
+
+    async def _measure_effect(self, st: JobState) -> None:
+        if not st.applied or st.effective is None or st.measured:
+            return
+        w = int(self._knob(st, "effect_window_steps"))
+        lo, hi = effect.after_window(st.effective, w)
+        view = self.live.view(st.job)
+        if view is None or view.batch_index is None or view.batch_index < hi:
+            return
+        after = effect.window_step_ms(self.live, st.job, lo=lo, hi=hi, need=max(1, w // 2))
+        if after is None:
+            return
+        may_auto = st.mode == "auto"
+        threshold = float(self._knob(st, "rollback_threshold"))
+
+        def work(s: Session) -> tuple[list[int], str] | None:
+            row = db.get_placement(s, st.job, st.version)
+            if row is None:
+                return None
+            factor = 1.0
+            if row.previous_shares is not None and st.effective is not None:
+                factor = effect.speed_factor(
+                    self.live, st.job, shares=row.previous_shares,
+                    before=effect.before_window(st.effective, w), after=(lo, hi))
+            verdict = effect.judge_effect(
+                version=row.version, step_ms_before=row.step_ms_before, step_ms_after=after,
+                rollback_threshold=threshold,
+                may_roll_back=row.auto and may_auto and row.previous_shares is not None,
+                speed_factor=factor)
+            row.step_ms_after = verdict.step_ms_after
+            if verdict.measured_gain is not None:
+                row.measured_gain = verdict.measured_gain
+            rollback = None
+            if verdict.rollback_reason is not None and row.previous_shares is not None:
+                row.rolled_back = True
+                rollback = (list(row.previous_shares), verdict.rollback_reason)
+            st.measured = True
+            st.last_effect = effect.effect_record(row)
+            s.commit()
+            return rollback
+
+        rollback = await self._sql(work)
+        if rollback is not None:
+            await self._issue(st, rollback[0], source="rollback", actor=SYSTEM, reason=rollback[1],
+                              action="placement.auto_rollback")
+        self._publish(st)
+
+
+def _explanation_dict(expl: Explanation) -> dict[str, Any]:
+    # JSON round trip: evidence may hold tuples or numbers numpy produced.
+    out: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(expl), default=_json_default))
+    return out
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, frozenset)):
+        return sorted(o)
+    return str(o)

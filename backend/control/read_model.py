@@ -1,0 +1,87 @@
+"""The controller's read side: snapshots and counts from memory, history read through the
+SQL gateway."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from backend.control import inputs
+from backend.control.core import ControllerCore
+from backend.control.errors import (
+    InvalidError,
+    NotFoundError,
+)
+from backend.control.status import job_status
+from backend.storage import control as db
+
+__all__ = ["ReadModel"]
+
+log = logging.getLogger("backend.control.controller")
+
+
+class ReadModel(ControllerCore):
+
+    def job_control(self, job: str) -> dict[str, Any]:
+        """Control state of a job for the job resource, the dashboard and /metrics ({} if
+        unknown): the snapshot the last change published, with the status rule applied."""
+        st = self._jobs.get(job)
+        if st is None:
+            return {}
+        snap = st.snapshot
+        view = self.live.view(job)
+        age = None if st.last_metrics is None else max(self._wall() - st.last_metrics, 0.0)
+        status, detail = job_status(
+            verdict=st.status, detail=st.status_detail, pending=snap["pending_proposal"],
+            connected_ranks=view.connected_ranks if view is not None else None,
+            metrics_age_s=age, stale_after_s=self.settings.stale_after_s,
+            lost_ranks=view.lost_ranks if view is not None else (), world_size=st.world_size)
+        return {**snap, "status": status, "status_detail": detail}
+
+    def cost_fit(self, job: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """Per-rank (a_ms, c_ms) from the policy's last decision that fitted the job (the
+        one per-rank cost fit; the dashboard's uniform-split estimate uses it)."""
+        st = self._jobs.get(job)
+        return st.cost_fit if st is not None else None
+
+    def proposal_counts(self, job: str) -> dict[str, int]:
+        """Proposals of ``job`` by status, for Prometheus ({} if unknown)."""
+        st = self._jobs.get(job)
+        return dict(st.counts) if st is not None else {}
+
+    def activity_counts(self, job: str) -> dict[str, dict[str, int]]:
+        """Proposals and placements of ``job`` by source, and placements a hook rejected,
+        counted from the stored rows after every change: Prometheus counters that survive a
+        restart ({} if unknown)."""
+        st = self._jobs.get(job)
+        return {k: dict(v) for k, v in st.activity.items()} if st is not None else {}
+
+    async def policy_settings(self, job: str) -> dict[str, Any]:
+        """Effective policy settings of a job (stored values over the backend defaults)."""
+        st = await self._require(job)
+        return inputs.policy_settings(st.policy, st.mode, self.settings)
+
+    async def overrides(self, job: str) -> dict[str, Any]:
+        """The overrides in force for ``job``."""
+        return dict((await self._require(job)).overrides)
+
+    async def placements(self, job: str, limit: int = 100) -> list[dict[str, Any]]:
+        await self._require(job)
+        return await self._sql(lambda s: [r.public() for r in db.list_placements(s, job, limit=limit)])
+
+    async def proposals(self, job: str, status: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        await self._require(job)
+        if status is not None and status not in db.PROPOSAL_STATUSES:
+            raise InvalidError(f"status must be one of {', '.join(db.PROPOSAL_STATUSES)}; got {status!r}.")
+        return await self._sql(lambda s: [r.public() for r in db.list_proposals(s, job, status=status, limit=limit)])
+
+    async def proposal(self, job: str, proposal_id: int) -> dict[str, Any]:
+        await self._require(job)
+        row = await self._sql(lambda s: (p.public() if (p := db.get_proposal(s, job, proposal_id)) else None))
+        if row is None:
+            raise NotFoundError(f"Proposal {proposal_id} not found for job '{job}'.")
+        return row
+
+    async def audit(self, job: str, limit: int = 200) -> list[dict[str, Any]]:
+        await self._require(job)
+        return await self._sql(lambda s: [r.public() for r in db.list_audit(s, job, limit=limit)])
