@@ -182,6 +182,8 @@ class MetricPoint(TypedDict):
     data_wait_ms: float
     optimizer_ms: float
     step_ms: float
+    comm_bytes: float | None  # history: mean per step over the window (None: no counters)
+    comm_ms: float | None
 
 
 class MetricsPage(TypedDict):

@@ -13,6 +13,13 @@ steady step time (steps 30 to the end) with:
   (what a perfect sample-count policy reaches);
 - uniform: B / 4 contiguous samples a rank.
 
+A third pair of cases makes attention's quadratic term matter: a sample of L tokens costs
+``L + L^2 / QUAD_LEN`` (at 2,000 tokens the quadratic part equals the linear one), so a
+6,000-token document costs 4x its length. There the sampler's cost is either the length
+(``linear``) or the fitted model (``fitted``: ``backend.policy.costfit.fit_cost`` per rank
+over the steps seen, each sample weighed by ``L + (b/a) L^2`` with the ranks' median b/a,
+refitted every ``REFIT_EVERY`` steps), both against the oracle on the true cost.
+
 This is a simulation of the loop, not timed processes; it runs in seconds.
 
     python -m bench.tokens            # writes bench/results/tokens.json
@@ -28,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.policy import decide
+from backend.policy.costfit import fit_cost
 from backend.policy.types import JobObservation, PolicyConfig, Proposal, RankObservation, StepSample
 from trainer_hook.sampler import lpt_partition
 
@@ -36,6 +44,8 @@ OVERHEAD_MS = 2.0
 MS_PER_TOKEN = 0.01  # at speed 1
 APPLY_LAG = 4  # steps from a proposal to the batch it starts at (exchange lag + lookahead)
 STEADY_FROM = 30
+QUAD_LEN = 2000.0  # the quadratic cases: a sample costs L + L^2 / QUAD_LEN
+REFIT_EVERY = 10
 
 
 def lengths(rng: random.Random, n: int) -> list[float]:
@@ -64,9 +74,26 @@ def _speed_shares(b: int) -> list[int]:
     return shares
 
 
-def run_case(b: int, steps: int = 120, seed: int = 0) -> dict[str, Any]:
+def _true_cost(lens: list[float], quad: bool) -> list[float]:
+    return [x + x * x / QUAD_LEN for x in lens] if quad else list(lens)
+
+
+def _ratio_b_over_a(fits_in: list[tuple[list[float], list[float], list[float]]]) -> tuple[float, list[Any]]:
+    fits = [fit_cost(*f) for f in fits_in]
+    ratios = sorted(f.b_ms / f.a_ms for f in fits if f is not None and f.model == "quadratic" and f.a_ms > 0)
+    shown = [f.as_dict() if f is not None else None for f in fits]
+    return (ratios[len(ratios) // 2] if ratios else 0.0), shown
+
+
+def run_case(b: int, steps: int = 120, seed: int = 0, *, quad: bool = False,
+             cost_model: str = "linear") -> dict[str, Any]:
+    """One case; ``quad`` makes the true cost quadratic in length, ``cost_model`` says what the
+    sampler weighs samples by: their length (``linear``) or the fitted model (``fitted``)."""
     rng, noise = random.Random(seed), random.Random(seed + 1)
     n = len(SPEEDS)
+    ratio_ba = 0.0  # the fitted model's b/a (0: weigh by length)
+    fit_shown: list[Any] = []
+    fit_rows: list[tuple[list[float], list[float], list[float]]] = [([], [], []) for _ in range(n)]
     cfg = PolicyConfig(strategy="profiled")
     shares = [b // n] * n
     pending: tuple[int, list[int]] | None = None
@@ -76,11 +103,21 @@ def run_case(b: int, steps: int = 120, seed: int = 0) -> dict[str, Any]:
     for k in range(steps):
         if pending is not None and pending[0] == k:
             shares, since, version, pending = pending[1], 0, version + 1, None
-        costs = lengths(rng, b)
+        lens = lengths(rng, b)
+        true = _true_cost(lens, quad)
+        if cost_model == "fitted" and k % REFIT_EVERY == 0 and k >= STEADY_FROM // 3:
+            ratio_ba, fit_shown = _ratio_b_over_a(fit_rows)
+        costs = [x + ratio_ba * x * x for x in lens]  # what the sampler weighs samples by
         total = sum(costs)
         parts, work = lpt_partition(costs, shares)
-        t = [_time(work[i], SPEEDS[i], noise) for i in range(n)]
+        t = [_time(sum(true[j] for j in parts[i]), SPEEDS[i], noise) for i in range(n)]
+        for i in range(n):
+            if parts[i]:
+                fit_rows[i][0].append(sum(lens[j] for j in parts[i]))
+                fit_rows[i][1].append(sum(lens[j] ** 2 for j in parts[i]))
+                fit_rows[i][2].append(t[i])
         achieved.append(max(t))
+        costs = true  # the baselines below run on the true cost
         _, ow = lpt_partition(costs, oracle_targets)
         oracle.append(max(_time(ow[i], SPEEDS[i], None) for i in range(n)))
         by_count.append(max(_time(w, s, None) for w, s in zip(_slices(costs, _speed_shares(b)), SPEEDS, strict=True)))
@@ -106,7 +143,8 @@ def run_case(b: int, steps: int = 120, seed: int = 0) -> dict[str, Any]:
     ok = [mean(achieved[j:j + 10]) <= 1.05 * mean(oracle[j:j + 10]) for j in range(steps - 9)]
     within = next((k for k in range(len(ok)) if all(ok[k:])), None)
     return {
-        "global_batch_size": b, "steps": steps, "speeds": list(SPEEDS), "proposals": proposals,
+        "global_batch_size": b, "steps": steps, "quadratic_cost": quad, "cost_model": cost_model,
+        "fits": fit_shown, "fitted_b_over_a": ratio_ba, "true_b_over_a": 1 / QUAD_LEN if quad else 0.0, "speeds": list(SPEEDS), "proposals": proposals,
         "final_shares": shares, "steady_step_ms": {
             "achieved": round(mean(achieved[steady]), 3), "oracle": round(mean(oracle[steady]), 3),
             "sample_count_split": round(mean(by_count[steady]), 3), "uniform": round(mean(uniform[steady]), 3)},
@@ -117,7 +155,9 @@ def run_case(b: int, steps: int = 120, seed: int = 0) -> dict[str, Any]:
 
 
 def main() -> None:
-    cases = [run_case(96), run_case(16)]
+    cases = [run_case(96), run_case(16),
+             run_case(96, quad=True, cost_model="linear"), run_case(96, quad=True, cost_model="fitted"),
+             run_case(16, quad=True, cost_model="linear"), run_case(16, quad=True, cost_model="fitted")]
     out = Path(__file__).parent / "results" / "tokens.json"
     out.write_text(json.dumps({"cases": cases}, indent=2) + "\n")
     for c in cases:

@@ -101,6 +101,8 @@ class _Rank:
     pending: list[StepRow] = field(default_factory=list)
     pending_device: list[DeviceRow] = field(default_factory=list)
     pending_dropped: int = 0
+    # (comm_bytes, comm_ms) of the pending steps that carried communication counters.
+    pending_comm: list[tuple[int, float | None]] = field(default_factory=list)
     # Bumped on every change; views of unchanged ranks are reused (1,024 ranks at 10 Hz).
     rev: int = 0
     cached: tuple[int, RankView] | None = None
@@ -220,6 +222,10 @@ class Window:
     step_ms: float
     dropped: int
     device: DeviceSample | None
+    # Means over the window's steps that carried communication counters (None: none did;
+    # absent counters are stored as absent, never as 0).
+    comm_bytes: float | None = None
+    comm_ms: float | None = None
 
 
 _TIME_COLUMNS = tuple(STEP_FIELDS.index(f) for f in STEP_TIMES)
@@ -317,6 +323,7 @@ class LiveState:
                     r.work.append((s.batch_index, s.work, s.batch_work))
                 if s.comm_bytes is not None:
                     r.comm.append((s.batch_index, s.comm_bytes, s.comm_ms))
+                    r.pending_comm.append((s.comm_bytes, s.comm_ms))
                 if s.mem_peak_bytes is not None:
                     r.memory.append(MemoryReading(s.local_batch_size, s.mem_peak_bytes,
                                                   s.mem_total_bytes, s.mem_reserved_bytes))
@@ -671,23 +678,34 @@ class LiveState:
             for j in self._jobs.values():
                 for rank, r in j.ranks.items():
                     if r.pending:
-                        taken.append((j.job, rank, r.pending, r.pending_device, r.pending_dropped))
-                        r.pending, r.pending_device, r.pending_dropped = [], [], 0
+                        taken.append((j.job, rank, r.pending, r.pending_device, r.pending_dropped,
+                                      r.pending_comm))
+                        r.pending, r.pending_device, r.pending_dropped, r.pending_comm = [], [], 0, []
                     elif r.pending_device:  # no steps yet: keep the newest reading (and drops) for later
                         r.pending_device = r.pending_device[-1:]
         return taken
 
 
-# What one rank sent since the last persistence flush: (job, rank, steps, device, dropped).
-Pending = tuple[str, int, list[StepRow], list[DeviceRow], int]
+# What one rank sent since the last persistence flush: (job, rank, steps, device, dropped,
+# (comm_bytes, comm_ms) of the steps with communication counters).
+Pending = tuple[str, int, list[StepRow], list[DeviceRow], int, list[tuple[int, float | None]]]
+
+
+def _comm_means(comm: list[tuple[int, float | None]]) -> tuple[float | None, float | None]:
+    """Mean comm bytes and comm ms per step over the steps that carried them."""
+    if not comm:
+        return None, None
+    ms = [m for _, m in comm if m is not None]
+    return sum(b for b, _ in comm) / len(comm), (sum(ms) / len(ms) if ms else None)
 
 
 def aggregate_windows(taken: list[Pending]) -> list[Window]:
     """One ``Window`` (means over the steps) per rank of ``take_pending``'s result. Pure:
     it reads only the lists it is given, so it may run off the event loop."""
     out = []
-    for job, rank, steps, device, dropped in taken:
+    for job, rank, steps, device, dropped, comm in taken:
         n = len(steps)
+        comm_bytes, comm_ms = _comm_means(comm)
         cols = list(zip(*steps, strict=True))
         out.append(Window(
             job=job, rank=rank, t_start=steps[0][STEP_T], t_end=steps[-1][STEP_T],
@@ -695,5 +713,6 @@ def aggregate_windows(taken: list[Pending]) -> list[Window]:
             placement_version=steps[-1][STEP_VERSION], local_batch_size=sum(cols[STEP_LOCAL_BATCH]) / n,
             **{f: sum(cols[i]) / n for f, i in zip(STEP_TIMES, _TIME_COLUMNS, strict=True)},
             dropped=dropped, device=_device(device[-1]) if device else None,
+            comm_bytes=comm_bytes, comm_ms=comm_ms,
         ))
     return out

@@ -24,7 +24,7 @@ from .types import (
     Proposal,
     RankExplanation,
 )
-from .work import in_work_units
+from .work import in_work_units, mean_batch_work
 
 __all__ = ["check_config", "decide", "memory_caps", "limit_moves", "with_caps", "exposed_comm_ms"]
 
@@ -136,7 +136,8 @@ def _ms(x: float, units: str = "ms") -> str:
 
 
 def _reason(est: Estimate, current: Sequence[int], target: Sequence[int], before: float,
-            after: float, gain: float, strategy: str, violation: str | None) -> str:
+            after: float, gain: float, strategy: str, violation: str | None,
+            unit: str = "sample") -> str:
     delta = [t - c for c, t in zip(current, target, strict=True)]
     donors = [i for i, d in enumerate(delta) if d < 0]
     takers = [i for i, d in enumerate(delta) if d > 0]
@@ -156,7 +157,7 @@ def _reason(est: Estimate, current: Sequence[int], target: Sequence[int], before
             isinstance(f, dict) and f.get("rank") == slowest and "c_forecast" in f
             for f in forecasts)
         verb = "is forecast to be" if forecast else "is"
-        lead = f"rank {slowest} {verb} {ratio:.1f}x slower per sample than the median"
+        lead = f"rank {slowest} {verb} {ratio:.1f}x slower per {unit} than the median"
     else:
         lead = f"rank {slowest} has the longest predicted compute ({_ms(times[slowest], est.units)})"
     src = f" from {_ranks_text(donors)}" if donors and len(donors) <= 3 else ""
@@ -419,7 +420,9 @@ def decide(obs: JobObservation, config: PolicyConfig,
             f"global batch {b_total}."
         )
     check_config(config)
-    obs = in_work_units(obs)  # with a per-sample cost, shares and fits are in work units
+    # With a per-sample cost, shares and fits are in work units, and the reason says so.
+    unit = "unit of work" if mean_batch_work(obs) is not None else "sample"
+    obs = in_work_units(obs)
     strategy = get_strategy(config.strategy)
     headroom = config.memory_headroom
     mem_caps, mem_why = memory_bounds([r.memory for r in obs.ranks], obs.shares, b_total,
@@ -524,7 +527,7 @@ def decide(obs: JobObservation, config: PolicyConfig,
             explanation=expl,
         )
     reason = _reason(est, obs.shares, target, expl.step_ms_before, expl.step_ms_after,
-                     expl.gain, strategy_name, violation)
+                     expl.gain, strategy_name, violation, unit)
     if note:
         reason = f"{reason}; {note}"
     comm = _comm_clause(obs, expl)

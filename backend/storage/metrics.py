@@ -104,6 +104,10 @@ class RankMetricRow(Base):
     temp_c: Mapped[float | None] = mapped_column(Float, nullable=True)
     cpu_pct: Mapped[float | None] = mapped_column(Float, nullable=True)
     rss_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # Communication (issue 25): mean bytes handed to collectives and ms inside them per
+    # step, over the window's steps that carried the counters (NULL where none did).
+    comm_bytes: Mapped[float | None] = mapped_column(Float, nullable=True)
+    comm_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 def upsert_hello(session: Session, hello: Hello, *, new_run: bool = False) -> None:
@@ -142,6 +146,7 @@ def insert_windows(session: Session, windows: Sequence[Window]) -> int:
             "util_pct": d.util_pct if d else None, "mem_used_bytes": d.mem_used_bytes if d else None,
             "power_w": d.power_w if d else None, "temp_c": d.temp_c if d else None,
             "cpu_pct": d.cpu_pct if d else None, "rss_bytes": d.rss_bytes if d else None,
+            "comm_bytes": w.comm_bytes, "comm_ms": w.comm_ms,
         })
     session.execute(insert(RankMetricRow), rows)
     latest: dict[str, float] = {}

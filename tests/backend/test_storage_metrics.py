@@ -6,6 +6,7 @@ PostgreSQL runs each test in its own schema (``search_path`` in the URL), so the
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,10 @@ def test_hello_upsert_and_windows_round_trip(db_url):
         store.upsert_hello(s, _hello(1, device_name="renamed", mem_total_bytes=8 << 30))
         s.commit()
     live.add_metrics(Metrics(job="j", rank=0, steps=steps(0, 10, compute_ms=10.0, step_ms=30.0)))
-    live.add_metrics(Metrics(job="j", rank=1, steps=steps(0, 10, compute_ms=25.0, step_ms=30.0), dropped=4))
+    # Rank 1's steps carry communication counters (half of them a comm time); rank 0's none.
+    comm = [replace(x, comm_bytes=4_000_000, comm_ms=2.0 if x.batch_index % 2 else None)
+            for x in steps(0, 10, compute_ms=25.0, step_ms=30.0)]
+    live.add_metrics(Metrics(job="j", rank=1, steps=comm, dropped=4))
     first = live.drain_windows()
     live.add_metrics(Metrics(job="j", rank=0, steps=steps(10, 5, compute_ms=12.0, step_ms=30.0)))
     second = live.drain_windows()
@@ -63,6 +67,9 @@ def test_hello_upsert_and_windows_round_trip(db_url):
         assert [(m.rank, m.batch_index_start, m.batch_index_end, m.n_steps) for m in rows] == [
             (0, 0, 9, 10), (1, 0, 9, 10), (0, 10, 14, 5)]
         assert rows[1].compute_ms == pytest.approx(25.0) and rows[1].dropped == 4
+        # Communication is stored with the window; absent counters stay absent, never 0.
+        assert (rows[1].comm_bytes, rows[1].comm_ms) == (4_000_000, pytest.approx(2.0))
+        assert (rows[0].comm_bytes, rows[0].comm_ms) == (None, None)
         assert [m.batch_index_end for m in store.query_metrics(s, "j", ranks=[0], batch_from=10)] == [14]
         assert store.query_metrics(s, "j", batch_to=3, ranks=[1])[0].rank == 1
         assert store.query_metrics(s, "missing") == []

@@ -163,6 +163,10 @@ class MetricPoint(BaseModel):
     data_wait_ms: float
     optimizer_ms: float
     step_ms: float
+    # History: mean bytes handed to collectives and ms inside them per step (null where the
+    # window's steps carried no counters; live points leave them null).
+    comm_bytes: float | None = None
+    comm_ms: float | None = None
 
 
 class MetricsPublic(BaseModel):
@@ -385,7 +389,8 @@ async def get_metrics(
                     n_steps=m.n_steps, t=m.t_end, placement_version=m.placement_version,
                     local_batch_size=m.local_batch_size, compute_ms=m.compute_ms,
                     sync_wait_ms=m.sync_wait_ms, data_wait_ms=m.data_wait_ms,
-                    optimizer_ms=m.optimizer_ms, step_ms=m.step_ms)
+                    optimizer_ms=m.optimizer_ms, step_ms=m.step_ms,
+                    comm_bytes=m.comm_bytes, comm_ms=m.comm_ms)
         for m in rows
     ]
     return MetricsPublic(data=pts, count=len(pts), source="history")

@@ -121,3 +121,22 @@ def test_step_records_carry_work_on_the_wire_and_into_the_observation() -> None:
     assert view is not None
     assert view.ranks[0].work_per_s == pytest.approx(840.0 / 0.010)
     assert view.ranks[0].work_share == pytest.approx(0.42)
+
+
+def test_a_token_job_reason_speaks_of_work_not_samples() -> None:
+    rng = random.Random(5)
+    n, speeds = 4, [1.0, 1.0, 1.0, 0.4]
+    hist: list[list[StepSample]] = [[] for _ in range(n)]
+    shares = (24, 24, 24, 24)
+    for k in range(30):
+        costs = _lengths(rng, B)
+        parts, work = lpt_partition(costs, shares)
+        for i in range(n):
+            t = work[i] / speeds[i] / 100 * (1 + rng.gauss(0, 0.01)) + 0.5
+            hist[i].append(StepSample(k, len(parts[i]), t, work[i], float(sum(costs))))
+    obs = JobObservation(job="j", world_size=n, global_batch_size=B, batch_index=29, shares=shares,
+                         placement_version=0, steps_since_change=30,
+                         ranks=tuple(RankObservation(rank=i, steps=tuple(hist[i])) for i in range(n)))
+    d = decide(obs, PolicyConfig(strategy="profiled", min_steps=5, window_steps=40))
+    assert isinstance(d, Proposal), d
+    assert "slower per unit of work than the median" in d.reason and "per sample" not in d.reason

@@ -1,0 +1,143 @@
+"""A step's compute cost fitted from the batches' lengths: ``t = c + a*sum(L) + b*sum(L^2)``.
+
+Attention makes a sample's cost grow faster than its length, so with lengths the policy
+fits, per rank (or per device class), a fixed cost ``c``, a linear term ``a`` per token and a
+quadratic term ``b`` per squared token, by least squares over a window of recent steps with
+all three non-negative (an exact NNLS: every subset of the three columns is solved and the
+best feasible one kept; three columns make eight subsets).
+
+The quadratic term is used only where the data can identify it: the ``sum(L^2)`` column
+must not be (nearly) a linear function of ``sum(L)`` over the window (equal lengths in every
+batch make it so), and adding it must explain the step times better than the linear fit by
+more than noise (an F test of the extra term, F >= ``F_MIN``). Otherwise the fit falls back
+to the linear model and says why. Too few steps, or non-finite / negative inputs, give no
+fit at all (None, or ``ValueError`` for bad input), never a guess.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import combinations
+
+import numpy as np
+
+__all__ = ["CostFit", "fit_cost", "sample_cost", "MIN_STEPS", "F_MIN"]
+
+MIN_STEPS = 6  # fewer steps than this: no fit
+F_MIN = 4.0  # F statistic the quadratic term must reach over the linear fit (about p < 0.05)
+COLLINEAR_TOL = 1e-3  # relative residual of sum(L^2) on [1, sum(L)] below this: not identifiable
+
+
+@dataclass(frozen=True, slots=True)
+class CostFit:
+    """A fitted cost model. ``model`` is ``"quadratic"`` or ``"linear"`` (then ``b_ms`` is 0);
+    ``r2`` is the share of step-time variance it explains; ``note`` says why the linear
+    model was kept where the quadratic one was tried."""
+
+    model: str
+    c_ms: float  # fixed cost per step
+    a_ms: float  # per token (unit of length)
+    b_ms: float  # per squared token
+    r2: float
+    n_steps: int
+    note: str = ""
+
+    def step_ms(self, sum_l: float, sum_l2: float) -> float:
+        """The predicted compute time of a batch with these sums."""
+        return self.c_ms + self.a_ms * sum_l + self.b_ms * sum_l2
+
+    def as_dict(self) -> dict[str, object]:
+        return {"model": self.model, "c_ms": self.c_ms, "a_ms_per_token": self.a_ms,
+                "b_ms_per_token2": self.b_ms, "r2": self.r2, "n_steps": self.n_steps,
+                "note": self.note}
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """Exact non-negative least squares for a few columns: the best feasible subset."""
+    k = x.shape[1]
+    best_coef, best_sse = np.zeros(k), float(np.dot(y, y))
+    for size in range(1, k + 1):
+        for cols in combinations(range(k), size):
+            sub = x[:, cols]
+            coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            sse = float(np.sum((y - sub @ coef) ** 2))
+            if sse < best_sse - 1e-12 * max(1.0, best_sse):
+                full = np.zeros(k)
+                full[list(cols)] = coef
+                best_coef, best_sse = full, sse
+    return best_coef, best_sse
+
+
+def _check(name: str, values: Sequence[float]) -> np.ndarray:
+    arr = np.asarray(values, dtype=float)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a flat sequence of numbers")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise ValueError(f"{name} must be finite and >= 0; got {arr[~np.isfinite(arr) | (arr < 0)][:3].tolist()}")
+    return arr
+
+
+def fit_cost(sum_l: Sequence[float], sum_l2: Sequence[float], step_ms: Sequence[float],
+             window: int = 64) -> CostFit | None:
+    """Fit ``step_ms ~ c + a*sum_l + b*sum_l2`` (all >= 0) over the last ``window`` steps.
+
+    One entry per measured step of one rank (or of one device class, steps normalised to a
+    common speed): the summed lengths of its local batch, their summed squares and the
+    measured compute time. Returns None with fewer than ``MIN_STEPS`` steps or when the
+    lengths never vary (nothing to fit against). Raises ``ValueError`` on bad input.
+    """
+    if window < MIN_STEPS:
+        raise ValueError(f"window must be >= {MIN_STEPS} steps; got {window}")
+    s1, s2, t = _check("sum_l", sum_l), _check("sum_l2", sum_l2), _check("step_ms", step_ms)
+    if not len(s1) == len(s2) == len(t):
+        raise ValueError(f"sum_l, sum_l2 and step_ms differ in length ({len(s1)}, {len(s2)}, {len(t)})")
+    s1, s2, t = s1[-window:], s2[-window:], t[-window:]
+    n = len(t)
+    if n < MIN_STEPS or float(np.ptp(s1)) <= 0:
+        return None
+    sst = float(np.sum((t - t.mean()) ** 2))
+
+    def r2(sse: float) -> float:
+        return 1.0 - sse / sst if sst > 0 else 1.0
+
+    ones = np.ones(n)
+    lin_coef, lin_sse = _nnls(np.column_stack([ones, s1]), t)
+    linear = CostFit("linear", float(lin_coef[0]), float(lin_coef[1]), 0.0, r2(lin_sse), n)
+
+    # Is sum(L^2) identifiable beside [1, sum(L)]? Its residual after regressing on them.
+    base = np.column_stack([ones, s1])
+    proj, *_ = np.linalg.lstsq(base, s2, rcond=None)
+    resid = s2 - base @ proj
+    spread = float(np.linalg.norm(s2 - s2.mean()))
+    if spread <= 0 or float(np.linalg.norm(resid)) / spread < COLLINEAR_TOL:
+        return _with_note(linear, "quadratic term not identifiable: sum(L^2) follows sum(L) in every batch")
+    if n < MIN_STEPS + 1:
+        return _with_note(linear, "too few steps for the quadratic term")
+    q_coef, q_sse = _nnls(np.column_stack([ones, s1, s2]), t)
+    if q_coef[2] <= 0:
+        return _with_note(linear, "quadratic term fitted as 0")
+    dof = n - 3
+    f_stat = math.inf if q_sse <= 0 else (lin_sse - q_sse) / (q_sse / dof)
+    if f_stat < F_MIN:
+        return _with_note(linear, f"quadratic term not significant (F = {f_stat:.1f} < {F_MIN:g})")
+    return CostFit("quadratic", float(q_coef[0]), float(q_coef[1]), float(q_coef[2]), r2(q_sse), n)
+
+
+def _with_note(fit: CostFit, note: str) -> CostFit:
+    return CostFit(fit.model, fit.c_ms, fit.a_ms, fit.b_ms, fit.r2, fit.n_steps, note)
+
+
+def sample_cost(fit: CostFit | None, length: float) -> float:
+    """A sample's cost under the fit, in the fit's linear units (tokens): ``L + (b/a) L^2``,
+    so a linear fit (or none) weighs samples by length and the partition is unchanged."""
+    if not math.isfinite(length) or length < 0:
+        raise ValueError(f"a sample length must be finite and >= 0; got {length!r}")
+    if fit is None or fit.model != "quadratic":
+        return float(length)
+    if fit.a_ms <= 0:
+        return float(length) * float(length)
+    return float(length) + fit.b_ms / fit.a_ms * float(length) ** 2

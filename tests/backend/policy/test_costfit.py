@@ -1,0 +1,71 @@
+"""The fitted cost model: step time = c + a*sum(L) + b*sum(L^2), non-negative (issue 23, item 2)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from backend.policy.costfit import MIN_STEPS, fit_cost, sample_cost
+
+
+def _batches(rng: random.Random, steps: int, a: float, b: float, c: float, noise: float,
+             *, equal: bool = False) -> tuple[list[float], list[float], list[float]]:
+    s1, s2, t = [], [], []
+    for _ in range(steps):
+        n = rng.randint(4, 24)
+        if equal:
+            lens = [512.0] * n
+        else:  # chat turns and long documents: a heavy tail
+            lens = [float(rng.randint(20, 200)) if rng.random() < 0.8 else float(rng.randint(1000, 6000))
+                    for _ in range(n)]
+        x1, x2 = sum(lens), sum(v * v for v in lens)
+        s1.append(x1)
+        s2.append(x2)
+        t.append((c + a * x1 + b * x2) * (1 + rng.gauss(0, noise)))
+    return s1, s2, t
+
+
+def test_recovers_a_and_b_from_noisy_steps() -> None:
+    a, b, c = 0.002, 4e-7, 3.0
+    s1, s2, t = _batches(random.Random(1), 60, a, b, c, noise=0.03)
+    fit = fit_cost(s1, s2, t)
+    assert fit is not None and fit.model == "quadratic", fit
+    assert fit.a_ms == pytest.approx(a, rel=0.25) and fit.b_ms == pytest.approx(b, rel=0.15)
+    assert fit.r2 > 0.95 and fit.n_steps == 60
+    assert all(x >= 0 for x in (fit.a_ms, fit.b_ms, fit.c_ms))
+    # A long sample weighs more than its length: the hook's partition sees the quadratic term.
+    assert sample_cost(fit, 4000) / sample_cost(fit, 100) > 40 * 1.5
+    assert fit.as_dict()["model"] == "quadratic"
+
+
+def test_linear_data_keeps_the_linear_model() -> None:
+    s1, s2, t = _batches(random.Random(2), 60, 0.003, 0.0, 2.0, noise=0.03)
+    fit = fit_cost(s1, s2, t)
+    assert fit is not None and fit.model == "linear" and fit.b_ms == 0.0
+    assert fit.a_ms == pytest.approx(0.003, rel=0.1)
+    assert sample_cost(fit, 4000) == 4000.0  # linear: weighs by length, the partition unchanged
+
+
+def test_degenerate_lengths_fall_back_to_linear_and_too_few_steps_give_no_fit() -> None:
+    # Equal lengths: sum(L^2) = 512 * sum(L) in every batch, the quadratic term is not identifiable.
+    s1, s2, t = _batches(random.Random(3), 40, 0.002, 4e-7, 1.0, noise=0.01, equal=True)
+    fit = fit_cost(s1, s2, t)
+    assert fit is not None and fit.model == "linear" and "not identifiable" in fit.note
+    assert fit_cost(s1[:MIN_STEPS - 1], s2[:MIN_STEPS - 1], t[:MIN_STEPS - 1]) is None
+    assert fit_cost([100.0] * 10, [1e4] * 10, [5.0] * 10) is None  # nothing varies: nothing to fit
+    assert sample_cost(None, 300) == 300.0
+
+
+def test_bad_input_is_refused_with_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="step_ms must be finite"):
+        fit_cost([1.0] * 8, [1.0] * 8, [1.0] * 7 + [math.nan])
+    with pytest.raises(ValueError, match="differ in length"):
+        fit_cost([1.0] * 8, [1.0] * 8, [1.0] * 7)
+    with pytest.raises(ValueError, match="sum_l must be finite and >= 0"):
+        fit_cost([-1.0] * 8, [1.0] * 8, [1.0] * 8)
+    with pytest.raises(ValueError, match="window"):
+        fit_cost([1.0] * 8, [1.0] * 8, [1.0] * 8, window=2)
+    with pytest.raises(ValueError, match="sample length"):
+        sample_cost(None, -3)
