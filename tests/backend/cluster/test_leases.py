@@ -101,3 +101,26 @@ def test_bad_settings_and_job_names_are_refused() -> None:
             await leases.acquire("")
         await leases.stop()
     asyncio.run(run())
+
+
+def test_healthz_says_whether_the_cluster_controls(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+    from fastapi.testclient import TestClient
+
+    from backend.settings import Settings
+    from tests.backend._app import make_app
+
+    with TestClient(make_app(tmp_path / "one")) as client:  # the default: one replica, no Redis
+        assert client.get("/healthz").json()["cluster"] == "off"
+    with TestClient(make_app(tmp_path, redis_url=REDIS_URL, redis_prefix=_prefix())) as client:
+        body = client.get("/healthz").json()
+        assert body["cluster"] == "ok" and body["status"] == "ok"
+    dead = f"redis://127.0.0.1:{_free_port()}/0"
+    with TestClient(make_app(tmp_path, redis_url=dead, redis_prefix=_prefix())) as client:
+        reply = client.get("/healthz")
+        assert reply.status_code == 200  # ingest and dashboards go on; only control pauses
+        assert reply.json()["cluster"].startswith("paused: Redis unreachable (")
+    with pytest.raises(ValueError, match="REBALANCER_REDIS_URL must be a redis://host:port/db URL, got 'http://x'."):
+        Settings(redis_url="http://x")
+    with pytest.raises(ValueError, match="REBALANCER_LEASE_TTL_S must be between 1 and 300 seconds, got 0.5."):
+        Settings(lease_ttl_s=0.5)
