@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
@@ -49,6 +49,9 @@ from backend.storage.summaries import (
 )
 from backend.storage.writes import WriteBuffer, database_fault
 
+if TYPE_CHECKING:
+    from backend.cluster import JobLeases
+
 __all__ = ["Parts", "build_parts", "init_db"]
 
 log = logging.getLogger("rebalancer")
@@ -65,7 +68,8 @@ class Parts:
     def __init__(self, *, settings: Settings, engine: Engine, sql: SqlGateway, live: LiveState,
                  connections: HookConnections, auth: AuthService, sockets: TokenSockets,
                  controller: Controller, hub: DashboardHub, reports: RunReports,
-                 exporter: MetricsExporter, writes: WriteBuffer, storage: StorageHealth):
+                 exporter: MetricsExporter, writes: WriteBuffer, storage: StorageHealth,
+                 cluster: JobLeases | None = None):
         self.settings = settings
         self.engine = engine
         self.sql = sql
@@ -77,6 +81,7 @@ class Parts:
         self.hub = hub
         self.writes = writes  # metric windows on their way to SQL, kept through faults
         self.storage = storage  # whether the database takes writes (/healthz)
+        self.cluster = cluster  # job leases on Redis; None: one replica (the default)
         self.reports = reports
         self.exporter = exporter
         self.persisted_windows = 0
@@ -260,6 +265,8 @@ class Parts:
 
     async def start(self) -> None:
         await self._preload_history()
+        if self.cluster is not None:
+            await self.cluster.start()
         await self.controller.start()
         await self.hub.start()
         for coro, name in ((self._persist_loop(), "persist"), (self._revocation_loop(), "revocations"),
@@ -277,6 +284,9 @@ class Parts:
         for part in (self.hub, self.controller):
             with contextlib.suppress(Exception):
                 await part.stop()
+        if self.cluster is not None:
+            with contextlib.suppress(Exception):
+                await self.cluster.stop()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -323,4 +333,14 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
     reports = RunReports(sql=sql, controller=controller, hub=hub, settings=settings, live=live)
     return Parts(settings=settings, engine=engine, sql=sql, live=live, connections=connections,
                  auth=auth, sockets=TokenSockets(), controller=controller, hub=hub, reports=reports,
-                 exporter=exporter, writes=writes, storage=storage)
+                 exporter=exporter, writes=writes, storage=storage, cluster=_cluster(settings))
+
+
+def _cluster(settings: Settings) -> JobLeases | None:
+    if settings.redis_url is None:
+        return None
+    from backend.cluster import JobLeases  # the 'cluster' extra (redis) is needed only here
+
+    advertise = settings.advertise_url or f"ws://{settings.host}:{settings.port}"
+    return JobLeases(url=settings.redis_url, prefix=settings.redis_prefix, advertise_url=advertise,
+                     ttl_s=settings.lease_ttl_s)

@@ -80,6 +80,13 @@ class Settings(BaseSettings):
     # --forwarded-allow-ips: comma-separated addresses or networks, "*" for any). Empty: none,
     # so the audit log records the address that connected, which no client can forge.
     forwarded_allow_ips: str = ""
+
+    # Several replicas (docs/scale-out.md): off unless a Redis URL is set; then job leases live
+    # there under the prefix. advertise_url: where this replica's hooks should connect.
+    redis_url: str | None = None
+    redis_prefix: str = "rebalancer"
+    lease_ttl_s: float = 6.0
+    advertise_url: str = ""
     # Keepalive pings to hooks and dashboards. A training node at 100% CPU (or 1,024 ranks
     # connecting at once) can answer late; the hook reconnects when it is dropped anyway.
     ws_ping_interval_s: float = 20.0
@@ -147,6 +154,20 @@ class Settings(BaseSettings):
     def _port(cls, v: int) -> int:
         if not 0 <= v <= 65535:
             raise ValueError(f"REBALANCER_PORT must be between 0 and 65535, got {v}.")
+        return v
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"REBALANCER_REDIS_URL must be a redis://host:port/db URL, got {v!r}.")
+        return v
+
+    @field_validator("lease_ttl_s")
+    @classmethod
+    def _lease_ttl(cls, v: float) -> float:
+        if not 1.0 <= v <= 300.0:
+            raise ValueError(f"REBALANCER_LEASE_TTL_S must be between 1 and 300 seconds, got {v}.")
         return v
 
     @field_validator("host")

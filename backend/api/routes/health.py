@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from backend.api.deps import PartsDep
+from backend.parts import Parts
 
 __all__ = ["router", "HealthPublic"]
 
@@ -21,6 +22,8 @@ class HealthPublic(BaseModel):
     hook_connections: int
     buffered_windows: int = Field(description="metric windows waiting in memory for the database")
     dropped_windows: int = Field(description="metric windows dropped since start (refused rows, full buffer)")
+    cluster: str = Field(default="off", description='"off" (one replica), "ok", or "paused: <why>" '
+                         "while Redis is unreachable (control pauses; ingest, dashboards and training go on)")
 
 
 @router.get("/healthz", response_model=HealthPublic,
@@ -39,5 +42,13 @@ async def healthz(parts: PartsDep) -> JSONResponse:
         status="degraded" if problem else "ok", database=problem or "ok", open_mode=open_mode,
         jobs=len(parts.live.jobs()), hook_connections=parts.connections.count(),
         buffered_windows=len(parts.writes), dropped_windows=parts.writes.dropped_total,
+        cluster=_cluster_state(parts),
     )
     return JSONResponse(body.model_dump(), status_code=503 if problem else 200)
+
+
+def _cluster_state(parts: Parts) -> str:
+    if parts.cluster is None:
+        return "off"
+    status = parts.cluster.status()
+    return "ok" if status.state == "ok" else f"paused: {status.reason}"

@@ -1,0 +1,162 @@
+"""``JobLeases``: which replica owns each job's control loop, held as Redis keys with a TTL.
+
+The event loop of one replica owns its ``JobLeases``. A lease is ``{prefix}:lease:{job}`` =
+this replica's id, set with ``SET NX PX``; the owner renews it every ``ttl/3`` with a
+compare-and-set script, so a replica that dies (SIGKILL) loses its jobs within one TTL and
+the next replica that sees the job's hook takes it. Each replica also advertises the URL
+its hooks should use (``{prefix}:replica:{id}``), so a non-owner can redirect a hook to the
+owner. Messages between replicas carry ids only (``{prefix}:events``, pub/sub), never data.
+With Redis unreachable a replica owns nothing: control pauses (``status().state``) and
+training is untouched, because the hook never waits on the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from redis import asyncio as aioredis
+from redis.exceptions import RedisError
+
+__all__ = ["ClusterStatus", "JobLeases"]
+
+log = logging.getLogger("rebalancer.cluster")
+
+# KEYS[1] the lease, ARGV[1] our id, ARGV[2] TTL in ms: extend only a lease we still hold.
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+
+MAX_JOB_NAME = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStatus:
+    """What /healthz reports: ``ok``, or ``paused`` with the reason (control is off)."""
+
+    state: str
+    replica_id: str
+    owned_jobs: int
+    reason: str = ""
+
+
+class JobLeases:
+    """Acquire, renew and release job leases; look up a job's owner and its URL."""
+
+    def __init__(self, *, url: str, prefix: str, advertise_url: str, ttl_s: float = 6.0,
+                 replica_id: str | None = None):
+        if not 1.0 <= ttl_s <= 300.0:
+            raise ValueError(f"REBALANCER_LEASE_TTL_S must be between 1 and 300 seconds, got {ttl_s}.")
+        if not prefix.strip(":"):
+            raise ValueError(f"REBALANCER_REDIS_PREFIX must not be empty, got {prefix!r}.")
+        self.prefix = prefix.rstrip(":")
+        self.ttl_ms = int(ttl_s * 1000)
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self.advertise_url = advertise_url
+        self._redis = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0,
+                                        decode_responses=True)
+        self._owned: set[str] = set()
+        self._reason = ""
+        self._task: asyncio.Task[None] | None = None
+
+    def _lease_key(self, job: str) -> str:
+        if not job or len(job) > MAX_JOB_NAME:
+            raise ValueError(f"job name must be 1 to {MAX_JOB_NAME} characters, got {len(job)}.")
+        return f"{self.prefix}:lease:{job}"
+
+    def owns(self, job: str) -> bool:
+        """True while this replica holds ``job``'s lease and Redis answers."""
+        return not self._reason and job in self._owned
+
+    def status(self) -> ClusterStatus:
+        if self._reason:
+            return ClusterStatus("paused", self.replica_id, 0, self._reason)
+        return ClusterStatus("ok", self.replica_id, len(self._owned))
+
+    async def acquire(self, job: str) -> bool:
+        """Take ``job`` if nobody holds it (or we already do). False: another replica owns it,
+        or Redis is down (then ``status()`` says so)."""
+        key = self._lease_key(job)
+        try:
+            got = await self._redis.set(key, self.replica_id, nx=True, px=self.ttl_ms)
+            if not got:
+                got = bool(await self._redis.eval(_RENEW, 1, key, self.replica_id, self.ttl_ms))
+        except (RedisError, OSError) as exc:
+            self._down(exc)
+            return False
+        self._reason = ""
+        if got:
+            if job not in self._owned:
+                self._owned.add(job)
+                await self.publish(job, "owner")
+        return bool(got)
+
+    async def release(self, job: str) -> None:
+        self._owned.discard(job)
+        with contextlib.suppress(RedisError, OSError):
+            await self._redis.eval(_RELEASE, 1, self._lease_key(job), self.replica_id)
+
+    async def owner(self, job: str) -> tuple[str | None, str | None]:
+        """(replica id, its advertised URL) of ``job``'s owner; (None, None) when unowned."""
+        try:
+            rid = await self._redis.get(self._lease_key(job))
+            if rid is None:
+                return None, None
+            url = await self._redis.get(f"{self.prefix}:replica:{rid!s}")
+        except (RedisError, OSError) as exc:
+            self._down(exc)
+            return None, None
+        return str(rid), (str(url) if url is not None else None)
+
+    async def publish(self, job: str, kind: str) -> None:
+        """Tell every replica that something about ``job`` changed (ids only, < 8 KB)."""
+        payload = json.dumps({"job": job, "kind": kind, "replica": self.replica_id})
+        with contextlib.suppress(RedisError, OSError):
+            await self._redis.publish(f"{self.prefix}:events", payload)
+
+    async def renew_all(self) -> None:
+        """One renewal pass: keep what we still hold, drop what another replica took."""
+        try:
+            await self._redis.set(f"{self.prefix}:replica:{self.replica_id}", self.advertise_url,
+                                  px=self.ttl_ms)
+            for job in list(self._owned):
+                if not await self._redis.eval(_RENEW, 1, self._lease_key(job), self.replica_id, self.ttl_ms):
+                    self._owned.discard(job)
+                    log.warning("lost the lease of job %s to another replica", job)
+        except (RedisError, OSError) as exc:
+            self._down(exc)
+            return
+        self._reason = ""
+
+    def _down(self, exc: BaseException) -> None:
+        if not self._reason:
+            log.error("Redis unreachable, control paused: %s", exc)
+        # Our leases expire on their own; claiming them again after Redis returns is acquire()'s job.
+        self._owned.clear()
+        self._reason = f"Redis unreachable ({type(exc).__name__}: {exc}); control paused, training continues."
+
+    async def start(self) -> None:
+        await self.renew_all()
+        self._task = asyncio.create_task(self._loop(), name="rebalancer-leases")
+
+    async def _loop(self) -> None:
+        period = self.ttl_ms / 3000
+        while True:
+            started = time.monotonic()
+            await self.renew_all()
+            await asyncio.sleep(max(0.05, period - (time.monotonic() - started)))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for job in list(self._owned):
+            await self.release(job)
+        with contextlib.suppress(RedisError, OSError):
+            await self._redis.delete(f"{self.prefix}:replica:{self.replica_id}")
+        await self._redis.aclose()

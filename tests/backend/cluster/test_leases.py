@@ -1,0 +1,126 @@
+"""Job leases on the real Redis at 127.0.0.1:6379, each test under a key prefix of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+
+from tests.helpers.require import unavailable
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+try:
+    import redis
+except ImportError:
+    unavailable("the redis package is not installed (pip install 'rebalancer[cluster]')", module=True)
+try:
+    redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
+except (redis.RedisError, OSError) as exc:
+    unavailable(f"Redis at {REDIS_URL} is unreachable: {exc}", module=True)
+
+from backend.cluster import JobLeases  # noqa: E402
+
+
+def _prefix() -> str:
+    return f"rebalancer-test-{uuid.uuid4().hex[:10]}"
+
+
+def _replica(prefix: str, name: str, *, url: str = REDIS_URL, ttl_s: float = 1.0) -> JobLeases:
+    return JobLeases(url=url, prefix=prefix, advertise_url=f"ws://{name}.example:8000",
+                     ttl_s=ttl_s, replica_id=name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_one_owner_at_a_time_and_the_others_find_its_url() -> None:
+    async def run() -> None:
+        prefix = _prefix()
+        a, b = _replica(prefix, "a"), _replica(prefix, "b")
+        await a.start()
+        await b.start()
+        assert await a.acquire("llama")
+        assert not await b.acquire("llama")
+        assert await a.acquire("llama")  # the owner may claim again (renews)
+        assert a.owns("llama") and not b.owns("llama")
+        assert await b.owner("llama") == ("a", "ws://a.example:8000")
+        # Held past several TTLs: the renew loop keeps it.
+        await asyncio.sleep(2.5)
+        assert not await b.acquire("llama") and a.owns("llama")
+        await a.stop()  # a clean stop releases at once
+        assert await b.acquire("llama")
+        assert await b.owner("llama") == ("b", "ws://b.example:8000")
+        await b.stop()
+    asyncio.run(run())
+
+
+def test_a_dead_owner_loses_the_job_within_its_ttl() -> None:
+    async def run() -> None:
+        prefix = _prefix()
+        a, b = _replica(prefix, "a"), _replica(prefix, "b")
+        assert await a.acquire("bert")  # a never starts its renew loop: as if SIGKILLed
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10.0
+        while not await b.acquire("bert"):
+            assert loop.time() < deadline, "replica b never took the job of a dead owner"
+            await asyncio.sleep(0.1)
+        assert await b.owner("bert") == ("b", None)  # b has not advertised (no start())
+        await a.renew_all()  # the old owner comes back: it learns it lost the job
+        assert not a.owns("bert")
+        await a.stop()
+        await b.stop()
+    asyncio.run(run())
+
+
+def test_redis_down_pauses_control_with_a_reason() -> None:
+    async def run() -> None:
+        dead = _replica(_prefix(), "c", url=f"redis://127.0.0.1:{_free_port()}/0")
+        await dead.start()
+        assert not await dead.acquire("gpt")
+        status = dead.status()
+        assert status.state == "paused" and status.owned_jobs == 0
+        assert status.reason.startswith("Redis unreachable (")
+        assert status.reason.endswith("control paused, training continues.")
+        await dead.stop()
+    asyncio.run(run())
+
+
+def test_bad_settings_and_job_names_are_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="REBALANCER_LEASE_TTL_S must be between 1 and 300 seconds, got 0.1."):
+        _replica(_prefix(), "d", ttl_s=0.1)
+
+    async def run() -> None:
+        leases = _replica(_prefix(), "e")
+        with pytest.raises(ValueError, match="job name must be 1 to 256 characters, got 0."):
+            await leases.acquire("")
+        await leases.stop()
+    asyncio.run(run())
+
+
+def test_healthz_says_whether_the_cluster_controls(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+    from fastapi.testclient import TestClient
+
+    from backend.settings import Settings
+    from tests.backend._app import make_app
+
+    with TestClient(make_app(tmp_path / "one")) as client:  # the default: one replica, no Redis
+        assert client.get("/healthz").json()["cluster"] == "off"
+    with TestClient(make_app(tmp_path, redis_url=REDIS_URL, redis_prefix=_prefix())) as client:
+        body = client.get("/healthz").json()
+        assert body["cluster"] == "ok" and body["status"] == "ok"
+    dead = f"redis://127.0.0.1:{_free_port()}/0"
+    with TestClient(make_app(tmp_path, redis_url=dead, redis_prefix=_prefix())) as client:
+        reply = client.get("/healthz")
+        assert reply.status_code == 200  # ingest and dashboards go on; only control pauses
+        assert reply.json()["cluster"].startswith("paused: Redis unreachable (")
+    with pytest.raises(ValueError, match="REBALANCER_REDIS_URL must be a redis://host:port/db URL, got 'http://x'."):
+        Settings(redis_url="http://x")
+    with pytest.raises(ValueError, match="REBALANCER_LEASE_TTL_S must be between 1 and 300 seconds, got 0.5."):
+        Settings(lease_ttl_s=0.5)
