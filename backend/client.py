@@ -338,6 +338,7 @@ class Health(TypedDict):
     hook_connections: int
     buffered_windows: int
     dropped_windows: int
+    cluster: str  # "off" (one replica), "ok", or "paused: <why>"
 
 
 class WhoAmI(TypedDict):
