@@ -19,6 +19,7 @@ def _serve(db: str, tmp_path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.multiproc
 @pytest.mark.postgres
 def test_missing_postgresql_database_is_one_line_and_exit_2(tmp_path):
     done = _serve("postgresql://postgres@127.0.0.1:5432/rebalancer_missing_db", tmp_path)
@@ -31,6 +32,7 @@ def test_missing_postgresql_database_is_one_line_and_exit_2(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.multiproc
 def test_unwritable_sqlite_folder_is_one_line_and_exit_2(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

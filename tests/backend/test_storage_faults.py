@@ -59,6 +59,7 @@ def _stored_steps(db: Path, job: str) -> int:
         conn.close()
 
 
+@pytest.mark.multiproc
 def test_read_only_database_degrades_and_recovers(tmp_path, immutable):
     db = tmp_path / "rebalancer.db"
     env = {"REBALANCER_HEALTH_INTERVAL_S": "0.5"}
@@ -112,6 +113,7 @@ def test_read_only_database_degrades_and_recovers(tmp_path, immutable):
     assert 1 <= len(fault_lines) <= 10, "\n".join(fault_lines)
 
 
+@pytest.mark.multiproc
 def test_deleted_sqlite_file_is_seen_and_restored(tmp_path):
     db = tmp_path / "rebalancer.db"
     env = {"REBALANCER_HEALTH_INTERVAL_S": "3600"}  # only /healthz looks, so the test sees it

@@ -26,6 +26,8 @@ from tests.backend.test_storage_faults import _chattr, _stored_steps, immutable 
 from tests.helpers.server import Server, running_server
 from tests.helpers.waiting import wait_until
 
+pytestmark = pytest.mark.multiproc  # one real server for the module
+
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:

@@ -115,6 +115,7 @@ def test_bound_drops_the_oldest_and_counts_them():
     assert len(buf) == 3 and buf.dropped_total == 2
 
 
+@pytest.mark.multiproc
 def test_real_server_bad_frame_of_one_job_keeps_the_other_jobs_history(tmp_path):
     """The issue's case: a frame whose values the database cannot store, sent as another job
     in the same save as a good job's steps. The edge may refuse it (4002) or accept it; either

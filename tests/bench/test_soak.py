@@ -55,6 +55,7 @@ def test_markdown_table_says_why_a_path_failed() -> None:
     assert lines[-1] == "| **all** | **3** | **1** | **1** | |"
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_a_hung_job_is_killed_with_every_process_stacks(tmp_path: Path) -> None:
     script = tmp_path / "hang.py"
