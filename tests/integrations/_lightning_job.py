@@ -1,10 +1,13 @@
 """torchrun target: a LightningModule under Trainer(strategy="ddp") on CPU with the
 rebalancer's callback; placements requested mid-run; records what every rank trained.
 
-Usage: python -m tests.integrations._lightning_job OUT_DIR STEPS [CKPT_DIR] [resume]
+Usage: python -m tests.integrations._lightning_job OUT_DIR STEPS [CKPT_DIR [resume]]
+       python -m tests.integrations._lightning_job OUT_DIR STEPS tokens
 
 Without ``resume`` a ModelCheckpoint saves every 8 steps into CKPT_DIR; with it the run
-resumes from CKPT_DIR/step8.ckpt (Lightning's own checkpoint) and trains to STEPS.
+resumes from CKPT_DIR/step8.ckpt (Lightning's own checkpoint) and trains to STEPS. With
+``tokens`` the module trains TokenNet on TokenData with the loss a mean over the global
+batch's valid targets: the summed loss times ``callback.token_loss_weight(n_valid)``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tests.integrations._common import GLOBAL_BATCH, IndexedData, TinyNet, dump, make_optimizer
+from tests.integrations._common import (
+    GLOBAL_BATCH,
+    IndexedData,
+    TinyNet,
+    TokenData,
+    TokenNet,
+    dump,
+    make_optimizer,
+)
 from trainer_hook import RebalanceHook
 from trainer_hook.integrations.lightning import RebalanceLightningCallback, pl
 
@@ -24,14 +35,15 @@ REQUESTS = {1: [9, 3], 5: [2, 10], 7: [7, 5]}
 
 
 class Module(pl.LightningModule):
-    def __init__(self, rebalance: RebalanceLightningCallback) -> None:
+    def __init__(self, rebalance: RebalanceLightningCallback, tokens: bool = False) -> None:
         super().__init__()
-        self.net = TinyNet()
+        self.tokens = tokens
+        self.net: Any = TokenNet() if tokens else TinyNet()
         self.rebalance = rebalance
         self.batches: dict[int, dict[str, Any]] = {}
 
     def train_dataloader(self) -> Any:
-        return self.rebalance.train_dataloader(IndexedData(), shuffle=True, seed=7)
+        return self.rebalance.train_dataloader(TokenData() if self.tokens else IndexedData(), shuffle=True, seed=7)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
         hook = self.rebalance.hook
@@ -42,7 +54,12 @@ class Module(pl.LightningModule):
             "idx": batch["idx"].tolist(), "version": hook.placement_version,
             "dummy": hook.shares[hook.rank] == 0,
         }
-        return self.net(batch["x"], batch["labels"])["loss"]
+        if not self.tokens:
+            return self.net(batch["x"], batch["labels"])["loss"]
+        labels = batch["labels"]
+        valid = labels != -100
+        loss_sum = ((self.net.net(batch["x"]) - labels) ** 2 * valid).sum()
+        return loss_sum * self.rebalance.token_loss_weight(valid.sum())
 
     def configure_optimizers(self) -> Any:
         return make_optimizer(self.net)
@@ -50,7 +67,8 @@ class Module(pl.LightningModule):
 
 def main() -> None:
     out_dir, steps = sys.argv[1], int(sys.argv[2])
-    ckpt_dir = sys.argv[3] if len(sys.argv) > 3 else None
+    tokens = len(sys.argv) > 3 and sys.argv[3] == "tokens"
+    ckpt_dir = sys.argv[3] if len(sys.argv) > 3 and not tokens else None
     resume = len(sys.argv) > 4 and sys.argv[4] == "resume"
     hook = RebalanceHook(global_batch_size=GLOBAL_BATCH, exchange_every=2, exchange_lag=1)
     rebalance = RebalanceLightningCallback(hook)
@@ -64,7 +82,7 @@ def main() -> None:
         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=bool(ckpt_dir and not resume), num_sanity_val_steps=0,
     )
-    module = Module(rebalance)
+    module = Module(rebalance, tokens=tokens)
     trainer.fit(module, ckpt_path=os.path.join(ckpt_dir, "step8.ckpt") if resume else None)
     payload = {"batches": module.batches, "acks": hook.acks, "world": trainer.world_size,
                "gradients": hook.gradients, "total_steps": hook.total_steps}

@@ -66,6 +66,19 @@ def test_lightning_resumes_from_its_own_checkpoint(full_run):
         assert_close_params(p, want, rtol=1e-9)
 
 
+def test_lightning_token_mean_matches_single_process_reference(tmp_path):
+    # training_step returns loss_sum * callback.token_loss_weight(n_valid): the parameters
+    # follow the mean over the global batch's valid targets under uneven, changing splits.
+    run_torchrun(2, ["-m", "tests.integrations._lightning_job", str(tmp_path), "12", "tokens"], timeout=150)
+    recs, params = load(tmp_path, 2)
+    assert [v for v, _ in recs[0]["acks"]] == [1, 2, 3]
+    batches = global_batches(recs)
+    assert len(batches) == 12
+    want = reference(batches, tokens=True)
+    for p in params:
+        assert_close_params(p, want, rtol=1e-9)
+
+
 def _fit_one_process(tmp_path: Path, *, accumulate: int = 1, own_loader: bool = True) -> str:
     """One process, in-process: fit a tiny module and return the error the callback raised."""
     import pytorch_lightning as pl

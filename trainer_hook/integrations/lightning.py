@@ -85,7 +85,9 @@ class RebalanceLightningCallback(pl.Callback):
         trainer.fit(Model())
         hook.close()
 
-    ``training_step`` returns the mean loss over the batch it is given, as usual. Raises
+    ``training_step`` returns the mean loss over the batch it is given, as usual, or, for
+    a mean over the global batch's valid tokens, its summed token loss times
+    ``rebalance.token_loss_weight(n_valid)``. Raises
     for set-ups that cannot be kept exact: gradient accumulation
     (``accumulate_grad_batches`` > 1), a strategy other than DDP or one process, a DDP
     comm hook of Lightning's own (``DDPStrategy(ddp_comm_hook=...)``), or a training
@@ -111,6 +113,24 @@ class RebalanceLightningCallback(pl.Callback):
         loader.__class__ = _ResumableLoader  # adds state_dict/load_state_dict only
         self._loader = loader
         return loader  # type: ignore[no-any-return]
+
+    def token_loss_weight(self, n_valid: Any) -> Any:
+        """``hook.token_loss_weight(n_valid)``, for a ``training_step`` whose loss is a mean
+        over the global batch's valid tokens (the Hugging Face and torchtitan convention)::
+
+            def training_step(self, batch, batch_idx):
+                logits = self.model(batch["input_ids"])
+                loss_sum = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                           ignore_index=-100, reduction="sum")
+                n_valid = (batch["labels"] != -100).sum()
+                return loss_sum * rebalance.token_loss_weight(n_valid)
+
+        Lightning calls ``backward`` on what the step returns; the factor makes the
+        parameters follow the global token mean under any split (the DDP comm hook's
+        weighting is undone inside it). The value Lightning logs as the loss is this rank's
+        part of the global mean, not the mean itself.
+        """
+        return self.hook.token_loss_weight(n_valid)
 
     # --- set-up ----------------------------------------------------------------------
 
