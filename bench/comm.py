@@ -3,7 +3,10 @@ communication-heavy job and a compute-heavy one.
 
 Each case is two real 4-rank torchrun/gloo CPU DDP jobs (tests/trainer_hook/_comm_worker.py,
 a 3-layer MLP; every rank sleeps ``base`` ms per sample, ranks 2 and 3 half as long again:
-1.5x slower). Run 1 trains under the uniform split; its step records give the policy's
+1.5x slower). The communication-heavy case is a narrow MLP with 16 MB of ballast
+parameters, whose gradients cost a fill rather than a matrix product: the all-reduce, not
+compute, fills the step, and the real compute that 4 ranks would share on 2 cores stays
+negligible (an earlier wide-MLP case measured CPU contention, not communication). Run 1 trains under the uniform split; its step records give the policy's
 inputs: the profiled strategy's per-rank fit and the job's communication
 (``backend.policy.comm.assess``). The solver's split of that fit is predicted to take
 ``max_i t_i(b_i) + exposed communication`` (what ``decide`` prices). Run 2 trains under
@@ -42,20 +45,20 @@ from tests.helpers.ports import free_port
 __all__ = ["main"]
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = {  # name: (MLP width, base ms per sample)
-    "communication-heavy": (1024, 1.0),
-    "compute-heavy": (128, 4.0),
+CASES = {  # name: (MLP width, base ms per sample, ballast MB: parameters with a fill for a gradient)
+    "communication-heavy": (32, 1.0, 16.0),
+    "compute-heavy": (128, 4.0, 0.0),
 }
 B = 64
 
 
-def _run(out: Path, width: int, base_ms: float, steps: int, shares: str = "") -> dict[int, Any]:
+def _run(out: Path, width: int, base_ms: float, ballast_mb: float, steps: int, shares: str = "") -> dict[int, Any]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "tests/trainer_hook/_comm_worker.py", "--out", str(out), "--steps", str(steps), "--width", str(width),
            "--bucket-mb", "25", "--global-batch", str(B), "--base-ms", str(base_ms),
-           "--delay-ms", str(base_ms / 2), "--slow", "2,3"]
+           "--delay-ms", str(base_ms / 2), "--slow", "2,3", "--ballast-mb", str(ballast_mb)]
     if shares:
         cmd += ["--shares", shares]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -70,8 +73,8 @@ def _comm(recs: dict[int, list[dict[str, Any]]]) -> Any:
 
 
 def run_case(name: str, steps: int, tmp: Path) -> dict[str, Any]:
-    width, base = CASES[name]
-    uniform = _run(tmp / f"{name}-uniform", width, base, steps)
+    width, base, ballast = CASES[name]
+    uniform = _run(tmp / f"{name}-uniform", width, base, ballast, steps)
     recs = {r: d["records"][5:] for r, d in uniform.items()}
     comm = _comm(recs)
     shares = tuple(recs[r][-1]["local_batch_size"] for r in range(4))
@@ -84,13 +87,13 @@ def run_case(name: str, steps: int, tmp: Path) -> dict[str, Any]:
     target = solve(est.a_ms, est.c_ms, B, NO_CONSTRAINTS)
     exposed = comm.exposed_comm_ms or 0.0
     predicted = predicted_step_ms(est.a_ms, est.c_ms, target) + exposed
-    split = _run(tmp / f"{name}-split", width, base, steps, ",".join(map(str, target)))
+    split = _run(tmp / f"{name}-split", width, base, ballast, steps, ",".join(map(str, target)))
     after = {r: [x for x in d["records"] if x["placement_version"] > 0][3:] for r, d in split.items()}
     measured = statistics.median(x["step_ms"] for x in after[0])
     after_comm = _comm(after)
     param_bytes = uniform[0]["param_bytes"]
     return {
-        "case": name, "width": width, "base_ms_per_sample": base, "split": list(target),
+        "case": name, "width": width, "base_ms_per_sample": base, "ballast_mb": ballast, "split": list(target),
         "uniform_step_ms": round(comm.step_ms or 0.0, 1), "verdict_uniform": comm.bound,
         "exposed_comm_ms": round(exposed, 1), "comm_share": round(comm.comm_share or 0.0, 3),
         "busbw_gbps": comm.busbw_gbps, "bytes_per_step": comm.bytes_per_step, "param_bytes": param_bytes,

@@ -25,16 +25,24 @@ GLOBAL_BATCH = 16
 
 
 class Sleepy(torch.nn.Module):
-    def __init__(self, width: int, delay_s: float) -> None:
+    """An MLP whose forward sleeps ``delay_s`` per sample (the device's compute), plus an
+    optional ballast parameter of ``ballast`` floats: its gradient costs a fill, not a
+    matrix product, so it adds all-reduce bytes without compute (a communication-bound job)."""
+
+    def __init__(self, width: int, delay_s: float, ballast: int = 0) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(),
                                        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+        self.ballast = torch.nn.Parameter(torch.zeros(ballast)) if ballast else None
         self.delay_s = delay_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.delay_s:
             time.sleep(self.delay_s * len(x))
-        return self.net(x)  # type: ignore[no-any-return]
+        out = self.net(x)
+        if self.ballast is not None:
+            out = out + self.ballast.sum() * 0.0
+        return out  # type: ignore[no-any-return]
 
 
 def main() -> None:
@@ -50,12 +58,14 @@ def main() -> None:
     p.add_argument("--base-ms", type=float, default=0.0, help="per-sample sleep of every rank (slow ranks add --delay-ms)")
     p.add_argument("--shares", default="", help="a placement rank 0 requests at the first step")
     p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
+    p.add_argument("--ballast-mb", type=float, default=0.0, help="MB of extra float32 parameters (all-reduce bytes, no compute)")
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     slow = {int(r) for r in args.slow.split(",") if r}
     torch.manual_seed(0)
-    model = Sleepy(args.width, (args.base_ms + (args.delay_ms if rank in slow else 0.0)) / 1e3)
+    model = Sleepy(args.width, (args.base_ms + (args.delay_ms if rank in slow else 0.0)) / 1e3,
+                   ballast=int(args.ballast_mb * 2**20 / 4))
     ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
     hook = RebalanceHook(server=args.server, job=args.job, global_batch_size=args.global_batch,
                          total_steps=args.steps)
