@@ -3,14 +3,16 @@
 docs/metrics.md embeds ``markdown_table()``; the Grafana dashboard and the alert rules in
 deploy/ may only name metrics listed here; tests check all three against this list and
 check that each metric marked ``exported`` really appears in a real backend's ``/metrics``.
-Pure data and the standard library only: the client, the docs check and the exporter all
-import it.
+Pure data and the standard library only (with the hook's standard-library device rules): the
+client, the docs check and the exporter all import it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from trainer_hook.devices import CLOCK_EVENT_NAMES
 
 __all__ = [
     "MetricSpec", "CONTRACT", "GPU_LABELS", "THROTTLE_REASONS", "STEP_BUCKETS_S",
@@ -25,11 +27,9 @@ GPU_LABELS: tuple[str, ...] = ("Hostname", "gpu", "UUID", "modelName")
 _RANK = ("job", "rank")
 _DEVICE = (*_RANK, *GPU_LABELS)
 
-# The clock-event (throttle) reasons NVML reports (trainer_hook.probe.CLOCK_EVENT_NAMES).
-THROTTLE_REASONS: tuple[str, ...] = (
-    "gpu_idle", "applications_clocks", "sw_power_cap", "hw_slowdown", "sync_boost", "sw_thermal",
-    "hw_thermal", "hw_power_brake", "display_clocks", "board_limit", "reliability",
-)
+# Every clock-event (throttle) reason NVML reports, one series each; the one list is the
+# hook's (trainer_hook.devices.CLOCK_EVENT_NAMES).
+THROTTLE_REASONS: tuple[str, ...] = tuple(CLOCK_EVENT_NAMES.values())
 
 # Buckets of the per-job step-time histogram, in seconds.
 STEP_BUCKETS_S: tuple[float, ...] = (

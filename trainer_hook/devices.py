@@ -9,7 +9,27 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["DEVICE_KEYS", "device_key"]
+__all__ = ["CLOCK_EVENT_NAMES", "DEVICE_KEYS", "SLOWDOWN_REASONS", "device_key"]
+
+# NVML's clock-event (throttle) reasons: bit -> name. Every reason the probe reports.
+CLOCK_EVENT_NAMES: dict[int, str] = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal",
+    0x40: "hw_thermal",
+    0x80: "hw_power_brake",
+    0x100: "display_clocks",
+    0x200: "board_limit",
+    0x400: "reliability",
+}
+# The reasons among them that mean the card is slowed by heat or power: the policy's
+# sign of a throttling device (the others are idle, application or sync clocks).
+SLOWDOWN_REASONS: frozenset[str] = frozenset(
+    {"sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake"}
+)
 
 # The keys of the backend's device table (backend/policy/devices.py holds their datasheets).
 DEVICE_KEYS = (

@@ -20,28 +20,15 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from trainer_hook.devices import device_key
+from trainer_hook.devices import CLOCK_EVENT_NAMES, device_key
 from trainer_hook.links import LinkCounters
 from trainer_hook.protocol import LINK_FIELDS, DeviceSample
 
-__all__ = ["DeviceProbe", "device_type_key", "decode_clock_events", "load_nvml"]
+__all__ = ["CLOCK_EVENT_NAMES", "DeviceProbe", "device_type_key", "decode_clock_events", "load_nvml"]
 
 log = logging.getLogger(__name__)
 
 # nvmlClocksEventReason* bits (nvml.h); stable ABI values, checked against pynvml in tests.
-CLOCK_EVENT_NAMES: dict[int, str] = {
-    0x1: "gpu_idle",
-    0x2: "applications_clocks",
-    0x4: "sw_power_cap",
-    0x8: "hw_slowdown",
-    0x10: "sync_boost",
-    0x20: "sw_thermal",
-    0x40: "hw_thermal",
-    0x80: "hw_power_brake",
-    0x100: "display_clocks",
-    0x200: "board_limit",
-    0x400: "reliability",
-}
 _NVML_CLOCK_SM = 1
 _NVML_TEMPERATURE_GPU = 0
 

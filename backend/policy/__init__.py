@@ -8,7 +8,7 @@ with :func:`solve` / :func:`check_placement`; benchmarks and tests drive
 from .bounds import NO_CONSTRAINTS, check_placement, rank_bounds
 from .devices import (
     DEVICE_TABLE,
-    THROTTLE_REASONS,
+    SLOWDOWN_REASONS,
     WORKLOAD_PROFILES,
     DeviceSpec,
     device_weights,
@@ -63,7 +63,7 @@ __all__ = [
     "memory_violations",
     "NO_CONSTRAINTS",
     "SCENARIOS",
-    "THROTTLE_REASONS",
+    "SLOWDOWN_REASONS",
     "WORKLOAD_PROFILES",
     "Constraints",
     "Decision",

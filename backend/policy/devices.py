@@ -8,13 +8,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from trainer_hook.devices import device_key
+from trainer_hook.devices import SLOWDOWN_REASONS, device_key
 
 __all__ = [
     "DeviceSpec",
     "DEVICE_TABLE",
     "WORKLOAD_PROFILES",
-    "THROTTLE_REASONS",
+    "SLOWDOWN_REASONS",
     "normalize_device",
     "device_weights",
 ]
@@ -68,10 +68,6 @@ WORKLOAD_PROFILES: dict[str, tuple[float, float]] = {
     "recsys": (0.2, 0.8),
 }
 
-# NVML clock-event reasons that mean the card is slowed by heat or power.
-THROTTLE_REASONS = frozenset(
-    {"sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake"}
-)
 
 def normalize_device(name: str | None, mem_total_bytes: int | None = None) -> str | None:
     """Map a driver's device name to a key of :data:`DEVICE_TABLE`; unknown gives ``None``.

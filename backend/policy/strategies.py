@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ._fit import SHIFT_STEPS, LinearFit, fit_steps, robust_trend, valid_steps
-from .devices import THROTTLE_REASONS, device_weights
+from .devices import SLOWDOWN_REASONS, device_weights
 from .solver import NO_CONSTRAINTS, solve
 from .types import Constraints, DeviceSignals, JobObservation, NoProposal, PolicyConfig
 
@@ -284,7 +284,7 @@ def _device_forecast(dev: Sequence[DeviceSignals], horizon_s: float, temp_limit_
     if not dev:
         return out
     last = dev[-1]
-    reasons = sorted(set(last.throttle_reasons) & THROTTLE_REASONS)
+    reasons = sorted(set(last.throttle_reasons) & SLOWDOWN_REASONS)
     if reasons:
         out["throttle"] = reasons
     clocks = [(d.t, d.sm_clock_mhz, d.sm_clock_max_mhz) for d in dev[-60:]
