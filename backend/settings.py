@@ -14,13 +14,15 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from backend.control.modes import Mode
+from trainer_hook.devices import device_key
 from trainer_hook.protocol import MAX_MESSAGE_BYTES
 
 __all__ = ["Settings", "DEFAULT_DEVICE_PRICES", "is_loopback"]
 
 # On-demand cloud list prices, USD per accelerator-hour (rounded, 2025). Override with
-# REBALANCER_DEVICE_PRICES='{"H100": 2.5}'. Keys are matched case-insensitively against a
-# rank's device_type first, then as a substring of its device_name (longest key wins).
+# REBALANCER_DEVICE_PRICES='{"H100": 2.5}'. Keys are matched case-insensitively against the
+# device's key (trainer_hook.devices.device_key) and its family, then the rank's device_type,
+# then as a substring of its device_name (longest key wins): see Settings.price_for.
 DEFAULT_DEVICE_PRICES: dict[str, float] = {
     "H200": 3.8,
     "H100": 3.0,
@@ -279,10 +281,17 @@ class Settings(BaseSettings):
         return is_loopback(self.host)
 
     def price_for(self, device_type: str, device_name: str = "") -> float | None:
-        """USD per hour for one accelerator, or None when no key matches."""
+        """USD per hour for one accelerator, or None when no key matches.
+
+        The device is named by the one device-key rule (``trainer_hook.devices.device_key``,
+        what the probe sends): its key, then the key's family (``A100-40GB`` -> ``A100``),
+        then the reported type; a key of the operator's own (a device the table lacks) is
+        matched as a substring of the driver's name, the longest key winning."""
         lowered = {k.lower(): p for k, p in self.device_prices.items()}
-        if device_type.lower() in lowered:
-            return lowered[device_type.lower()]
+        key = device_key(device_name) or device_key(device_type)
+        for candidate in ([key, key.split("-")[0]] if key else []) + [device_type]:
+            if candidate and candidate.lower() in lowered:
+                return lowered[candidate.lower()]
         name = device_name.lower()
         best = max((k for k in lowered if k in name), key=len, default=None)
         return lowered[best] if best is not None else None

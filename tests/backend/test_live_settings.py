@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from backend.live.state import LiveState
-from backend.settings import Settings, is_loopback
+from backend.settings import DEFAULT_DEVICE_PRICES, Settings, is_loopback
 from tests.backend._app import steps
 from tests.helpers.torchrun import REPO_ROOT
 from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
@@ -132,6 +132,20 @@ def test_settings_from_environment_and_prices(monkeypatch):
     assert s.price_for("cuda", "Mystery GPU") is None
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+
+
+def test_prices_name_devices_by_the_one_device_key_rule():
+    # The probe's device_key and pricing agree on every driver name: the A10 is priced as
+    # the A10G, a 40 GB A100 as an A100 (not as the 80 GB one), whatever the spelling.
+    s = Settings()
+    assert s.price_for("", "NVIDIA A10") == DEFAULT_DEVICE_PRICES["A10G"]
+    assert s.price_for("", "NVIDIA A100-SXM4-40GB") == DEFAULT_DEVICE_PRICES["A100"]
+    assert s.price_for("", "NVIDIA A100 80GB PCIe") == DEFAULT_DEVICE_PRICES["A100-80GB"]
+    assert s.price_for("A100-40GB", "") == DEFAULT_DEVICE_PRICES["A100"]
+    assert s.price_for("CPU", "x86_64") == DEFAULT_DEVICE_PRICES["cpu"]
+    # A key the operator adds for a device the table does not know still matches its name.
+    own = Settings(device_prices={"RTX 4090": 0.4})
+    assert own.price_for("", "NVIDIA GeForce RTX 4090") == 0.4
 
 
 @pytest.mark.multiproc
