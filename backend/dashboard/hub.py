@@ -47,14 +47,8 @@ from backend.ingest.budget import (
 )
 from backend.live.fleet import FleetJob, balance_gap_ms, fleet_summary
 from backend.live.forecast import forecast, savings
-from backend.live.state import (
-    STEP_BATCH,
-    STEP_COMPUTE,
-    STEP_MS,
-    STEP_VERSION,
-    JobView,
-    LiveState,
-)
+from backend.live.rows import STEP_BATCH, STEP_COMPUTE, STEP_MS, STEP_VERSION
+from backend.live.state import JobView, LiveState
 from backend.policy.memory import DEFAULT_HEADROOM, memory_cap
 from backend.settings import Settings
 from trainer_hook.protocol import CLOSE_RATE_LIMITED, STEP_TIMES, uniform_shares
