@@ -16,7 +16,7 @@ from sqlalchemy import Float
 
 from backend import client
 from backend.api.routes import jobs as job_routes
-from backend.dashboard import hub
+from backend.dashboard import fold
 from backend.live import rows, state, windows
 from backend.storage.metrics import RankMetricRow
 from backend.storage.reports import RankTotals
@@ -65,4 +65,4 @@ def test_the_stored_windows_and_the_dashboard_columns_carry_them():
     cols = RankMetricRow.__table__.columns
     for f in STEP_TIMES:
         assert f in cols and isinstance(cols[f].type, Float), f
-    assert set(STEP_TIMES) <= set(hub._RANK_COLUMNS)
+    assert set(STEP_TIMES) <= set(fold.RANK_COLUMNS)
