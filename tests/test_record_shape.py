@@ -16,8 +16,8 @@ from sqlalchemy import Float
 
 from backend import client
 from backend.api.routes import jobs as job_routes
-from backend.dashboard import hub
-from backend.live import state
+from backend.dashboard import fold
+from backend.live import rows, state, windows
 from backend.storage.metrics import RankMetricRow
 from backend.storage.reports import RankTotals
 from trainer_hook.protocol import STEP_FIELDS, STEP_TIMES, StepRecord
@@ -28,10 +28,10 @@ def test_the_definition_is_the_wire_records():
     assert tuple(fields[: len(STEP_FIELDS)]) == STEP_FIELDS  # then the optional memory fields
     assert set(STEP_TIMES) <= set(STEP_FIELDS) and len(set(STEP_TIMES)) == len(STEP_TIMES)
     assert all(f.endswith("_ms") for f in STEP_TIMES)
-    assert state.STEP_FIELDS is STEP_FIELDS  # live rows are laid out by the definition
-    for index, name in ((state.STEP_BATCH, "batch_index"), (state.STEP_LOCAL_BATCH, "local_batch_size"),
-                        (state.STEP_VERSION, "placement_version"), (state.STEP_COMPUTE, "compute_ms"),
-                        (state.STEP_MS, "step_ms"), (state.STEP_T, "t")):
+    assert rows.STEP_FIELDS is STEP_FIELDS  # live rows are laid out by the definition
+    for index, name in ((rows.STEP_BATCH, "batch_index"), (rows.STEP_LOCAL_BATCH, "local_batch_size"),
+                        (rows.STEP_VERSION, "placement_version"), (rows.STEP_COMPUTE, "compute_ms"),
+                        (rows.STEP_MS, "step_ms"), (rows.STEP_T, "t")):
         assert STEP_FIELDS[index] == name
 
 
@@ -46,7 +46,7 @@ def _pydantic_fields(cls: typing.Any) -> dict[str, object]:
 
 @pytest.mark.parametrize(("where", "fields"), [
     ("live RankView", lambda: _dataclass_fields(state.RankView)),
-    ("live Window (what is stored)", lambda: _dataclass_fields(state.Window)),
+    ("live Window (what is stored)", lambda: _dataclass_fields(windows.Window)),
     ("report RankTotals", lambda: _dataclass_fields(RankTotals)),
     ("REST RankPublic", lambda: _pydantic_fields(job_routes.RankPublic)),
     ("REST MetricPoint", lambda: _pydantic_fields(job_routes.MetricPoint)),
@@ -65,4 +65,4 @@ def test_the_stored_windows_and_the_dashboard_columns_carry_them():
     cols = RankMetricRow.__table__.columns
     for f in STEP_TIMES:
         assert f in cols and isinstance(cols[f].type, Float), f
-    assert set(STEP_TIMES) <= set(hub._RANK_COLUMNS)
+    assert set(STEP_TIMES) <= set(fold.RANK_COLUMNS)

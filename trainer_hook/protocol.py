@@ -480,7 +480,7 @@ def _comm_kind(d: Mapping[str, Any]) -> str:
 
 
 # The record's one definition of its shape: the fields every step record carries, in the
-# order of the backend's row layout (backend.live.state), and the ones that say where the
+# order of the backend's row layout (backend.live.rows), and the ones that say where the
 # step's time went. Live state, storage, the REST models, the client, the dashboard feed
 # and the report carry the same names (tests/test_record_shape.py holds them to it).
 STEP_FIELDS = ("batch_index", "local_batch_size", "placement_version", "data_wait_ms",

@@ -17,9 +17,9 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from backend.control.errors import InvalidError, StateError
-from backend.live.state import STEP_BATCH as _BATCH
-from backend.live.state import STEP_COMPUTE as _COMPUTE
-from backend.live.state import STEP_LOCAL_BATCH as _LOCAL_BATCH
+from backend.live.rows import STEP_BATCH as _BATCH
+from backend.live.rows import STEP_COMPUTE as _COMPUTE
+from backend.live.rows import STEP_LOCAL_BATCH as _LOCAL_BATCH
 
 if TYPE_CHECKING:
     from backend.policy.types import (

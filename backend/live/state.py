@@ -12,13 +12,11 @@ Derived numbers use each rank's last ``window_steps`` steps:
 - job ``idle_fraction``: ``1 - mean_i compute_i / max_i compute_i``, the share of paid
   accelerator time spent waiting for the slowest rank.
 
-The ring buffers hold plain tuples of numbers and strings, not ``StepRecord`` /
-``DeviceSample`` objects: the cyclic garbage collector stops tracking such tuples, so two
-million buffered steps (1,024 ranks) cost a full collection nothing. As objects they made
-every full collection walk them all, stopping every thread for 0.4 s and more (1,024
-ranks, 30 s in; seconds once the buffers are full). Readers get objects back
-(``recent_steps``, ``steps``, ``recent_device``) or the rows themselves (``*_rows``, with
-the ``STEP_*`` indices) where they read many.
+The ring buffers hold plain tuples (``backend.live.rows``: why, and the ``STEP_*``
+indices). Readers get objects back (``recent_steps``, ``steps``, ``recent_device``) or the
+rows themselves (``*_rows``) where they read many. Each job keeps its step-time histogram
+(``backend.live.histogram``), each rank its memory-fit cache (``backend.live.memory_fit``);
+what a persistence flush takes is aggregated by ``backend.live.windows``.
 """
 
 from __future__ import annotations
@@ -26,63 +24,34 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field, replace
 from itertools import islice
-from operator import attrgetter
-from typing import Any, Final
 
-from backend.metrics_contract import STEP_BUCKETS_S
-from backend.policy.comm import CommStep, Communication, assess
-from backend.policy.memory import MemoryFit, MemoryReading, RankMemory, fit_memory
-from trainer_hook.protocol import (
-    LINK_FIELDS,
-    STEP_FIELDS,
-    STEP_TIMES,
-    DeviceSample,
-    Hello,
-    Metrics,
-    StepRecord,
+from backend.live.histogram import StepHistogram, cumulative
+from backend.live.memory_fit import MemoryFitCache
+from backend.live.rows import (
+    STEP_BATCH,
+    STEP_COMPUTE,
+    STEP_LOCAL_BATCH,
+    STEP_MS,
+    STEP_T,
+    STEP_VERSION,
+    TIME_COLUMNS,
+    DeviceRow,
+    StepRow,
+    comm_steps,
+    device_row,
+    device_sample,
+    step_record,
+    step_row,
 )
+from backend.live.windows import Pending, Window, aggregate_windows
+from backend.policy.comm import Communication, assess
+from backend.policy.memory import MemoryReading, RankMemory
+from trainer_hook.protocol import STEP_TIMES, DeviceSample, Hello, Metrics, StepRecord
 
-__all__ = ["LiveState", "RankView", "JobView", "Window", "eta_seconds", "STEP_FIELDS",
-           "DEVICE_FIELDS", "STEP_BATCH", "STEP_LOCAL_BATCH", "STEP_VERSION", "STEP_COMPUTE",
-           "STEP_MS", "STEP_T", "StepRow", "DeviceRow"]
-
-# A buffered step is a plain tuple in the protocol's ``STEP_FIELDS`` order; these index it
-# (literals, so that type checkers know each column's type; tests/test_record_shape.py
-# holds them to ``STEP_FIELDS``).
-STEP_BATCH: Final = 0
-STEP_LOCAL_BATCH: Final = 1
-STEP_VERSION: Final = 2
-STEP_COMPUTE: Final = 4
-STEP_MS: Final = 7
-STEP_T: Final = 8
-DEVICE_FIELDS = ("t", "source", "util_pct", "mem_used_bytes", "mem_total_bytes", "power_w",
-                 "temp_c", "sm_clock_mhz", "sm_clock_max_mhz", "throttle_reasons", "cpu_pct",
-                 "rss_bytes", *LINK_FIELDS)
-StepRow = tuple[int, int, int, float, float, float, float, float, float]  # STEP_FIELDS
-DeviceRow = tuple[Any, ...]  # DEVICE_FIELDS, throttle_reasons as a tuple
-_step_row = attrgetter(*STEP_FIELDS)
-_device_attrs = attrgetter(*DEVICE_FIELDS)
-
-
-def _device_row(d: DeviceSample) -> DeviceRow:
-    row = _device_attrs(d)
-    return (*row[:9], tuple(row[9]), *row[10:])
-
-
-def _step(row: StepRow) -> StepRecord:
-    fields: dict[str, Any] = dict(zip(STEP_FIELDS, row, strict=True))
-    return StepRecord(**fields)
-
-
-def _device(row: DeviceRow) -> DeviceSample:
-    return DeviceSample(t=row[0], source=row[1], util_pct=row[2], mem_used_bytes=row[3],
-                        mem_total_bytes=row[4], power_w=row[5], temp_c=row[6], sm_clock_mhz=row[7],
-                        sm_clock_max_mhz=row[8], throttle_reasons=list(row[9]), cpu_pct=row[10],
-                        rss_bytes=row[11], **dict(zip(LINK_FIELDS, row[12:], strict=True)))
+__all__ = ["LiveState", "RankView", "JobView", "eta_seconds"]
 
 
 @dataclass(slots=True)
@@ -106,14 +75,9 @@ class _Rank:
     # Bumped on every change; views of unchanged ranks are reused (1,024 ranks at 10 Hz).
     rev: int = 0
     cached: tuple[int, RankView] | None = None
-    # The newest device sample and the memory summary as objects, built on first read.
+    # The newest device sample as an object, built on first read.
     device_obj: DeviceSample | None = None
-    memory_obj: RankMemory | None = None
-    # Peak-memory readings (the step records that carry one) and their fit, refitted only
-    # when a reading arrives.
-    memory: deque[MemoryReading] = field(default_factory=lambda: deque(maxlen=_MEMORY_READINGS))
-    mem_fit: MemoryFit | None = None
-    mem_stale: bool = False
+    memory: MemoryFitCache = field(default_factory=MemoryFitCache)
     # (batch_index, work, batch_work) of the step records that carry a per-sample cost.
     work: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=_WORK_ROWS))
     # (batch_index, comm_bytes, comm_ms) of the steps that carried communication counters.
@@ -130,10 +94,7 @@ class _Job:
     ranks: dict[int, _Rank] = field(default_factory=dict)
     total_steps: int | None = None  # the newest a hook said (hello or metrics)
     left_at: float = 0.0  # when its last connected rank went away
-    # Step wall times as rank 0 sent them (every rank of a synchronous job sees the same
-    # step): counts per STEP_BUCKETS_S bucket, the last one +Inf, and their sum in seconds.
-    step_buckets: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS_S) + 1))
-    step_sum_s: float = 0.0
+    step_hist: StepHistogram = field(default_factory=StepHistogram)  # rank 0's step times
     # The newest ``communication`` answer and the ranks' revisions it was computed at.
     comm_cached: tuple[tuple[int, ...], Communication] | None = None
 
@@ -202,35 +163,6 @@ class JobView:
         return eta_seconds(self.total_steps, self.batch_index, self.step_ms)
 
 
-@dataclass(frozen=True, slots=True)
-class Window:
-    """Aggregate of one rank's steps between two persistence flushes."""
-
-    job: str
-    rank: int
-    t_start: float
-    t_end: float
-    batch_index_start: int
-    batch_index_end: int
-    n_steps: int
-    placement_version: int
-    local_batch_size: float
-    compute_ms: float
-    sync_wait_ms: float
-    data_wait_ms: float
-    optimizer_ms: float
-    step_ms: float
-    dropped: int
-    device: DeviceSample | None
-    # Means over the window's steps that carried communication counters (None: none did;
-    # absent counters are stored as absent, never as 0).
-    comm_bytes: float | None = None
-    comm_ms: float | None = None
-
-
-_TIME_COLUMNS = tuple(STEP_FIELDS.index(f) for f in STEP_TIMES)
-
-
 def eta_seconds(total_steps: int | None, batch_index: int | None, step_ms: float | None) -> float | None:
     """Steps left after ``batch_index`` (0-based, trained) times ``step_ms``, in seconds."""
     if total_steps is None or not step_ms:
@@ -239,7 +171,6 @@ def eta_seconds(total_steps: int | None, batch_index: int | None, step_ms: float
     return max(total_steps - done, 0) * step_ms / 1000.0
 
 
-_MEMORY_READINGS = 256  # peak-memory readings kept per rank (one every few steps)
 _WORK_ROWS = 512  # work rows kept per rank: more than a policy window
 _COMM_READINGS = 256  # steps with communication counters kept per rank
 
@@ -307,7 +238,8 @@ class LiveState:
                 )
             else:  # a reconnect keeps the history in the buffers
                 old.hello, old.connected, old.lost, old.last_seen = hello, True, False, now
-                old.goodbye, old.memory_obj = False, None
+                old.goodbye = False
+                old.memory.hello_changed()
                 old.rev += 1
             return new_run
 
@@ -317,7 +249,7 @@ class LiveState:
         with self._lock:
             job = self._jobs[msg.job]
             r = job.ranks[msg.rank]
-            rows = list(map(_step_row, msg.steps))
+            rows = list(map(step_row, msg.steps))
             for s in msg.steps:
                 if s.work is not None and s.batch_work is not None:
                     r.work.append((s.batch_index, s.work, s.batch_work))
@@ -325,19 +257,14 @@ class LiveState:
                     r.comm.append((s.batch_index, s.comm_bytes, s.comm_ms))
                     r.pending_comm.append((s.comm_bytes, s.comm_ms))
                 if s.mem_peak_bytes is not None:
-                    r.memory.append(MemoryReading(s.local_batch_size, s.mem_peak_bytes,
-                                                  s.mem_total_bytes, s.mem_reserved_bytes))
-                    r.mem_stale, r.memory_obj = True, None
+                    r.memory.add(MemoryReading(s.local_batch_size, s.mem_peak_bytes,
+                                               s.mem_total_bytes, s.mem_reserved_bytes))
             if msg.rank == 0:
-                buckets = job.step_buckets
-                for row in rows:
-                    step_s = row[STEP_MS] / 1000.0
-                    buckets[bisect_left(STEP_BUCKETS_S, step_s)] += 1
-                    job.step_sum_s += step_s
+                job.step_hist.observe_ms(row[STEP_MS] for row in rows)
             r.steps.extend(rows)
             r.pending.extend(rows)
             if msg.device:
-                dev = list(map(_device_row, msg.device))
+                dev = list(map(device_row, msg.device))
                 r.device.extend(dev)
                 r.device_obj = None
                 r.pending_device.extend(dev)
@@ -428,28 +355,15 @@ class LiveState:
         with self._lock:
             j = self._jobs.get(job)
             r = j.ranks.get(rank) if j else None
-            return self._memory_of(r) if r is not None else None
-
-    @staticmethod
-    def _memory_of(r: _Rank) -> RankMemory:
-        # Under the lock. One fit per rank per new reading, whoever asks first.
-        if r.memory_obj is not None:
-            return r.memory_obj
-        if r.mem_stale:
-            r.mem_fit, r.mem_stale = fit_memory(r.memory), False
-        fit, hello = r.mem_fit, r.hello
-        last_total = r.memory[-1].total_bytes if r.memory else None
-        total = last_total or (fit.total_bytes if fit else None) or \
-            (hello.mem_total_bytes if hello.memory_source else None)
-        r.memory_obj = RankMemory(source=hello.memory_source, fit=fit, total_bytes=total)
-        return r.memory_obj
+            return r.memory.summary(r.hello) if r is not None else None
 
     def memory_readings(self, job: str, rank: int) -> tuple[MemoryReading, ...]:
         """The rank's buffered peak-memory readings, oldest first."""
         with self._lock:
             j = self._jobs.get(job)
             r = j.ranks.get(rank) if j else None
-            return tuple(r.memory) if r else ()
+            return tuple(r.memory.readings) if r else ()
+
     def step_histogram(self, job: str) -> tuple[tuple[int, ...], float] | None:
         """The job's step-time histogram: cumulative counts per ``STEP_BUCKETS_S`` bound
         then +Inf, and the sum of the steps in seconds (None if the job is unknown)."""
@@ -457,12 +371,8 @@ class LiveState:
             j = self._jobs.get(job)
             if j is None:
                 return None
-            counts, total = list(j.step_buckets), j.step_sum_s
-        running, cumulative = 0, []
-        for c in counts:
-            running += c
-            cumulative.append(running)
-        return tuple(cumulative), total
+            counts, total = j.step_hist.snapshot()
+        return cumulative(counts), total
 
     def communication(self, job: str) -> Communication | None:
         """The job's communication and what bounds its step over the newest
@@ -480,15 +390,7 @@ class LiveState:
             taken = {rank: (list(islice(reversed(r.steps), n)), list(islice(reversed(r.comm), 2 * n)))
                      for rank, r in j.ranks.items()}
             world = j.world_size
-        steps: dict[int, list[CommStep]] = {}
-        for rank, (rows, comm) in taken.items():
-            by_k = {c[0]: c for c in comm}
-            out = []
-            for row in reversed(rows):
-                c = by_k.get(row[STEP_BATCH])
-                out.append(CommStep(row[STEP_BATCH], row[4], row[5], row[3], row[STEP_MS],
-                                    c[1] if c else None, c[2] if c else None))
-            steps[rank] = out
+        steps = {rank: comm_steps(rows, comm) for rank, (rows, comm) in taken.items()}
         result = assess(kind, world, steps, window=n)
         with self._lock:
             j = self._jobs.get(job)
@@ -544,9 +446,9 @@ class LiveState:
             win = list(islice(reversed(ring), n))
             win.reverse()
             cols = list(zip(*win, strict=True))
-            means = [sum(cols[i]) / n for i in _TIME_COLUMNS]
+            means = [sum(cols[i]) / n for i in TIME_COLUMNS]
         if r.device_obj is None and r.device:
-            r.device_obj = _device(r.device[-1])
+            r.device_obj = device_sample(r.device[-1])
         h = r.hello
         view = RankView(
             rank=rank, host=h.host, device_type=h.device_type, device_name=h.device_name,
@@ -558,7 +460,7 @@ class LiveState:
             **dict(zip(STEP_TIMES, means, strict=True)),
             step_rate_hz=rate, n_steps=len(r.steps), dropped=r.dropped,
             device=r.device_obj, lost=r.lost,
-            memory=self._memory_of(r), mem_peak_bytes=r.memory[-1].peak_bytes if r.memory else None,
+            memory=r.memory.summary(h), mem_peak_bytes=r.memory.peak_bytes,
             gpu_index=h.gpu_index, gpu_uuid=h.gpu_uuid,
         )
         if r.work and win:
@@ -569,7 +471,7 @@ class LiveState:
 
     def recent_steps(self, job: str, rank: int, n: int | None = None) -> tuple[StepRecord, ...]:
         """The last ``n`` (default: all buffered) step records of a rank, oldest first."""
-        return tuple(map(_step, self.recent_step_rows(job, rank, n)))
+        return tuple(map(step_record, self.recent_step_rows(job, rank, n)))
 
     def recent_step_rows(self, job: str, rank: int, n: int | None = None) -> tuple[StepRow, ...]:
         """``recent_steps`` as rows in ``STEP_FIELDS`` order (no objects built)."""
@@ -631,7 +533,7 @@ class LiveState:
 
     def recent_device(self, job: str, rank: int, n: int | None = None) -> tuple[DeviceSample, ...]:
         """The last ``n`` (default: all buffered) device samples of a rank, oldest first."""
-        return tuple(map(_device, self.recent_device_rows(job, rank, n)))
+        return tuple(map(device_sample, self.recent_device_rows(job, rank, n)))
 
     def recent_device_rows(self, job: str, rank: int, n: int | None = None) -> tuple[DeviceRow, ...]:
         """``recent_device`` as rows in ``DEVICE_FIELDS`` order (no objects built)."""
@@ -662,7 +564,7 @@ class LiveState:
                 and (batch_to is None or s[STEP_BATCH] <= batch_to)
             ]
         picked.sort(key=lambda p: (p[1][STEP_BATCH], p[0]))
-        return [(rank, _step(s)) for rank, s in picked[-limit:]] if limit else []
+        return [(rank, step_record(s)) for rank, s in picked[-limit:]] if limit else []
 
     # --- persistence --------------------------------------------------------------------
 
@@ -685,34 +587,3 @@ class LiveState:
                         r.pending_device = r.pending_device[-1:]
         return taken
 
-
-# What one rank sent since the last persistence flush: (job, rank, steps, device, dropped,
-# (comm_bytes, comm_ms) of the steps with communication counters).
-Pending = tuple[str, int, list[StepRow], list[DeviceRow], int, list[tuple[int, float | None]]]
-
-
-def _comm_means(comm: list[tuple[int, float | None]]) -> tuple[float | None, float | None]:
-    """Mean comm bytes and comm ms per step over the steps that carried them."""
-    if not comm:
-        return None, None
-    ms = [m for _, m in comm if m is not None]
-    return sum(b for b, _ in comm) / len(comm), (sum(ms) / len(ms) if ms else None)
-
-
-def aggregate_windows(taken: list[Pending]) -> list[Window]:
-    """One ``Window`` (means over the steps) per rank of ``take_pending``'s result. Pure:
-    it reads only the lists it is given, so it may run off the event loop."""
-    out = []
-    for job, rank, steps, device, dropped, comm in taken:
-        n = len(steps)
-        comm_bytes, comm_ms = _comm_means(comm)
-        cols = list(zip(*steps, strict=True))
-        out.append(Window(
-            job=job, rank=rank, t_start=steps[0][STEP_T], t_end=steps[-1][STEP_T],
-            batch_index_start=min(cols[STEP_BATCH]), batch_index_end=max(cols[STEP_BATCH]), n_steps=n,
-            placement_version=steps[-1][STEP_VERSION], local_batch_size=sum(cols[STEP_LOCAL_BATCH]) / n,
-            **{f: sum(cols[i]) / n for f, i in zip(STEP_TIMES, _TIME_COLUMNS, strict=True)},
-            dropped=dropped, device=_device(device[-1]) if device else None,
-            comm_bytes=comm_bytes, comm_ms=comm_ms,
-        ))
-    return out

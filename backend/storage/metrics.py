@@ -23,7 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-from backend.live.state import Window
+from backend.live.windows import Window
 from backend.storage.base import Base
 from trainer_hook.protocol import Hello
 

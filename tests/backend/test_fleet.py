@@ -122,7 +122,7 @@ def test_hub_counts_waiting_for_the_slowest_rank_as_waste():
 
 
 def test_hub_efficiency_uses_the_policys_fit_and_solves_once_per_fit_and_placement(monkeypatch):
-    import backend.dashboard.hub as hub_mod
+    import backend.dashboard.fold as fold_mod
 
     svc = _services()
     _register(svc.live)
@@ -131,8 +131,8 @@ def test_hub_efficiency_uses_the_policys_fit_and_solves_once_per_fit_and_placeme
                    "placement": {"version": 0, "shares": [8, 8, 8]},
                    "pending_proposal": {"id": 3, "status": "proposed"}}
     calls = []
-    real = hub_mod.balance_gap_ms
-    monkeypatch.setattr(hub_mod, "balance_gap_ms", lambda *a: calls.append(a) or real(*a))
+    real = fold_mod.balance_gap_ms
+    monkeypatch.setattr(fold_mod, "balance_gap_ms", lambda *a: calls.append(a) or real(*a))
     now = [0.0]
     hub = _hub(svc, clock=lambda: now[0])
     for b in range(3):

@@ -19,7 +19,7 @@ from sqlalchemy.exc import OperationalError
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from backend.live.state import Window
+from backend.live.windows import Window
 from backend.parts import init_db
 from backend.storage import RankMetricRow, insert_windows, make_engine, make_sessionmaker
 from backend.storage.writes import WriteBuffer
