@@ -16,6 +16,17 @@ its daemon threads and its gloo group would be torn down with the interpreter ha
 which is where ``terminate called without an active exception`` (SIGABRT) comes from.
 The registry holds each hook until it is closed, so a hook the script dropped (the locals
 of a ``main()`` that returned) is still closed.
+
+Then the handler lets gloo's threads settle. A collective's tensors made in Python (those
+of ``all_gather_object``, say) are still referenced by gloo's worker thread for a moment
+after ``wait()`` returns; if the script has dropped them by then, that thread frees the
+last reference, which takes the GIL to free the Python object. A thread that asks for the
+GIL once finalisation has begun is ended inside that C++ destructor, and the process aborts
+with ``terminate called without an active exception``: a script that ends with
+``all_gather_object``, ``barrier`` and ``destroy_process_group`` and returns reaches
+finalisation in time for it when the machine is busy. So the handler releases the GIL in
+short sleeps until no gloo thread has been runnable for a few polls (at most 2 s; Linux's
+``/proc/self/task``; elsewhere one short sleep).
 """
 
 from __future__ import annotations
@@ -24,9 +35,10 @@ import atexit
 import logging
 import os
 import threading
+import time
 from typing import Any
 
-__all__ = ["track", "forget", "close_all"]
+__all__ = ["track", "forget", "close_all", "settle_communication_threads"]
 
 log = logging.getLogger("trainer_hook")
 
@@ -56,12 +68,63 @@ def forget(hook: Any) -> None:
 
 
 def close_all() -> None:
-    """Close every hook still open (the atexit handler); errors are logged, never raised."""
+    """Close every hook still open (the atexit handler), then let gloo's threads settle;
+    errors are logged, never raised."""
     for hook in list(_live):
         try:
             hook._close_at_exit()
         except BaseException as exc:  # noqa: BLE001 - an exit handler must not fail the exit
             log.warning("closing a RebalanceHook at exit failed: %s: %s", type(exc).__name__, exc)
+    try:
+        settle_communication_threads()
+    except BaseException as exc:  # noqa: BLE001
+        log.warning("waiting for gloo's threads at exit failed: %s: %s", type(exc).__name__, exc)
+
+
+# Names of the native threads of torch's gloo process groups (ProcessGroupGloo's worker
+# threads, gloo's TCP event loop).
+_COMM_THREAD_PREFIXES = ("pt_gloo", "gloo_")
+_SETTLE_POLL_S = 0.005
+_SETTLE_QUIET_POLLS = 3
+_SETTLE_MAX_S = 2.0
+
+
+def runnable_comm_threads(task_dir: str = "/proc/self/task") -> list[str] | None:
+    """Names of this process's gloo threads that are running or runnable now (state R);
+    None where the thread table cannot be read (not Linux)."""
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return None
+    busy = []
+    for tid in tids:
+        try:
+            with open(os.path.join(task_dir, tid, "stat"), encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name = stat[stat.find("(") + 1 : stat.rfind(")")]
+        state = stat[stat.rfind(")") + 2 : stat.rfind(")") + 3]
+        if name.startswith(_COMM_THREAD_PREFIXES) and state == "R":
+            busy.append(name)
+    return busy
+
+
+def settle_communication_threads(max_s: float = _SETTLE_MAX_S, task_dir: str = "/proc/self/task") -> bool:
+    """Release the GIL in short sleeps until no gloo thread was runnable for
+    ``_SETTLE_QUIET_POLLS`` polls in a row: a thread blocked on the GIL gets it during the
+    first sleep and is runnable until it is done. True when they settled within ``max_s``."""
+    deadline = time.monotonic() + max_s
+    quiet = 0
+    while quiet < _SETTLE_QUIET_POLLS:
+        time.sleep(_SETTLE_POLL_S)
+        busy = runnable_comm_threads(task_dir)
+        if busy is None:
+            return True  # nothing to read: the one sleep above is all we do
+        quiet = 0 if busy else quiet + 1
+        if time.monotonic() >= deadline:
+            return False
+    return True
 
 
 def _after_fork_in_child() -> None:
