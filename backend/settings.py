@@ -283,13 +283,13 @@ class Settings(BaseSettings):
     def price_for(self, device_type: str, device_name: str = "") -> float | None:
         """USD per hour for one accelerator, or None when no key matches.
 
-        The device is named by the one device-key rule (``trainer_hook.devices.device_key``,
-        what the probe sends): its key, then the key's family (``A100-40GB`` -> ``A100``),
-        then the reported type; a key of the operator's own (a device the table lacks) is
+        The reported type first (the probe sends the device key), then the device named by
+        the one device-key rule (``trainer_hook.devices.device_key``): its key, then the
+        key's family (``A100-40GB`` -> ``A100``); a key of the operator's own (a device the table lacks) is
         matched as a substring of the driver's name, the longest key winning."""
         lowered = {k.lower(): p for k, p in self.device_prices.items()}
         key = device_key(device_name) or device_key(device_type)
-        for candidate in ([key, key.split("-")[0]] if key else []) + [device_type]:
+        for candidate in [device_type] + ([key, key.split("-")[0]] if key else []):
             if candidate and candidate.lower() in lowered:
                 return lowered[candidate.lower()]
         name = device_name.lower()
