@@ -140,3 +140,20 @@ def test_the_control_write_rule_sees_writes():
     assert sorted(f.split(" ", 1)[1] for f in found) == [
         "calls db.PlacementRow", "calls db.record_audit", "calls s.add", "calls s.execute",
         "sets row.acks[1]", "sets row.failed"]
+
+
+def test_access_is_decided_in_auth_access():
+    """Who may do what is backend.auth.access.allows: no module outside backend/auth compares
+    a role or calls role_allows (the REST dependencies, /metrics and both websockets ask allows)."""
+    found = []
+    for path in _modules("backend"):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("backend/auth/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(x, ast.Attribute) and x.attr == "role" for x in [node.left, *node.comparators]):
+                found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("role_allows"):
+                found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    assert found == [], "access decisions outside backend/auth/access.py"
