@@ -14,10 +14,15 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from backend.control.modes import Mode
+from backend.policy.types import PolicyConfig
 from trainer_hook.devices import device_key
 from trainer_hook.protocol import MAX_MESSAGE_BYTES
 
 __all__ = ["Settings", "DEFAULT_DEVICE_PRICES", "is_loopback"]
+
+# The policy owns its defaults (PolicyConfig's fields); the backend-wide defaults of the same
+# settings below are read from it, so the two cannot differ.
+_POLICY = PolicyConfig()
 
 # On-demand cloud list prices, USD per accelerator-hour (rounded, 2025). Override with
 # REBALANCER_DEVICE_PRICES='{"H100": 2.5}'. Keys are matched case-insensitively against the
@@ -108,18 +113,18 @@ class Settings(BaseSettings):
     device_prices: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_DEVICE_PRICES))
 
     # Control loop defaults (the controller reads these; per-job settings override them).
+    # Those the policy reads default to PolicyConfig's (backend.policy.types).
     default_mode: Mode = "approve"
-    default_strategy: str = "profiled"
-    default_workload: str = "llm"
+    default_strategy: str = _POLICY.strategy
+    default_workload: str = _POLICY.workload
     proposal_ttl_s: float = 300.0
     controller_tick_s: float = 1.0
-    min_gain: float = 0.05
-    cooldown_steps: int = 20
-    min_steps: int = 10
-    policy_window_steps: int = 100
-    # predictive strategy: steps to forecast ahead (a placement lives about a cooldown plus
-    # the steps it takes to apply; aimed at the end of that it stays ahead of a drift)
-    horizon_steps: int = 30
+    min_gain: float = _POLICY.min_gain
+    cooldown_steps: int = _POLICY.cooldown_steps
+    min_steps: int = _POLICY.min_steps
+    policy_window_steps: int = _POLICY.window_steps
+    # predictive strategy: steps to forecast ahead (PolicyConfig.horizon_steps says why)
+    horizon_steps: int = _POLICY.horizon_steps
     auto_max_move_fraction: float = 0.25
     rollback_threshold: float = 0.05
     effect_window_steps: int = 20
@@ -149,7 +154,7 @@ class Settings(BaseSettings):
     # and young ones every 100,000 allocations (backend.heap); 0: Python's own schedule.
     gc_full_interval_s: Annotated[float, Field(ge=0.0, le=86400.0, allow_inf_nan=False)] = 600.0
     # Memory caps keep this fraction of each device's memory free (docs/design.md, invariant 8).
-    memory_headroom: Annotated[float, Field(ge=0.0, le=0.9)] = 0.1
+    memory_headroom: Annotated[float, Field(ge=0.0, le=0.9)] = _POLICY.memory_headroom
 
     @field_validator("port")
     @classmethod

@@ -1,4 +1,5 @@
-"""``Annotated`` dependencies: the parts container, the calling actor, role checks.
+"""``Annotated`` dependencies: the parts container, the calling actor, role checks (the
+decision is ``backend.auth.access.allows``; here it becomes a 401 or a 403).
 
     @router.post("/things")
     def make(actor: OperatorDep, parts: PartsDep) -> ...
@@ -14,8 +15,10 @@ from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Path, Request, WebSocket, status
 
-from backend.auth.tokens import ROLE_LEVEL, Actor, role_allows
+from backend.auth.access import allows
+from backend.auth.tokens import ROLE_LEVEL, Actor
 from backend.parts import Parts
+from backend.settings import is_loopback
 from trainer_hook.protocol import MAX_VERSION
 
 __all__ = [
@@ -23,6 +26,8 @@ __all__ = [
     "get_actor",
     "authenticate",
     "require",
+    "check_role",
+    "may_scrape",
     "bearer_secret",
     "websocket_actor",
     "PartsDep",
@@ -82,11 +87,12 @@ async def get_actor(request: Request, parts: PartsDep) -> Actor:
     address = request.client.host if request.client else None
     actor = await authenticate(parts, bearer_secret(request.headers), address)
     if actor is None:
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED, UNAUTHORIZED,
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        raise _no_token()
     return actor
+
+
+def _no_token() -> HTTPException:
+    return HTTPException(status.HTTP_401_UNAUTHORIZED, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
 
 
 ActorDep = Annotated[Actor, Depends(get_actor)]
@@ -98,13 +104,30 @@ def require(role: str) -> Callable[[Actor], Actor]:
         raise ValueError(f"Unknown role {role!r}; expected one of {sorted(ROLE_LEVEL)}.")
 
     def check(actor: ActorDep) -> Actor:
-        if not role_allows(actor.role, role):
-            raise HTTPException(status.HTTP_403_FORBIDDEN, forbidden(role))
-        return actor
+        return check_role(actor, role)
 
     check.__name__ = f"require_{role}"
     ROLE_OF_CHECK[check] = role
     return check
+
+
+def check_role(actor: Actor | None, role: str) -> Actor:
+    """``actor`` when it holds at least ``role``; else 401 (no valid token) or 403."""
+    if actor is None:
+        raise _no_token()
+    if not allows(actor, role):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, forbidden(role))
+    return actor
+
+
+def may_scrape(request: Request, parts: Parts) -> None:
+    """``GET /metrics`` (``REBALANCER_METRICS_ACCESS``): a viewer token, or with ``loopback``
+    no token from this machine. Sync: the route runs on a worker thread."""
+    address = request.client.host if request.client else None
+    secret = bearer_secret(request.headers)
+    if secret is None and parts.settings.metrics_access == "loopback" and address and is_loopback(address):
+        return
+    check_role(parts.auth.authenticate(secret, address), "viewer")
 
 
 ViewerDep = Annotated[Actor, Depends(require("viewer"))]

@@ -28,8 +28,7 @@ from fastapi.routing import APIRoute
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from backend.api.deps import ROLE_OF_CHECK, UNAUTHORIZED, authenticate, bearer_secret, forbidden
-from backend.auth.tokens import role_allows
+from backend.api.deps import ROLE_OF_CHECK, authenticate, bearer_secret, check_role
 
 __all__ = [
     "Edge",
@@ -161,10 +160,7 @@ async def _authorize(scope: Scope, role: str) -> None:
     client = scope.get("client")
     actor = await authenticate(scope["app"].state.parts, bearer_secret(Headers(scope=scope)),
                                client[0] if client else None)
-    if actor is None:
-        raise HTTPException(401, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
-    if not role_allows(actor.role, role):
-        raise HTTPException(403, forbidden(role))
+    check_role(actor, role)
 
 
 def _with_headers(send: Send) -> Send:

@@ -60,12 +60,7 @@ class OperatorActions(ControllerCore):
                 s, st, shares, source="auto" if auto else prop.source, actor=actor,
                 reason=reason or prop.reason, proposal_id=prop.id, auto=auto,
                 predicted_step_ms=prop.predicted_step_ms_after)
-            records.decide(prop, "approved", reason or "", self._wall(), by=actor)
-            prop.placement_version = row.version
-            self._close_pending(s, job, "superseded", f"proposal {prop.id} was approved", keep=prop.id)
-            db.record_audit(s, actor=actor, action="proposal.auto_apply" if auto else "proposal.approve",
-                            job=job, params={"proposal_id": prop.id, "version": row.version,
-                                             "shares": shares}, reason=reason)
+            records.approve(s, prop, row, actor=actor, reason=reason, auto=auto, at=self._wall())
             s.commit()
             self._read_facts(s, st)
             return prop.public()
@@ -94,9 +89,7 @@ class OperatorActions(ControllerCore):
         async with st.lock:
             def work(s: Session) -> dict[str, Any]:
                 prop = records.proposal_to_decide(s, job, proposal_id, "rejected")
-                records.decide(prop, "rejected", reason or "", self._wall(), by=actor)
-                db.record_audit(s, actor=actor, action="proposal.reject", job=job,
-                                params={"proposal_id": proposal_id}, reason=reason)
+                records.reject(s, prop, actor=actor, reason=reason, at=self._wall())
                 s.commit()
                 self._read_facts(s, st)
                 return prop.public()
@@ -141,14 +134,8 @@ class OperatorActions(ControllerCore):
                 prop = self._add_proposal(s, st, shares, source="manual", strategy="manual", actor=actor,
                                           reason=reason or "manual placement", costs=costs,
                                           explanation=expl)
-                db.record_audit(s, actor=actor, action="proposal.create", job=job,
-                                params={"proposal_id": prop.id, "shares": shares, "apply": apply,
-                                        "force": force},
-                                reason=reason)
-                if problems:
-                    db.record_audit(s, actor=actor, action="placement.memory_force", job=job,
-                                    params={"proposal_id": prop.id, "shares": shares,
-                                            "problems": problems}, reason=reason)
+                records.audit_manual(s, prop, apply=apply, force=force, problems=problems,
+                                     actor=actor, reason=reason)
                 s.commit()
                 self._read_facts(s, st)
                 return prop.id, prop.public()
@@ -182,11 +169,7 @@ class OperatorActions(ControllerCore):
             raise InvalidError(f"Mode must be one of observe, approve, auto; got {mode!r}.")
         async with st.lock:
             def work(s: Session) -> None:
-                row = db.get_settings(s, job)
-                assert row is not None
-                old, row.mode, row.updated_at = row.mode, mode, self._wall()
-                db.record_audit(s, actor=actor, action="job.mode", job=job,
-                                params={"mode": mode, "previous": old}, reason=reason)
+                records.set_mode(s, job, mode, actor=actor, reason=reason, at=self._wall())
                 s.commit()
 
             await self._sql(work)
@@ -217,10 +200,8 @@ class OperatorActions(ControllerCore):
                 raise StateError(str(exc)) from None
 
             def work(s: Session) -> None:
-                row = db.get_settings(s, job)
-                assert row is not None
-                row.policy, row.updated_at = policy, self._wall()
-                db.record_audit(s, actor=actor, action="job.policy", job=job, params=changes, reason=reason)
+                records.set_policy(s, job, policy, changes=changes, actor=actor, reason=reason,
+                                   at=self._wall())
                 s.commit()
 
             await self._sql(work)

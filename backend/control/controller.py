@@ -14,7 +14,8 @@ run's cost); the decision itself runs in the ``PolicyRunner`` (a process of its 
 
 What the policy is handed and the checks on operator settings are in
 ``backend.control.inputs``; measured effect and the rollback decision in
-``backend.control.effect``; the status rule in ``backend.control.status``; the errors in
+``backend.control.effect``; every write to the control tables in ``backend.control.records``;
+the status rule in ``backend.control.status``; the errors in
 ``backend.control.errors`` (re-exported here).
 
 Modes: ``observe`` (proposals are shown, never sent), ``approve`` (they wait for an

@@ -300,11 +300,8 @@ class ControllerCore:
             old = db.latest_placement(s, st.job)
             row = self._new_placement(s, st, shares, source=source, actor=actor, reason=reason,
                                       current=old)
-            if old is not None and source == "rollback":
-                old.rolled_back = True
-            db.record_audit(s, actor=actor, action=action, job=st.job,
-                            params={**(params or {}), "version": row.version, "shares": shares},
-                            reason=reason)
+            records.issued(s, row, old, source=source, actor=actor, action=action, params=params,
+                           reason=reason)
             s.commit()
             self._read_facts(s, st)
             return row.public()

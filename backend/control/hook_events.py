@@ -17,7 +17,7 @@ from backend.control.errors import (
 )
 from backend.live.state import LiveState
 from backend.storage import control as db
-from trainer_hook.protocol import Ack, Hello, Oom, Placement, Reject, uniform_shares
+from trainer_hook.protocol import Ack, Hello, Oom, Placement, Reject
 
 __all__ = ["HookEvents"]
 
@@ -82,17 +82,7 @@ class HookEvents(ControllerCore):
                   f"{hello.global_batch_size} (was {st.world_size} and {st.global_batch_size})")
 
         def work(s: Session) -> None:
-            row = db.get_settings(s, job)
-            assert row is not None
-            row.world_size, row.global_batch_size = hello.world_size, hello.global_batch_size
-            row.updated_at = self._wall()
-            self._close_pending(s, job, "superseded", reason)
-            records.new_placement(
-                s, job, uniform_shares(hello.world_size, hello.global_batch_size), source="initial",
-                actor=SYSTEM, reason=reason, at=self._wall(), current=None)
-            db.record_audit(s, actor=SYSTEM, action="job.reshape", job=job,
-                            params={"world_size": hello.world_size,
-                                    "global_batch_size": hello.global_batch_size}, reason=reason)
+            records.reshape(s, hello, reason=reason, actor=SYSTEM, at=self._wall())
             s.commit()
 
         await self._sql(work)
@@ -134,16 +124,14 @@ class HookEvents(ControllerCore):
 
     def _record_acks(self, s: Session, st: JobState, row: db.PlacementRow, new: dict[int, int],
                      live: LiveState) -> None:
-        row.acks = acks = effect.merge_acks(row.acks, new)
-        if row.applied_at is None and len(acks) >= st.world_size:
-            row.applied_at = self._wall()
-            row.effective_batch_index = e = max(acks.values())
-            lo, hi = effect.before_window(e, int(self._knob(st, "effect_window_steps")))
-            row.step_ms_before = effect.window_step_ms(live, st.job, lo=lo, hi=hi)
-            if row.proposal_id is not None:
-                prop = s.get(db.ProposalRow, row.proposal_id)
-                if prop is not None and prop.status == "approved":
-                    prop.status = "applied"
+        w = int(self._knob(st, "effect_window_steps"))
+
+        def step_ms_before(e: int) -> float | None:
+            lo, hi = effect.before_window(e, w)
+            return effect.window_step_ms(live, st.job, lo=lo, hi=hi)
+
+        records.record_acks(s, row, new, world_size=st.world_size, at=self._wall(),
+                            step_ms_before=step_ms_before)
         if row.version == st.version and row.applied_at is not None:
             st.follow(row)
 
@@ -194,21 +182,9 @@ class HookEvents(ControllerCore):
 
             def work(s: Session) -> list[int] | None:
                 previous: list[int] | None = None
-                row = db.get_placement(s, oom.job, oom.version)
-                if row is not None:
-                    if not row.failed:
-                        row.failed, row.error = True, f"unsafe: {why}"
-                    if row.previous_shares is not None and len(row.previous_shares) == st.world_size:
-                        previous = list(row.previous_shares)
-                db.record_audit(s, actor=SYSTEM, action="placement.oom", job=oom.job,
-                                params={"version": oom.version, "rank": oom.rank,
-                                        "local_batch_size": oom.local_batch_size,
-                                        "batch_index": oom.batch_index,
-                                        "mem_peak_bytes": oom.mem_peak_bytes,
-                                        "mem_total_bytes": oom.mem_total_bytes, "cap": ceiling},
-                                reason=oom.message[:500] or why)
-                records.store_overrides(s, oom.job, ov, actor=SYSTEM,
-                                        reason=f"{why}: capped at {ceiling}", at=self._wall())
+                row = records.record_oom(s, oom, ov, cap=ceiling, why=why, actor=SYSTEM, at=self._wall())
+                if row is not None and row.previous_shares is not None and len(row.previous_shares) == st.world_size:
+                    previous = list(row.previous_shares)
                 s.commit()
                 self._read_facts(s, st)
                 return previous
@@ -272,10 +248,6 @@ class HookEvents(ControllerCore):
 
 def _audit_restart(hello: Hello, previous: int) -> Callable[[Session], None]:
     def work(s: Session) -> None:
-        db.record_audit(s, actor=SYSTEM, action="job.restart", job=hello.job, params={
-            "restart_count": hello.restart_count, "previous_restart_count": previous,
-            "rank": hello.rank, "world_size": hello.world_size,
-            "global_batch_size": hello.global_batch_size,
-        }, reason=f"torchrun restarted the job's workers (restart {hello.restart_count})")
+        records.audit_restart(s, hello, previous, actor=SYSTEM)
         s.commit()
     return work

@@ -167,13 +167,7 @@ class PolicyLoop(ControllerCore):
                 rollback_threshold=threshold,
                 may_roll_back=row.auto and may_auto and row.previous_shares is not None,
                 speed_factor=factor)
-            row.step_ms_after = verdict.step_ms_after
-            if verdict.measured_gain is not None:
-                row.measured_gain = verdict.measured_gain
-            rollback = None
-            if verdict.rollback_reason is not None and row.previous_shares is not None:
-                row.rolled_back = True
-                rollback = (list(row.previous_shares), verdict.rollback_reason)
+            rollback = records.record_effect(row, verdict)
             st.measured = True
             st.last_effect = effect.effect_record(row)
             s.commit()

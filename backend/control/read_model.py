@@ -12,7 +12,7 @@ from backend.control.errors import (
     InvalidError,
     NotFoundError,
 )
-from backend.control.status import job_status
+from backend.control.status import Reading, status_of
 from backend.storage import control as db
 
 __all__ = ["ReadModel"]
@@ -28,15 +28,16 @@ class ReadModel(ControllerCore):
         st = self._jobs.get(job)
         if st is None:
             return {}
-        snap = st.snapshot
-        view = self.live.view(job)
-        age = None if st.last_metrics is None else max(self._wall() - st.last_metrics, 0.0)
-        status, detail = job_status(
-            verdict=st.status, detail=st.status_detail, pending=snap["pending_proposal"],
-            connected_ranks=view.connected_ranks if view is not None else None,
-            metrics_age_s=age, stale_after_s=self.settings.stale_after_s,
-            lost_ranks=view.lost_ranks if view is not None else (), world_size=st.world_size)
-        return {**snap, "status": status, "status_detail": detail}
+        status, detail = self.job_status(job)
+        return {**st.snapshot, "status": status, "status_detail": detail}
+
+    def job_status(self, job: str) -> tuple[str, str]:
+        """(status, detail) of any job, known to the controller or not (``status_of``)."""
+        st = self._jobs.get(job)
+        reading = None if st is None else Reading(
+            st.status, st.status_detail, st.snapshot["pending_proposal"], st.last_metrics, st.world_size)
+        return status_of(self.live.view(job), reading, now=self._wall(),
+                         stale_after_s=self.settings.stale_after_s)
 
     def cost_fit(self, job: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
         """Per-rank (a_ms, c_ms) from the policy's last decision that fitted the job (the

@@ -1,28 +1,32 @@
-"""The control loop's records: a new job, placement versions, proposals, overrides.
+"""The control loop's records: a new job, its mode, policy and shape, placement versions,
+acks and effects, proposals, overrides, and the audit log.
 
-Functions over an open session of ``backend.storage.control``; the caller commits. Each
-closes or adds rows the way the proposal lifecycle says (``proposed`` -> ``approved`` ->
-``applied``, or ``rejected | superseded | failed | expired``) and touches nothing else;
-the controller keeps its in-memory state in step with what these return.
+Every write to the control tables (``backend.storage.control``) happens here (the layer
+test reads the rest of ``backend/control`` for writes). Functions over an open session;
+the caller commits. Each closes or adds rows the way the proposal lifecycle says
+(``proposed`` -> ``approved`` -> ``applied``, or ``rejected | superseded | failed |
+expired``) and touches nothing else; the controller keeps its in-memory state in step
+with what these return.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy import select
 
-from backend.control.effect import effect_record
+from backend.control.effect import Effect, effect_record, merge_acks
 from backend.control.errors import ConflictError, NotFoundError
 from backend.control.inputs import OVERRIDE_KEYS
 from backend.storage import control as db
-from trainer_hook.protocol import Hello, uniform_shares
+from trainer_hook.protocol import Hello, Oom, uniform_shares
 
 __all__ = [
     "create_job", "fail_placement", "store_overrides", "actor_name", "pending_proposal", "proposal_to_decide", "decide", "close_pending",
     "expire_due", "new_placement", "add_proposal", "refused_before", "last_effect",
-    "recent_rollbacks",
+    "recent_rollbacks", "approve", "reject", "audit_manual", "set_mode", "set_policy", "reshape",
+    "record_acks", "record_oom", "audit_restart", "issued", "record_effect",
 ]
 
 
@@ -51,6 +55,95 @@ def create_job(s: Any, hello: Hello, *, mode: str, actor: str, at: float) -> Non
                     params={"world_size": hello.world_size,
                             "global_batch_size": hello.global_batch_size},
                     reason="first hello from the job")
+
+
+def set_mode(s: Any, job: str, mode: str, *, actor: Any, reason: str | None, at: float) -> None:
+    """The job's mode, audited with the one it replaces."""
+    row = db.get_settings(s, job)
+    assert row is not None
+    old, row.mode, row.updated_at = row.mode, mode, at
+    db.record_audit(s, actor=actor, action="job.mode", job=job,
+                    params={"mode": mode, "previous": old}, reason=reason)
+
+
+def set_policy(s: Any, job: str, policy: dict[str, Any], *, changes: dict[str, Any], actor: Any,
+               reason: str | None, at: float) -> None:
+    """The job's policy settings (``policy``, after ``changes``), audited with the changes."""
+    row = db.get_settings(s, job)
+    assert row is not None
+    row.policy, row.updated_at = policy, at
+    db.record_audit(s, actor=actor, action="job.policy", job=job, params=changes, reason=reason)
+
+
+def reshape(s: Any, hello: Hello, *, reason: str, actor: str, at: float) -> None:
+    """The job came back with another world size or global batch: its new shape, pending
+    proposals superseded, the uniform split as the next version (no previous to return to)."""
+    job = hello.job
+    row = db.get_settings(s, job)
+    assert row is not None
+    row.world_size, row.global_batch_size = hello.world_size, hello.global_batch_size
+    row.updated_at = at
+    close_pending(s, job, "superseded", reason, at)
+    new_placement(s, job, uniform_shares(hello.world_size, hello.global_batch_size), source="initial",
+                  actor=actor, reason=reason, at=at, current=None)
+    db.record_audit(s, actor=actor, action="job.reshape", job=job,
+                    params={"world_size": hello.world_size,
+                            "global_batch_size": hello.global_batch_size}, reason=reason)
+
+
+def audit_restart(s: Any, hello: Hello, previous: int, *, actor: str) -> None:
+    """TorchElastic restarted the job's workers (``hello`` from the new attempt)."""
+    db.record_audit(s, actor=actor, action="job.restart", job=hello.job, params={
+        "restart_count": hello.restart_count, "previous_restart_count": previous,
+        "rank": hello.rank, "world_size": hello.world_size,
+        "global_batch_size": hello.global_batch_size,
+    }, reason=f"torchrun restarted the job's workers (restart {hello.restart_count})")
+
+
+def record_acks(s: Any, row: db.PlacementRow, new: dict[int, int], *, world_size: int, at: float,
+                step_ms_before: Callable[[int], float | None]) -> None:
+    """Merge ranks' acks (rank -> batch index) into ``row``; once all ``world_size`` ranks
+    acked, the placement is applied: when, from which batch, the step time before that
+    batch (``step_ms_before(batch)``), and its approved proposal with it."""
+    row.acks = acks = merge_acks(row.acks, new)
+    if row.applied_at is None and len(acks) >= world_size:
+        row.applied_at = at
+        row.effective_batch_index = e = max(acks.values())
+        row.step_ms_before = step_ms_before(e)
+        if row.proposal_id is not None:
+            prop = s.get(db.ProposalRow, row.proposal_id)
+            if prop is not None and prop.status == "approved":
+                prop.status = "applied"
+
+
+def record_effect(row: db.PlacementRow, verdict: Effect) -> tuple[list[int], str] | None:
+    """The measured effect of placement ``row``. When it must go back it is marked rolled
+    back, and the shares to return to and why are returned."""
+    row.step_ms_after = verdict.step_ms_after
+    if verdict.measured_gain is not None:
+        row.measured_gain = verdict.measured_gain
+    if verdict.rollback_reason is not None and row.previous_shares is not None:
+        row.rolled_back = True
+        return list(row.previous_shares), verdict.rollback_reason
+    return None
+
+
+def record_oom(s: Any, oom: Oom, ov: dict[str, Any], *, cap: int, why: str, actor: str,
+               at: float) -> db.PlacementRow | None:
+    """A rank ran out of memory: the placement it trained under (returned, None when
+    unknown) is unsafe, audited, and the job's overrides ``ov`` cap the rank at ``cap``."""
+    row = db.get_placement(s, oom.job, oom.version)
+    if row is not None and not row.failed:
+        row.failed, row.error = True, f"unsafe: {why}"
+    db.record_audit(s, actor=actor, action="placement.oom", job=oom.job,
+                    params={"version": oom.version, "rank": oom.rank,
+                            "local_batch_size": oom.local_batch_size,
+                            "batch_index": oom.batch_index,
+                            "mem_peak_bytes": oom.mem_peak_bytes,
+                            "mem_total_bytes": oom.mem_total_bytes, "cap": cap},
+                    reason=oom.message[:500] or why)
+    store_overrides(s, oom.job, ov, actor=actor, reason=f"{why}: capped at {cap}", at=at)
+    return row
 
 
 def fail_placement(s: Any, row: db.PlacementRow, *, rank: int, reason: str, actor: str) -> None:
@@ -111,6 +204,39 @@ def decide(prop: db.ProposalRow, status: str, why: str, at: float, *, by: Any = 
         prop.decided_by = actor_name(by)
 
 
+def approve(s: Any, prop: db.ProposalRow, row: db.PlacementRow, *, actor: Any, reason: str | None,
+            auto: bool, at: float) -> None:
+    """``prop`` was applied as placement ``row`` (by an operator, or by auto mode): approved,
+    naming the version; the other proposed ones superseded; audited."""
+    decide(prop, "approved", reason or "", at, by=actor)
+    prop.placement_version = row.version
+    close_pending(s, prop.job, "superseded", f"proposal {prop.id} was approved", at, keep=prop.id)
+    db.record_audit(s, actor=actor, action="proposal.auto_apply" if auto else "proposal.approve",
+                    job=prop.job, params={"proposal_id": prop.id, "version": row.version,
+                                          "shares": list(prop.shares)}, reason=reason)
+
+
+def reject(s: Any, prop: db.ProposalRow, *, actor: Any, reason: str | None, at: float) -> None:
+    """An operator rejected ``prop``, audited."""
+    decide(prop, "rejected", reason or "", at, by=actor)
+    db.record_audit(s, actor=actor, action="proposal.reject", job=prop.job,
+                    params={"proposal_id": prop.id}, reason=reason)
+
+
+def audit_manual(s: Any, prop: db.ProposalRow, *, apply: bool, force: bool, problems: list[str],
+                 actor: Any, reason: str | None) -> None:
+    """An operator's own placement became proposal ``prop``; one forced past memory caps
+    (``problems``) is audited as such too."""
+    shares = list(prop.shares)
+    db.record_audit(s, actor=actor, action="proposal.create", job=prop.job,
+                    params={"proposal_id": prop.id, "shares": shares, "apply": apply, "force": force},
+                    reason=reason)
+    if problems:
+        db.record_audit(s, actor=actor, action="placement.memory_force", job=prop.job,
+                        params={"proposal_id": prop.id, "shares": shares, "problems": problems},
+                        reason=reason)
+
+
 def close_pending(s: Any, job: str, status: str, why: str, at: float, keep: int | None = None) -> None:
     """Close every proposed proposal of ``job`` but ``keep``."""
     for p in db.list_proposals(s, job, status="proposed"):
@@ -152,6 +278,17 @@ def new_placement(s: Any, job: str, shares: Sequence[int], *, source: str, actor
             p.status, p.error = "superseded", f"placement version {version} replaced it before every rank applied it"
     s.flush()
     return row
+
+
+def issued(s: Any, row: db.PlacementRow, old: db.PlacementRow | None, *, source: str, actor: Any,
+           action: str, params: dict[str, Any] | None, reason: str) -> None:
+    """Placement ``row`` was issued with no proposal behind it (a rollback: ``old``, the one
+    it replaces, is marked rolled back), audited as ``action``."""
+    if old is not None and source == "rollback":
+        old.rolled_back = True
+    db.record_audit(s, actor=actor, action=action, job=row.job,
+                    params={**(params or {}), "version": row.version, "shares": list(row.shares)},
+                    reason=reason)
 
 
 def add_proposal(s: Any, job: str, *, base_version: int, current_shares: Sequence[int],

@@ -1,21 +1,54 @@
-"""The one rule for a job's status; the controller, the jobs routes, the dashboard feed and
-/metrics all ask it.
+"""The one rule for a job's status, and the one builder of its inputs; the controller, the
+jobs routes, the dashboard feed and /metrics all ask it.
 
 ``verdict`` is the controller's own reading (from the policy's last decision or the last
 action); what a reader sees also depends on whether ranks are connected, how old the
-newest metrics are and whether a proposal waits. Nothing else computes a status.
+newest metrics are and whether a proposal waits. ``status_of`` gathers those from a job's
+live view and the controller's reading (none for a job it does not know yet), so REST and
+the dashboard cannot build them differently. Nothing else computes a status.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-__all__ = ["STATUSES", "Status", "job_status", "NEVER_CONNECTED"]
+if TYPE_CHECKING:
+    from backend.live.state import JobView
+
+__all__ = ["STATUSES", "Status", "job_status", "status_of", "Reading", "NEVER_CONNECTED", "FIRST_STEPS"]
 
 Status = Literal["warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded"]
 STATUSES: tuple[Status, ...] = ("warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded")
 NEVER_CONNECTED = ("idle", "no rank has connected since the backend started")
+FIRST_STEPS = ("warming_up", "waiting for the first steps")
+
+
+class Reading(NamedTuple):
+    """The controller's reading of a job it knows: its verdict and detail, the pending
+    proposal it published, the wall time of the newest metrics or hello, the world size."""
+
+    verdict: str
+    detail: str
+    pending: Mapping[str, Any] | None
+    last_metrics: float | None
+    world_size: int
+
+
+def status_of(view: JobView | None, reading: Reading | None, *, now: float,
+              stale_after_s: float) -> tuple[str, str]:
+    """(status, detail) of a job from its live view (None: not live since start) and the
+    controller's reading; without one (the controller does not know the job yet) the job
+    warms up and its metrics are as old as live state last saw it."""
+    if reading is None:
+        last = view.last_seen if view is not None else None
+        reading = Reading(*FIRST_STEPS, None, last, view.world_size if view is not None else 0)
+    return job_status(
+        verdict=reading.verdict, detail=reading.detail, pending=reading.pending,
+        connected_ranks=view.connected_ranks if view is not None else None,
+        metrics_age_s=None if reading.last_metrics is None else max(now - reading.last_metrics, 0.0),
+        stale_after_s=stale_after_s, lost_ranks=view.lost_ranks if view is not None else (),
+        world_size=reading.world_size)
 
 
 def job_status(*, verdict: str, detail: str, pending: Mapping[str, Any] | None,

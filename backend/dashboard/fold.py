@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
-from backend.control.status import job_status
+from backend.control.status import status_of
 from backend.live.fleet import FleetJob, balance_gap_ms
 from backend.live.forecast import forecast, savings
 from backend.live.rows import STEP_BATCH, STEP_COMPUTE, STEP_MS, STEP_VERSION, StepRow
@@ -310,12 +310,7 @@ def summary(feed: Feed, view: JobView, *, wall: Callable[[], float], stale_after
     if ctl.get("status"):
         status, detail = ctl["status"], ctl.get("status_detail", "")
     else:  # not known to the controller (yet): the status rule on live numbers alone
-        status, detail = job_status(
-            verdict="warming_up", detail="waiting for the first steps", pending=None,
-            connected_ranks=view.connected_ranks,
-            metrics_age_s=max(wall() - view.last_seen, 0.0),
-            stale_after_s=stale_after_s, lost_ranks=view.lost_ranks,
-            world_size=view.world_size)
+        status, detail = status_of(view, None, now=wall(), stale_after_s=stale_after_s)
     fc = forecast(view, price)
     bound = comm.bound if comm is not None else None
     return {

@@ -20,6 +20,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from backend.auth.access import SEND_METRICS, allows
 from backend.auth.sockets import TokenSockets
 from backend.auth.tokens import Actor
 from backend.control.controller import Controller
@@ -161,7 +162,7 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                     await refuse(websocket, "malformed",
                                   f"The first message must be 'hello', got '{msg.TYPE}'.", CLOSE_MALFORMED)
                     return
-                if actor.role == "hook" and actor.job != msg.job:
+                if not allows(actor, SEND_METRICS, job=msg.job):
                     await refuse(websocket, "forbidden",
                                   f"This hook token is for job '{actor.job}'; it may not speak for job '{msg.job}'.",
                                   CLOSE_FORBIDDEN)

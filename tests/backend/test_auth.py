@@ -9,7 +9,15 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from backend.auth.tokens import AuthService, create_token, hash_secret, list_tokens, revoke_token
+from backend.auth.access import SEND_METRICS, allows
+from backend.auth.tokens import (
+    Actor,
+    AuthService,
+    create_token,
+    hash_secret,
+    list_tokens,
+    revoke_token,
+)
 from backend.cli import main as cli_main
 from backend.parts import init_db
 from backend.storage import make_engine, make_sessionmaker
@@ -33,6 +41,18 @@ def _token(client: TestClient, role: str, job: str | None = None) -> str:
     r = client.post("/api/v1/tokens", json={"role": role, "job": job, "reason": "test"}, headers=_bearer(ADMIN))
     assert r.status_code == 201, r.text
     return r.json()["secret"]
+
+
+def test_who_may_do_what():
+    """The one access rule (backend.auth.access.allows) every route and websocket asks."""
+    hook, other = Actor("h", "hook", job="a"), Actor("o", "operator")
+    viewer, admin = Actor("v", "viewer"), Actor("x", "admin")
+    assert [allows(a, "viewer") for a in (hook, viewer, other, admin)] == [False, True, True, True]
+    assert [allows(a, "operator") for a in (hook, viewer, other, admin)] == [False, False, True, True]
+    assert [allows(a, "admin") for a in (hook, viewer, other, admin)] == [False, False, False, True]
+    assert [allows(a, SEND_METRICS) for a in (hook, viewer, other, admin)] == [True, False, False, True]
+    assert allows(hook, SEND_METRICS, job="a") and not allows(hook, SEND_METRICS, job="b")
+    assert allows(admin, SEND_METRICS, job="b") and not allows(other, SEND_METRICS, job="b")
 
 
 def test_open_mode_on_loopback_without_tokens(tmp_path):

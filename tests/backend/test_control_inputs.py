@@ -25,6 +25,27 @@ def test_policy_config_caps_moves_in_auto_mode_only():
     assert policy_settings({}, "approve", settings)["max_move_fraction"] == 0.2
 
 
+# Settings field -> the PolicyConfig field whose default it takes (one owner: the policy).
+POLICY_DEFAULTS = {"default_strategy": "strategy", "default_workload": "workload", "min_gain": "min_gain",
+                   "cooldown_steps": "cooldown_steps", "min_steps": "min_steps",
+                   "policy_window_steps": "window_steps", "horizon_steps": "horizon_steps",
+                   "memory_headroom": "memory_headroom"}
+
+
+def test_the_backend_defaults_of_policy_settings_are_the_policys():
+    from dataclasses import fields
+
+    from backend.policy.types import PolicyConfig
+
+    settings, cfg = Settings(), PolicyConfig()
+    assert {k: getattr(settings, k) for k in POLICY_DEFAULTS} == {k: getattr(cfg, v) for k, v in POLICY_DEFAULTS.items()}
+    # Every PolicyConfig field with a default the backend also sets is in the table above.
+    shared = {f.name for f in fields(PolicyConfig)} - {"custom_weights", "max_move_fraction", "params"}
+    assert shared == set(POLICY_DEFAULTS.values())
+    # A job with no settings of its own runs the policy's defaults (outside auto mode).
+    assert policy_config({}, "approve", settings) == cfg
+
+
 def test_knobs_default_to_the_settings_of_the_same_name():
     assert knob({}, Settings(proposal_ttl_s=120.0), "proposal_ttl_s") == 120.0
     assert knob({"rollback_threshold": 0.2}, Settings(), "rollback_threshold") == 0.2

@@ -74,3 +74,30 @@ def test_openapi_lists_the_routes(client):
               "/api/v1/tokens", "/api/v1/tokens/{token_id}", "/healthz"):
         assert p in paths
     assert client.get("/docs").status_code == 200
+
+
+def test_rest_and_the_dashboard_give_a_job_the_same_status(tmp_path):
+    """GET /jobs/{job} and the dashboard's row (GET /fleet, the hub's summary) build the
+    status rule's inputs one way, whether the controller knows the job or not."""
+    import time
+
+    from trainer_hook.protocol import Hello
+
+    def both(c: TestClient, job: str) -> tuple[tuple[str, str], tuple[str, str]]:
+        rest = c.get(f"/api/v1/jobs/{job}").json()
+        row = next(r for r in c.get("/api/v1/fleet").json()["data"] if r["job"] == job)
+        return (rest["status"], rest["status_detail"]), (row["status"], row["status_detail"])
+
+    with TestClient(make_app(tmp_path)) as c:
+        live = c.app.state.parts.live
+        # Live only (a hello the controller has not taken yet), fresh and an hour old.
+        for job, age_s, want in (("fresh", 0.0, "warming_up"), ("stale", 3600.0, "idle")):
+            live.register(Hello(job=job, rank=0, world_size=1, global_batch_size=8, host="h",
+                                device_type="cpu"), now=time.time() - age_s)
+            rest, dashboard = both(c, job)
+            assert rest == dashboard and rest[0] == want, (job, rest, dashboard)
+        # Known to the controller, a rank connected.
+        with c.websocket_connect("/ws/hook") as ws:
+            sync(ws, hello(job="known"))
+            rest, dashboard = both(c, "known")
+            assert rest == dashboard, (rest, dashboard)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from fastapi import APIRouter, WebSocket
 
 from backend.api.deps import websocket_actor
+from backend.auth.access import SEND_METRICS, allows
 from backend.ingest.websocket import converse, refuse
 from backend.parts import Parts
 from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED
@@ -32,7 +33,7 @@ async def hook_websocket(websocket: WebSocket) -> None:
                      "Missing or invalid token; send 'Authorization: Bearer TOKEN' or '?token=TOKEN'.",
                      CLOSE_UNAUTHORIZED)
         return
-    if actor.role not in ("hook", "admin"):
+    if not allows(actor, SEND_METRICS):
         await refuse(websocket, "forbidden",
                      f"A {actor.role} token cannot send metrics; use a hook token for the job or an admin token.",
                      CLOSE_FORBIDDEN)

@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
 from backend.api.deps import PartsDep, ViewerDep
-from backend.control.status import NEVER_CONNECTED, job_status
 from backend.live.forecast import forecast
 from backend.live.state import JobView, RankView
 from backend.parts import Parts
@@ -231,11 +230,7 @@ def _build(parts: Parts, job: str, row: dict[str, Any] | None) -> JobPublic | No
         return None
     control = parts.controller.job_control(job)
     if not control:
-        status, detail = NEVER_CONNECTED if view is None else job_status(
-            verdict="warming_up", detail="waiting for the first steps", pending=None,
-            connected_ranks=view.connected_ranks, metrics_age_s=None,
-            stale_after_s=parts.settings.stale_after_s, lost_ranks=view.lost_ranks,
-            world_size=view.world_size)
+        status, detail = parts.controller.job_status(job)
         control = {"status": status, "status_detail": detail}
     return JobPublic(**{**base, **control})
 

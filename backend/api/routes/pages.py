@@ -30,10 +30,11 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
-from backend.api.deps import PartsDep, ViewerDep, bearer_secret, websocket_actor
+from backend.api.deps import PartsDep, ViewerDep, authenticate, bearer_secret, websocket_actor
 from backend.api.edge import CSP, csp, sha256_source
 from backend.assets import plotly_js_path
-from backend.auth.tokens import Actor, role_allows
+from backend.auth.access import allows
+from backend.auth.tokens import Actor
 from backend.live.forecast import forecast as job_forecast
 from backend.parts import Parts
 from trainer_hook.protocol import (
@@ -137,7 +138,7 @@ async def dashboard_ws(websocket: WebSocket, job: str | None = None) -> None:
         await _close(websocket, CLOSE_UNAUTHORIZED,
                      "Missing or invalid token; send {\"type\": \"auth\", \"token\": T} first.")
         return
-    if not role_allows(actor.role, "viewer"):
+    if not allows(actor, "viewer"):
         await _close(websocket, CLOSE_FORBIDDEN, "The dashboard needs the viewer role.")
         return
     parts: Parts = websocket.app.state.parts
@@ -191,7 +192,7 @@ async def _first_message_actor(websocket: WebSocket) -> Actor | None:
         return None
     parts: Parts = websocket.app.state.parts
     address = websocket.client.host if websocket.client else None
-    return await parts.sql.run(lambda _s: parts.auth.authenticate(token, address))
+    return await authenticate(parts, token, address)
 
 
 @router.get("/api/v1/whoami", tags=["auth"])
@@ -199,7 +200,7 @@ async def whoami_route(actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
     """Who the bearer token belongs to; the page shows operator controls from ``role``."""
     return {
         "name": actor.name, "role": actor.role,
-        "operator": role_allows(actor.role, "operator"),
+        "operator": allows(actor, "operator"),
         "open_mode": await parts.sql.run(lambda _s: bool(parts.auth.open_mode)),
     }
 
