@@ -48,12 +48,13 @@ from trainer_hook.memory import (
     default_memory_source,
     is_out_of_memory,
 )
-from trainer_hook.mesh import replica_of
+from trainer_hook.mesh import ReplicaPace, mesh_shape, replica_of
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.protocol import (
     Ack,
     Error,
     Hello,
+    MeshShape,
     Message,
     Oom,
     Placement,
@@ -149,6 +150,8 @@ class RebalanceHook:
         self._root = True  # global rank 0: decides placements and their batch index
         self._members = 1  # ranks per replica (its tensor/context-parallel group)
         self._replica_ranks: tuple[int, ...] = ()
+        self._mesh: MeshShape | None = None  # the job's mesh shape, for the hello
+        self._pace: ReplicaPace | None = None  # combines the replica's records (members > 1)
         # The lookahead in force: given, or measured at the first step (None until then).
         self._lookahead: int | None = cfg.lookahead if isinstance(cfg.lookahead, int) else None
         self._known_lookahead = 0  # what hook.data_loader() knows its loader needs
@@ -194,10 +197,13 @@ class RebalanceHook:
         self._rank, self._world_size = _rank_and_world(where)
         global_world, leader = self._world_size, True
         self._root = self._rank == 0
+        replicas = None
         if self._dp_mesh is not None:
-            self._rank, self._world_size, self._replica_ranks = replica_of(self._dp_mesh)
+            replicas = replica_of(self._dp_mesh)
+            self._rank, self._world_size, self._replica_ranks = replicas.replica, replicas.replicas, replicas.members
             self._members = len(self._replica_ranks)
             leader = dist.get_rank() == self._replica_ranks[0]
+            self._mesh = mesh_shape(self._dp_mesh, replicas.replicas, self._members)
         cfg = self.config
         b = cfg.global_batch_size
         if b < self._world_size:
@@ -215,6 +221,15 @@ class RebalanceHook:
             exchange_every=cfg.exchange_every, exchange_lag=cfg.exchange_lag,
             lookahead=lookahead, group=group,
         )
+        if replicas is not None and self._members > 1:
+            # One gloo group per replica (every rank creates every group, in order): the
+            # members' step times meet there, off the training thread's critical path.
+            mine = None
+            for ranks in replicas.every:
+                g = dist.new_group(list(ranks), backend="gloo")
+                if ranks == replicas.members:
+                    mine = g
+            self._pace = ReplicaPace(mine, leader=leader)
         self._trained: ScheduledPlacement = self._schedule.at(0)
         self._ready = True
         if not cfg.offline and leader:  # only a replica's leader talks to the backend
@@ -671,16 +686,28 @@ class RebalanceHook:
         if rec is not None and sampler is not None and sampler.has_cost:
             rec.work = sampler.local_work(rec.batch_index) if rec.local_batch_size else 0.0
             rec.batch_work = sampler.batch_work(rec.batch_index)
-        if rec is not None:
-            self.history.append(rec)
-            if self._transport is not None:
-                self._transport.put_step(rec)
+        pace = self._pace
+        if pace is not None:  # the leader reports its replica's pace (the slowest member's times)
+            if rec is not None:
+                if not pace.leader:
+                    self.history.append(rec)  # a member keeps its own; the leader sends
+                for r in pace.add(rec):
+                    self._report(r)
+            for r in pace.on_step_end(self._next_batch, self._grads.events is not None):
+                self._report(r)
+        elif rec is not None:
+            self._report(rec)
         if self._grads.repeated_bucket:
             raise RuntimeError(
                 "Gradients were all-reduced more than once in one hook.step(): gradient "
                 "accumulation must wrap every micro-batch but the last in model.no_sync(), "
                 "otherwise each micro-batch is weighted as a whole batch and the math changes."
             )
+
+    def _report(self, rec: StepRecord) -> None:
+        self.history.append(rec)
+        if self._transport is not None:
+            self._transport.put_step(rec)
 
     def _report_oom(self, exc: BaseException) -> None:
         """Tell the backend this rank ran out of memory, and wait (up to 2 s) until the
@@ -954,7 +981,7 @@ class RebalanceHook:
             hook_version=HOOK_VERSION, total_steps=self.config.total_steps,
             memory_source=self._memory.source.name if self._memory is not None else "",
             gpu_index=gpu_index, gpu_uuid=gpu_uuid,
-            comm_kind=_COMM_KIND.get(self._gradients_mode or "", ""),
+            comm_kind=_COMM_KIND.get(self._gradients_mode or "", ""), mesh=self._mesh,
         )
 
     def close(self, *, wait_for_peers: bool = True) -> None:
@@ -978,6 +1005,10 @@ class RebalanceHook:
         try:
             if wait_for_peers:
                 self._control.close(timeout_s=wait_timeout_s)
+            if self._pace is not None:  # the records of the last window(s), combined if peers wait
+                pace = self._pace
+                for r in pace.flush(self._next_batch, wait_timeout_s) if wait_for_peers else pace.release():
+                    self._report(r)  # held by the leader only
         finally:
             self._release_process_groups()
             if self._probe is not None:
@@ -1002,6 +1033,9 @@ class RebalanceHook:
         self._grads._pg = None
         self._grads._opts = None
         self._control.after_fork_in_child()
+        if self._pace is not None:
+            self._pace.group = None
+            self._pace.release()
         if self._probe is not None:
             self._probe.after_fork_in_child()
         if self._transport is not None:
@@ -1016,11 +1050,15 @@ class RebalanceHook:
         self._grads._pg = None
         self._grads._opts = None
         group, self._control.group = self._control.group, None
-        if group is not None and dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError) as exc:  # already gone with the default group
-                log.debug("control group was already destroyed: %s", exc)
+        pace_group = None
+        if self._pace is not None:
+            pace_group, self._pace.group = self._pace.group, None
+        for g in (group, pace_group):
+            if g is not None and dist.is_available() and dist.is_initialized():
+                try:
+                    dist.destroy_process_group(g)
+                except (RuntimeError, ValueError) as exc:  # already gone with the default group
+                    log.debug("control group was already destroyed: %s", exc)
 
     def __enter__(self) -> RebalanceHook:
         return self
