@@ -314,6 +314,10 @@ class MeshShape:
     def to_dict(self) -> dict[str, Any]:
         return {"dp": self.dp, "replica_size": self.replica_size, "dims": list(self.dims), "shape": list(self.shape)}
 
+    def as_view(self) -> dict[str, Any]:
+        """What the backend's job resource and dashboard show: the wire dict and its label."""
+        return {**self.to_dict(), "label": self.label}
+
     @classmethod
     def from_dict(cls, d: Any, *, world_size: int) -> MeshShape:
         m = _obj(d, "'mesh'")

@@ -483,6 +483,7 @@ class DashboardHub:
             "cost_to_finish": _r(fc.cost_to_finish),
             # What bounds the step (backend.policy.comm, cached per new step); None until known.
             "bound": bound if bound != "unknown" else None,
+            "mesh": view.mesh.as_view() if view.mesh else None,  # its ranks are replicas
         }
 
     # --- the fleet: every job's row and the totals (backend.live.fleet) -----------------------
