@@ -24,7 +24,7 @@ import os
 import socket
 import threading
 from collections import deque
-from collections.abc import Sized
+from collections.abc import Sequence, Sized
 from typing import Any
 
 import torch
@@ -229,7 +229,7 @@ class RebalanceHook:
                 g = dist.new_group(list(ranks), backend="gloo")
                 if ranks == replicas.members:
                     mine = g
-            self._pace = ReplicaPace(mine, leader=leader)
+            self._pace = ReplicaPace(mine, leader=leader, report=self._report_many)
         self._trained: ScheduledPlacement = self._schedule.at(0)
         self._ready = True
         if not cfg.offline and leader:  # only a replica's leader talks to the backend
@@ -691,10 +691,9 @@ class RebalanceHook:
             if rec is not None:
                 if not pace.leader:
                     self.history.append(rec)  # a member keeps its own; the leader sends
-                for r in pace.add(rec):
+                for r in pace.add(rec):  # only a record whose window left already
                     self._report(r)
-            for r in pace.on_step_end(self._next_batch, self._grads.events is not None):
-                self._report(r)
+            pace.on_step_end(self._next_batch, self._grads.events is not None)
         elif rec is not None:
             self._report(rec)
         if self._grads.repeated_bucket:
@@ -708,6 +707,11 @@ class RebalanceHook:
         self.history.append(rec)
         if self._transport is not None:
             self._transport.put_step(rec)
+
+    def _report_many(self, recs: Sequence[StepRecord]) -> None:
+        """The pace thread: a replica's combined records (deque appends are thread-safe)."""
+        for rec in recs:
+            self._report(rec)
 
     def _report_oom(self, exc: BaseException) -> None:
         """Tell the backend this rank ran out of memory, and wait (up to 2 s) until the
@@ -1033,7 +1037,7 @@ class RebalanceHook:
         self._grads._pg = None
         self._grads._opts = None
         self._control.after_fork_in_child()
-        if self._pace is not None:
+        if self._pace is not None:  # its thread does not exist here
             self._pace.group = None
             self._pace.release()
         if self._probe is not None:

@@ -10,14 +10,20 @@ leader reports the replica's pace."""
 
 from __future__ import annotations
 
+import logging
 import math
-from datetime import timedelta
+import threading
+from array import array
+from collections.abc import Callable, Sequence
+from queue import SimpleQueue
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from trainer_hook.protocol import MeshShape, StepRecord
+
+log = logging.getLogger("trainer_hook")
 
 __all__ = ["Replicas", "replica_of", "mesh_shape", "check_dp_mesh", "ReplicaPace", "PACE_WINDOW"]
 
@@ -165,129 +171,148 @@ def check_dp_mesh(model: Any, dp_mesh: Any) -> None:
 
 # --- the replica's pace --------------------------------------------------------------------
 
-PACE_WINDOW = 8  # batches per all-reduce: the launch and the read cost ~40 us, paid once per window
+PACE_WINDOW = 8  # batches per all-reduce
 _NONE = float("-inf")  # a slot no member filled; every field is combined with MAX
-_WIDTH = 8
+_WIDTH = 8  # compute, data wait, optimizer, step, -sync wait, peak, reserved, -device memory
+_NOTHING: tuple[StepRecord, ...] = ()
 
 
-def _row(rec: StepRecord) -> list[float]:
-    # MAX for the times a slow member stretches, MAX of the negation for those it shrinks:
-    # the slowest member waits least for peers, and the smallest device bounds memory.
-    return [rec.compute_ms, rec.data_wait_ms, rec.optimizer_ms, rec.step_ms, -rec.sync_wait_ms,
-            _NONE if rec.mem_peak_bytes is None else float(rec.mem_peak_bytes),
-            _NONE if rec.mem_reserved_bytes is None else float(rec.mem_reserved_bytes),
-            _NONE if rec.mem_total_bytes is None else -float(rec.mem_total_bytes)]
-
-
-def _apply(rec: StepRecord, row: list[float]) -> None:
-    if row[0] == _NONE:
+def _apply(rec: StepRecord, buf: array, i: int) -> None:
+    if buf[i] == _NONE:
         return
-    rec.compute_ms, rec.data_wait_ms, rec.optimizer_ms, rec.step_ms = row[0], row[1], row[2], row[3]
-    rec.sync_wait_ms = -row[4]
+    rec.compute_ms, rec.data_wait_ms, rec.optimizer_ms, rec.step_ms = buf[i], buf[i + 1], buf[i + 2], buf[i + 3]
+    rec.sync_wait_ms = -buf[i + 4]
     if rec.mem_peak_bytes is not None:
-        rec.mem_peak_bytes = int(row[5])
-        rec.mem_reserved_bytes = int(row[6]) if row[6] != _NONE else rec.mem_reserved_bytes
-        rec.mem_total_bytes = int(-row[7]) if row[7] != _NONE else rec.mem_total_bytes
+        rec.mem_peak_bytes = int(buf[i + 5])
+        if buf[i + 6] != _NONE:
+            rec.mem_reserved_bytes = int(buf[i + 6])
+        if buf[i + 7] != _NONE:
+            rec.mem_total_bytes = int(-buf[i + 7])
 
 
 class ReplicaPace:
-    """A replica is as slow as its slowest member: the leader reports, for each step, the
-    members' largest compute, data-wait, optimizer and step times, their smallest sync wait,
-    and (where it read memory) their largest peak and smallest device.
+    """A replica is as slow as its slowest member: its leader reports, for each step, the
+    members' largest compute, data-wait, optimizer and step times, their smallest sync wait
+    (the slowest member waits least), and where it read memory their largest peak and
+    smallest device.
 
-    Every member files its StepRecord's times into a slot keyed by batch index (``add``).
-    After every ``window`` batches (the training loop's count, the same on every member)
-    all members launch one asynchronous all-reduce (MAX) of a finished window's slots on
-    the replica's gloo group and read it one step later (``on_step_end``), so the training
-    thread never waits for it and pays the launch once per window. The leader's records
-    wait for their window and leave combined; a record that arrives after its window left
-    (device timing events read late) leaves as measured. ``behind`` windows are left for
-    such late records (1 with device events, 0 with host timestamps)."""
+    The training thread only files each record's numbers into a slot of its window (a
+    plain ``array``, keyed by batch index: ``add``) and, every ``window`` batches (the
+    training loop's count, the same on every member), hands the finished window to this
+    object's daemon thread (``on_step_end``). That thread all-reduces it (MAX) on the
+    replica's gloo group, one window after another in the same order on every member,
+    and calls ``report`` with the leader's records, combined. A record that comes after
+    its window left (device timing events read late) is returned by ``add`` to be reported
+    as measured; ``behind`` windows are left for such records (1 with device events)."""
 
-    def __init__(self, group: Any, *, leader: bool, window: int = PACE_WINDOW, behind: int = 0) -> None:
+    def __init__(self, group: Any, *, leader: bool, report: Callable[[Sequence[StepRecord]], None],
+                 window: int = PACE_WINDOW, behind: int = 0) -> None:
         self.group = group
         self.leader = leader
         self.window = window
         self.behind = behind
-        self._rows: dict[int, list[list[float]]] = {}
-        self._held: dict[int, list[StepRecord]] = {}
-        self._next: int | None = None  # the first window not launched yet (set at the first step)
-        self._inflight: tuple[int, int, Any, torch.Tensor] | None = None  # first window, count, work, buffer
+        self._report = report
+        self._blank = array("d", [_NONE]) * (window * _WIDTH)
+        self._open: dict[int, tuple[array[float], list[StepRecord]]] = {}  # windows being filled
+        self._next: int | None = None  # the first window not handed over (set at the first step)
+        # (first window, its windows' slots and held records) per hand-over; None: stop.
+        self._work: SimpleQueue[tuple[int, list[tuple[array, list[StepRecord]]]] | None] = SimpleQueue()
+        self._thread: threading.Thread | None = None
         opts: Any = dist.AllreduceOptions()  # straight to the group: dist.all_reduce costs 2x
         opts.reduceOp = dist.ReduceOp.MAX
         self._opts = opts
         self.combined = 0  # records the leader reported as the replica's
-        self.late = 0  # records the leader reported as measured (their window had left)
+        self.late = 0  # records the leader reported as measured
 
-    def add(self, rec: StepRecord) -> list[StepRecord]:
-        """File this member's record; returns what the leader reports now (only a late record)."""
-        w = rec.batch_index // self.window
+    def add(self, rec: StepRecord) -> Sequence[StepRecord]:
+        """Training thread: file this member's record. Returns what to report now (the
+        leader's record whose window already left), else nothing."""
+        k = rec.batch_index
+        w = k // self.window
         if self._next is not None and w < self._next:
-            self.late += self.leader
-            return [rec] if self.leader else []
-        rows = self._rows.get(w)
-        if rows is None:
-            rows = self._rows[w] = [[_NONE] * _WIDTH for _ in range(self.window)]
-        rows[rec.batch_index - w * self.window] = _row(rec)
+            if self.leader:
+                self.late += 1
+                return (rec,)
+            return _NOTHING
+        slot = self._open.get(w)
+        if slot is None:
+            slot = self._open[w] = (array("d", self._blank), [])
+        buf, held = slot
+        i = (k - w * self.window) * _WIDTH
+        buf[i], buf[i + 1], buf[i + 2], buf[i + 3] = rec.compute_ms, rec.data_wait_ms, rec.optimizer_ms, rec.step_ms
+        buf[i + 4] = -rec.sync_wait_ms
+        if rec.mem_peak_bytes is not None:
+            buf[i + 5] = rec.mem_peak_bytes
+            if rec.mem_reserved_bytes is not None:
+                buf[i + 6] = rec.mem_reserved_bytes
+            if rec.mem_total_bytes is not None:
+                buf[i + 7] = -rec.mem_total_bytes
         if self.leader:
-            self._held.setdefault(w, []).append(rec)
-        return []
+            held.append(rec)
+        return _NOTHING
 
-    def on_step_end(self, trained: int, late_records: bool) -> list[StepRecord]:
-        """Every member, after every step (``trained``: the batches done): read the window in
-        flight, launch the next one that is due. Returns the leader's combined records.
-        ``late_records``: records come a step or more late (device events); read at the first
-        step, where it is the same on every member (one device type)."""
-        out: list[StepRecord] = []
+    def on_step_end(self, trained: int, late_records: bool) -> None:
+        """Training thread, every member, after every step (``trained``: the batches done).
+        ``late_records``: records come a step or more late (device events); read at the
+        first step, where it is the same on every member (one device type)."""
         if self._next is None:  # the first step: the same batch on every member
             self._next = (trained - 1) // self.window
             self.behind = 1 if late_records else 0
-        if self._inflight is not None:
-            out = self._collect(None)
-        if trained % self.window == 0:
-            last = trained // self.window - 1 - self.behind
-            if last >= self._next:
-                self._launch(last)
-        return out
+        if trained % self.window:
+            return
+        last = trained // self.window - 1 - self.behind
+        if last >= self._next:
+            self._hand_over(last)
 
-    def flush(self, trained: int, timeout_s: float | None) -> list[StepRecord]:
-        """At close, on every member after the same steps: combine all that is left (blocking)."""
-        out = self._collect(timeout_s) if self._inflight is not None else []
+    def flush(self, trained: int, timeout_s: float | None) -> Sequence[StepRecord]:
+        """At close, on every member after the same steps: combine what is left and wait for
+        the thread (at most ``timeout_s``). Returns records the thread could not take."""
         if self._next is not None and trained > 0 and (trained - 1) // self.window >= self._next:
-            self._launch((trained - 1) // self.window)
-            out += self._collect(timeout_s)
-        return out + self.release()
+            self._hand_over((trained - 1) // self.window)
+        self._work.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("the replica's last step times were not combined within %s s", timeout_s)
+        return self.release()
 
     def release(self) -> list[StepRecord]:
-        """Records still held (their window never left), as measured; forget the rest."""
-        held = [r for w in sorted(self._held) for r in self._held[w]]
+        """Stop: the records still filed here, as measured (the thread is told to end)."""
+        self._work.put(None)
+        held = [r for w in sorted(self._open) for r in self._open[w][1]]
+        self._open.clear()
         self.late += len(held)
-        self._held.clear()
-        self._rows.clear()
-        self._inflight = None
         return held
 
-    def _launch(self, last: int) -> None:
+    def _hand_over(self, last: int) -> None:
         assert self._next is not None
-        first, n = self._next, last - self._next + 1
-        empty = [[_NONE] * _WIDTH] * self.window
-        rows = [row for w in range(first, last + 1) for row in self._rows.pop(w, empty)]
-        buf = torch.tensor(rows, dtype=torch.float64)
-        work = self.group.allreduce([buf], self._opts) if self.group is not None else None
-        self._inflight = (first, n, work, buf)
+        first = self._next
+        windows = [self._open.pop(w) if w in self._open else (array("d", self._blank), [])
+                   for w in range(first, last + 1)]
         self._next = last + 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rebalancer-replica-pace", daemon=True)
+            self._thread.start()
+        self._work.put((first, windows))
 
-    def _collect(self, timeout_s: float | None) -> list[StepRecord]:
-        assert self._inflight is not None
-        first, n, work, buf = self._inflight
-        self._inflight = None
-        if work is not None:
-            work.wait() if timeout_s is None else work.wait(timedelta(seconds=timeout_s))
-        rows = buf.tolist()
-        out: list[StepRecord] = []
-        for w in range(first, first + n):
-            for rec in self._held.pop(w, ()):
-                _apply(rec, rows[(w - first) * self.window + rec.batch_index - w * self.window])
-                out.append(rec)
-        self.combined += len(out)
-        return out
+    def _run(self) -> None:
+        """The pace thread: one all-reduce per hand-over, in hand-over order on every member."""
+        while (item := self._work.get()) is not None:
+            first, windows = item
+            buf = windows[0][0] if len(windows) == 1 else sum((b for b, _ in windows[1:]), array("d", windows[0][0]))
+            held = [r for _, rs in windows for r in rs]
+            try:
+                if self.group is not None:
+                    self.group.allreduce([torch.frombuffer(buf, dtype=torch.float64)], self._opts).wait()
+            except Exception as exc:  # noqa: BLE001 - a peer gone or the group destroyed: report as measured
+                log.debug("the replica's step times could not be combined: %s", exc)
+                self.late += len(held)
+                if held:
+                    self._report(held)
+                return
+            for rec in held:
+                w = rec.batch_index // self.window
+                _apply(rec, buf, ((w - first) * self.window + rec.batch_index - w * self.window) * _WIDTH)
+            self.combined += len(held)
+            if held:
+                self._report(held)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
 import torch
 
+from tests.helpers.waiting import wait_until
 from trainer_hook.mesh import ReplicaPace
 from trainer_hook.protocol import StepRecord
 
@@ -54,69 +56,66 @@ def rec(k: int, compute: float, sync: float = 5.0, peak: int | None = None, tota
                       t=1.7e9 + k, mem_peak_bytes=peak, mem_total_bytes=total)
 
 
-def _run(steps: int, window: int, slow: dict[int, float]) -> tuple[list[StepRecord], list[StepRecord], _Pair]:
+def _pair(window: int) -> tuple[ReplicaPace, ReplicaPace, list[StepRecord], _Pair]:
     group = _Pair()
-    leader, member = (ReplicaPace(group, leader=True, window=window), ReplicaPace(group, leader=False, window=window))
     reported: list[StepRecord] = []
-    for k in range(steps):
-        for pace, compute in ((leader, 10.0), (member, slow.get(k, 8.0))):
-            out = pace.add(rec(k, compute, sync=20.0 - compute))
-            if pace is member:
-                assert out == []
-            reported += out
-        for pace in (leader, member):  # both launch before either reads (one step later)
-            out = pace.on_step_end(k + 1, False)
-            assert pace is leader or out == []
-            reported += out
-    # close(): every member flushes (blocking) after the same steps; only the leader holds records.
-    at_close: list[StepRecord] = []
-    other = threading.Thread(target=lambda: at_close.extend(leader.flush(steps, None)))
+    leader = ReplicaPace(group, leader=True, window=window, report=reported.extend)
+    member = ReplicaPace(group, leader=False, window=window, report=lambda recs: pytest.fail("a member reported"))
+    return leader, member, reported, group
+
+
+def _close(leader: ReplicaPace, member: ReplicaPace, trained: int) -> list[StepRecord]:
+    """close() on both members at once (each blocks until the other's last all-reduce)."""
+    left: list[StepRecord] = []
+    other = threading.Thread(target=lambda: left.extend(leader.flush(trained, 10.0)))
     other.start()
-    assert member.flush(steps, None) == []
+    assert list(member.flush(trained, 10.0)) == []
     other.join(10)
-    return reported, at_close, group
+    return left
 
 
 def test_the_leader_reports_every_step_once_with_the_slowest_members_times() -> None:
-    reported, at_close, group = _run(steps=20, window=8, slow={3: 30.0, 12: 11.0, 19: 50.0})
-    # Windows 0-7 and 8-15 leave a step after their last batch; 16-19 at close.
-    assert [r.batch_index for r in reported] == list(range(16))
-    assert [r.batch_index for r in at_close] == [16, 17, 18, 19]
-    by_k = {r.batch_index: r for r in reported + at_close}
-    for k, r in by_k.items():
-        want = {3: 30.0, 12: 11.0, 19: 50.0}.get(k, 10.0)
-        assert r.compute_ms == want, k
-        assert r.sync_wait_ms == 20.0 - want  # the slowest member waits least
-        assert r.step_ms == 21.5  # max of (compute + sync + 1.5) = 21.5 on both
-    assert group.launches == 2 * 3  # one all-reduce per window and member
+    leader, member, reported, group = _pair(window=8)
+    slow = {3: 30.0, 12: 11.0, 19: 50.0}
+    for k in range(20):
+        assert leader.add(rec(k, 10.0, sync=10.0)) == ()  # the training thread reports nothing itself
+        assert member.add(rec(k, slow.get(k, 8.0), sync=20.0 - slow.get(k, 8.0))) == ()
+        leader.on_step_end(k + 1, False)
+        member.on_step_end(k + 1, False)
+    assert _close(leader, member, 20) == []
+    # Windows 0-7 and 8-15 left during training, 16-19 at close; each record once, in order.
+    assert [r.batch_index for r in reported] == list(range(20))
+    for r in reported:
+        want = slow.get(r.batch_index, 10.0)
+        assert r.compute_ms == want, r.batch_index
+        assert r.sync_wait_ms == min(10.0, 20.0 - slow.get(r.batch_index, 8.0))  # the least wait
+        assert r.step_ms == 21.5  # compute + sync + 1.5 on both members
+    assert group.launches == 2 * 3  # one all-reduce per hand-over and member
+    assert (leader.combined, leader.late) == (20, 0)
 
 
 def test_memory_takes_the_largest_peak_and_the_smallest_device() -> None:
-    group = _Pair()
-    leader, member = ReplicaPace(group, leader=True, window=2), ReplicaPace(group, leader=False, window=2)
+    leader, member, reported, _ = _pair(window=2)
     leader.add(rec(0, 1.0, peak=100, total=1000))
     member.add(rec(0, 1.0, peak=300, total=800))
     leader.add(rec(1, 1.0))
     member.add(rec(1, 1.0, peak=500, total=900))
     for k in (1, 2):
-        out = leader.on_step_end(k, False)
+        leader.on_step_end(k, False)
         member.on_step_end(k, False)
-    out = leader.on_step_end(3, False)
-    member.on_step_end(3, False)
-    assert [(r.mem_peak_bytes, r.mem_total_bytes) for r in out] == [(300, 800), (None, None)]
+    _close(leader, member, 2)
+    assert [(r.mem_peak_bytes, r.mem_total_bytes) for r in reported] == [(300, 800), (None, None)]
 
 
 def test_a_record_after_its_window_left_goes_as_measured_and_close_without_peers_releases() -> None:
-    group = _Pair()
-    leader = ReplicaPace(group, leader=True, window=2)
-    leader.on_step_end(1, True)  # device events: one window is left for late records
-    leader.on_step_end(2, True)
-    assert group.launches == 0
-    leader.on_step_end(3, True)
-    leader.on_step_end(4, True)  # window 0 leaves now
-    assert group.launches == 1
+    leader, member, reported, group = _pair(window=2)
+    for k in (1, 2, 3, 4):  # device events: one window is left for late records
+        leader.on_step_end(k, True)
+        member.on_step_end(k, True)
+    wait_until(lambda: group.launches == 2, "window 0 to leave (at step 4, from both members)")
     late = rec(1, 7.0)
-    assert leader.add(late) == [late] and leader.late == 1
+    assert leader.add(late) == (late,) and leader.late == 1
     kept = rec(2, 7.0)
-    assert leader.add(kept) == []
+    assert leader.add(kept) == ()
     assert leader.release() == [kept]  # close(wait_for_peers=False): as measured
+    member.release()
