@@ -121,7 +121,8 @@ class RebalanceHook:
     (``mesh["dp"]`` for DP x TP, the whole 2-D mesh for HSDP). Shares are then per
     data-parallel replica: ``rank`` is this rank's replica index, ``world_size`` the number
     of replicas, every rank of a replica reads the same samples, and only each replica's
-    first rank talks to the backend (docs/meshes.md). Example::
+    first rank talks to the backend, reporting its replica's pace: per step the slowest
+    member's times, combined off the training thread every 8 steps (docs/meshes.md). Example::
 
         mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], plan); fully_shard(model, mesh=mesh["dp"])
