@@ -1038,9 +1038,8 @@ class RebalanceHook:
         self._grads._pg = None
         self._grads._opts = None
         self._control.after_fork_in_child()
-        if self._pace is not None:  # its thread does not exist here
-            self._pace.group = None
-            self._pace.release()
+        if self._pace is not None:
+            self._pace.after_fork_in_child()
         if self._probe is not None:
             self._probe.after_fork_in_child()
         if self._transport is not None:

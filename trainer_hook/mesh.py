@@ -284,6 +284,15 @@ class ReplicaPace:
         self.late += len(held)
         return held
 
+    def after_fork_in_child(self) -> None:
+        """A forked child (a DataLoader worker): inert; the parent's thread, queue and group
+        are left untouched (a lock held at the fork would never be released here)."""
+        self.group = None
+        self._thread = None
+        self._work = SimpleQueue()
+        self._open = {}
+        self._next = 1 << 62  # every record is late: nothing is filed
+
     def _hand_over(self, last: int) -> None:
         assert self._next is not None
         first = self._next
