@@ -223,13 +223,9 @@ class RebalanceHook:
             lookahead=lookahead, group=group,
         )
         if replicas is not None and self._members > 1:
-            # One gloo group per replica (every rank creates every group, in order): the
-            # members' step times meet there, off the training thread's critical path.
-            mine = None
-            for ranks in replicas.every:
-                g = dist.new_group(list(ranks), backend="gloo")
-                if ranks == replicas.members:
-                    mine = g
+            # The replica's own gloo group, where its members' step times meet. Created by
+            # its members only (local synchronisation): no world-wide barrier per replica.
+            mine = dist.new_group(list(replicas.members), backend="gloo", use_local_synchronization=True)
             self._pace = ReplicaPace(mine, leader=leader, report=self._report_many)
         self._trained: ScheduledPlacement = self._schedule.at(0)
         self._ready = True

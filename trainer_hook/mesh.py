@@ -29,13 +29,11 @@ __all__ = ["Replicas", "replica_of", "mesh_shape", "check_dp_mesh", "ReplicaPace
 
 
 class Replicas(NamedTuple):
-    """This rank's replica index, the number of replicas, its replica's global ranks, and
-    every replica's global ranks (index order)."""
+    """This rank's replica index, the number of replicas and its replica's global ranks."""
 
     replica: int
     replicas: int
     members: tuple[int, ...]
-    every: tuple[tuple[int, ...], ...]
 
 
 def _mesh_ranks(mesh: Any) -> set[int]:
@@ -48,7 +46,7 @@ def _names(mesh: Any) -> tuple[str, ...]:
 
 
 def replica_of(dp_mesh: Any) -> Replicas:
-    """This rank's replica, and every replica's ranks.
+    """This rank's replica: its index, the number of replicas and its global ranks.
 
     The replica index is this rank's coordinate in ``dp_mesh`` flattened row-major. One
     blocking all-gather at start-up learns every rank's index, which checks that ``dp_mesh``
@@ -92,8 +90,7 @@ def replica_of(dp_mesh: Any) -> Replicas:
             f"dp_mesh is not a sub-mesh of the world: its {replicas} replicas hold unequal numbers of "
             f"the {world} ranks ({sorted(sizes)}); every rank must pass its own slice of one world mesh."
         )
-    every_replica = tuple(tuple(r for r, e in enumerate(every) if e[0] == i) for i in range(replicas))
-    return Replicas(index, replicas, members, every_replica)
+    return Replicas(index, replicas, members)
 
 
 def mesh_shape(dp_mesh: Any, replicas: int, replica_size: int) -> MeshShape:
