@@ -290,7 +290,9 @@ class RebalanceHook:
 
     @property
     def last_step(self) -> StepRecord | None:
-        """The newest StepRecord of this rank, or None before the first step ends."""
+        """The newest StepRecord of this rank, or None before the first step ends. With
+        ``dp_mesh``, a replica leader's records are its replica's (the slowest member's
+        times), which arrive up to two windows of 8 steps late (docs/meshes.md)."""
         return self.history[-1] if self.history else None
 
     @property
