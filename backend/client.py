@@ -33,7 +33,7 @@ from typing import Any, TypedDict, cast
 
 __all__ = [
     "Client", "APIError", "ServerUnreachable", "DEFAULT_SERVER",
-    "Job", "Bound", "Rank", "Device", "MetricPoint", "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory",
+    "Job", "Bound", "Mesh", "Rank", "Device", "MetricPoint", "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory",
     "Proposal", "Placement", "Effect", "Overrides", "OverridesSet", "AuditRecord", "Token", "TokenCreated", "Health", "WhoAmI",
 ]
 
@@ -91,6 +91,16 @@ class Bound(TypedDict, total=False):
     busbw_gbps: float | None
 
 
+class Mesh(TypedDict):
+    """A device-mesh job's shape (``GET /api/v1/jobs/{job}``'s ``mesh``): its ranks are replicas."""
+
+    dp: int
+    replica_size: int
+    dims: list[str]
+    shape: list[int]
+    label: str  # e.g. "DP 2 x TP 2"
+
+
 class Job(TypedDict, total=False):
     job: str
     world_size: int
@@ -114,6 +124,7 @@ class Job(TypedDict, total=False):
     cost_per_hour: float | None
     idle_cost_per_hour: float | None
     bound: Bound | None
+    mesh: Mesh | None
 
 
 class Device(TypedDict, total=False):

@@ -24,7 +24,7 @@ import os
 import socket
 import threading
 from collections import deque
-from collections.abc import Sized
+from collections.abc import Sequence, Sized
 from typing import Any
 
 import torch
@@ -48,12 +48,13 @@ from trainer_hook.memory import (
     default_memory_source,
     is_out_of_memory,
 )
-from trainer_hook.mesh import replica_of
+from trainer_hook.mesh import ReplicaPace, mesh_shape, replica_of
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.protocol import (
     Ack,
     Error,
     Hello,
+    MeshShape,
     Message,
     Oom,
     Placement,
@@ -120,7 +121,8 @@ class RebalanceHook:
     (``mesh["dp"]`` for DP x TP, the whole 2-D mesh for HSDP). Shares are then per
     data-parallel replica: ``rank`` is this rank's replica index, ``world_size`` the number
     of replicas, every rank of a replica reads the same samples, and only each replica's
-    first rank talks to the backend (docs/meshes.md). Example::
+    first rank talks to the backend, reporting its replica's pace: per step the slowest
+    member's times, combined off the training thread every 8 steps (docs/meshes.md). Example::
 
         mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], plan); fully_shard(model, mesh=mesh["dp"])
@@ -149,6 +151,8 @@ class RebalanceHook:
         self._root = True  # global rank 0: decides placements and their batch index
         self._members = 1  # ranks per replica (its tensor/context-parallel group)
         self._replica_ranks: tuple[int, ...] = ()
+        self._mesh: MeshShape | None = None  # the job's mesh shape, for the hello
+        self._pace: ReplicaPace | None = None  # combines the replica's records (members > 1)
         # The lookahead in force: given, or measured at the first step (None until then).
         self._lookahead: int | None = cfg.lookahead if isinstance(cfg.lookahead, int) else None
         self._known_lookahead = 0  # what hook.data_loader() knows its loader needs
@@ -194,10 +198,13 @@ class RebalanceHook:
         self._rank, self._world_size = _rank_and_world(where)
         global_world, leader = self._world_size, True
         self._root = self._rank == 0
+        replicas = None
         if self._dp_mesh is not None:
-            self._rank, self._world_size, self._replica_ranks = replica_of(self._dp_mesh)
+            replicas = replica_of(self._dp_mesh)
+            self._rank, self._world_size, self._replica_ranks = replicas.replica, replicas.replicas, replicas.members
             self._members = len(self._replica_ranks)
             leader = dist.get_rank() == self._replica_ranks[0]
+            self._mesh = mesh_shape(self._dp_mesh, replicas.replicas, self._members)
         cfg = self.config
         b = cfg.global_batch_size
         if b < self._world_size:
@@ -215,6 +222,11 @@ class RebalanceHook:
             exchange_every=cfg.exchange_every, exchange_lag=cfg.exchange_lag,
             lookahead=lookahead, group=group,
         )
+        if replicas is not None and self._members > 1:
+            # The replica's own gloo group, where its members' step times meet. Created by
+            # its members only (local synchronisation): no world-wide barrier per replica.
+            mine = dist.new_group(list(replicas.members), backend="gloo", use_local_synchronization=True)
+            self._pace = ReplicaPace(mine, leader=leader, report=self._report_many)
         self._trained: ScheduledPlacement = self._schedule.at(0)
         self._ready = True
         if not cfg.offline and leader:  # only a replica's leader talks to the backend
@@ -278,7 +290,9 @@ class RebalanceHook:
 
     @property
     def last_step(self) -> StepRecord | None:
-        """The newest StepRecord of this rank, or None before the first step ends."""
+        """The newest StepRecord of this rank, or None before the first step ends. With
+        ``dp_mesh``, a replica leader's records are its replica's (the slowest member's
+        times), which arrive up to two windows of 8 steps late (docs/meshes.md)."""
         return self.history[-1] if self.history else None
 
     @property
@@ -671,16 +685,32 @@ class RebalanceHook:
         if rec is not None and sampler is not None and sampler.has_cost:
             rec.work = sampler.local_work(rec.batch_index) if rec.local_batch_size else 0.0
             rec.batch_work = sampler.batch_work(rec.batch_index)
-        if rec is not None:
-            self.history.append(rec)
-            if self._transport is not None:
-                self._transport.put_step(rec)
+        pace = self._pace
+        if pace is not None:  # the leader reports its replica's pace (the slowest member's times)
+            if rec is not None:
+                if not pace.leader:
+                    self.history.append(rec)  # a member keeps its own; the leader sends
+                for r in pace.add(rec):  # only a record whose window left already
+                    self._report(r)
+            pace.on_step_end(self._next_batch, self._grads.events is not None)
+        elif rec is not None:
+            self._report(rec)
         if self._grads.repeated_bucket:
             raise RuntimeError(
                 "Gradients were all-reduced more than once in one hook.step(): gradient "
                 "accumulation must wrap every micro-batch but the last in model.no_sync(), "
                 "otherwise each micro-batch is weighted as a whole batch and the math changes."
             )
+
+    def _report(self, rec: StepRecord) -> None:
+        self.history.append(rec)
+        if self._transport is not None:
+            self._transport.put_step(rec)
+
+    def _report_many(self, recs: Sequence[StepRecord]) -> None:
+        """The pace thread: a replica's combined records (deque appends are thread-safe)."""
+        for rec in recs:
+            self._report(rec)
 
     def _report_oom(self, exc: BaseException) -> None:
         """Tell the backend this rank ran out of memory, and wait (up to 2 s) until the
@@ -954,7 +984,7 @@ class RebalanceHook:
             hook_version=HOOK_VERSION, total_steps=self.config.total_steps,
             memory_source=self._memory.source.name if self._memory is not None else "",
             gpu_index=gpu_index, gpu_uuid=gpu_uuid,
-            comm_kind=_COMM_KIND.get(self._gradients_mode or "", ""),
+            comm_kind=_COMM_KIND.get(self._gradients_mode or "", ""), mesh=self._mesh,
         )
 
     def close(self, *, wait_for_peers: bool = True) -> None:
@@ -978,6 +1008,10 @@ class RebalanceHook:
         try:
             if wait_for_peers:
                 self._control.close(timeout_s=wait_timeout_s)
+            if self._pace is not None:  # the records of the last window(s), combined if peers wait
+                pace = self._pace
+                for r in pace.flush(self._next_batch, wait_timeout_s) if wait_for_peers else pace.release():
+                    self._report(r)  # held by the leader only
         finally:
             self._release_process_groups()
             if self._probe is not None:
@@ -1002,6 +1036,8 @@ class RebalanceHook:
         self._grads._pg = None
         self._grads._opts = None
         self._control.after_fork_in_child()
+        if self._pace is not None:
+            self._pace.after_fork_in_child()
         if self._probe is not None:
             self._probe.after_fork_in_child()
         if self._transport is not None:
@@ -1016,11 +1052,15 @@ class RebalanceHook:
         self._grads._pg = None
         self._grads._opts = None
         group, self._control.group = self._control.group, None
-        if group is not None and dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError) as exc:  # already gone with the default group
-                log.debug("control group was already destroyed: %s", exc)
+        pace_group = None
+        if self._pace is not None:
+            pace_group, self._pace.group = self._pace.group, None
+        for g in (group, pace_group):
+            if g is not None and dist.is_available() and dist.is_initialized():
+                try:
+                    dist.destroy_process_group(g)
+                except (RuntimeError, ValueError) as exc:  # already gone with the default group
+                    log.debug("control group was already destroyed: %s", exc)
 
     def __enter__(self) -> RebalanceHook:
         return self

@@ -4,15 +4,36 @@ mesh matches the ``dp_mesh`` the hook was given (issue 24, docs/meshes.md).
 With ``RebalanceHook(..., dp_mesh=M)`` shares are per data-parallel replica: the ranks
 that share one coordinate in ``M`` (a tensor/context-parallel group) form one replica and
 get the identical local batch. The hook then presents each replica to the rest of the
-system as one worker: rank = replica index, world = number of replicas."""
+system as one worker: rank = replica index, world = number of replicas. A replica is as
+slow as its slowest member: ``ReplicaPace`` combines the members' step records so that the
+leader reports the replica's pace."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import math
+import threading
+from array import array
+from collections.abc import Callable, Sequence
+from queue import SimpleQueue
+from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["replica_of", "check_dp_mesh"]
+from trainer_hook.protocol import MeshShape, StepRecord
+
+log = logging.getLogger("trainer_hook")
+
+__all__ = ["Replicas", "replica_of", "mesh_shape", "check_dp_mesh", "ReplicaPace", "PACE_WINDOW"]
+
+
+class Replicas(NamedTuple):
+    """This rank's replica index, the number of replicas and its replica's global ranks."""
+
+    replica: int
+    replicas: int
+    members: tuple[int, ...]
 
 
 def _mesh_ranks(mesh: Any) -> set[int]:
@@ -24,8 +45,8 @@ def _names(mesh: Any) -> tuple[str, ...]:
     return tuple(names) if names else tuple(f"dim {d}" for d in range(mesh.ndim))
 
 
-def replica_of(dp_mesh: Any) -> tuple[int, int, tuple[int, ...]]:
-    """(replica index, number of replicas, global ranks of this rank's replica).
+def replica_of(dp_mesh: Any) -> Replicas:
+    """This rank's replica: its index, the number of replicas and its global ranks.
 
     The replica index is this rank's coordinate in ``dp_mesh`` flattened row-major. One
     blocking all-gather at start-up learns every rank's index, which checks that ``dp_mesh``
@@ -69,7 +90,27 @@ def replica_of(dp_mesh: Any) -> tuple[int, int, tuple[int, ...]]:
             f"dp_mesh is not a sub-mesh of the world: its {replicas} replicas hold unequal numbers of "
             f"the {world} ranks ({sorted(sizes)}); every rank must pass its own slice of one world mesh."
         )
-    return index, replicas, members
+    return Replicas(index, replicas, members)
+
+
+def mesh_shape(dp_mesh: Any, replicas: int, replica_size: int) -> MeshShape:
+    """The job's mesh for the hello: the dims of the mesh ``dp_mesh`` was sliced from
+    (DeviceMesh's root mesh, when it covers the world), else ``dp_mesh``'s dims and one
+    dim called "replica" for the rest."""
+    root: Any = None
+    try:
+        root = dp_mesh._get_root_mesh()  # private in torch 2.x; absent: the fallback below
+    except Exception:  # noqa: BLE001 - any torch without it
+        root = None
+    if root is not None and getattr(root, "mesh_dim_names", None):
+        shape = tuple(int(n) for n in root.mesh.shape)
+        if math.prod(shape) == replicas * replica_size:
+            return MeshShape(dp=replicas, replica_size=replica_size, dims=tuple(root.mesh_dim_names), shape=shape)
+    dims = tuple(n if n.isidentifier() else f"dp{i}" for i, n in enumerate(_names(dp_mesh)))
+    shape = tuple(int(n) for n in dp_mesh.mesh.shape)
+    if replica_size > 1:
+        dims, shape = (*dims, "replica"), (*shape, replica_size)
+    return MeshShape(dp=replicas, replica_size=replica_size, dims=dims, shape=shape)
 
 
 def check_dp_mesh(model: Any, dp_mesh: Any) -> None:
@@ -123,3 +164,161 @@ def check_dp_mesh(model: Any, dp_mesh: Any) -> None:
                 f"{_mesh_dim_name(mesh, d)!r} (ranks {sorted(along)}) crosses dp_mesh {dp_names} "
                 f"(ranks {sorted(dp)}): the model's mesh and dp_mesh disagree."
             )
+
+
+# --- the replica's pace --------------------------------------------------------------------
+
+PACE_WINDOW = 8  # batches per all-reduce
+_NONE = float("-inf")  # a slot no member filled; every field is combined with MAX
+_WIDTH = 8  # compute, data wait, optimizer, step, -sync wait, peak, reserved, -device memory
+_NOTHING: tuple[StepRecord, ...] = ()
+
+
+def _apply(rec: StepRecord, buf: array, i: int) -> None:
+    if buf[i] == _NONE:
+        return
+    rec.compute_ms, rec.data_wait_ms, rec.optimizer_ms, rec.step_ms = buf[i], buf[i + 1], buf[i + 2], buf[i + 3]
+    rec.sync_wait_ms = -buf[i + 4]
+    if rec.mem_peak_bytes is not None:
+        rec.mem_peak_bytes = int(buf[i + 5])
+        if buf[i + 6] != _NONE:
+            rec.mem_reserved_bytes = int(buf[i + 6])
+        if buf[i + 7] != _NONE:
+            rec.mem_total_bytes = int(-buf[i + 7])
+
+
+class ReplicaPace:
+    """A replica is as slow as its slowest member: its leader reports, for each step, the
+    members' largest compute, data-wait, optimizer and step times, their smallest sync wait
+    (the slowest member waits least), and where it read memory their largest peak and
+    smallest device.
+
+    The training thread only files each record's numbers into a slot of its window (a
+    plain ``array``, keyed by batch index: ``add``) and, every ``window`` batches (the
+    training loop's count, the same on every member), hands the finished window to this
+    object's daemon thread (``on_step_end``). That thread all-reduces it (MAX) on the
+    replica's gloo group, one window after another in the same order on every member,
+    and calls ``report`` with the leader's records, combined. A record that comes after
+    its window left (device timing events read late) is returned by ``add`` to be reported
+    as measured; ``behind`` windows are left for such records (1 with device events)."""
+
+    def __init__(self, group: Any, *, leader: bool, report: Callable[[Sequence[StepRecord]], None],
+                 window: int = PACE_WINDOW, behind: int = 0) -> None:
+        self.group = group
+        self.leader = leader
+        self.window = window
+        self.behind = behind
+        self._report = report
+        self._blank = array("d", [_NONE]) * (window * _WIDTH)
+        self._open: dict[int, tuple[array[float], list[StepRecord]]] = {}  # windows being filled
+        self._next: int | None = None  # the first window not handed over (set at the first step)
+        # (first window, its windows' slots and held records) per hand-over; None: stop.
+        self._work: SimpleQueue[tuple[int, list[tuple[array, list[StepRecord]]]] | None] = SimpleQueue()
+        self._thread: threading.Thread | None = None
+        opts: Any = dist.AllreduceOptions()  # straight to the group: dist.all_reduce costs 2x
+        opts.reduceOp = dist.ReduceOp.MAX
+        self._opts = opts
+        self.combined = 0  # records the leader reported as the replica's
+        self.late = 0  # records the leader reported as measured
+
+    def add(self, rec: StepRecord) -> Sequence[StepRecord]:
+        """Training thread: file this member's record. Returns what to report now (the
+        leader's record whose window already left), else nothing."""
+        k = rec.batch_index
+        w = k // self.window
+        if self._next is not None and w < self._next:
+            if self.leader:
+                self.late += 1
+                return (rec,)
+            return _NOTHING
+        slot = self._open.get(w)
+        if slot is None:
+            slot = self._open[w] = (array("d", self._blank), [])
+        buf, held = slot
+        i = (k - w * self.window) * _WIDTH
+        buf[i], buf[i + 1], buf[i + 2], buf[i + 3] = rec.compute_ms, rec.data_wait_ms, rec.optimizer_ms, rec.step_ms
+        buf[i + 4] = -rec.sync_wait_ms
+        if rec.mem_peak_bytes is not None:
+            buf[i + 5] = rec.mem_peak_bytes
+            if rec.mem_reserved_bytes is not None:
+                buf[i + 6] = rec.mem_reserved_bytes
+            if rec.mem_total_bytes is not None:
+                buf[i + 7] = -rec.mem_total_bytes
+        if self.leader:
+            held.append(rec)
+        return _NOTHING
+
+    def on_step_end(self, trained: int, late_records: bool) -> None:
+        """Training thread, every member, after every step (``trained``: the batches done).
+        ``late_records``: records come a step or more late (device events); read at the
+        first step, where it is the same on every member (one device type)."""
+        if self._next is None:  # the first step: the same batch on every member
+            self._next = (trained - 1) // self.window
+            self.behind = 1 if late_records else 0
+        if trained % self.window:
+            return
+        last = trained // self.window - 1 - self.behind
+        if last >= self._next:
+            self._hand_over(last)
+
+    def flush(self, trained: int, timeout_s: float | None) -> Sequence[StepRecord]:
+        """At close, on every member after the same steps: combine what is left and wait for
+        the thread (at most ``timeout_s``). Returns records the thread could not take."""
+        if self._next is not None and trained > 0 and (trained - 1) // self.window >= self._next:
+            self._hand_over((trained - 1) // self.window)
+        self._work.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("the replica's last step times were not combined within %s s", timeout_s)
+        return self.release()
+
+    def release(self) -> list[StepRecord]:
+        """Stop: the records still filed here, as measured (the thread is told to end)."""
+        self._work.put(None)
+        held = [r for w in sorted(self._open) for r in self._open[w][1]]
+        self._open.clear()
+        self.late += len(held)
+        return held
+
+    def after_fork_in_child(self) -> None:
+        """A forked child (a DataLoader worker): inert; the parent's thread, queue and group
+        are left untouched (a lock held at the fork would never be released here)."""
+        self.group = None
+        self._thread = None
+        self._work = SimpleQueue()
+        self._open = {}
+        self._next = 1 << 62  # every record is late: nothing is filed
+
+    def _hand_over(self, last: int) -> None:
+        assert self._next is not None
+        first = self._next
+        windows = [self._open.pop(w) if w in self._open else (array("d", self._blank), [])
+                   for w in range(first, last + 1)]
+        self._next = last + 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rebalancer-replica-pace", daemon=True)
+            self._thread.start()
+        self._work.put((first, windows))
+
+    def _run(self) -> None:
+        """The pace thread: one all-reduce per hand-over, in hand-over order on every member."""
+        while (item := self._work.get()) is not None:
+            first, windows = item
+            buf = windows[0][0] if len(windows) == 1 else sum((b for b, _ in windows[1:]), array("d", windows[0][0]))
+            held = [r for _, rs in windows for r in rs]
+            try:
+                if self.group is not None:
+                    self.group.allreduce([torch.frombuffer(buf, dtype=torch.float64)], self._opts).wait()
+            except Exception as exc:  # noqa: BLE001 - a peer gone or the group destroyed: report as measured
+                log.debug("the replica's step times could not be combined: %s", exc)
+                self.late += len(held)
+                if held:
+                    self._report(held)
+                return
+            for rec in held:
+                w = rec.batch_index // self.window
+                _apply(rec, buf, ((w - first) * self.window + rec.batch_index - w * self.window) * _WIDTH)
+            self.combined += len(held)
+            if held:
+                self._report(held)

@@ -66,6 +66,8 @@ __all__ = [
     "HOOK_HELLO_FRAMES",
     "ProtocolError",
     "Hello",
+    "MeshShape",
+    "MAX_MESH_DIMS",
     "StepRecord",
     "DeviceSample",
     "Metrics",
@@ -287,6 +289,74 @@ def uniform_shares(world_size: int, global_batch_size: int) -> list[int]:
 
 # --- messages ----------------------------------------------------------------------------
 
+MAX_MESH_DIMS = 8  # torchtitan's deepest mesh (pp, dp_replicate, dp_shard, cp, tp, ep) has 6
+_MESH_DIM_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,31}")
+
+
+@dataclass(frozen=True, slots=True)
+class MeshShape:
+    """A device-mesh job's shape, as its hooks say it in ``hello.mesh`` (docs/meshes.md).
+
+    ``dp`` data-parallel replicas (the hello's ``world_size``: the hook speaks for one
+    replica) of ``replica_size`` ranks each (its tensor/context-parallel group); ``dims``
+    and ``shape`` name and size the dimensions of the whole mesh, whose product is
+    ``dp * replica_size``. ``label`` is how people read it: "DP 2 x TP 2"."""
+
+    dp: int
+    replica_size: int
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def label(self) -> str:
+        return " x ".join(f"{name.upper()} {n}" for name, n in zip(self.dims, self.shape, strict=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dp": self.dp, "replica_size": self.replica_size, "dims": list(self.dims), "shape": list(self.shape)}
+
+    def as_view(self) -> dict[str, Any]:
+        """What the backend's job resource and dashboard show: the wire dict and its label."""
+        return {**self.to_dict(), "label": self.label}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, world_size: int) -> MeshShape:
+        m = _obj(d, "'mesh'")
+        dp, replica = (_mesh_int(m, key) for key in ("dp", "replica_size"))
+        if dp != world_size:
+            raise ProtocolError(
+                f"'mesh.dp' ({dp}) must equal 'world_size' ({world_size}): with a mesh the hook "
+                f"speaks for one data-parallel replica, so world_size counts replicas.")
+        if dp * replica > MAX_WORLD_SIZE:
+            raise ProtocolError(
+                f"'mesh.dp' x 'mesh.replica_size' ({dp} x {replica}) must be at most {MAX_WORLD_SIZE} ranks.")
+        dims, shape = m.get("dims"), m.get("shape")
+        if not isinstance(dims, list) or not 1 <= len(dims) <= MAX_MESH_DIMS:
+            raise ProtocolError(f"'mesh.dims' must be a list of 1 to {MAX_MESH_DIMS} dimension names, got {_short(dims)}.")
+        for name in dims:
+            if not isinstance(name, str) or not _MESH_DIM_NAME.fullmatch(name):
+                raise ProtocolError(
+                    f"'mesh.dims' holds {_short(name)}; a dimension name is 1 to 32 letters, digits or "
+                    f"'_', not starting with a digit (e.g. 'dp', 'tp').")
+        if len(set(dims)) != len(dims):
+            raise ProtocolError(f"'mesh.dims' names a dimension twice: {dims}.")
+        if (not isinstance(shape, list) or len(shape) != len(dims)
+                or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_WORLD_SIZE for n in shape)):
+            raise ProtocolError(
+                f"'mesh.shape' must be a list of {len(dims)} sizes (one per name in 'mesh.dims') "
+                f"between 1 and {MAX_WORLD_SIZE}, got {_short(shape)}.")
+        if math.prod(shape) != dp * replica:
+            raise ProtocolError(
+                f"'mesh.shape' {shape} holds {math.prod(shape)} ranks, but 'mesh.dp' x 'mesh.replica_size' "
+                f"is {dp} x {replica} = {dp * replica}.")
+        return cls(dp=dp, replica_size=replica, dims=tuple(dims), shape=tuple(shape))
+
+
+def _mesh_int(m: Mapping[str, Any], key: str) -> int:
+    val = m.get(key)
+    if isinstance(val, bool) or not isinstance(val, int) or not 1 <= val <= MAX_WORLD_SIZE:
+        raise ProtocolError(f"'mesh.{key}' must be an integer between 1 and {MAX_WORLD_SIZE}, got {_short(val)}.")
+    return val
+
 
 @dataclass(kw_only=True, slots=True)
 class Hello:
@@ -317,6 +387,8 @@ class Hello:
     gpu_uuid: str = ""
     # The collective the step records' ``comm_bytes`` go through (COMM_KINDS; "" unknown).
     comm_kind: str = ""
+    # A device-mesh job (``RebalanceHook(dp_mesh=...)``): its shape; None for plain data parallel.
+    mesh: MeshShape | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Hello:
@@ -346,6 +418,7 @@ class Hello:
             gpu_index=_int(d, "gpu_index", hi=MAX_GPU_INDEX, default=None),
             gpu_uuid=_str(d, "gpu_uuid", default=""),
             comm_kind=_comm_kind(d),
+            mesh=MeshShape.from_dict(d["mesh"], world_size=world) if d.get("mesh") is not None else None,
         )
 
 
@@ -718,7 +791,7 @@ class Error:
 
 Message: TypeAlias = Hello | Metrics | Ack | Reject | Oom | Placement | Error
 _TYPES: dict[str, Any] = {c.TYPE: c for c in (Hello, Metrics, Ack, Reject, Oom, Placement, Error)}
-_V2_ONLY = {"memory_source", "gpu_index", "gpu_uuid"}  # hello fields a version-1 peer does not know
+_V2_ONLY = {"memory_source", "gpu_index", "gpu_uuid", "mesh"}  # hello fields a version-1 peer does not know
 
 
 def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
@@ -732,6 +805,10 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
         del body["urgent"]  # likewise
     if body.get("comm_kind", None) == "":
         del body["comm_kind"]  # likewise
+    if "mesh" in body:
+        mesh = body.pop("mesh")
+        if mesh is not None:  # absent for plain data parallel
+            body["mesh"] = mesh.to_dict()
     if version < 2:
         for key in _V2_ONLY:
             body.pop(key, None)

@@ -329,6 +329,7 @@ def summary(feed: Feed, view: JobView, *, wall: Callable[[], float], stale_after
         "cost_to_finish": _r(fc.cost_to_finish),
         # What bounds the step (backend.policy.comm, cached per new step); None until known.
         "bound": bound if bound != "unknown" else None,
+        "mesh": view.mesh.as_view() if view.mesh else None,  # its ranks are replicas
     }
 
 

@@ -49,7 +49,7 @@ from backend.live.rows import (
 from backend.live.windows import Pending, Window, aggregate_windows
 from backend.policy.comm import Communication, assess
 from backend.policy.memory import MemoryReading, RankMemory
-from trainer_hook.protocol import STEP_TIMES, DeviceSample, Hello, Metrics, StepRecord
+from trainer_hook.protocol import STEP_TIMES, DeviceSample, Hello, MeshShape, Metrics, StepRecord
 
 __all__ = ["LiveState", "RankView", "JobView", "eta_seconds"]
 
@@ -93,6 +93,7 @@ class _Job:
     last_seen: float
     ranks: dict[int, _Rank] = field(default_factory=dict)
     total_steps: int | None = None  # the newest a hook said (hello or metrics)
+    mesh: MeshShape | None = None  # a device-mesh job's shape, as its newest hello said it
     left_at: float = 0.0  # when its last connected rank went away
     step_hist: StepHistogram = field(default_factory=StepHistogram)  # rank 0's step times
     # The newest ``communication`` answer and the ranks' revisions it was computed at.
@@ -156,6 +157,7 @@ class JobView:
     ranks: tuple[RankView, ...]
     total_steps: int | None = None
     lost_ranks: tuple[int, ...] = ()  # ranks whose socket dropped without a close
+    mesh: MeshShape | None = None  # a mesh job's shape: its ranks here are replicas
 
     @property
     def eta_s(self) -> float | None:
@@ -230,6 +232,7 @@ class LiveState:
             job.last_seen = now
             if hello.total_steps is not None:
                 job.total_steps = hello.total_steps
+            job.mesh = hello.mesh
             old = job.ranks.get(hello.rank)
             if old is None:
                 job.ranks[hello.rank] = _Rank(
@@ -410,7 +413,7 @@ class LiveState:
                 views.append(c[1] if c is not None and c[0] == r.rev else self._rank_view(rank, r))
             ranks = tuple(views)
             meta = (j.job, j.world_size, j.global_batch_size, j.created_at, j.last_seen)
-            total_steps = j.total_steps
+            total_steps, mesh = j.total_steps, j.mesh
         with_data = [r for r in ranks if r.compute_ms is not None]
         compute = [r.compute_ms for r in with_data if r.compute_ms is not None]
         imbalance = idle = None
@@ -428,7 +431,7 @@ class LiveState:
             step_ms=statistics.median(step_ms) if step_ms else None,
             step_rate_hz=_mean(rates) if rates else None,
             imbalance=imbalance, idle_fraction=idle, ranks=ranks, total_steps=total_steps,
-            lost_ranks=tuple(r.rank for r in ranks if r.lost),
+            lost_ranks=tuple(r.rank for r in ranks if r.lost), mesh=mesh,
         )
 
     def _rank_view(self, rank: int, r: _Rank) -> RankView:

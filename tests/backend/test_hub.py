@@ -11,7 +11,7 @@ import pytest
 from backend.dashboard.hub import DashboardHub, JobChanges
 from backend.live.state import LiveState
 from backend.settings import Settings
-from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
+from trainer_hook.protocol import DeviceSample, Hello, MeshShape, Metrics, StepRecord
 
 WORLD, GBS = 3, 24
 
@@ -186,6 +186,29 @@ async def test_job_frame_content_and_uniform_counterfactual():
     assert f["summary"]["cost_per_hour"] == pytest.approx(7.6)
     assert len(f["heat"]) == 1 and len(f["heat"][0]["compute"]) == WORLD
     assert f["heat"][0]["util"] == [50.0, 51.0, 52.0]
+
+
+@_run_async
+async def test_a_mesh_jobs_summary_carries_its_shape():
+    svc = _services()
+    mesh = MeshShape(dp=2, replica_size=2, dims=("dp", "tp"), shape=(2, 2))
+    for r in range(2):
+        svc.live.register(Hello(job="m", rank=r, world_size=2, global_batch_size=GBS, mesh=mesh))
+    _register(svc.live, job="plain")
+    hub = _hub(svc, clock=lambda: 0.0)
+    frames = {}
+    for job in ("m", "plain"):
+        _feed(svc.live, 0, job=job, shares=(12, 12) if job == "m" else (8, 8, 8))
+        hub.notify(job)
+        hub.tick()
+        sock = FakeSocket()
+        task = asyncio.create_task(hub.attach(sock.send, job))
+        await _settle()
+        task.cancel()
+        frames[job] = sock.frames[0]["summary"]
+    assert frames["m"]["mesh"] == {"dp": 2, "replica_size": 2, "dims": ["dp", "tp"], "shape": [2, 2],
+                                   "label": "DP 2 x TP 2"}
+    assert frames["plain"]["mesh"] is None
 
 
 @_run_async

@@ -162,6 +162,26 @@ def test_job_view_charts_update(stack: Stack) -> None:
     page.context.close()
 
 
+def test_a_mesh_jobs_header_shows_its_shape(stack: Stack) -> None:
+    from websockets.sync.client import connect
+
+    from tests.backend._app import hello, metrics
+    from trainer_hook.protocol import MeshShape
+
+    job = "dash-mesh"
+    secret = stack.rest("/tokens", method="POST", body={"role": "hook", "job": job, "name": "e2e-mesh"})["secret"]
+    mesh = MeshShape(dp=2, replica_size=2, dims=("dp", "tp"), shape=(2, 2))
+    auth = {"Authorization": f"Bearer {secret}"}
+    with connect(stack.server.ws_url + "/ws/hook", additional_headers=auth) as ws:
+        ws.send(hello(job=job, rank=0, world_size=2, global_batch_size=32, mesh=mesh))
+        assert json.loads(ws.recv(timeout=10))["type"] == "placement"
+        ws.send(metrics(job=job, rank=0, n=3))
+        page = stack.page(f"/job/{job}", stack.viewer)
+        page.wait_for_function("() => document.getElementById('stats').textContent.includes('DP 2 x TP 2')")
+        assert "replicas1/2" in page.locator("#stats").text_content().replace(" ", "")
+        page.context.close()
+
+
 def _control_dump(stack: Stack) -> str:
     return json.dumps({k: stack.rest(f"/jobs/{JOB}/{k}")["data"][:6] for k in ("proposals", "placements", "audit")},
                       indent=1, default=str)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -28,6 +29,10 @@ PLANS = {  # batch index -> shares per replica (each takes effect a lookahead la
     "dp2_tp2_tokens": {1: [8, 4], 5: [3, 9], 9: [11, 1]},
     "dp2_ddp": {1: [8, 4], 5: [3, 9], 9: [11, 1]},
 }
+
+
+SLOW_MS = 30.0  # rank 1 (a member of replica 0, whose leader is rank 0) sleeps this long in
+SLOW_CASE = "dp2_ddp"  # every forward of this case: only the replica's pace can show it
 
 
 def tokens(idx: torch.Tensor) -> torch.Tensor:
@@ -104,6 +109,8 @@ def run(case: str, out: dict[str, object]) -> None:
             idx = torch.tensor(batch, dtype=torch.int64)
             x, y = ds.x[idx], ds.y[idx]
             with hook.step():
+                if case == SLOW_CASE and rank == 1:
+                    time.sleep(SLOW_MS / 1e3)  # a slow member: DDP over 'dp' never makes rank 0 wait for it
                 if case.endswith("_tokens"):
                     n = tokens(idx)
                     loss_sum = (n * (model(x) - y).squeeze(1).pow(2)).sum()
@@ -116,13 +123,18 @@ def run(case: str, out: dict[str, object]) -> None:
             seen.append(idx.tolist() if hi > lo else [])  # a drained replica's dummy sample: weight 0
             if hook.batch_index >= STEPS:
                 break
+    hello = hook._hello()
+    hook.close()  # the leader's last records leave combined at close
     out[case] = {
         "seen": seen, "replica": hook.rank, "replicas": hook.world_size, "gradients": hook.gradients,
         "shares": [list(t.shares) for t in hook.schedule.timeline()],
         "params": [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist()
                    for p in getattr(model, "module", model).parameters()],
+        # A leader's history is its replica's (combined) records; a member's its own.
+        "steps": [[r.batch_index, r.compute_ms, r.sync_wait_ms, r.step_ms] for r in hook.history],
+        "mesh": hello.mesh.to_dict() if hello.mesh is not None else None,
+        "mesh_label": hello.mesh.label if hello.mesh is not None else None,
     }
-    hook.close()
 
 
 def main() -> None:

@@ -3,7 +3,8 @@
 One real torchrun job of 4 gloo ranks (tests/trainer_hook/_dp_mesh_worker.py) runs every
 case in turn: DP2 x TP2 (FSDP2 over mesh['dp'] + Colwise/Rowwise over 'tp'), HSDP 2 x 2 and
 DP2 x TP2 with the token-mean loss and DDP over the 'dp' sub-group, each under three pushed placements; the parameters
-must equal a single-process replay of the same global batches (float64, 1e-9)."""
+must equal a single-process replay of the same global batches (float64, 1e-9). In the DDP case one
+member of a replica is slowed: the replica's leader must report the slow member's pace."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from tests.helpers.torchrun import run_torchrun
 from tests.trainer_hook import _exact_worker as w
-from tests.trainer_hook._dp_mesh_worker import PLANS, STEPS, tokens
+from tests.trainer_hook._dp_mesh_worker import PLANS, SLOW_CASE, SLOW_MS, STEPS, tokens
 from trainer_hook.placement import PlacementSchedule
 from trainer_hook.sampler import RebalanceBatchSampler
 
@@ -83,3 +84,29 @@ def test_a_wrong_dp_mesh_or_placement_gets_a_clear_error(ranks: list[dict]) -> N
         "placement version 1 is invalid: it has one share per rank (4), but with dp_mesh shares are per "
         "data-parallel replica: this job has 2 replicas of 2 ranks each; give 2 shares."
     )
+
+
+@pytest.mark.multiproc
+def test_a_replica_reports_the_pace_of_its_slowest_member(ranks: list[dict]) -> None:
+    # Rank 1 sleeps in every forward; its replica's leader (rank 0) shares no collective with
+    # it in this case (DDP reduces over 'dp': ranks 0 and 2, 1 and 3), so only the combined
+    # records can carry the slow member's time.
+    reported = {k: compute for k, compute, _, _ in ranks[0][SLOW_CASE]["steps"]}
+    own = {k: compute for k, compute, _, _ in ranks[1][SLOW_CASE]["steps"]}
+    assert sorted(reported) == list(range(STEPS)), "every step reported once, the last window at close"
+    assert sorted(own) == list(range(STEPS))
+    for k in range(STEPS):
+        assert reported[k] >= own[k], (k, reported[k], own[k])  # the max over the members
+        assert reported[k] >= SLOW_MS, (k, reported[k])  # the sleep alone lasts that long
+    # HSDP's replicas are single ranks: nothing to combine, each reports its own.
+    assert sorted(k for k, *_ in ranks[1]["hsdp"]["steps"]) == list(range(STEPS))
+
+
+@pytest.mark.multiproc
+def test_the_hello_says_the_mesh_shape(ranks: list[dict]) -> None:
+    dp_tp = {"dp": 2, "replica_size": 2, "dims": ["dp", "tp"], "shape": [2, 2]}
+    assert ranks[0]["dp2_tp2"]["mesh"] == dp_tp and ranks[0]["dp2_tp2"]["mesh_label"] == "DP 2 x TP 2"
+    assert ranks[0]["dp2_ddp"]["mesh"] == dp_tp
+    assert ranks[0]["hsdp"]["mesh"] == {"dp": 4, "replica_size": 1, "dims": ["dp_replicate", "dp_shard"],
+                                        "shape": [2, 2]}
+    assert ranks[0]["hsdp"]["mesh_label"] == "DP_REPLICATE 2 x DP_SHARD 2"

@@ -13,6 +13,7 @@ from trainer_hook.protocol import (
     CLOSE_UNSUPPORTED_VERSION,
     MAX_MESSAGE_BYTES,
     Hello,
+    MeshShape,
     Metrics,
     ProtocolError,
     StepRecord,
@@ -135,6 +136,40 @@ def test_hello_carries_the_gpu_index_and_uuid() -> None:
     assert isinstance(old, Hello) and (old.gpu_index, old.gpu_uuid) == (None, "")
     with pytest.raises(ProtocolError, match="'gpu_index' must be between 0 and 4095, got 4096."):
         Hello.from_dict({"job": "j", "rank": 0, "world_size": 1, "global_batch_size": 8, "gpu_index": 4096})
+
+
+def test_hello_carries_the_mesh_shape() -> None:
+    mesh = MeshShape(dp=2, replica_size=4, dims=("dp", "tp"), shape=(2, 4))
+    back = decode(encode(Hello(job="j", rank=1, world_size=2, global_batch_size=8, mesh=mesh)))
+    assert isinstance(back, Hello) and back.mesh == mesh and back.mesh.label == "DP 2 x TP 4"
+    plain = encode(Hello(job="j", rank=0, world_size=2, global_batch_size=8))
+    assert '"mesh"' not in plain and decode(plain).mesh is None  # type: ignore[union-attr]
+    assert '"mesh"' not in encode(Hello(job="j", rank=1, world_size=2, global_batch_size=8, mesh=mesh), 1)
+
+
+MESH_OK = {"dp": 2, "replica_size": 2, "dims": ["dp", "tp"], "shape": [2, 2]}
+
+
+@pytest.mark.parametrize(("mesh", "expected"), [
+    (7, "'mesh' must be a JSON object, got int."),
+    ({**MESH_OK, "dp": 4}, "'mesh.dp' (4) must equal 'world_size' (2): with a mesh the hook speaks for one "
+                           "data-parallel replica, so world_size counts replicas."),
+    ({**MESH_OK, "replica_size": 0}, "'mesh.replica_size' must be an integer between 1 and 65536, got 0."),
+    ({**MESH_OK, "replica_size": True}, "'mesh.replica_size' must be an integer between 1 and 65536, got True."),
+    ({**MESH_OK, "replica_size": 40000}, "'mesh.dp' x 'mesh.replica_size' (2 x 40000) must be at most 65536 ranks."),
+    ({**MESH_OK, "dims": []}, "'mesh.dims' must be a list of 1 to 8 dimension names, got []."),
+    ({**MESH_OK, "dims": ["dp", "t p"]}, "'mesh.dims' holds 't p'; a dimension name is 1 to 32 letters, digits or "
+                                         "'_', not starting with a digit (e.g. 'dp', 'tp')."),
+    ({**MESH_OK, "dims": ["dp", "dp"]}, "'mesh.dims' names a dimension twice: ['dp', 'dp']."),
+    ({**MESH_OK, "shape": [2]}, "'mesh.shape' must be a list of 2 sizes (one per name in 'mesh.dims') between 1 "
+                                "and 65536, got [2]."),
+    ({**MESH_OK, "shape": [2, 3]}, "'mesh.shape' [2, 3] holds 6 ranks, but 'mesh.dp' x 'mesh.replica_size' is "
+                                   "2 x 2 = 4."),
+])
+def test_a_bad_mesh_shape_is_named(mesh: object, expected: str) -> None:
+    with pytest.raises(ProtocolError) as err:
+        Hello.from_dict({"job": "j", "rank": 0, "world_size": 2, "global_batch_size": 8, "mesh": mesh})
+    assert str(err.value) == expected
 
 
 def test_check_shares_says_what_is_wrong() -> None:

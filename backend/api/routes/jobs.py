@@ -22,7 +22,7 @@ from backend.policy.comm import RankComm
 from backend.storage import metrics as store
 from trainer_hook.protocol import LINK_FIELDS, MAX_BATCH_INDEX, MAX_WORLD_SIZE
 
-__all__ = ["router", "SummaryPublic", "BoundPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
+__all__ = ["router", "MeshPublic", "SummaryPublic", "BoundPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
 
 log = logging.getLogger("rebalancer.api")
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
@@ -30,6 +30,17 @@ router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
 class PlacementBrief(BaseModel):
     version: int
     shares: list[int]
+
+
+class MeshPublic(BaseModel):
+    """A device-mesh job's shape, as its hooks said it (docs/meshes.md): its ranks here are
+    its data-parallel replicas."""
+
+    dp: int = Field(description="Data-parallel replicas: the job's world_size.")
+    replica_size: int = Field(description="Ranks per replica (its tensor/context-parallel group).")
+    dims: list[str] = Field(description="The mesh's dimension names, e.g. ['dp', 'tp'].")
+    shape: list[int] = Field(description="One size per name in dims.")
+    label: str = Field(description="How people read it, e.g. 'DP 2 x TP 2'.")
 
 
 class JobPublic(BaseModel):
@@ -59,6 +70,7 @@ class JobPublic(BaseModel):
     cost_per_hour: float | None = None
     idle_cost_per_hour: float | None = None
     bound: BoundPublic | None = Field(None, description="What bounds the step (live jobs only).")
+    mesh: MeshPublic | None = Field(None, description="A device-mesh job's shape (live jobs only); null for plain data parallel.")
 
 
 class BoundPublic(BaseModel):
@@ -207,7 +219,7 @@ def _job_from_live(parts: Parts, view: JobView) -> dict[str, Any]:
         "idle_fraction": view.idle_fraction, "connected_ranks": view.connected_ranks,
         "created_at": view.created_at, "last_seen": view.last_seen,
         "cost_per_hour": fc.cost_per_hour, "idle_cost_per_hour": fc.idle_cost_per_hour,
-        "total_steps": fc.total_steps, "eta_s": fc.eta_s,
+        "total_steps": fc.total_steps, "eta_s": fc.eta_s, "mesh": view.mesh.as_view() if view.mesh else None,
     }
 
 

@@ -28,7 +28,9 @@ function renderSummary(s, savings) {
   $("status-detail").textContent = s.status_detail || "";
   const thr = s.step_ms ? (s.global_batch_size * 1000) / s.step_ms : null;
   $("stats").replaceChildren(
-    stat("ranks", `${s.connected_ranks}/${s.world_size}`),
+    // A mesh job's rows are its data-parallel replicas; the mesh says what each holds.
+    ...(s.mesh ? [stat("mesh", s.mesh.label)] : []),
+    stat(s.mesh ? "replicas" : "ranks", `${s.connected_ranks}/${s.world_size}`),
     stat("global batch", s.global_batch_size),
     stat("batch", s.batch_index ?? "–"),
     stat("step", fmt(s.step_ms, 1, " ms")),
