@@ -25,7 +25,8 @@ GIL once finalisation has begun is ended inside that C++ destructor, and the pro
 with ``terminate called without an active exception``: a script that ends with
 ``all_gather_object``, ``barrier`` and ``destroy_process_group`` and returns reaches
 finalisation in time for it when the machine is busy. So the handler releases the GIL in
-short sleeps until no gloo thread has been runnable for a few polls (at most 2 s; Linux's
+short sleeps until no gloo thread has been runnable for a few polls (at most
+``REBALANCER_EXIT_SETTLE_S`` seconds, default 2; 0 turns the wait off; Linux's
 ``/proc/self/task``; elsewhere one short sleep).
 """
 
@@ -76,7 +77,7 @@ def close_all() -> None:
         except BaseException as exc:  # noqa: BLE001 - an exit handler must not fail the exit
             log.warning("closing a RebalanceHook at exit failed: %s: %s", type(exc).__name__, exc)
     try:
-        settle_communication_threads()
+        settle_communication_threads(_settle_max_s())
     except BaseException as exc:  # noqa: BLE001
         log.warning("waiting for gloo's threads at exit failed: %s: %s", type(exc).__name__, exc)
 
@@ -87,6 +88,19 @@ _COMM_THREAD_PREFIXES = ("pt_gloo", "gloo_")
 _SETTLE_POLL_S = 0.005
 _SETTLE_QUIET_POLLS = 3
 _SETTLE_MAX_S = 2.0
+SETTLE_ENV = "REBALANCER_EXIT_SETTLE_S"
+
+
+def _settle_max_s() -> float:
+    raw = os.environ.get(SETTLE_ENV, "")
+    try:
+        value = float(raw) if raw.strip() else _SETTLE_MAX_S
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 600.0:  # NaN fails both comparisons
+        log.warning("%s=%r is not a number of seconds from 0 to 600; using %s", SETTLE_ENV, raw, _SETTLE_MAX_S)
+        return _SETTLE_MAX_S
+    return value
 
 
 def runnable_comm_threads(task_dir: str = "/proc/self/task") -> list[str] | None:
@@ -114,6 +128,8 @@ def settle_communication_threads(max_s: float = _SETTLE_MAX_S, task_dir: str = "
     """Release the GIL in short sleeps until no gloo thread was runnable for
     ``_SETTLE_QUIET_POLLS`` polls in a row: a thread blocked on the GIL gets it during the
     first sleep and is runnable until it is done. True when they settled within ``max_s``."""
+    if max_s <= 0:
+        return True  # turned off
     deadline = time.monotonic() + max_s
     quiet = 0
     while quiet < _SETTLE_QUIET_POLLS:
