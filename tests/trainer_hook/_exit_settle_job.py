@@ -6,7 +6,7 @@ tensors and the works at once and returns: gloo's threads still run the works, a
 is done its thread frees the tensor, which takes the GIL. An object whose ``__del__`` sleeps,
 collected while the interpreter finalises, keeps finalisation going long enough that the
 release lands inside it whenever the all-reduce is still running when the script returns
-(4 runs in 6 here: a one-rank all-reduce is sometimes done before). The hook's exit handler (``REBALANCER_EXIT_SETTLE_S``)
+(8 runs in 16 here: a one-rank all-reduce is sometimes done before). The hook's exit handler (``REBALANCER_EXIT_SETTLE_S``)
 waits for gloo's thread before finalisation; with the wait off, the process aborts.
 
 Usage: python -m tests.trainer_hook._exit_settle_job STORE_FILE [N_ELEMENTS]

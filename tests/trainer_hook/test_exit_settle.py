@@ -79,9 +79,9 @@ def test_without_a_thread_table_one_sleep_and_done(tmp_path):
 def test_a_tensor_freed_by_gloo_during_finalisation_no_longer_aborts(tmp_path):
     # gloo's thread frees a Python-made tensor while the interpreter finalises (the job
     # makes finalisation last 3 s). With the exit handler's wait off
-    # (REBALANCER_EXIT_SETTLE_S=0) the job aborted in 4 of 6 runs here (a one-rank
-    # all-reduce is sometimes done before the script returns); with it, never. Two runs:
-    # without the fix, at least one of them aborts about 9 times in 10.
+    # (REBALANCER_EXIT_SETTLE_S=0) the job aborted in 8 of 16 runs here (a one-rank
+    # all-reduce is sometimes done before the script returns); with it, 0 of 10. Two runs:
+    # without the fix, at least one of them aborts about 3 times in 4.
     for attempt in range(2):
         proc = subprocess.run(
             [sys.executable, "-m", "tests.trainer_hook._exit_settle_job", str(tmp_path / f"store{attempt}")],
