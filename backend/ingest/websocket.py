@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from fastapi import WebSocket, WebSocketDisconnect
 from sqlalchemy.exc import IntegrityError
@@ -38,6 +38,7 @@ from trainer_hook.protocol import (
     CLOSE_MALFORMED,
     CLOSE_NORMAL,
     CLOSE_RATE_LIMITED,
+    CLOSE_REDIRECT,
     CLOSE_TRY_AGAIN_LATER,
     HOOK_BYTES_BURST,
     HOOK_BYTES_PER_S,
@@ -55,6 +56,9 @@ from trainer_hook.protocol import (
     decode_versioned,
     encode,
 )
+
+if TYPE_CHECKING:
+    from backend.cluster import JobLeases
 
 __all__ = ["IngestParts", "converse", "refuse"]
 
@@ -76,6 +80,7 @@ class IngestParts(Protocol):
     sockets: TokenSockets
     controller: Controller
     hub: DashboardHub
+    cluster: JobLeases | None  # several replicas: who controls each job; None: one replica
 
     def make_room(self, job: str) -> bool: ...
 
@@ -237,6 +242,27 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                 parts.hub.notify(hello.job)
 
 
+async def _claim(cluster: JobLeases, websocket: WebSocket, hello: Hello) -> bool:
+    """Several replicas: the hello stays here when this replica holds (or just took) the job's
+    lease, or while Redis is down (training and ingest go on, control pauses); else the hook
+    is sent to the owner's advertised URL (False: refused)."""
+    claim = await cluster.claim(hello.job)
+    if claim.outcome != "redirect":
+        return True
+    if claim.url:
+        log.info("job %s rank %d: redirected to replica %s at %s", hello.job, hello.rank, claim.owner, claim.url)
+        with contextlib.suppress(Exception):
+            await websocket.send_text(encode(Error(code="redirect", message=claim.url)))
+        with contextlib.suppress(Exception):
+            await websocket.close(CLOSE_REDIRECT, reason=f"job '{hello.job}' is controlled by another replica"[:120])
+        return False
+    await refuse(websocket, "try_again_later",
+                 f"Job '{hello.job}' is controlled by replica {claim.owner or '(unknown)'}, which advertises no "
+                 f"URL (its lease expires within REBALANCER_LEASE_TTL_S if it is gone); try again.",
+                 CLOSE_TRY_AGAIN_LATER)
+    return False
+
+
 def _reshape_refusal(parts: IngestParts, websocket: WebSocket, hello: Hello) -> tuple[str | None, bool]:
     """(why this hello is refused or None, whether it changes the job's shape).
 
@@ -263,6 +289,8 @@ async def _on_hello(parts: IngestParts, websocket: WebSocket, hello: Hello, vers
     hello was refused (the socket is closed); False when the database refused it: the rank
     streams on (live state, dashboard) and keeps the placement it has, and storing and the
     reply are tried again on its metrics."""
+    if parts.cluster is not None and not await _claim(parts.cluster, websocket, hello):
+        return None
     refusal, reshaped = _reshape_refusal(parts, websocket, hello)
     if refusal is not None:
         log.warning("refused hello of job %s rank %d: %s", hello.job, hello.rank, refusal)
