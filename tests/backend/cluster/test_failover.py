@@ -8,6 +8,7 @@ through the fault to its last step."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,8 @@ def test_sigkill_of_the_owner_moves_the_job_to_the_other_replica(tmp_path: Path)
                 # The policy's proposal (approve mode), then an operator's placement, applied.
                 wait_until(running(lambda: _get(a, f"{base}/proposals")["count"] >= 1), "a policy proposal on A",
                            90, log=log)
+                # B reads the job too (REST works on every replica), so it holds it in memory.
+                assert _get(b, f"{base}/placements")["count"] == 1  # version 0 only
                 status, placed = a.call("POST", f"{base}/proposals", ADMIN, {
                     "shares": OPERATOR_SHARES, "apply": True, "reason": "operator placement before the fault"})
                 assert status == 201, placed
@@ -113,11 +116,15 @@ def test_sigkill_of_the_owner_moves_the_job_to_the_other_replica(tmp_path: Path)
 
                 a.proc.kill()  # SIGKILL: no release, no goodbye; its lease must expire
                 a.proc.wait()
+                killed = time.monotonic()
                 wait_until(running(lambda: _owner_url(client, prefix) == b.ws_url),
                            f"replica B to take the job within 10 s of the {TTL_S:g} s lease", TTL_S + 10.0,
                            interval=0.05, log=log)
+                taken = time.monotonic() - killed
                 wait_until(running(lambda: _get(b, base).get("connected_ranks") == 2),
                            "both ranks to reconnect to B", 30, log=log)
+                print(f"[failover] B took the job {taken:.1f} s after the SIGKILL (lease {TTL_S:g} s); "
+                      f"both ranks on B {time.monotonic() - killed:.1f} s after it")
 
                 # The store of record, read through B: the placement in force, every proposal
                 # and every audit row stored before the fault.

@@ -62,3 +62,26 @@ def test_a_bad_advertise_url_is_refused_at_start_up() -> None:
     with pytest.raises(ValueError, match="REBALANCER_ADVERTISE_URL must be a URL like 'ws://10.0.0.5:8000'"):
         Settings(advertise_url="10.0.0.5:8000")
     assert Settings(advertise_url="wss://replica-1.example").advertise_url == "wss://replica-1.example"
+
+
+def test_the_replica_that_takes_a_job_over_reads_it_from_the_store_of_record(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    prefix = f"rebalancer-test-{uuid.uuid4().hex[:10]}"
+    common = {"redis_url": REDIS_URL, "redis_prefix": prefix, "lease_ttl_s": 5.0}
+    b = make_app(tmp_path, advertise_url="ws://b.example:8002", **common)
+    with TestClient(b) as cb:
+        with TestClient(make_app(tmp_path, advertise_url="ws://a.example:8001", **common)) as ca:
+            with ca.websocket_connect("/ws/hook") as r0, ca.websocket_connect("/ws/hook") as r1:
+                for rank, ws in enumerate((r0, r1)):
+                    ws.send_text(hello("bert", rank=rank))
+                    assert json.loads(ws.receive_text())["version"] == 0
+                # B reads the job while A controls it: B holds version 0 in memory.
+                assert cb.get("/api/v1/jobs/bert/placements").json()["count"] == 1
+                r = ca.post("/api/v1/jobs/bert/proposals", json={"shares": [20, 12], "apply": True})
+                assert r.status_code == 201, r.text
+        # A stopped (its lease released); a rank's hello at B gets the placement A applied.
+        with cb.websocket_connect("/ws/hook") as ws:
+            ws.send_text(hello("bert", rank=0))
+            placement = json.loads(ws.receive_text())
+            assert (placement["version"], placement["shares"]) == (1, [20, 12])
+            assert b.state.parts.controller.controls("bert")
+            assert cb.get("/api/v1/jobs/bert").json()["placement"] == {"version": 1, "shares": [20, 12]}
