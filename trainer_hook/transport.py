@@ -65,6 +65,7 @@ _AUTH_CODES = (CLOSE_UNAUTHORIZED, CLOSE_FORBIDDEN)
 _MAX_DEVICE_PER_MESSAGE = 256  # ~1 Hz samples; keeps a full frame of steps well under 1 MiB
 _MAX_CONTROL = 4096  # acks/rejects are a few per placement; this only guards a runaway caller
 _MAX_REDIRECTS = 3  # redirects followed in a row at once; then with back-off (a loop between replicas)
+_MAX_UNANSWERED = 256  # metrics frames kept for resending until the hello is answered
 
 
 def hook_ws_url(server: str) -> str:
@@ -160,6 +161,11 @@ class Transport:
         self._redirect: str | None = None  # the replica that controls the job, when told
         self._redirects = 0  # redirects followed since the last session that was not one
         self.url = self.urls[0]  # the URL of the current (or last) connection attempt
+        # Metrics frames sent on this connection before the backend answered the hello: a
+        # replica that redirects reads nothing after the hello, so they are sent again to
+        # the owner. Once a placement arrives the backend is reading: they are dropped.
+        self._answered = False
+        self._unanswered: list[str] = []
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._hello = hello
         self._on_message = on_message
@@ -352,6 +358,7 @@ class Transport:
             log.error("Invalid backend URL %s: %s; the transport stops.", self.url, exc)
             raise _Stop from None
         self._ws = ws
+        self._answered, self._unanswered = False, []
         try:
             hello = self._make_hello()
             self._ident = (hello.job, hello.rank)
@@ -395,6 +402,9 @@ class Transport:
             if reason and (self._redirect is None or self._redirect == self.url):
                 self._follow(reason)
             if self._redirect is not None and self._redirect != self.url:
+                if not self._answered:  # the replica read none of them: the owner gets them
+                    self._unsent[:0] = self._unanswered
+                self._unanswered = []
                 raise _Redirected from None
         if code in _AUTH_CODES:
             raise _AuthRefused(f"close code {code}: {reason}") from None
@@ -420,6 +430,8 @@ class Transport:
         if not isinstance(msg, (Placement, Error)):
             log.warning("Ignoring an unexpected %r frame from the backend.", type(msg).TYPE)
             return
+        if isinstance(msg, Placement):
+            self._answered, self._unanswered = True, []
         if isinstance(msg, Error) and msg.code == "redirect":
             self._follow(msg.message)
             return
@@ -451,14 +463,18 @@ class Transport:
         """Send every frame left from a broken connection, then all the queues hold."""
         while self._unsent:
             ws.send(self._unsent[0])
-            self._unsent.pop(0)
+            self._sent(self._unsent.pop(0))
         while True:
             frame = self._build_frame()
             if frame is None:
                 return
             self._unsent.append(frame)
             ws.send(frame)
-            self._unsent.pop()
+            self._sent(self._unsent.pop())
+
+    def _sent(self, frame: str) -> None:
+        if not self._answered and len(self._unanswered) < _MAX_UNANSWERED:
+            self._unanswered.append(frame)
 
     def _scan(self) -> bool:
         """Look at the steps queued since the last look (sender thread): True when one
