@@ -40,12 +40,22 @@ T = TypeVar("T")
 ActorLike = Actor | str
 
 
+class _LeaseStatus(Protocol):
+    @property
+    def state(self) -> str: ...  # "ok" or "paused"
+
+    @property
+    def reason(self) -> str: ...
+
+
 class Ownership(Protocol):
     """Which jobs this replica controls (``backend.cluster.JobLeases`` with several replicas)."""
 
     def owns(self, job: str) -> bool: ...
 
     async def owner(self, job: str) -> tuple[str | None, str | None]: ...
+
+    def status(self) -> _LeaseStatus: ...
 
 
 @dataclass
@@ -238,13 +248,17 @@ class ControllerCore:
         return self.ownership is None or self.ownership.owns(job)
 
     async def _refuse_if_elsewhere(self, job: str) -> None:
-        """An operator action on a job another replica controls: say where to send it."""
+        """An operator action on a job another replica controls: say where to send it; while
+        Redis is down (control paused), say so."""
         if self.ownership is None or self.ownership.owns(job):
             return
         rid, url = await self.ownership.owner(job)
         if rid is not None:
             where = f" at {url}" if url else ""
             raise ConflictError(f"Job '{job}' is controlled by replica {rid}{where}; send this action there.")
+        status = self.ownership.status()
+        if status.state == "paused":  # no replica may act on a job until Redis answers
+            raise ConflictError(f"Control of job '{job}' is paused: {status.reason}")
 
     def take_over(self, job: str) -> None:
         """This replica just took ``job``'s lease: drop what memory holds of it (loaded at

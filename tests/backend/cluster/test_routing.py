@@ -85,3 +85,43 @@ def test_the_replica_that_takes_a_job_over_reads_it_from_the_store_of_record(tmp
             assert (placement["version"], placement["shares"]) == (1, [20, 12])
             assert b.state.parts.controller.controls("bert")
             assert cb.get("/api/v1/jobs/bert").json()["placement"] == {"version": 1, "shares": [20, 12]}
+
+
+def test_hooks_of_a_job_another_replica_took_are_sent_there(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    prefix = f"rebalancer-test-{uuid.uuid4().hex[:10]}"
+    a = make_app(tmp_path, advertise_url="ws://a.example:8001", redis_url=REDIS_URL, redis_prefix=prefix,
+                 lease_ttl_s=1.0)
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        with TestClient(a) as ca, ca.websocket_connect("/ws/hook") as ws:
+            ws.send_text(hello("gpt", rank=0))
+            assert json.loads(ws.receive_text())["type"] == "placement"
+            # Replica B took the lease (say, A was cut off from Redis past its TTL).
+            client.set(f"{prefix}:replica:b", "ws://b.example:8002", px=60_000)
+            client.set(f"{prefix}:lease:gpt", "b", px=60_000)
+            # A's next renewal pass finds out, stops controlling the job, redirects its hooks.
+            assert json.loads(ws.receive_text()) == {
+                "type": "error", "v": 2, "code": "redirect", "message": "ws://b.example:8002"}
+            with pytest.raises(WebSocketDisconnect) as closed:
+                ws.receive_text()
+            assert closed.value.code == CLOSE_REDIRECT
+            assert not a.state.parts.controller.controls("gpt")
+    finally:
+        for key in client.scan_iter(f"{prefix}:*"):
+            client.delete(key)
+        client.close()
+
+
+def test_with_redis_down_a_hello_is_taken_and_control_pauses(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tests.helpers.ports import free_port
+
+    app = make_app(tmp_path, redis_url=f"redis://127.0.0.1:{free_port()}/0",
+                   redis_prefix=f"rebalancer-test-{uuid.uuid4().hex[:10]}")
+    with TestClient(app) as c, c.websocket_connect("/ws/hook") as ws:
+        ws.send_text(hello("t5", rank=0))
+        assert json.loads(ws.receive_text())["type"] == "placement"  # training goes on
+        assert not app.state.parts.controller.controls("t5")
+        r = c.put("/api/v1/jobs/t5/mode", json={"mode": "auto"})
+        assert r.status_code == 409
+        assert r.json()["detail"].startswith("Control of job 't5' is paused: Redis unreachable (")
+        assert r.json()["detail"].endswith("control paused, training continues.")
