@@ -121,6 +121,8 @@ class JobLeases:
             self._down(exc)
             return False
         self._reason = ""
+        if not got:
+            self._owned.discard(job)  # another replica holds it now, whatever we thought
         if got:
             self._acquired_at[job] = time.monotonic()
             if job not in self._owned:
