@@ -161,8 +161,8 @@ class Parts:
     def run_ended(self, job: str) -> None:
         """Every rank of ``job`` said goodbye: store its report in the background."""
         task = asyncio.get_running_loop().create_task(self._store_ended(job), name=f"rebalancer-report-{job}")
-        self._handovers.add(task)  # held until done (the loop keeps only weak references)
-        task.add_done_callback(self._handovers.discard)
+        self._report_tasks.add(task)
+        task.add_done_callback(self._report_tasks.discard)
 
     async def _store_ended(self, job: str) -> None:
         # The last metrics frames came before the goodbyes; let the hub fold them into the
