@@ -166,6 +166,7 @@ class Transport:
         # the owner. Once a placement arrives the backend is reading: they are dropped.
         self._answered = False
         self._unanswered: list[str] = []
+        self._unanswered_control: list[Ack | Reject | Oom | Hello] = []
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._hello = hello
         self._on_message = on_message
@@ -358,7 +359,7 @@ class Transport:
             log.error("Invalid backend URL %s: %s; the transport stops.", self.url, exc)
             raise _Stop from None
         self._ws = ws
-        self._answered, self._unanswered = False, []
+        self._answered, self._unanswered, self._unanswered_control = False, [], []
         try:
             hello = self._make_hello()
             self._ident = (hello.job, hello.rank)
@@ -404,7 +405,8 @@ class Transport:
             if self._redirect is not None and self._redirect != self.url:
                 if not self._answered:  # the replica read none of them: the owner gets them
                     self._unsent[:0] = self._unanswered
-                self._unanswered = []
+                    self._control.extendleft(reversed(self._unanswered_control))
+                self._unanswered, self._unanswered_control = [], []
                 raise _Redirected from None
         if code in _AUTH_CODES:
             raise _AuthRefused(f"close code {code}: {reason}") from None
@@ -431,7 +433,7 @@ class Transport:
             log.warning("Ignoring an unexpected %r frame from the backend.", type(msg).TYPE)
             return
         if isinstance(msg, Placement):
-            self._answered, self._unanswered = True, []
+            self._answered, self._unanswered, self._unanswered_control = True, [], []
         if isinstance(msg, Error) and msg.code == "redirect":
             self._follow(msg.message)
             return
@@ -458,6 +460,8 @@ class Transport:
             msg = self._control[0]
             ws.send(encode(msg))  # raises on a dead connection: the message stays queued
             self._control.popleft()
+            if not self._answered and len(self._unanswered_control) < _MAX_UNANSWERED:
+                self._unanswered_control.append(msg)
 
     def _send_metrics(self, ws: ClientConnection) -> None:
         """Send every frame left from a broken connection, then all the queues hold."""

@@ -408,10 +408,13 @@ def test_a_redirect_is_followed_to_the_owner() -> None:
     other = WsBackend(redirect_to=f"http://127.0.0.1:{owner.port}").start()
     state = HookState()
     t = make(other.port, state)
+    t.put_step(step(0))
+    t.send_control(Ack(job="j1", rank=1, version=3, batch_index=0))
     t.start()
     try:
-        t.put_step(step(0))
-        owner.wait(lambda: len(owner.steps()) == 1, "the step at the owner")
+        # What went out before the redirect reached the non-owner, which reads no further
+        # than the hello: the owner gets it again.
+        owner.wait(lambda: len(owner.steps()) == 1 and len(owner.of(Ack)) == 1, "the step and the ack at the owner")
         assert other.connections == 1 and not other.steps()  # the non-owner got the hello only
         assert t.url == f"ws://127.0.0.1:{owner.port}/ws/hook"
     finally:
