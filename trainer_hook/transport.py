@@ -402,11 +402,11 @@ class Transport:
             # when it fits (a send may meet the close before the frame is read).
             if reason and (self._redirect is None or self._redirect == self.url):
                 self._follow(reason)
+            if not self._answered:  # the replica read nothing after the hello: send it again
+                self._unsent[:0] = self._unanswered
+                self._control.extendleft(reversed(self._unanswered_control))
+            self._unanswered, self._unanswered_control = [], []
             if self._redirect is not None and self._redirect != self.url:
-                if not self._answered:  # the replica read none of them: the owner gets them
-                    self._unsent[:0] = self._unanswered
-                    self._control.extendleft(reversed(self._unanswered_control))
-                self._unanswered, self._unanswered_control = [], []
                 raise _Redirected from None
         if code in _AUTH_CODES:
             raise _AuthRefused(f"close code {code}: {reason}") from None

@@ -11,9 +11,16 @@ from starlette.websockets import WebSocket
 
 from trainer_hook.protocol import CLOSE_REDIRECT, PROTOCOL_VERSION, Error, Message, encode
 
-__all__ = ["HookConnections"]
+__all__ = ["HookConnections", "redirect_reason"]
 
 log = logging.getLogger("rebalancer.connections")
+
+
+def redirect_reason(url: str, job: str) -> str:
+    """The close reason of a redirect: the URL again when it fits the 123 bytes a close
+    reason may carry (a hook whose send met the close before it read the error frame uses
+    it), else a sentence."""
+    return url if len(url.encode()) <= 120 else f"job '{job}' is controlled by another replica"[:120]
 
 
 class HookConnections:
@@ -67,7 +74,7 @@ class HookConnections:
         for ws in socks:
             with contextlib.suppress(Exception):
                 await ws.send_text(text)
-        return await self.close_job(job, CLOSE_REDIRECT, f"job '{job}' is controlled by the replica at {url}")
+        return await self.close_job(job, CLOSE_REDIRECT, redirect_reason(url, job))
 
     def ranks(self, job: str) -> list[int]:
         return sorted(self._by_job.get(job, {}))

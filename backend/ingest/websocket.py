@@ -25,7 +25,7 @@ from backend.auth.tokens import Actor
 from backend.control.controller import Controller
 from backend.dashboard.hub import DashboardHub
 from backend.ingest.budget import FrameBudget
-from backend.ingest.connections import HookConnections
+from backend.ingest.connections import HookConnections, redirect_reason
 from backend.live.state import LiveState
 from backend.settings import Settings
 from backend.storage.gateway import SqlGateway
@@ -254,7 +254,7 @@ async def _claim(cluster: JobLeases, websocket: WebSocket, hello: Hello) -> bool
         with contextlib.suppress(Exception):
             await websocket.send_text(encode(Error(code="redirect", message=claim.url)))
         with contextlib.suppress(Exception):
-            await websocket.close(CLOSE_REDIRECT, reason=f"job '{hello.job}' is controlled by another replica"[:120])
+            await websocket.close(CLOSE_REDIRECT, reason=redirect_reason(claim.url, hello.job))
         return False
     await refuse(websocket, "try_again_later",
                  f"Job '{hello.job}' is controlled by replica {claim.owner or '(unknown)'}, which advertises no "

@@ -78,7 +78,7 @@ class WsBackend:
                 if isinstance(msg, Hello):
                     if self.redirect_to is not None:
                         conn.send(encode(Error(code="redirect", message=self.redirect_to)))
-                        conn.close(CLOSE_REDIRECT, "job 'j1' is controlled by another replica")
+                        conn.close(CLOSE_REDIRECT, self.redirect_to)  # as the backend: the URL again
                         return
                     if self.close_on_hello is not None:
                         conn.close(*self.close_on_hello)
