@@ -49,6 +49,7 @@ from backend.storage.summaries import (
     save_summary,
 )
 from backend.storage.writes import WriteBuffer, database_fault
+from trainer_hook.protocol import CLOSE_TRY_AGAIN_LATER
 
 if TYPE_CHECKING:
     from backend.cluster import JobLeases
@@ -83,11 +84,14 @@ class Parts:
         self.writes = writes  # metric windows on their way to SQL, kept through faults
         self.storage = storage  # whether the database takes writes (/healthz)
         self.cluster = cluster  # job leases on Redis; None: one replica (the default)
+        if cluster is not None:
+            cluster.watch(wanted=connections.jobs, on_gained=controller.take_over, on_lost=self._hand_over)
         self.reports = reports
         self.exporter = exporter
         self.persisted_windows = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._report_tasks: set[asyncio.Task[Any]] = set()
+        self._handovers: set[asyncio.Task[None]] = set()
 
     def flush_metrics(self) -> int:
         """Write what the live state gathered since the last flush; returns rows written.
@@ -248,6 +252,21 @@ class Parts:
         idle = self.live.idle_jobs(self.settings.forget_job_after_s)
         return [job for job in idle if self.forget_job(job)]
 
+    def _hand_over(self, job: str) -> None:
+        """Another replica took ``job`` while its hooks are connected here: send them there."""
+        task = asyncio.create_task(self._redirect_hooks(job), name=f"rebalancer-hand-over-{job}")
+        self._handovers.add(task)  # held until done (the loop keeps only weak references)
+        task.add_done_callback(self._handovers.discard)
+
+    async def _redirect_hooks(self, job: str) -> None:
+        assert self.cluster is not None
+        _, url = await self.cluster.owner(job)
+        if url:
+            await self.connections.redirect_job(job, url)
+        else:
+            await self.connections.close_job(job, CLOSE_TRY_AGAIN_LATER,
+                                             f"job '{job}' is controlled by another replica")
+
     def make_room(self, job: str) -> bool:
         """Whether a hello may add ``job`` to live state: it is live already, the cap is not
         reached, or a job without connected ranks (the longest idle) leaves to make room."""
@@ -319,11 +338,12 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
     live = LiveState(step_buffer=settings.step_buffer, device_buffer=settings.device_buffer,
                      window_steps=settings.window_steps)
     connections = HookConnections()
+    cluster = _cluster(settings)
     changes = JobChanges()  # jobs whose dashboard feed is due: the controller and ingest mark
     controller = Controller(
         settings=settings, sql=sql, live=live, connections=connections, notify=changes.mark,
         policy=policy if policy is not None else PolicyRunner(process=settings.policy_process),
-        clock=clock, wall=wall)
+        clock=clock, wall=wall, ownership=cluster)
     hub = DashboardHub(settings=settings, live=live, control=controller.job_control,
                        cost_fit=controller.cost_fit, changes=changes)
     writes = WriteBuffer(write_rows=insert_windows, job_of=lambda w: w.job,
@@ -334,7 +354,7 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
     reports = RunReports(sql=sql, controller=controller, hub=hub, settings=settings, live=live)
     return Parts(settings=settings, engine=engine, sql=sql, live=live, connections=connections,
                  auth=auth, sockets=TokenSockets(), controller=controller, hub=hub, reports=reports,
-                 exporter=exporter, writes=writes, storage=storage, cluster=_cluster(settings))
+                 exporter=exporter, writes=writes, storage=storage, cluster=cluster)
 
 
 def _cluster(settings: Settings) -> JobLeases | None:

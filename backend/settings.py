@@ -170,6 +170,18 @@ class Settings(BaseSettings):
             raise ValueError(f"REBALANCER_REDIS_URL must be a redis://host:port/db URL, got {v!r}.")
         return v
 
+    @field_validator("advertise_url")
+    @classmethod
+    def _advertise_url(cls, v: str) -> str:
+        # Hooks are redirected to it: refuse here what they would refuse there.
+        from urllib.parse import urlsplit
+
+        if v and (urlsplit(v).scheme not in ("ws", "wss", "http", "https") or not urlsplit(v).hostname
+                  or "," in v):
+            raise ValueError(f"REBALANCER_ADVERTISE_URL must be a URL like 'ws://10.0.0.5:8000' (scheme ws, "
+                             f"wss, http or https and a host) that the training hosts can reach, got {v!r}.")
+        return v
+
     @field_validator("lease_ttl_s")
     @classmethod
     def _lease_ttl(cls, v: float) -> float:

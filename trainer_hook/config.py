@@ -52,7 +52,8 @@ def _positive_float(name: str, value: Any, *, allow_zero: bool = False) -> None:
 class HookConfig:
     """Settings of one RebalanceHook. Errors name the key that is wrong.
 
-    - ``server``: backend URL (``http://host:port``); None and no ``REBALANCER_SERVER``
+    - ``server``: backend URL (``http://host:port``), or several replicas' URLs separated
+      by commas (tried in turn; docs/scale-out.md); None and no ``REBALANCER_SERVER``
       means offline: no network, placements only from ``request_placement``.
     - ``job``: the job name the backend files this run under (required with a server).
     - ``global_batch_size``: B, fixed for the job.
@@ -103,9 +104,9 @@ class HookConfig:
         if self.server is not None and (not isinstance(self.server, str) or not self.server.strip()):
             raise ValueError(f"server must be a URL string or None, got {self.server!r}.")
         if self.server is not None:
-            from trainer_hook.transport import hook_ws_url
+            from trainer_hook.transport import hook_ws_urls
 
-            hook_ws_url(self.server)  # raises with a clear message
+            hook_ws_urls(self.server)  # raises with a clear message
             if not self.job:
                 raise ValueError(
                     "job is required when a server is set: pass RebalanceHook(job='name') "

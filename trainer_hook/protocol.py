@@ -59,6 +59,7 @@ __all__ = [
     "CLOSE_CONFLICT",
     "CLOSE_RATE_LIMITED",
     "CLOSE_TRY_AGAIN_LATER",
+    "CLOSE_REDIRECT",
     "HOOK_FRAMES_PER_S",
     "HOOK_FRAMES_BURST",
     "HOOK_BYTES_PER_S",
@@ -130,6 +131,8 @@ CLOSE_FORBIDDEN = 4403
 CLOSE_CONFLICT = 4409  # hello for a job running with another shape
 CLOSE_RATE_LIMITED = 4429  # more frames or bytes than the connection's budget
 CLOSE_TRY_AGAIN_LATER = 1013  # the backend holds as many live jobs as it may
+CLOSE_REDIRECT = 4307  # another replica controls the job: the ``error`` before it (code
+# ``redirect``) carries that replica's URL in its message; the hook reconnects there
 
 
 class ProtocolError(ValueError):

@@ -8,6 +8,12 @@ backend's ``placement`` and ``error`` frames to a callback. With the backend dow
 retries with exponential backoff capped at 1.5 s, jittered (so a recovered backend sees
 every rank back within 2 s); the queues keep the newest records
 and count what they had to drop, and the count goes out in the next ``metrics`` frame.
+
+Several backend replicas (docs/scale-out.md): ``url`` may list several, comma-separated; a
+failed connect moves on to the next. A replica that does not control the job answers the
+hello with a redirect (an ``error`` with code ``redirect`` and close 4307) naming the one
+that does; the transport checks that URL and reconnects there at once, and goes back to its
+own list when it cannot reach it (the owner died: another replica takes the job).
 See docs/protocol.md for the conversation.
 """
 
@@ -29,6 +35,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from trainer_hook.protocol import (
     CLOSE_FORBIDDEN,
+    CLOSE_REDIRECT,
     CLOSE_UNAUTHORIZED,
     CLOSE_UNSUPPORTED_VERSION,
     MAX_MESSAGE_BYTES,
@@ -48,7 +55,7 @@ from trainer_hook.protocol import (
     encode,
 )
 
-__all__ = ["Transport", "hook_ws_url"]
+__all__ = ["Transport", "hook_ws_url", "hook_ws_urls"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,8 @@ _POLL_S = 0.05  # how long one recv waits; bounds the latency of acks and of clo
 _AUTH_CODES = (CLOSE_UNAUTHORIZED, CLOSE_FORBIDDEN)
 _MAX_DEVICE_PER_MESSAGE = 256  # ~1 Hz samples; keeps a full frame of steps well under 1 MiB
 _MAX_CONTROL = 4096  # acks/rejects are a few per placement; this only guards a runaway caller
+_MAX_REDIRECTS = 3  # redirects followed in a row at once; then with back-off (a loop between replicas)
+_MAX_UNANSWERED = 256  # metrics frames kept for resending until the hello is answered
 
 
 def hook_ws_url(server: str) -> str:
@@ -78,6 +87,16 @@ def hook_ws_url(server: str) -> str:
     if not path.endswith(WS_PATH):
         path += WS_PATH
     return urlunsplit((schemes[parts.scheme], parts.netloc, path, parts.query, ""))
+
+
+def hook_ws_urls(server: str) -> list[str]:
+    """``hook_ws_url`` for each of several comma-separated backend URLs (replicas)."""
+    if not isinstance(server, str) or not server.strip():
+        raise ValueError(f"server must be a URL like 'http://127.0.0.1:8000', got {server!r}.")
+    urls = [hook_ws_url(part) for part in server.split(",") if part.strip()]
+    if not urls:
+        raise ValueError(f"server must be a URL like 'http://127.0.0.1:8000', got {server!r}.")
+    return urls
 
 
 class _Stop(Exception):
@@ -137,7 +156,17 @@ class Transport:
         ):
             if not isinstance(val, (int, float)) or not val > 0:
                 raise ValueError(f"{name} must be a number > 0, got {val!r}.")
-        self.url = hook_ws_url(url)
+        self.urls = hook_ws_urls(url)
+        self._next_url = 0  # which of ``urls`` to try next
+        self._redirect: str | None = None  # the replica that controls the job, when told
+        self._redirects = 0  # redirects followed since the last session that was not one
+        self.url = self.urls[0]  # the URL of the current (or last) connection attempt
+        # Metrics frames sent on this connection before the backend answered the hello: a
+        # replica that redirects reads nothing after the hello, so they are sent again to
+        # the owner. Once a placement arrives the backend is reading: they are dropped.
+        self._answered = False
+        self._unanswered: list[str] = []
+        self._unanswered_control: list[Ack | Reject | Oom | Hello] = []
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._hello = hello
         self._on_message = on_message
@@ -275,10 +304,19 @@ class Transport:
         failures = 0
         while not self._closing.is_set():
             connects_before = self.connects
+            self.url = self._redirect or self.urls[self._next_url]
             try:
                 self._session()
                 delay, failures = self._backoff0, 0
+                self._redirects = 0
                 continue  # the connection ended cleanly or the server went away: reconnect
+            except _Redirected:
+                self._redirects += 1
+                if self._redirects <= _MAX_REDIRECTS:
+                    continue  # straight to the replica that controls the job
+                wait = random.uniform(delay / 2, delay)  # replicas disagree for now: back off
+                delay = min(delay * 2, self._backoff_max)
+                self._redirects = 0
             except _Stop:
                 self._stopped = True
                 return
@@ -290,7 +328,12 @@ class Transport:
                 wait = self._auth_backoff
             except Exception as exc:  # noqa: BLE001 - the thread must survive anything
                 if self.connects > connects_before:  # a working connection broke: retry soon
-                    delay, failures = self._backoff0, 0
+                    delay, failures, self._redirects = self._backoff0, 0, 0
+                elif self._redirect is None:  # this replica is unreachable: the next in the list
+                    self._next_url = (self._next_url + 1) % len(self.urls)
+                # The owner we were sent to broke or is unreachable: it may be dead; ask the
+                # list again (a replica there sends us back while the owner holds the job).
+                self._redirect = None
                 failures += 1
                 level = logging.WARNING if failures in (1, 10) or failures % 100 == 0 else logging.DEBUG
                 log.log(level, "Cannot reach the backend at %s (%s: %s); attempt %d, training goes on.",
@@ -316,6 +359,7 @@ class Transport:
             log.error("Invalid backend URL %s: %s; the transport stops.", self.url, exc)
             raise _Stop from None
         self._ws = ws
+        self._answered, self._unanswered, self._unanswered_control = False, [], []
         try:
             hello = self._make_hello()
             self._ident = (hello.job, hello.rank)
@@ -353,6 +397,17 @@ class Transport:
     def _closed_by_server(self, exc: ConnectionClosed) -> None:
         code = exc.rcvd.code if exc.rcvd is not None else None
         reason = exc.rcvd.reason if exc.rcvd is not None else ""
+        if code == CLOSE_REDIRECT:
+            # The error frame before the close names the owner; the close reason repeats it
+            # when it fits (a send may meet the close before the frame is read).
+            if reason and (self._redirect is None or self._redirect == self.url):
+                self._follow(reason)
+            if not self._answered:  # the replica read nothing after the hello: send it again
+                self._unsent[:0] = self._unanswered
+                self._control.extendleft(reversed(self._unanswered_control))
+            self._unanswered, self._unanswered_control = [], []
+            if self._redirect is not None and self._redirect != self.url:
+                raise _Redirected from None
         if code in _AUTH_CODES:
             raise _AuthRefused(f"close code {code}: {reason}") from None
         if code == CLOSE_UNSUPPORTED_VERSION:
@@ -377,6 +432,11 @@ class Transport:
         if not isinstance(msg, (Placement, Error)):
             log.warning("Ignoring an unexpected %r frame from the backend.", type(msg).TYPE)
             return
+        if isinstance(msg, Placement):
+            self._answered, self._unanswered, self._unanswered_control = True, [], []
+        if isinstance(msg, Error) and msg.code == "redirect":
+            self._follow(msg.message)
+            return
         if isinstance(msg, Error):
             log.warning("The backend reported an error: %s (%s)", msg.message, msg.code)
         try:
@@ -384,24 +444,41 @@ class Transport:
         except Exception:  # noqa: BLE001 - a bad callback must not kill the transport
             log.exception("on_message raised while handling a %r frame; continuing.", msg.TYPE)
 
+    def _follow(self, url: str) -> None:
+        """A redirect to ``url``: kept when it is a backend URL we may connect to."""
+        try:
+            target = hook_ws_url(url)
+        except ValueError as exc:
+            log.warning("Ignoring a redirect from %s to %r: %s", self.url, url, exc)
+            return
+        if target != self.url:
+            log.info("%s sends this rank to %s (the replica that controls the job).", self.url, target)
+            self._redirect = target
+
     def _send_control(self, ws: ClientConnection) -> None:
         while self._control:
             msg = self._control[0]
             ws.send(encode(msg))  # raises on a dead connection: the message stays queued
             self._control.popleft()
+            if not self._answered and len(self._unanswered_control) < _MAX_UNANSWERED:
+                self._unanswered_control.append(msg)
 
     def _send_metrics(self, ws: ClientConnection) -> None:
         """Send every frame left from a broken connection, then all the queues hold."""
         while self._unsent:
             ws.send(self._unsent[0])
-            self._unsent.pop(0)
+            self._sent(self._unsent.pop(0))
         while True:
             frame = self._build_frame()
             if frame is None:
                 return
             self._unsent.append(frame)
             ws.send(frame)
-            self._unsent.pop()
+            self._sent(self._unsent.pop())
+
+    def _sent(self, frame: str) -> None:
+        if not self._answered and len(self._unanswered) < _MAX_UNANSWERED:
+            self._unanswered.append(frame)
 
     def _scan(self) -> bool:
         """Look at the steps queued since the last look (sender thread): True when one
@@ -472,7 +549,7 @@ class Transport:
             return
         try:
             ws = connect(
-                self.url, additional_headers=self._headers, open_timeout=min(remaining, 1.0),
+                self._redirect or self.url, additional_headers=self._headers, open_timeout=min(remaining, 1.0),
                 close_timeout=0.5, max_size=MAX_MESSAGE_BYTES,
             )
         except Exception as exc:  # noqa: BLE001
@@ -496,6 +573,10 @@ def _requeue(q: deque[Any], rest: list[Any]) -> int:
     overflow = len(q) + len(rest) - (q.maxlen or 0)
     q.extendleft(reversed(rest))
     return max(0, overflow)
+
+
+class _Redirected(Exception):
+    """Another replica controls the job; ``Transport._redirect`` says which."""
 
 
 class _AuthRefused(Exception):

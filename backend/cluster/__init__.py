@@ -1,5 +1,5 @@
 """Several backend replicas on Redis: job-ownership leases and small fan-out messages."""
 
-from backend.cluster.leases import ClusterStatus, JobLeases
+from backend.cluster.leases import Claim, ClusterStatus, JobLeases
 
-__all__ = ["ClusterStatus", "JobLeases"]
+__all__ = ["Claim", "ClusterStatus", "JobLeases"]

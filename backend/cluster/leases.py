@@ -8,6 +8,12 @@ its hooks should use (``{prefix}:replica:{id}``), so a non-owner can redirect a 
 owner. Messages between replicas carry ids only (``{prefix}:events``, pub/sub), never data.
 With Redis unreachable a replica owns nothing: control pauses (``status().state``) and
 training is untouched, because the hook never waits on the backend.
+
+``watch`` connects the leases to the rest of the replica: each renewal pass also claims the
+jobs whose hooks are connected here (``wanted``; so control resumes after a Redis outage),
+releases the owned jobs whose hooks are gone, and reports each job it gained (``on_gained``:
+reload it from the store of record) or lost to another replica (``on_lost``: send its hooks
+to the owner).
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
-__all__ = ["ClusterStatus", "JobLeases"]
+__all__ = ["Claim", "ClusterStatus", "JobLeases"]
 
 log = logging.getLogger("rebalancer.cluster")
 
@@ -44,6 +52,19 @@ class ClusterStatus:
     reason: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What a hello for a job meets on this replica: ``here`` (we own it; ``gained``: just
+    now), ``redirect`` (another replica owns it; ``url`` is where its hooks go, "" when that
+    replica has not advertised one) or ``paused`` (Redis is down; ``reason`` says so)."""
+
+    outcome: Literal["here", "redirect", "paused"]
+    gained: bool = False
+    owner: str = ""
+    url: str = ""
+    reason: str = ""
+
+
 class JobLeases:
     """Acquire, renew and release job leases; look up a job's owner and its URL."""
 
@@ -60,8 +81,19 @@ class JobLeases:
         self._redis = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0,
                                         decode_responses=True)
         self._owned: set[str] = set()
+        self._acquired_at: dict[str, float] = {}  # monotonic time of the last acquisition
         self._reason = ""
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        self._wanted: Callable[[], Iterable[str]] | None = None  # None: keep what we take
+        self._on_gained: Callable[[str], None] = lambda job: None
+        self._on_lost: Callable[[str], None] = lambda job: None
+
+    def watch(self, *, wanted: Callable[[], Iterable[str]], on_gained: Callable[[str], None],
+              on_lost: Callable[[str], None]) -> None:
+        """``wanted()``: the jobs with hooks connected here; ``on_gained(job)``: this replica
+        just took ``job``; ``on_lost(job)``: another replica holds a job we have hooks for."""
+        self._wanted, self._on_gained, self._on_lost = wanted, on_gained, on_lost
 
     def _lease_key(self, job: str) -> str:
         if not job or len(job) > MAX_JOB_NAME:
@@ -89,14 +121,40 @@ class JobLeases:
             self._down(exc)
             return False
         self._reason = ""
+        if not got:
+            self._owned.discard(job)  # another replica holds it now, whatever we thought
         if got:
+            self._acquired_at[job] = time.monotonic()
             if job not in self._owned:
                 self._owned.add(job)
+                self._gained(job)
                 await self.publish(job, "owner")
         return bool(got)
 
+    async def claim(self, job: str) -> Claim:
+        """Take ``job`` for a hook that said hello here, or say which replica has it."""
+        was = job in self._owned
+        for _ in range(2):  # the owner's lease may expire between our SET and our GET
+            if await self.acquire(job):
+                return Claim("here", gained=not was)
+            if self._reason:
+                return Claim("paused", reason=self._reason)
+            rid, url = await self.owner(job)
+            if self._reason:
+                return Claim("paused", reason=self._reason)
+            if rid is not None:
+                return Claim("redirect", owner=rid, url=url or "")
+        return Claim("redirect")
+
+    def _gained(self, job: str) -> None:
+        try:
+            self._on_gained(job)
+        except Exception:  # the lease is ours either way; the controller logs its own faults
+            log.exception("taking over job %s failed", job)
+
     async def release(self, job: str) -> None:
         self._owned.discard(job)
+        self._acquired_at.pop(job, None)
         with contextlib.suppress(RedisError, OSError):
             await self._redis.eval(_RELEASE, 1, self._lease_key(job), self.replica_id)
 
@@ -119,18 +177,40 @@ class JobLeases:
             await self._redis.publish(f"{self.prefix}:events", payload)
 
     async def renew_all(self) -> None:
-        """One renewal pass: keep what we still hold, drop what another replica took."""
+        """One renewal pass: keep what we still hold, drop what another replica took, claim
+        the jobs whose hooks are here, release the owned jobs whose hooks are gone."""
+        lost: list[str] = []
         try:
             await self._redis.set(f"{self.prefix}:replica:{self.replica_id}", self.advertise_url,
                                   px=self.ttl_ms)
             for job in list(self._owned):
                 if not await self._redis.eval(_RENEW, 1, self._lease_key(job), self.replica_id, self.ttl_ms):
                     self._owned.discard(job)
+                    self._acquired_at.pop(job, None)
                     log.warning("lost the lease of job %s to another replica", job)
         except (RedisError, OSError) as exc:
             self._down(exc)
             return
         self._reason = ""
+        if self._wanted is None:
+            return
+        wanted = set(self._wanted())
+        for job in sorted(wanted - self._owned):
+            if not await self.acquire(job):
+                if self._reason:
+                    return
+                lost.append(job)
+        # A job acquired for a hello is kept one TTL before its hooks are counted (the
+        # hello's socket is registered after the claim).
+        settled = time.monotonic() - self.ttl_ms / 1000
+        for job in sorted(self._owned - wanted):
+            if self._acquired_at.get(job, 0.0) < settled:
+                await self.release(job)
+        for job in lost:
+            try:
+                self._on_lost(job)
+            except Exception:
+                log.exception("handing the hooks of job %s to its owner failed", job)
 
     def _down(self, exc: BaseException) -> None:
         if not self._reason:
@@ -144,13 +224,22 @@ class JobLeases:
         self._task = asyncio.create_task(self._loop(), name="rebalancer-leases")
 
     async def _loop(self) -> None:
+        # Ends on ``_stopping``, not on cancellation alone: redis-py 8.2 swallows a
+        # CancelledError that lands while a command is on the wire (the await returns the
+        # reply, the task stays 'cancelling'), and the loop would renew on after stop().
         period = self.ttl_ms / 3000
-        while True:
+        while not self._stopping.is_set():
             started = time.monotonic()
-            await self.renew_all()
-            await asyncio.sleep(max(0.05, period - (time.monotonic() - started)))
+            try:
+                await self.renew_all()
+            except Exception:  # a bug in a callback must not end the renewals
+                log.exception("lease renewal pass failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(),
+                                       max(0.05, period - (time.monotonic() - started)))
 
     async def stop(self) -> None:
+        self._stopping.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

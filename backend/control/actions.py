@@ -79,12 +79,14 @@ class OperatorActions(ControllerCore):
     async def approve(self, job: str, proposal_id: int, *, actor: ActorLike,
                       reason: str | None = None) -> dict[str, Any]:
         """Send exactly the reviewed shares as the next placement version."""
+        await self._refuse_if_elsewhere(job)
         st = await self._require(job)
         async with st.lock:
             return await self._apply(st, proposal_id, actor=actor, reason=reason)
 
     async def reject(self, job: str, proposal_id: int, *, actor: ActorLike,
                      reason: str | None = None) -> dict[str, Any]:
+        await self._refuse_if_elsewhere(job)
         st = await self._require(job)
         async with st.lock:
             def work(s: Session) -> dict[str, Any]:
@@ -106,6 +108,7 @@ class OperatorActions(ControllerCore):
         A placement whose predicted peak memory breaks a rank's memory cap is refused with
         the predicted peak and the cap, unless ``force`` (audited as ``placement.memory_force``).
         """
+        await self._refuse_if_elsewhere(job)
         st = await self._require(job)
         async with st.lock:
             if isinstance(shares, list):  # JSON Schema's integers include 12.0
@@ -148,6 +151,7 @@ class OperatorActions(ControllerCore):
 
     async def rollback(self, job: str, *, actor: ActorLike, reason: str | None = None) -> dict[str, Any]:
         """Go back to exactly the shares in force before the current placement."""
+        await self._refuse_if_elsewhere(job)
         st = await self._require(job)
         async with st.lock:
             def read(s: Session) -> tuple[list[int], int | None]:
@@ -164,6 +168,7 @@ class OperatorActions(ControllerCore):
                                      action="placement.rollback", params={"to_version": prev_version})
 
     async def set_mode(self, job: str, mode: str, *, actor: ActorLike, reason: str | None = None) -> dict[str, Any]:
+        await self._refuse_if_elsewhere(job)
         st = await self._require(job)
         if mode not in MODES:
             raise InvalidError(f"Mode must be one of observe, approve, auto; got {mode!r}.")
@@ -181,6 +186,7 @@ class OperatorActions(ControllerCore):
     async def set_policy(self, job: str, changes: dict[str, Any], *, actor: ActorLike,
                          reason: str | None = None) -> dict[str, Any]:
         """Merge ``changes`` into the job's policy settings (None removes a stored value)."""
+        await self._refuse_if_elsewhere(job)
         st = await self._require(job)
         check_policy_changes(changes)
         async with st.lock:
@@ -216,6 +222,7 @@ class OperatorActions(ControllerCore):
         that respects them (applied right away in auto mode)."""
         from backend.policy import InfeasibleError, solve
 
+        await self._refuse_if_elsewhere(job)
         st = await self._require(job)
         ov = inputs.validate_overrides(overrides, world_size=st.world_size,
                                        global_batch_size=st.global_batch_size)

@@ -10,7 +10,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from sqlalchemy.orm import Session
 
@@ -29,7 +29,7 @@ from backend.storage import control as db
 from backend.storage.gateway import SqlGateway
 from trainer_hook.protocol import Hello, Placement, uniform_shares
 
-__all__ = ["ARRIVAL_WAIT_S", "MODES", "SYSTEM", "ActorLike", "ControllerCore", "JobState", "T"]
+__all__ = ["ARRIVAL_WAIT_S", "MODES", "SYSTEM", "ActorLike", "ControllerCore", "JobState", "Ownership", "T"]
 
 log = logging.getLogger("backend.control.controller")
 
@@ -38,6 +38,24 @@ ARRIVAL_WAIT_S = 5.0
 SYSTEM = "controller"
 T = TypeVar("T")
 ActorLike = Actor | str
+
+
+class _LeaseStatus(Protocol):
+    @property
+    def state(self) -> str: ...  # "ok" or "paused"
+
+    @property
+    def reason(self) -> str: ...
+
+
+class Ownership(Protocol):
+    """Which jobs this replica controls (``backend.cluster.JobLeases`` with several replicas)."""
+
+    def owns(self, job: str) -> bool: ...
+
+    async def owner(self, job: str) -> tuple[str | None, str | None]: ...
+
+    def status(self) -> _LeaseStatus: ...
 
 
 @dataclass
@@ -92,8 +110,11 @@ class ControllerCore:
     def __init__(self, *, settings: Settings, sql: SqlGateway, live: LiveState,
                  connections: HookConnections, notify: Callable[[str], None],
                  policy: PolicyRunner, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time):
+                 wall: Callable[[], float] = time.time, ownership: Ownership | None = None):
         self.settings = settings
+        # None: one replica, which controls every job (the default). Else policy runs and
+        # operator actions happen only for the jobs whose lease this replica holds.
+        self.ownership = ownership
         self.sql = sql
         self.live = live
         self.connections = connections
@@ -111,6 +132,7 @@ class ControllerCore:
         self._arrivals: dict[str, asyncio.Event] = {}
         self.arrival_wait_s = ARRIVAL_WAIT_S
         self._tasks: list[asyncio.Task[None]] = []
+        self._stale: set[str] = set()  # taken over while busy: reload once free (``_load``)
         self.policy_runs = 0
 
     async def _sql(self, fn: Callable[[Session], T]) -> T:
@@ -141,6 +163,8 @@ class ControllerCore:
             log.exception("sending placement %s of job %s failed", msg.version, job)
 
     async def _load(self, job: str) -> JobState | None:
+        if job in self._stale and self.forget(job):
+            self._stale.discard(job)
         st = self._jobs.get(job)
         if st is not None:
             return st
@@ -218,6 +242,31 @@ class ControllerCore:
     def _arrived(self, job: str) -> None:
         if (arriving := self._arrivals.pop(job, None)) is not None:
             arriving.set()
+
+    def controls(self, job: str) -> bool:
+        """True where this replica runs ``job``'s control loop (always, with one replica)."""
+        return self.ownership is None or self.ownership.owns(job)
+
+    async def _refuse_if_elsewhere(self, job: str) -> None:
+        """An operator action on a job another replica controls: say where to send it; while
+        Redis is down (control paused), say so."""
+        if self.ownership is None or self.ownership.owns(job):
+            return
+        rid, url = await self.ownership.owner(job)
+        if rid is not None:
+            where = f" at {url}" if url else ""
+            raise ConflictError(f"Job '{job}' is controlled by replica {rid}{where}; send this action there.")
+        status = self.ownership.status()
+        if status.state == "paused":  # no replica may act on a job until Redis answers
+            raise ConflictError(f"Control of job '{job}' is paused: {status.reason}")
+
+    def take_over(self, job: str) -> None:
+        """This replica just took ``job``'s lease: drop what memory holds of it (loaded at
+        start-up, or from an earlier turn as owner), so that the next use reads the placement
+        in force, the proposals and the settings from the store of record."""
+        if not self.forget(job):
+            log.warning("job %s was taken over while an action held it; its state reloads on the next", job)
+            self._stale.add(job)
 
     def known(self, job: str) -> bool:
         """True when the job has control state in memory (it said hello at least once)."""

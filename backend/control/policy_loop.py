@@ -43,6 +43,8 @@ class PolicyLoop(ControllerCore):
     async def _run_policy(self, st: JobState) -> None:
         if self.live.ended(st.job):
             return  # the run ended: nothing it is sent would take effect (run_ended)
+        if not self.controls(st.job):
+            return  # another replica holds the job's lease (or Redis is down): it decides
         self.policy_runs += 1
         await self._acks_from_metrics(st)
         await self._measure_effect(st)

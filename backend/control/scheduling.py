@@ -89,7 +89,7 @@ class Scheduling(ControllerCore):
         started = []
         for job in list(self._dirty):
             st = self._jobs.get(job)
-            if st is None:
+            if st is None or not self.controls(job):  # another replica's job (or paused)
                 self._dirty.discard(job)
                 continue
             if job in self._running or not self._due(st, now):

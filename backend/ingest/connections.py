@@ -9,11 +9,18 @@ from collections.abc import Iterable
 
 from starlette.websockets import WebSocket
 
-from trainer_hook.protocol import PROTOCOL_VERSION, Message, encode
+from trainer_hook.protocol import CLOSE_REDIRECT, PROTOCOL_VERSION, Error, Message, encode
 
-__all__ = ["HookConnections"]
+__all__ = ["HookConnections", "redirect_reason"]
 
 log = logging.getLogger("rebalancer.connections")
+
+
+def redirect_reason(url: str, job: str) -> str:
+    """The close reason of a redirect: the URL again when it fits the 123 bytes a close
+    reason may carry (a hook whose send met the close before it read the error frame uses
+    it), else a sentence."""
+    return url if len(url.encode()) <= 120 else f"job '{job}' is controlled by another replica"[:120]
 
 
 class HookConnections:
@@ -54,6 +61,20 @@ class HookConnections:
             with contextlib.suppress(Exception):
                 await ws.close(code, reason=reason[:120])
         return len(socks)
+
+    def jobs(self) -> list[str]:
+        """The jobs with at least one open socket."""
+        return list(self._by_job)
+
+    async def redirect_job(self, job: str, url: str) -> int:
+        """Send every socket of ``job`` to the replica at ``url`` (another replica took the
+        job): an ``error`` frame with code ``redirect``, then close 4307."""
+        text = encode(Error(code="redirect", message=url))
+        socks = list(self._by_job.get(job, {}).values())
+        for ws in socks:
+            with contextlib.suppress(Exception):
+                await ws.send_text(text)
+        return await self.close_job(job, CLOSE_REDIRECT, redirect_reason(url, job))
 
     def ranks(self, job: str) -> list[int]:
         return sorted(self._by_job.get(job, {}))

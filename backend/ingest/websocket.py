@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from fastapi import WebSocket, WebSocketDisconnect
 from sqlalchemy.exc import IntegrityError
@@ -26,7 +26,7 @@ from backend.auth.tokens import Actor
 from backend.control.controller import Controller
 from backend.dashboard.hub import DashboardHub
 from backend.ingest.budget import FrameBudget
-from backend.ingest.connections import HookConnections
+from backend.ingest.connections import HookConnections, redirect_reason
 from backend.live.state import LiveState
 from backend.settings import Settings
 from backend.storage.gateway import SqlGateway
@@ -39,6 +39,7 @@ from trainer_hook.protocol import (
     CLOSE_MALFORMED,
     CLOSE_NORMAL,
     CLOSE_RATE_LIMITED,
+    CLOSE_REDIRECT,
     CLOSE_TRY_AGAIN_LATER,
     HOOK_BYTES_BURST,
     HOOK_BYTES_PER_S,
@@ -56,6 +57,9 @@ from trainer_hook.protocol import (
     decode_versioned,
     encode,
 )
+
+if TYPE_CHECKING:
+    from backend.cluster import JobLeases
 
 __all__ = ["IngestParts", "converse", "refuse"]
 
@@ -77,6 +81,7 @@ class IngestParts(Protocol):
     sockets: TokenSockets
     controller: Controller
     hub: DashboardHub
+    cluster: JobLeases | None  # several replicas: who controls each job; None: one replica
 
     def make_room(self, job: str) -> bool: ...
 
@@ -238,6 +243,27 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                 parts.hub.notify(hello.job)
 
 
+async def _claim(cluster: JobLeases, websocket: WebSocket, hello: Hello) -> bool:
+    """Several replicas: the hello stays here when this replica holds (or just took) the job's
+    lease, or while Redis is down (training and ingest go on, control pauses); else the hook
+    is sent to the owner's advertised URL (False: refused)."""
+    claim = await cluster.claim(hello.job)
+    if claim.outcome != "redirect":
+        return True
+    if claim.url:
+        log.info("job %s rank %d: redirected to replica %s at %s", hello.job, hello.rank, claim.owner, claim.url)
+        with contextlib.suppress(Exception):
+            await websocket.send_text(encode(Error(code="redirect", message=claim.url)))
+        with contextlib.suppress(Exception):
+            await websocket.close(CLOSE_REDIRECT, reason=redirect_reason(claim.url, hello.job))
+        return False
+    await refuse(websocket, "try_again_later",
+                 f"Job '{hello.job}' is controlled by replica {claim.owner or '(unknown)'}, which advertises no "
+                 f"URL (its lease expires within REBALANCER_LEASE_TTL_S if it is gone); try again.",
+                 CLOSE_TRY_AGAIN_LATER)
+    return False
+
+
 def _reshape_refusal(parts: IngestParts, websocket: WebSocket, hello: Hello) -> tuple[str | None, bool]:
     """(why this hello is refused or None, whether it changes the job's shape).
 
@@ -264,6 +290,8 @@ async def _on_hello(parts: IngestParts, websocket: WebSocket, hello: Hello, vers
     hello was refused (the socket is closed); False when the database refused it: the rank
     streams on (live state, dashboard) and keeps the placement it has, and storing and the
     reply are tried again on its metrics."""
+    if parts.cluster is not None and not await _claim(parts.cluster, websocket, hello):
+        return None
     refusal, reshaped = _reshape_refusal(parts, websocket, hello)
     if refusal is not None:
         log.warning("refused hello of job %s rank %d: %s", hello.job, hello.rank, refusal)

@@ -20,6 +20,7 @@ from websockets.sync.server import Server, ServerConnection, serve
 
 from tests.helpers.ports import free_port
 from trainer_hook.protocol import (
+    CLOSE_REDIRECT,
     MAX_MESSAGE_BYTES,
     MAX_RECORDS_PER_MESSAGE,
     Ack,
@@ -34,7 +35,7 @@ from trainer_hook.protocol import (
     decode,
     encode,
 )
-from trainer_hook.transport import Transport, hook_ws_url
+from trainer_hook.transport import Transport, hook_ws_url, hook_ws_urls
 
 WAIT_S = 20.0  # generous: the machine is shared; every wait ends early on success
 
@@ -43,9 +44,10 @@ class WsBackend:
     """A tiny real websocket server speaking the hook protocol, recording what arrives."""
 
     def __init__(self, port: int | None = None, *, close_on_hello: tuple[int, str] | None = None,
-                 http_status: int | None = None) -> None:
+                 http_status: int | None = None, redirect_to: str | None = None) -> None:
         self.port = port or free_port()
         self.close_on_hello = close_on_hello
+        self.redirect_to = redirect_to  # answer every hello like a replica that does not own the job
         self.http_status = http_status
         self.frames: list[tuple[int, Message]] = []  # (connection number, message)
         self.raw_sizes: list[int] = []
@@ -74,6 +76,10 @@ class WsBackend:
                     self.raw_sizes.append(len(raw))
                     self.cond.notify_all()
                 if isinstance(msg, Hello):
+                    if self.redirect_to is not None:
+                        conn.send(encode(Error(code="redirect", message=self.redirect_to)))
+                        conn.close(CLOSE_REDIRECT, self.redirect_to)  # as the backend: the URL again
+                        return
                     if self.close_on_hello is not None:
                         conn.close(*self.close_on_hello)
                         return
@@ -395,6 +401,62 @@ def test_server_going_away_and_coming_back_repeatedly() -> None:
         assert state.hellos >= 3
     finally:
         t.close(timeout=0.5)
+
+
+def test_a_redirect_is_followed_to_the_owner() -> None:
+    owner = WsBackend().start()
+    other = WsBackend(redirect_to=f"http://127.0.0.1:{owner.port}").start()
+    state = HookState()
+    t = make(other.port, state)
+    t.put_step(step(0))
+    t.send_control(Ack(job="j1", rank=1, version=3, batch_index=0))
+    t.start()
+    try:
+        # What went out before the redirect reached the non-owner, which reads no further
+        # than the hello: the owner gets it again.
+        owner.wait(lambda: len(owner.steps()) == 1 and len(owner.of(Ack)) == 1, "the step and the ack at the owner")
+        assert other.connections == 1 and not other.steps()  # the non-owner got the hello only
+        assert t.url == f"ws://127.0.0.1:{owner.port}/ws/hook"
+    finally:
+        t.close(timeout=0.5)
+        owner.stop()
+        other.stop()
+
+
+def test_a_bad_redirect_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    other = WsBackend(redirect_to="ftp://evil.example").start()
+    state = HookState()
+    t = make(other.port, state)
+    t.start()
+    try:
+        other.wait(lambda: other.connections >= 2, "a retry at the same backend")
+        assert "Ignoring a redirect from" in caplog.text and "'ftp://evil.example'" in caplog.text
+    finally:
+        t.close(timeout=0.5)
+        other.stop()
+
+
+def test_several_servers_the_next_when_one_is_down_and_back_from_a_dead_owner() -> None:
+    dead_owner = f"http://127.0.0.1:{free_port()}"
+    replica = WsBackend(redirect_to=dead_owner).start()
+    state = HookState()
+    # The first server is unreachable; the second sends the rank to an owner that is gone.
+    t = Transport(url=f"http://127.0.0.1:{free_port()},http://127.0.0.1:{replica.port}",
+                  token=None, hello=state.hello, on_message=state.on_message, backoff_initial_s=0.05,
+                  backoff_max_s=0.2, flush_interval_s=0.05)
+    t.start()
+    try:
+        t.put_step(step(0))
+        # The transport comes back from the dead owner to its list: a second hello here.
+        replica.wait(lambda: replica.connections >= 2, "the rank back at the replica")
+        replica.redirect_to = None  # the owner's lease expired: this replica takes the job
+        replica.wait(lambda: len(replica.steps()) == 1, "the step at the replica that took the job")
+    finally:
+        t.close(timeout=0.5)
+        replica.stop()
+    assert hook_ws_urls("http://a:1, https://b") == ["ws://a:1/ws/hook", "wss://b/ws/hook"]
+    with pytest.raises(ValueError, match="scheme http, https, ws or wss and a host"):
+        hook_ws_urls("http://a:1,b:2")
 
 
 @pytest.mark.parametrize(
