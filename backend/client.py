@@ -33,7 +33,7 @@ from typing import Any, TypedDict, cast
 
 __all__ = [
     "Client", "APIError", "ServerUnreachable", "DEFAULT_SERVER",
-    "Job", "Bound", "Rank", "Device", "MetricPoint", "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory",
+    "Job", "Bound", "CostModel", "Rank", "Device", "MetricPoint", "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory",
     "Proposal", "Placement", "Effect", "Overrides", "OverridesSet", "AuditRecord", "Token", "TokenCreated", "Health", "WhoAmI",
 ]
 
@@ -91,6 +91,19 @@ class Bound(TypedDict, total=False):
     busbw_gbps: float | None
 
 
+class CostModel(TypedDict, total=False):
+    """What a sample costs in the split (``GET /api/v1/jobs/{job}``'s ``cost_model``)."""
+
+    model: str  # samples | work (linear) | fitted a*L+b*L^2
+    length_sq_weight: float
+    length_sq_weight_in_force: float
+    r2: float | None
+    r2_linear: float | None
+    ranks_fitted: int
+    ranks_quadratic: int
+    detail: str
+
+
 class Job(TypedDict, total=False):
     job: str
     world_size: int
@@ -114,6 +127,7 @@ class Job(TypedDict, total=False):
     cost_per_hour: float | None
     idle_cost_per_hour: float | None
     bound: Bound | None
+    cost_model: CostModel | None
 
 
 class Device(TypedDict, total=False):

@@ -114,8 +114,7 @@ class _Rank:
     memory: deque[MemoryReading] = field(default_factory=lambda: deque(maxlen=_MEMORY_READINGS))
     mem_fit: MemoryFit | None = None
     mem_stale: bool = False
-    # (batch_index, work, batch_work, work_sq, batch_work_sq) of the step records that
-    # carry a per-sample cost; the squared sums are None unless the job gave lengths.
+    # (batch_index, work, batch_work, work_sq, batch_work_sq) of steps with a cost (sq: lengths).
     work: deque[tuple[int, float, float, float | None, float | None]] = field(default_factory=lambda: deque(maxlen=_WORK_ROWS))
     # (batch_index, comm_bytes, comm_ms) of the steps that carried communication counters.
     comm: deque[tuple[int, int, float | None]] = field(default_factory=lambda: deque(maxlen=_COMM_READINGS))
@@ -588,9 +587,8 @@ class LiveState:
         return tuple(tail)
 
     def work_by_batch(self, job: str, rank: int) -> dict[int, tuple[float, float, float | None, float | None]]:
-        """``batch_index -> (work, batch_work, work_sq, batch_work_sq)`` for the recent steps
-        of ``rank`` that carry a per-sample cost (empty without one; the squared sums of
-        the lengths are None unless the job gave lengths)."""
+        """``batch_index -> (work, batch_work, work_sq, batch_work_sq)`` for the recent steps of
+        ``rank`` that carry a cost (empty without one; squared lengths None without lengths)."""
         with self._lock:
             j = self._jobs.get(job)
             r = j.ranks.get(rank) if j else None
