@@ -145,7 +145,7 @@ class PolicyLoop(ControllerCore):
             return False
         if isinstance(decision, NoProposal) and decision.status == "cooldown":
             return False
-        if not cost_model_moved(st.length_sq_weight, model.length_sq_weight):
+        if not cost_model_moved(st.length_sq_weight, model):
             return False
         before, k = st.length_sq_weight, model.length_sq_weight
         reason = (f"cost model: {model.model}, a sample of length L costs L + {k:.3g}*L^2 "

@@ -60,11 +60,16 @@ class CostModel:
                 "detail": self.detail}
 
 
-def cost_model_moved(in_force: float, fitted: float) -> bool:
-    """Whether a fitted k differs enough from the k in force to be worth a new placement:
-    a switch between the length and the fitted cost, or a relative change over ``K_CHANGE``."""
-    if in_force <= 0 or fitted <= 0:
-        return (in_force > 0) != (fitted > 0)
+def cost_model_moved(in_force: float, model: CostModel) -> bool:
+    """Whether the job's cost model differs enough from the k in force to be worth a new
+    placement: the fitted model where the length is in force, a k more than ``K_CHANGE``
+    (relative) from the one in force, or the length again once no rank needs the quadratic
+    term any more (one noisy window where too few ranks clear the margin keeps the fit)."""
+    fitted = model.length_sq_weight
+    if in_force <= 0:
+        return fitted > 0
+    if fitted <= 0:
+        return model.model != MODEL_FITTED and model.ranks_quadratic == 0
     return abs(fitted / in_force - 1.0) > K_CHANGE
 
 

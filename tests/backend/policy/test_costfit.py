@@ -114,6 +114,10 @@ def test_job_cost_model_picks_the_fit_only_where_it_explains_the_step_times_bett
     assert d.cost_model == quad
     assert mean_batch_work(obs, quad.length_sq_weight) > mean_batch_work(obs)  # type: ignore[operator]
     assert decide(bare, PolicyConfig(min_steps=5)).cost_model is None
-    # Hysteresis: a switch, or a k more than 25% away, is worth a new placement.
-    assert cost_model_moved(0.0, 2e-4) and cost_model_moved(2e-4, 0.0) and not cost_model_moved(0.0, 0.0)
-    assert not cost_model_moved(2e-4, 2.4e-4) and cost_model_moved(2e-4, 2.6e-4)
+    # Hysteresis: the fit where the length is in force, a k more than 25% away, or the length
+    # again once no rank needs the quadratic term, is worth a new placement.
+    assert cost_model_moved(0.0, quad) and not cost_model_moved(0.0, lin)
+    assert cost_model_moved(quad.length_sq_weight, lin)  # no rank needs the term any more
+    assert not cost_model_moved(quad.length_sq_weight, replace(lin, ranks_quadratic=1))  # a noisy window
+    assert not cost_model_moved(quad.length_sq_weight / 1.2, quad)
+    assert cost_model_moved(quad.length_sq_weight / 1.3, quad)
