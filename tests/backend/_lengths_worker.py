@@ -1,16 +1,22 @@
-"""One training process (world size 1) whose samples are given by length (issue 23, item 2).
+"""A training job whose samples are given by length (issue 23, item 2): one process, or
+one per rank under torchrun (gloo; rank 0's exchange carries the placements).
 
 A step's compute takes ``1 + a * sum(L) + b * sum(L^2)`` ms of injected delay over the
 rank's samples (``--a-ms`` is a, ``--b-ms`` b; 0 models a cost linear in length), so the backend sees
 lengths that explain the step times with or without the quadratic term. The hook streams
-to ``--server`` as job ``--job``; ``--result`` gets the placements it scheduled.
+to ``--server`` as job ``--job``; ``--result`` (``.RANK`` appended) gets the placements
+the rank scheduled.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from datetime import timedelta
+
+import torch.distributed as dist
 
 from trainer_hook import RebalanceHook
 
@@ -31,6 +37,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--result", required=True)
     args = p.parse_args()
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     lengths = [length(i) for i in range(N_SAMPLES)]
     hook = RebalanceHook(server=args.server, job=args.job, global_batch_size=8)
     sampler = hook.batch_sampler(N_SAMPLES, shuffle=True, seed=3, sample_length=lengths)
@@ -44,7 +52,7 @@ def main() -> None:
     timeline = [{"version": e.version, "start_batch": e.start_batch, "length_sq_weight": e.length_sq_weight}
                 for e in hook.schedule.timeline()]
     hook.close()
-    with open(args.result, "w") as f:
+    with open(f"{args.result}.{os.environ.get('RANK', '0')}", "w") as f:
         json.dump({"timeline": timeline}, f)
 
 
