@@ -151,16 +151,16 @@ class PolicyLoop(ControllerCore):
         reason = (f"cost model: {model.model}, a sample of length L costs L + {k:.3g}*L^2 "
                   f"(R^2 {model.r2:.3f} against {model.r2_linear:.3f} for the length alone)"
                   if k > 0 else f"cost model: {model.model} ({model.detail})")
-        st.length_sq_weight = k
+        st.length_sq_weight = k  # _issue's message carries it
         try:
             await self._issue(st, list(st.shares), source="cost_model", actor=SYSTEM, reason=reason,
                               action="placement.cost_model",
                               params={"length_sq_weight": k, "previous_length_sq_weight": before})
-        except ConflictError:
+        except Exception as exc:
             st.length_sq_weight = before
-            if not self.live.ended(st.job):
-                raise
-            return False
+            if isinstance(exc, ConflictError) and self.live.ended(st.job):
+                return False  # the job ended meanwhile: nothing to send it to
+            raise
         return True
 
     async def _apply_auto(self, st: JobState, proposal_id: int) -> None:
