@@ -352,6 +352,7 @@ class Health(TypedDict):
     hook_connections: int
     buffered_windows: int
     dropped_windows: int
+    cluster: str  # off | ok | paused: <why>
 
 
 class WhoAmI(TypedDict):
