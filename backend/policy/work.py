@@ -19,6 +19,8 @@ import math
 import statistics
 from dataclasses import replace
 
+from trainer_hook.protocol import MAX_LENGTH_SQ_WEIGHT
+
 from .costfit import (
     MIN_STEPS,
     MODEL_FITTED,
@@ -96,7 +98,9 @@ def job_cost_model(obs: JobObservation) -> CostModel:
     least ``MIN_FIT_STEPS`` steps and its fit leaves at least ``RESIDUAL_MARGIN`` less of
     the variance unexplained than the length alone (a clear margin, not the F test's
     noise); when more than half of the fitted ranks count, the job's model is ``fitted
-    a*L+b*L^2`` with k the median of their ``b/a``; otherwise ``work (linear)``.
+    a*L+b*L^2`` with k the median of their ``b/a`` (at most the wire's bound: a linear term
+    near 0 makes k huge, and past it ``L + k*L^2`` orders samples as ``L^2`` alone does);
+    otherwise ``work (linear)``.
     """
     with_work = [[s for s in r.steps if s.work is not None] for r in obs.ranks]
     if not any(with_work):
@@ -118,7 +122,7 @@ def job_cost_model(obs: JobObservation) -> CostModel:
         fit = fit if fit is not None else lin
         fits.append(fit)
         linear_r2.append(lin.r2)
-        if (fit.model == "quadratic" and fit.a_ms > 0 and fit.n_steps >= MIN_FIT_STEPS
+        if (fit.model == "quadratic" and fit.n_steps >= MIN_FIT_STEPS
                 and 1.0 - fit.r2 <= (1.0 - RESIDUAL_MARGIN) * (1.0 - lin.r2)):
             quad.append(fit)
     r2 = statistics.median(f.r2 for f in fits) if fits else None
@@ -127,7 +131,8 @@ def job_cost_model(obs: JobObservation) -> CostModel:
                          detail="a cost per sample (sample_cost), weighed as given")
     r2_lin = statistics.median(linear_r2) if linear_r2 else None
     if fits and 2 * len(quad) > len(fits):
-        k = statistics.median(f.b_ms / f.a_ms for f in quad)
+        k = statistics.median(min(f.b_ms / f.a_ms, MAX_LENGTH_SQ_WEIGHT) if f.a_ms > 0 else MAX_LENGTH_SQ_WEIGHT
+                              for f in quad)
         return CostModel(MODEL_FITTED, length_sq_weight=k, r2=r2, r2_linear=r2_lin, ranks_fitted=len(fits),
                          ranks_quadratic=len(quad),
                          detail=f"{len(quad)} of {len(fits)} ranks fit time = c + a*sum(L) + b*sum(L^2) "

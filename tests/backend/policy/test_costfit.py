@@ -121,3 +121,24 @@ def test_job_cost_model_picks_the_fit_only_where_it_explains_the_step_times_bett
     assert not cost_model_moved(quad.length_sq_weight, replace(lin, ranks_quadratic=1))  # a noisy window
     assert not cost_model_moved(quad.length_sq_weight / 1.2, quad)
     assert cost_model_moved(quad.length_sq_weight / 1.3, quad)
+
+
+def test_a_linear_term_near_zero_gives_a_k_the_wire_accepts() -> None:
+    from backend.policy.costfit import MODEL_FITTED
+    from backend.policy.work import job_cost_model
+    from trainer_hook.protocol import MAX_LENGTH_SQ_WEIGHT, Placement, decode, encode
+
+    obs = _observation(4e-7)
+    # Pure attention: no per-token term at all, so b/a is as large as the noise makes it.
+    from dataclasses import replace
+    rng = random.Random(5)
+    ranks = tuple(replace(r, steps=tuple(replace(s, compute_ms=(1.0 + 4e-7 * s.work_sq) * (1 + rng.gauss(0, 0.001)))
+                                         for s in r.steps)) for r in obs.ranks)
+    model = job_cost_model(replace(obs, ranks=ranks))
+    assert model.model == MODEL_FITTED and 0 < model.length_sq_weight <= MAX_LENGTH_SQ_WEIGHT
+    exact = tuple(replace(r, steps=tuple(replace(s, compute_ms=1.0 + 4e-7 * s.work_sq) for s in r.steps))
+                  for r in obs.ranks)  # noiseless: the fit puts a at 0 exactly
+    model = job_cost_model(replace(obs, ranks=exact))
+    assert model.model == MODEL_FITTED and model.length_sq_weight == MAX_LENGTH_SQ_WEIGHT
+    msg = Placement(job="j", version=1, shares=[8, 8], global_batch_size=16, length_sq_weight=model.length_sq_weight)
+    assert decode(encode(msg)) == msg
