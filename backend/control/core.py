@@ -184,6 +184,10 @@ class ControllerCore:
             st.last_effect = records.last_effect(s, job)
             if pl is not None:
                 st.follow(pl)
+            # The k the hooks split by: the newest cost-model placement's (its audit record).
+            sent = db.list_audit(s, job, action="placement.cost_model", limit=1)
+            if sent:
+                st.length_sq_weight = float((sent[0].params or {}).get("length_sq_weight", 0.0))
             self._read_facts(s, st)
             return st
 

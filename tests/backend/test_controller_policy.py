@@ -330,7 +330,7 @@ def test_a_drained_rank_keeps_its_last_measured_cost(make):
     assert control["status"] == "balanced", control
 
 
-def test_a_fitted_cost_model_is_shown_in_observe_mode_and_sent_in_approve_mode(make):
+def test_a_fitted_cost_model_is_shown_in_observe_mode_and_sent_in_approve_mode(make, tmp_path):
     """Sample lengths whose step times follow c + a*sum(L) + b*sum(L^2) (issue 23, item 2)."""
     import random
 
@@ -378,3 +378,10 @@ def test_a_fitted_cost_model_is_shown_in_observe_mode_and_sent_in_approve_mode(m
     steps(10)
     j.tick()
     assert [p["source"] for p in asyncio.run(j.ctl.placements(JOB))].count("cost_model") == 1
+    # A restarted backend keeps the k in force (its hello replies carry it, not 0).
+    again = Job(tmp_path / "0", "approve")
+    try:
+        asyncio.run(again.ctl.placements(JOB))  # loads the job from SQL
+        assert again.ctl.job_control(JOB)["cost_model"]["length_sq_weight_in_force"] == sent[0].length_sq_weight
+    finally:
+        again.close()
