@@ -33,7 +33,7 @@ from typing import Any, TypedDict, cast
 
 __all__ = [
     "Client", "APIError", "ServerUnreachable", "DEFAULT_SERVER",
-    "Job", "Bound", "Mesh", "Rank", "Device", "MetricPoint", "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory",
+    "Job", "Bound", "Mesh", "CostModel", "Rank", "Device", "MetricPoint", "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory",
     "Proposal", "Placement", "Effect", "Overrides", "OverridesSet", "AuditRecord", "Token", "TokenCreated", "Health", "WhoAmI",
 ]
 
@@ -101,6 +101,19 @@ class Mesh(TypedDict):
     label: str  # e.g. "DP 2 x TP 2"
 
 
+class CostModel(TypedDict, total=False):
+    """What a sample costs in the split (``GET /api/v1/jobs/{job}``'s ``cost_model``)."""
+
+    model: str  # samples | work (linear) | fitted a*L+b*L^2
+    length_sq_weight: float
+    length_sq_weight_in_force: float
+    r2: float | None
+    r2_linear: float | None
+    ranks_fitted: int
+    ranks_quadratic: int
+    detail: str
+
+
 class Job(TypedDict, total=False):
     job: str
     world_size: int
@@ -125,6 +138,7 @@ class Job(TypedDict, total=False):
     idle_cost_per_hour: float | None
     bound: Bound | None
     mesh: Mesh | None
+    cost_model: CostModel | None
 
 
 class Device(TypedDict, total=False):

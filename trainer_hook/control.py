@@ -1,7 +1,8 @@
 """ControlChannel: rank 0 decides when a placement takes effect; every rank learns it.
 
 Every ``exchange_every`` (K) steps all ranks launch an asynchronous broadcast from rank 0
-of one int64 tensor ``[version, effective_batch, shares...]`` on a CPU gloo group the hook
+of one int64 tensor ``[version, effective_batch, k, shares...]`` (k: the placement's
+``length_sq_weight``, a float64's bits) on a CPU gloo group the hook
 creates (so NCCL jobs pay no device sync), and collect it ``exchange_lag`` (L) steps
 later. Rank 0 fills it with the newest pending placement and ``effective_batch = launch +
 L + lookahead``: late enough that no rank has trained, nor any loader prefetched, that
@@ -11,6 +12,7 @@ runs locally, so offline runs behave exactly like distributed ones.
 
 from __future__ import annotations
 
+import struct
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,6 +32,7 @@ class PendingPlacement:
     version: int
     shares: tuple[int, ...]
     reason: str = ""
+    length_sq_weight: float = 0.0
 
 
 class ControlChannel:
@@ -58,7 +61,7 @@ class ControlChannel:
         self._inflight: tuple[int, Any, list[int] | None] | None = None
         # One buffer, reused: at most one exchange is in flight (lag < every), and
         # allocating a tensor per exchange costs more than the rest of the step hook.
-        self._buf = torch.full((2 + world_size,), -1, dtype=torch.int64) if group is not None else None
+        self._buf = torch.full((3 + world_size,), -1, dtype=torch.int64) if group is not None else None
         self._buf_dirty = False
         self._bcast: tuple[list[torch.Tensor], Any] | None = None
         if self._buf is not None:
@@ -100,7 +103,7 @@ class ControlChannel:
             pending = self._pending
         inflight = self._inflight[2] if self._inflight is not None else None
         if inflight is not None and (pending is None or inflight[0] > pending.version):
-            return PendingPlacement(inflight[0], tuple(inflight[2:]))
+            return PendingPlacement(inflight[0], tuple(inflight[3:]), length_sq_weight=_float(inflight[2]))
         return pending
 
     def offer(self, placement: PendingPlacement) -> None:
@@ -127,7 +130,8 @@ class ControlChannel:
                 pending, self._pending = self._pending, None
         payload = None
         if pending is not None:
-            payload = [pending.version, step + self.lag + self.lookahead, *pending.shares]
+            payload = [pending.version, step + self.lag + self.lookahead, _bits(pending.length_sq_weight),
+                       *pending.shares]
         buf, work = self._buf, None
         if buf is not None and self._bcast is not None:
             if self.rank == 0 and payload is not None:
@@ -152,19 +156,21 @@ class ControlChannel:
             values = payload if payload is not None else [-1]
         version = values[0]
         if version >= 0 and version > self.schedule.latest.version:
-            self.schedule.add(values[1], version, values[2:])
+            self.schedule.add(values[1], version, values[3:], length_sq_weight=_float(values[2]))
         self.schedule.settle(step + self.every + self.lag + self.lookahead - 1)
 
-    def sync_initial(self, version: int | None, shares: list[int] | None) -> tuple[int, list[int]] | None:
+    def sync_initial(self, version: int | None, shares: list[int] | None,
+                     length_sq_weight: float = 0.0) -> tuple[int, list[int]] | None:
         """Start-up: rank 0's placement in force reaches every rank before any batch.
 
         A blocking broadcast, done once. Returns the placement applied, or None when rank
         0 had none (the job starts at version 0).
         """
-        buf = torch.full((1 + self.world_size,), -1, dtype=torch.int64)
+        buf = torch.full((2 + self.world_size,), -1, dtype=torch.int64)
         if self.rank == 0 and version is not None and shares is not None:
             buf[0] = version
-            buf[1:] = torch.tensor(shares, dtype=torch.int64)
+            buf[1] = _bits(length_sq_weight)
+            buf[2:] = torch.tensor(shares, dtype=torch.int64)
         if self.group is not None:
             import torch.distributed as dist
 
@@ -172,8 +178,8 @@ class ControlChannel:
         values = buf.tolist()
         if values[0] < 0:
             return None
-        self.schedule.replace_initial(values[0], values[1:])
-        return values[0], values[1:]
+        self.schedule.replace_initial(values[0], values[2:], length_sq_weight=_float(values[1]))
+        return values[0], values[2:]
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for an exchange still in flight (every rank launched it) and drop it.
@@ -194,3 +200,12 @@ class ControlChannel:
         self._inflight = None
         self._bcast = None
         self.group = None
+
+
+def _bits(x: float) -> int:
+    """A float64's bits as an int64 (the exchange carries int64s only)."""
+    return int(struct.unpack("<q", struct.pack("<d", float(x)))[0])
+
+
+def _float(bits: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", int(bits)))[0])

@@ -403,9 +403,11 @@ class RebalanceHook:
         seed: int = 0,
         drop_last: bool = False,
         sample_cost: SampleCost | None = None,
+        sample_length: SampleCost | None = None,
         **loader_kwargs: Any,
     ) -> DataLoader[Any]:
-        """A ``DataLoader`` over ``batch_sampler(dataset, shuffle, seed, drop_last, sample_cost)``.
+        """A ``DataLoader`` over ``batch_sampler(dataset, shuffle, seed, drop_last,
+        sample_cost, sample_length)``.
 
         Every other ``DataLoader`` argument passes through (``num_workers``,
         ``prefetch_factor``, ``persistent_workers``, ``pin_memory``, ``collate_fn``, ...).
@@ -445,7 +447,8 @@ class RebalanceHook:
                 f"lookahead={self.config.lookahead} is too short for this loader, which prefetches "
                 f"{depth} batches: use lookahead={depth + 1} or leave lookahead out (measured)."
             )
-        sampler = self.batch_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, sample_cost=sample_cost)
+        sampler = self.batch_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                     sample_cost=sample_cost, sample_length=sample_length)
         loader = HookDataLoader(dataset, sampler, **loader_kwargs)
         self._known_lookahead = max(self._known_lookahead, depth + 1)
         return loader
@@ -458,6 +461,7 @@ class RebalanceHook:
         drop_last: bool = False,
         *,
         sample_cost: SampleCost | None = None,
+        sample_length: SampleCost | None = None,
     ) -> RebalanceBatchSampler:
         """This rank's batch sampler: pass it to ``DataLoader(batch_sampler=...)``.
 
@@ -478,12 +482,21 @@ class RebalanceHook:
 
             lengths = [len(ex["input_ids"]) for ex in ds]
             loader = hook.data_loader(ds, shuffle=True, seed=0, sample_cost=lengths)
+
+        ``sample_length`` (instead of ``sample_cost``, in the same forms) gives each sample's
+        length where its cost grows faster than its length (attention): the backend fits
+        ``time = c + a*sum(L) + b*sum(L^2)`` per rank from the step times and, where that
+        explains them better than the length alone, the split weighs a sample as ``L +
+        (b/a)*L^2`` (the placement's ``length_sq_weight``); until then, as its length. The
+        job view says which cost model is in use and how well it fits::
+
+            loader = hook.data_loader(ds, shuffle=True, seed=0, sample_length=lengths)
         """
         self._init_distributed("hook.batch_sampler()")
         sampler = RebalanceBatchSampler(
             dataset, schedule=self._schedule, rank=self._rank, shuffle=shuffle, seed=seed,
             drop_last=drop_last, position=lambda: self._next_batch, before_iter=self._ensure_started,
-            sample_cost=sample_cost,
+            sample_cost=sample_cost, sample_length=sample_length,
         )
         self._sampler = sampler
         return sampler
@@ -685,6 +698,10 @@ class RebalanceHook:
         if rec is not None and sampler is not None and sampler.has_cost:
             rec.work = sampler.local_work(rec.batch_index) if rec.local_batch_size else 0.0
             rec.batch_work = sampler.batch_work(rec.batch_index)
+            sq = sampler.local_work_sq(rec.batch_index)
+            if sq is not None:
+                rec.work_sq = sq[0] if rec.local_batch_size else 0.0
+                rec.batch_work_sq = sq[1]
         pace = self._pace
         if pace is not None:  # the leader reports its replica's pace (the slowest member's times)
             if rec is not None:
@@ -773,7 +790,8 @@ class RebalanceHook:
             raise ValueError(error)
         return version
 
-    def _offer(self, version: int, shares: Any, reason: str, global_batch_size: int) -> str | None:
+    def _offer(self, version: int, shares: Any, reason: str, global_batch_size: int,
+               length_sq_weight: float = 0.0) -> str | None:
         """Validate and queue a placement; on failure record and report a reject."""
         error: str | None = None
         checked: list[int] = []
@@ -807,7 +825,7 @@ class RebalanceHook:
                     return None
                 error = f"placement version {version} is not newer than version {newest} already in force or pending."
             if error is None:
-                self._control.offer(PendingPlacement(version, tuple(checked), reason))
+                self._control.offer(PendingPlacement(version, tuple(checked), reason, length_sq_weight))
                 return None
         self.rejections.append((version, error))
         log.warning("rejected placement: %s", error)
@@ -823,10 +841,11 @@ class RebalanceHook:
             with self._lock:
                 startup = not self._started
             if startup:
-                self._initial = PendingPlacement(msg.version, tuple(msg.shares), msg.reason)
+                self._initial = PendingPlacement(msg.version, tuple(msg.shares), msg.reason,
+                                                 msg.length_sq_weight)
                 self._initial_event.set()
                 return
-            self._offer(msg.version, msg.shares, msg.reason, msg.global_batch_size)
+            self._offer(msg.version, msg.shares, msg.reason, msg.global_batch_size, msg.length_sq_weight)
         elif isinstance(msg, Error):
             self.last_error = msg
             log.warning("backend error %s: %s", msg.code, msg.message)
@@ -838,6 +857,7 @@ class RebalanceHook:
         self._init_distributed("the first batch")
         version: int | None = None
         shares: list[int] | None = None
+        length_sq_weight = 0.0
         if self._root and self._transport is not None:
             self._initial_event.wait(self.config.startup_wait_s)
             with self._lock:
@@ -849,12 +869,13 @@ class RebalanceHook:
                         global_batch_size=self.config.global_batch_size,
                     )
                     version = initial.version
+                    length_sq_weight = initial.length_sq_weight
                 except ValueError as exc:
                     self._reject(initial.version, f"placement version {initial.version} is invalid: {exc}")
         if version is not None and version <= self._schedule.latest.version:
             version = shares = None  # a resumed checkpoint's placement is as new or newer
         if not self.config.offline:
-            self._control.sync_initial(version, shares)
+            self._control.sync_initial(version, shares, length_sq_weight)
         with self._lock:
             self._started = True
             self._trained = self._schedule.at(self._next_batch)

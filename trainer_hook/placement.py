@@ -20,11 +20,15 @@ __all__ = ["PlacementSchedule", "ScheduledPlacement"]
 
 @dataclass(frozen=True, slots=True)
 class ScheduledPlacement:
-    """Placement ``version`` with ``shares``, in force from global batch ``start_batch``."""
+    """Placement ``version`` with ``shares``, in force from global batch ``start_batch``.
+
+    ``length_sq_weight`` (k) is the cost model that goes with it for samples given by
+    length: a sample of length L costs ``L + k*L^2`` in the split (0: its length)."""
 
     start_batch: int
     version: int
     shares: tuple[int, ...]
+    length_sq_weight: float = 0.0
 
     def offsets(self, rank: int) -> tuple[int, int]:
         """The slice ``[lo, hi)`` of the global batch that ``rank`` trains."""
@@ -63,7 +67,8 @@ class PlacementSchedule:
         # without the lock by at() (one tuple load is atomic); replaced under the lock.
         self._hint: tuple[int, int, ScheduledPlacement | None] = (0, 0, None)
 
-    def add(self, start_batch: int, version: int, shares: list[int]) -> ScheduledPlacement:
+    def add(self, start_batch: int, version: int, shares: list[int], *,
+            length_sq_weight: float = 0.0) -> ScheduledPlacement:
         """Put ``shares`` in force from ``start_batch`` on. Raises ValueError if invalid.
 
         The version must be newer than every scheduled one, ``start_batch`` must not be
@@ -85,7 +90,7 @@ class PlacementSchedule:
                     f"placement version {version} would start at batch {start_batch}, before version "
                     f"{last.version} at batch {last.start_batch}."
                 )
-            entry = ScheduledPlacement(start_batch, version, tuple(checked))
+            entry = ScheduledPlacement(start_batch, version, tuple(checked), length_sq_weight)
             self._hint = (0, 0, None)
             if start_batch == last.start_batch:
                 self._entries[-1] = entry
@@ -94,11 +99,11 @@ class PlacementSchedule:
                 self._starts.append(start_batch)
             return entry
 
-    def replace_initial(self, version: int, shares: list[int]) -> None:
+    def replace_initial(self, version: int, shares: list[int], *, length_sq_weight: float = 0.0) -> None:
         """Start over with one placement in force from batch 0 (resume at start-up)."""
         checked = check_shares(shares, world_size=self.world_size, global_batch_size=self.global_batch_size)
         with self._lock:
-            self._entries = [ScheduledPlacement(0, version, tuple(checked))]
+            self._entries = [ScheduledPlacement(0, version, tuple(checked), length_sq_weight)]
             self._starts = [0]
             self._hint = (0, 0, None)
 

@@ -48,6 +48,8 @@ __all__ = [
     "MAX_COUNT",
     "MAX_BYTES",
     "MAX_DURATION_MS",
+    "MAX_WORK_SQ",
+    "MAX_LENGTH_SQ_WEIGHT",
     "MAX_AGE_S",
     "MAX_AHEAD_S",
     "CLOSE_NORMAL",
@@ -103,6 +105,8 @@ MAX_BATCH_INDEX = _INT32_MAX  # 68 years at one step a second
 MAX_VERSION = _INT32_MAX  # placement versions and proposal ids
 MAX_COUNT = _INT32_MAX  # dropped (per frame), restart_count, pid
 MAX_WORK = 1e15  # summed per-sample cost of one global batch (tokens, say)
+MAX_WORK_SQ = 1e30  # summed squared sample lengths of one global batch (MAX_WORK squared)
+MAX_LENGTH_SQ_WEIGHT = 1e6  # k of a fitted cost L + k*L^2, per token
 MAX_BYTES = 1 << 53  # 8 PiB; exact in a double, so browsers read it unchanged
 MAX_DURATION_MS = 86_400_000.0  # one day, for every per-step time
 _MAX_UNIX_TIME = 1e10  # year 2286: the context-free bound on ``t``
@@ -440,6 +444,10 @@ class StepRecord:
     ``work`` and ``batch_work`` (only with a per-sample cost, ``sample_cost=``): this
     rank's summed cost in the step and the whole global batch's, so that speed is learned
     in work per second. Absent without a cost (every sample costs 1).
+    ``work_sq`` and ``batch_work_sq`` (only with sample lengths, ``sample_length=``): the
+    sums of the squared lengths of this rank's samples and of the global batch's (``work``
+    is then the summed lengths), from which the backend fits ``time = c + a*sum(L) +
+    b*sum(L^2)`` per rank. Absent otherwise; old hooks never send them.
     ``comm_bytes`` (version 2, optional): bytes this rank handed to gradient collectives
     in the step (DDP: its bucket buffers; FSDP: its reduce-scatter inputs); ``comm_ms``
     the time one of them was in flight, overlapped with compute or not (the exposed part
@@ -462,6 +470,8 @@ class StepRecord:
     batch_work: float | None = None
     comm_bytes: int | None = None
     comm_ms: float | None = None
+    work_sq: float | None = None
+    batch_work_sq: float | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepRecord:
@@ -516,6 +526,8 @@ class StepRecord:
             mem_total_bytes=_int(d, "mem_total_bytes", hi=MAX_BYTES, default=None),
             work=_float(d, "work", hi=MAX_WORK, default=None),
             batch_work=_float(d, "batch_work", hi=MAX_WORK, default=None),
+            work_sq=_float(d, "work_sq", hi=MAX_WORK_SQ, default=None),
+            batch_work_sq=_float(d, "batch_work_sq", hi=MAX_WORK_SQ, default=None),
             comm_bytes=_int(d, "comm_bytes", lo=1, hi=MAX_BYTES, default=None),
             comm_ms=_float(d, "comm_ms", hi=MAX_DURATION_MS, default=None),
         )
@@ -536,6 +548,9 @@ class StepRecord:
         if self.work is not None:
             d["work"] = self.work
             d["batch_work"] = self.batch_work
+            if self.work_sq is not None:
+                d["work_sq"] = self.work_sq
+                d["batch_work_sq"] = self.batch_work_sq
         return d
 
 
@@ -751,6 +766,11 @@ class Placement:
 
     Sent in reply to every ``hello`` (the placement in force) and whenever a proposal is
     approved, auto-applied, overridden or rolled back.
+
+    ``length_sq_weight`` (k >= 0, optional, 0 when absent): the cost model the job's split
+    uses for samples given by length (``sample_length=``): a sample of length L costs
+    ``L + k*L^2``. The backend fits it from the step times (``a*sum(L) + b*sum(L^2)``, k =
+    b/a); it takes effect with the placement, at the batch index rank 0 picks for it.
     """
 
     TYPE: ClassVar[str] = "placement"
@@ -760,6 +780,7 @@ class Placement:
     global_batch_size: int
     proposal_id: int | None = None
     reason: str = ""
+    length_sq_weight: float = 0.0
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Placement:
@@ -776,6 +797,7 @@ class Placement:
             global_batch_size=_int(d, "global_batch_size", lo=1, hi=MAX_GLOBAL_BATCH_SIZE),
             proposal_id=_int(d, "proposal_id", hi=MAX_VERSION, default=None),
             reason=_str(d, "reason", max_len=_MAX_TEXT, default=""),
+            length_sq_weight=_float(d, "length_sq_weight", hi=MAX_LENGTH_SQ_WEIGHT, default=0.0),
         )
 
 
@@ -812,6 +834,8 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
         mesh = body.pop("mesh")
         if mesh is not None:  # absent for plain data parallel
             body["mesh"] = mesh.to_dict()
+    if body.get("length_sq_weight", None) == 0.0:
+        del body["length_sq_weight"]  # likewise: a hook without it reads the same
     if version < 2:
         for key in _V2_ONLY:
             body.pop(key, None)

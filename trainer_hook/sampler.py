@@ -14,6 +14,12 @@ rank), a pure function of batch k's samples, their costs and the placement, so e
 computes the same partition without communication. Batch k is still the same samples,
 each trained once, under any placement; a rank's sample count then varies per batch and
 its gradient weight is that count over the batch's.
+
+With sample lengths instead (``sample_length=``: token counts of sequences whose cost grows
+faster than their length, as attention's does), a sample of length L costs ``L + k*L^2``,
+k being the cost model the placement in force carries (``length_sq_weight``: 0, i.e. the
+length, until the backend has fitted one from the step times). The step records then
+carry the summed lengths and the summed squared lengths the backend fits from.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ from trainer_hook.placement import PlacementSchedule
 __all__ = ["RebalanceBatchSampler", "SampleCost"]
 
 SampleCost = Sequence[float] | Callable[[int], float]
-_Partition = tuple[object, tuple[tuple[int, ...], ...], tuple[float, ...], float]
+# (placement, per-rank positions, per-rank work, batch work, per-rank and batch summed
+# squared lengths or None without sample lengths)
+_Partition = tuple[object, tuple[tuple[int, ...], ...], tuple[float, ...], float,
+                   tuple[tuple[float, ...], float] | None]
 _PARTITIONS_KEPT = 256  # batch partitions cached: a loader's prefetch plus the step being trained
 
 
@@ -50,6 +59,8 @@ class RebalanceBatchSampler:
 
     ``sample_cost`` (optional) gives each dataset index's work: a sequence of numbers >= 0
     (one per index) or a callable ``index -> number``; shares then split work, not samples.
+    ``sample_length`` (optional, instead) gives each index's length in the same forms; a
+    sample then costs ``L + k*L^2`` with k the placement's ``length_sq_weight``.
     """
 
     def __init__(
@@ -65,6 +76,7 @@ class RebalanceBatchSampler:
         before_iter: Callable[[], None] | None = None,
         on_batch: Callable[[int, list[int], bool], None] | None = None,
         sample_cost: SampleCost | None = None,
+        sample_length: SampleCost | None = None,
     ) -> None:
         if isinstance(dataset, IterableDataset):
             raise ValueError(
@@ -103,11 +115,19 @@ class RebalanceBatchSampler:
         self._orders: dict[int, list[int]] = {}
         self._cost_fn: Callable[[int], float] | None = None
         self._costs: list[float] | None = None
-        if sample_cost is not None:
-            if callable(sample_cost):
-                self._cost_fn = sample_cost
+        if sample_cost is not None and sample_length is not None:
+            raise ValueError(
+                "pass sample_cost= or sample_length=, not both: sample_cost is each sample's work "
+                "as it is, sample_length its length, whose cost the backend fits (L + k*L^2)."
+            )
+        self.has_lengths = sample_length is not None
+        self._cost_name = "sample_length" if self.has_lengths else "sample_cost"
+        given = sample_length if sample_length is not None else sample_cost
+        if given is not None:
+            if callable(given):
+                self._cost_fn = given
             else:
-                self._costs = _check_cost_sequence(sample_cost, n)
+                self._costs = _check_cost_sequence(given, n, self._cost_name)
         # batch index -> (placement, per-rank positions in the batch, per-rank work, batch work)
         self._parts: dict[int, _Partition] = {}
 
@@ -117,7 +137,8 @@ class RebalanceBatchSampler:
         return self._costs is not None or self._cost_fn is not None
 
     def cost(self, index: int) -> float:
-        """Dataset index ``index``'s work (1.0 without ``sample_cost``)."""
+        """Dataset index ``index``'s work (1.0 without ``sample_cost``; its length with
+        ``sample_length``)."""
         if self._costs is not None:
             return self._costs[index]
         if self._cost_fn is None:
@@ -125,12 +146,13 @@ class RebalanceBatchSampler:
         try:
             value = self._cost_fn(index)
         except Exception as exc:
+            name = self._cost_name
             raise ValueError(
-                f"sample_cost({index}) raised {type(exc).__name__}: {exc}. The sample_cost callable must "
+                f"{name}({index}) raised {type(exc).__name__}: {exc}. The {name} callable must "
                 f"return a number >= 0 for every dataset index 0..{self.num_samples - 1}; fix it or pass "
-                "a list of costs."
+                f"a list of {'lengths' if self.has_lengths else 'costs'}."
             ) from exc
-        return _check_cost(value, index, "sample_cost(" + str(index) + ") returned")
+        return _check_cost(value, index, f"{self._cost_name}({index}) returned")
 
     def __len__(self) -> int:
         """Global batches per epoch (the same on every rank)."""
@@ -183,11 +205,19 @@ class RebalanceBatchSampler:
                 lo, hi = self._bounds(batch_index, r)
                 parts.append(tuple(range(lo, hi)))
             result: _Partition = (placement, tuple(parts), tuple(float(len(q)) for q in parts),
-                                  float(self.batch_length(batch_index)))
+                                  float(self.batch_length(batch_index)), None)
+        elif self.has_lengths:
+            lengths = [self.cost(i) for i in self.global_batch(batch_index)]
+            k = placement.length_sq_weight
+            positions, _ = lpt_partition([v + k * v * v for v in lengths], placement.shares)
+            work = tuple(math.fsum(lengths[p] for p in q) for q in positions)
+            sq = tuple(math.fsum(lengths[p] ** 2 for p in q) for q in positions)
+            result = (placement, positions, work, math.fsum(lengths),
+                      (sq, math.fsum(v * v for v in lengths)))
         else:
             costs = [self.cost(i) for i in self.global_batch(batch_index)]
             positions, work = lpt_partition(costs, placement.shares)
-            result = (placement, positions, work, float(sum(costs)))
+            result = (placement, positions, work, float(sum(costs)), None)
         with self._lock:
             if len(self._parts) >= _PARTITIONS_KEPT:
                 self._parts.pop(min(self._parts))
@@ -213,6 +243,12 @@ class RebalanceBatchSampler:
         if not self.has_cost:
             return float(self.batch_length(batch_index))
         return self._partition(batch_index)[3]
+
+    def local_work_sq(self, batch_index: int) -> tuple[float, float] | None:
+        """With ``sample_length``: this rank's and the whole batch's summed squared lengths in
+        ``batch_index`` (None otherwise)."""
+        sq = self._partition(batch_index)[4] if self.has_lengths else None
+        return None if sq is None else (sq[0][self.rank], sq[1])
 
     def local_bounds(self, batch_index: int) -> tuple[int, int]:
         """This rank's slice ``[lo, hi)`` of global batch ``batch_index`` (may be empty).
@@ -326,20 +362,21 @@ def _check_cost(value: object, index: int, what: str) -> float:
     return v
 
 
-def _check_cost_sequence(costs: object, n: int) -> list[float]:
+def _check_cost_sequence(costs: object, n: int, name: str = "sample_cost") -> list[float]:
+    what = "length" if name == "sample_length" else "cost"
     if isinstance(costs, (str, bytes)) or not hasattr(costs, "__len__") or not hasattr(costs, "__getitem__"):
         raise ValueError(
-            f"sample_cost must be a sequence of numbers (one per dataset index) or a callable "
+            f"{name} must be a sequence of numbers (one per dataset index) or a callable "
             f"index -> number, got {type(costs).__name__}."
         )
     if len(costs) < n:  # type: ignore[arg-type]
         raise ValueError(
-            f"sample_cost holds {len(costs)} costs but the dataset has {n} samples: give one "  # type: ignore[arg-type]
-            "cost per dataset index (or a callable index -> cost)."
+            f"{name} holds {len(costs)} {what}s but the dataset has {n} samples: give one "  # type: ignore[arg-type]
+            f"{what} per dataset index (or a callable index -> {what})."
         )
     if isinstance(costs, torch.Tensor):
         costs = costs.tolist()
-    return [_check_cost(costs[i], i, "sample_cost holds") for i in range(n)]  # type: ignore[index]
+    return [_check_cost(costs[i], i, f"{name} holds") for i in range(n)]  # type: ignore[index]
 
 
 def _scaled_offsets(shares: tuple[int, ...], rank: int, n: int, b: int) -> tuple[int, int]:

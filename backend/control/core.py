@@ -90,6 +90,10 @@ class JobState:
     activity: dict[str, dict[str, int]] = field(default_factory=dict)
     snapshot: dict[str, Any] = field(default_factory=dict)
     cost_fit: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # the policy's, per rank
+    # The job's cost model as the policy last found it (CostModel.as_dict; None: not yet or
+    # no costs), and the k of L + k*L^2 the placements sent carry (what the hooks split by).
+    cost_model: dict[str, Any] | None = None
+    length_sq_weight: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     restart_count: int | None = None  # TorchElastic attempt of the ranks (None: none seen since load)
 
@@ -152,6 +156,7 @@ class ControllerCore:
             "verdict_detail": st.status_detail,
             "last_effect": st.last_effect,
             "last_metrics": st.last_metrics,
+            "cost_model": cost_model_public(st.cost_model, st.length_sq_weight, st.mode),
         }
         with contextlib.suppress(Exception):  # the dashboard is never worth a failed action
             self._notify_hub(st.job)
@@ -203,6 +208,10 @@ class ControllerCore:
             st.last_effect = records.last_effect(s, job)
             if pl is not None:
                 st.follow(pl)
+            # The k the hooks split by: the newest cost-model placement's (its audit record).
+            sent = db.list_audit(s, job, action="placement.cost_model", limit=1)
+            if sent:
+                st.length_sq_weight = float((sent[0].params or {}).get("length_sq_weight", 0.0))
             self._read_facts(s, st)
             return st
 
@@ -307,7 +316,7 @@ class ControllerCore:
     def _placement_msg(self, st: JobState, *, proposal_id: int | None = None, reason: str = "") -> Placement:
         return Placement(job=st.job, version=st.version, shares=list(st.shares),
                          global_batch_size=st.global_batch_size, proposal_id=proposal_id,
-                         reason=reason)
+                         reason=reason, length_sq_weight=st.length_sq_weight)
 
     def _new_placement(self, s: Session, st: JobState, shares: Sequence[int], *, source: str,
                        actor: ActorLike, reason: str, proposal_id: int | None = None,
@@ -402,3 +411,15 @@ class ControllerCore:
 
     def job_control(self, job: str) -> dict[str, Any]:
         raise NotImplementedError  # read_model.ReadModel
+
+
+def cost_model_public(model: dict[str, Any] | None, in_force: float, mode: str) -> dict[str, Any]:
+    """The job view's cost model: the policy's (``samples`` before any cost is seen) and the
+    k the hooks split by; a fitted k not sent yet (observe mode) is said in the detail."""
+    out: dict[str, Any] = dict(model) if model is not None else {
+        "model": "samples", "length_sq_weight": 0.0, "r2": None, "r2_linear": None,
+        "ranks_fitted": 0, "ranks_quadratic": 0, "detail": "no per-sample cost: every sample costs 1"}
+    out["length_sq_weight_in_force"] = in_force
+    if mode == "observe" and out["length_sq_weight"] != in_force:
+        out["detail"] = f"{out['detail']} (observe mode: the hooks still split with k = {in_force:.3g})"
+    return out

@@ -151,8 +151,9 @@ _STEP_SAMPLE = itemgetter(_BATCH, _LOCAL_BATCH, _COMPUTE)
 _DEVICE_SIGNALS = itemgetter(0, 2, 3, 4, 6, 7, 8, 5, 9)
 
 
-def _with_work(rows: Any, work: dict[int, tuple[float, float]]) -> tuple[tuple[Any, ...], ...]:
-    """Step rows with ``(work, batch_work)`` appended where the step carried a cost."""
+def _with_work(rows: Any, work: dict[int, tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
+    """Step rows with ``(work, batch_work, work_sq, batch_work_sq)`` appended where the
+    step carried a cost."""
     if not work:
         return tuple(rows)
     return tuple((*row, *work[row[0]]) if row[0] in work else row for row in rows)

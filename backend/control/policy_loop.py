@@ -19,7 +19,7 @@ from backend.control.errors import (
 from backend.storage import control as db
 
 if TYPE_CHECKING:
-    from backend.policy.types import Explanation
+    from backend.policy.types import Decision, Explanation
 
 from backend.control.core import SYSTEM, ControllerCore, JobState
 
@@ -85,8 +85,12 @@ class PolicyLoop(ControllerCore):
         if expl is not None and len(expl.ranks) == st.world_size:
             ranks = sorted(expl.ranks, key=lambda r: r.rank)
             st.cost_fit = (tuple(r.a_ms for r in ranks), tuple(r.c_ms for r in ranks))
+        if decision.cost_model is not None:
+            st.cost_model = decision.cost_model.as_dict()
         if st.version != version:
             return  # the placement changed while the policy was thinking
+        if await self._follow_cost_model(st, decision):
+            return  # the next run proposes against the placement with the new cost model
         if not isinstance(decision, PolicyProposal):
             st.status = ("warming_up" if decision.status in ("warming_up", "no_data")
                          else "imbalanced" if decision.status == "infeasible" else "balanced")
@@ -130,6 +134,36 @@ class PolicyLoop(ControllerCore):
         self._publish(st)
         if st.mode == "auto":
             await self._apply_auto(st, got)
+
+    async def _follow_cost_model(self, st: JobState, decision: Decision) -> bool:
+        """Send a placement with the fitted cost model (same shares, new version, k of L +
+        k*L^2) when it moved from the one the hooks split by; not in observe mode, nor
+        during a cooldown. Which samples a rank gets changes, never its share of the work,
+        so no operator needs to approve it; it is recorded like any placement."""
+        from backend.policy import NoProposal, cost_model_moved
+
+        model = decision.cost_model
+        if model is None or st.mode == "observe":
+            return False
+        if isinstance(decision, NoProposal) and decision.status == "cooldown":
+            return False
+        if not cost_model_moved(st.length_sq_weight, model):
+            return False
+        before, k = st.length_sq_weight, model.length_sq_weight
+        reason = (f"cost model: {model.model}, a sample of length L costs L + {k:.3g}*L^2 "
+                  f"(R^2 {model.r2:.3f} against {model.r2_linear:.3f} for the length alone)"
+                  if k > 0 else f"cost model: {model.model} ({model.detail})")
+        st.length_sq_weight = k  # _issue's message carries it
+        try:
+            await self._issue(st, list(st.shares), source="cost_model", actor=SYSTEM, reason=reason,
+                              action="placement.cost_model",
+                              params={"length_sq_weight": k, "previous_length_sq_weight": before})
+        except Exception as exc:
+            st.length_sq_weight = before
+            if isinstance(exc, ConflictError) and self.live.ended(st.job):
+                return False  # the job ended meanwhile: nothing to send it to
+            raise
+        return True
 
     async def _apply_auto(self, st: JobState, proposal_id: int) -> None:
         """Auto mode applies the policy's proposal; a job that ended meanwhile keeps it unapplied."""

@@ -78,8 +78,8 @@ class _Rank:
     # The newest device sample as an object, built on first read.
     device_obj: DeviceSample | None = None
     memory: MemoryFitCache = field(default_factory=MemoryFitCache)
-    # (batch_index, work, batch_work) of the step records that carry a per-sample cost.
-    work: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=_WORK_ROWS))
+    # (batch_index, work, batch_work, work_sq, batch_work_sq) of steps with a cost (sq: lengths).
+    work: deque[tuple[int, float, float, float | None, float | None]] = field(default_factory=lambda: deque(maxlen=_WORK_ROWS))
     # (batch_index, comm_bytes, comm_ms) of the steps that carried communication counters.
     comm: deque[tuple[int, int, float | None]] = field(default_factory=lambda: deque(maxlen=_COMM_READINGS))
 
@@ -177,12 +177,12 @@ _WORK_ROWS = 512  # work rows kept per rank: more than a policy window
 _COMM_READINGS = 256  # steps with communication counters kept per rank
 
 
-def _work_rates(work: deque[tuple[int, float, float]], win: list[StepRow]) -> tuple[float | None, float | None]:
+def _work_rates(work: deque[tuple[int, float, float, float | None, float | None]], win: list[StepRow]) -> tuple[float | None, float | None]:
     """(work per second of compute, mean work share) over the window's steps that carry work."""
     compute = {row[STEP_BATCH]: row[STEP_COMPUTE] for row in win}
     done = ms = share = 0.0
     n = 0
-    for k, w, bw in work:
+    for k, w, bw, *_ in work:
         c = compute.get(k)
         if c is None:
             continue
@@ -255,7 +255,7 @@ class LiveState:
             rows = list(map(step_row, msg.steps))
             for s in msg.steps:
                 if s.work is not None and s.batch_work is not None:
-                    r.work.append((s.batch_index, s.work, s.batch_work))
+                    r.work.append((s.batch_index, s.work, s.batch_work, s.work_sq, s.batch_work_sq))
                 if s.comm_bytes is not None:
                     r.comm.append((s.batch_index, s.comm_bytes, s.comm_ms))
                     r.pending_comm.append((s.comm_bytes, s.comm_ms))
@@ -491,15 +491,15 @@ class LiveState:
         tail.reverse()
         return tuple(tail)
 
-    def work_by_batch(self, job: str, rank: int) -> dict[int, tuple[float, float]]:
-        """``batch_index -> (work, batch_work)`` for the recent steps of ``rank`` that carry a
-        per-sample cost (empty without one)."""
+    def work_by_batch(self, job: str, rank: int) -> dict[int, tuple[float, float, float | None, float | None]]:
+        """``batch_index -> (work, batch_work, work_sq, batch_work_sq)`` for the recent steps of
+        ``rank`` that carry a cost (empty without one; squared lengths None without lengths)."""
         with self._lock:
             j = self._jobs.get(job)
             r = j.ranks.get(rank) if j else None
             if r is None:
                 return {}
-            return {k: (w, bw) for k, w, bw in r.work}
+            return {w[0]: w[1:] for w in r.work}
 
     def recent_work_rows(self, job: str, rank: int, n: int) -> tuple[StepRow, ...]:
         """The newest ``n`` step rows in which ``rank`` had samples (local batch > 0), oldest

@@ -6,6 +6,7 @@ with :func:`solve` / :func:`check_placement`; benchmarks and tests drive
 """
 
 from .bounds import NO_CONSTRAINTS, check_placement, rank_bounds
+from .costfit import CostModel, cost_model_moved
 from .devices import (
     DEVICE_TABLE,
     SLOWDOWN_REASONS,
@@ -52,6 +53,8 @@ from .types import (
 )
 
 __all__ = [
+    "CostModel",
+    "cost_model_moved",
     "DEFAULT_HEADROOM",
     "DEVICE_TABLE",
     "MemoryFit",

@@ -23,11 +23,54 @@ from itertools import combinations
 
 import numpy as np
 
-__all__ = ["CostFit", "fit_cost", "sample_cost", "MIN_STEPS", "F_MIN"]
+__all__ = ["CostFit", "CostModel", "fit_cost", "sample_cost", "cost_model_moved", "MIN_STEPS", "F_MIN",
+           "MODEL_SAMPLES", "MODEL_LINEAR", "MODEL_FITTED", "K_CHANGE"]
 
 MIN_STEPS = 6  # fewer steps than this: no fit
 F_MIN = 4.0  # F statistic the quadratic term must reach over the linear fit (about p < 0.05)
 COLLINEAR_TOL = 1e-3  # relative residual of sum(L^2) on [1, sum(L)] below this: not identifiable
+K_CHANGE = 0.25  # a fitted k this far (relative) from the one in force is sent to the hooks
+
+# The job's cost model, as the job view names it.
+MODEL_SAMPLES = "samples"  # no cost: every sample costs 1
+MODEL_LINEAR = "work (linear)"  # a cost per sample (sample_cost), or lengths weighed as they are
+MODEL_FITTED = "fitted a*L+b*L^2"  # lengths weighed L + k*L^2, k = b/a fitted from the step times
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """The cost model a job's split uses, and how well it explains the step times.
+
+    ``length_sq_weight`` is k of ``L + k*L^2`` (0 unless fitted); ``r2`` the median over
+    the fitted ranks of the share of step-time variance the model in use explains (None
+    without a fit), ``r2_linear`` the same for the length alone (with lengths); ``ranks_fitted`` / ``ranks_quadratic`` how many ranks had a fit and how many
+    of those found the quadratic term; ``detail`` one sentence for humans."""
+
+    model: str
+    length_sq_weight: float = 0.0
+    r2: float | None = None
+    r2_linear: float | None = None
+    ranks_fitted: int = 0
+    ranks_quadratic: int = 0
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return {"model": self.model, "length_sq_weight": self.length_sq_weight, "r2": self.r2,
+                "r2_linear": self.r2_linear, "ranks_fitted": self.ranks_fitted, "ranks_quadratic": self.ranks_quadratic,
+                "detail": self.detail}
+
+
+def cost_model_moved(in_force: float, model: CostModel) -> bool:
+    """Whether the job's cost model differs enough from the k in force to be worth a new
+    placement: the fitted model where the length is in force, a k more than ``K_CHANGE``
+    (relative) from the one in force, or the length again once no rank needs the quadratic
+    term any more (one noisy window where too few ranks clear the margin keeps the fit)."""
+    fitted = model.length_sq_weight
+    if in_force <= 0:
+        return fitted > 0
+    if fitted <= 0:
+        return model.model != MODEL_FITTED and model.ranks_quadratic == 0
+    return abs(fitted / in_force - 1.0) > K_CHANGE
 
 
 @dataclass(frozen=True, slots=True)

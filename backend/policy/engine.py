@@ -10,6 +10,7 @@ import numpy as np
 
 from ._guards import rollback_blocks
 from .comm import Communication, comm_bound_text
+from .costfit import MODEL_SAMPLES
 from .memory import DEFAULT_HEADROOM, format_bytes, memory_bounds, memory_limit_bytes
 from .solver import NO_CONSTRAINTS, check_placement, predicted_step_ms, rank_bounds, solve
 from .strategies import Estimate, Strategy, get_strategy, static_strategy
@@ -24,7 +25,7 @@ from .types import (
     Proposal,
     RankExplanation,
 )
-from .work import in_work_units, mean_batch_work
+from .work import in_work_units, job_cost_model, mean_batch_work
 
 __all__ = ["check_config", "decide", "memory_caps", "limit_moves", "with_caps", "exposed_comm_ms"]
 
@@ -407,7 +408,18 @@ def decide(obs: JobObservation, config: PolicyConfig,
     >>> d = decide(obs, PolicyConfig(strategy="profiled"))   # doctest: +SKIP
     >>> d.reason if isinstance(d, Proposal) else d.detail    # doctest: +SKIP
     'rank 3 is 2.0x slower per sample than the median; moving 24 samples ...'
+
+    A decision on a job with costs carries its cost model (``work.job_cost_model``; None
+    without costs: samples): with sample lengths and a fitted ``a*L + b*L^2`` in use, work
+    is ``sum(L) + k*sum(L^2)`` throughout.
     """
+    model = job_cost_model(obs)
+    decision = _decide(obs, config, constraints, model.length_sq_weight)
+    return decision if model.model == MODEL_SAMPLES else replace(decision, cost_model=model)
+
+
+def _decide(obs: JobObservation, config: PolicyConfig, constraints: Constraints,
+            length_sq_weight: float) -> Decision:
     n, b_total = obs.world_size, obs.global_batch_size
     if len(obs.ranks) != n or len(obs.shares) != n:
         raise ValueError(
@@ -422,7 +434,7 @@ def decide(obs: JobObservation, config: PolicyConfig,
     check_config(config)
     # With a per-sample cost, shares and fits are in work units, and the reason says so.
     unit = "unit of work" if mean_batch_work(obs) is not None else "sample"
-    obs = in_work_units(obs)
+    obs = in_work_units(obs, length_sq_weight)
     strategy = get_strategy(config.strategy)
     headroom = config.memory_headroom
     mem_caps, mem_why = memory_bounds([r.memory for r in obs.ranks], obs.shares, b_total,

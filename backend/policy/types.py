@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from ._values import Compact
 from .comm import Communication
+from .costfit import CostModel
 from .memory import DEFAULT_HEADROOM, RankMemory
 
 __all__ = [
@@ -34,13 +35,16 @@ class StepSample(Compact):
 
     With a per-sample cost, ``work`` is the rank's summed cost in the step and
     ``batch_work`` the global batch's (None without one); ``decide`` then reads
-    ``local_batch_size`` in work units (``backend.policy.work``)."""
+    ``local_batch_size`` in work units (``backend.policy.work``). With sample lengths,
+    ``work`` sums the lengths and ``work_sq`` / ``batch_work_sq`` their squares."""
 
     batch_index: int
     local_batch_size: float
     compute_ms: float
     work: float | None = None
     batch_work: float | None = None
+    work_sq: float | None = None
+    batch_work_sq: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +224,7 @@ class Proposal(Compact):
     shares: tuple[int, ...]
     reason: str  # one sentence for humans
     explanation: Explanation
+    cost_model: CostModel | None = None  # the job's (``work.job_cost_model``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +235,7 @@ class NoProposal(Compact):
     detail: str  # e.g. "warming up: 7 more steps needed on rank 2"
     steps_remaining: int = 0
     explanation: Explanation | None = None
+    cost_model: CostModel | None = None  # the job's (``work.job_cost_model``)
 
 
 Decision = Proposal | NoProposal

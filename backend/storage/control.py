@@ -42,7 +42,7 @@ __all__ = [
 PROPOSAL_STATUSES = ("proposed", "approved", "applied", "rejected", "superseded", "failed", "expired")
 # Every source a proposal or a placement row can have (the counters export each, from 0).
 PROPOSAL_SOURCES = ("policy", "manual", "override")
-PLACEMENT_SOURCES = ("initial", "policy", "auto", "manual", "override", "rollback")
+PLACEMENT_SOURCES = ("initial", "policy", "auto", "manual", "override", "rollback", "cost_model")
 
 
 class OverridesRow(Base):

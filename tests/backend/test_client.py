@@ -195,7 +195,7 @@ def test_typed_resources_match_the_servers_schema(live: Server):
              "Proposal": "ProposalPublic", "Placement": "PlacementPublic", "Effect": "EffectPublic",
              "AuditRecord": "AuditPublic", "Token": "TokenPublic", "TokenCreated": "TokenCreated",
              "Health": "HealthPublic", "Summary": "SummaryPublic", "Memory": "MemoryPublic",
-             "RankMemory": "RankMemoryPublic"}
+             "RankMemory": "RankMemoryPublic", "CostModel": "CostModelPublic"}
     for ours, theirs in pairs.items():
         keys = set(typing.get_type_hints(getattr(client_mod, ours)))
         assert keys == set(schemas[theirs]["properties"]), ours

@@ -328,3 +328,60 @@ def test_a_drained_rank_keeps_its_last_measured_cost(make):
     assert j.socks[0].sent[-1].version == drained.version
     control = j.ctl.job_control(JOB)
     assert control["status"] == "balanced", control
+
+
+def test_a_fitted_cost_model_is_shown_in_observe_mode_and_sent_in_approve_mode(make, tmp_path):
+    """Sample lengths whose step times follow c + a*sum(L) + b*sum(L^2) (issue 23, item 2)."""
+    import random
+
+    j = make("observe")
+    j.hello()
+    rng = random.Random(4)
+
+    def steps(n: int) -> None:
+        st = j.ctl.job_control(JOB)
+        shares, version = st["placement"]["shares"], st["placement"]["version"]
+        for _ in range(n):
+            for r, share in enumerate(shares):
+                lens = [rng.randint(1000, 3000) if rng.random() < 0.2 else rng.randint(20, 200) for _ in range(share)]
+                s1, s2 = float(sum(lens)), float(sum(v * v for v in lens))
+                ms = 1.0 + 0.002 * s1 + 1e-5 * s2
+                rec = StepRecord(batch_index=j.k, local_batch_size=share, placement_version=version,
+                                 data_wait_ms=0.1, compute_ms=ms, sync_wait_ms=0.0, optimizer_ms=0.3,
+                                 step_ms=ms + 1.0, t=1000.0 + j.k, work=s1, batch_work=3 * s1,
+                                 work_sq=s2, batch_work_sq=3 * s2)
+                j.svc.live.add_metrics(Metrics(job=JOB, rank=r, steps=[rec]))
+            j.k += 1
+
+    steps(30)
+    j.tick()
+    model = j.ctl.job_control(JOB)["cost_model"]
+    assert model["model"] == "fitted a*L+b*L^2" and model["ranks_quadratic"] == 3, model
+    assert model["length_sq_weight"] == pytest.approx(1e-5 / 0.002, rel=0.05)
+    assert model["length_sq_weight_in_force"] == 0.0 and "observe mode" in model["detail"]
+    assert all(s.sent == [] for s in j.socks)  # observe: shown, never sent
+
+    asyncio.run(j.ctl.set_mode(JOB, "approve", actor=OPERATOR))
+    j.tick()
+    sent = [s.sent[-1] for s in j.socks]
+    k = model["length_sq_weight"]
+    assert all(m.length_sq_weight == pytest.approx(k, rel=0.05) and m.shares == [16, 16, 16] for m in sent)
+    placements = asyncio.run(j.ctl.placements(JOB))
+    assert placements[0]["source"] == "cost_model" and placements[0]["version"] == sent[0].version
+    control = j.ctl.job_control(JOB)
+    assert control["cost_model"]["length_sq_weight_in_force"] == sent[0].length_sq_weight
+    assert "observe mode" not in control["cost_model"]["detail"]
+    audit = asyncio.run(j.ctl.audit(JOB))
+    assert any(a["action"] == "placement.cost_model" for a in audit)
+    # Every later placement carries the k in force; the same k again sends nothing new.
+    j.ack_all(sent[0].version)
+    steps(10)
+    j.tick()
+    assert [p["source"] for p in asyncio.run(j.ctl.placements(JOB))].count("cost_model") == 1
+    # A restarted backend keeps the k in force (its hello replies carry it, not 0).
+    again = Job(tmp_path / "0", "approve")
+    try:
+        asyncio.run(again.ctl.placements(JOB))  # loads the job from SQL
+        assert again.ctl.job_control(JOB)["cost_model"]["length_sq_weight_in_force"] == sent[0].length_sq_weight
+    finally:
+        again.close()

@@ -83,3 +83,14 @@ def test_gradient_state_reset_clears_the_buckets_seen() -> None:
     g.repeated_bucket = True
     g.reset()
     assert g.buckets_seen == 0 and not g.repeated_bucket and g.last_bucket_t is None
+
+
+def test_the_exchange_carries_the_placements_cost_model() -> None:
+    s = PlacementSchedule(2, 8)
+    ch = ControlChannel(rank=0, world_size=2, schedule=s, exchange_every=2, exchange_lag=1, lookahead=2)
+    ch.offer(PendingPlacement(1, (2, 6), "fit", 3.25e-4))
+    for k in range(8):
+        ch.on_step(k)
+    assert (s.latest.version, s.latest.shares, s.latest.length_sq_weight) == (1, (2, 6), 3.25e-4)
+    assert ch.sync_initial(4, [5, 3], 1e-3) == (4, [5, 3])
+    assert s.at(0).length_sq_weight == 1e-3

@@ -50,6 +50,8 @@ def test_step_record_round_trips_through_a_frame() -> None:
         ("batch_index", 1.0, "'batch_index' must be an integer, got float."),
         ("batch_index", -3, "'batch_index' must be between 0 and 2147483647, got -3."),
         ("local_batch_size", None, "'local_batch_size' is required."),
+        ("work_sq", -1.0, "'work_sq' must be a number between 0 and 1e+30, got -1.0."),
+        ("batch_work_sq", math.inf, "'batch_work_sq' must be a number between 0 and 1e+30, got inf."),
     ],
 )
 def test_bad_step_fields_are_named(key: str, value: object, expected: str) -> None:
@@ -189,3 +191,19 @@ def test_uniform_shares_spread_the_remainder_over_the_lowest_ranks() -> None:
     assert sum(uniform_shares(7, 1000)) == 1000
     with pytest.raises(ValueError, match=r"global_batch_size \(2\) must be >= world_size \(3\)."):
         uniform_shares(3, 2)
+
+
+def test_placement_carries_an_optional_cost_model_in_range() -> None:
+    from trainer_hook.protocol import Placement
+
+    plain = Placement(job="j", version=2, shares=[3, 5], global_batch_size=8)
+    assert "length_sq_weight" not in encode(plain)  # absent at 0: an older hook reads the same
+    assert decode(encode(plain)) == plain
+    fitted = Placement(job="j", version=2, shares=[3, 5], global_batch_size=8, length_sq_weight=5e-4)
+    assert decode(encode(fitted)) == fitted
+    raw = json.loads(encode(fitted))
+    with pytest.raises(ProtocolError) as err:
+        decode(json.dumps({**raw, "length_sq_weight": -1}))
+    assert str(err.value) == "'length_sq_weight' must be a number between 0 and 1000000, got -1.0."
+    with_sq = StepRecord(**GOOD, work=10.0, batch_work=20.0, work_sq=50.0, batch_work_sq=200.0)
+    assert StepRecord.from_dict(with_sq.to_dict()) == with_sq

@@ -211,3 +211,57 @@ def test_step_records_carry_the_work_of_the_rank_and_of_the_batch() -> None:
     assert [(r.local_batch_size, r.work, r.batch_work) for r in hook.history] == [
         (4, 10.0, 10.0), (4, 26.0, 26.0), (2, 19.0, 19.0)]
     assert "work" in hook.history[0].to_dict()
+
+
+# --- sample lengths: the fitted cost model L + k*L^2 (issue 23, item 2) -------------------
+
+def test_sample_length_partitions_by_the_placements_cost_model() -> None:
+    lengths = [1000.0, 10.0, 10.0, 10.0, 900.0, 100.0, 100.0, 100.0]
+    schedule = PlacementSchedule(2, 8)
+    s = RebalanceBatchSampler(8, schedule=schedule, rank=0, shuffle=False, sample_length=lengths)
+    # k = 0: weighed by length, like sample_cost=lengths.
+    assert s.partition(0) == lpt_partition(lengths, (4, 4))[0]
+    assert s.local_work(0) + RebalanceBatchSampler(
+        8, schedule=schedule, rank=1, shuffle=False, sample_length=lengths).local_work(0) == sum(lengths)
+    # k from the next placement: a long sample weighs L + k*L^2 from its start batch on.
+    schedule.add(1, 1, [4, 4], length_sq_weight=0.01)
+    k = 0.01
+    assert s.partition(1) == lpt_partition([v + k * v * v for v in lengths], (4, 4))[0]
+    mine = [lengths[p] for p in s.partition(1)[0]]
+    assert s.local_work(1) == sum(mine) and s.batch_work(1) == sum(lengths)
+    assert s.local_work_sq(1) == (sum(v * v for v in mine), sum(v * v for v in lengths))
+    assert RebalanceBatchSampler(8, schedule=schedule, rank=0, sample_cost=lengths).local_work_sq(0) is None
+
+
+def test_sample_length_is_validated_like_sample_cost_and_excludes_it() -> None:
+    schedule = PlacementSchedule(2, 8)
+    with pytest.raises(ValueError, match="pass sample_cost= or sample_length=, not both"):
+        RebalanceBatchSampler(20, schedule=schedule, rank=0, sample_cost=[1.0] * 20, sample_length=[1.0] * 20)
+    with pytest.raises(ValueError) as e:
+        RebalanceBatchSampler(20, schedule=schedule, rank=0, sample_length=[1.0] * 19)
+    assert str(e.value) == ("sample_length holds 19 lengths but the dataset has 20 samples: give one "
+                            "length per dataset index (or a callable index -> length).")
+    with pytest.raises(ValueError, match=r"sample_length\(3\) raised ZeroDivisionError"):
+        RebalanceBatchSampler(20, schedule=schedule, rank=0, sample_length=lambda i: 1 / 0).cost(3)
+
+
+def test_step_records_carry_summed_squared_lengths_with_sample_length() -> None:
+    from torch.utils.data import TensorDataset
+
+    from trainer_hook import RebalanceHook
+    from trainer_hook.protocol import StepRecord
+
+    ds = TensorDataset(torch.arange(10, dtype=torch.float64))
+    lengths = [float(i + 1) for i in range(10)]
+    hook = RebalanceHook(job="t", global_batch_size=4)
+    loader = hook.data_loader(ds, shuffle=False, sample_length=lengths)
+    for (_x,) in loader:
+        with hook.step():
+            pass
+        if hook.batch_index >= 3:
+            break
+    hook.close()
+    assert [(r.work, r.batch_work, r.work_sq, r.batch_work_sq) for r in hook.history] == [
+        (10.0, 10.0, 30.0, 30.0), (26.0, 26.0, 174.0, 174.0), (19.0, 19.0, 181.0, 181.0)]
+    d = hook.history[0].to_dict()
+    assert d["work_sq"] == 30.0 and StepRecord.from_dict(d).batch_work_sq == 30.0

@@ -83,12 +83,13 @@ def prepared_loader(
     device_placement: bool | None = None,
     held: int = 1,
     sample_cost: Any = None,
+    sample_length: Any = None,
     **dataloader_kwargs: Any,
 ) -> Any:
     """A DataLoader over ``hook.batch_sampler(...)``, prepared by ``accelerator`` without
     re-sharding. ``dataloader_kwargs`` go to ``torch.utils.data.DataLoader``; ``held``
     is how many batches the training loop fetches before it trains the first of them;
-    ``sample_cost`` goes to ``hook.batch_sampler`` (shares then split work)."""
+    ``sample_cost`` or ``sample_length`` goes to ``hook.batch_sampler`` (shares then split work)."""
     clash = sorted(k for k in _OWNED_BY_SAMPLER if k in dataloader_kwargs)
     if clash:
         raise ValueError(
@@ -108,7 +109,8 @@ def prepared_loader(
             "Accelerate's one-batch peek). "
             f"Create the hook with RebalanceHook(..., lookahead={need}) or use fewer workers."
         )
-    sampler = hook.batch_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, sample_cost=sample_cost)
+    sampler = hook.batch_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, sample_cost=sample_cost,
+                                 sample_length=sample_length)
     loader: DataLoader[Any] = DataLoader(dataset, batch_sampler=sampler, **dataloader_kwargs)  # type: ignore[arg-type]
     prepared = accelerator.prepare_data_loader(loader, device_placement=device_placement)
     wrapper: Any = getattr(prepared, "batch_sampler", None)

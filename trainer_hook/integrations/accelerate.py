@@ -46,6 +46,7 @@ def prepare_with_rebalancer(
     seed: int = 0,
     drop_last: bool = False,
     sample_cost: SampleCost | None = None,
+    sample_length: SampleCost | None = None,
     **dataloader_kwargs: Any,
 ) -> tuple[Any, Any, Any]:
     """``accelerator.prepare`` for rebalanced training; returns ``(model, optimizer, loader)``.
@@ -58,7 +59,8 @@ def prepare_with_rebalancer(
     ``batch_size``, ``sampler`` and the like are refused because the hook decides them.
     Prepare schedulers and other objects with ``accelerator.prepare`` as usual.
     ``sample_cost`` (token counts per dataset index, or a callable) makes the shares split
-    work instead of samples (``hook.batch_sampler``); for a mean over valid tokens
+    work instead of samples (``hook.batch_sampler``), as ``sample_length`` (lengths whose
+    cost the backend fits, ``L + k*L^2``) does instead; for a mean over valid tokens
     back-propagate ``loss_sum * hook.token_loss_weight(n_valid)`` instead.
 
     In the loop, wrap each batch in ``hook.step()`` and back-propagate
@@ -96,7 +98,7 @@ def prepare_with_rebalancer(
         )
     loader = prepared_loader(
         accelerator, hook, dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, sample_cost=sample_cost,
-        **dataloader_kwargs,
+        sample_length=sample_length, **dataloader_kwargs,
     )
     model = accelerator.prepare_model(model)
     hook.attach(model, gradients=gradient_mode_for(accelerator))

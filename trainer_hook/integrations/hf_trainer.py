@@ -116,7 +116,8 @@ class RebalancingTrainer(Trainer):
     ``global_batch_size`` (``per_device_train_batch_size`` is not used for training);
     the order is seeded with ``args.data_seed`` (or ``args.seed``) and shuffled.
     ``sample_cost`` (token counts per dataset index, or a callable) makes the shares
-    split work instead of samples (``hook.batch_sampler``); the Trainer's global token
+    split work instead of samples (``hook.batch_sampler``), as ``sample_length`` (lengths
+    whose cost the backend fits, ``L + k*L^2``) does instead; the Trainer's global token
     mean (``average_tokens_across_devices``) stays exact under that split.
     Example::
 
@@ -131,13 +132,15 @@ class RebalancingTrainer(Trainer):
     tensor parallelism, ``split_batches``, ``dispatch_batches``, an iterable dataset).
     """
 
-    def __init__(self, *args: Any, rebalance_hook: Any, sample_cost: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, rebalance_hook: Any, sample_cost: Any = None, sample_length: Any = None,
+                 **kwargs: Any) -> None:
         if rebalance_hook is None:
             raise ValueError("rebalance_hook is required: RebalancingTrainer(rebalance_hook=RebalanceHook(...), ...).")
         super().__init__(*args, **kwargs)
         check_accelerator(self.accelerator)
         self.rebalance_hook = rebalance_hook
         self.rebalance_sample_cost = sample_cost  # per dataset index: shares split work (tokens)
+        self.rebalance_sample_length = sample_length  # or lengths, whose cost the backend fits
         self.rebalance_callback = RebalanceCallback(rebalance_hook)
         self.rebalance_callback.trainer = self
         accum = int(self.args.gradient_accumulation_steps)
@@ -192,7 +195,8 @@ class RebalancingTrainer(Trainer):
         loader = prepared_loader(
             self.accelerator, self.rebalance_hook, dataset,
             shuffle=True, seed=seed, drop_last=args.dataloader_drop_last,
-            held=max(1, int(args.gradient_accumulation_steps)), sample_cost=self.rebalance_sample_cost, **kwargs,
+            held=max(1, int(args.gradient_accumulation_steps)), sample_cost=self.rebalance_sample_cost,
+            sample_length=self.rebalance_sample_length, **kwargs,
         )
         self._rebalance_sampler = sampler_of(loader)
         if self._rebalance_resumed and not args.ignore_data_skip:

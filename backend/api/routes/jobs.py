@@ -22,7 +22,7 @@ from backend.policy.comm import RankComm
 from backend.storage import metrics as store
 from trainer_hook.protocol import LINK_FIELDS, MAX_BATCH_INDEX, MAX_WORLD_SIZE
 
-__all__ = ["router", "MeshPublic", "SummaryPublic", "BoundPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
+__all__ = ["router", "MeshPublic", "SummaryPublic", "BoundPublic", "CostModelPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
 
 log = logging.getLogger("rebalancer.api")
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
@@ -71,6 +71,23 @@ class JobPublic(BaseModel):
     idle_cost_per_hour: float | None = None
     bound: BoundPublic | None = Field(None, description="What bounds the step (live jobs only).")
     mesh: MeshPublic | None = Field(None, description="A device-mesh job's shape (live jobs only); null for plain data parallel.")
+    cost_model: CostModelPublic | None = Field(
+        None, description="What a sample costs in the split, and how well that explains the step times.")
+
+
+class CostModelPublic(BaseModel):
+    """The job's cost model (``backend.policy.work.job_cost_model``): ``samples`` (no cost),
+    ``work (linear)`` (a cost per sample, or lengths as they are) or ``fitted a*L+b*L^2``
+    (lengths, a sample costing ``L + k*L^2``)."""
+
+    model: Literal["samples", "work (linear)", "fitted a*L+b*L^2"]
+    length_sq_weight: float = Field(0.0, description="k of L + k*L^2 as fitted (b/a); 0 unless fitted.")
+    length_sq_weight_in_force: float = Field(0.0, description="The k the hooks split by (the placement's).")
+    r2: float | None = Field(None, description="Median over fitted ranks of the step-time variance the model explains.")
+    r2_linear: float | None = Field(None, description="The same for the length alone (jobs that give lengths).")
+    ranks_fitted: int = 0
+    ranks_quadratic: int = Field(0, description="Ranks whose fit needs the quadratic term by a clear margin.")
+    detail: str = ""
 
 
 class BoundPublic(BaseModel):

@@ -44,6 +44,15 @@ function renderSummary(s, savings) {
   renderForecast(s, savings);
 }
 
+// What a sample costs in the split (the controller's cost_model), in one line.
+function costModelText(m) {
+  if (!m) return "";
+  const fit = m.r2 === null || m.r2 === undefined ? "" : `, R² ${fmt(m.r2, 3)}`;
+  const lin = m.model === "fitted a*L+b*L^2" && m.r2_linear !== null && m.r2_linear !== undefined
+    ? ` (length alone: ${fmt(m.r2_linear, 3)})` : "";
+  return `Cost model: ${m.model}${fit}${lin}. ${m.detail || ""}`;
+}
+
 function renderForecast(s, savings) {
   const total = totalSteps(job) || s.total_steps;
   $("total-steps").placeholder = s.total_steps ? String(s.total_steps) : "";
@@ -156,7 +165,10 @@ function draw() {
   pending = null;
   if (!f) return;
   state.summary = f.summary;
-  if ("control" in f) state.control = f.control || {};
+  if ("control" in f) {
+    state.control = f.control || {};
+    $("cost-model").textContent = costModelText(state.control.cost_model);
+  }
   if (f.ranks) {
     state.ranks = f.ranks;
     ranksDirty = true;

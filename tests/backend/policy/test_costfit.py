@@ -69,3 +69,76 @@ def test_bad_input_is_refused_with_a_clear_error() -> None:
         fit_cost([1.0] * 8, [1.0] * 8, [1.0] * 8, window=2)
     with pytest.raises(ValueError, match="sample length"):
         sample_cost(None, -3)
+
+
+# --- the job's cost model: which one the policy uses (work.job_cost_model) ---------------
+
+def _observation(b: float, *, lengths: bool = True, steps: int = 40, speeds: tuple[float, ...] = (1.0, 0.5)):
+    from backend.policy.types import JobObservation, RankObservation, StepSample
+
+    rng = random.Random(7)
+    ranks = []
+    for r, speed in enumerate(speeds):
+        s1, s2, t = _batches(rng, steps, 0.002 / speed, b / speed, 1.0, noise=0.02)
+        rows = tuple(StepSample(k, 8, t[k], s1[k], 2 * s1[k], s2[k] if lengths else None,
+                                2 * s2[k] if lengths else None) for k in range(steps))
+        ranks.append(RankObservation(rank=r, steps=rows))
+    return JobObservation(job="j", world_size=len(speeds), global_batch_size=16, batch_index=steps,
+                          shares=(8, 8), placement_version=0, steps_since_change=steps, ranks=tuple(ranks))
+
+
+def test_job_cost_model_picks_the_fit_only_where_it_explains_the_step_times_better() -> None:
+    from backend.policy import PolicyConfig, decide
+    from backend.policy.costfit import MODEL_FITTED, MODEL_LINEAR, MODEL_SAMPLES, cost_model_moved
+    from backend.policy.work import job_cost_model, mean_batch_work
+
+    quad = job_cost_model(_observation(4e-7))
+    assert quad.model == MODEL_FITTED and quad.ranks_fitted == quad.ranks_quadratic == 2
+    assert quad.length_sq_weight == pytest.approx(4e-7 / 0.002, rel=0.3)  # k = b/a
+    assert quad.r2 is not None and quad.r2 > 0.95 and "L + " in quad.detail
+    lin = job_cost_model(_observation(0.0))
+    assert lin.model == MODEL_LINEAR and lin.length_sq_weight == 0.0 and lin.ranks_quadratic == 0
+    assert lin.r2 is not None and lin.r2 > 0.9
+    per_sample = job_cost_model(_observation(4e-7, lengths=False))  # sample_cost: no squares
+    assert per_sample.model == MODEL_LINEAR and per_sample.ranks_fitted == 2
+    few = job_cost_model(_observation(4e-7, steps=MIN_STEPS + 2))  # too few steps to trust b
+    assert few.model == MODEL_LINEAR
+    from dataclasses import replace
+    obs = _observation(4e-7)
+    bare = replace(obs, ranks=tuple(replace(r, steps=tuple(replace(s, work=None, batch_work=None,
+                                                                    work_sq=None, batch_work_sq=None)
+                                                            for s in r.steps)) for r in obs.ranks))
+    assert job_cost_model(bare).model == MODEL_SAMPLES
+    # decide() carries the model and measures work as sum(L) + k*sum(L^2) under it.
+    d = decide(obs, PolicyConfig(min_steps=5))
+    assert d.cost_model == quad
+    assert mean_batch_work(obs, quad.length_sq_weight) > mean_batch_work(obs)  # type: ignore[operator]
+    assert decide(bare, PolicyConfig(min_steps=5)).cost_model is None
+    # Hysteresis: the fit where the length is in force, a k more than 25% away, or the length
+    # again once no rank needs the quadratic term, is worth a new placement.
+    assert cost_model_moved(0.0, quad) and not cost_model_moved(0.0, lin)
+    assert cost_model_moved(quad.length_sq_weight, lin)  # no rank needs the term any more
+    assert not cost_model_moved(quad.length_sq_weight, replace(lin, ranks_quadratic=1))  # a noisy window
+    assert not cost_model_moved(quad.length_sq_weight / 1.2, quad)
+    assert cost_model_moved(quad.length_sq_weight / 1.3, quad)
+
+
+def test_a_linear_term_near_zero_gives_a_k_the_wire_accepts() -> None:
+    from backend.policy.costfit import MODEL_FITTED
+    from backend.policy.work import job_cost_model
+    from trainer_hook.protocol import MAX_LENGTH_SQ_WEIGHT, Placement, decode, encode
+
+    obs = _observation(4e-7)
+    # Pure attention: no per-token term at all, so b/a is as large as the noise makes it.
+    from dataclasses import replace
+    rng = random.Random(5)
+    ranks = tuple(replace(r, steps=tuple(replace(s, compute_ms=(1.0 + 4e-7 * s.work_sq) * (1 + rng.gauss(0, 0.001)))
+                                         for s in r.steps)) for r in obs.ranks)
+    model = job_cost_model(replace(obs, ranks=ranks))
+    assert model.model == MODEL_FITTED and 0 < model.length_sq_weight <= MAX_LENGTH_SQ_WEIGHT
+    exact = tuple(replace(r, steps=tuple(replace(s, compute_ms=1.0 + 4e-7 * s.work_sq) for s in r.steps))
+                  for r in obs.ranks)  # noiseless: the fit puts a at 0 exactly
+    model = job_cost_model(replace(obs, ranks=exact))
+    assert model.model == MODEL_FITTED and model.length_sq_weight == MAX_LENGTH_SQ_WEIGHT
+    msg = Placement(job="j", version=1, shares=[8, 8], global_batch_size=16, length_sq_weight=model.length_sq_weight)
+    assert decode(encode(msg)) == msg
