@@ -150,7 +150,7 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "Proposals made, by source (policy, manual, override); every source from 0.", True),
     MetricSpec("rebalancer_placements_total", "counter", ("job", "source"), "1",
                "Placement versions issued, by source (initial, policy, auto, manual, override, "
-               "rollback); every source from 0.", True),
+               "rollback, cost_model); every source from 0.", True),
     MetricSpec("rebalancer_placement_failures_total", "counter", ("job",), "1",
                "Placements a rank's hook rejected.", True),
     # --- the fleet: every job held in memory (backend.live.fleet, the home page's totals) --

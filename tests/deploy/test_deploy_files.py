@@ -40,6 +40,14 @@ def _panels() -> list[dict[str, Any]]:
     return [p for p in _dashboard()["panels"] if p["type"] != "row"]
 
 
+def test_the_placement_counter_names_every_placement_source():
+    from backend.metrics_contract import by_name
+    from backend.storage.control import PLACEMENT_SOURCES
+
+    help_text = by_name()["rebalancer_placements_total"].help
+    assert all(source in help_text for source in PLACEMENT_SOURCES), (help_text, PLACEMENT_SOURCES)
+
+
 def test_docs_carry_the_contract_table():
     assert markdown_table() in (ROOT / "docs" / "metrics.md").read_text(), (
         "docs/metrics.md must contain backend.metrics_contract.markdown_table() verbatim; regenerate it")
