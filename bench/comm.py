@@ -9,8 +9,11 @@ compute, fills the step, and the real compute that 4 ranks would share on 2 core
 negligible (an earlier wide-MLP case measured CPU contention, not communication). Run 1 trains under the uniform split; its step records give the policy's
 inputs: the profiled strategy's per-rank fit and the job's communication
 (``backend.policy.comm.assess``). The solver's split of that fit is predicted to take
-``max_i t_i(b_i) + exposed communication`` (what ``decide`` prices). Run 2 trains under
+``max_i t_i(b_i) + exposed communication + the rest`` (what ``decide`` prices). Run 2 trains under
 that split from its first steps; its median step after the switch is the measured one.
+The prediction is ``decide``'s: the slowest rank's compute under the split, plus the
+exposed communication and the rest of the last arriver's step (optimizer, framework),
+which no split changes.
 Also reported: the verdict and the bytes per step against the parameters' bytes.
 
     python -m bench.comm [--steps 40]
@@ -86,7 +89,8 @@ def run_case(name: str, steps: int, tmp: Path) -> dict[str, Any]:
     est = get_strategy("profiled")(obs, PolicyConfig(strategy="profiled", min_steps=5), NO_CONSTRAINTS)
     target = solve(est.a_ms, est.c_ms, B, NO_CONSTRAINTS)
     exposed = comm.exposed_comm_ms or 0.0
-    predicted = predicted_step_ms(est.a_ms, est.c_ms, target) + exposed
+    other = comm.other_ms or 0.0  # the rest of the last arriver's step (optimizer, framework)
+    predicted = predicted_step_ms(est.a_ms, est.c_ms, target) + exposed + other
     split = _run(tmp / f"{name}-split", width, base, ballast, steps, ",".join(map(str, target)))
     after = {r: [x for x in d["records"] if x["placement_version"] > 0][3:] for r, d in split.items()}
     measured = statistics.median(x["step_ms"] for x in after[0])
@@ -97,7 +101,8 @@ def run_case(name: str, steps: int, tmp: Path) -> dict[str, Any]:
         "uniform_step_ms": round(comm.step_ms or 0.0, 1), "verdict_uniform": comm.bound,
         "exposed_comm_ms": round(exposed, 1), "comm_share": round(comm.comm_share or 0.0, 3),
         "busbw_gbps": comm.busbw_gbps, "bytes_per_step": comm.bytes_per_step, "param_bytes": param_bytes,
-        "predicted_after_ms": round(predicted, 1), "predicted_compute_only_ms": round(predicted - exposed, 1),
+        "other_ms": round(other, 1),
+        "predicted_after_ms": round(predicted, 1), "predicted_compute_only_ms": round(predicted - exposed - other, 1),
         "measured_after_ms": round(measured, 1), "error": round(predicted / measured - 1.0, 3),
         "exposed_comm_after_ms": round(after_comm.exposed_comm_ms or 0.0, 1), "verdict_after": after_comm.bound,
     }

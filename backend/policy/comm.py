@@ -82,6 +82,9 @@ class Communication:
     input_share: float | None
     ranks: tuple[RankComm, ...] = ()
     detail: str = ""
+    # The rest of the last arriver's step (optimizer, framework): neither compute, nor
+    # communication, nor data wait, and no split changes it.
+    other_ms: float | None = None
 
     def figures(self) -> dict[str, object]:
         """The verdict with its figures, as the REST ``bound`` object carries them."""
@@ -158,7 +161,7 @@ def assess(kind: str, world_size: int, steps: Mapping[int, Sequence[CommStep]],
         return Communication(kind, world_size, 0, "unknown", None, None, None, None, None, None, None, None,
                              None, None, None, tuple(RankComm(r, None, None, None, None, None) for r in sorted(steps)),
                              "no step reported by every rank yet")
-    step_l, compute_l, exposed_l, data_l = [], [], [], []
+    step_l, compute_l, exposed_l, data_l, other_l = [], [], [], [], []
     transfer_l: list[float] = []
     bytes_l: list[float] = []
     waits: dict[int, list[float]] = {r: [] for r in ranks}
@@ -173,6 +176,8 @@ def assess(kind: str, world_size: int, steps: Mapping[int, Sequence[CommStep]],
         compute_l.append(max(s.compute_ms for s in row))
         exposed_l.append(min(s.sync_wait_ms for s in row))
         data_l.append(max(s.data_wait_ms for s in row))
+        last = min(row, key=lambda s: s.sync_wait_ms)  # the last to arrive at the collective
+        other_l.append(max(0.0, last.step_ms - last.compute_ms - last.sync_wait_ms - last.data_wait_ms))
         for r, s in zip(ranks, row, strict=True):
             exposed_r[r].append(s.sync_wait_ms)
             if s.comm_bytes is not None:
@@ -208,7 +213,8 @@ def assess(kind: str, world_size: int, steps: Mapping[int, Sequence[CommStep]],
         RankComm(r, _mean(rbytes[r]), _mean(comms[r]), _mean(waits[r]), _mean(exposed_r[r]), _mean(rbus[r]))
         for r in ranks)
     c = Communication(kind, world_size, len(ks), bound, step, compute, exposed, data, bytes_per_step,
-                      transfer_ms, algbw, busbw, shares[0], shares[1], shares[2], rank_comm)
+                      transfer_ms, algbw, busbw, shares[0], shares[1], shares[2], rank_comm,
+                      other_ms=_mean(other_l))
     return _with_detail(c)
 
 

@@ -27,7 +27,7 @@ from .types import (
 )
 from .work import in_work_units, job_cost_model, mean_batch_work
 
-__all__ = ["check_config", "decide", "memory_caps", "limit_moves", "with_caps", "exposed_comm_ms"]
+__all__ = ["check_config", "decide", "memory_caps", "limit_moves", "with_caps", "exposed_comm_ms", "other_step_ms"]
 
 log = logging.getLogger(__name__)
 
@@ -179,10 +179,21 @@ def exposed_comm_ms(obs: JobObservation, units: str = "ms") -> float:
     return max(0.0, c.exposed_comm_ms)
 
 
+def other_step_ms(obs: JobObservation, units: str = "ms") -> float:
+    """The rest of the step every predicted step adds besides compute and exposed
+    communication (the optimizer, the framework: the last arriver's step less its compute,
+    sync wait and data wait); 0 where unknown or not in milliseconds."""
+    c = obs.comm
+    if units != "ms" or c is None or c.other_ms is None:
+        return 0.0
+    return max(0.0, c.other_ms)
+
+
 def _comm_evidence(c: Communication | None, exposed: float) -> dict[str, object]:
     if c is None or c.n_steps == 0:
         return {}
-    return {"communication": {"exposed_comm_ms": exposed, "comm_share": c.comm_share, "bound": c.bound,
+    return {"communication": {"exposed_comm_ms": exposed, "other_ms": c.other_ms, "comm_share": c.comm_share,
+                              "bound": c.bound,
                               "busbw_gbps": c.busbw_gbps, "comm_bytes_per_step": c.bytes_per_step,
                               "transfer_ms": c.transfer_ms, "kind": c.kind or None}}
 
@@ -190,12 +201,14 @@ def _comm_evidence(c: Communication | None, exposed: float) -> dict[str, object]
 def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Sequence[int],
              evidence_extra: dict[str, object], obs: JobObservation,
              mem_caps: dict[int, int], headroom: float) -> Explanation:
-    # A step is the slowest rank's compute plus the exposed communication, which no split
-    # changes but which every prediction must include (ignoring it promised 31 ms on a job
-    # that then took 62).
+    # A step is the slowest rank's compute plus the exposed communication and the rest of
+    # the step (optimizer, framework), which no split changes but which every prediction
+    # must include (ignoring the communication promised 31 ms on a job that then took 62;
+    # ignoring the rest, 56 ms on a communication-heavy job that took 65).
     exposed = exposed_comm_ms(obs, est.units)
-    before = predicted_step_ms(est.a_ms, est.c_ms, current) + exposed
-    after = predicted_step_ms(est.a_ms, est.c_ms, target) + exposed
+    unsplit = exposed + other_step_ms(obs, est.units)
+    before = predicted_step_ms(est.a_ms, est.c_ms, current) + unsplit
+    after = predicted_step_ms(est.a_ms, est.c_ms, target) + unsplit
     gain = (before - after) / before if before > 0 else 0.0
     mem = [_memory_fields(obs, i, current[i], target[i], headroom) for i in range(len(current))]
     ranks = tuple(
@@ -234,7 +247,8 @@ def _comm_bound_detail(obs: JobObservation, expl: Explanation, threshold: float)
     exposed = exposed_comm_ms(obs, str(expl.evidence.get("units", "ms")))
     if c is None or exposed <= 0:
         return None
-    compute_before, compute_after = expl.step_ms_before - exposed, expl.step_ms_after - exposed
+    unsplit = exposed + other_step_ms(obs, str(expl.evidence.get("units", "ms")))
+    compute_before, compute_after = expl.step_ms_before - unsplit, expl.step_ms_after - unsplit
     if compute_before <= 0 or (compute_before - compute_after) / compute_before < threshold:
         return None  # the split is not worth it even without communication
     head = "communication-bound" if c.bound == "communication-bound" else "communication eats the gain"
