@@ -2,7 +2,8 @@
 lengths to a real backend, which fits time = c + a*sum(L) + b*sum(L^2) per rank, says in
 the job view which model is in use and how well it fits, and sends the fitted k to the hooks
 in a placement (auto mode) that both ranks of a torchrun job schedule at the same batch for
-their split. One server for the module."""
+their split, and the job view in real Chromium says so in a line, with the fit's R^2 beside
+the length alone's. One server for the module."""
 
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ from typing import Any
 
 import pytest
 
+from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
 from tests.helpers.server import Server, running_server
 from tests.helpers.torchrun import REPO_ROOT, start_torchrun
 from tests.helpers.waiting import wait_until
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.browser, pytest.mark.timeout(300)]
+
+sync_api = playwright_sync_api()
 
 ENV = {"REBALANCER_DEFAULT_MODE": "auto", "REBALANCER_MIN_STEPS": "6", "REBALANCER_COOLDOWN_STEPS": "6"}
 # ms per token and per squared token. The quadratic job's 2,000-token document costs 40 ms of
@@ -49,6 +53,21 @@ def _start(server: Server, job: str, a_ms: float, b_ms: float, out: Path, ranks:
 LAST: dict[str, Any] = {}  # the newest job view per job, shown when a wait times out
 
 
+def _cost_model_line(server: Server, job: str) -> str:
+    """The job page's cost-model line, once it names the fitted model (real Chromium)."""
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(f"{server.url}/job/{job}")
+            page.wait_for_function("() => document.querySelector('#cost-model').textContent"
+                                   ".startsWith('Cost model: fitted a*L+b*L^2, R² ')")
+            return page.locator("#cost-model").inner_text()
+        finally:
+            browser.close()
+
+
 def _cost_model(server: Server, job: str) -> dict[str, Any] | None:
     try:
         body: Any = server.get(f"/api/v1/jobs/{job}")
@@ -75,6 +94,7 @@ def test_the_job_view_names_the_fitted_model_on_quadratic_data_and_the_linear_on
             "the fitted cost model in force on tok-quad", 120, interval=0.3, log=shown)
         linear = wait_until(lambda: _cost_model(server, "tok-lin"), "a cost model on tok-lin", 120, interval=0.3,
                             log=shown)
+        line = _cost_model_line(server, "tok-quad")  # while the jobs still run: the live page
     finally:
         for proc in (quad, lin):
             out, _ = proc.communicate(timeout=120)
@@ -89,6 +109,7 @@ def test_the_job_view_names_the_fitted_model_on_quadratic_data_and_the_linear_on
     assert fitted["r2"] > fitted["r2_linear"] and fitted["r2"] > 0.9, fitted
     assert fitted["ranks_quadratic"] == fitted["ranks_fitted"] == 2
     assert "L + " in fitted["detail"]
+    assert "(length alone: " in line and "L + " in line, line
     sent = [p for p in placements["data"] if p["source"] == "cost_model"]
     assert sent and sent[0]["shares"] == [4, 4] and "cost model: fitted a*L+b*L^2" in sent[0]["reason"], placements
     assert sorted(sent[0]["acks"]) == ["0", "1"], sent[0]
