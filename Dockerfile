@@ -1,4 +1,5 @@
 # The Rebalancer backend (no torch: the training hook runs in the training job's image).
+# The cluster extra (Redis client) lets several replicas share jobs (docs/scale-out.md).
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
@@ -7,7 +8,7 @@ COPY pyproject.toml README.md ./
 COPY backend ./backend
 COPY trainer_hook ./trainer_hook
 # The dashboard's files are package data (backend/frontend), so a plain install serves them.
-RUN pip install ".[server]" && useradd --system --uid 1000 rebalancer
+RUN pip install ".[server,cluster]" && useradd --system --uid 1000 rebalancer
 USER rebalancer
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --retries=5 \

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,8 @@ import yaml
 from tests.helpers.server import running_server
 
 ROOT = Path(__file__).resolve().parents[1]
-STACK = {"backend", "postgres", "scrape-token", "prometheus", "grafana"}
+STACK = {"backend", "migrate", "proxy", "redis", "postgres", "scrape-token", "prometheus", "grafana"}
+PG_URL = "postgresql://rebalancer:rebalancer@postgres:5432/rebalancer"
 COMPOSE_ENV = {"REBALANCER_ADMIN_TOKEN": "compose-admin-secret-0123", "GRAFANA_ADMIN_PASSWORD": "pw"}
 
 
@@ -26,24 +28,48 @@ def _compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
+def _serve_args(service: dict) -> list[str]:
+    """The `rebalancer serve ...` arguments of the backend's shell command."""
+    assert service["entrypoint"] == ["sh", "-c"]
+    (script,) = service["command"]
+    words = shlex.split(script.split("&& exec rebalancer ", 1)[1])
+    assert words[0] == "serve"
+    return words
+
+
 def test_services_ports_and_dependency():
     c = _compose()
     assert set(c["services"]) == STACK
-    backend, pg = c["services"]["backend"], c["services"]["postgres"]
-    assert backend["build"] == "."
-    assert backend["ports"] == ["8000:8000"]
-    assert backend["depends_on"] == {"postgres": {"condition": "service_healthy"}}
+    s = c["services"]
+    backend, pg, redis, proxy, migrate = s["backend"], s["postgres"], s["redis"], s["proxy"], s["migrate"]
+    assert backend["build"] == "." and migrate["build"] == "."
+    # `--scale backend=N`: no replica publishes a port (N containers cannot share one); the
+    # proxy does, and is the one address users and training hosts know.
+    assert "ports" not in backend and backend["expose"] == ["8000"]
+    assert proxy["ports"] == ["8000:8000"] and "container_name" not in backend and "hostname" not in backend
+    assert backend["depends_on"] == {"migrate": {"condition": "service_completed_successfully"},
+                                     "redis": {"condition": "service_healthy"}}
+    assert proxy["depends_on"] == {"backend": {"condition": "service_healthy"}}  # the Dockerfile's HEALTHCHECK
+    assert "HEALTHCHECK" in (ROOT / "Dockerfile").read_text()
+    # The schema is made once, before the replicas start, so that they do not race to make it.
+    assert migrate["command"] == ["db", "upgrade", "--db", PG_URL] and "restart" not in migrate
+    assert migrate["depends_on"] == {"postgres": {"condition": "service_healthy"}}
+    assert s["scrape-token"]["depends_on"] == {"migrate": {"condition": "service_completed_successfully"}}
     assert pg["image"].startswith("postgres:16")
     assert "pg_isready" in " ".join(pg["healthcheck"]["test"])
     assert any(v.endswith(":/var/lib/postgresql/data") for v in pg["volumes"])
     assert "pgdata" in c["volumes"]
+    assert redis["image"].startswith("redis:7") and redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert backend["environment"]["REBALANCER_REDIS_URL"] == "redis://redis:6379/0"
+    assert proxy["image"].startswith("nginx:")
+    assert _mounts(proxy)["/etc/nginx/nginx.conf"] == "./deploy/nginx/nginx.conf"
+    assert "/healthz" in " ".join(proxy["healthcheck"]["test"])
 
 
 def test_backend_points_at_the_postgres_service_with_its_credentials():
     c = _compose()
     backend, pg_env = c["services"]["backend"], c["services"]["postgres"]["environment"]
-    cmd = backend["command"]
-    assert cmd[0] == "serve"
+    cmd = _serve_args(backend)
     args = dict(zip(cmd[1::2], cmd[2::2], strict=True))
     assert args["--host"] == "0.0.0.0" and args["--port"] == "8000"
     m = re.fullmatch(r"postgresql://([^:]+):([^@]+)@postgres:5432/(\w+)", args["--db"])
@@ -56,7 +82,7 @@ def test_backend_points_at_the_postgres_service_with_its_credentials():
 def test_dockerfile_installs_the_server_extra_and_runs_the_cli():
     text = (ROOT / "Dockerfile").read_text()
     assert text.startswith("#") and "FROM python:3.11-slim" in text
-    assert 'pip install ".[server]"' in text
+    assert 'pip install ".[server,cluster]"' in text  # cluster: the Redis client for replicas
     assert 'ENTRYPOINT ["rebalancer"]' in text
     for path in ("backend", "trainer_hook", "pyproject.toml"):
         assert path in text and (ROOT / path).exists()
@@ -79,7 +105,9 @@ def test_prometheus_and_grafana_get_the_deploy_files():
     cfg = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
     (scrape,) = cfg["scrape_configs"]
-    assert scrape["static_configs"] == [{"targets": ["backend:8000"]}]
+    # Every replica of the service (Docker's DNS: one A record a container), not one of them.
+    assert scrape["dns_sd_configs"] == [{"names": ["backend"], "type": "A", "port": 8000, "refresh_interval": "30s"}]
+    assert "static_configs" not in scrape
     token_path = Path(scrape["authorization"]["credentials_file"])
     assert pm[str(token_path.parent)] == "scrape-token"  # the volume the one-shot writes
     assert _mounts(c["services"]["scrape-token"])["/run/rebalancer"] == "scrape-token"

@@ -53,12 +53,13 @@ class Scraped:
 
 
 def shipped_config_for(target: str, token_file: Path) -> dict[str, Any]:
-    """deploy/prometheus/prometheus.yml with only the target, token file, rule path and
+    """deploy/prometheus/prometheus.yml with only the targets, token file, rule path and
     intervals changed for a test."""
     cfg = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
     cfg["rule_files"] = [str(DEPLOY / "prometheus" / f) for f in cfg["rule_files"]]
     (scrape,) = cfg["scrape_configs"]
+    del scrape["dns_sd_configs"]  # the compose service's replicas; here the one test backend
     scrape["static_configs"] = [{"targets": [target]}]
     scrape["authorization"]["credentials_file"] = str(token_file)
     return cfg
