@@ -12,6 +12,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -172,3 +173,60 @@ def test_scrape_token_step_makes_a_viewer_token_once(tmp_path: Path):
             assert b"rebalancer_hook_connections" in r.read()
         status, _ = server.call("POST", "/api/v1/tokens", token.strip(), {"role": "viewer"})
         assert status == 403
+
+
+def _nginx_replica_route() -> re.Pattern[str]:
+    """The proxy's location that reaches one replica, as a Python pattern (PCRE's
+    ``(?<name>`` is Python's ``(?P<name>``)."""
+    conf = (ROOT / "deploy/nginx/nginx.conf").read_text()
+    (regex,) = re.findall(r"location ~ (\^/replica/\S+) \{", conf)
+    return re.compile(regex.replace("(?<", "(?P<"))
+
+
+def _advertised(tmp_path: Path, public_url: str | None, hostname: str) -> str:
+    """Run the backend's start command as compose would in a container named ``hostname``
+    (``rebalancer`` replaced by a stand-in that prints what it got), returning the
+    REBALANCER_ADVERTISE_URL the replica would start with."""
+    (script,) = _compose()["services"]["backend"]["command"]
+    default = re.search(r"\$\{REBALANCER_PUBLIC_URL:-([^}]+)\}", script)
+    assert default is not None, script
+    script = script.replace(default.group(0), public_url or default.group(1)).replace("$$", "$")  # compose's interpolation
+    (tmp_path / "hostname").write_text(hostname + "\n")
+    script = script.replace("/etc/hostname", str(tmp_path / "hostname"))
+    script = script.replace("exec rebalancer", f"exec {shlex.quote(sys.executable)} -c "
+                            "'import os, sys; print(os.environ[\"REBALANCER_ADVERTISE_URL\"], *sys.argv[1:])'")
+    got = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30)
+    assert got.returncode == 0, got
+    url, *argv = got.stdout.split()
+    assert argv[0] == "serve" and "--db" in argv
+    return url
+
+
+@pytest.mark.multiproc
+def test_each_replica_advertises_a_url_the_proxy_routes_to_it(tmp_path: Path):
+    """The redirect design: every replica (generated container name, Docker's hostname the
+    12-hex short id) advertises PUBLIC_URL/replica/<hostname>; a hook redirected there opens
+    PUBLIC_URL/replica/<hostname>/ws/hook, which the proxy sends to that container's /ws/hook."""
+    from backend.settings import Settings
+    from trainer_hook.transport import hook_ws_url
+
+    route = _nginx_replica_route()
+    a, b = "0f3a9c21b7de", "7c1d00e4a5b9"
+    url_a = _advertised(tmp_path, None, a)
+    assert url_a == f"http://localhost:8000/replica/{a}"  # the default: hooks on the Docker host
+    url_b = _advertised(tmp_path, "https://rebalancer.example:8443", b)
+    assert url_b == f"https://rebalancer.example:8443/replica/{b}"
+    for url, host in ((url_a, a), (url_b, b)):
+        assert Settings(advertise_url=url).advertise_url == url  # the replica's start-up check
+        ws = hook_ws_url(url)
+        assert ws.endswith(f"/replica/{host}/ws/hook")
+        path = urlsplit(ws).path
+        m = route.fullmatch(path)
+        assert m is not None and m["replica"] == host and m["rest"] == "/ws/hook", (route.pattern, path)
+        # REST through the same prefix reaches the same replica (an operator action sent to
+        # the owner named in a 409).
+        m = route.fullmatch(f"/replica/{host}/api/v1/jobs/j/placements")
+        assert m is not None and m["rest"] == "/api/v1/jobs/j/placements"
+    # Only Docker's short-id form: the proxy is no way to reach other services or hosts.
+    for path in ("/replica/postgres/x", "/replica/10.0.0.5/x", "/replica/0f3a9c21b7de.evil/x", "/ws/hook"):
+        assert route.fullmatch(path) is None, path

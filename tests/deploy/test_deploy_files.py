@@ -1,10 +1,12 @@
-"""deploy/ and docs/metrics.md against the metric contract (backend/metrics_contract.py), and
-the shipped rules and config through promtool (Debian's prometheus package)."""
+"""deploy/ and docs/metrics.md against the metric contract (backend/metrics_contract.py), the
+shipped rules and config through promtool (Debian's prometheus package), and the proxy's
+nginx config (read here; `nginx -t` where nginx is installed)."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "rebalancer.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+NGINX = DEPLOY / "nginx" / "nginx.conf"
 EXPOSED = {n for m in CONTRACT for n in exposed_names(m)}
 _NAME = re.compile(r"\b(rebalancer_[a-z_]+)\b")
 needs_promtool = pytest.mark.skipif(not promh.installed(), reason=promh.INSTALL_HINT)
@@ -134,3 +137,73 @@ def test_alerts_fire_on_the_series_they_are_for():
     got = subprocess.run([promh.PROMTOOL, "test", "rules", str(Path(__file__).with_name("alerts_test.yml"))],
                          capture_output=True, text=True)
     assert got.returncode == 0 and "SUCCESS" in got.stdout, got.stdout + got.stderr
+
+
+@needs_promtool
+@pytest.mark.multiproc
+def test_promtool_accepts_the_full_config_with_its_files(tmp_path: Path):
+    """`promtool check config` without --syntax-only (the rule file loaded, the token file
+    read), on a copy whose token path points at a file that exists."""
+    cfg = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    (scrape,) = cfg["scrape_configs"]
+    (tmp_path / "scrape.token").write_text("rb_viewer-secret\n")
+    scrape["authorization"]["credentials_file"] = str(tmp_path / "scrape.token")
+    cfg["rule_files"] = [str(DEPLOY / "prometheus" / f) for f in cfg["rule_files"]]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    got = subprocess.run([promh.PROMTOOL, "check", "config", str(tmp_path / "prometheus.yml")],
+                         capture_output=True, text=True)
+    assert got.returncode == 0 and "SUCCESS" in got.stdout, got.stdout + got.stderr
+
+
+def _nginx_blocks() -> tuple[str, dict[str, str]]:
+    """The server block's own directives, and each location's body by its match."""
+    text = "\n".join(line.split("#", 1)[0] for line in NGINX.read_text().splitlines())
+    (server,) = re.findall(r"server \{(.*)\n    \}", text, re.S)
+    block = r"\n        location (.+?) \{\n(.*?)\n        \}"  # by indentation: a regex has braces
+    locations = dict(re.findall(block, server, re.S))
+    own = re.sub(block, "", server, flags=re.S)
+    return own, locations
+
+
+def _directives(block: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for stmt in block.split(";"):
+        words = stmt.split()
+        if words:
+            out.setdefault(words[0], []).append(" ".join(words[1:]))
+    return out
+
+
+def test_the_proxy_forwards_websockets_to_every_replica_and_to_one_by_name():
+    text = NGINX.read_text()
+    own, locations = _nginx_blocks()
+    d = _directives(own)
+    assert d["listen"] == ["8000"]
+    # Websockets: HTTP/1.1, the Upgrade and Connection headers passed on (a map of
+    # $http_upgrade), timeouts far longer than a slow step or an open dashboard.
+    assert d["proxy_http_version"] == ["1.1"]
+    headers = dict(h.split(" ", 1) for h in d["proxy_set_header"])
+    assert headers["Upgrade"] == "$http_upgrade" and headers["Connection"] == "$connection_upgrade"
+    assert re.search(r"map \$http_upgrade \$connection_upgrade \{\s*default upgrade;\s*'' +close;", text)
+    assert headers["Host"] == "$http_host" and "X-Forwarded-For" in headers
+    for timeout in ("proxy_read_timeout", "proxy_send_timeout"):
+        (value,) = d[timeout]
+        assert value.endswith("s") and int(value[:-1]) >= 3600, (timeout, value)
+    assert d["proxy_buffering"] == ["off"]
+    # Docker's DNS, asked at request time (proxy_pass through variables): replicas that
+    # `--scale` adds or that restart with a new address are reached without a reload.
+    assert re.search(r"resolver 127\.0\.0\.11 valid=\d+s", text)
+    assert set(locations) == {"/", "~ ^/replica/(?<replica>[0-9a-f]{12})(?<rest>/.*)$"}
+    rest = _directives(locations["/"])
+    assert rest["set"] == ["$backend backend"] and rest["proxy_pass"] == ["http://$backend:8000"]
+    (one,) = [body for match, body in locations.items() if match.startswith("~")]
+    assert _directives(one)["proxy_pass"] == ["http://$replica:8000$rest$is_args$args"]
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed (the compose stack uses the nginx image)")
+@pytest.mark.multiproc
+def test_nginx_accepts_the_proxy_config(tmp_path: Path):
+    got = subprocess.run(["nginx", "-t", "-c", str(NGINX), "-p", str(tmp_path),
+                          "-g", f"pid {tmp_path / 'nginx.pid'}; error_log {tmp_path / 'error.log'};"],
+                         capture_output=True, text=True)
+    assert got.returncode == 0, got.stdout + got.stderr
