@@ -109,11 +109,12 @@ def test_grafana_dashboard_is_well_formed_and_uses_the_provisioned_datasource():
 def test_alert_rules_name_contract_metrics_only():
     rules = [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
     assert {r["alert"] for r in rules} >= {"RebalancerStragglerUnbalanced", "RebalancerProposalWaiting",
-                                           "RebalancerPlacementRolledBack", "RebalancerRankLost"}
+                                           "RebalancerPlacementRolledBack", "RebalancerRankLost",
+                                           "RebalancerBackendDown", "RebalancerBackendAbsent"}
     for r in rules:
         names = set(_NAME.findall(r["expr"]))
         assert names <= EXPOSED, (r["alert"], names - EXPOSED)
-        assert names or r["expr"].startswith("up{"), r["alert"]
+        assert names or r["expr"].startswith(("up{", "absent(up{")), r["alert"]
         assert r["annotations"]["summary"] and r["annotations"]["description"]
 
 

@@ -108,7 +108,8 @@ def test_the_shipped_alert_rules_load_and_evaluate(scraped: Scraped):
     groups = scraped.prom.api("rules")["groups"]
     rules = {r["name"]: r for g in groups for r in g["rules"]}
     assert set(rules) == {"RebalancerStragglerUnbalanced", "RebalancerProposalWaiting",
-                          "RebalancerPlacementRolledBack", "RebalancerRankLost", "RebalancerBackendDown"}
+                          "RebalancerPlacementRolledBack", "RebalancerRankLost", "RebalancerBackendDown",
+                          "RebalancerBackendAbsent"}
     wait_until(lambda: all(r.get("health") == "ok" for g in scraped.prom.api("rules")["groups"] for r in g["rules"]),
                "every rule to evaluate", 20, interval=0.5)
     # The straggler and the waiting proposal are real: both alerts are pending (their `for:` runs).
