@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from sqlalchemy import Float, Integer, String, func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from backend.storage.base import Base
@@ -149,14 +150,24 @@ class AuthService:
         self._count: tuple[float, int] | None = None
 
     def ensure_admin(self, secret: str) -> None:
-        """Bootstrap: make sure an admin token with this secret exists (and is not revoked)."""
-        with self._sf() as s:
-            row = s.scalar(select(TokenRow).where(TokenRow.secret_sha256 == hash_secret(secret)))
-            if row is None:
-                create_token(s, role="admin", name="bootstrap-admin", secret=secret, created_by="settings")
-            elif row.revoked_at is not None or row.role != "admin":
-                row.revoked_at, row.role, row.job = None, "admin", None
-            s.commit()
+        """Bootstrap: make sure an admin token with this secret exists (and is not revoked).
+
+        Replicas starting together on a fresh database may both find no row: the one whose
+        insert loses on the unique secret hash reads the row the other made."""
+        for attempt in range(2):
+            with self._sf() as s:
+                try:
+                    row = s.scalar(select(TokenRow).where(TokenRow.secret_sha256 == hash_secret(secret)))
+                    if row is None:
+                        create_token(s, role="admin", name="bootstrap-admin", secret=secret, created_by="settings")
+                    elif row.revoked_at is not None or row.role != "admin":
+                        row.revoked_at, row.role, row.job = None, "admin", None
+                    s.commit()
+                    break
+                except IntegrityError:
+                    s.rollback()
+                    if attempt:
+                        raise
         self.invalidate()
 
     def invalidate(self) -> None:

@@ -172,6 +172,32 @@ def test_auth_service_sees_tokens_made_by_another_process(tmp_path):
     engine.dispose()
 
 
+def test_replicas_bootstrapping_one_admin_secret_at_once_all_start(tmp_path, monkeypatch):
+    # Two replicas on a fresh database both find no admin row, and the other inserts it
+    # between this one's look and its insert (the unique secret hash): this one must read
+    # the row again instead of exiting with an IntegrityError.
+    from backend.auth import tokens as tokens_mod
+
+    engine = make_engine(f"sqlite:///{tmp_path / 't.db'}")
+    init_db(engine)
+    sf = make_sessionmaker(engine)
+    secret = "replica-race-admin-secret-0123456789"
+    real_create = tokens_mod.create_token
+
+    def other_replica_first(session, **kw):
+        with sf() as other:  # the other replica's own session and commit
+            real_create(other, **kw)
+            other.commit()
+        return real_create(session, **kw)
+
+    monkeypatch.setattr(tokens_mod, "create_token", other_replica_first)
+    AuthService(sf, loopback=True, cache_s=0.0).ensure_admin(secret)
+    monkeypatch.setattr(tokens_mod, "create_token", real_create)
+    auth = AuthService(sf, loopback=True, cache_s=0.0)
+    assert auth.authenticate(secret).role == "admin"
+    engine.dispose()
+
+
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     import os
 
