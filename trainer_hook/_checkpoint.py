@@ -1,0 +1,134 @@
+"""Checkpoint state: where the run stands (``state_dict``) and resuming there."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer_hook._hook_base import HookBase
+from trainer_hook.control import PendingPlacement
+from trainer_hook.protocol import check_shares
+
+log = logging.getLogger("trainer_hook")
+
+
+class Checkpoints(HookBase):
+    """``state_dict`` and ``load_state_dict`` of a RebalanceHook."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the run stands, for a checkpoint: plain ints and lists (JSON-safe).
+
+        ``batch_index`` (the next untrained global batch), the placement in force for it
+        and its version, a newer placement already agreed or pending (``next_placement``),
+        and the epoch position. Save it with the model and optimizer; every rank holds
+        the same. Example::
+
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "rebalancer": hook.state_dict()}, path)
+        """
+        self._init_distributed("hook.state_dict()")
+        k = self._next_batch
+        current = self._schedule.at(k)
+        nxt = self._schedule.latest
+        pending = self._control.undelivered if self._root else None
+        upcoming = pending if pending is not None and pending.version > nxt.version else nxt
+        sampler = self._sampler
+        return {
+            "format": _STATE_FORMAT,
+            "batch_index": k,
+            "global_batch_size": self.config.global_batch_size,
+            "world_size": self._world_size,
+            "placement": {"version": current.version, "shares": list(current.shares)},
+            "next_placement": (
+                {"version": upcoming.version, "shares": list(upcoming.shares)}
+                if upcoming.version > current.version else None
+            ),
+            "epoch": k // len(sampler) if sampler is not None else None,
+            "batches_per_epoch": len(sampler) if sampler is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: the next step trains ``batch_index`` under the
+        placement it had (or a newer one the backend holds), and the loader's sampler
+        starts there, in the right epoch of the seeded order.
+
+        Call it on every rank (rank 0's copy is used), after ``attach`` and before the
+        loader is first iterated. Raises ValueError for a state of another job shape
+        (global batch size) or out-of-range numbers; a different world size keeps the
+        batch index and starts from the uniform split.
+        """
+        self._init_distributed("hook.load_state_dict()")
+        sampler = self._sampler
+        if self._next_batch != 0 or self.history or (sampler is not None and sampler.furthest >= 0):
+            raise RuntimeError(
+                "load_state_dict() must come before the first batch is drawn: call it right "
+                "after building the model, optimizer and loader, before iterating the loader."
+            )
+        k, version, shares, nxt = _check_state(state, self.config.global_batch_size, self._world_size)
+        group = self._control.group
+        if group is not None:  # rank 0's copy decides, so ranks cannot disagree
+            w = self._world_size
+            buf = torch.full((2 + w,), -1, dtype=torch.int64)
+            if self._root:
+                buf[0], buf[1] = k, version if shares is not None else -1
+                if shares is not None:
+                    buf[2:] = torch.tensor(shares, dtype=torch.int64)
+            dist.broadcast(buf, src=0, group=group)
+            values = buf.tolist()
+            k, version = values[0], values[1]
+            shares = values[2:] if version >= 0 else None
+        if self._lookahead is not None:  # given: settle from the resumed batch on
+            self._control.set_lookahead(k, self._lookahead)
+        with self._lock:
+            if shares is not None and version > self._schedule.latest.version:
+                self._schedule.replace_initial(version, shares)
+            self._next_batch = k
+            self._trained = self._schedule.at(k)
+        if nxt is not None and self._root and nxt[0] > self._schedule.latest.version:
+            self._control.offer(PendingPlacement(nxt[0], tuple(nxt[1]), "resumed from a checkpoint"))
+
+
+_STATE_FORMAT = 1
+
+
+def _check_state(
+    state: Any, global_batch_size: int, world_size: int
+) -> tuple[int, int, list[int] | None, tuple[int, list[int]] | None]:
+    """(batch_index, version, shares or None, next placement or None) from a state_dict."""
+    if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+        raise ValueError(f"not a RebalanceHook state_dict (format {_STATE_FORMAT}): got {type(state).__name__}.")
+    k = state.get("batch_index")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < (1 << 62):
+        raise ValueError(f"state_dict batch_index must be an integer in [0, 2**62), got {k!r}.")
+    if state.get("global_batch_size") != global_batch_size:
+        raise ValueError(
+            f"state_dict is for global_batch_size {state.get('global_batch_size')!r}, but this hook "
+            f"trains with {global_batch_size}: resume with the same global batch size."
+        )
+    if state.get("world_size") != world_size:
+        log.warning(
+            "state_dict was saved with world size %r, this run has %d: resuming at batch %d "
+            "with the uniform split.", state.get("world_size"), world_size, k,
+        )
+        return k, 0, None, None
+
+    def placement(entry: Any) -> tuple[int, list[int]] | None:
+        if entry is None:
+            return None
+        if not isinstance(entry, dict):
+            raise ValueError(f"state_dict placement must be a dict with version and shares, got {entry!r}.")
+        v = entry.get("version")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < (1 << 62):
+            raise ValueError(f"state_dict placement version must be an integer >= 0, got {v!r}.")
+        raw: Any = entry.get("shares")
+        if not isinstance(raw, list):
+            raise ValueError(f"state_dict placement shares must be a list, got {raw!r}.")
+        return v, check_shares(raw, world_size=world_size, global_batch_size=global_batch_size)
+
+    current = placement(state.get("placement"))
+    if current is None:
+        raise ValueError("state_dict has no placement.")
+    return k, current[0], current[1], placement(state.get("next_placement"))
