@@ -15,6 +15,9 @@ brackets those, and the bracketed time counts as sync wait too.
 Where a comm hook cannot be used (another library owns DDP's hook), the loss-scaling
 path gives the same math: multiply the local mean loss by ``world_size * weight`` and
 let the default averaging all-reduce divide by world size again.
+
+Which wrapper a model is, and the set-ups refused, is ``trainer_hook._wrappers``
+(``check_data_parallel`` and ``check_mesh`` are re-exported here).
 """
 
 from __future__ import annotations
@@ -26,6 +29,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
+
+from trainer_hook._wrappers import (  # re-exported: check_* are this module's public API
+    _SUPPORTED,
+    _compiled_inner,
+    _fsdp2_modules,
+    _is_ddp,
+    _is_fsdp1,
+    check_data_parallel,
+    check_mesh,
+)
 
 __all__ = [
     "GradientState", "weighted_allreduce_hook", "register_comm_hook", "register_grad_timer",
@@ -262,187 +275,6 @@ def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     fut = pg.allreduce([buf], state._opts).get_future().then(state._done_cb)
     state._futs.append(fut)  # freed by this thread, never last by gloo's (release_callbacks)
     return fut
-
-
-def _compiled_inner(model: Any) -> Any:
-    """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), else ``model``:
-    the wrapper runs the very module, so hooks registered on it apply."""
-    inner = getattr(model, "_orig_mod", None)
-    return inner if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule" else model
-
-
-def _is_ddp(model: Any) -> bool:
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
-
-
-_SUPPORTED = (
-    "Supported: DistributedDataParallel, FSDP2 (fully_shard) and FSDP1 "
-    "(FullyShardedDataParallel) over one data-parallel dimension, each through "
-    "hook.attach(model); anything that averages gradients over all ranks through "
-    "hook.attach(model, gradients='loss_scale') with loss * hook.loss_weight()."
-)
-
-
-def _fsdp2_modules(model: torch.nn.Module) -> list[Any]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return []
-    # fully_shard() swaps each module's class for a dynamically made "FSDP<Name>"
-    # subclass of FSDPModule, so the class name alone says nothing.
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def _is_fsdp1(model: Any) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:
-        return False
-    return isinstance(model, FullyShardedDataParallel)
-
-
-_NEEDS_DP_MESH = (
-    "Tensor/context-parallel meshes, and data parallelism over part of the world, need "
-    "RebalanceHook(..., dp_mesh=mesh['dp']) (the whole 2-D mesh for HSDP), which makes shares "
-    "per data-parallel replica (docs/meshes.md); without it every rank of the world is its own "
-    "data-parallel worker (DDP, FSDP1 or FSDP2 over the whole world)."
-)
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _ranks_along(mesh: Any, dim: int) -> set[int]:
-    """The ranks of ``mesh`` that share this rank's coordinates in every dim but ``dim``
-    (this rank's group along ``dim``), read from the mesh's rank tensor: no collective."""
-    coord = mesh.get_coordinate()
-    if coord is None:  # this rank is not in the mesh
-        return set()
-    index: list[Any] = list(coord)
-    index[dim] = slice(None)
-    return {int(r) for r in mesh.mesh[tuple(index)].flatten().tolist()}
-
-
-def _mesh_dim_name(mesh: Any, dim: int) -> str:
-    names = getattr(mesh, "mesh_dim_names", None)
-    return names[dim] if names else f"dim {dim}"
-
-
-def check_mesh(model: Any, world_size: int | None = None) -> None:
-    """Refuse, naming ``dp_mesh``, a model whose gradients are reduced over part of the
-    world or whose parameters are split over a mesh dim that is not data parallel: the
-    hook gives every rank of the world its own samples, so ranks of one tensor/context-
-    parallel group would see different batches (issue 24; ``dp_mesh`` is not built yet)."""
-    world = _world_size() if world_size is None else world_size
-    if world <= 1:
-        return
-    inner = _compiled_inner(model)
-    for label, group in (("DistributedDataParallel", getattr(inner, "process_group", None) if _is_ddp(inner)
-                          else None),
-                         ("FullyShardedDataParallel (FSDP1)", getattr(inner, "process_group", None)
-                          if _is_fsdp1(inner) else None)):
-        if group is not None and dist.get_world_size(group) != world:
-            raise ValueError(
-                f"Rebalancer balances data-parallel ranks only: {label} reduces gradients over a "
-                f"process group of {dist.get_world_size(group)} of the {world} ranks, while the "
-                f"hook splits each global batch over all {world}. {_NEEDS_DP_MESH}"
-            )
-    # The ranks FSDP2 reduces gradients over: the data-parallel ranks of this rank.
-    dp_ranks: set[int] = set()
-    fsdp_meshes = []
-    for m in _fsdp2_modules(inner):
-        for group in m._get_fsdp_state()._fsdp_param_groups:
-            mesh = group.mesh_info.mesh
-            fsdp_meshes.append(mesh)
-            dp_ranks |= {int(r) for r in mesh.mesh.flatten().tolist()}
-    dtensor_cls: Any = None
-    try:
-        from torch.distributed.tensor import DTensor as dtensor_cls
-    except ImportError:  # torch without DTensor
-        pass
-    if dtensor_cls is not None:
-        for pname, p in inner.named_parameters():
-            if not isinstance(p, dtensor_cls):
-                continue
-            mesh = p.device_mesh
-            for dim in range(mesh.ndim):
-                along = _ranks_along(mesh, dim)
-                if len(along) <= 1 or along <= dp_ranks:
-                    continue
-                names = tuple(_mesh_dim_name(mesh, d) for d in range(mesh.ndim))
-                placements = ", ".join(repr(pl) for pl in p.placements)
-                raise ValueError(
-                    f"Rebalancer balances data-parallel ranks only: parameter {pname!r} is a DTensor "
-                    f"over mesh dims {names} with placements ({placements}); mesh dim "
-                    f"{_mesh_dim_name(mesh, dim)!r} ({len(along)} ranks) is not data parallel "
-                    f"(tensor or context parallelism), and all its ranks must see the same samples. "
-                    f"{_NEEDS_DP_MESH}"
-                )
-    if fsdp_meshes and len(dp_ranks) != world:
-        names = tuple(dict.fromkeys(
-            _mesh_dim_name(mesh, d) for mesh in fsdp_meshes for d in range(mesh.ndim)))
-        raise ValueError(
-            f"Rebalancer balances data-parallel ranks only: FSDP2 (fully_shard) reduces gradients "
-            f"over {len(dp_ranks)} of the {world} ranks (mesh dims {names}), while the hook splits "
-            f"each global batch over all {world}. {_NEEDS_DP_MESH}"
-        )
-
-
-def check_data_parallel(model: Any, world_size: int | None = None, *, dp_mesh: Any = None) -> None:
-    """Refuse, naming what is supported, set-ups whose ranks are not all data-parallel
-    replicas of one model (their gradients cannot be weighted by batch share alone); with
-    ``dp_mesh``, a model whose mesh disagrees with it."""
-    cls = type(model)
-    name, module = cls.__name__, cls.__module__
-    if module.startswith("deepspeed") or "DeepSpeedEngine" in name:
-        raise ValueError(
-            f"DeepSpeed ({name}) is not supported by the rebalancer: its engine reduces and "
-            f"partitions gradients inside engine.backward()/step(), out of the hook's reach. {_SUPPORTED}"
-        )
-    if module.startswith("torch.distributed.pipelining") or "Pipe" in name:
-        raise ValueError(
-            f"pipeline parallelism ({name}) is not supported by the rebalancer: every stage of a "
-            f"pipeline must see the same micro-batches, so no stage can take a different share. {_SUPPORTED}"
-        )
-    if dp_mesh is not None:
-        from trainer_hook.mesh import check_dp_mesh
-        check_dp_mesh(_compiled_inner(model), dp_mesh)
-        return
-    if _is_fsdp1(model):
-        strategy = str(getattr(model, "sharding_strategy", "")).split(".")[-1]
-        if "HYBRID" in strategy:
-            raise ValueError(
-                f"FSDP1 with {strategy} (HSDP) is not supported by the rebalancer: gradients are "
-                f"reduce-scattered in a shard group, then all-reduced across replicas, and the hook "
-                f"weights only one of the two. Use ShardingStrategy.FULL_SHARD. {_SUPPORTED}"
-            )
-        check_mesh(model, world_size)
-        return
-    fsdp2 = _fsdp2_modules(model)
-    for m in fsdp2:
-        for group in m._get_fsdp_state()._fsdp_param_groups:
-            if type(group.mesh_info).__name__ != "FSDPMeshInfo" or group.mesh_info.mesh.ndim != 1:
-                raise ValueError(
-                    "FSDP2 over a device mesh with more than one dimension (HSDP, or FSDP with "
-                    "tensor parallelism) is not supported by the rebalancer: only ranks that are "
-                    f"pure data-parallel replicas can take different shares. {_SUPPORTED}"
-                )
-    if fsdp2:
-        check_mesh(model, world_size)
-        return
-    dtensor_cls: Any = None
-    try:
-        from torch.distributed.tensor import DTensor as dtensor_cls
-    except ImportError:
-        pass
-    if dtensor_cls is not None and any(isinstance(p, dtensor_cls) for p in model.parameters()):
-        raise ValueError(
-            "tensor parallelism (DTensor parameters outside FSDP) is not supported by the "
-            "rebalancer: ranks that hold pieces of one model replica must see the same batch. "
-            f"{_SUPPORTED} {_NEEDS_DP_MESH}"
-        )
-    check_mesh(model, world_size)
 
 
 def register_gradient_weighting(

@@ -116,7 +116,7 @@ def mesh_shape(dp_mesh: Any, replicas: int, replica_size: int) -> MeshShape:
 def check_dp_mesh(model: Any, dp_mesh: Any) -> None:
     """Refuse a model whose gradients are reduced over other ranks than ``dp_mesh``'s, or
     whose parameters are split over a dim that crosses data-parallel ranks."""
-    from trainer_hook.gradients import (
+    from trainer_hook._wrappers import (
         _fsdp2_modules,
         _is_ddp,
         _is_fsdp1,
