@@ -62,11 +62,6 @@ __all__ = [
     "CLOSE_RATE_LIMITED",
     "CLOSE_TRY_AGAIN_LATER",
     "CLOSE_REDIRECT",
-    "HOOK_FRAMES_PER_S",
-    "HOOK_FRAMES_BURST",
-    "HOOK_BYTES_PER_S",
-    "HOOK_BYTES_BURST",
-    "HOOK_HELLO_FRAMES",
     "ProtocolError",
     "Hello",
     "MeshShape",
@@ -117,14 +112,6 @@ _MAX_CPU_PCT = 100.0 * MAX_WORLD_SIZE  # a process may use many cores
 _MAX_POWER_W = 100_000.0
 _MAX_TEMP_C = 1000.0
 _MAX_CLOCK_MHZ = 100_000.0
-
-# Per-connection budgets the backend enforces on /ws/hook (token buckets): a hook sends a
-# frame every 0.5 s or 5 steps, so even 100 steps a second use a fifth of this.
-HOOK_FRAMES_PER_S = 100.0
-HOOK_FRAMES_BURST = 500.0
-HOOK_BYTES_PER_S = 4.0 * MAX_MESSAGE_BYTES
-HOOK_BYTES_BURST = 32.0 * MAX_MESSAGE_BYTES
-HOOK_HELLO_FRAMES = 50.0  # a hello costs SQL writes: it counts as this many frames (10 at once)
 
 CLOSE_NORMAL = 1000
 CLOSE_TOO_BIG = 1009

@@ -2,8 +2,9 @@
 
 One ``FrameBudget`` per connection, touched only by that connection's handler. ``take``
 charges one frame; it returns None while within budget, else the one sentence the
-connection is closed with. Hooks get the protocol's budget (``trainer_hook.protocol``:
-``HOOK_FRAMES_*``, ``HOOK_BYTES_*``); dashboards, which only listen, a much smaller one.
+connection is closed with. Hooks get ``HOOK_FRAMES_*`` and ``HOOK_BYTES_*`` (the backend's
+to set: the wire format only bounds a frame's size); dashboards, which only listen, a much
+smaller one.
 """
 
 from __future__ import annotations
@@ -11,7 +12,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["FrameBudget", "DASHBOARD_FRAMES_PER_S", "DASHBOARD_FRAMES_BURST", "DASHBOARD_MAX_FRAME_BYTES"]
+from trainer_hook.protocol import MAX_MESSAGE_BYTES
+
+__all__ = ["FrameBudget", "DASHBOARD_FRAMES_PER_S", "DASHBOARD_FRAMES_BURST", "DASHBOARD_MAX_FRAME_BYTES",
+           "HOOK_FRAMES_PER_S", "HOOK_FRAMES_BURST", "HOOK_BYTES_PER_S", "HOOK_BYTES_BURST",
+           "HOOK_HELLO_FRAMES"]
+
+# Per-connection budgets the backend enforces on /ws/hook (token buckets): a hook sends a
+# frame every 0.5 s or 5 steps, so even 100 steps a second use a fifth of this.
+HOOK_FRAMES_PER_S = 100.0
+HOOK_FRAMES_BURST = 500.0
+HOOK_BYTES_PER_S = 4.0 * MAX_MESSAGE_BYTES
+HOOK_BYTES_BURST = 32.0 * MAX_MESSAGE_BYTES
+HOOK_HELLO_FRAMES = 50.0  # a hello costs SQL writes: it counts as this many frames (10 at once)
 
 DASHBOARD_FRAMES_PER_S = 2.0  # a page sends its auth frame, nothing else
 DASHBOARD_FRAMES_BURST = 20.0

@@ -25,7 +25,14 @@ from backend.auth.sockets import TokenSockets
 from backend.auth.tokens import Actor
 from backend.control.controller import Controller
 from backend.dashboard.hub import DashboardHub
-from backend.ingest.budget import FrameBudget
+from backend.ingest.budget import (
+    HOOK_BYTES_BURST,
+    HOOK_BYTES_PER_S,
+    HOOK_FRAMES_BURST,
+    HOOK_FRAMES_PER_S,
+    HOOK_HELLO_FRAMES,
+    FrameBudget,
+)
 from backend.ingest.connections import HookConnections, redirect_reason
 from backend.live.state import LiveState
 from backend.settings import Settings
@@ -41,11 +48,6 @@ from trainer_hook.protocol import (
     CLOSE_RATE_LIMITED,
     CLOSE_REDIRECT,
     CLOSE_TRY_AGAIN_LATER,
-    HOOK_BYTES_BURST,
-    HOOK_BYTES_PER_S,
-    HOOK_FRAMES_BURST,
-    HOOK_FRAMES_PER_S,
-    HOOK_HELLO_FRAMES,
     PROTOCOL_VERSION,
     Ack,
     Error,
