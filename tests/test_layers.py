@@ -149,6 +149,41 @@ def test_every_control_table_write_is_in_records():
     assert found == [], "control-table writes outside backend/control/records.py (move them there)"
 
 
+def _control_row_names() -> set[str]:
+    tree = ast.parse((ROOT / "backend/storage/control.py").read_text())
+    return {n.name for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Row")}
+
+
+def _audit_or_row_calls(rel: str, source: str, rows: set[str]) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source, filename=rel)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name == "record_audit" or name in rows:
+                found.append(f"{rel}:{node.lineno} calls {ast.unparse(f)}")
+    return found
+
+
+def test_no_module_outside_records_adds_audit_or_control_rows():
+    """Routes, auth and the rest add audit rows (token changes included) and control-table rows
+    through backend/control/records.py only; storage defines them."""
+    rows, found = _control_row_names(), []
+    for path in _modules("backend"):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel != "backend/control/records.py" and not rel.startswith("backend/storage/"):
+            found += _audit_or_row_calls(rel, path.read_text(), rows)
+    assert found == [], "audit or control-table rows added outside backend/control/records.py"
+
+
+def test_the_audit_rule_sees_calls():
+    rows = _control_row_names()
+    assert {"AuditRow", "PlacementRow"} <= rows
+    bad = "def f(s):\n    record_audit(s, actor='a', action='b', job=None)\n    s.add(db.AuditRow())\n"
+    assert [f.split(" ", 1)[1] for f in _audit_or_row_calls("x.py", bad, rows)] == [
+        "calls record_audit", "calls db.AuditRow"]
+
+
 def test_the_control_write_rule_sees_writes():
     bad = ("def work(s: Session, row):\n    row.failed = True\n    row.acks[1] = 2\n"
            "    db.record_audit(s, actor='x', action='y', job=None)\n    s.add(db.PlacementRow())\n"

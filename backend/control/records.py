@@ -26,7 +26,7 @@ __all__ = [
     "create_job", "fail_placement", "store_overrides", "actor_name", "pending_proposal", "proposal_to_decide", "decide", "close_pending",
     "expire_due", "new_placement", "add_proposal", "refused_before", "last_effect",
     "recent_rollbacks", "approve", "reject", "audit_manual", "set_mode", "set_policy", "reshape",
-    "record_acks", "record_oom", "audit_restart", "issued", "record_effect",
+    "record_acks", "record_oom", "audit_restart", "issued", "record_effect", "audit_token",
 ]
 
 
@@ -172,6 +172,11 @@ def store_overrides(s: Any, job: str, ov: dict[str, Any], *, actor: Any, reason:
     s.add(row)
     db.record_audit(s, actor=actor, action="job.overrides", job=job,
                     params={k: ov[k] for k in OVERRIDE_KEYS}, reason=reason)
+
+
+def audit_token(s: Any, action: str, params: dict[str, Any], *, actor: Any, reason: str) -> None:
+    """A token was created or revoked (``token.create``, ``token.revoke``): no job's row."""
+    db.record_audit(s, actor=actor, action=action, job=None, params=params, reason=reason)
 
 
 def actor_name(actor: Any) -> str:

@@ -11,14 +11,13 @@ from sqlalchemy.orm import Session
 
 from backend.api.deps import AdminDep, PartsDep, RowId
 from backend.auth.tokens import (
-    Actor,
     TokenRow,
     create_token,
     is_last_admin,
     list_tokens,
     revoke_token,
 )
-from backend.storage.control import record_audit
+from backend.control.records import audit_token
 from trainer_hook.protocol import JOB_NAME_PATTERN, ProtocolError
 
 __all__ = ["router", "TokenCreate", "TokenPublic", "TokenCreated", "TokensPublic"]
@@ -67,17 +66,13 @@ def _public(row: TokenRow) -> dict[str, Any]:
     }
 
 
-def _audit(session: Session, actor: Actor, action: str, params: dict[str, Any], reason: str) -> None:
-    record_audit(session, actor=actor, action=action, job=None, params=params, reason=reason)
-
-
 @router.post("", response_model=TokenCreated, status_code=201, summary="Create a token")
 async def create(body: TokenCreate, actor: AdminDep, parts: PartsDep) -> TokenCreated:
     def run(s: Session) -> TokenCreated:
         row, secret = create_token(s, role=body.role, name=body.name.strip(), job=body.job or None,
                                    created_by=actor.name)
-        _audit(s, actor, "token.create",
-               {"id": row.id, "name": row.name, "role": row.role, "job": row.job}, body.reason)
+        audit_token(s, "token.create", {"id": row.id, "name": row.name, "role": row.role, "job": row.job},
+                    actor=actor, reason=body.reason)
         s.commit()
         return TokenCreated(**_public(row), secret=secret)
 
@@ -116,7 +111,8 @@ async def revoke(
         row = revoke_token(s, token_id)
         if row is None:
             return None
-        _audit(s, actor, "token.revoke", {"id": row.id, "name": row.name, "role": row.role}, reason)
+        audit_token(s, "token.revoke", {"id": row.id, "name": row.name, "role": row.role},
+                    actor=actor, reason=reason)
         s.commit()
         return TokenPublic(**_public(row))
 
