@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -92,6 +93,7 @@ def build(run: str) -> torch.nn.Module:
 
 
 def train(run: str, args: argparse.Namespace) -> None:
+    started = time.process_time()
     rank = dist.get_rank()
     hook = RebalanceHook(job=f"tok-{run}", global_batch_size=w.GLOBAL_BATCH, exchange_every=3, exchange_lag=1,
                          lookahead=3)
@@ -132,6 +134,7 @@ def train(run: str, args: argparse.Namespace) -> None:
     hook.close()
     out: dict[str, object] = {
         "rank": rank, "shares": shares_seen, "sizes": sizes, "gradients": hook.gradients,
+        "cpu_s": time.process_time() - started,  # what the run costs CI, by rank
         "timeline": [[t.start_batch, t.version, list(t.shares), t.length_sq_weight] for t in hook.schedule.timeline()],
     }
     params = sw.full_params(model, how)  # FSDP2 gathers the shards: every rank takes part
