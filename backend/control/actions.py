@@ -62,10 +62,9 @@ class OperatorActions(ControllerCore):
                 predicted_step_ms=prop.predicted_step_ms_after)
             records.approve(s, prop, row, actor=actor, reason=reason, auto=auto, at=self._wall())
             k = (prop.explanation or {}).get("length_sq_weight")
-            if k is not None:  # an operator's cost model, audited as the policy's (a restart reads it back)
-                db.record_audit(s, actor=actor, action="placement.cost_model", job=job, reason=reason or prop.reason,
-                                params={"length_sq_weight": k, "previous_length_sq_weight": st.length_sq_weight,
-                                        "version": row.version, "shares": shares, "proposal_id": prop.id})
+            if k is not None:  # an operator's cost model
+                records.audit_cost_model(s, prop, row, length_sq_weight=k, previous=st.length_sq_weight,
+                                         actor=actor, reason=reason)
             s.commit()
             self._read_facts(s, st)
             return prop.public(), k
