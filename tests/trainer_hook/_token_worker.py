@@ -81,14 +81,14 @@ def parse_plan(text: str) -> dict[int, tuple[list[int], float | None]]:
     return plan
 
 
-def build(run: str) -> torch.nn.Module:
+def build(run: str, compile_backend: str = "aot_eager") -> torch.nn.Module:
     model = w.build_model()
     if run == "fsdp2_accum":
         return sw.wrap(model, "fsdp2")
     if run == "compiled_accum":
         # aot_eager: dynamo's graphs and AOT autograd's backward, which are what DDP's
         # hooks and the loss weight see; inductor's C++ build would cost CI a minute here.
-        return DDP(torch.compile(model, backend="aot_eager"))
+        return DDP(torch.compile(model, backend=compile_backend))
     return DDP(model)
 
 
@@ -97,7 +97,7 @@ def train(run: str, args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     hook = RebalanceHook(job=f"tok-{run}", global_batch_size=w.GLOBAL_BATCH, exchange_every=3, exchange_lag=1,
                          lookahead=3)
-    model = build(run)
+    model = build(run, args.compile_backend)
     hook.attach(model, gradients="loss_scale" if run == "loss_scale_accum" else "auto")
     opt = w.make_optimizer(model)
     ds = Sequences()
@@ -151,6 +151,7 @@ def main() -> None:
     p.add_argument("--plan", default="")
     p.add_argument("--lengths-plan", default="", help="the lengths_accum run's plan")
     p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--compile-backend", default="aot_eager", help="torch.compile's backend (inductor: by hand)")
     args = p.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
