@@ -81,6 +81,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("shares", help="one share per rank, e.g. 12,12,8 (must sum to the global batch)")
     p.add_argument("--propose", action="store_true", help="only create the proposal; approve it later")
     p.add_argument("--force", action="store_true", help="submit it even though it breaks a memory cap (audited)")
+    p.add_argument("--length-sq-weight", type=float, metavar="K",
+                   help="send the cost model k with it: a sample of length L weighs L + K*L^2 (0 to 1e6)")
     p.add_argument("--reason")
     p = add("rollback", "return to exactly the shares in force before the current placement")
     p.add_argument("name")
@@ -370,7 +372,7 @@ def _dispatch(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         if not shares:
             raise UsageError("place needs one share per rank, like 12,12,8.")
         p = client.submit_placement(name, shares, reason=args.reason, apply=not args.propose,
-                                    force=args.force)
+                                    force=args.force, length_sq_weight=args.length_sq_weight)
         verb = "proposed (approve it to apply)" if args.propose else "approved; the job switches at a step boundary"
         return _emit(args, out, p, lambda: _proposal_line(verb, dict(p)))
     if cmd == "rollback":

@@ -572,12 +572,16 @@ class Client:
         return cast("dict[str, Any]", self.request("PUT", self._job(job) + "/policy", body=body))
 
     def submit_placement(self, job: str, shares: Sequence[int], *, reason: str | None = None,
-                         apply: bool = False, force: bool = False) -> Proposal:
+                         apply: bool = False, force: bool = False,
+                         length_sq_weight: float | None = None) -> Proposal:
         """A placement by hand; with ``apply`` it is approved in the same call. One that
-        breaks a memory cap is refused (400) unless ``force`` (audited)."""
+        breaks a memory cap is refused (400) unless ``force`` (audited). ``length_sq_weight``
+        (k in [0, 1e6]) sends a cost model with it for a job that gives sample lengths."""
         body: dict[str, Any] = {"shares": list(shares), "reason": reason, "apply": apply}
         if force:
             body["force"] = True
+        if length_sq_weight is not None:
+            body["length_sq_weight"] = length_sq_weight
         return cast(Proposal, self.request("POST", self._job(job) + "/proposals", body=body))
 
     def approve(self, job: str, proposal_id: int, *, reason: str | None = None) -> Proposal:

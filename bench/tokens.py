@@ -22,15 +22,30 @@ refitted every ``REFIT_EVERY`` steps), both against the oracle on the true cost.
 
 This is a simulation of the loop, not timed processes; it runs in seconds.
 
+``--real`` runs the first two cases through the real thing instead: a backend process in
+auto mode (its defaults otherwise) and 4 torchrun/gloo ranks (``bench._tokens_worker``) with
+``hook.batch_sampler(..., sample_cost=lengths)`` and a tiny DDP model, each rank sleeping
+``REAL_FIXED_MS + its tokens * REAL_MS_PER_TOKEN / speed`` a step (why a sleep: see the
+worker). The policy learns from the hook's measured compute times, its placements travel
+the real exchange, and the sampler's LPT split is the one trained. Reported per case: the
+steady (steps 30 to the end) slowest-rank injected time under the split trained (achieved)
+against the oracle, the sample-count split and uniform on the same global batches, the
+measured wall step time beside it (which adds the gloo all-reduce and the hook), and the
+load average. Takes about two minutes.
+
     python -m bench.tokens            # writes bench/results/tokens.json
+    python -m bench.tokens --real     # writes bench/results/tokens_real.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import os
 import random
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +68,10 @@ def lengths(rng: random.Random, n: int) -> list[float]:
             else float(min(6000, int(200 * rng.paretovariate(1.1)))) for _ in range(n)]
 
 
-def _time(work: float, speed: float, rng: random.Random | None) -> float:
+def _time(work: float, speed: float, rng: random.Random | None, *, fixed_ms: float = OVERHEAD_MS,
+          ms_per_token: float = MS_PER_TOKEN) -> float:
     noise = math.exp(rng.gauss(0.0, 0.02)) if rng is not None else 1.0
-    return (OVERHEAD_MS + work * MS_PER_TOKEN / speed) * noise if work > 0 else 0.0
+    return (fixed_ms + work * ms_per_token / speed) * noise if work > 0 else 0.0
 
 
 def _slices(costs: list[float], shares: list[int]) -> list[float]:
@@ -154,11 +170,105 @@ def run_case(b: int, steps: int = 120, seed: int = 0, *, quad: bool = False,
     }
 
 
-def main() -> None:
-    cases = [run_case(96), run_case(16),
-             run_case(96, quad=True, cost_model="linear"), run_case(96, quad=True, cost_model="fitted"),
-             run_case(16, quad=True, cost_model="linear"), run_case(16, quad=True, cost_model="fitted")]
-    out = Path(__file__).parent / "results" / "tokens.json"
+REAL_FIXED_MS = 2.0
+REAL_MS_PER_TOKEN = 0.02  # at speed 1: B = 96 steps near 0.2 s, B = 16 near 35 ms
+REAL_STEPS = 90
+REAL_EPOCH_BATCHES = 40  # samples = B * this; later batches come from reshuffled epochs
+
+
+def _baselines(costs: list[float], b: int) -> tuple[float, float, float]:
+    """Oracle (LPT on cost / true speed), sample-count split and uniform step times for one
+    global batch of sample costs, at the real runs' injected speed."""
+    at = {"fixed_ms": REAL_FIXED_MS, "ms_per_token": REAL_MS_PER_TOKEN}
+    _, ow = lpt_partition(costs, [round(s * 1000) for s in SPEEDS])
+    n = len(SPEEDS)
+    return (max(_time(ow[i], SPEEDS[i], None, **at) for i in range(n)),
+            max(_time(w, s, None, **at) for w, s in zip(_slices(costs, _speed_shares(b)), SPEEDS, strict=True)),
+            max(_time(w, s, None, **at) for w, s in zip(_slices(costs, [b // n] * n), SPEEDS, strict=True)))
+
+
+def run_real_case(server: Any, b: int, workdir: Path, steps: int = REAL_STEPS, seed: int = 0) -> dict[str, Any]:
+    """One case through a real 4-rank torchrun job and the backend at ``server``."""
+    from bench._launch import launch, torchrun_cmd
+    from trainer_hook.placement import PlacementSchedule
+    from trainer_hook.sampler import RebalanceBatchSampler
+
+    n_samples = b * REAL_EPOCH_BATCHES
+    result = workdir / f"tokens-real-{b}.json"
+    target = ["-m", "bench._tokens_worker", "--server", server.url, "--job", f"tokens-real-{b}",
+              "--steps", str(steps), "--global-batch-size", str(b), "--samples", str(n_samples),
+              "--speeds", ",".join(f"{s:g}" for s in SPEEDS), "--ms-per-token", f"{REAL_MS_PER_TOKEN:g}",
+              "--fixed-ms", f"{REAL_FIXED_MS:g}", "--seed", str(seed), "--result", str(result)]
+    load_before = os.getloadavg()
+    run = launch(torchrun_cmd(len(SPEEDS), target), timeout=600, log_path=workdir / f"tokens-real-{b}.log")
+    load_after = os.getloadavg()
+    if run.returncode != 0 or not result.exists():
+        raise RuntimeError(f"the job with B={b} failed ({run.returncode}, hung={run.hung}):\n{run.output[-3000:]}")
+    data = json.loads(result.read_text())
+    recs = data["records"]
+    # What the backend sent and why (the policy's proposals, a rollback, a cost model), oldest first.
+    sent = [{k: p[k] for k in ("version", "shares", "source", "reason", "effective_batch_index")}
+            for p in reversed(server.get(f"/api/v1/jobs/tokens-real-{b}/placements")["data"])]
+    lens = lengths(random.Random(seed), n_samples)
+    order = RebalanceBatchSampler(n_samples, schedule=PlacementSchedule(len(SPEEDS), b), rank=0, seed=seed)
+    achieved, wall, oracle, by_count, uniform = [], [], [], [], []
+    for k in range(steps):
+        rows = [next(r for r in rank if r["batch_index"] == k) for rank in recs]
+        achieved.append(max(r["injected_ms"] for r in rows))
+        wall.append(rows[0]["step_ms"])
+        o, c, u = _baselines([lens[i] for i in order.global_batch(k)], b)
+        oracle.append(o)
+        by_count.append(c)
+        uniform.append(u)
+    mean = statistics.fmean
+    steady = slice(STEADY_FROM, steps)
+    ok = [mean(achieved[j:j + 10]) <= 1.05 * mean(oracle[j:j + 10]) for j in range(steps - 9)]
+    within = next((k for k in range(len(ok)) if all(ok[k:])), None)
+
+    def ratio(xs: list[float]) -> float:
+        return round(mean(xs[steady]) / mean(oracle[steady]), 3)
+
+    return {
+        "global_batch_size": b, "steps": steps, "speeds": list(SPEEDS), "samples": n_samples,
+        "ms_per_token": REAL_MS_PER_TOKEN, "fixed_ms": REAL_FIXED_MS,
+        "placements": data["timeline"], "placements_sent": sent,
+        "steady_step_ms": {"achieved": round(mean(achieved[steady]), 3), "oracle": round(mean(oracle[steady]), 3),
+                           "sample_count_split": round(mean(by_count[steady]), 3),
+                           "uniform": round(mean(uniform[steady]), 3),
+                           "achieved_wall_measured": round(mean(wall[steady]), 3)},
+        "achieved_over_oracle": ratio(achieved), "sample_count_over_oracle": ratio(by_count),
+        "uniform_over_oracle": ratio(uniform),
+        "steps_until_every_10_step_window_within_5pct": within,
+        "load_average_1m": [round(load_before[0], 2), round(load_after[0], 2)],
+        "job_wall_s": round(run.wall_s, 1),
+        "first_steps_over_oracle": [round(a / o, 2) for a, o in zip(achieved[:40], oracle[:40], strict=True)],
+    }
+
+
+def run_real(steps: int = REAL_STEPS, batches: tuple[int, ...] = (96, 16)) -> list[dict[str, Any]]:
+    """The real cases (B = 96 and 16) against one backend in auto mode."""
+    from bench._backend import running_backend, stop_on_sigterm
+
+    stop_on_sigterm()
+    with tempfile.TemporaryDirectory(prefix="rb-tokens-") as tmp, \
+            running_backend(Path(tmp), env={"REBALANCER_DEFAULT_MODE": "auto"}) as server:
+        return [run_real_case(server, b, Path(tmp), steps) for b in batches]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.tokens", description=__doc__.split("\n\n")[0])
+    p.add_argument("--real", action="store_true", help="4 real torchrun ranks and a real backend (about 2 min)")
+    p.add_argument("--steps", type=int, default=REAL_STEPS, help="steps per real case")
+    p.add_argument("--batches", default="96,16", help="global batch sizes of the real cases")
+    args = p.parse_args(argv)
+    if args.real:
+        cases = run_real(args.steps, tuple(int(v) for v in args.batches.split(",")))
+        out = Path(__file__).parent / "results" / "tokens_real.json"
+    else:
+        cases = [run_case(96), run_case(16),
+                 run_case(96, quad=True, cost_model="linear"), run_case(96, quad=True, cost_model="fitted"),
+                 run_case(16, quad=True, cost_model="linear"), run_case(16, quad=True, cost_model="fitted")]
+        out = Path(__file__).parent / "results" / "tokens.json"
     out.write_text(json.dumps({"cases": cases}, indent=2) + "\n")
     for c in cases:
         print(json.dumps(c))

@@ -20,6 +20,7 @@ Example (torchrun, one process per rank)::
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -38,12 +39,24 @@ from trainer_hook.gradients import (
     register_unshard_timer,
 )
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
-from trainer_hook.protocol import StepRecord
+from trainer_hook.protocol import MAX_LENGTH_SQ_WEIGHT, StepRecord
 
 __all__ = ["RebalanceHook"]
 
 log = logging.getLogger("trainer_hook")
 _GRADIENT_MODES = ("auto", "comm_hook", "loss_scale")
+
+
+def check_length_sq_weight(value: object) -> float:
+    """A cost model's k (of ``L + k*L^2``) as a float, or ValueError naming the range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"length_sq_weight must be a number in [0, {MAX_LENGTH_SQ_WEIGHT:g}] (k of L + k*L^2), "
+                         f"got {value!r}.")
+    k = float(value)
+    if not (math.isfinite(k) and 0.0 <= k <= MAX_LENGTH_SQ_WEIGHT):
+        raise ValueError(f"length_sq_weight must be a number in [0, {MAX_LENGTH_SQ_WEIGHT:g}] (k of L + k*L^2), "
+                         f"got {k}.")
+    return k
 
 
 class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
@@ -328,7 +341,8 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
 
     # --- placements ------------------------------------------------------------------
 
-    def request_placement(self, shares: list[int], reason: str = "", *, version: int | None = None) -> int:
+    def request_placement(self, shares: list[int], reason: str = "", *, version: int | None = None,
+                          length_sq_weight: float | None = None) -> int:
         """Rank 0: ask for a new split of the global batch; returns its version.
 
         The placement is validated (one non-negative integer per rank, summing to B,
@@ -336,6 +350,13 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
         every rank at the same batch index. Invalid input raises ValueError with the
         reason (also sent to the backend as a ``reject``); training goes on unchanged.
         This is the same path a backend ``placement`` message takes.
+
+        ``length_sq_weight`` (k, a number in [0, 1e6]) sets the cost model that goes with
+        the placement for samples given by length (``sample_length=``): a sample of length
+        L then weighs ``L + k*L^2`` in the split. Left out, the newest placement's k (pending
+        or in force) is kept. Example: the same shares with a new cost model::
+
+            hook.request_placement(hook.shares, length_sq_weight=5e-4, reason="attention")
         """
         self._init_distributed("hook.request_placement()")
         if not self._root:
@@ -343,11 +364,16 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
                 f"request_placement() was called on rank {self._rank}; only rank 0 decides "
                 "placements. Call it on rank 0 (the others learn it at the next exchange)."
             )
+        if length_sq_weight is not None:
+            length_sq_weight = check_length_sq_weight(length_sq_weight)
         with self._lock:
+            pending = self._control.undelivered
             if version is None:
-                pending = self._control.pending
                 version = 1 + max(self._schedule.latest.version, pending.version if pending else 0)
-        error = self._offer(version, shares, reason, self.config.global_batch_size)
+            if length_sq_weight is None:
+                newest = pending if pending is not None else self._schedule.latest
+                length_sq_weight = newest.length_sq_weight
+        error = self._offer(version, shares, reason, self.config.global_batch_size, length_sq_weight)
         if error is not None:
             raise ValueError(error)
         return version

@@ -33,7 +33,7 @@ class OperatorActions(ControllerCore):
                      auto: bool = False) -> dict[str, Any]:
         job = st.job
 
-        def work(s: Session) -> dict[str, Any]:
+        def work(s: Session) -> tuple[dict[str, Any], float | None]:
             prop = records.proposal_to_decide(s, job, proposal_id, "approved")
             self._refuse_if_ended(job)
             if st.mode == "observe":
@@ -61,15 +61,21 @@ class OperatorActions(ControllerCore):
                 reason=reason or prop.reason, proposal_id=prop.id, auto=auto,
                 predicted_step_ms=prop.predicted_step_ms_after)
             records.approve(s, prop, row, actor=actor, reason=reason, auto=auto, at=self._wall())
+            k = (prop.explanation or {}).get("length_sq_weight")
+            if k is not None:  # an operator's cost model
+                records.audit_cost_model(s, prop, row, length_sq_weight=k, previous=st.length_sq_weight,
+                                         actor=actor, reason=reason)
             s.commit()
             self._read_facts(s, st)
-            return prop.public()
+            return prop.public(), k
 
         try:
-            out = await self._sql(work)
+            out, k = await self._sql(work)
         except ControlError:
             self._publish(st)
             raise
+        if k is not None:
+            st.length_sq_weight = float(k)  # _placement_msg carries it
         self._reset_applied(st)
         st.status, st.status_detail = "proposal_pending", st.waiting_detail()
         self._publish(st)
@@ -102,11 +108,14 @@ class OperatorActions(ControllerCore):
             return out
 
     async def submit_manual(self, job: str, shares: Any, *, actor: ActorLike, reason: str | None = None,
-                            apply: bool = False, force: bool = False) -> dict[str, Any]:
+                            apply: bool = False, force: bool = False,
+                            length_sq_weight: float | None = None) -> dict[str, Any]:
         """An operator's own placement: validated, stored as a proposal, applied if asked.
 
         A placement whose predicted peak memory breaks a rank's memory cap is refused with
         the predicted peak and the cap, unless ``force`` (audited as ``placement.memory_force``).
+        ``length_sq_weight`` (k of ``L + k*L^2``, checked by the route) goes with the shares
+        (the proposal's ``explanation.length_sq_weight``); None keeps the k in force.
         """
         await self._refuse_if_elsewhere(job)
         st = await self._require(job)
@@ -129,6 +138,8 @@ class OperatorActions(ControllerCore):
                                    "Send force=true to submit it anyway.")
             if problems:
                 expl["memory_forced"] = problems
+            if length_sq_weight is not None:
+                expl["length_sq_weight"] = float(length_sq_weight)
             costs = self._costs(st)
 
             def work(s: Session) -> tuple[int, dict[str, Any]]:

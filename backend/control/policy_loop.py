@@ -195,9 +195,11 @@ class PolicyLoop(ControllerCore):
                 return None
             factor = 1.0
             if row.previous_shares is not None and st.effective is not None:
+                was = effect.before_window(st.effective, w)
                 factor = effect.speed_factor(
-                    self.live, st.job, shares=row.previous_shares,
-                    before=effect.before_window(st.effective, w), after=(lo, hi))
+                    self.live, st.job, shares=row.previous_shares, before=was, after=(lo, hi))
+                factor *= effect.work_factor(self.live, st.job, world_size=st.world_size, before=was,
+                                             after=(lo, hi), length_sq_weight=st.length_sq_weight)
             verdict = effect.judge_effect(
                 version=row.version, step_ms_before=row.step_ms_before, step_ms_after=after,
                 rollback_threshold=threshold,

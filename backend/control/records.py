@@ -221,6 +221,15 @@ def approve(s: Any, prop: db.ProposalRow, row: db.PlacementRow, *, actor: Any, r
                                           "shares": list(prop.shares)}, reason=reason)
 
 
+def audit_cost_model(s: Any, prop: db.ProposalRow, row: db.PlacementRow, *, length_sq_weight: float,
+                     previous: float, actor: Any, reason: str | None) -> None:
+    """An operator's placement ``row`` (from ``prop``) carried the cost model k, audited as the
+    policy's own is (``placement.cost_model``: a restarted backend reads the k in force from it)."""
+    db.record_audit(s, actor=actor, action="placement.cost_model", job=prop.job, reason=reason or prop.reason,
+                    params={"length_sq_weight": length_sq_weight, "previous_length_sq_weight": previous,
+                            "version": row.version, "shares": list(row.shares), "proposal_id": prop.id})
+
+
 def reject(s: Any, prop: db.ProposalRow, *, actor: Any, reason: str | None, at: float) -> None:
     """An operator rejected ``prop``, audited."""
     decide(prop, "rejected", reason or "", at, by=actor)

@@ -262,10 +262,12 @@ def test_cli_story(live: Server):
     # A placement by hand, applied at once; then roll it back to exactly the shares before.
     before = rb.job(JOB)["placement"]
     assert before is not None
-    got = cli("place", JOB, "20,12", "--json", env=env)
+    got = cli("place", JOB, "20,12", "--length-sq-weight", "0.001", "--json", env=env)
     assert got.returncode == 0, got
     placed = json.loads(got.stdout)
     assert placed["status"] == "approved" and placed["shares"] == [20, 12]
+    assert placed["explanation"]["length_sq_weight"] == 0.001  # the cost model k went with it
+    assert rb.job(JOB)["cost_model"]["length_sq_weight_in_force"] == 0.001
     got = cli("rollback", JOB, "--reason", "undo", env=env)
     assert got.returncode == 0 and f"restores shares {before['shares']}" in got.stdout, got
     assert rb.placements(JOB, limit=1)[0]["shares"] == before["shares"]

@@ -94,6 +94,40 @@ def test_manual_placement_approve_and_acks_over_rest(api):
         assert approve["address"] and approve["time"] > 0
 
 
+def test_an_operator_placement_carries_a_cost_model_k(tmp_path: Path):
+    # POST /proposals with length_sq_weight: the hooks get k with the shares, the job view
+    # says it is in force, it is audited as placement.cost_model by the operator, a later
+    # placement without it keeps it, and a restarted backend still sends it (issue 23).
+    settings = Settings(db=f"sqlite:///{tmp_path / 'r.db'}", admin_token=ADMIN)
+    base = f"/api/v1/jobs/{JOB}"
+    with TestClient(create_app(settings)) as client, hooks(client) as socks:
+        for bad, detail in [(-1, "length_sq_weight: Input should be greater than or equal to 0"),
+                            (2e6, "length_sq_weight: Input should be less than or equal to 1000000"),
+                            ("big", "length_sq_weight: Input should be a valid number, unable to parse string as a number")]:
+            r = client.post(f"{base}/proposals", json={"shares": [16, 16, 16], "length_sq_weight": bad, "apply": True},
+                            headers=h(ADMIN))
+            assert (r.status_code, r.json()) == (422, {"detail": detail})
+        r = client.post(f"{base}/proposals", json={"shares": [16, 16, 16], "length_sq_weight": 2.5e-4, "apply": True,
+                                                   "reason": "attention"}, headers=h(ADMIN))
+        assert r.status_code == 201 and r.json()["explanation"]["length_sq_weight"] == 2.5e-4
+        for ws in socks:
+            msg = decode(ws.receive_text())
+            assert isinstance(msg, Placement) and (msg.version, msg.shares, msg.length_sq_weight) == (1, [16, 16, 16], 2.5e-4)
+        view = client.get(f"/api/v1/jobs/{JOB}", headers=h(ADMIN)).json()
+        assert view["cost_model"]["length_sq_weight_in_force"] == 2.5e-4
+        audit = client.get(f"{base}/audit?limit=1", headers=h(ADMIN)).json()["data"][0]
+        assert audit["action"] == "placement.cost_model" and audit["reason"] == "attention"
+        assert audit["params"]["length_sq_weight"] == 2.5e-4 and audit["params"]["previous_length_sq_weight"] == 0.0
+        client.post(f"{base}/proposals", json={"shares": [20, 20, 8], "apply": True}, headers=h(ADMIN))
+        for ws in socks:
+            msg = decode(ws.receive_text())
+            assert isinstance(msg, Placement) and (msg.version, msg.length_sq_weight) == (2, 2.5e-4)
+    with TestClient(create_app(settings)) as client, client.websocket_connect(f"/ws/hook?token={ADMIN}") as ws:
+        ws.send_text(encode(Hello(job=JOB, rank=0, world_size=3, global_batch_size=48, placement_version=2)))
+        msg = decode(ws.receive_text())
+        assert isinstance(msg, Placement) and (msg.version, msg.shares, msg.length_sq_weight) == (2, [20, 20, 8], 2.5e-4)
+
+
 def test_rollback_mode_and_policy_roles(api):
     client, tok = api
     base = f"/api/v1/jobs/{JOB}"

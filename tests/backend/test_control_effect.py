@@ -66,3 +66,33 @@ def test_a_rank_that_slowed_on_its_own_scales_what_the_old_split_would_have_take
     live = _live_with({0: [1.0] * 22, 1: [1.0] * 10 + [1.1] * 12})
     assert speed_factor(live, "j", shares=(16, 16), before=(0, 9), after=(12, 21)) == 1.0
     assert speed_factor(None, "j", shares=(16, 16), before=(0, 9), after=(12, 21)) == 1.0
+
+
+def test_with_a_cost_longer_batches_are_not_a_slower_split():
+    # Issue 23: two equally fast ranks (1 ms per token). The 10 batches after a change drew
+    # longer samples (150 tokens a batch against 100) in fewer, longer sequences per rank.
+    # Per sample the ranks look 6x slower; per token nothing changed. The step went from 50
+    # to 70 ms: the old split would have taken 75 on those batches, so the change stays.
+    from backend.control.effect import speed_factor, work_factor
+    from backend.live.state import LiveState
+    from trainer_hook.protocol import Hello, Metrics, StepRecord
+
+    live = LiveState()
+    for r in range(2):
+        live.register(Hello(job="j", rank=r, world_size=2, global_batch_size=32))
+        for k in range(22):
+            n, work = (16, 50.0) if k < 10 else (4, 75.0)
+            rec = StepRecord(batch_index=k, local_batch_size=n, placement_version=0, data_wait_ms=0.0,
+                             compute_ms=work, sync_wait_ms=0.0, optimizer_ms=0.0, step_ms=work,
+                             t=1000.0 + k, work=work, batch_work=2 * work)
+            live.add_metrics(Metrics(job="j", rank=r, steps=[rec]))
+    windows = {"before": (0, 9), "after": (12, 21)}
+    assert speed_factor(live, "j", shares=(16, 16), **windows) == 1.0
+    assert work_factor(live, "j", world_size=2, **windows) == 1.5
+    kw = {"version": 2, "step_ms_before": 50.0, "step_ms_after": 70.0, "rollback_threshold": 0.05,
+          "may_roll_back": True}
+    assert judge_effect(speed_factor=1.5, **kw).rollback_reason is None
+    assert judge_effect(**kw).rollback_reason == "measured step time rose from 50.0 ms to 70.0 ms after version 2; rolling back"
+    # Without a cost (no work on the steps), nothing to scale by.
+    assert work_factor(_live_with({0: [1.0] * 22, 1: [1.0] * 22}), "j", world_size=2, **windows) == 1.0
+    assert work_factor(None, "j", world_size=2, **windows) == 1.0

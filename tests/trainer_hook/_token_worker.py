@@ -3,8 +3,21 @@
 Samples are short sequences of 1-6 tokens, some labels ignored; the sampler's cost is the
 sequence length, so the split is a cost partition and a rank's token count varies. The
 loss is the summed squared error over valid tokens times ``hook.token_loss_weight``.
-``--mode comm_hook`` (DDP comm hook, a tensor count) or ``loss_scale`` (DDP's own
-averaging, an int count); ``--accum`` splits each local batch in two micro-batches.
+
+One launch trains several runs one after the other (``--runs``, comma-separated; a hook,
+a model and a loader each), so the test pays torchrun's start once:
+
+- ``comm_hook``: DDP's comm hook, the count a tensor;
+- ``loss_scale_accum``: DDP's own averaging (``gradients="loss_scale"``), an int count,
+  two micro-batches a step;
+- ``fsdp2_accum``: FSDP2 (``fully_shard`` per Linear and the root), two micro-batches;
+- ``compiled_accum``: ``DDP(torch.compile(model))``, two micro-batches;
+- ``lengths_accum``: DDP with ``sample_length=`` instead of ``sample_cost=``: placements
+  in ``--plan`` may carry a cost model (``STEP=S0,S1,S2@K``: k of L + k*L^2), so the
+  samples a rank gets change mid-run with its share unchanged (``--lengths-plan``).
+
+Each run writes ``OUT/RUN.rank{r}.json``: the shares of each step, the schedule's timeline
+(with k), the number of samples each step trained and, on rank 0, the final parameters.
 """
 
 from __future__ import annotations
@@ -13,7 +26,9 @@ import argparse
 import contextlib
 import json
 import os
+import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
 from tests.trainer_hook import _exact_worker as w
+from tests.trainer_hook import _sharded_worker as sw
 from trainer_hook import RebalanceHook
 
 N_SAMPLES = 60
@@ -52,53 +68,98 @@ def loss_sum(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mask: tor
     return ((model(x) - y).pow(2) * mask).sum()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--plan", default="")
-    p.add_argument("--mode", choices=("comm_hook", "loss_scale"), default="comm_hook")
-    p.add_argument("--accum", action="store_true")
-    args = p.parse_args()
+RUNS = ("comm_hook", "loss_scale_accum", "fsdp2_accum", "compiled_accum", "lengths_accum")
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+
+def parse_plan(text: str) -> dict[int, tuple[list[int], float | None]]:
+    """``STEP=S0,S1,S2[@K];...``: the shares to request at a step, with the cost model's k if given."""
+    plan: dict[int, tuple[list[int], float | None]] = {}
+    for item in filter(None, text.split(";")):
+        step, rest = item.split("=")
+        shares, _, k = rest.partition("@")
+        plan[int(step)] = ([int(v) for v in shares.split(",")], float(k) if k else None)
+    return plan
+
+
+def build(run: str, compile_backend: str = "aot_eager") -> torch.nn.Module:
+    model = w.build_model()
+    if run == "fsdp2_accum":
+        return sw.wrap(model, "fsdp2")
+    if run == "compiled_accum":
+        # aot_eager: dynamo's graphs and AOT autograd's backward, which are what DDP's
+        # hooks and the loss weight see; inductor's C++ build would cost CI a minute here.
+        return DDP(torch.compile(model, backend=compile_backend))
+    return DDP(model)
+
+
+def train(run: str, args: argparse.Namespace) -> None:
+    started = time.process_time()
     rank = dist.get_rank()
-    hook = RebalanceHook(job="tok", global_batch_size=w.GLOBAL_BATCH, exchange_every=3, exchange_lag=1, lookahead=3)
-    model = DDP(w.build_model())
-    hook.attach(model, gradients="loss_scale" if args.mode == "loss_scale" else "auto")
+    hook = RebalanceHook(job=f"tok-{run}", global_batch_size=w.GLOBAL_BATCH, exchange_every=3, exchange_lag=1,
+                         lookahead=3)
+    model = build(run, args.compile_backend)
+    hook.attach(model, gradients="loss_scale" if run == "loss_scale_accum" else "auto")
     opt = w.make_optimizer(model)
     ds = Sequences()
-    loader = hook.data_loader(ds, shuffle=True, seed=5, sample_cost=[length(i) for i in range(N_SAMPLES)])
-    plan = w.parse_plan(args.plan)
-    shares_seen = []
+    lengths = [length(i) for i in range(N_SAMPLES)]
+    given = {"sample_length": lengths} if run == "lengths_accum" else {"sample_cost": lengths}
+    loader = hook.data_loader(ds, shuffle=True, seed=5, **given)  # type: ignore[arg-type]
+    plan = parse_plan(args.lengths_plan if run == "lengths_accum" else args.plan)
+    how = "fsdp2" if run == "fsdp2_accum" else "ddp"
+    shares_seen, sizes = [], []
     while hook.batch_index < args.steps:
         for x, y, mask in loader:
             k = hook.batch_index
             if rank == 0 and k in plan:
-                hook.request_placement(plan[k], reason=f"plan@{k}")
+                shares, sq = plan[k]
+                hook.request_placement(shares, reason=f"plan@{k}", length_sq_weight=sq)
             with hook.step():
-                if args.accum:
-                    n = int(mask.sum())  # a Python int: the count goes over the hook's CPU group
+                if run.endswith("_accum"):
+                    # The same two micro-batches on every rank (FSDP all-gathers in each
+                    # forward), one possibly empty; the count covers both.
+                    n: Any = int(mask.sum()) if run == "loss_scale_accum" else mask.sum()
                     f = hook.token_loss_weight(n)
-                    h = len(x) // 2
-                    if h > 0:
-                        with model.no_sync():
-                            (loss_sum(model, x[:h], y[:h], mask[:h]) * f).backward()
-                    (loss_sum(model, x[h:], y[h:], mask[h:]) * f).backward()
+                    pieces = list(zip(x.tensor_split(2), y.tensor_split(2), mask.tensor_split(2), strict=True))
+                    for i, (xi, yi, mi) in enumerate(pieces):
+                        with sw.no_sync(model, how, last=i == len(pieces) - 1):
+                            (loss_sum(model, xi, yi, mi) * f).backward()
                 else:
                     (loss_sum(model, x, y, mask) * hook.token_loss_weight(mask.sum())).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             shares_seen.append(hook.shares)
+            sizes.append(len(x))
             if hook.batch_index >= args.steps:
                 break
     hook.close()
-    out: dict[str, object] = {"rank": rank, "shares": shares_seen, "gradients": hook.gradients}
+    out: dict[str, object] = {
+        "rank": rank, "shares": shares_seen, "sizes": sizes, "gradients": hook.gradients,
+        "cpu_s": time.process_time() - started,  # what the run costs CI, by rank
+        "timeline": [[t.start_batch, t.version, list(t.shares), t.length_sq_weight] for t in hook.schedule.timeline()],
+    }
+    params = sw.full_params(model, how)  # FSDP2 gathers the shards: every rank takes part
     if rank == 0:
-        out["params"] = [q.detach().tolist() for q in model.module.parameters()]
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        out["params"] = params
+    with open(os.path.join(args.out, f"{run}.rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    dist.barrier()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--plan", default="")
+    p.add_argument("--lengths-plan", default="", help="the lengths_accum run's plan")
+    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--compile-backend", default="aot_eager", help="torch.compile's backend (inductor: by hand)")
+    args = p.parse_args()
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    for run in args.runs.split(","):
+        if run not in RUNS:
+            raise SystemExit(f"unknown run {run!r}; one of {', '.join(RUNS)}")
+        train(run, args)
+        dist.barrier()
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,6 +115,25 @@ def test_invalid_placements_are_rejected_with_reasons_and_training_goes_on() -> 
     assert "global batch size 16" in hook.rejections[-1][1]
     assert hook.last_error is not None and hook.last_error.code == "malformed"
     assert hook.batch_index == 8 and hook.acks == [] and hook.placement_version == 0
+
+
+def test_request_placement_sets_or_keeps_the_cost_model_k() -> None:
+    hook = RebalanceHook(global_batch_size=8, exchange_every=2, exchange_lag=1, lookahead=2)
+    model = hook.attach(torch.nn.Linear(4, 1))
+    for bad, shown in [(-1, "-1.0"), (float("nan"), "nan"), (2e6, "2000000.0"), ("1", "'1'"), (True, "True")]:
+        with pytest.raises(ValueError, match=r"length_sq_weight must be a number in \[0, 1e\+06\] \(k of L \+ "
+                                             rf"k\*L\^2\), got {re.escape(shown)}\."):
+            hook.request_placement([8], length_sq_weight=bad)  # type: ignore[arg-type]
+
+    def on_step(k: int) -> None:
+        if k == 1:
+            hook.request_placement([8], length_sq_weight=0.25)  # the same shares, a new k
+        if k == 5:
+            hook.request_placement([8])  # keeps the k of the newest placement
+
+    _train(hook, model, 12, on_step)
+    hook.close()
+    assert [(t.version, t.length_sq_weight) for t in hook.schedule.timeline()] == [(0, 0.0), (1, 0.25), (2, 0.25)]
 
 
 def test_older_or_repeated_versions() -> None:

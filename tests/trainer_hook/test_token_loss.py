@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +13,12 @@ from tests.trainer_hook import _exact_worker as w
 from tests.trainer_hook import _token_worker as tw
 from trainer_hook import RebalanceHook
 from trainer_hook.placement import PlacementSchedule
-from trainer_hook.sampler import RebalanceBatchSampler
+from trainer_hook.sampler import RebalanceBatchSampler, lpt_partition
 
 STEPS = 16
 
 
+@functools.cache
 def _reference(steps: int) -> list[torch.Tensor]:
     """One process, the mean squared error over every valid token of each global batch."""
     ds = tw.Sequences()
@@ -47,16 +48,67 @@ def test_one_process_gives_one_over_the_count_and_refuses_bad_counts() -> None:
     hook.close()
 
 
+# Placements pushed at step 1 (uneven), 4 (the same shares with a cost model k: lengths
+# runs only) and 8 (rank 2 drained: its dummy batch's tokens must not count); lengths 1-6
+# tokens, some labels ignored. Each is asked at an exchange's step + 1 so that it takes
+# effect (3 steps apart, lag 1, lookahead 3) at batch 7, 10 and 13.
+PLAN = "1=2,3,7;8=6,6,0"
+LENGTHS_PLAN = "1=2,3,7;4=2,3,7@0.5;8=6,6,0"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """Every run of the token worker, one after the other in one torchrun launch of 3 ranks."""
+    out = tmp_path_factory.mktemp("tokens")
+    run_torchrun(3, ["tests/trainer_hook/_token_worker.py", "--out", str(out), "--steps", str(STEPS),
+                     "--plan", PLAN, "--lengths-plan", LENGTHS_PLAN], timeout=240)
+    return {run: [json.loads((out / f"{run}.rank{r}.json").read_text()) for r in range(3)] for run in tw.RUNS}
+
+
+def _check_params(rank0: dict) -> None:
+    got = [torch.tensor(p, dtype=torch.float64) for p in rank0["params"]]
+    for g, want in zip(got, _reference(STEPS), strict=True):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-9)
+    init = [p.detach() for p in w.build_model().parameters()]
+    assert max((g - i).abs().max().item() for g, i in zip(got, init, strict=True)) > 1e-3, "training moved nothing"
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("extra", [["--mode", "comm_hook"], ["--mode", "loss_scale", "--accum"]],
-                         ids=["ddp_comm_hook", "loss_scale_grad_accum"])
-def test_token_mean_under_changing_uneven_splits_gives_the_reference_parameters(tmp_path: Path, extra: list[str]) -> None:
-    # Placements pushed at step 1 (uneven) and 6 (rank 2 drained: its dummy batch's tokens
-    # must not count); lengths 1-6 tokens, some labels ignored.
-    run_torchrun(3, ["tests/trainer_hook/_token_worker.py", "--out", str(tmp_path), "--steps", str(STEPS),
-                     "--plan", "1=2,3,7;6=6,6,0", *extra], timeout=120)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+@pytest.mark.parametrize(("run", "gradients"), [
+    ("comm_hook", "ddp_comm_hook"), ("loss_scale_accum", "loss_scale"), ("fsdp2_accum", "fsdp2_reduce_scatter"),
+    ("compiled_accum", "ddp_comm_hook")])
+def test_token_mean_under_changing_uneven_splits_gives_the_reference_parameters(
+        runs: dict[str, list[dict]], run: str, gradients: str) -> None:
+    # DDP's comm hook, DDP's own averaging, FSDP2's reduce-scatter and DDP around a compiled
+    # model (the last three with two micro-batches a step): the global token mean to 1e-9.
+    ranks = runs[run]
+    assert [r["gradients"] for r in ranks] == [gradients] * 3
+    assert [t[2] for t in ranks[0]["timeline"]] == [[4, 4, 4], [2, 3, 7], [6, 6, 0]]
     seen = {tuple(s) for s in ranks[0]["shares"]}
     assert {(2, 3, 7), (6, 6, 0)} <= seen, seen
-    for got, want in zip(ranks[0]["params"], _reference(STEPS), strict=True):
-        assert torch.allclose(torch.tensor(got, dtype=torch.float64), want, rtol=0, atol=1e-9)
+    _check_params(ranks[0])
+
+
+@pytest.mark.multiproc
+def test_a_cost_model_changed_mid_run_keeps_the_token_mean_exact(runs: dict[str, list[dict]]) -> None:
+    # sample_length=: a placement with the same shares and k = 0.5 (a sample of length L
+    # weighs L + 0.5 L^2) changes which samples each rank trains, not its share of the work;
+    # then a share change that keeps k. Both mid-run, every rank at the same batch.
+    ranks = runs["lengths_accum"]
+    timeline = ranks[0]["timeline"]
+    assert all(r["timeline"] == timeline for r in ranks)
+    assert [(t[2], t[3]) for t in timeline] == [([4, 4, 4], 0.0), ([2, 3, 7], 0.0), ([2, 3, 7], 0.5),
+                                                ([6, 6, 0], 0.5)]
+    assert [t[0] for t in timeline][1:] == [7, 10, 13]
+    # The cost model moved samples between ranks: under k = 0.5 some batch's per-rank counts
+    # differ from what the length alone gives for the same shares.
+    order = RebalanceBatchSampler(tw.N_SAMPLES, schedule=PlacementSchedule(1, w.GLOBAL_BATCH), rank=0, seed=5)
+    moved = 0
+    for k in range(10, 13):
+        lens = [float(tw.length(i)) for i in order.global_batch(k)]
+        by_len, _ = lpt_partition(lens, [2, 3, 7])
+        by_model, _ = lpt_partition([v + 0.5 * v * v for v in lens], [2, 3, 7])
+        assert [len(p) for p in by_model] == [r["sizes"][k] for r in ranks]
+        moved += by_len != by_model
+    assert moved, "k = 0.5 changed no partition: the test would not see a wrong k"
+    _check_params(ranks[0])

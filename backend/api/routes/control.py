@@ -18,7 +18,7 @@ from backend.api.deps import AdminDep, OperatorDep, PartsDep, RowId, ViewerDep
 from backend.control.models import Overrides, PolicyChanges
 from backend.control.modes import MODES
 from backend.storage.control import PROPOSAL_STATUSES
-from trainer_hook.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_WORLD_SIZE
+from trainer_hook.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_LENGTH_SQ_WEIGHT, MAX_WORLD_SIZE
 
 __all__ = [
     "router",
@@ -64,6 +64,10 @@ class ManualPlacementIn(BaseModel):
     reason: str | None = Field(default=None, max_length=2048)
     apply: bool = False  # approve it in the same call
     force: bool = Field(default=False, description="submit it even though it breaks a memory cap (audited)")
+    length_sq_weight: float | None = Field(
+        default=None, ge=0.0, le=MAX_LENGTH_SQ_WEIGHT, allow_inf_nan=False,
+        description="the cost model to send with the shares for a job that gives sample lengths: a sample "
+                    "of length L weighs L + k*L^2 in the split (k, this field); left out, the k in force stays")
 
 
 class DecisionIn(BaseModel):
@@ -203,9 +207,11 @@ async def list_proposals(
 async def create_proposal(job: str, body: ManualPlacementIn, actor: OperatorDep,
                           parts: PartsDep) -> dict[str, Any]:
     """Submit a placement by hand (validated against the job, its overrides and its memory
-    caps; ``force`` submits one that breaks a memory cap, audited)."""
-    return await parts.controller.submit_manual(job, body.shares, actor=actor,
-                                                reason=body.reason, apply=body.apply, force=body.force)
+    caps; ``force`` submits one that breaks a memory cap, audited; ``length_sq_weight`` sends a
+    cost model k with it, audited as ``placement.cost_model`` when applied)."""
+    return await parts.controller.submit_manual(job, body.shares, actor=actor, reason=body.reason,
+                                                apply=body.apply, force=body.force,
+                                                length_sq_weight=body.length_sq_weight)
 
 
 @router.get("/proposals/{proposal_id}", response_model=ProposalPublic)
