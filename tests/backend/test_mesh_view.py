@@ -108,12 +108,15 @@ def test_the_job_view_groups_ranks_by_replica_with_its_slowest_member(server: Se
         r1.send(encode(Metrics(job="mesh-replicas", rank=1, steps=_steps(0, 8, 12.0, 2))))
         job = wait_until(lambda: _job_at(server, "mesh-replicas", 7, every=True), "both replicas' steps",
                          log=server.log)
-        assert job["replicas"] == [
+        rows = [
             {"replica": 0, "members": [0, 1], "connected": True, "compute_ms": 30.0, "step_ms": 33.5,
              "slowest_rank": 1},
             {"replica": 1, "members": [2, 3], "connected": True, "compute_ms": 12.0, "step_ms": 15.5,
              "slowest_rank": 2},
         ]
+        assert job["replicas"] == rows
+        with connect(server.ws_url + "/ws/dashboard?job=mesh-replicas") as dash:  # the job header's rows
+            assert json.loads(dash.recv(timeout=10))["summary"]["replicas"] == rows
         # A step naming a slowest member outside its replica: one sentence, that connection only.
         r1.send(encode(Metrics(job="mesh-replicas", rank=1, steps=_steps(8, 1, 12.0, 1))))
         code, _, replies = closed(r1)
