@@ -187,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     model: torch.nn.Module = inner
     if mesh is not None:
         from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         parallelize_module(inner.net, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         fully_shard(inner, mesh=mesh["dp"])

@@ -27,6 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from itertools import islice
+from typing import Any
 
 from backend.live.histogram import StepHistogram, cumulative
 from backend.live.memory_fit import MemoryFitCache
@@ -468,6 +469,7 @@ class LiveState:
         if r.device_obj is None and r.device:
             r.device_obj = device_sample(r.device[-1])
         h = r.hello
+        times: dict[str, Any] = dict(zip(STEP_TIMES, means, strict=True))
         view = RankView(
             rank=rank, host=h.host, device_type=h.device_type, device_name=h.device_name,
             mem_total_bytes=h.mem_total_bytes, connected=r.connected, first_seen=r.first_seen,
@@ -475,7 +477,7 @@ class LiveState:
             batch_index=last[STEP_BATCH] if last is not None else None,
             placement_version=last[STEP_VERSION] if last is not None else None,
             local_batch_size=last[STEP_LOCAL_BATCH] if last is not None else None,
-            **dict(zip(STEP_TIMES, means, strict=True)),
+            **times,
             step_rate_hz=rate, n_steps=len(r.steps), dropped=r.dropped,
             device=r.device_obj, lost=r.lost,
             memory=r.memory.summary(h), mem_peak_bytes=r.memory.peak_bytes,

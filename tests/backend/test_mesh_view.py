@@ -21,7 +21,14 @@ from websockets.sync.client import connect
 from tests.backend._app import closed, hello, metrics
 from tests.helpers.server import Server, running_server
 from tests.helpers.waiting import wait_until
-from trainer_hook.protocol import CLOSE_CONFLICT, CLOSE_MALFORMED, MeshShape, Metrics, StepRecord, encode
+from trainer_hook.protocol import (
+    CLOSE_CONFLICT,
+    CLOSE_MALFORMED,
+    MeshShape,
+    Metrics,
+    StepRecord,
+    encode,
+)
 
 pytestmark = pytest.mark.multiproc
 

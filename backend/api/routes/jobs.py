@@ -265,12 +265,6 @@ def _job_from_row(row: store.JobRow, ranks: list[store.RankRow] | None = None) -
         "replicas": stored_replica_rows(mesh, ((r.rank, r.replica_ranks) for r in ranks)) if ranks is not None else None,
     }
 
-    try:
-        return MeshShape.from_dict(row.mesh, world_size=row.world_size)
-    except ProtocolError:  # written by another version: shown as unknown rather than failing the read
-        log.warning("job %s: its stored mesh %r is not readable", row.name, row.mesh)
-        return None
-
 
 def _build(parts: Parts, job: str, row: dict[str, Any] | None) -> JobPublic | None:
     """The job resource: live numbers (or the stored row) and the controller's snapshot,
