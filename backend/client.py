@@ -33,7 +33,7 @@ from typing import Any, TypedDict, cast
 
 __all__ = [
     "Client", "APIError", "ServerUnreachable", "DEFAULT_SERVER",
-    "Job", "Bound", "Mesh", "CostModel", "Rank", "Device", "MetricPoint", "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory",
+    "Job", "Bound", "Mesh", "Replica", "CostModel", "Rank", "Device", "MetricPoint", "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory",
     "Proposal", "Placement", "Effect", "Overrides", "OverridesSet", "AuditRecord", "Token", "TokenCreated", "Health", "WhoAmI",
 ]
 
@@ -101,6 +101,17 @@ class Mesh(TypedDict):
     label: str  # e.g. "DP 2 x TP 2"
 
 
+class Replica(TypedDict):
+    """One data-parallel replica of a mesh job (``GET /api/v1/jobs/{job}``'s ``replicas``)."""
+
+    replica: int  # its index: its rank in placements and overrides
+    members: list[int]  # its global ranks, leader first
+    connected: bool
+    compute_ms: float | None  # its slowest member's (live only)
+    step_ms: float | None
+    slowest_rank: int | None  # the member slowest in most of the newest steps (live only)
+
+
 class CostModel(TypedDict, total=False):
     """What a sample costs in the split (``GET /api/v1/jobs/{job}``'s ``cost_model``)."""
 
@@ -138,6 +149,7 @@ class Job(TypedDict, total=False):
     idle_cost_per_hour: float | None
     bound: Bound | None
     mesh: Mesh | None
+    replicas: list[Replica] | None
     cost_model: CostModel | None
 
 

@@ -40,14 +40,25 @@ class JobSpec:
     slowdown: str | None = None  # RANK:STEP:FACTOR
     drift: str | None = None  # RANK:START_STEP:PCT_PER_STEP
     lookahead: int | None = None  # HookConfig.lookahead (None: the hook's default)
+    # demo_worker --wrap: "ddp", "fsdp2" or "dp_tp" (a DP x TP mesh of TP groups of 2 ranks,
+    # whose shares are per replica: a replica computes at its slowest member's speed).
+    wrap: str = "ddp"
+
+    @property
+    def replica_speeds(self) -> list[float]:
+        """The speed of each worker the split is over: a rank, or with dp_tp a replica (its
+        slowest member)."""
+        if self.wrap != "dp_tp":
+            return list(self.speeds)
+        return [min(self.speeds[i:i + 2]) for i in range(0, len(self.speeds), 2)]
 
     @property
     def a_ms(self) -> list[float]:
-        return [self.fixed_ms for _ in self.speeds]
+        return [self.fixed_ms for _ in self.replica_speeds]
 
     @property
     def c_ms(self) -> list[float]:
-        return [self.per_sample_ms / s for s in self.speeds]
+        return [self.per_sample_ms / s for s in self.replica_speeds]
 
 
 @dataclass
@@ -90,6 +101,8 @@ def _worker_args(spec: JobSpec, backend: Backend, result: Path) -> list[str]:
         args += ["--drift", spec.drift]
     if spec.lookahead is not None:
         args += ["--lookahead", str(spec.lookahead)]
+    if spec.wrap != "ddp":
+        args += ["--wrap", spec.wrap]
     return args
 
 

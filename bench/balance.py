@@ -117,6 +117,7 @@ def run_balance(
     strategies: tuple[str, ...] = STRATEGY_ORDER, out_dir: Path = RESULTS_DIR,
     name: str = "balance", plot: bool = True, global_batch_size: int = 64,
     per_sample_ms: float = 2.0, fixed_ms: float = 2.0, backend: Backend | None = None,
+    wrap: str = "ddp",
 ) -> dict[str, Any]:
     """Run every scenario under every strategy against one backend (a fresh one unless
     ``backend`` is given); write ``<name>.json`` and ``<name>.png``."""
@@ -134,12 +135,12 @@ def run_balance(
                 spec = JobSpec(
                     job=f"bal{si}-{strategy}", speeds=speeds, steps=steps,
                     global_batch_size=global_batch_size, per_sample_ms=per_sample_ms,
-                    fixed_ms=fixed_ms,
+                    fixed_ms=fixed_ms, wrap=wrap,
                 )
                 runs[strategy] = run_job(backend, spec, strategy)
                 print(f"  {label:>14} {strategy:>10}: steady {steady_ms(runs[strategy].step_ms):7.1f} ms"
                       f"  ({runs[strategy].wall_s:.0f} s)", flush=True)
-            oracle_ms = steady_ms(runs["oracle"].step_ms) if "oracle" in runs else _model_ref(speeds, global_batch_size, per_sample_ms, fixed_ms)
+            oracle_ms = steady_ms(runs["oracle"].step_ms) if "oracle" in runs else _model_ref(spec)
             rows += [_row(label, runs[s], oracle_ms) for s in strategies]
             series[label] = {s: runs[s].step_ms for s in strategies}
             timelines[label] = {s: runs[s].placements for s in strategies}
@@ -154,7 +155,7 @@ def run_balance(
     )
     payload = {
         "config": {"steps": steps, "global_batch_size": global_batch_size,
-                   "per_sample_ms": per_sample_ms, "fixed_ms": fixed_ms, "world_size": 4},
+                   "per_sample_ms": per_sample_ms, "fixed_ms": fixed_ms, "world_size": 4, "wrap": wrap},
         "rows": [asdict(r) for r in rows],
         "step_ms": series,
         "placements": timelines,
@@ -167,10 +168,8 @@ def run_balance(
     return payload
 
 
-def _model_ref(speeds: tuple[float, ...], b: int, per_sample_ms: float, fixed_ms: float) -> float:
-    a = [fixed_ms] * len(speeds)
-    c = [per_sample_ms / s for s in speeds]
-    return model_step_ms(a, c, oracle_shares(a, c, b))
+def _model_ref(spec: JobSpec) -> float:
+    return model_step_ms(spec.a_ms, spec.c_ms, oracle_shares(spec.a_ms, spec.c_ms, spec.global_batch_size))
 
 
 def main(argv: list[str] | None = None) -> int:

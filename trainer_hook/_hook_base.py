@@ -167,7 +167,8 @@ class HookBase:
             # The replica's own gloo group, where its members' step times meet. Created by
             # its members only (local synchronisation): no world-wide barrier per replica.
             mine = dist.new_group(list(replicas.members), backend="gloo", use_local_synchronization=True)
-            self._pace = ReplicaPace(mine, leader=leader, report=self._report_many)
+            self._pace = ReplicaPace(mine, leader=leader, report=self._report_many, members=replicas.members,
+                                     position=replicas.members.index(dist.get_rank()))
         self._trained: ScheduledPlacement = self._schedule.at(0)
         self._ready = True
         if not cfg.offline and leader:  # only a replica's leader talks to the backend
@@ -231,6 +232,7 @@ class HookBase:
             memory_source=self._memory.source.name if self._memory is not None else "",
             gpu_index=gpu_index, gpu_uuid=gpu_uuid,
             comm_kind=_COMM_KIND.get(self._gradients_mode or "", ""), mesh=self._mesh,
+            replica_ranks=self._replica_ranks if self._mesh is not None else (),
         )
 
     def _close(self, *, wait_for_peers: bool, wait_timeout_s: float | None) -> None:

@@ -8,7 +8,8 @@ Run under torchrun (one process per rank)::
 Each rank's forward sleeps ``fixed_ms + local_batch * per_sample_ms / speed`` (times any
 ``--slowdown``/``--drift`` factor) to model heterogeneous devices, then runs a tiny MLP
 on synthetic data, wrapped in DDP or, with ``--wrap fsdp2``, sharded with ``fully_shard``
-(each Linear, then the whole model). Without ``--server`` (and no ``REBALANCER_SERVER``) it runs offline.
+(each Linear, then the whole model), or with ``--wrap dp_tp`` run as a DP x TP device mesh
+(docs/meshes.md). Without ``--server`` (and no ``REBALANCER_SERVER``) it runs offline.
 ``--steps 0`` (the default) runs until killed. ``--result PATH``: rank 0 writes a JSON
 file with every rank's per-step times and the placement timeline.
 """
@@ -79,8 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="RANK:STEP:FACTOR: from STEP on, RANK takes FACTOR times longer (repeatable)")
     p.add_argument("--drift", action="append", default=[], type=_triple("--drift", "1:50:0.5"),
                    help="RANK:START_STEP:PCT_PER_STEP: RANK slows by PCT percent more each step (repeatable)")
-    p.add_argument("--wrap", choices=("ddp", "fsdp2"), default="ddp",
-                   help="data parallelism with several ranks: DistributedDataParallel or FSDP2 (fully_shard)")
+    p.add_argument("--wrap", choices=("ddp", "fsdp2", "dp_tp"), default="ddp",
+                   help="data parallelism with several ranks: DistributedDataParallel, FSDP2 (fully_shard), or "
+                        "a DP x TP mesh of TP groups of 2 ranks (FSDP2 over 'dp', Colwise/Rowwise over 'tp'; "
+                        "shares are per replica, a replica as slow as its slowest member)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--result", default=None, help="rank 0 writes a JSON result here")
@@ -169,10 +172,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps:
         extra["total_steps"] = args.steps  # the dashboard's ETA
     job = args.job or os.environ.get("REBALANCER_JOB") or "demo"
+    mesh: Any = None
+    if args.wrap == "dp_tp":
+        if not distributed or world % 2:
+            print(f"--wrap dp_tp needs an even number of ranks (TP groups of 2), got {world}.", file=sys.stderr)
+            return 2
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        extra["dp_mesh"] = mesh["dp"]
+        extra["history"] = max(256, args.steps + 8)  # a leader's records arrive combined, late: kept whole
     hook = RebalanceHook(server=args.server, job=job, global_batch_size=b, token=args.token, **extra)
     inner = _SlowMLP()
     model: torch.nn.Module = inner
-    if distributed and args.wrap == "fsdp2":
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        parallelize_module(inner.net, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(inner, mesh=mesh["dp"])
+    elif distributed and args.wrap == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         for layer in inner.net:
@@ -197,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                     loss.backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-                if hook.last_step is not None and args.result:
+                if hook.last_step is not None and args.result and mesh is None:
                     records.append(asdict(hook.last_step))
                 if rank == 0 and k % 100 == 0:
                     print(f"[demo_worker] step {k} shares {hook.shares}", flush=True)
@@ -209,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         hook.close(wait_for_peers=not interrupted)
     if interrupted:
         return 0
+    if mesh is not None:  # every step's record, the replica's pace on a leader, once close() combined the last
+        records = [asdict(r) for r in hook.history]
     if args.result:
         _write_result(args, hook, records, world, time.time() - started, distributed)
     if distributed:
@@ -224,7 +249,7 @@ def _write_result(args: argparse.Namespace, hook: RebalanceHook, records: list[d
         dist.all_gather_object(gathered, records)
     else:
         gathered = [records]
-    if hook.rank != 0:
+    if (dist.get_rank() if distributed else 0) != 0:  # with a mesh, hook.rank is the replica's
         return
     result = {
         "world_size": world,

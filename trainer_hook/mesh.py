@@ -171,10 +171,11 @@ def check_dp_mesh(model: Any, dp_mesh: Any) -> None:
 PACE_WINDOW = 8  # batches per all-reduce
 _NONE = float("-inf")  # a slot no member filled; every field is combined with MAX
 _WIDTH = 8  # compute, data wait, optimizer, step, -sync wait, peak, reserved, -device memory
+# ... then one compute time per member, each member filling its own (which one is slowest).
 _NOTHING: tuple[StepRecord, ...] = ()
 
 
-def _apply(rec: StepRecord, buf: array, i: int) -> None:
+def _apply(rec: StepRecord, buf: array, i: int, members: Sequence[int]) -> None:
     if buf[i] == _NONE:
         return
     rec.compute_ms, rec.data_wait_ms, rec.optimizer_ms, rec.step_ms = buf[i], buf[i + 1], buf[i + 2], buf[i + 3]
@@ -185,13 +186,19 @@ def _apply(rec: StepRecord, buf: array, i: int) -> None:
             rec.mem_reserved_bytes = int(buf[i + 6])
         if buf[i + 7] != _NONE:
             rec.mem_total_bytes = int(-buf[i + 7])
+    if members:  # each member's own compute time: the first with the largest is the slowest
+        own = buf[i + _WIDTH:i + _WIDTH + len(members)]
+        rec.slowest_rank = members[own.index(max(own))]
 
 
 class ReplicaPace:
     """A replica is as slow as its slowest member: its leader reports, for each step, the
     members' largest compute, data-wait, optimizer and step times, their smallest sync wait
-    (the slowest member waits least), and where it read memory their largest peak and
-    smallest device.
+    (the slowest member waits least), where it read memory their largest peak and
+    smallest device, and which member the compute time is (``slowest_rank``: each member
+    also files its compute time in a column of its own, so the MAX all-reduce gathers
+    every member's; given ``members``, the replica's global ranks, and ``position``, this
+    member's index in them).
 
     The training thread only files each record's numbers into a slot of its window (a
     plain ``array``, keyed by batch index: ``add``) and, every ``window`` batches (the
@@ -203,13 +210,19 @@ class ReplicaPace:
     as measured; ``behind`` windows are left for such records (1 with device events)."""
 
     def __init__(self, group: Any, *, leader: bool, report: Callable[[Sequence[StepRecord]], None],
-                 window: int = PACE_WINDOW, behind: int = 0) -> None:
+                 window: int = PACE_WINDOW, behind: int = 0, members: Sequence[int] = (),
+                 position: int = 0) -> None:
+        if members and not 0 <= position < len(members):
+            raise ValueError(f"position must index members ({len(members)} of them), got {position}.")
         self.group = group
         self.leader = leader
         self.window = window
         self.behind = behind
+        self.members = tuple(members)
         self._report = report
-        self._blank = array("d", [_NONE]) * (window * _WIDTH)
+        self._width = _WIDTH + len(self.members)  # values per batch in a window
+        self._own = _WIDTH + position  # this member's compute column
+        self._blank = array("d", [_NONE]) * (window * self._width)
         self._open: dict[int, tuple[array[float], list[StepRecord]]] = {}  # windows being filled
         self._next: int | None = None  # the first window not handed over (set at the first step)
         # (first window, its windows' slots and held records) per hand-over; None: stop.
@@ -235,9 +248,11 @@ class ReplicaPace:
         if slot is None:
             slot = self._open[w] = (array("d", self._blank), [])
         buf, held = slot
-        i = (k - w * self.window) * _WIDTH
+        i = (k - w * self.window) * self._width
         buf[i], buf[i + 1], buf[i + 2], buf[i + 3] = rec.compute_ms, rec.data_wait_ms, rec.optimizer_ms, rec.step_ms
         buf[i + 4] = -rec.sync_wait_ms
+        if self.members:
+            buf[i + self._own] = rec.compute_ms
         if rec.mem_peak_bytes is not None:
             buf[i + 5] = rec.mem_peak_bytes
             if rec.mem_reserved_bytes is not None:
@@ -318,7 +333,8 @@ class ReplicaPace:
                 return
             for rec in held:
                 w = rec.batch_index // self.window
-                _apply(rec, buf, ((w - first) * self.window + rec.batch_index - w * self.window) * _WIDTH)
+                _apply(rec, buf, ((w - first) * self.window + rec.batch_index - w * self.window) * self._width,
+                       self.members)
             self.combined += len(held)
             if held:
                 self._report(held)

@@ -352,6 +352,22 @@ def _mesh_int(m: Mapping[str, Any], key: str) -> int:
     return val
 
 
+def _replica_ranks(d: Mapping[str, Any], mesh: MeshShape | None) -> tuple[int, ...]:
+    got = d.get("replica_ranks")
+    if got is None or got == []:
+        return ()
+    if mesh is None:
+        raise ProtocolError("'replica_ranks' comes with 'mesh' only: a plain data-parallel rank is its own replica.")
+    world = mesh.dp * mesh.replica_size
+    if (not isinstance(got, list) or len(got) != mesh.replica_size
+            or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world for r in got)
+            or len(set(got)) != len(got)):
+        raise ProtocolError(
+            f"'replica_ranks' must list the replica's {mesh.replica_size} distinct global ranks "
+            f"('mesh.replica_size'), each between 0 and {world - 1}, got {_short(got)}.")
+    return tuple(got)
+
+
 @dataclass(kw_only=True, slots=True)
 class Hello:
     """First frame of every hook connection: who is talking and what it holds."""
@@ -383,6 +399,9 @@ class Hello:
     comm_kind: str = ""
     # A device-mesh job (``RebalanceHook(dp_mesh=...)``): its shape; None for plain data parallel.
     mesh: MeshShape | None = None
+    # A mesh job: the global ranks of the replica this hook speaks for, leader first
+    # (``mesh.replica_size`` of them); empty for plain data parallel.
+    replica_ranks: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Hello:
@@ -392,6 +411,7 @@ class Hello:
         if batch < world:
             raise ProtocolError(
                 f"'global_batch_size' ({batch}) must be at least 'world_size' ({world}): every rank needs a sample.")
+        mesh = MeshShape.from_dict(d["mesh"], world_size=world) if d.get("mesh") is not None else None
         return cls(
             job=_job(d),
             rank=rank,
@@ -412,7 +432,8 @@ class Hello:
             gpu_index=_int(d, "gpu_index", hi=MAX_GPU_INDEX, default=None),
             gpu_uuid=_str(d, "gpu_uuid", default=""),
             comm_kind=_comm_kind(d),
-            mesh=MeshShape.from_dict(d["mesh"], world_size=world) if d.get("mesh") is not None else None,
+            mesh=mesh,
+            replica_ranks=_replica_ranks(d, mesh),
         )
 
 
@@ -439,6 +460,8 @@ class StepRecord:
     in the step (DDP: its bucket buffers; FSDP: its reduce-scatter inputs); ``comm_ms``
     the time one of them was in flight, overlapped with compute or not (the exposed part
     is in ``sync_wait_ms``). Absent where not measured, never 0 for unknown.
+    ``slowest_rank`` (a mesh replica's leader only): the global rank of the member whose
+    compute time the record's ``compute_ms`` is (docs/meshes.md). Absent otherwise.
     """
 
     batch_index: int
@@ -459,6 +482,7 @@ class StepRecord:
     comm_ms: float | None = None
     work_sq: float | None = None
     batch_work_sq: float | None = None
+    slowest_rank: int | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepRecord:
@@ -517,6 +541,7 @@ class StepRecord:
             batch_work_sq=_float(d, "batch_work_sq", hi=MAX_WORK_SQ, default=None),
             comm_bytes=_int(d, "comm_bytes", lo=1, hi=MAX_BYTES, default=None),
             comm_ms=_float(d, "comm_ms", hi=MAX_DURATION_MS, default=None),
+            slowest_rank=_int(d, "slowest_rank", hi=MAX_WORLD_SIZE - 1, default=None),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -538,6 +563,8 @@ class StepRecord:
             if self.work_sq is not None:
                 d["work_sq"] = self.work_sq
                 d["batch_work_sq"] = self.batch_work_sq
+        if self.slowest_rank is not None:
+            d["slowest_rank"] = self.slowest_rank
         return d
 
 
@@ -665,6 +692,10 @@ class Metrics:
                     f"'steps[{i}].local_batch_size' is {s.local_batch_size} but the job's global batch is {cap}.")
             if not lo <= s.t <= hi:
                 raise ProtocolError(_clock_message(f"steps[{i}].t", s.t, now))
+            if s.slowest_rank is not None and s.slowest_rank not in hello.replica_ranks:
+                raise ProtocolError(
+                    f"'steps[{i}].slowest_rank' is {s.slowest_rank}, not a member of this replica "
+                    f"(its hello's 'replica_ranks' {list(hello.replica_ranks)}).")
         for i, d in enumerate(self.device):
             if not lo <= d.t <= hi:
                 raise ProtocolError(_clock_message(f"device[{i}].t", d.t, now))
@@ -803,7 +834,7 @@ class Error:
 
 Message: TypeAlias = Hello | Metrics | Ack | Reject | Oom | Placement | Error
 _TYPES: dict[str, Any] = {c.TYPE: c for c in (Hello, Metrics, Ack, Reject, Oom, Placement, Error)}
-_V2_ONLY = {"memory_source", "gpu_index", "gpu_uuid", "mesh"}  # hello fields a version-1 peer does not know
+_V2_ONLY = {"memory_source", "gpu_index", "gpu_uuid", "mesh", "replica_ranks"}  # hello fields a version-1 peer does not know
 
 
 def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
@@ -821,6 +852,10 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
         mesh = body.pop("mesh")
         if mesh is not None:  # absent for plain data parallel
             body["mesh"] = mesh.to_dict()
+    if body.get("replica_ranks", None) == ():
+        del body["replica_ranks"]  # likewise
+    elif "replica_ranks" in body:
+        body["replica_ranks"] = list(body["replica_ranks"])
     if body.get("length_sq_weight", None) == 0.0:
         del body["length_sq_weight"]  # likewise: a hook without it reads the same
     if version < 2:

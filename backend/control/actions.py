@@ -130,7 +130,7 @@ class OperatorActions(ControllerCore):
             except ValueError as exc:
                 # integers that do not fit this job (count, sum, range) are the job's refusal
                 error = StateError if well_formed else InvalidError
-                raise error(f"Invalid placement: {exc}") from None
+                raise error(f"Invalid placement: {exc}{st.replicas_sentence()}") from None
             self._check_overrides(st, shares)
             problems, expl = self._memory_problems(st, shares)
             if problems and not force:
@@ -235,8 +235,13 @@ class OperatorActions(ControllerCore):
 
         await self._refuse_if_elsewhere(job)
         st = await self._require(job)
-        ov = inputs.validate_overrides(overrides, world_size=st.world_size,
-                                       global_batch_size=st.global_batch_size)
+        try:
+            ov = inputs.validate_overrides(overrides, world_size=st.world_size,
+                                           global_batch_size=st.global_batch_size)
+        except (InvalidError, StateError) as exc:
+            if st.mesh is None:
+                raise
+            raise type(exc)(f"{exc.detail}{st.replicas_sentence()}") from None
         async with st.lock:
             costs = self._costs(st)
             try:

@@ -27,7 +27,8 @@ from backend.live.state import LiveState
 from backend.settings import Settings
 from backend.storage import control as db
 from backend.storage.gateway import SqlGateway
-from trainer_hook.protocol import Hello, Placement, uniform_shares
+from backend.storage.metrics import job_mesh
+from trainer_hook.protocol import Hello, MeshShape, Placement, uniform_shares
 
 __all__ = ["ARRIVAL_WAIT_S", "MODES", "SYSTEM", "ActorLike", "ControllerCore", "JobState", "Ownership", "T"]
 
@@ -96,6 +97,16 @@ class JobState:
     length_sq_weight: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     restart_count: int | None = None  # TorchElastic attempt of the ranks (None: none seen since load)
+    # A device-mesh job's shape (its ranks here are replicas), from its hellos or its stored row.
+    mesh: MeshShape | None = None
+
+    def replicas_sentence(self) -> str:
+        """For errors about shares or ranks: what they count in this job."""
+        m = self.mesh
+        if m is None:
+            return ""
+        return (f" Job '{self.job}' is a mesh job ({m.label}): shares, pins, caps and drains are per "
+                f"data-parallel replica, and it has {m.dp} replicas of {m.replica_size} ranks each.")
 
     def follow(self, row: db.PlacementRow) -> None:
         """Take applied / effective / measured from the placement row in force."""
@@ -204,6 +215,7 @@ class ControllerCore:
                 version=pl.version if pl else 0,
                 shares=list(pl.shares) if pl else uniform_shares(row.world_size, row.global_batch_size),
                 status="idle", status_detail="no ranks connected since the backend started",
+                mesh=job_mesh(row),
             )
             st.last_effect = records.last_effect(s, job)
             if pl is not None:
@@ -423,3 +435,4 @@ def cost_model_public(model: dict[str, Any] | None, in_force: float, mode: str) 
     if mode == "observe" and out["length_sq_weight"] != in_force:
         out["detail"] = f"{out['detail']} (observe mode: the hooks still split with k = {in_force:.3g})"
     return out
+

@@ -57,6 +57,7 @@ class HookEvents(ControllerCore):
             await self._sql(_audit_restart(hello, previous))
         async with st.lock:
             st.devices[hello.rank] = hello
+            st.mesh = hello.mesh  # its leaders say one mesh (the ingest refuses another)
             st.last_metrics = self._wall()
             if st.status == "idle":
                 st.status, st.status_detail = "warming_up", "waiting for the first steps"

@@ -25,6 +25,7 @@ from typing import Any
 from backend.control.status import status_of
 from backend.live.fleet import FleetJob, balance_gap_ms
 from backend.live.forecast import forecast, savings
+from backend.live.replicas import replica_rows
 from backend.live.rows import STEP_BATCH, STEP_COMPUTE, STEP_MS, STEP_VERSION, StepRow
 from backend.live.state import JobView
 from backend.policy.comm import Communication
@@ -330,6 +331,7 @@ def summary(feed: Feed, view: JobView, *, wall: Callable[[], float], stale_after
         # What bounds the step (backend.policy.comm, cached per new step); None until known.
         "bound": bound if bound != "unknown" else None,
         "mesh": view.mesh.as_view() if view.mesh else None,  # its ranks are replicas
+        "replicas": replica_rows(view),  # with their members and slowest member
     }
 
 

@@ -52,6 +52,7 @@ from trainer_hook.protocol import (
     Ack,
     Error,
     Hello,
+    MeshShape,
     Metrics,
     Oom,
     ProtocolError,
@@ -274,17 +275,31 @@ def _reshape_refusal(parts: IngestParts, websocket: WebSocket, hello: Hello) -> 
     every connected rank's)."""
     shape = parts.live.shape(hello.job)
     new = (hello.world_size, hello.global_batch_size)
-    if shape is None or shape == new:
+    if shape is None:
+        return None, False
+    mesh = parts.live.mesh(hello.job)
+    if shape == new and mesh == hello.mesh:
         return None, False
     others = [r for r in parts.connections.ranks(hello.job)
               if parts.connections.current(hello.job, r) is not websocket]
     counts = [h.restart_count for r in others if (h := parts.live.hello(hello.job, r)) is not None]
     if not others or hello.restart_count > max(counts, default=-1):
-        return None, True
+        return None, shape != new
+    if shape == new:
+        return (f"Job '{hello.job}' runs as {_mesh_words(mesh)} on {len(others)} connected replica "
+                f"leader{'s' if len(others) != 1 else ''}; this hello says {_mesh_words(hello.mesh)}. Every "
+                f"replica leader of one job must say the same mesh: pass every rank its slice of one "
+                f"world mesh as dp_mesh, or use another job name."), False
     return (f"Job '{hello.job}' is running with world_size {shape[0]} and global batch {shape[1]} on "
             f"{len(others)} connected rank{'s' if len(others) != 1 else ''}; this hello says world_size "
             f"{new[0]} and global batch {new[1]}. Stop those ranks or use another job name (a torchrun "
             f"restart, with a higher restart count, may change the shape)."), True
+
+
+def _mesh_words(mesh: MeshShape | None) -> str:
+    if mesh is None:
+        return "plain data parallel (no mesh)"
+    return f"mesh {mesh.label} ({mesh.dp} replicas of {mesh.replica_size} ranks)"
 
 
 async def _on_hello(parts: IngestParts, websocket: WebSocket, hello: Hello, version: int) -> bool | None:

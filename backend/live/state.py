@@ -27,6 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from itertools import islice
+from typing import Any
 
 from backend.live.histogram import StepHistogram, cumulative
 from backend.live.memory_fit import MemoryFitCache
@@ -78,6 +79,8 @@ class _Rank:
     # The newest device sample as an object, built on first read.
     device_obj: DeviceSample | None = None
     memory: MemoryFitCache = field(default_factory=MemoryFitCache)
+    # A mesh replica's leader: the global rank its newest steps named slowest (StepRecord.slowest_rank).
+    slowest: deque[int] = field(default_factory=lambda: deque(maxlen=_SLOWEST_STEPS))
     # (batch_index, work, batch_work, work_sq, batch_work_sq) of steps with a cost (sq: lengths).
     work: deque[tuple[int, float, float, float | None, float | None]] = field(default_factory=lambda: deque(maxlen=_WORK_ROWS))
     # (batch_index, comm_bytes, comm_ms) of the steps that carried communication counters.
@@ -139,6 +142,10 @@ class RankView:
     # steps, and the mean fraction of each global batch's work the rank trained.
     work_per_s: float | None = None
     work_share: float | None = None
+    # A mesh job (its ranks here are replicas): the replica's global ranks, and the member
+    # slowest in most of its newest steps (None until its leader names one).
+    members: tuple[int, ...] = ()
+    slowest_rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +181,7 @@ def eta_seconds(total_steps: int | None, batch_index: int | None, step_ms: float
 
 
 _WORK_ROWS = 512  # work rows kept per rank: more than a policy window
+_SLOWEST_STEPS = 64  # slowest members kept per replica leader: more than a view's window
 _COMM_READINGS = 256  # steps with communication counters kept per rank
 
 
@@ -259,6 +267,8 @@ class LiveState:
                 if s.comm_bytes is not None:
                     r.comm.append((s.batch_index, s.comm_bytes, s.comm_ms))
                     r.pending_comm.append((s.comm_bytes, s.comm_ms))
+                if s.slowest_rank is not None:
+                    r.slowest.append(s.slowest_rank)
                 if s.mem_peak_bytes is not None:
                     r.memory.add(MemoryReading(s.local_batch_size, s.mem_peak_bytes,
                                                s.mem_total_bytes, s.mem_reserved_bytes))
@@ -311,6 +321,12 @@ class LiveState:
         with self._lock:
             j = self._jobs.get(job)
             return (j.world_size, j.global_batch_size) if j is not None else None
+
+    def mesh(self, job: str) -> MeshShape | None:
+        """A live mesh job's shape as its hellos said it; None for plain data parallel or unknown."""
+        with self._lock:
+            j = self._jobs.get(job)
+            return j.mesh if j is not None else None
 
     def said_goodbye(self, job: str, rank: int) -> bool:
         """Mark the rank as gone for good (a normal close); True when with it every rank of
@@ -453,6 +469,7 @@ class LiveState:
         if r.device_obj is None and r.device:
             r.device_obj = device_sample(r.device[-1])
         h = r.hello
+        times: dict[str, Any] = dict(zip(STEP_TIMES, means, strict=True))
         view = RankView(
             rank=rank, host=h.host, device_type=h.device_type, device_name=h.device_name,
             mem_total_bytes=h.mem_total_bytes, connected=r.connected, first_seen=r.first_seen,
@@ -460,7 +477,7 @@ class LiveState:
             batch_index=last[STEP_BATCH] if last is not None else None,
             placement_version=last[STEP_VERSION] if last is not None else None,
             local_batch_size=last[STEP_LOCAL_BATCH] if last is not None else None,
-            **dict(zip(STEP_TIMES, means, strict=True)),
+            **times,
             step_rate_hz=rate, n_steps=len(r.steps), dropped=r.dropped,
             device=r.device_obj, lost=r.lost,
             memory=r.memory.summary(h), mem_peak_bytes=r.memory.peak_bytes,
@@ -469,6 +486,10 @@ class LiveState:
         if r.work and win:
             work_per_s, work_share = _work_rates(r.work, win)
             view = replace(view, work_per_s=work_per_s, work_share=work_share)
+        if h.replica_ranks:
+            recent = list(islice(reversed(r.slowest), self.window_steps))
+            slowest = max(h.replica_ranks, key=recent.count) if recent else None  # ties: the lowest rank
+            view = replace(view, members=h.replica_ranks, slowest_rank=slowest)
         r.cached = (r.rev, view)
         return view
 

@@ -6,6 +6,7 @@ without a foreign key to this module's ids. Works on SQLite and PostgreSQL.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -25,13 +26,16 @@ from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from backend.live.windows import Window
 from backend.storage.base import Base
-from trainer_hook.protocol import Hello
+from trainer_hook.protocol import Hello, MeshShape, ProtocolError
+
+log = logging.getLogger("rebalancer.storage")
 
 __all__ = [
     "JobRow",
     "RankRow",
     "RankMetricRow",
     "upsert_hello",
+    "job_mesh",
     "insert_windows",
     "list_jobs",
     "get_job",
@@ -55,6 +59,8 @@ class JobRow(Base):
     mode: Mapped[str | None] = mapped_column(String(16), nullable=True)  # None: not controlled yet
     policy: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     updated_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # A device-mesh job's shape (MeshShape.to_dict), as its newest hello said it; None: plain DP.
+    mesh: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class RankRow(Base):
@@ -71,6 +77,8 @@ class RankRow(Base):
     mem_total_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     hook_version: Mapped[str] = mapped_column(String(128), default="")
     restart_count: Mapped[int] = mapped_column(Integer, default=0)
+    # A mesh job's replica (its "rank" here): the global ranks of its members; None: plain DP.
+    replica_ranks: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
     first_seen: Mapped[float] = mapped_column(Float, default=time.time)
     last_seen: Mapped[float] = mapped_column(Float, default=time.time)
 
@@ -114,11 +122,13 @@ def upsert_hello(session: Session, hello: Hello, *, new_run: bool = False) -> No
     """Create or update the job and rank rows for a hello (caller commits)."""
     now = time.time()
     job = session.scalar(select(JobRow).where(JobRow.name == hello.job))
+    mesh = hello.mesh.to_dict() if hello.mesh is not None else None
     if job is None:
         session.add(JobRow(name=hello.job, world_size=hello.world_size,
-                           global_batch_size=hello.global_batch_size, created_at=now, last_seen=now))
+                           global_batch_size=hello.global_batch_size, created_at=now, last_seen=now, mesh=mesh))
     else:
         job.world_size, job.global_batch_size, job.last_seen = hello.world_size, hello.global_batch_size, now
+        job.mesh = mesh
     rank = session.scalar(select(RankRow).where(RankRow.job == hello.job, RankRow.rank == hello.rank))
     if rank is None:
         rank = RankRow(job=hello.job, rank=hello.rank, first_seen=now)
@@ -126,7 +136,20 @@ def upsert_hello(session: Session, hello: Hello, *, new_run: bool = False) -> No
     rank.host, rank.pid, rank.device_type = hello.host, hello.pid, hello.device_type
     rank.device_name, rank.mem_total_bytes = hello.device_name, hello.mem_total_bytes
     rank.hook_version, rank.restart_count, rank.last_seen = hello.hook_version, hello.restart_count, now
+    rank.replica_ranks = list(hello.replica_ranks) if hello.replica_ranks else None
     session.flush()
+
+
+def job_mesh(row: JobRow) -> MeshShape | None:
+    """The stored job's mesh shape; None for plain data parallel (or a value no longer
+    readable, logged: shown as unknown rather than failing the read)."""
+    if row.mesh is None:
+        return None
+    try:
+        return MeshShape.from_dict(row.mesh, world_size=row.world_size)
+    except ProtocolError:
+        log.warning("job %s: its stored mesh %r is not readable", row.name, row.mesh)
+        return None
 
 
 def insert_windows(session: Session, windows: Sequence[Window]) -> int:

@@ -65,6 +65,7 @@ def test_a_database_of_the_first_schema_upgrades_and_keeps_its_rows(db_url):
         assert store.get_job(s, "seen-only").last_seen == pytest.approx(T0.timestamp())
         assert get_settings(s, "settings-only").mode == "observe"  # folded in from the old table
         assert store.list_ranks(s, "old")[0].first_seen == pytest.approx(T0.timestamp())
+        assert store.get_job(s, "old").mesh is None and store.list_ranks(s, "old")[0].replica_ranks is None  # 0005
         assert latest_placement(s, "old").shares == [16, 16]
         assert [a.action for a in list_audit(s, "old")] == ["job.create"]
         token_time = s.execute(text("SELECT created_at FROM auth_tokens")).scalar_one()

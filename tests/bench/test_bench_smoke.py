@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,3 +136,22 @@ def test_balance_tiny_runs_a_real_job_under_the_oracle_split(tmp_path: Path, bac
     assert row["final_shares"] == [43, 21]  # solve([2, 2], [2, 4], 64): the oracle reached the job
     assert len(out["step_ms"]["1,0.5"]["oracle"]) == 20
     assert (tmp_path / "balance.png").stat().st_size > 0
+
+
+def test_a_mesh_jobs_split_is_over_replicas_at_their_slowest_members_speed() -> None:
+    from types import SimpleNamespace
+
+    from bench._analysis import oracle_shares
+    from bench._jobs import JobSpec, _worker_args
+    from bench.mesh import SCENARIO
+
+    backend: Any = SimpleNamespace(url="http://127.0.0.1:1")  # only its url is read
+
+    speeds = next(iter(SCENARIO.values()))
+    spec = JobSpec(job="m", speeds=speeds, steps=10, per_sample_ms=2.0, fixed_ms=2.0, wrap="dp_tp")
+    assert spec.replica_speeds == [1.0, 0.5]  # ranks (0, 1) and (2, 3): rank 3's half speed
+    assert (spec.a_ms, spec.c_ms) == ([2.0, 2.0], [2.0, 4.0])
+    assert oracle_shares(spec.a_ms, spec.c_ms, 64) == [43, 21]
+    assert _worker_args(spec, backend, Path("r.json"))[-2:] == ["--wrap", "dp_tp"]
+    plain = JobSpec(job="p", speeds=speeds, steps=10)
+    assert plain.replica_speeds == list(speeds) and "--wrap" not in _worker_args(plain, backend, Path("r"))

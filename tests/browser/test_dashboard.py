@@ -165,20 +165,27 @@ def test_job_view_charts_update(stack: Stack) -> None:
 def test_a_mesh_jobs_header_shows_its_shape(stack: Stack) -> None:
     from websockets.sync.client import connect
 
-    from tests.backend._app import hello, metrics
-    from trainer_hook.protocol import MeshShape
+    from tests.backend._app import hello, steps
+    from trainer_hook.protocol import MeshShape, Metrics, encode
 
     job = "dash-mesh"
     secret = stack.rest("/tokens", method="POST", body={"role": "hook", "job": job, "name": "e2e-mesh"})["secret"]
     mesh = MeshShape(dp=2, replica_size=2, dims=("dp", "tp"), shape=(2, 2))
     auth = {"Authorization": f"Bearer {secret}"}
     with connect(stack.server.ws_url + "/ws/hook", additional_headers=auth) as ws:
-        ws.send(hello(job=job, rank=0, world_size=2, global_batch_size=32, mesh=mesh))
+        ws.send(hello(job=job, rank=0, world_size=2, global_batch_size=32, mesh=mesh, replica_ranks=(0, 1)))
         assert json.loads(ws.recv(timeout=10))["type"] == "placement"
-        ws.send(metrics(job=job, rank=0, n=3))
+        recs = steps(0, 3)
+        for r in recs:
+            r.slowest_rank = 1  # the leader's member, rank 1, set the replica's pace
+        ws.send(encode(Metrics(job=job, rank=0, steps=recs)))
         page = stack.page(f"/job/{job}", stack.viewer)
         page.wait_for_function("() => document.getElementById('stats').textContent.includes('DP 2 x TP 2')")
         assert "replicas1/2" in page.locator("#stats").text_content().replace(" ", "")
+        # The replicas, their members and slowest member (replica 1 has not said hello).
+        row = page.locator("#replica-table tr[data-replica='0'] td")
+        row.first.wait_for()
+        assert [c.strip() for c in row.all_text_contents()] == ["replica 0", "r0, r1", "10.0 ms", "20.0 ms", "r1"]
         page.context.close()
 
 

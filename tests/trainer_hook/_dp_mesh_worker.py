@@ -132,6 +132,8 @@ def run(case: str, out: dict[str, object]) -> None:
                    for p in getattr(model, "module", model).parameters()],
         # A leader's history is its replica's (combined) records; a member's its own.
         "steps": [[r.batch_index, r.compute_ms, r.sync_wait_ms, r.step_ms] for r in hook.history],
+        "slowest": [r.slowest_rank for r in hook.history],  # the leader's: which member it was
+        "replica_ranks": list(hello.replica_ranks),
         "mesh": hello.mesh.to_dict() if hello.mesh is not None else None,
         "mesh_label": hello.mesh.label if hello.mesh is not None else None,
     }

@@ -98,8 +98,12 @@ def test_a_replica_reports_the_pace_of_its_slowest_member(ranks: list[dict]) -> 
     for k in range(STEPS):
         assert reported[k] >= own[k], (k, reported[k], own[k])  # the max over the members
         assert reported[k] >= SLOW_MS, (k, reported[k])  # the sleep alone lasts that long
+    # ... and names the member whose time that is: rank 1 on every step.
+    assert ranks[0][SLOW_CASE]["slowest"] == [1] * STEPS
+    assert [r[SLOW_CASE]["replica_ranks"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     # HSDP's replicas are single ranks: nothing to combine, each reports its own.
     assert sorted(k for k, *_ in ranks[1]["hsdp"]["steps"]) == list(range(STEPS))
+    assert ranks[1]["hsdp"]["slowest"] == [None] * STEPS and ranks[1]["hsdp"]["replica_ranks"] == [1]
 
 
 @pytest.mark.multiproc

@@ -59,8 +59,10 @@ def rec(k: int, compute: float, sync: float = 5.0, peak: int | None = None, tota
 def _pair(window: int) -> tuple[ReplicaPace, ReplicaPace, list[StepRecord], _Pair]:
     group = _Pair()
     reported: list[StepRecord] = []
-    leader = ReplicaPace(group, leader=True, window=window, report=reported.extend)
-    member = ReplicaPace(group, leader=False, window=window, report=lambda recs: pytest.fail("a member reported"))
+    # The replica's global ranks are 4 (the leader) and 7.
+    leader = ReplicaPace(group, leader=True, window=window, report=reported.extend, members=(4, 7), position=0)
+    member = ReplicaPace(group, leader=False, window=window, report=lambda recs: pytest.fail("a member reported"),
+                         members=(4, 7), position=1)
     return leader, member, reported, group
 
 
@@ -90,6 +92,7 @@ def test_the_leader_reports_every_step_once_with_the_slowest_members_times() -> 
         assert r.compute_ms == want, r.batch_index
         assert r.sync_wait_ms == min(10.0, 20.0 - slow.get(r.batch_index, 8.0))  # the least wait
         assert r.step_ms == 21.5  # compute + sync + 1.5 on both members
+        assert r.slowest_rank == (7 if r.batch_index in slow else 4), r.batch_index  # whose compute it is
     assert group.launches == 2 * 3  # one all-reduce per hand-over and member
     assert (leader.combined, leader.late) == (20, 0)
 
@@ -119,3 +122,18 @@ def test_a_record_after_its_window_left_goes_as_measured_and_close_without_peers
     assert leader.add(kept) == ()
     assert leader.release() == [kept]  # close(wait_for_peers=False): as measured
     member.release()
+
+
+def test_without_members_nothing_is_said_of_the_slowest_and_a_bad_position_is_refused() -> None:
+    group = _Pair()
+    reported: list[StepRecord] = []
+    a = ReplicaPace(group, leader=True, window=1, report=reported.extend)
+    b = ReplicaPace(group, leader=False, window=1, report=lambda recs: pytest.fail("a member reported"))
+    a.add(rec(0, 3.0))
+    b.add(rec(0, 9.0))
+    for p in (a, b):
+        p.on_step_end(1, False)
+    _close(a, b, 1)
+    assert [(r.compute_ms, r.slowest_rank) for r in reported] == [(9.0, None)]
+    with pytest.raises(ValueError, match=r"position must index members \(2 of them\), got 2\."):
+        ReplicaPace(group, leader=False, report=reported.extend, members=(0, 1), position=2)

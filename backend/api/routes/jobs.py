@@ -16,13 +16,14 @@ from sqlalchemy.orm import Session
 
 from backend.api.deps import PartsDep, ViewerDep
 from backend.live.forecast import forecast
+from backend.live.replicas import replica_rows, stored_replica_rows
 from backend.live.state import JobView, RankView
 from backend.parts import Parts
 from backend.policy.comm import RankComm
 from backend.storage import metrics as store
 from trainer_hook.protocol import LINK_FIELDS, MAX_BATCH_INDEX, MAX_WORLD_SIZE
 
-__all__ = ["router", "MeshPublic", "SummaryPublic", "BoundPublic", "CostModelPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
+__all__ = ["router", "MeshPublic", "ReplicaPublic", "SummaryPublic", "BoundPublic", "CostModelPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
 
 log = logging.getLogger("rebalancer.api")
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
@@ -41,6 +42,18 @@ class MeshPublic(BaseModel):
     dims: list[str] = Field(description="The mesh's dimension names, e.g. ['dp', 'tp'].")
     shape: list[int] = Field(description="One size per name in dims.")
     label: str = Field(description="How people read it, e.g. 'DP 2 x TP 2'.")
+
+
+class ReplicaPublic(BaseModel):
+    """One data-parallel replica of a mesh job (its row here; docs/meshes.md)."""
+
+    replica: int = Field(description="The replica index: its rank in this job's placements and overrides.")
+    members: list[int] = Field(description="The global ranks of its members (its TP/CP group), leader first.")
+    connected: bool = False
+    compute_ms: float | None = Field(None, description="The replica's compute time: its slowest member's (live only).")
+    step_ms: float | None = None
+    slowest_rank: int | None = Field(
+        None, description="The member slowest in most of the newest steps (a global rank; live only).")
 
 
 class JobPublic(BaseModel):
@@ -70,7 +83,9 @@ class JobPublic(BaseModel):
     cost_per_hour: float | None = None
     idle_cost_per_hour: float | None = None
     bound: BoundPublic | None = Field(None, description="What bounds the step (live jobs only).")
-    mesh: MeshPublic | None = Field(None, description="A device-mesh job's shape (live jobs only); null for plain data parallel.")
+    mesh: MeshPublic | None = Field(None, description="A device-mesh job's shape; null for plain data parallel.")
+    replicas: list[ReplicaPublic] | None = Field(
+        None, description="A mesh job's replicas with their members, time and slowest member; null for plain data parallel.")
     cost_model: CostModelPublic | None = Field(
         None, description="What a sample costs in the split, and how well that explains the step times.")
 
@@ -237,13 +252,17 @@ def _job_from_live(parts: Parts, view: JobView) -> dict[str, Any]:
         "created_at": view.created_at, "last_seen": view.last_seen,
         "cost_per_hour": fc.cost_per_hour, "idle_cost_per_hour": fc.idle_cost_per_hour,
         "total_steps": fc.total_steps, "eta_s": fc.eta_s, "mesh": view.mesh.as_view() if view.mesh else None,
+        "replicas": replica_rows(view),
     }
 
 
-def _job_from_row(row: store.JobRow) -> dict[str, Any]:
+def _job_from_row(row: store.JobRow, ranks: list[store.RankRow] | None = None) -> dict[str, Any]:
+    """A stored job; with its rank rows, a mesh job's replicas and their members too."""
+    mesh = store.job_mesh(row)
     return {
         "job": row.name, "world_size": row.world_size, "global_batch_size": row.global_batch_size,
-        "created_at": row.created_at, "last_seen": row.last_seen,
+        "created_at": row.created_at, "last_seen": row.last_seen, "mesh": mesh.as_view() if mesh else None,
+        "replicas": stored_replica_rows(mesh, ((r.rank, r.replica_ranks) for r in ranks)) if ranks is not None else None,
     }
 
 
@@ -277,7 +296,8 @@ async def list_jobs(_actor: ViewerDep, parts: PartsDep) -> JobsPublic:
 async def get_job(job: str, _actor: ViewerDep, parts: PartsDep) -> JobPublic:
     row = None
     if job not in parts.live:
-        row = await parts.sql.run(lambda s: (_job_from_row(r) if (r := store.get_job(s, job)) else None))
+        row = await parts.sql.run(
+            lambda s: (_job_from_row(r, store.list_ranks(s, job) if r.mesh else None) if (r := store.get_job(s, job)) else None))
     found = _build(parts, job, row)
     if found is None:
         raise _not_found(job)

@@ -41,7 +41,22 @@ function renderSummary(s, savings) {
     stat("placement", s.placement_version === null || s.placement_version === undefined ? "–" : `v${s.placement_version}`),
     stat("cost/h", money(s.cost_per_hour)),
   );
+  renderReplicas(s.replicas);
   renderForecast(s, savings);
+}
+
+// A mesh job: its replicas, their members and which one sets the replica's pace.
+function renderReplicas(replicas) {
+  const table = $("replica-table");
+  table.hidden = !replicas;
+  if (!replicas) return;
+  table.querySelector("tbody").replaceChildren(...replicas.map((p) => el("tr", { "data-replica": p.replica },
+    el("td", {}, `replica ${p.replica}`, p.connected ? "" : " (disconnected)"),
+    el("td", {}, p.members.map((m) => `r${m}`).join(", ")),
+    el("td", { class: "num" }, fmt(p.compute_ms, 1, " ms")),
+    el("td", { class: "num" }, fmt(p.step_ms, 1, " ms")),
+    el("td", {}, p.slowest_rank === null || p.slowest_rank === undefined ? "–" : `r${p.slowest_rank}`),
+  )));
 }
 
 // What a sample costs in the split (the controller's cost_model), in one line.
