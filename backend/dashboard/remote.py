@@ -78,7 +78,7 @@ def _dict(data: dict[str, Any], key: str, *, optional: bool = False) -> None:
 
 
 def _float(data: dict[str, Any], key: str) -> float:
-    v = data.get(key)
+    v: Any = data.get(key)
     if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
         raise ValueError(f"snapshot.{key} must be a finite number >= 0, got {v!r}.")
     return float(v)

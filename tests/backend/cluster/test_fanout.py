@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,7 +32,6 @@ from tests.helpers.fake_fleet import FakeFleet, FakeJob  # noqa: E402
 from tests.helpers.ports import free_port  # noqa: E402
 from tests.helpers.postgres import pg_schema  # noqa: E402
 from tests.helpers.server import Server, running_server  # noqa: E402
-from tests.helpers.waiting import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
