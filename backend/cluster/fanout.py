@@ -200,39 +200,45 @@ class LiveFanout:
         pubsub: Any = None
         next_pass = 0.0
         down = False
-        while not self._stopping.is_set():
-            try:
-                if time.monotonic() >= next_pass:
-                    next_pass = time.monotonic() + self.interval_s
-                    await self.pass_once()
-                if pubsub is None:
-                    pubsub = self._redis.pubsub()
-                    await pubsub.subscribe(self.channel)
-                wait = max(0.01, next_pass - time.monotonic())
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
-                if msg is not None and (job := self._message(msg.get("data"))) is not None:
-                    if time.monotonic() - self._pulled.get(job, float("-inf")) >= _MIN_PULL_GAP_S:
-                        await self.pull(job)
-                if down:
-                    log.info("live fan-out: Redis answers again")
-                down = False
-            except (RedisError, OSError) as exc:
-                if not down:
-                    log.error("live fan-out paused, Redis unreachable: %s", exc)
-                down = True
-                if pubsub is not None:
-                    with contextlib.suppress(Exception):
-                        await pubsub.aclose()
-                    pubsub = None
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), self.interval_s)
-            except Exception:  # a bug must not end the fan-out of every job
-                log.exception("live fan-out pass failed")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), self.interval_s)
-        if pubsub is not None:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()
+        try:
+            while not self._stopping.is_set():
+                try:
+                    if time.monotonic() >= next_pass:
+                        next_pass = time.monotonic() + self.interval_s
+                        await self.pass_once()
+                    if pubsub is None:
+                        pubsub = self._redis.pubsub()
+                        await pubsub.subscribe(self.channel)
+                    await self._listen(pubsub, max(0.01, next_pass - time.monotonic()))
+                    if down:
+                        log.info("live fan-out: Redis answers again")
+                    down = False
+                except (RedisError, OSError) as exc:
+                    if not down:
+                        log.error("live fan-out paused, Redis unreachable: %s", exc)
+                    down = True
+                    if pubsub is not None:
+                        with contextlib.suppress(Exception):
+                            await pubsub.aclose()
+                        pubsub = None
+                    await self._pause()
+                except Exception:  # a bug must not end the fan-out of every job
+                    log.exception("live fan-out pass failed")
+                    await self._pause()
+        finally:
+            if pubsub is not None:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    async def _listen(self, pubsub: Any, wait_s: float) -> None:
+        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait_s)
+        if msg is not None and (job := self._message(msg.get("data"))) is not None:
+            if time.monotonic() - self._pulled.get(job, float("-inf")) >= _MIN_PULL_GAP_S:
+                await self.pull(job)
+
+    async def _pause(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), self.interval_s)
 
     async def stop(self) -> None:
         # Ends on ``_stopping`` (see JobLeases._loop: redis-py may swallow a cancellation).

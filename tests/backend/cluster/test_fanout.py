@@ -180,3 +180,68 @@ def test_when_forwarding_is_impossible_the_caller_is_told_why(pair: Pair) -> Non
         f"Job 'ghost' is controlled by replica ghost-owner at {dead}, which cannot be reached (ConnectError); "
         "nothing was applied. Try again: once its lease expires (REBALANCER_LEASE_TTL_S) another replica "
         "takes the job.")
+
+
+def _watcher_with_a_copy() -> Any:
+    """A hub that watches job 'j' and holds a copy of another hub's feed of it."""
+    from backend.dashboard import remote
+    from tests.backend.test_hub import _feed, _hub, _register, _services
+
+    svc = _services()
+    _register(svc.live)
+    owner, watcher = _hub(svc), _hub(_services())
+    for b in range(5):
+        _feed(svc.live, b)
+    owner.notify("j")
+    owner.tick()
+    _, text = owner.snapshot("j", replica="a", seq=1)
+    assert watcher.apply_remote("j", remote.check("j", text))
+    return watcher
+
+
+def test_notices_are_read_only_when_small_well_formed_and_for_a_watched_job() -> None:
+    import asyncio
+
+    from backend.cluster import LiveFanout
+    from tests.backend.test_hub import FakeSocket
+
+    async def run() -> None:
+        watcher = _watcher_with_a_copy()
+        fanout = LiveFanout(url=REDIS_URL, prefix="unused", replica_id="b", interval_s=1.0, hub=watcher,
+                            owned=set)
+        task = asyncio.create_task(watcher.attach(FakeSocket().send, "j"))
+        await asyncio.sleep(0)
+        assert fanout._message(json.dumps({"job": "j", "kind": "live", "seq": 2, "replica": "a"})) == "j"
+        assert fanout._message(json.dumps({"job": "k", "kind": "live", "seq": 2, "replica": "a"})) is None
+        assert fanout._message(json.dumps({"job": "j", "kind": "owner", "replica": "a"})) is None
+        assert fanout._message(json.dumps({"job": "j", "kind": "live", "seq": 2, "replica": "b"})) is None
+        assert fanout._message(b"{not json") is None
+        assert fanout._message(json.dumps({"job": "j", "kind": "live", "pad": "x" * 8000})) is None
+        assert fanout.refused == 2
+        task.cancel()
+        await fanout.stop()
+    asyncio.run(run())
+
+
+def test_with_redis_down_a_watcher_keeps_its_last_copy() -> None:
+    import asyncio
+
+    from backend.cluster import LiveFanout
+    from tests.backend.test_hub import FakeSocket, _settle
+
+    async def run() -> None:
+        watcher = _watcher_with_a_copy()
+        fanout = LiveFanout(url=f"redis://127.0.0.1:{free_port()}/0", prefix="p", replica_id="b",
+                            interval_s=0.1, hub=watcher, owned=set)
+        sock = FakeSocket()
+        client = asyncio.create_task(watcher.attach(sock.send, "j"))
+        await fanout.start()
+        await asyncio.sleep(0.5)  # several passes, each meeting the dead Redis
+        assert fanout._task is not None and not fanout._task.done()
+        await _settle()
+        assert sock.frames[0]["series"]["b"] == [0, 1, 2, 3, 4]  # the copy is still shown
+        assert watcher.remote_jobs() == {"j"}
+        await fanout.stop()
+        assert fanout._task.done()
+        client.cancel()
+    asyncio.run(run())
