@@ -9,9 +9,16 @@ import json
 
 import pytest
 
-from backend.cluster.forward import http_base
 from backend.dashboard import remote
-from tests.backend.test_hub import FakeSocket, _feed, _hub, _register, _run_async, _services, _settle
+from tests.backend.test_hub import (
+    FakeSocket,
+    _feed,
+    _hub,
+    _register,
+    _run_async,
+    _services,
+    _settle,
+)
 
 
 def _copy(owner, watcher, job: str = "j", *, replica: str = "a", seq: int) -> bool:
@@ -107,11 +114,3 @@ def test_a_snapshot_over_the_limit_leaves_out_the_per_rank_columns(monkeypatch):
     assert json.loads(text)["ranks"] is None and json.loads(text)["heat"] == []
     monkeypatch.setattr(remote, "MAX_SNAPSHOT_BYTES", 100)
     assert owner.snapshot("j", replica="a", seq=3) == (owner.updated_at("j"), None)
-
-
-def test_the_http_base_of_an_advertised_url():
-    assert http_base("ws://10.0.0.5:8000") == "http://10.0.0.5:8000"
-    assert http_base("wss://gpu-head.example/replica/0f3a9c21b7de/") == "https://gpu-head.example/replica/0f3a9c21b7de"
-    assert http_base("http://h:1") == "http://h:1"
-    for bad in ("10.0.0.5:8000", "ftp://h", "ws://", "ws://h?x=1", "ws://a,ws://b"):
-        assert http_base(bad) is None, bad

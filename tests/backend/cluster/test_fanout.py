@@ -245,3 +245,13 @@ def test_with_redis_down_a_watcher_keeps_its_last_copy() -> None:
         assert fanout._task.done()
         client.cancel()
     asyncio.run(run())
+
+
+def test_the_http_base_of_an_advertised_url() -> None:
+    from backend.cluster.forward import http_base
+
+    assert http_base("ws://10.0.0.5:8000") == "http://10.0.0.5:8000"
+    assert http_base("wss://gpu-head.example/replica/0f3a9c21b7de/") == "https://gpu-head.example/replica/0f3a9c21b7de"
+    assert http_base("http://h:1") == "http://h:1"
+    for bad in ("10.0.0.5:8000", "ftp://h", "ws://", "ws://h?x=1", "ws://a,ws://b"):
+        assert http_base(bad) is None, bad
