@@ -127,6 +127,8 @@ class DashboardHub:
         # Jobs another replica controls whose feed here is a copy of its (``apply_remote``):
         # job -> (owner replica id, sequence of the snapshot applied).
         self._remote: dict[str, tuple[str, int]] = {}
+        # Points a feed of our own had not stored when a copy replaced it (take_unsaved).
+        self._orphaned: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = []
 
     # --- called by ingest and the controller ------------------------------------------
 
@@ -272,7 +274,7 @@ class DashboardHub:
 
     def take_unsaved(self) -> list[tuple[str, list[dict[str, Any]], dict[str, Any]]]:
         """(job, new points, summary values) of every job with points not stored yet."""
-        out = []
+        out, self._orphaned = self._orphaned, []
         for job, feed in self._feeds.items():
             if not feed.unsaved:
                 continue
@@ -320,6 +322,8 @@ class DashboardHub:
             return False
         feed = self._feeds.get(job)
         if had is None or had[0] != replica or feed is None:
+            if had is None and feed is not None and feed.unsaved:  # folded here, not stored yet
+                self._orphaned.append((job, feed.unsaved, fold.summary_values(feed)))
             feed = self._feeds[job] = fold.Feed(job)  # a new owner: its own sequences
             self._restart_clients(job)
         self._remote[job] = (replica, seq)

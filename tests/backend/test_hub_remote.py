@@ -114,3 +114,20 @@ def test_a_snapshot_over_the_limit_leaves_out_the_per_rank_columns(monkeypatch):
     assert json.loads(text)["ranks"] is None and json.loads(text)["heat"] == []
     monkeypatch.setattr(remote, "MAX_SNAPSHOT_BYTES", 100)
     assert owner.snapshot("j", replica="a", seq=3) == (owner.updated_at("j"), None)
+
+
+def test_points_folded_here_and_not_stored_survive_a_copy_replacing_the_feed():
+    # This replica folded the job (its ranks were here), then another replica took it.
+    svc, other = _services(), _services()
+    _register(svc.live)
+    _register(other.live)
+    here, owner = _hub(svc), _hub(other)
+    for b in range(4):
+        _feed(svc.live, b)
+        _feed(other.live, b + 100)
+    here.notify("j")
+    here.tick()
+    assert _copy(owner, here, seq=1)
+    unsaved = here.take_unsaved()
+    assert [(job, [p["b"] for p in points]) for job, points, _ in unsaved] == [("j", [0, 1, 2, 3])]
+    assert here.take_unsaved() == []  # the copy itself is never stored here
