@@ -6,9 +6,10 @@
   the owner's URL, as without forwarding, when ``REBALANCER_FORWARD_ACTIONS`` is off, when
   the request carries no bearer token (the owner could not check who sent it), or when it
   was itself forwarded (one hop at most). An owner that cannot be reached: 503 with why.
-- A live read (``GET /api/v1/jobs/{job}``, its ``/ranks`` and ``/summary``) is answered by
-  the owner, so every replica serves the live numbers; when the owner does not answer
-  within ``READ_TIMEOUT_S``, the replica answers from what it holds.
+- A live read (``GET /api/v1/jobs/{job}``, its ``/ranks``, ``/summary`` and ``/report``)
+  and ``POST .../report`` (built from live state) are answered by the owner, so every
+  replica serves the live numbers; when the owner does not answer within
+  ``READ_TIMEOUT_S``, the replica answers from what it holds.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from backend.api.edge import BODY_KEY
 from backend.control.errors import ElsewhereError
 from backend.parts import Parts
 
-__all__ = ["answer_elsewhere", "live_read", "READ_TIMEOUT_S"]
+__all__ = ["answer_elsewhere", "from_owner", "READ_TIMEOUT_S"]
 
 log = logging.getLogger("rebalancer.api")
 
@@ -56,12 +57,13 @@ async def answer_elsewhere(request: Request, exc: Exception) -> Response:
         log.warning("forwarding %s %s to replica %s failed: %s", request.method, path, exc.owner, err.detail)
         return JSONResponse({"detail": err.detail}, status_code=err.status_code)
     return Response(reply.body, status_code=reply.status, media_type=reply.content_type,
-                    headers={"X-Rebalancer-Forwarded-To": exc.owner})
+                    headers={**reply.headers, "X-Rebalancer-Forwarded-To": exc.owner})
 
 
-async def live_read(request: Request, parts: Parts, job: str) -> Response | None:
-    """The owner's answer to this read of ``job``'s live state; None: answer it here (one
-    replica, this replica owns the job, nobody does, or no token to forward)."""
+async def from_owner(request: Request, parts: Parts, job: str) -> Response | None:
+    """The owner's answer to this request about ``job``'s live state; None: answer it here
+    (one replica, this replica owns the job, nobody does, no token to forward, or the owner
+    did not answer 200)."""
     cluster, forwarder = parts.cluster, parts.forwarder
     authorization = request.headers.get("authorization")
     if (cluster is None or forwarder is None or cluster.owns(job) or authorization is None
@@ -74,12 +76,12 @@ async def live_read(request: Request, parts: Parts, job: str) -> Response | None
 
     path, query = _path(request)
     try:
-        reply = await forwarder.send(job=job, owner=owner, url=url, method="GET", path=path, query=query,
-                                     authorization=authorization, timeout_s=READ_TIMEOUT_S)
+        reply = await forwarder.send(job=job, owner=owner, url=url, method=request.method, path=path,
+                                     query=query, authorization=authorization, timeout_s=READ_TIMEOUT_S)
     except ForwardError as err:
         log.warning("reading job %s from replica %s failed; answered from here: %s", job, owner, err.detail)
         return None
     if reply.status != 200:
         return None  # e.g. the owner has not stored the job yet: answer from here
     return Response(reply.body, status_code=200, media_type=reply.content_type,
-                    headers={"X-Rebalancer-Forwarded-To": owner})
+                    headers={**reply.headers, "X-Rebalancer-Forwarded-To": owner})

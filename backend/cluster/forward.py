@@ -20,6 +20,8 @@ __all__ = ["FORWARDED_BY", "FORWARDED_TO", "MAX_REPLY_BYTES", "ForwardError", "F
 FORWARDED_BY = "x-rebalancer-forwarded-by"
 FORWARDED_TO = "x-rebalancer-forwarded-to"
 MAX_REPLY_BYTES = 16 * 1024 * 1024
+# Headers of the owner's answer that the caller gets too (a report's CSP, a 503's Retry-After).
+PASSED_HEADERS = ("content-security-policy", "retry-after")
 _SCHEMES = {"ws": "http", "wss": "https", "http": "http", "https": "https"}
 
 
@@ -38,6 +40,7 @@ class Reply:
     status: int
     body: bytes
     content_type: str
+    headers: dict[str, str]
 
 
 class ForwardError(Exception):
@@ -93,7 +96,9 @@ class Forwarder:
                                     f"({type(exc).__name__}); the action may have been applied there: read the "
                                     f"job's audit (GET /api/v1/jobs/{job}/audit) before sending it again.") from exc
         self.forwarded += 1
-        return Reply(reply.status_code, b"".join(chunks), reply.headers.get("content-type", "application/json"))
+        passed = {k: reply.headers[k] for k in PASSED_HEADERS if k in reply.headers}
+        return Reply(reply.status_code, b"".join(chunks), reply.headers.get("content-type", "application/json"),
+                     passed)
 
     async def aclose(self) -> None:
         await self._client.aclose()

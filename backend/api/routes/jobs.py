@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
 from backend.api.deps import PartsDep, ViewerDep
-from backend.api.forwarding import live_read
+from backend.api.forwarding import from_owner
 from backend.live.forecast import forecast
 from backend.live.state import JobView, RankView
 from backend.parts import Parts
@@ -277,7 +277,7 @@ async def list_jobs(_actor: ViewerDep, parts: PartsDep) -> JobsPublic:
 @router.get("/{job}", response_model=JobPublic, summary="One job")
 async def get_job(job: str, _actor: ViewerDep, parts: PartsDep, request: Request) -> JobPublic | Response:
     """The job's live numbers and control state (from its owner, with several replicas)."""
-    if (owners := await live_read(request, parts, job)) is not None:
+    if (owners := await from_owner(request, parts, job)) is not None:
         return owners
     row = None
     if job not in parts.live:
@@ -291,7 +291,7 @@ async def get_job(job: str, _actor: ViewerDep, parts: PartsDep, request: Request
 @router.get("/{job}/summary", response_model=SummaryPublic, summary="Savings and summary of a run")
 async def get_summary(job: str, _actor: ViewerDep, parts: PartsDep, request: Request) -> dict[str, Any] | Response:
     """Time and cost saved against the uniform split, and the run's latest figures."""
-    if (owners := await live_read(request, parts, job)) is not None:
+    if (owners := await from_owner(request, parts, job)) is not None:
         return owners
     found = await parts.summary(job)
     if found is None:
@@ -348,7 +348,7 @@ def _stored_ranks(s: Session, job: str) -> list[tuple[store.RankRow, store.RankM
 @router.get("/{job}/ranks", response_model=RanksPublic, summary="Ranks of a job")
 async def get_ranks(job: str, _actor: ViewerDep, parts: PartsDep, request: Request) -> RanksPublic | Response:
     """Every rank's live numbers (from the job's owner, with several replicas)."""
-    if (owners := await live_read(request, parts, job)) is not None:
+    if (owners := await from_owner(request, parts, job)) is not None:
         return owners
     shares = _shares(parts, job)
     view = parts.live.view(job)

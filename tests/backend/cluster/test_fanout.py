@@ -125,6 +125,19 @@ def test_a_dashboard_on_the_replica_without_the_job_is_live(pair: Pair) -> None:
     assert pair.get(pair.b, BASE)["batch_index"] == pair.get(pair.a, BASE)["batch_index"] == 34
     assert pair.get(pair.b, BASE)["connected_ranks"] == 2
     assert pair.get(pair.b, f"{BASE}/ranks")["count"] == 2
+    assert pair.get(pair.b, f"{BASE}/summary")["batch_index"] == 34
+    # The report is built from live state: B's is A's, with the page's own CSP.
+    import urllib.request
+
+    def html(server: Server) -> tuple[str, str]:
+        req = urllib.request.Request(f"{server.url}{BASE}/report?format=html",
+                                     headers={"Authorization": f"Bearer {ADMIN}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.headers["Content-Security-Policy"], r.headers.get("X-Rebalancer-Forwarded-To")
+
+    (csp_b, via), (csp_a, _) = html(pair.b), html(pair.a)
+    assert csp_b == csp_a and "sha256-" in csp_b
+    assert via == pair.redis.get(f"{pair.prefix}:lease:{JOB}").decode()
 
 
 def test_actions_at_the_replica_without_the_job_are_applied_once_by_its_owner(pair: Pair) -> None:
