@@ -363,10 +363,11 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
     writes = WriteBuffer(write_rows=insert_windows, job_of=lambda w: w.job,
                          max_windows=settings.persist_buffer_windows)
     storage = StorageHealth(engine, probe_table=RankMetricRow.__tablename__)
-    exporter = MetricsExporter(live=live, connections=connections, controller=controller, hub=hub,
-                               settings=settings, writes=writes, storage=storage)
-    reports = RunReports(sql=sql, controller=controller, hub=hub, settings=settings, live=live)
     fanout, forwarder = _cluster_links(settings, cluster, hub)
+    exporter = MetricsExporter(live=live, connections=connections, controller=controller, hub=hub,
+                               settings=settings, writes=writes, storage=storage, fanout=fanout,
+                               forwarder=forwarder)
+    reports = RunReports(sql=sql, controller=controller, hub=hub, settings=settings, live=live)
     return Parts(settings=settings, engine=engine, sql=sql, live=live, connections=connections,
                  auth=auth, sockets=TokenSockets(), controller=controller, hub=hub, reports=reports,
                  exporter=exporter, writes=writes, storage=storage, cluster=cluster, fanout=fanout,

@@ -80,8 +80,9 @@ class LiveFanout:
         self._pulled: dict[str, float] = {}  # watcher side: job -> monotonic time of the last pull
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
-        self.published = 0  # snapshots stored (tests, /metrics later)
-        self.applied = 0  # snapshots taken from other replicas
+        # rebalancer_fanout_snapshots_total: stored for others, taken from others, refused
+        self.published = 0
+        self.applied = 0
         self.refused = 0  # snapshots or messages that failed their check
 
     @property

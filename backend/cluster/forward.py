@@ -61,7 +61,8 @@ class Forwarder:
         self.timeout_s = timeout_s
         # No proxy from the environment and no redirects: the owner's URL is the only target.
         self._client = httpx.AsyncClient(timeout=timeout_s, follow_redirects=False, trust_env=False)
-        self.forwarded = 0
+        self.answered = 0  # requests the owner answered (any status)
+        self.failed = 0  # requests with no answer: ForwardError
 
     async def send(self, *, job: str, owner: str, url: str, method: str, path: str, query: str,
                    authorization: str, body: bytes = b"", timeout_s: float | None = None) -> Reply:
@@ -77,6 +78,14 @@ class Forwarder:
         if body:
             headers["content-type"] = "application/json"
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            return await self._send(method, target, headers, body, timeout, where, job)
+        except ForwardError:
+            self.failed += 1
+            raise
+
+    async def _send(self, method: str, target: str, headers: dict[str, str], body: bytes, timeout: float,
+                    where: str, job: str) -> Reply:
         try:
             async with self._client.stream(method, target, headers=headers, content=body,
                                            timeout=timeout) as reply:
@@ -95,7 +104,7 @@ class Forwarder:
             raise ForwardError(503, f"{where}, which did not answer within {timeout:g} s "
                                     f"({type(exc).__name__}); the action may have been applied there: read the "
                                     f"job's audit (GET /api/v1/jobs/{job}/audit) before sending it again.") from exc
-        self.forwarded += 1
+        self.answered += 1
         passed = {k: reply.headers[k] for k in PASSED_HEADERS if k in reply.headers}
         return Reply(reply.status_code, b"".join(chunks), reply.headers.get("content-type", "application/json"),
                      passed)

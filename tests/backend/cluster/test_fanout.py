@@ -49,6 +49,15 @@ class Pair:
         assert status == 200, (path, status, body)
         return body
 
+    def counter(self, server: Server, name: str, outcome: str) -> float:
+        import urllib.request
+
+        req = urllib.request.Request(f"{server.url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            text = r.read().decode()
+        [line] = [x for x in text.splitlines() if x.startswith(f'{name}{{outcome="{outcome}"}} ')]
+        return float(line.split()[-1])
+
     def log(self) -> str:
         return f"--- A ---\n{self.a.log()[-3000:]}\n--- B ---\n{self.b.log()[-3000:]}"
 
@@ -126,6 +135,9 @@ def test_a_dashboard_on_the_replica_without_the_job_is_live(pair: Pair) -> None:
     assert pair.get(pair.b, BASE)["connected_ranks"] == 2
     assert pair.get(pair.b, f"{BASE}/ranks")["count"] == 2
     assert pair.get(pair.b, f"{BASE}/summary")["batch_index"] == 34
+    assert pair.counter(pair.a, "rebalancer_fanout_snapshots_total", "stored") >= 1
+    assert pair.counter(pair.b, "rebalancer_fanout_snapshots_total", "applied") >= 1
+    assert pair.counter(pair.b, "rebalancer_fanout_snapshots_total", "refused") == 0
     # The report is built from live state: B's is A's, with the page's own CSP.
     import urllib.request
 
@@ -164,6 +176,7 @@ def test_actions_at_the_replica_without_the_job_are_applied_once_by_its_owner(pa
     assert len(approvals) == 1, audit
     assert approvals[0]["actor"] == "bootstrap-admin" and approvals[0]["reason"] == "approved at B"
     assert [r["action"] for r in audit].count("job.overrides") == 1, audit
+    assert pair.counter(pair.b, "rebalancer_forwarded_requests_total", "answered") >= 5
     # The placement versions: 0, and the one approved through B (no second one).
     assert [p["shares"] for p in pair.get(pair.b, f"{BASE}/placements")["data"]] == [[20, 12], [16, 16]]
 
