@@ -165,13 +165,13 @@ class LiveFanout:
             return False
         try:
             data = remote.check(job, text)
-        except ValueError as exc:
+            if data["replica"] == self.replica_id:
+                return False  # our own, left from before another replica took the job
+            applied = self.hub.apply_remote(job, data)
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:  # this job's copy only
             self.refused += 1
             log.warning("refused the dashboard snapshot of job %s from Redis: %s", job, exc)
             return False
-        if data["replica"] == self.replica_id:
-            return False  # our own, left from before another replica took the job
-        applied = self.hub.apply_remote(job, data)
         self.applied += applied
         return applied
 

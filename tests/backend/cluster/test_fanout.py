@@ -281,3 +281,31 @@ def test_the_http_base_of_an_advertised_url() -> None:
     assert http_base("http://h:1") == "http://h:1"
     for bad in ("10.0.0.5:8000", "ftp://h", "ws://", "ws://h?x=1", "ws://a,ws://b"):
         assert http_base(bad) is None, bad
+
+
+def test_a_bad_snapshot_on_redis_costs_only_its_own_job_one_update() -> None:
+    import asyncio
+
+    from backend.cluster import LiveFanout
+
+    prefix = f"rebalancer-test-{uuid.uuid4().hex[:10]}"
+    client = redis.Redis.from_url(REDIS_URL)
+    watcher = _watcher_with_a_copy()  # holds a good copy of job 'j'
+    try:
+        client.set(f"{prefix}:live:bad", "[" * 100_000 + "]" * 100_000, px=60_000)  # nested past recursion
+        client.set(f"{prefix}:live:worse", json.dumps({"job": "worse", "seq": "1"}), px=60_000)
+
+        async def run() -> None:
+            fanout = LiveFanout(url=REDIS_URL, prefix=prefix, replica_id="b", interval_s=1.0, hub=watcher,
+                                owned=set)
+            assert not await fanout.pull("bad")
+            assert not await fanout.pull("worse")
+            assert not await fanout.pull("absent")  # no snapshot stored: nothing changes
+            assert fanout.refused == 2 and fanout.applied == 0
+            await fanout.stop()
+        asyncio.run(run())
+        assert watcher.remote_jobs() == {"j"} and watcher.savings("j") is not None
+    finally:
+        for key in client.scan_iter(f"{prefix}:*"):
+            client.delete(key)
+        client.close()
