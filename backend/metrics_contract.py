@@ -187,6 +187,13 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "1 while the database takes writes, 0 while /healthz says degraded.", True),
     MetricSpec("rebalancer_live_jobs", "gauge", (), "1",
                "Jobs held in memory (REBALANCER_MAX_LIVE_JOBS at most).", True),
+    MetricSpec("rebalancer_forwarded_requests_total", "counter", ("outcome",), "1",
+               "Requests about a job another replica controls, sent on to that replica (docs/scale-out.md): "
+               "outcome answered (its answer went back) or failed (unreachable, or no answer in time); "
+               "0 with one replica.", True),
+    MetricSpec("rebalancer_fanout_snapshots_total", "counter", ("outcome",), "1",
+               "Dashboard snapshots between replicas: stored (of a job this replica controls, for others), "
+               "applied (another owner's, shown here) or refused (failed its check); 0 with one replica.", True),
 )
 
 

@@ -31,6 +31,7 @@ from backend.policy.comm import BOUNDS
 from trainer_hook.protocol import LINK_FIELDS
 
 if TYPE_CHECKING:
+    from backend.cluster import Forwarder, LiveFanout
     from backend.control.controller import Controller
     from backend.dashboard.hub import DashboardHub
     from backend.ingest.connections import HookConnections
@@ -98,7 +99,8 @@ class MetricsExporter:
 
     def __init__(self, *, live: LiveState, connections: HookConnections, controller: Controller,
                  hub: DashboardHub, settings: Settings,
-                 writes: WriteBuffer, storage: StorageHealth):
+                 writes: WriteBuffer, storage: StorageHealth, fanout: LiveFanout | None = None,
+                 forwarder: Forwarder | None = None):
         self.live = live
         self.connections = connections
         self.controller = controller
@@ -106,6 +108,8 @@ class MetricsExporter:
         self.settings = settings
         self.writes = writes
         self.storage = storage
+        self.fanout = fanout  # None: one replica (the counters stay 0)
+        self.forwarder = forwarder
 
     def exposition(self) -> str:
         """The whole scrape, as Prometheus text."""
@@ -127,6 +131,13 @@ class MetricsExporter:
         fams["rebalancer_persist_buffered_windows"].add("", len(self.writes))
         fams["rebalancer_database_writable"].add("", 0 if (self.storage.problem or self.writes.fault) else 1)
         fams["rebalancer_live_jobs"].add("", self.live.job_count())
+        fwd = self.forwarder
+        for outcome, n in (("answered", fwd.answered if fwd else 0), ("failed", fwd.failed if fwd else 0)):
+            fams["rebalancer_forwarded_requests_total"].add(_labels(outcome=outcome), n)
+        fan = self.fanout
+        for outcome, n in (("stored", fan.published if fan else 0), ("applied", fan.applied if fan else 0),
+                           ("refused", fan.refused if fan else 0)):
+            fams["rebalancer_fanout_snapshots_total"].add(_labels(outcome=outcome), n)
         self._fleet(fams)
         return "".join(f.render() for f in fams.values() if f.lines)
 

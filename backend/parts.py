@@ -52,7 +52,7 @@ from backend.storage.writes import WriteBuffer, database_fault
 from trainer_hook.protocol import CLOSE_TRY_AGAIN_LATER
 
 if TYPE_CHECKING:
-    from backend.cluster import JobLeases
+    from backend.cluster import Forwarder, JobLeases, LiveFanout
 
 __all__ = ["Parts", "build_parts", "init_db"]
 
@@ -71,7 +71,8 @@ class Parts:
                  connections: HookConnections, auth: AuthService, sockets: TokenSockets,
                  controller: Controller, hub: DashboardHub, reports: RunReports,
                  exporter: MetricsExporter, writes: WriteBuffer, storage: StorageHealth,
-                 cluster: JobLeases | None = None):
+                 cluster: JobLeases | None = None, fanout: LiveFanout | None = None,
+                 forwarder: Forwarder | None = None):
         self.settings = settings
         self.engine = engine
         self.sql = sql
@@ -84,8 +85,10 @@ class Parts:
         self.writes = writes  # metric windows on their way to SQL, kept through faults
         self.storage = storage  # whether the database takes writes (/healthz)
         self.cluster = cluster  # job leases on Redis; None: one replica (the default)
+        self.fanout = fanout  # other owners' dashboards shown here, ours stored for them
+        self.forwarder = forwarder  # operator actions sent on to a job's owner; None: 409
         if cluster is not None:
-            cluster.watch(wanted=connections.jobs, on_gained=controller.take_over, on_lost=self._hand_over)
+            cluster.watch(wanted=connections.jobs, on_gained=self._gained, on_lost=self._hand_over)
         self.reports = reports
         self.exporter = exporter
         self.persisted_windows = 0
@@ -252,6 +255,11 @@ class Parts:
         idle = self.live.idle_jobs(self.settings.forget_job_after_s)
         return [job for job in idle if self.forget_job(job)]
 
+    def _gained(self, job: str) -> None:
+        """This replica took ``job``: reload its control state; its dashboards show our feed."""
+        self.hub.drop_remote(job)
+        self.controller.take_over(job)
+
     def _hand_over(self, job: str) -> None:
         """Another replica took ``job`` while its hooks are connected here: send them there."""
         task = asyncio.create_task(self._redirect_hooks(job), name=f"rebalancer-hand-over-{job}")
@@ -289,6 +297,8 @@ class Parts:
             await self.cluster.start()
         await self.controller.start()
         await self.hub.start()
+        if self.fanout is not None:
+            await self.fanout.start()
         for coro, name in ((self._persist_loop(), "persist"), (self._revocation_loop(), "revocations"),
                            (self._retention_loop(), "retention"), (self._health_loop(), "storage-health"),
                            (self._forget_loop(), "forget")):
@@ -301,9 +311,13 @@ class Parts:
                 t.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
-        for part in (self.hub, self.controller):
+        for part in (self.fanout, self.hub, self.controller):
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    await part.stop()
+        if self.forwarder is not None:
             with contextlib.suppress(Exception):
-                await part.stop()
+                await self.forwarder.aclose()
         if self.cluster is not None:
             with contextlib.suppress(Exception):
                 await self.cluster.stop()
@@ -349,12 +363,15 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
     writes = WriteBuffer(write_rows=insert_windows, job_of=lambda w: w.job,
                          max_windows=settings.persist_buffer_windows)
     storage = StorageHealth(engine, probe_table=RankMetricRow.__tablename__)
+    fanout, forwarder = _cluster_links(settings, cluster, hub)
     exporter = MetricsExporter(live=live, connections=connections, controller=controller, hub=hub,
-                               settings=settings, writes=writes, storage=storage)
+                               settings=settings, writes=writes, storage=storage, fanout=fanout,
+                               forwarder=forwarder)
     reports = RunReports(sql=sql, controller=controller, hub=hub, settings=settings, live=live)
     return Parts(settings=settings, engine=engine, sql=sql, live=live, connections=connections,
                  auth=auth, sockets=TokenSockets(), controller=controller, hub=hub, reports=reports,
-                 exporter=exporter, writes=writes, storage=storage, cluster=cluster)
+                 exporter=exporter, writes=writes, storage=storage, cluster=cluster, fanout=fanout,
+                 forwarder=forwarder)
 
 
 def _cluster(settings: Settings) -> JobLeases | None:
@@ -365,3 +382,16 @@ def _cluster(settings: Settings) -> JobLeases | None:
     advertise = settings.advertise_url or f"ws://{settings.host}:{settings.port}"
     return JobLeases(url=settings.redis_url, prefix=settings.redis_prefix, advertise_url=advertise,
                      ttl_s=settings.lease_ttl_s)
+
+
+def _cluster_links(settings: Settings, cluster: JobLeases | None,
+                   hub: DashboardHub) -> tuple[LiveFanout | None, Forwarder | None]:
+    if cluster is None or settings.redis_url is None:
+        return None, None
+    from backend.cluster import Forwarder, LiveFanout
+
+    fanout = LiveFanout(url=settings.redis_url, prefix=settings.redis_prefix, replica_id=cluster.replica_id,
+                        interval_s=settings.fanout_interval_s, hub=hub, owned=cluster.owned_jobs)
+    forwarder = (Forwarder(replica_id=cluster.replica_id, timeout_s=settings.forward_timeout_s)
+                 if settings.forward_actions else None)
+    return fanout, forwarder

@@ -94,6 +94,12 @@ class Settings(BaseSettings):
     redis_prefix: str = "rebalancer"
     lease_ttl_s: float = 6.0
     advertise_url: str = ""
+    # Live fan-out between replicas: the owner stores a watched job's dashboard snapshot on
+    # Redis at most once per interval; other replicas' dashboards pull it. Operator actions
+    # at a non-owner are forwarded to the owner over HTTP (off: answered 409 with its URL).
+    fanout_interval_s: float = 1.0
+    forward_actions: bool = True
+    forward_timeout_s: float = 10.0
     # Keepalive pings to hooks and dashboards. A training node at 100% CPU (or 1,024 ranks
     # connecting at once) can answer late; the hook reconnects when it is dropped anyway.
     ws_ping_interval_s: float = 20.0
@@ -180,6 +186,20 @@ class Settings(BaseSettings):
                   or "," in v):
             raise ValueError(f"REBALANCER_ADVERTISE_URL must be a URL like 'ws://10.0.0.5:8000' (scheme ws, "
                              f"wss, http or https and a host) that the training hosts can reach, got {v!r}.")
+        return v
+
+    @field_validator("fanout_interval_s")
+    @classmethod
+    def _fanout_interval(cls, v: float) -> float:
+        if not 0.1 <= v <= 60.0:
+            raise ValueError(f"REBALANCER_FANOUT_INTERVAL_S must be between 0.1 and 60 seconds, got {v}.")
+        return v
+
+    @field_validator("forward_timeout_s")
+    @classmethod
+    def _forward_timeout(cls, v: float) -> float:
+        if not 1.0 <= v <= 120.0:
+            raise ValueError(f"REBALANCER_FORWARD_TIMEOUT_S must be between 1 and 120 seconds, got {v}.")
         return v
 
     @field_validator("lease_ttl_s")

@@ -36,9 +36,13 @@ __all__ = [
     "sha256_source",
     "CSP",
     "NUL_SENTENCE",
+    "BODY_KEY",
     "too_large",
 ]
 
+# The body a route read, kept in the scope so that a request a non-owner replica forwards to
+# a job's owner (backend.api.forwarding) is sent on byte for byte.
+BODY_KEY = "rebalancer.body"
 NUL_SENTENCE = "Text may not contain the NUL character (\\u0000); remove it and try again."
 
 
@@ -153,6 +157,7 @@ class _Body:
         body = b"".join(chunks)
         if _body_has_nul(body):
             raise HTTPException(422, NUL_SENTENCE)
+        self.scope[BODY_KEY] = body
         return [{"type": "http.request", "body": body, "more_body": False}]
 
 

@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, DBAPIError
 
 from backend.api.edge import NUL_SENTENCE
-from backend.control.errors import ControlError
+from backend.api.forwarding import answer_elsewhere
+from backend.control.errors import ControlError, ElsewhereError
 from backend.storage.health import report_fault
 from backend.storage.writes import database_fault, one_line
 
@@ -51,6 +52,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"detail": validation_sentence(exc)}, status_code=422)
 
     app.add_exception_handler(ControlError, control_error)
+    app.add_exception_handler(ElsewhereError, answer_elsewhere)  # forwarded to the job's owner
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(DBAPIError, _database_error)
     app.add_exception_handler(Exception, _internal_error)

@@ -104,6 +104,10 @@ class JobLeases:
         """True while this replica holds ``job``'s lease and Redis answers."""
         return not self._reason and job in self._owned
 
+    def owned_jobs(self) -> set[str]:
+        """The jobs whose lease this replica holds (none while Redis is down)."""
+        return set() if self._reason else set(self._owned)
+
     def status(self) -> ClusterStatus:
         if self._reason:
             return ClusterStatus("paused", self.replica_id, 0, self._reason)

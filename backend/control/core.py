@@ -18,6 +18,7 @@ from backend.auth.tokens import Actor
 from backend.control import inputs, records
 from backend.control.errors import (
     ConflictError,
+    ElsewhereError,
     NotFoundError,
 )
 from backend.control.modes import MODES
@@ -276,7 +277,8 @@ class ControllerCore:
         rid, url = await self.ownership.owner(job)
         if rid is not None:
             where = f" at {url}" if url else ""
-            raise ConflictError(f"Job '{job}' is controlled by replica {rid}{where}; send this action there.")
+            raise ElsewhereError(f"Job '{job}' is controlled by replica {rid}{where}; send this action there.",
+                                 job=job, owner=rid, url=url or "")
         status = self.ownership.status()
         if status.state == "paused":  # no replica may act on a job until Redis answers
             raise ConflictError(f"Control of job '{job}' is paused: {status.reason}")

@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
-__all__ = ["ControlError", "NotFoundError", "ConflictError", "InvalidError", "StateError", "error_detail"]
+__all__ = ["ControlError", "NotFoundError", "ConflictError", "ElsewhereError", "InvalidError", "StateError",
+           "error_detail"]
 
 
 class ControlError(Exception):
@@ -24,6 +25,15 @@ class NotFoundError(ControlError):
 
 class ConflictError(ControlError):
     status_code = 409
+
+
+class ElsewhereError(ConflictError):
+    """An operator action on a job another replica controls: the API forwards it to
+    ``url`` (the owner's advertised URL, "" when it has none) or answers 409 with it."""
+
+    def __init__(self, detail: str, *, job: str, owner: str, url: str):
+        super().__init__(detail)
+        self.job, self.owner, self.url = job, owner, url
 
 
 class InvalidError(ControlError):

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
-from backend.dashboard import fold
+from backend.dashboard import fold, remote
 from backend.dashboard.fold import CostFit, Feed
 from backend.ingest.budget import (
     DASHBOARD_FRAMES_BURST,
@@ -124,6 +124,11 @@ class DashboardHub:
         self._fleet_dirty = True
         self._fleet_read_at = float("-inf")
         self._overview_text = ""
+        # Jobs another replica controls whose feed here is a copy of its (``apply_remote``):
+        # job -> (owner replica id, sequence of the snapshot applied).
+        self._remote: dict[str, tuple[str, int]] = {}
+        # Points a feed of our own had not stored when a copy replaced it (take_unsaved).
+        self._orphaned: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = []
 
     # --- called by ingest and the controller ------------------------------------------
 
@@ -191,6 +196,8 @@ class DashboardHub:
         return list(self.live.jobs())
 
     def _update(self, job: str, now: float) -> None:
+        if job in self._remote:
+            return  # the owner folds it; apply_remote brings its snapshots here
         view = self.live.view(job)
         if view is None:
             if self._feeds.pop(job, None) is not None:
@@ -267,7 +274,7 @@ class DashboardHub:
 
     def take_unsaved(self) -> list[tuple[str, list[dict[str, Any]], dict[str, Any]]]:
         """(job, new points, summary values) of every job with points not stored yet."""
-        out = []
+        out, self._orphaned = self._orphaned, []
         for job, feed in self._feeds.items():
             if not feed.unsaved:
                 continue
@@ -286,6 +293,60 @@ class DashboardHub:
         """The job's savings against the uniform split so far (None if no feed)."""
         feed = self._feeds.get(job)
         return fold.feed_savings(feed) if feed is not None else None
+
+    # --- other replicas: a job's feed copied from its owner (backend.cluster.fanout) -------
+
+    def watched_jobs(self) -> set[str]:
+        """The jobs that dashboard clients here watch."""
+        return {c.job for c in self._clients if c.job is not None}
+
+    def snapshot(self, job: str, *, replica: str, seq: int) -> tuple[float, str | None] | None:
+        """(when the feed last changed, its snapshot as JSON or None when too big) of a job
+        whose feed this replica folds; None when it has none."""
+        feed = self._feeds.get(job)
+        if feed is None or job in self._remote:
+            return None
+        return feed.updated_at, remote.encode(feed, replica=replica, seq=seq)
+
+    def updated_at(self, job: str) -> float | None:
+        """When this replica last folded ``job``'s feed (None: no feed of its own)."""
+        feed = self._feeds.get(job)
+        return None if feed is None or job in self._remote else feed.updated_at
+
+    def apply_remote(self, job: str, data: dict[str, Any]) -> bool:
+        """Take a checked snapshot (``remote.check``) of a job another replica controls;
+        False when it is not newer than the one applied."""
+        replica, seq = data["replica"], data["seq"]
+        had = self._remote.get(job)
+        if had is not None and had[0] == replica and seq <= had[1]:
+            return False
+        feed = self._feeds.get(job)
+        if had is None or had[0] != replica or feed is None:
+            if had is None and feed is not None and feed.unsaved:  # folded here, not stored yet
+                self._orphaned.append((job, feed.unsaved, fold.summary_values(feed)))
+            feed = self._feeds[job] = fold.Feed(job)  # a new owner: its own sequences
+            self._restart_clients(job)
+        self._remote[job] = (replica, seq)
+        remote.merge(feed, data)
+        self._fleet_dirty = True
+        self.changes.mark(job)
+        return True
+
+    def remote_jobs(self) -> set[str]:
+        return set(self._remote)
+
+    def drop_remote(self, job: str) -> None:
+        """Stop showing the copy of ``job`` (this replica took it, or nobody watches it)."""
+        if self._remote.pop(job, None) is not None:
+            self._feeds.pop(job, None)
+            self._fleet_dirty = True
+            self._restart_clients(job)
+            self.changes.mark(job)
+
+    def _restart_clients(self, job: str) -> None:
+        for c in self._clients:
+            if c.job == job:  # their next frame is a full one, cut from the new feed
+                c.full_sent, c.series_cursor, c.heat_cursor, c.marker_cursor = False, -1, 0, -1
 
     # --- clients ------------------------------------------------------------------------
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
 from backend.api.deps import PartsDep, ViewerDep
+from backend.api.forwarding import from_owner
 from backend.live.forecast import forecast
 from backend.live.replicas import replica_rows, stored_replica_rows
 from backend.live.state import JobView, RankView
@@ -293,7 +294,10 @@ async def list_jobs(_actor: ViewerDep, parts: PartsDep) -> JobsPublic:
 
 
 @router.get("/{job}", response_model=JobPublic, summary="One job")
-async def get_job(job: str, _actor: ViewerDep, parts: PartsDep) -> JobPublic:
+async def get_job(job: str, _actor: ViewerDep, parts: PartsDep, request: Request) -> JobPublic | Response:
+    """The job's live numbers and control state (from its owner, with several replicas)."""
+    if (owners := await from_owner(request, parts, job)) is not None:
+        return owners
     row = None
     if job not in parts.live:
         row = await parts.sql.run(
@@ -305,8 +309,10 @@ async def get_job(job: str, _actor: ViewerDep, parts: PartsDep) -> JobPublic:
 
 
 @router.get("/{job}/summary", response_model=SummaryPublic, summary="Savings and summary of a run")
-async def get_summary(job: str, _actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
+async def get_summary(job: str, _actor: ViewerDep, parts: PartsDep, request: Request) -> dict[str, Any] | Response:
     """Time and cost saved against the uniform split, and the run's latest figures."""
+    if (owners := await from_owner(request, parts, job)) is not None:
+        return owners
     found = await parts.summary(job)
     if found is None:
         raise HTTPException(404, f"Job '{job}' has no summary yet.")
@@ -360,7 +366,10 @@ def _stored_ranks(s: Session, job: str) -> list[tuple[store.RankRow, store.RankM
 
 
 @router.get("/{job}/ranks", response_model=RanksPublic, summary="Ranks of a job")
-async def get_ranks(job: str, _actor: ViewerDep, parts: PartsDep) -> RanksPublic:
+async def get_ranks(job: str, _actor: ViewerDep, parts: PartsDep, request: Request) -> RanksPublic | Response:
+    """Every rank's live numbers (from the job's owner, with several replicas)."""
+    if (owners := await from_owner(request, parts, job)) is not None:
+        return owners
     shares = _shares(parts, job)
     view = parts.live.view(job)
     if view is not None:

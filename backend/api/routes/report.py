@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from backend.api.deps import OperatorDep, PartsDep, ViewerDep
+from backend.api.forwarding import from_owner
 from backend.api.routes.pages import report_csp
 from backend.parts import Parts
 from backend.report.collect import ON_DEMAND
@@ -47,11 +48,13 @@ _REPORT_CONTENT: dict[int | str, dict[str, Any]] = {200: {
 
 @router.get("/{job}/report", summary="End-of-run report of a job", responses=_REPORT_CONTENT)
 async def get_report(
-    job: str, _actor: ViewerDep, parts: PartsDep,
+    job: str, _actor: ViewerDep, parts: PartsDep, request: Request,
     format: Annotated[Literal["json", "html"], Query(description="json, or html: one offline page")] = "json",
     compare: Annotated[str | None, Query(min_length=1, max_length=128,
                                          description="another job: both runs side by side")] = None,
 ) -> Response:
+    if (owners := await from_owner(request, parts, job)) is not None:
+        return owners  # a job another replica controls: its report, from live state there
     a = await _report(parts, job)
     if compare is None:
         if format == "html":
@@ -63,8 +66,10 @@ async def get_report(
     return JSONResponse({"data": [a, b], "count": 2})
 
 
-@router.post("/{job}/report", summary="Store the job's report now")
-async def store_report(job: str, _actor: OperatorDep, parts: PartsDep) -> dict[str, Any]:
+@router.post("/{job}/report", summary="Store the job's report now", response_model=dict[str, Any])
+async def store_report(job: str, _actor: OperatorDep, parts: PartsDep, request: Request) -> dict[str, Any] | Response:
+    if (owners := await from_owner(request, parts, job)) is not None:
+        return owners
     view = parts.live.view(job)
     finished = view is not None and view.connected_ranks == 0
     found = await parts.store_report(job, reason=ON_DEMAND, finished=finished)
