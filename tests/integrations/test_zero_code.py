@@ -1,5 +1,5 @@
-"""`rebalancer run -- torchrun ...`: a plain DDP script with no rebalancer import is
-monitored live by a real backend; a broken injection changes neither its output nor
+"""`rebalancer run -- torchrun ...`: plain DDP, FSDP2 and HF Trainer scripts with no
+rebalancer import are monitored by a real backend; a broken injection changes neither its output nor
 its exit code (trainer_hook.zero_code, trainer_hook/_site/sitecustomize.py)."""
 
 from __future__ import annotations
@@ -79,6 +79,35 @@ def test_rebalancer_run_monitors_a_plain_ddp_script_live(server: Server, baselin
     assert job["mode"] == "observe"  # type: ignore[index]
     assert "rebalancer: monitoring job 'plain' (2 rank(s), global batch 16)" in err
     assert f"rebalancer run: dashboard: {server.url}/job/plain" in err
+
+
+FSDP2_SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "_plain_fsdp2_job.py")
+HF_SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "_plain_hf_job.py")
+
+
+@pytest.mark.parametrize(("job", "script", "framework", "local"), [
+    ("fsdp2", [FSDP2_SCRIPT, "12"], "ddp", 8),
+    ("hf", [HF_SCRIPT, "{tmp}", "12"], "hf_trainer", 4),
+], ids=["fsdp2", "hf-trainer"])
+def test_rebalancer_run_monitors_fsdp2_and_hf_trainer_scripts(server: Server, tmp_path: Path, job, script,
+                                                              framework, local):
+    # Unchanged scripts: every rank's 12 steps arrive with their data wait and compute; the
+    # script's own output is all there is on stdout, its exit status is kept.
+    cmd = [sys.executable, "-m", "backend", "run", "--server", server.url, "--job", job, "--",
+           *torchrun_cmd(2, [a.format(tmp=tmp_path) for a in script])]
+    proc = subprocess.run(cmd, env=job_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split(" ")[:2] for line in proc.stdout.splitlines() if line.startswith("final")] == [
+        ["final", "loss"]], proc.stdout
+    assert "rebalancer:" not in proc.stdout and "monitoring is off" not in proc.stderr, proc.stderr
+    ranks = server.get(f"/api/v1/jobs/{job}/ranks")["data"]  # type: ignore[index]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["hook_version"].endswith(f"observe-only (rebalancer run): {framework}")
+        assert r["n_steps"] == 12 and r["batch_index"] == 11 and r["local_batch_size"] == local
+        assert r["step_ms"] > 0 and r["compute_ms"] > 0 and r["data_wait_ms"] >= 0
+        assert r["step_ms"] >= r["compute_ms"]
+    assert server.get(f"/api/v1/jobs/{job}")["mode"] == "observe"  # type: ignore[index]
 
 
 @pytest.mark.parametrize(("extra", "line"), [
