@@ -10,11 +10,15 @@ make its peers wait): each rank streams its steps and device samples to the back
 - step time: from the previous step's end (the first step: its first batch) to this one;
 - data wait: the time spent in DataLoader iterators (``_BaseDataLoaderIter.__next__``)
   within it, whether the loop fetches its batch first or prefetches (Accelerate, the HF
-  Trainer, Lightning); optimizer: the optimizer's ``step()``; compute: the rest;
+  Trainer, Lightning); optimizer: the optimizer's ``step()``; compute: the rest, less the sync wait;
 - the local batch size: the first dimension of the batch's first tensor; the global batch
   is it times the world size, unless ``REBALANCER_GLOBAL_BATCH_SIZE`` says otherwise;
-- device metrics: the hook's DeviceProbe; sync wait is not separated from compute
-  (that needs ``hook.attach``, a code change).
+- sync wait: from the step's last gradient accumulation (a post-accumulate-grad hook on
+  the optimizer's parameters) to the optimizer's ``step()``, where DDP has waited for its
+  all-reduce; CPU parameters only (on an accelerator the host clock sees kernel launches,
+  and FSDP2's sharded parameters get their gradients after the reduce-scatter): else 0,
+  and the wait stays inside compute;
+- device metrics: the hook's DeviceProbe.
 
 A script that makes its own RebalanceHook is left to it (the monitor stands down at the
 first optimizer step). Placements from the backend are rejected with a reason saying rebalancing needs the hook's
@@ -122,6 +126,8 @@ class Monitor:
         self._prev_end: float | None = None  # perf_counter() at the last step's end
         self._fetch_s = 0.0  # DataLoader waits since then
         self._opt_t0 = -1.0  # perf_counter() when the optimizer's step() began
+        self._grad_t = -1.0  # perf_counter() when the last gradient of this step was accumulated
+        self._grad_hooks = False
         self._local = 0
         self._k = 0
         self._transport: Any = None
@@ -244,16 +250,45 @@ class Monitor:
             step = max(0.0, now - prev)
             data = min(fetch, step)
             opt = min(max(0.0, now - self._opt_t0), step - data) if self._opt_t0 >= prev else 0.0
+            # From the last local gradient to the optimizer: the wait for the gradient
+            # all-reduce to finish, i.e. for the slowest peer (CPU parameters only).
+            sync = 0.0
+            if prev <= self._grad_t <= self._opt_t0:
+                sync = min(self._opt_t0 - self._grad_t, step - data - opt)
             rec = StepRecord(
                 batch_index=k, local_batch_size=max(1, self._local or self._batch_guess()),
-                placement_version=0, data_wait_ms=data * 1e3, compute_ms=(step - data - opt) * 1e3,
-                sync_wait_ms=0.0, optimizer_ms=opt * 1e3, step_ms=step * 1e3, t=time.time(),
+                placement_version=0, data_wait_ms=data * 1e3, compute_ms=(step - data - opt - sync) * 1e3,
+                sync_wait_ms=sync * 1e3, optimizer_ms=opt * 1e3, step_ms=step * 1e3, t=time.time(),
             )
+            if not self._grad_hooks:
+                self._grad_hooks = True
+                self._watch_gradients(optimizer)
             if self._transport is None:
                 self._start_io()
             self._transport.put_step(rec)
         except Exception as exc:  # noqa: BLE001 - never break the job
             self._fail("timing a step failed", exc)
+
+    def _watch_gradients(self, optimizer: Any) -> None:
+        """Time each step's last gradient accumulation (the end of local compute; DDP's
+        reducer waits for its all-reduce after it). Only for CPU tensors with several ranks:
+        on an accelerator the host clock sees kernel launches, not their end, and FSDP's
+        sharded parameters receive their gradients after the reduce-scatter."""
+        import torch
+
+        if self.world_size < 2:
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"]
+                  if type(p) in (torch.Tensor, torch.nn.Parameter) and p.requires_grad]
+        if not params or any(p.device.type != "cpu" for p in params):
+            return
+        monitor = self
+
+        def grad_ready(_p: Any) -> None:
+            monitor._grad_t = time.perf_counter()
+
+        for p in params:
+            self._handles.append(p.register_post_accumulate_grad_hook(grad_ready))
 
     def _batch_guess(self) -> int:
         return max(1, self.global_batch_size // self.world_size) if self.global_batch_size else 1

@@ -23,8 +23,8 @@ SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "_plain_ddp_job.py")
 STEPS = 120  # per rank: 8 samples each, 16 a global batch
 
 
-def _torchrun(steps: int = STEPS, code: int = 0) -> list[str]:
-    return torchrun_cmd(2, [SCRIPT, str(steps), str(code)])
+def _torchrun(steps: int = STEPS, code: int = 0, slow_ms: int = 0) -> list[str]:
+    return torchrun_cmd(2, [SCRIPT, str(steps), str(code), str(slow_ms)])
 
 
 def _stdout_lines(out: str) -> list[str]:
@@ -49,8 +49,10 @@ def baseline() -> subprocess.CompletedProcess[str]:
 
 
 def test_rebalancer_run_monitors_a_plain_ddp_script_live(server: Server, baseline):
+    # Rank 1 computes 30 ms longer each step (a sleep before backward; the math is the
+    # baseline's): rank 0 waits for it inside the gradient all-reduce.
     cmd = [sys.executable, "-m", "backend", "run", "--server", server.url, "--job", "plain",
-           "--", *_torchrun(code=3)]
+           "--", *_torchrun(code=3, slow_ms=30)]
     proc = subprocess.Popen(cmd, env=job_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     live = 0
@@ -74,9 +76,17 @@ def test_rebalancer_run_monitors_a_plain_ddp_script_live(server: Server, baselin
         assert r["n_steps"] == STEPS and r["batch_index"] == STEPS - 1
         assert r["local_batch_size"] == 8 and r["placement_version"] == 0
         assert r["step_ms"] > 0 and r["data_wait_ms"] >= 0 and r["device"] is not None
+    # Compute vs sync wait without code change: the straggler computes, its peer waits.
+    assert ranks[1]["compute_ms"] > ranks[0]["compute_ms"] and ranks[0]["sync_wait_ms"] > ranks[1]["sync_wait_ms"]
     job = server.get("/api/v1/jobs/plain")
     assert job["world_size"] == 2 and job["global_batch_size"] == 16  # type: ignore[index]
     assert job["mode"] == "observe"  # type: ignore[index]
+    # What rebalancing would gain (the job page's notice): the policy's proposal, moving
+    # work off rank 1, shown and never sent in observe mode.
+    proposal = server.get("/api/v1/jobs/plain/proposals")["data"][0]  # type: ignore[index]
+    assert job["pending_proposal_id"] == proposal["id"] and proposal["status"] == "proposed"  # type: ignore[index]
+    assert proposal["shares"][0] > 8 > proposal["shares"][1] and proposal["predicted_gain"] > 0
+    assert job["placement"] == {"version": 0, "shares": [8, 8]}  # type: ignore[index]
     assert "rebalancer: monitoring job 'plain' (2 rank(s), global batch 16)" in err
     assert f"rebalancer run: dashboard: {server.url}/job/plain" in err
 
