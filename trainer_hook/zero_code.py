@@ -13,11 +13,11 @@ make its peers wait): each rank streams its steps and device samples to the back
   Trainer, Lightning); optimizer: the optimizer's ``step()``; compute: the rest, less the sync wait;
 - the local batch size: the first dimension of the batch's first tensor; the global batch
   is it times the world size, unless ``REBALANCER_GLOBAL_BATCH_SIZE`` says otherwise;
-- sync wait: from the step's last gradient accumulation (a post-accumulate-grad hook on
-  the optimizer's parameters) to the optimizer's ``step()``, where DDP has waited for its
-  all-reduce; CPU parameters only (on an accelerator the host clock sees kernel launches,
-  and FSDP2's sharded parameters get their gradients after the reduce-scatter): else 0,
-  and the wait stays inside compute;
+- sync wait: DDP's, from the step's last gradient accumulation (a post-accumulate-grad
+  hook on the optimizer's parameters) to the optimizer's ``step()``, where DDP has waited
+  for its all-reduce; FSDP2's, the time blocked inside its reduce-scatters and all-gathers
+  (``torch.distributed`` wrapped). CPU parameters only: on an accelerator the host clock
+  sees kernel launches, not their end, and the wait stays inside compute;
 - device metrics: the hook's DeviceProbe.
 
 A script that makes its own RebalanceHook is left to it (the monitor stands down at the
@@ -54,6 +54,8 @@ REJECT_REASON = (
     "hook's batch sampler and gradient weighting (RebalanceHook.data_loader and attach)."
 )
 _MAX_ENV_INT = 1 << 31
+# What FSDP2 calls through torch.distributed (torch.distributed.fsdp._fully_shard._fsdp_collectives).
+_TIMED_COLLECTIVES = ("reduce_scatter_single", "all_gather_single", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
 def _say(msg: str) -> None:
@@ -128,6 +130,7 @@ class Monitor:
         self._opt_t0 = -1.0  # perf_counter() when the optimizer's step() began
         self._grad_t = -1.0  # perf_counter() when the last gradient of this step was accumulated
         self._grad_hooks = False
+        self._coll_s = 0.0  # time blocked in FSDP's collectives since the last step's end
         self._local = 0
         self._k = 0
         self._transport: Any = None
@@ -183,8 +186,31 @@ class Monitor:
             return batch
 
         _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign,assignment]
+        self._time_collectives()
         os.register_at_fork(after_in_child=self._forked)
         atexit.register(self.close)
+
+    def _time_collectives(self) -> None:
+        """Time FSDP2's blocking collectives (it calls them through ``torch.distributed``):
+        on CPU (gloo) the time inside is the transfer and the wait for the slowest peer."""
+        import torch.distributed as dist
+
+        monitor = self
+        for name in _TIMED_COLLECTIVES:
+            orig = getattr(dist, name, None)
+            if orig is None:
+                continue
+
+            def timed(*args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+                if monitor.off or kwargs.get("async_op", False):
+                    return _orig(*args, **kwargs)
+                t = time.perf_counter()
+                try:
+                    return _orig(*args, **kwargs)
+                finally:
+                    monitor._coll_s += time.perf_counter() - t
+
+            setattr(dist, name, timed)
 
     def _fail(self, where: str, exc: BaseException) -> None:
         self.off = True
@@ -245,6 +271,7 @@ class Monitor:
             k, prev = self._k, self._prev_end
             self._k += 1
             self._prev_end, fetch, self._fetch_s = now, self._fetch_s, 0.0
+            coll, self._coll_s = self._coll_s, 0.0
             if prev is None:
                 return  # the first step of a loop without a DataLoader: its start is unknown
             step = max(0.0, now - prev)
@@ -252,9 +279,11 @@ class Monitor:
             opt = min(max(0.0, now - self._opt_t0), step - data) if self._opt_t0 >= prev else 0.0
             # From the last local gradient to the optimizer: the wait for the gradient
             # all-reduce to finish, i.e. for the slowest peer (CPU parameters only).
-            sync = 0.0
+            # FSDP2: the time blocked in its reduce-scatters and all-gathers.
+            sync = coll
             if prev <= self._grad_t <= self._opt_t0:
-                sync = min(self._opt_t0 - self._grad_t, step - data - opt)
+                sync += self._opt_t0 - self._grad_t
+            sync = min(sync, step - data - opt)
             rec = StepRecord(
                 batch_index=k, local_batch_size=max(1, self._local or self._batch_guess()),
                 placement_version=0, data_wait_ms=data * 1e3, compute_ms=(step - data - opt - sync) * 1e3,

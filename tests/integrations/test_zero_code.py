@@ -96,13 +96,13 @@ HF_SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "_plain_hf_job.py")
 
 
 @pytest.mark.parametrize(("job", "script", "framework", "local"), [
-    ("fsdp2", [FSDP2_SCRIPT, "12"], "ddp", 8),
+    ("fsdp2", [FSDP2_SCRIPT, "12", "30"], "ddp", 8),  # rank 1 computes 30 ms longer a step
     ("hf", [HF_SCRIPT, "{tmp}", "12"], "hf_trainer", 4),
 ], ids=["fsdp2", "hf-trainer"])
 def test_rebalancer_run_monitors_fsdp2_and_hf_trainer_scripts(server: Server, tmp_path: Path, job, script,
                                                               framework, local):
-    # Unchanged scripts: every rank's 12 steps arrive with their data wait and compute; the
-    # script's own output is all there is on stdout, its exit status is kept.
+    # Unchanged scripts: every rank's 12 steps arrive with their data wait, compute and sync
+    # wait; the script's own output is all there is on stdout, its exit status is kept.
     cmd = [sys.executable, "-m", "backend", "run", "--server", server.url, "--job", job, "--",
            *torchrun_cmd(2, [a.format(tmp=tmp_path) for a in script])]
     proc = subprocess.run(cmd, env=job_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=150)
@@ -116,7 +116,9 @@ def test_rebalancer_run_monitors_fsdp2_and_hf_trainer_scripts(server: Server, tm
         assert r["hook_version"].endswith(f"observe-only (rebalancer run): {framework}")
         assert r["n_steps"] == 12 and r["batch_index"] == 11 and r["local_batch_size"] == local
         assert r["step_ms"] > 0 and r["compute_ms"] > 0 and r["data_wait_ms"] >= 0
-        assert r["step_ms"] >= r["compute_ms"]
+        assert r["step_ms"] >= r["compute_ms"] and r["sync_wait_ms"] >= 0
+    if job == "fsdp2":  # FSDP2's reduce-scatters and all-gathers: the straggler's peer waits in them
+        assert ranks[1]["compute_ms"] > ranks[0]["compute_ms"] and ranks[0]["sync_wait_ms"] > ranks[1]["sync_wait_ms"]
     assert server.get(f"/api/v1/jobs/{job}")["mode"] == "observe"  # type: ignore[index]
 
 
