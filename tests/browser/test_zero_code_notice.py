@@ -58,7 +58,7 @@ def test_job_page_shows_the_zero_code_notice(tmp_path: Path) -> None:
                 page.wait_for_selector("#zero-code-notice:not([hidden])")
                 assert page.locator("#zero-code-line").inner_text().startswith(
                     "hook = RebalanceHook(global_batch_size=16); hook.attach(ddp_model);")
-                want = (f"the policy predicts {100 * proposal['predicted_gain']:.1f}% faster steps with it "
+                want = (f"the policy predicts {100 * proposal['predicted_gain']:.1f}% shorter steps with it "
                         f"(proposal {proposal['id']}, observe mode).")
                 page.wait_for_function("w => document.getElementById('zero-code-gain').innerText === w", arg=want)
             finally:
