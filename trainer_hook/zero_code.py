@@ -38,7 +38,7 @@ from typing import Any
 
 from trainer_hook.protocol import StepRecord
 
-__all__ = ["Monitor", "install", "ENABLE_LINE", "REJECT_REASON", "HOOK_VERSION_TAG"]
+__all__ = ["Monitor", "install", "split_step", "ENABLE_LINE", "REJECT_REASON", "HOOK_VERSION_TAG"]
 
 log = logging.getLogger("trainer_hook")
 
@@ -96,6 +96,25 @@ def _first_len(batch: Any) -> int | None:
             if n is not None:
                 return n
     return None
+
+
+def split_step(
+    prev: float, now: float, fetch_s: float, opt_t0: float, grad_t: float, coll_s: float
+) -> tuple[float, float, float, float]:
+    """One step's ``(step, data, optimizer, sync)`` seconds from its clock readings (compute
+    is the rest): it ran from ``prev`` to ``now``, spent ``fetch_s`` in DataLoader
+    iterators, entered the optimizer at ``opt_t0``, accumulated its last local gradient at
+    ``grad_t`` and blocked ``coll_s`` in FSDP's collectives. Sync wait is those collectives
+    plus, after the last gradient, the wait for DDP's all-reduce until the optimizer; a
+    reading from before this step (``< prev``) does not count. Each part is clipped to what
+    the ones before it left of the step."""
+    step = max(0.0, now - prev)
+    data = min(max(0.0, fetch_s), step)
+    opt = min(max(0.0, now - opt_t0), step - data) if opt_t0 >= prev else 0.0
+    sync = max(0.0, coll_s)
+    if prev <= grad_t <= opt_t0:
+        sync += opt_t0 - grad_t
+    return step, data, opt, min(sync, step - data - opt)
 
 
 def _script_has_hook() -> bool:
@@ -274,16 +293,7 @@ class Monitor:
             coll, self._coll_s = self._coll_s, 0.0
             if prev is None:
                 return  # the first step of a loop without a DataLoader: its start is unknown
-            step = max(0.0, now - prev)
-            data = min(fetch, step)
-            opt = min(max(0.0, now - self._opt_t0), step - data) if self._opt_t0 >= prev else 0.0
-            # From the last local gradient to the optimizer: the wait for the gradient
-            # all-reduce to finish, i.e. for the slowest peer (CPU parameters only).
-            # FSDP2: the time blocked in its reduce-scatters and all-gathers.
-            sync = coll
-            if prev <= self._grad_t <= self._opt_t0:
-                sync += self._opt_t0 - self._grad_t
-            sync = min(sync, step - data - opt)
+            step, data, opt, sync = split_step(prev, now, fetch, self._opt_t0, self._grad_t, coll)
             rec = StepRecord(
                 batch_index=k, local_batch_size=max(1, self._local or self._batch_guess()),
                 placement_version=0, data_wait_ms=data * 1e3, compute_ms=(step - data - opt - sync) * 1e3,

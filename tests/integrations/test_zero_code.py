@@ -204,3 +204,19 @@ def test_the_monitor_stands_down_when_the_script_has_its_own_hook(capsys):
     assert m.off and m._transport is None
     assert capsys.readouterr().err == (
         "rebalancer: the script has its own RebalanceHook: the injected monitoring stands down\n")
+
+
+def test_a_step_splits_into_data_optimizer_sync_and_compute():
+    # Pure arithmetic on fixed clock readings (seconds): the step 10 -> 11.
+    from trainer_hook.zero_code import split_step
+
+    # DDP: last gradient at 10.5, optimizer from 10.8: 0.3 s waited for the all-reduce.
+    assert split_step(10.0, 11.0, 0.1, 10.8, 10.5, 0.0) == pytest.approx((1.0, 0.1, 0.2, 0.3))
+    # FSDP2: no gradient hook fired this step (a reading from the last one), 0.25 s in collectives.
+    assert split_step(10.0, 11.0, 0.1, 10.8, 9.5, 0.25) == pytest.approx((1.0, 0.1, 0.2, 0.25))
+    # No optimizer reading this step: no optimizer time and no DDP wait.
+    assert split_step(10.0, 11.0, 0.0, 9.9, 9.8, 0.0) == (1.0, 0.0, 0.0, 0.0)
+    # Never more than the step: the parts are clipped in order, compute is never negative.
+    step, data, opt, sync = split_step(10.0, 11.0, 0.7, 10.9, 10.1, 5.0)
+    assert (step, data, opt) == pytest.approx((1.0, 0.7, 0.1)) and sync == pytest.approx(0.2)
+    assert step - data - opt - sync == pytest.approx(0.0, abs=1e-12)
