@@ -114,7 +114,8 @@ class RebalanceLightningCallback(pl.Callback):
     a mean over the global batch's valid tokens, its summed token loss times
     ``rebalance.token_loss_weight(n_valid)``. Raises
     for set-ups that cannot be kept exact: gradient accumulation
-    (``accumulate_grad_batches`` > 1), a strategy other than DDP or one process, a DDP
+    (``accumulate_grad_batches`` > 1), a strategy other than DDP, FSDP2 through
+    ``ModelParallelStrategy(tensor_parallel_size=1)`` or one process, a DDP
     comm hook of Lightning's own (``DDPStrategy(ddp_comm_hook=...)``), or a training
     loader not made by ``train_dataloader`` here.
     """
