@@ -10,11 +10,15 @@ make its peers wait): each rank streams its steps and device samples to the back
 - step time: from the previous step's end (the first step: its first batch) to this one;
 - data wait: the time spent in DataLoader iterators (``_BaseDataLoaderIter.__next__``)
   within it, whether the loop fetches its batch first or prefetches (Accelerate, the HF
-  Trainer, Lightning); optimizer: the optimizer's ``step()``; compute: the rest;
+  Trainer, Lightning); optimizer: the optimizer's ``step()``; compute: the rest, less the sync wait;
 - the local batch size: the first dimension of the batch's first tensor; the global batch
   is it times the world size, unless ``REBALANCER_GLOBAL_BATCH_SIZE`` says otherwise;
-- device metrics: the hook's DeviceProbe; sync wait is not separated from compute
-  (that needs ``hook.attach``, a code change).
+- sync wait: DDP's, from the step's last gradient accumulation (a post-accumulate-grad
+  hook on the optimizer's parameters) to the optimizer's ``step()``, where DDP has waited
+  for its all-reduce; FSDP2's, the time blocked inside its reduce-scatters and all-gathers
+  (``torch.distributed`` wrapped). CPU parameters only: on an accelerator the host clock
+  sees kernel launches, not their end, and the wait stays inside compute;
+- device metrics: the hook's DeviceProbe.
 
 A script that makes its own RebalanceHook is left to it (the monitor stands down at the
 first optimizer step). Placements from the backend are rejected with a reason saying rebalancing needs the hook's
@@ -34,7 +38,7 @@ from typing import Any
 
 from trainer_hook.protocol import StepRecord
 
-__all__ = ["Monitor", "install", "ENABLE_LINE", "REJECT_REASON", "HOOK_VERSION_TAG"]
+__all__ = ["Monitor", "install", "split_step", "ENABLE_LINE", "REJECT_REASON", "HOOK_VERSION_TAG"]
 
 log = logging.getLogger("trainer_hook")
 
@@ -50,6 +54,8 @@ REJECT_REASON = (
     "hook's batch sampler and gradient weighting (RebalanceHook.data_loader and attach)."
 )
 _MAX_ENV_INT = 1 << 31
+# What FSDP2 calls through torch.distributed (torch.distributed.fsdp._fully_shard._fsdp_collectives).
+_TIMED_COLLECTIVES = ("reduce_scatter_single", "all_gather_single", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
 def _say(msg: str) -> None:
@@ -92,6 +98,25 @@ def _first_len(batch: Any) -> int | None:
     return None
 
 
+def split_step(
+    prev: float, now: float, fetch_s: float, opt_t0: float, grad_t: float, coll_s: float
+) -> tuple[float, float, float, float]:
+    """One step's ``(step, data, optimizer, sync)`` seconds from its clock readings (compute
+    is the rest): it ran from ``prev`` to ``now``, spent ``fetch_s`` in DataLoader
+    iterators, entered the optimizer at ``opt_t0``, accumulated its last local gradient at
+    ``grad_t`` and blocked ``coll_s`` in FSDP's collectives. Sync wait is those collectives
+    plus, after the last gradient, the wait for DDP's all-reduce until the optimizer; a
+    reading from before this step (``< prev``) does not count. Each part is clipped to what
+    the ones before it left of the step."""
+    step = max(0.0, now - prev)
+    data = min(max(0.0, fetch_s), step)
+    opt = min(max(0.0, now - opt_t0), step - data) if opt_t0 >= prev else 0.0
+    sync = max(0.0, coll_s)
+    if prev <= grad_t <= opt_t0:
+        sync += opt_t0 - grad_t
+    return step, data, opt, min(sync, step - data - opt)
+
+
 def _script_has_hook() -> bool:
     """True when the script made a RebalanceHook itself: it reports this rank already."""
     from trainer_hook import _lifecycle
@@ -122,6 +147,9 @@ class Monitor:
         self._prev_end: float | None = None  # perf_counter() at the last step's end
         self._fetch_s = 0.0  # DataLoader waits since then
         self._opt_t0 = -1.0  # perf_counter() when the optimizer's step() began
+        self._grad_t = -1.0  # perf_counter() when the last gradient of this step was accumulated
+        self._grad_hooks = False
+        self._coll_s = 0.0  # time blocked in FSDP's collectives since the last step's end
         self._local = 0
         self._k = 0
         self._transport: Any = None
@@ -177,8 +205,31 @@ class Monitor:
             return batch
 
         _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign,assignment]
+        self._time_collectives()
         os.register_at_fork(after_in_child=self._forked)
         atexit.register(self.close)
+
+    def _time_collectives(self) -> None:
+        """Time FSDP2's blocking collectives (it calls them through ``torch.distributed``):
+        on CPU (gloo) the time inside is the transfer and the wait for the slowest peer."""
+        import torch.distributed as dist
+
+        monitor = self
+        for name in _TIMED_COLLECTIVES:
+            orig = getattr(dist, name, None)
+            if orig is None:
+                continue
+
+            def timed(*args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+                if monitor.off or kwargs.get("async_op", False):
+                    return _orig(*args, **kwargs)
+                t = time.perf_counter()
+                try:
+                    return _orig(*args, **kwargs)
+                finally:
+                    monitor._coll_s += time.perf_counter() - t
+
+            setattr(dist, name, timed)
 
     def _fail(self, where: str, exc: BaseException) -> None:
         self.off = True
@@ -239,21 +290,44 @@ class Monitor:
             k, prev = self._k, self._prev_end
             self._k += 1
             self._prev_end, fetch, self._fetch_s = now, self._fetch_s, 0.0
+            coll, self._coll_s = self._coll_s, 0.0
             if prev is None:
                 return  # the first step of a loop without a DataLoader: its start is unknown
-            step = max(0.0, now - prev)
-            data = min(fetch, step)
-            opt = min(max(0.0, now - self._opt_t0), step - data) if self._opt_t0 >= prev else 0.0
+            step, data, opt, sync = split_step(prev, now, fetch, self._opt_t0, self._grad_t, coll)
             rec = StepRecord(
                 batch_index=k, local_batch_size=max(1, self._local or self._batch_guess()),
-                placement_version=0, data_wait_ms=data * 1e3, compute_ms=(step - data - opt) * 1e3,
-                sync_wait_ms=0.0, optimizer_ms=opt * 1e3, step_ms=step * 1e3, t=time.time(),
+                placement_version=0, data_wait_ms=data * 1e3, compute_ms=(step - data - opt - sync) * 1e3,
+                sync_wait_ms=sync * 1e3, optimizer_ms=opt * 1e3, step_ms=step * 1e3, t=time.time(),
             )
+            if not self._grad_hooks:
+                self._grad_hooks = True
+                self._watch_gradients(optimizer)
             if self._transport is None:
                 self._start_io()
             self._transport.put_step(rec)
         except Exception as exc:  # noqa: BLE001 - never break the job
             self._fail("timing a step failed", exc)
+
+    def _watch_gradients(self, optimizer: Any) -> None:
+        """Time each step's last gradient accumulation (the end of local compute; DDP's
+        reducer waits for its all-reduce after it). Only for CPU tensors with several ranks:
+        on an accelerator the host clock sees kernel launches, not their end, and FSDP's
+        sharded parameters receive their gradients after the reduce-scatter."""
+        import torch
+
+        if self.world_size < 2:
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"]
+                  if type(p) in (torch.Tensor, torch.nn.Parameter) and p.requires_grad]
+        if not params or any(p.device.type != "cpu" for p in params):
+            return
+        monitor = self
+
+        def grad_ready(_p: Any) -> None:
+            monitor._grad_t = time.perf_counter()
+
+        for p in params:
+            self._handles.append(p.register_post_accumulate_grad_hook(grad_ready))
 
     def _batch_guess(self) -> int:
         return max(1, self.global_batch_size // self.world_size) if self.global_batch_size else 1

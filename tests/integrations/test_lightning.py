@@ -1,5 +1,6 @@
-"""PyTorch Lightning: Trainer(strategy="ddp") on 2 gloo ranks with uneven, changing splits
-matches a single-process replay, and resumes from Lightning's own checkpoint."""
+"""PyTorch Lightning: Trainer(strategy="ddp") and FSDP2 (ModelParallelStrategy with
+fully_shard) on 2 gloo ranks with uneven, changing splits match a single-process replay,
+and resume from Lightning's own checkpoints; both strategies fit in the same launches."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.integrations._common import (
 )
 
 pytest.importorskip("pytorch_lightning")
-pytestmark = [pytest.mark.timeout(200), pytest.mark.multiproc]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.multiproc]
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +26,17 @@ def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # One 20-step run shared by both tests; its ModelCheckpoint saves at step 8 (mid-epoch).
     root = tmp_path_factory.mktemp("lightning")
     run_torchrun(2, ["-m", "tests.integrations._lightning_job", str(root / "full"), "20", str(root / "ckpt")],
-                 timeout=150)
+                 timeout=240)
     return root
 
 
-def test_lightning_ddp_matches_single_process_reference(full_run):
-    recs, params = load(full_run / "full", 2)
-    assert recs[0]["world"] == 2 and recs[0]["gradients"] == "ddp_comm_hook"
+STRATEGIES = [("", "ddp_comm_hook"), ("-fsdp2", "fsdp2_reduce_scatter")]
+
+
+@pytest.mark.parametrize(("suffix", "gradients"), STRATEGIES, ids=["ddp", "fsdp2"])
+def test_lightning_matches_single_process_reference(full_run, suffix, gradients):
+    recs, params = load(full_run / f"full{suffix}", 2)
+    assert recs[0]["world"] == 2 and recs[0]["gradients"] == gradients
     assert recs[0]["total_steps"] == 20  # the Trainer's max_steps, for the backend's ETA
     # All three requested placements applied, on both ranks at the same batch index.
     assert [v for v, _ in recs[0]["acks"]] == [1, 2, 3]
@@ -46,14 +51,25 @@ def test_lightning_ddp_matches_single_process_reference(full_run):
         assert_close_params(p, want, rtol=1e-9)
 
 
-def test_lightning_resumes_from_its_own_checkpoint(full_run):
-    # fit(ckpt_path=step8.ckpt): the callback's state (hook.state_dict()) puts the run back
-    # at batch 8 under the split it had, with the placement agreed before the save.
-    assert (full_run / "ckpt" / "step8.ckpt").is_file()
+@pytest.fixture(scope="module")
+def resumed_run(full_run: Path) -> Path:
+    # Both strategies resume from their step-8 checkpoints in one launch.
     run_torchrun(2, ["-m", "tests.integrations._lightning_job", str(full_run / "resumed"), "20",
-                     str(full_run / "ckpt"), "resume"], timeout=150)
-    before, _ = load(full_run / "full", 2)
-    recs, params = load(full_run / "resumed", 2)
+                     str(full_run / "ckpt"), "resume"], timeout=240)
+    return full_run
+
+
+@pytest.mark.parametrize(("suffix", "gradients"), STRATEGIES, ids=["ddp", "fsdp2"])
+def test_lightning_resumes_from_its_own_checkpoint(resumed_run, suffix, gradients):
+    # fit(ckpt_path=step8.ckpt): the callback's state (hook.state_dict()) puts the run back
+    # at batch 8 under the split it had, with the placement agreed before the save. Under
+    # FSDP2 the checkpoint is a directory of shards, restored after on_fit_start.
+    full_run = resumed_run
+    ckpt = full_run / f"ckpt{suffix}" / "step8.ckpt"
+    assert ckpt.is_dir() if suffix else ckpt.is_file()
+    before, _ = load(full_run / f"full{suffix}", 2)
+    recs, params = load(full_run / f"resumed{suffix}", 2)
+    assert recs[0]["gradients"] == gradients
     assert min(int(k) for k in recs[0]["batches"]) == 8
     assert recs[0]["batches"]["8"]["version"] == before[0]["batches"]["8"]["version"] == 2
     assert recs[0]["acks"] == before[0]["acks"][1:]  # version 2 resumed at 8, version 3 at 10
@@ -129,3 +145,27 @@ def test_lightning_refuses_what_it_cannot_keep_exact(tmp_path):
         "from the LightningModule's (or the DataModule's) train_dataloader, so every rank trains its share "
         "of each global batch.")
     assert _fit_one_process(tmp_path) == "no error"
+
+
+def test_lightning_refuses_strategies_it_cannot_keep_exact():
+    # In-process on the strategy objects: FSDP1 (strategy="fsdp") and a tensor-parallel
+    # ModelParallelStrategy are refused naming the FSDP2 set-up that works.
+    from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from trainer_hook.integrations.lightning import _check_strategy
+
+    _check_strategy(DDPStrategy())
+    _check_strategy(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+    with pytest.raises(ValueError) as exc:
+        _check_strategy(FSDPStrategy())
+    assert str(exc.value) == (
+        "The rebalancer's Lightning callback supports strategy='ddp' (DDPStrategy) and FSDP2 through "
+        "ModelParallelStrategy with several processes, got FSDPStrategy. For FSDP use "
+        "Trainer(strategy=ModelParallelStrategy(data_parallel_size=<world size>, tensor_parallel_size=1)) "
+        "and fully_shard(...) in the LightningModule's configure_model; the callback weights its "
+        "reduce-scatter by each rank's share.")
+    with pytest.raises(ValueError) as exc:
+        _check_strategy(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2))
+    assert str(exc.value).startswith(
+        "ModelParallelStrategy(tensor_parallel_size=2) is not supported with the rebalancer's Lightning "
+        "callback: ranks that hold pieces of one model replica must see the same batch.")

@@ -1,5 +1,5 @@
-"""`rebalancer run -- torchrun ...`: a plain DDP script with no rebalancer import is
-monitored live by a real backend; a broken injection changes neither its output nor
+"""`rebalancer run -- torchrun ...`: plain DDP, FSDP2 and HF Trainer scripts with no
+rebalancer import are monitored by a real backend; a broken injection changes neither its output nor
 its exit code (trainer_hook.zero_code, trainer_hook/_site/sitecustomize.py)."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "_plain_ddp_job.py")
 STEPS = 120  # per rank: 8 samples each, 16 a global batch
 
 
-def _torchrun(steps: int = STEPS, code: int = 0) -> list[str]:
-    return torchrun_cmd(2, [SCRIPT, str(steps), str(code)])
+def _torchrun(steps: int = STEPS, code: int = 0, slow_ms: int = 0) -> list[str]:
+    return torchrun_cmd(2, [SCRIPT, str(steps), str(code), str(slow_ms)])
 
 
 def _stdout_lines(out: str) -> list[str]:
@@ -49,8 +49,10 @@ def baseline() -> subprocess.CompletedProcess[str]:
 
 
 def test_rebalancer_run_monitors_a_plain_ddp_script_live(server: Server, baseline):
+    # Rank 1 computes 30 ms longer each step (a sleep before backward; the math is the
+    # baseline's): rank 0 waits for it inside the gradient all-reduce.
     cmd = [sys.executable, "-m", "backend", "run", "--server", server.url, "--job", "plain",
-           "--", *_torchrun(code=3)]
+           "--", *_torchrun(code=3, slow_ms=30)]
     proc = subprocess.Popen(cmd, env=job_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     live = 0
@@ -74,11 +76,50 @@ def test_rebalancer_run_monitors_a_plain_ddp_script_live(server: Server, baselin
         assert r["n_steps"] == STEPS and r["batch_index"] == STEPS - 1
         assert r["local_batch_size"] == 8 and r["placement_version"] == 0
         assert r["step_ms"] > 0 and r["data_wait_ms"] >= 0 and r["device"] is not None
+    # Compute vs sync wait without code change: the straggler computes, its peer waits.
+    assert ranks[1]["compute_ms"] > ranks[0]["compute_ms"] and ranks[0]["sync_wait_ms"] > ranks[1]["sync_wait_ms"]
     job = server.get("/api/v1/jobs/plain")
     assert job["world_size"] == 2 and job["global_batch_size"] == 16  # type: ignore[index]
     assert job["mode"] == "observe"  # type: ignore[index]
+    # What rebalancing would gain (the job page's notice): the policy's proposal, moving
+    # work off rank 1, shown and never sent in observe mode.
+    proposal = server.get("/api/v1/jobs/plain/proposals")["data"][0]  # type: ignore[index]
+    assert job["pending_proposal_id"] == proposal["id"] and proposal["status"] == "proposed"  # type: ignore[index]
+    assert proposal["shares"][0] > 8 > proposal["shares"][1] and proposal["predicted_gain"] > 0
+    assert job["placement"] == {"version": 0, "shares": [8, 8]}  # type: ignore[index]
     assert "rebalancer: monitoring job 'plain' (2 rank(s), global batch 16)" in err
     assert f"rebalancer run: dashboard: {server.url}/job/plain" in err
+
+
+FSDP2_SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "_plain_fsdp2_job.py")
+HF_SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "_plain_hf_job.py")
+
+
+@pytest.mark.parametrize(("job", "script", "framework", "local"), [
+    ("fsdp2", [FSDP2_SCRIPT, "12", "30"], "ddp", 8),  # rank 1 computes 30 ms longer a step
+    ("hf", [HF_SCRIPT, "{tmp}", "12"], "hf_trainer", 4),
+], ids=["fsdp2", "hf-trainer"])
+def test_rebalancer_run_monitors_fsdp2_and_hf_trainer_scripts(server: Server, tmp_path: Path, job, script,
+                                                              framework, local):
+    # Unchanged scripts: every rank's 12 steps arrive with their data wait, compute and sync
+    # wait; the script's own output is all there is on stdout, its exit status is kept.
+    cmd = [sys.executable, "-m", "backend", "run", "--server", server.url, "--job", job, "--",
+           *torchrun_cmd(2, [a.format(tmp=tmp_path) for a in script])]
+    proc = subprocess.run(cmd, env=job_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split(" ")[:2] for line in proc.stdout.splitlines() if line.startswith("final")] == [
+        ["final", "loss"]], proc.stdout
+    assert "rebalancer:" not in proc.stdout and "monitoring is off" not in proc.stderr, proc.stderr
+    ranks = server.get(f"/api/v1/jobs/{job}/ranks")["data"]  # type: ignore[index]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["hook_version"].endswith(f"observe-only (rebalancer run): {framework}")
+        assert r["n_steps"] == 12 and r["batch_index"] == 11 and r["local_batch_size"] == local
+        assert r["step_ms"] > 0 and r["compute_ms"] > 0 and r["data_wait_ms"] >= 0
+        assert r["step_ms"] >= r["compute_ms"] and r["sync_wait_ms"] >= 0
+    if job == "fsdp2":  # FSDP2's reduce-scatters and all-gathers: the straggler's peer waits in them
+        assert ranks[1]["compute_ms"] > ranks[0]["compute_ms"] and ranks[0]["sync_wait_ms"] > ranks[1]["sync_wait_ms"]
+    assert server.get(f"/api/v1/jobs/{job}")["mode"] == "observe"  # type: ignore[index]
 
 
 @pytest.mark.parametrize(("extra", "line"), [
@@ -163,3 +204,19 @@ def test_the_monitor_stands_down_when_the_script_has_its_own_hook(capsys):
     assert m.off and m._transport is None
     assert capsys.readouterr().err == (
         "rebalancer: the script has its own RebalanceHook: the injected monitoring stands down\n")
+
+
+def test_a_step_splits_into_data_optimizer_sync_and_compute():
+    # Pure arithmetic on fixed clock readings (seconds): the step 10 -> 11.
+    from trainer_hook.zero_code import split_step
+
+    # DDP: last gradient at 10.5, optimizer from 10.8: 0.3 s waited for the all-reduce.
+    assert split_step(10.0, 11.0, 0.1, 10.8, 10.5, 0.0) == pytest.approx((1.0, 0.1, 0.2, 0.3))
+    # FSDP2: no gradient hook fired this step (a reading from the last one), 0.25 s in collectives.
+    assert split_step(10.0, 11.0, 0.1, 10.8, 9.5, 0.25) == pytest.approx((1.0, 0.1, 0.2, 0.25))
+    # No optimizer reading this step: no optimizer time and no DDP wait.
+    assert split_step(10.0, 11.0, 0.0, 9.9, 9.8, 0.0) == (1.0, 0.0, 0.0, 0.0)
+    # Never more than the step: the parts are clipped in order, compute is never negative.
+    step, data, opt, sync = split_step(10.0, 11.0, 0.7, 10.9, 10.1, 5.0)
+    assert (step, data, opt) == pytest.approx((1.0, 0.7, 0.1)) and sync == pytest.approx(0.2)
+    assert step - data - opt - sync == pytest.approx(0.0, abs=1e-12)

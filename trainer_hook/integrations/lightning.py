@@ -69,6 +69,31 @@ class _ResumableLoader(HookDataLoader):
         pass
 
 
+def _check_strategy(strategy: Any) -> None:
+    """DDP, or FSDP2 through ``ModelParallelStrategy`` over data parallelism only; the rest
+    refused naming the fix (``strategy="fsdp"`` is FSDP1, which needs a CUDA device here)."""
+    name = type(strategy).__name__
+    if name == "DDPStrategy":  # not its subclasses: DeepSpeedStrategy is one
+        return
+    if name == "ModelParallelStrategy":
+        tp = getattr(strategy, "_tensor_parallel_size", 1)
+        if tp != 1:
+            raise ValueError(
+                f"ModelParallelStrategy(tensor_parallel_size={tp}) is not supported with the rebalancer's "
+                "Lightning callback: ranks that hold pieces of one model replica must see the same batch. "
+                "Use ModelParallelStrategy(data_parallel_size=<world size>, tensor_parallel_size=1) with "
+                "fully_shard in configure_model."
+            )
+        return
+    raise ValueError(
+        f"The rebalancer's Lightning callback supports strategy='ddp' (DDPStrategy) and FSDP2 through "
+        f"ModelParallelStrategy with several processes, got {name}. For FSDP use "
+        "Trainer(strategy=ModelParallelStrategy(data_parallel_size=<world size>, tensor_parallel_size=1)) "
+        "and fully_shard(...) in the LightningModule's configure_model; the callback weights its "
+        "reduce-scatter by each rank's share."
+    )
+
+
 class RebalanceLightningCallback(pl.Callback):
     """Splits each global batch by a RebalanceHook in a Lightning ``Trainer``.
 
@@ -89,7 +114,8 @@ class RebalanceLightningCallback(pl.Callback):
     a mean over the global batch's valid tokens, its summed token loss times
     ``rebalance.token_loss_weight(n_valid)``. Raises
     for set-ups that cannot be kept exact: gradient accumulation
-    (``accumulate_grad_batches`` > 1), a strategy other than DDP or one process, a DDP
+    (``accumulate_grad_batches`` > 1), a strategy other than DDP, FSDP2 through
+    ``ModelParallelStrategy(tensor_parallel_size=1)`` or one process, a DDP
     comm hook of Lightning's own (``DDPStrategy(ddp_comm_hook=...)``), or a training
     loader not made by ``train_dataloader`` here.
     """
@@ -146,13 +172,8 @@ class RebalanceLightningCallback(pl.Callback):
                 "global_batch_size on the hook."
             )
         strategy = trainer.strategy
-        name = type(strategy).__name__
-        if trainer.world_size > 1 and name not in ("DDPStrategy",):
-            raise ValueError(
-                f"The rebalancer's Lightning callback supports strategy='ddp' (DDPStrategy) with "
-                f"several processes, got {name}: it weights gradients through the DDP model. "
-                "For FSDP write the loop with torchrun: model = fully_shard(model); hook.attach(model)."
-            )
+        if trainer.world_size > 1:
+            _check_strategy(strategy)
         if getattr(strategy, "_ddp_comm_hook", None) is not None:
             raise ValueError(
                 "DDPStrategy(ddp_comm_hook=...) is not supported with the rebalancer: the hook "
@@ -162,8 +183,10 @@ class RebalanceLightningCallback(pl.Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         model = trainer.strategy.model
+        if model is None:
+            model = pl_module
         if self._attached is None:
-            self.hook.attach(model if model is not None else pl_module)
+            self.hook.attach(model)
             self._attached = model
         elif self._attached is not model:
             raise RuntimeError(
@@ -209,5 +232,10 @@ class RebalanceLightningCallback(pl.Callback):
         return self.hook.state_dict()  # type: ignore[no-any-return]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Kept until ``on_fit_start``, where the hook is attached and no batch drawn yet."""
-        self._resume = dict(state_dict)
+        """Kept until ``on_fit_start``, where the hook is attached and no batch drawn yet;
+        strategies that restore after set-up (``ModelParallelStrategy``) call this after
+        ``on_fit_start``, still before the first batch: then it loads at once."""
+        if self._attached is None:
+            self._resume = dict(state_dict)
+        else:
+            self.hook.load_state_dict(dict(state_dict))

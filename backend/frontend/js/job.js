@@ -254,7 +254,7 @@ function renderZeroCode() {
   const line = (ENABLE_LINE[state.zeroCode] || ENABLE_LINE.ddp)(b);
   const p = state.control && state.control.pending_proposal;
   const gain = p && p.predicted_gain !== null && p.predicted_gain !== undefined
-    ? `the policy predicts ${pct(p.predicted_gain)} faster steps with it (proposal ${p.id}, observe mode).`
+    ? `the policy predicts ${pct(p.predicted_gain)} shorter steps with it (proposal ${p.id}, observe mode).`
     : "the policy predicts no gain above its threshold yet (observe mode).";
   box.replaceChildren(
     `Monitored by rebalancer run without code change: observe only. One line enables rebalancing: `,
