@@ -1,7 +1,7 @@
 """Node aggregation (trainer_hook/node_agg.py): the agent, its fallback, against a real backend.
 
 One uvicorn server for the module; the ranks are transports in this process (a torchrun
-job through the agent is in tests/integrations/test_node_agg_torchrun.py).
+job through the agent is in tests/trainer_hook/test_node_agg_torchrun.py).
 """
 
 from __future__ import annotations
