@@ -58,6 +58,7 @@ ENV_NODE_AGGREGATION = "REBALANCER_NODE_AGGREGATION"
 _ON, _OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
 _MAX_WAITING = 4096  # frames held while rank 0's connection is down (~5 min of 8 ranks' frames)
 _DRAIN_S = 1.0  # how long stop() lets rank 0's connection take what the agent holds
+_LAST_S = 1.5  # how long a closing rank 0 waits for the other local ranks to close first
 
 
 def node_aggregation(env: Mapping[str, str]) -> bool:
@@ -152,6 +153,15 @@ class NodeAgent:
         with self._lock:
             return sorted(self._guests)
 
+    def close(self) -> None:
+        """Local rank 0 is closing: the other local ranks close at about the same step, so
+        wait for them (up to 1.5 s) to send their last frames and goodbyes through the
+        agent, then stop (those still here go to their own connections)."""
+        deadline = time.monotonic() + _LAST_S
+        while self._guests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.stop("this rank is closing")
+
     def stop(self, reason: str = "stopped") -> None:
         """Stop relaying: take no new ranks, let rank 0's connection take what waits (up to
         1 s), then close the ranks' connections with 1001 (they reconnect on their own)."""
@@ -186,7 +196,7 @@ class NodeAgent:
         code = 1006
         try:
             first = conn.recv(timeout=10.0)
-            hello = _decode(first)
+            hello = decode(first)
             refusal = self._admit(hello)
             if refusal is not None or not isinstance(hello, Hello):
                 refusal = refusal or (CLOSE_MALFORMED, "The first message must be 'hello'.")
@@ -208,7 +218,7 @@ class NodeAgent:
             if placement is not None:
                 conn.send(placement)
             for raw in conn:
-                msg = _decode(raw)
+                msg = decode(raw)
                 if isinstance(msg, Hello) or msg.TYPE in ("metrics", "ack", "reject", "oom"):
                     if getattr(msg, "job", None) != self.job or getattr(msg, "rank", None) != rank:
                         raise ProtocolError(f"This connection speaks for job '{self.job}' rank {rank}; got a "
@@ -318,6 +328,3 @@ class NodeAgent:
             except ConnectionClosed:
                 pass
 
-
-def _decode(raw: str | bytes) -> Message:
-    return decode(raw)

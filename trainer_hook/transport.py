@@ -125,6 +125,10 @@ class Relay(Protocol):
         """Stop relaying: the other ranks go to their own connections."""
         ...
 
+    def close(self) -> None:
+        """This rank is closing: let the other ranks finish first (briefly), then stop."""
+        ...
+
 
 class _Stop(Exception):
     """The backend told us to stop for good (unsupported protocol version)."""
@@ -304,7 +308,7 @@ class Transport:
     def close(self, timeout: float = 2.0) -> None:
         """Flush what can be sent within ``timeout`` seconds, then close the websocket."""
         if self.relay is not None:  # the other ranks' last frames and leaves go out in the flush
-            self.relay.stop("this rank is closing")
+            self.relay.close()
         with self._lock:
             self._close_deadline = time.monotonic() + max(0.0, timeout)
             self._closing.set()
@@ -624,11 +628,19 @@ class Transport:
             try:
                 hello = self._make_hello()
                 self._ident = (hello.job, hello.rank)
+                self._answered = False
                 ws.send(encode(hello))
             except Exception as exc:  # noqa: BLE001
                 log.info("Closing with unsent records: %s", exc)
                 return
             self._flush(ws, self._close_deadline)
+            # Close only once the backend answered the hello: a busy backend that reads the
+            # close first could lose the frames behind it.
+            try:
+                while not self._answered and time.monotonic() < self._close_deadline:
+                    self._receive(ws, _POLL_S)
+            except ConnectionClosed:
+                pass
 
 
 def _requeue(q: deque[Any], rest: list[Any]) -> int:

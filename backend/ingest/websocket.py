@@ -149,6 +149,7 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
     ranks of one job, each after its own hello; every frame is checked as on a rank's own."""
     ranks: dict[int, _Rank] = {}
     job: str | None = None
+    pending: Hello | None = None  # a hello being registered (cleaned up if the socket fails meanwhile)
     lost = False  # the peer vanished without a close frame
     budget = FrameBudget(frames_per_s=HOOK_FRAMES_PER_S, frames_burst=HOOK_FRAMES_BURST,
                          bytes_per_s=HOOK_BYTES_PER_S, bytes_burst=HOOK_BYTES_BURST)
@@ -204,7 +205,9 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                     return
                 if ranks and msg.rank not in ranks:
                     budget.widen(len(ranks) + 1)  # a node connection: each rank brings its budget
+                pending = msg
                 stored = await _on_hello(parts, websocket, msg, version)
+                pending = None
                 if stored is None:
                     return
                 job = msg.job
@@ -268,8 +271,11 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                       CLOSE_INTERNAL)
     finally:
         parts.sockets.discard(actor, websocket)
-        for state in ranks.values():
-            _rank_gone(parts, websocket, state.hello, lost=lost, goodbye=goodbye)
+        gone = [state.hello for state in ranks.values()]
+        if pending is not None and pending.rank not in ranks:
+            gone.append(pending)
+        for hello in gone:
+            _rank_gone(parts, websocket, hello, lost=lost, goodbye=goodbye)
 
 
 def _rank_gone(parts: IngestParts, websocket: WebSocket, hello: Hello, *, lost: bool, goodbye: bool) -> None:
@@ -369,5 +375,8 @@ async def _hello_to_sql(parts: IngestParts, websocket: WebSocket, hello: Hello, 
     ok, placement = await _unless_database_fault("answering a hello", parts.controller.on_hello(hello))
     if not ok or placement is None:
         return False
-    await websocket.send_text(encode(placement, version))  # in the version the hook speaks
+    try:
+        await websocket.send_text(encode(placement, version))  # in the version the hook speaks
+    except Exception as exc:  # the hook closed already (a last flush): still read what it sent
+        log.info("job %s rank %d closed before its hello was answered (%s)", hello.job, hello.rank, exc)
     return True

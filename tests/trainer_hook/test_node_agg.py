@@ -15,7 +15,13 @@ import pytest
 
 from tests.helpers.server import Server, running_server
 from tests.helpers.waiting import wait_until
-from trainer_hook.node_agg import ENV_NODE_AGGREGATION, NodeAgent, agent_path, make_transport, node_aggregation
+from trainer_hook.node_agg import (
+    ENV_NODE_AGGREGATION,
+    NodeAgent,
+    agent_path,
+    make_transport,
+    node_aggregation,
+)
 from trainer_hook.protocol import Hello, Message, Placement, StepRecord
 from trainer_hook.transport import Transport
 
