@@ -966,8 +966,8 @@ class RebalanceHook:
     # --- I/O -------------------------------------------------------------------------
 
     def _start_io(self) -> None:
-        from trainer_hook.probe import DeviceProbe
         from trainer_hook.node_agg import make_transport
+        from trainer_hook.probe import DeviceProbe
 
         cfg = self.config
         device_index = None
