@@ -139,7 +139,12 @@ class _Rank:
 
 def _speaks_for(job: str, ranks: Iterable[int]) -> str:
     rs = sorted(ranks)
-    return f"job '{job}' rank {rs[0]}" if len(rs) == 1 else f"job '{job}' ranks {', '.join(map(str, rs))}"
+    if not rs:
+        return f"job '{job}' and no rank now (each left)"
+    if len(rs) == 1:
+        return f"job '{job}' rank {rs[0]}"
+    shown = ", ".join(map(str, rs[:8])) + (f" and {len(rs) - 8} more" if len(rs) > 8 else "")
+    return f"job '{job}' ranks {shown}"
 
 
 async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> None:

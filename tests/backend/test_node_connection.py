@@ -125,3 +125,14 @@ def test_leave_code_out_of_range_is_refused(client, code):
         ws.send_text(json.dumps({"type": "leave", "v": 2, "job": "n6", "rank": 0, "code": code}))
         assert ws.receive_json()["message"] == f"'code' must be between 1000 and 4999, got {code}."
         assert _close_code(ws) == 4002
+
+
+def test_a_frame_after_every_rank_left_is_refused(client):
+    with client.websocket_connect("/ws/hook") as ws:
+        ws.send_text(hello(job="n7", rank=0))
+        ws.receive_json()
+        ws.send_text(encode(Leave(job="n7", rank=0, code=1001)))
+        ws.send_text(metrics(job="n7", rank=0, n=1))
+        assert ws.receive_json()["message"] == ("This connection speaks for job 'n7' and no rank now (each left); "
+                                                "got a 'metrics' for job 'n7' rank 0.")
+        assert _close_code(ws) == 4002
