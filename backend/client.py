@@ -372,7 +372,8 @@ class Health(TypedDict):
     database: str
     open_mode: bool
     jobs: int
-    hook_connections: int
+    hook_connections: int  # ranks with an open hook websocket
+    hook_sockets: int  # open hook websockets (a node connection counts once)
     buffered_windows: int
     dropped_windows: int
     cluster: str  # "off" (one replica), "ok", or "paused: <why>"

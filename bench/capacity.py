@@ -19,7 +19,13 @@ wall time per scrape, body size and series count. Every simulated rank reports a
 NVML-like device sample (GPU index, UUID, utilisation, memory, power, temperature, clocks,
 throttle reasons), so a scrape carries every per-rank and per-device series a GPU job has.
 
+With ``--node-size 8`` the ranks of each simulated node share one websocket, as node
+aggregation does (trainer_hook/node_agg.py, docs/protocol.md node connections): one hello
+per rank on it, then every rank's frames on it; ``--steps-per-s 1`` models large jobs,
+whose steps are slow (a frame per rank every max(flush interval, step) seconds).
+
     python -m bench.capacity [--quick | --tiny] [--ranks 8,64,256,1024] [--seconds 15]
+                             [--node-size 8] [--steps-per-s 1]
 """
 
 from __future__ import annotations
@@ -93,6 +99,9 @@ class CapacityResult:
     scrape_bytes: int | None = None  # body size of the last scrape
     scrape_series: int | None = None  # samples (lines) in it
     errors: list[str] = field(default_factory=list)
+    node_size: int = 1  # ranks per hook websocket (1: a websocket per rank)
+    steps_per_s: float = STEPS_PER_S  # per rank
+    hook_sockets: int | None = None  # open hook websockets at the backend under load (/healthz)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -106,9 +115,12 @@ def _pct(values: list[float], q: float) -> float | None:
 class _Load:
     """Shared state of one load run: what was sent when, and what the dashboard showed."""
 
-    def __init__(self, job: str, ranks: int) -> None:
+    def __init__(self, job: str, ranks: int, steps_per_s: float = STEPS_PER_S) -> None:
         self.job = job
         self.ranks = ranks
+        # A rank's transport sends a frame per flush interval, or per step when steps are slower.
+        self.interval = max(FLUSH_S, 1.0 / steps_per_s)
+        self.per_msg = max(1, round(steps_per_s * self.interval))
         self.batch = [0] * ranks  # next batch index per rank
         # Per rank: (newest batch index in the frame, wall time it was handed to the socket).
         self.sent_at: list[list[tuple[int, float]]] = [[] for _ in range(ranks)]
@@ -126,28 +138,34 @@ class _Load:
         self.lags.clear()
 
 
-async def _hook_client(load: _Load, base: str, rank: int, t0: float, ready: asyncio.Event) -> None:
+async def _hook_client(load: _Load, base: str, ranks: list[int], t0: float, ready: asyncio.Event) -> None:
+    """One hook websocket: one rank's, or a node connection carrying ``ranks``."""
     world = load.ranks
     gbs = max(world, 1) * 8
-    hello = json.dumps({
+    hellos = [json.dumps({
         "type": "hello", "v": 1, "job": load.job, "rank": rank, "world_size": world,
         "global_batch_size": gbs, "host": f"node{rank // 8}", "pid": os.getpid(), "device_type": "H100",
         "device_name": "NVIDIA H100 80GB HBM3", "gpu_index": rank % 8,
         "gpu_uuid": f"GPU-{rank:08d}-0000-0000-0000-000000000000",
-    })
-    head = f'{{"type":"metrics","v":1,"job":"{load.job}","rank":{rank},"dropped":0,"steps":['
-    device_every = max(1, round(DEVICE_EVERY_S / FLUSH_S))
+    }) for rank in ranks]
+    heads = [f'{{"type":"metrics","v":1,"job":"{load.job}","rank":{rank},"dropped":0,"steps":[' for rank in ranks]
+    interval = load.interval
+    device_every = max(1, round(DEVICE_EVERY_S / interval))
     sent_msgs = 0
-    per_msg = max(1, round(STEPS_PER_S * FLUSH_S))
+    per_msg = load.per_msg
+    steps_per_s = per_msg / interval
     local = gbs // world
-    compute = 20.0 + 30.0 * (rank % 4)
+    computes = [20.0 + 30.0 * (rank % 4) for rank in ranks]
     async with websockets.connect(base + "/ws/hook", max_size=None, open_timeout=60,
                                   ping_interval=None) as ws:
-        await ws.send(hello)
-        try:  # the placement in force (the real hook does not wait for it either)
-            await asyncio.wait_for(ws.recv(), timeout=30)
-        except asyncio.TimeoutError:
-            load.no_reply += 1
+        for hello in hellos:
+            await ws.send(hello)
+        for _ in hellos:
+            try:  # the placement in force (the real hook does not wait for it either)
+                await asyncio.wait_for(ws.recv(), timeout=30)
+            except asyncio.TimeoutError:
+                load.no_reply += 1
+                break
         ready.set()
 
         async def drain() -> None:
@@ -155,33 +173,36 @@ async def _hook_client(load: _Load, base: str, rank: int, t0: float, ready: asyn
                 pass
 
         reader = asyncio.create_task(drain())
-        # Spread ranks over one flush interval, as independent processes would be.
-        next_at = t0 + FLUSH_S * (rank / world)
+        # Spread connections over one interval, as independent processes would be.
+        next_at = t0 + interval * (ranks[0] / world)
         try:
             while not load.stop:
                 delay = next_at - time.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 now = time.time()
-                k0 = load.batch[rank]
-                # Steps end 0.1 s apart; the newest ends now (its `t` is the send time).
-                recs = ",".join(
-                    _RECORD.format(k=k0 + j, b=local, c=compute, t=now - (per_msg - 1 - j) / STEPS_PER_S)
-                    for j in range(per_msg)
-                )
-                dev = _DEVICE.format(t=now) if sent_msgs % device_every == 0 else ""
-                if dev:
-                    load.devices_total += 1
+                dev_due = sent_msgs % device_every == 0
                 sent_msgs += 1
-                await ws.send(f"{head}{recs}],\"device\":[{dev}]}}")
-                load.batch[rank] = k0 + per_msg
-                load.sent_at[rank].append((k0 + per_msg - 1, now))
+                for rank, head, compute in zip(ranks, heads, computes, strict=True):
+                    k0 = load.batch[rank]
+                    # Steps end 1/rate apart; the newest ends now (its `t` is the send time).
+                    recs = ",".join(
+                        _RECORD.format(k=k0 + j, b=local, c=compute, t=now - (per_msg - 1 - j) / steps_per_s)
+                        for j in range(per_msg)
+                    )
+                    dev = _DEVICE.format(t=now) if dev_due else ""
+                    if dev:
+                        load.devices_total += 1
+                    await ws.send(f"{head}{recs}],\"device\":[{dev}]}}")
+                    load.batch[rank] = k0 + per_msg
+                    load.sent_at[rank].append((k0 + per_msg - 1, now))
+                    if load.measuring:
+                        load.messages += 1
+                        load.records += per_msg
                 if load.measuring:
-                    load.messages += 1
-                    load.records += per_msg
                     load.lags.append(max(0.0, now - next_at))
-                next_at += FLUSH_S
-                if now - next_at > 5 * FLUSH_S:  # far behind: skip ahead, count it as lag
+                next_at += interval
+                if now - next_at > 5 * interval:  # far behind: skip ahead, count it as lag
                     next_at = now
         finally:
             reader.cancel()
@@ -317,9 +338,10 @@ def _rest_steps(backend: Backend, job: str) -> int | None:
     return sum(int(r.get("batch_index") if r.get("batch_index") is not None else -1) + 1 for r in rows)
 
 
-async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) -> CapacityResult:
-    job = f"cap-{ranks}"
-    load = _Load(job, ranks)
+async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float, node_size: int = 1,
+                   steps_per_s: float = STEPS_PER_S) -> CapacityResult:
+    job = f"cap-{ranks}" if node_size == 1 else f"cap-{ranks}-n{node_size}"
+    load = _Load(job, ranks, steps_per_s)
     base = backend.ws_url
     server = psutil.Process(backend.pid)
     me = psutil.Process()
@@ -337,20 +359,21 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
     scraper = ctx.Process(target=_scrape_process, daemon=True,
                           args=(backend.url, min(SCRAPE_EVERY_S, seconds / 2), scrape_stop, scrape_child))
     scraper.start()
-    readies = [asyncio.Event() for _ in range(ranks)]
+    groups = [list(range(r, min(r + node_size, ranks))) for r in range(0, ranks, node_size)]
+    readies = [asyncio.Event() for _ in groups]
     tasks: list[asyncio.Task[None]] = []
     t0 = time.time() + 1.0
     sem = asyncio.Semaphore(64)  # connect in waves, as a real job's ranks trickle in
 
-    async def start(rank: int) -> None:
+    async def start(i: int) -> None:
         async with sem:
-            task = asyncio.create_task(_hook_client(load, base, rank, t0, readies[rank]))
+            task = asyncio.create_task(_hook_client(load, base, groups[i], t0, readies[i]))
             tasks.append(task)
-            waiter = asyncio.create_task(readies[rank].wait())
+            waiter = asyncio.create_task(readies[i].wait())
             await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
 
-    await asyncio.gather(*(start(r) for r in range(ranks)))
+    await asyncio.gather(*(start(i) for i in range(len(groups))))
     failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
     if failed:
         load.errors.append(f"{len(failed)} hook connections failed: {failed[0].exception()!r}")
@@ -363,7 +386,9 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
     cpu_d0 = sum(viewer.cpu_times()[:2])
     w0, wall0 = time.monotonic(), time.time()
     load.measuring = True
-    await asyncio.sleep(seconds)
+    await asyncio.sleep(seconds / 2)
+    sockets = await asyncio.to_thread(_hook_sockets, backend)
+    await asyncio.sleep(seconds / 2)
     load.measuring = False
     scrape_stop.set()
     elapsed, wall1 = time.monotonic() - w0, time.time()
@@ -415,7 +440,7 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
     return CapacityResult(
         ranks=ranks,
         seconds=round(elapsed, 2),
-        target_rank_steps_per_s=ranks * STEPS_PER_S,
+        target_rank_steps_per_s=ranks * load.per_msg / load.interval,
         sent_messages_per_s=round(load.messages / elapsed, 1),
         sent_rank_steps_per_s=round(load.records / elapsed, 1),
         counted_records_per_s=None if counted_rate is None else round(counted_rate, 1),
@@ -439,7 +464,20 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float) 
         scrape_bytes=quiet[-1][1],
         scrape_series=quiet[-1][2],
         errors=load.errors,
+        node_size=node_size,
+        steps_per_s=load.per_msg / load.interval,
+        hook_sockets=sockets,
     )
+
+
+def _hook_sockets(backend: Backend) -> int | None:
+    try:
+        with urllib.request.urlopen(backend.url + "/healthz", timeout=10) as r:
+            body = json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+    n = body.get("hook_sockets")
+    return n if isinstance(n, int) else None
 
 
 def _round(x: float | None) -> float | None:
@@ -449,19 +487,23 @@ def _round(x: float | None) -> float | None:
 def run_capacity(
     ranks_list: list[int], *, seconds: float = 15.0, warmup: float = 3.0,
     out_dir: Path = RESULTS_DIR, name: str = "capacity", backend: Backend | None = None,
-    plot: bool = True,
+    plot: bool = True, node_size: int = 1, steps_per_s: float = STEPS_PER_S,
 ) -> list[CapacityResult]:
     """Run the load for each world size against one fresh backend per size (or against
-    ``backend`` for all); write ``<name>.json``."""
+    ``backend`` for all); write ``<name>.json``. ``node_size`` ranks share a websocket."""
+    if not 1 <= node_size <= 256:
+        raise ValueError(f"node_size must be between 1 and 256 (MAX_RANKS_PER_CONNECTION), got {node_size}.")
+    if not 0.01 <= steps_per_s <= 1000:
+        raise ValueError(f"steps_per_s must be between 0.01 and 1000, got {steps_per_s}.")
     results: list[CapacityResult] = []
     for n in ranks_list:
         if backend is not None:
-            results.append(asyncio.run(_run_one(backend, n, seconds, warmup)))
+            results.append(asyncio.run(_run_one(backend, n, seconds, warmup, node_size, steps_per_s)))
             continue
         with running_backend() as fresh:
-            results.append(asyncio.run(_run_one(fresh, n, seconds, warmup)))
+            results.append(asyncio.run(_run_one(fresh, n, seconds, warmup, node_size, steps_per_s)))
     rows = [[
-        r.ranks, r.sent_messages_per_s, r.sent_rank_steps_per_s,
+        r.ranks, r.node_size, r.hook_sockets if r.hook_sockets is not None else "-", r.sent_messages_per_s, r.sent_rank_steps_per_s,
         "-" if r.counted_records_per_s is None else r.counted_records_per_s,
         "-" if r.records_lost is None else r.records_lost,
         r.backend_cpu_pct, r.generator_cpu_pct, round(r.dashboard_frames / max(r.seconds, 1e-9), 1),
@@ -469,8 +511,9 @@ def run_capacity(
         "-" if r.latency_p99_ms is None else r.latency_p99_ms,
     ] for r in results]
     print_table(
-        "Backend capacity (simulated hooks, 10 steps/s per rank)",
-        ["ranks", "msg/s", "rank-steps/s", "counted rec/s", "lost", "backend CPU %",
+        f"Backend capacity (simulated hooks, {results[0].steps_per_s:g} steps/s per rank)" if results else
+        "Backend capacity",
+        ["ranks", "ranks/socket", "sockets", "msg/s", "rank-steps/s", "counted rec/s", "lost", "backend CPU %",
          "generator CPU %", "dash frames/s", "dash p50 ms", "dash p99 ms"],
         rows,
     )
@@ -484,7 +527,8 @@ def run_capacity(
           "-" if r.scrape_series is None else r.scrape_series] for r in results],
     )
     write_json(out_dir / f"{name}.json", {
-        "steps_per_s_per_rank": STEPS_PER_S, "flush_s": FLUSH_S,
+        "steps_per_s_per_rank": results[0].steps_per_s if results else STEPS_PER_S, "flush_s": FLUSH_S,
+        "node_size": node_size,
         "results": [asdict(r) for r in results],
     })
     if plot:
@@ -557,6 +601,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="smoke-test size")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--node-size", type=int, default=1,
+                    help="ranks per hook websocket (8: node connections of 8-GPU nodes); 1: one per rank")
+    ap.add_argument("--steps-per-s", type=float, default=STEPS_PER_S, help="steps a second per rank")
+    ap.add_argument("--name", default=None, help="result file name (default capacity, or capacity-nodeN)")
     ap.add_argument("--scrape-only", action="store_true",
                     help="only the exporter's cost in process (scrape.json): no sockets, no load")
     ap.add_argument("--rank-series", choices=("slowest", "all"), default="slowest",
@@ -579,7 +627,12 @@ def main(argv: list[str] | None = None) -> int:
         ranks = [int(x) for x in args.ranks.split(",")]
     if args.seconds:
         secs = args.seconds
-    run_capacity(ranks, seconds=secs, warmup=warm, out_dir=args.out)
+    name = args.name or ("capacity" if args.node_size == 1 else f"capacity-node{args.node_size}")
+    try:
+        run_capacity(ranks, seconds=secs, warmup=warm, out_dir=args.out, name=name, node_size=args.node_size,
+                     steps_per_s=args.steps_per_s)
+    except ValueError as exc:
+        ap.error(str(exc))
     return 0
 
 

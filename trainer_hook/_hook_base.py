@@ -192,15 +192,15 @@ class HookBase:
     # --- I/O -------------------------------------------------------------------------
 
     def _start_io(self) -> None:
+        from trainer_hook.node_agg import make_transport
         from trainer_hook.probe import DeviceProbe
-        from trainer_hook.transport import Transport
 
         cfg = self.config
         device_index = None
         if torch.cuda.is_available():
             device_index = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
-        self._transport = Transport(
-            url=cfg.server or "", token=cfg.token, hello=self._hello,
+        self._transport = make_transport(  # through the node's agent where torchrun runs several ranks
+            job=cfg.job_name, url=cfg.server or "", token=cfg.token, hello=self._hello,
             on_message=self._on_message, max_queue=cfg.max_queue, flush_interval_s=cfg.flush_interval_s,
             flush_on_deviation=cfg.flush_on_deviation,
         )

@@ -53,6 +53,7 @@ __all__ = [
     "MAX_AGE_S",
     "MAX_AHEAD_S",
     "CLOSE_NORMAL",
+    "CLOSE_GOING_AWAY",
     "CLOSE_TOO_BIG",
     "CLOSE_UNSUPPORTED_VERSION",
     "CLOSE_MALFORMED",
@@ -72,6 +73,8 @@ __all__ = [
     "Ack",
     "Reject",
     "Oom",
+    "Leave",
+    "MAX_RANKS_PER_CONNECTION",
     "Placement",
     "Error",
     "Message",
@@ -113,7 +116,9 @@ _MAX_POWER_W = 100_000.0
 _MAX_TEMP_C = 1000.0
 _MAX_CLOCK_MHZ = 100_000.0
 
+MAX_RANKS_PER_CONNECTION = 256  # a node connection (docs/protocol.md) speaks for at most this many ranks
 CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
 CLOSE_TOO_BIG = 1009
 CLOSE_UNSUPPORTED_VERSION = 4001
 CLOSE_MALFORMED = 4002
@@ -779,6 +784,25 @@ class Oom:
 
 
 @dataclass(kw_only=True, slots=True)
+class Leave:
+    """A rank of a node connection stopped speaking through it (version 2, additive).
+
+    ``code`` is the close code the rank's own websocket would have ended with: 1000 its
+    goodbye (``close()``), 1001 it moved to its own connection, anything else it was lost.
+    """
+
+    TYPE: ClassVar[str] = "leave"
+    job: str
+    rank: int
+    code: int
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Leave:
+        return cls(job=_job(d), rank=_int(d, "rank", hi=MAX_WORLD_SIZE - 1),
+                   code=_int(d, "code", lo=1000, hi=4999))
+
+
+@dataclass(kw_only=True, slots=True)
 class Placement:
     """The backend asks the job to run with ``shares`` from now on (rank 0 picks when).
 
@@ -832,8 +856,8 @@ class Error:
         return cls(code=_str(d, "code"), message=_str(d, "message", max_len=_MAX_TEXT))
 
 
-Message: TypeAlias = Hello | Metrics | Ack | Reject | Oom | Placement | Error
-_TYPES: dict[str, Any] = {c.TYPE: c for c in (Hello, Metrics, Ack, Reject, Oom, Placement, Error)}
+Message: TypeAlias = Hello | Metrics | Ack | Reject | Oom | Leave | Placement | Error
+_TYPES: dict[str, Any] = {c.TYPE: c for c in (Hello, Metrics, Ack, Reject, Oom, Leave, Placement, Error)}
 _V2_ONLY = {"memory_source", "gpu_index", "gpu_uuid", "mesh", "replica_ranks"}  # hello fields a version-1 peer does not know
 
 

@@ -27,14 +27,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from itertools import islice
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
-from websockets.sync.client import ClientConnection, connect
+from websockets.sync.client import ClientConnection, connect, unix_connect
 
 from trainer_hook.protocol import (
     CLOSE_FORBIDDEN,
+    CLOSE_MALFORMED,
     CLOSE_REDIRECT,
     CLOSE_UNAUTHORIZED,
     CLOSE_UNSUPPORTED_VERSION,
@@ -55,7 +56,7 @@ from trainer_hook.protocol import (
     encode,
 )
 
-__all__ = ["Transport", "hook_ws_url", "hook_ws_urls"]
+__all__ = ["Relay", "Transport", "hook_ws_url", "hook_ws_urls"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ _MAX_DEVICE_PER_MESSAGE = 256  # ~1 Hz samples; keeps a full frame of steps well
 _MAX_CONTROL = 4096  # acks/rejects are a few per placement; this only guards a runaway caller
 _MAX_REDIRECTS = 3  # redirects followed in a row at once; then with back-off (a loop between replicas)
 _MAX_UNANSWERED = 256  # metrics frames kept for resending until the hello is answered
+_UNIX = "unix:"  # a URL in ``urls`` that is a node agent's unix socket (trainer_hook/node_agg.py)
 
 
 def hook_ws_url(server: str) -> str:
@@ -97,6 +99,35 @@ def hook_ws_urls(server: str) -> list[str]:
     if not urls:
         raise ValueError(f"server must be a URL like 'http://127.0.0.1:8000', got {server!r}.")
     return urls
+
+
+class Relay(Protocol):
+    """Other ranks' frames carried on this transport's connection (a node agent,
+    trainer_hook/node_agg.py). Called on the transport thread only (but ``stop``)."""
+
+    def hellos(self) -> list[str]:
+        """The hellos to send after this rank's own on every (re)connect."""
+        ...
+
+    def peek(self) -> str | None:
+        """The oldest frame waiting to go upstream, left in place until ``pop``."""
+        ...
+
+    def pop(self) -> None:
+        """The frame ``peek`` gave was sent."""
+        ...
+
+    def deliver(self, raw: str) -> None:
+        """A ``placement`` or ``error`` frame from the backend, for the other ranks."""
+        ...
+
+    def stop(self, reason: str) -> None:
+        """Stop relaying: the other ranks go to their own connections."""
+        ...
+
+    def close(self) -> None:
+        """This rank is closing: let the other ranks finish first (briefly), then stop."""
+        ...
 
 
 class _Stop(Exception):
@@ -136,6 +167,9 @@ class Transport:
         backoff_max_s: float = 1.5,
         auth_backoff_s: float = 60.0,
         open_timeout_s: float = 5.0,
+        local_agent: str | None = None,
+        local_agent_wait_s: float = 10.0,
+        relay: Relay | None = None,
     ) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue must be an integer >= 1, got {max_queue!r}.")
@@ -157,6 +191,12 @@ class Transport:
             if not isinstance(val, (int, float)) or not val > 0:
                 raise ValueError(f"{name} must be a number > 0, got {val!r}.")
         self.urls = hook_ws_urls(url)
+        # A node agent's unix socket (another local rank carries this rank's frames) is
+        # tried first; once it cannot be reached, this rank uses its own connection.
+        if local_agent is not None:
+            self.urls.insert(0, _UNIX + local_agent)
+        self._agent_wait_until = time.monotonic() + float(local_agent_wait_s)
+        self.relay = relay
         self._next_url = 0  # which of ``urls`` to try next
         self._redirect: str | None = None  # the replica that controls the job, when told
         self._redirects = 0  # redirects followed since the last session that was not one
@@ -267,6 +307,8 @@ class Transport:
 
     def close(self, timeout: float = 2.0) -> None:
         """Flush what can be sent within ``timeout`` seconds, then close the websocket."""
+        if self.relay is not None:  # the other ranks' last frames and leaves go out in the flush
+            self.relay.close()
         with self._lock:
             self._close_deadline = time.monotonic() + max(0.0, timeout)
             self._closing.set()
@@ -329,6 +371,9 @@ class Transport:
             except Exception as exc:  # noqa: BLE001 - the thread must survive anything
                 if self.connects > connects_before:  # a working connection broke: retry soon
                     delay, failures, self._redirects = self._backoff0, 0, 0
+                elif self.url.startswith(_UNIX) and self.connects == 0 and \
+                        time.monotonic() < self._agent_wait_until:
+                    pass  # the node agent is starting (its rank may be slower to start): wait
                 elif self._redirect is None:  # this replica is unreachable: the next in the list
                     self._next_url = (self._next_url + 1) % len(self.urls)
                 # The owner we were sent to broke or is unreachable: it may be dead; ask the
@@ -347,10 +392,7 @@ class Transport:
     def _session(self) -> None:
         """One connection: hello, then send and receive until it closes."""
         try:
-            ws = connect(
-                self.url, additional_headers=self._headers, open_timeout=self._open_timeout,
-                close_timeout=1.0, max_size=MAX_MESSAGE_BYTES,
-            )
+            ws = self._connect(self.url, self._open_timeout, 1.0)
         except InvalidStatus as exc:
             if exc.response.status_code in (401, 403):
                 raise _AuthRefused(f"HTTP {exc.response.status_code} on the handshake") from None
@@ -364,12 +406,16 @@ class Transport:
             hello = self._make_hello()
             self._ident = (hello.job, hello.rank)
             ws.send(encode(hello))
+            if self.relay is not None:
+                for text in self.relay.hellos():
+                    ws.send(text)
             self._connected = True
             self.connects += 1
             log.info("Connected to %s as job %r rank %d.", self.url, hello.job, hello.rank)
             next_flush = time.monotonic() + self._flush_s
             while not self._closing.is_set():
                 self._send_control(ws)
+                self._send_relay(ws)
                 now_due = self._scan()
                 if now_due or time.monotonic() >= next_flush or len(self._steps) >= self._flush_steps:
                     self._send_metrics(ws)
@@ -383,6 +429,13 @@ class Transport:
             self._connected = False
             self._ws = None
             ws.close_socket()
+
+    def _connect(self, url: str, open_timeout: float, close_timeout: float) -> ClientConnection:
+        if url.startswith(_UNIX):  # the node agent on this machine: no auth, no compression
+            return unix_connect(url[len(_UNIX):], "ws://localhost" + WS_PATH, open_timeout=open_timeout,
+                                close_timeout=close_timeout, max_size=MAX_MESSAGE_BYTES, compression=None)
+        return connect(url, additional_headers=self._headers, open_timeout=open_timeout,
+                       close_timeout=close_timeout, max_size=MAX_MESSAGE_BYTES)
 
     def _make_hello(self) -> Hello:
         try:
@@ -408,6 +461,10 @@ class Transport:
             self._unanswered, self._unanswered_control = [], []
             if self._redirect is not None and self._redirect != self.url:
                 raise _Redirected from None
+        if code == CLOSE_MALFORMED and self.relay is not None:
+            # A backend that refuses a second rank's hello (older than node connections), or
+            # a frame it refused: the other ranks go to their own connections from now on.
+            self.relay.stop(f"the backend closed the node connection with {code}: {reason}")
         if code in _AUTH_CODES:
             raise _AuthRefused(f"close code {code}: {reason}") from None
         if code == CLOSE_UNSUPPORTED_VERSION:
@@ -437,6 +494,8 @@ class Transport:
         if isinstance(msg, Error) and msg.code == "redirect":
             self._follow(msg.message)
             return
+        if self.relay is not None:
+            self.relay.deliver(raw if isinstance(raw, str) else raw.decode())
         if isinstance(msg, Error):
             log.warning("The backend reported an error: %s (%s)", msg.message, msg.code)
         try:
@@ -462,6 +521,15 @@ class Transport:
             self._control.popleft()
             if not self._answered and len(self._unanswered_control) < _MAX_UNANSWERED:
                 self._unanswered_control.append(msg)
+
+    def _send_relay(self, ws: ClientConnection) -> None:
+        relay = self.relay
+        if relay is None:
+            return
+        while (text := relay.peek()) is not None:
+            ws.send(text)  # raises on a dead connection: the frame stays with the relay
+            relay.pop()
+            self._sent(text)  # resent to the owner after a redirect, like this rank's own
 
     def _send_metrics(self, ws: ClientConnection) -> None:
         """Send every frame left from a broken connection, then all the queues hold."""
@@ -532,6 +600,7 @@ class Transport:
         """Best-effort send of everything queued before ``deadline``."""
         try:
             self._send_control(ws)
+            self._send_relay(ws)
             while time.monotonic() < deadline:
                 before = len(self._unsent) + len(self._steps) + len(self._devices)
                 self._send_metrics(ws)
@@ -547,11 +616,11 @@ class Transport:
         remaining = self._close_deadline - time.monotonic()
         if remaining <= 0.05:
             return
+        target = self._redirect or self.url
+        if target.startswith(_UNIX):  # the node agent is gone (we are not connected): our own
+            target = self.urls[1]
         try:
-            ws = connect(
-                self._redirect or self.url, additional_headers=self._headers, open_timeout=min(remaining, 1.0),
-                close_timeout=0.5, max_size=MAX_MESSAGE_BYTES,
-            )
+            ws = self._connect(target, min(remaining, 1.0), 0.5)
         except Exception as exc:  # noqa: BLE001
             log.info("Closing with %d unsent step records: backend unreachable (%s).", len(self._steps), exc)
             return
@@ -559,11 +628,19 @@ class Transport:
             try:
                 hello = self._make_hello()
                 self._ident = (hello.job, hello.rank)
+                self._answered = False
                 ws.send(encode(hello))
             except Exception as exc:  # noqa: BLE001
                 log.info("Closing with unsent records: %s", exc)
                 return
             self._flush(ws, self._close_deadline)
+            # Close only once the backend answered the hello: a busy backend that reads the
+            # close first could lose the frames behind it.
+            try:
+                while not self._answered and time.monotonic() < self._close_deadline:
+                    self._receive(ws, _POLL_S)
+            except ConnectionClosed:
+                pass
 
 
 def _requeue(q: deque[Any], rest: list[Any]) -> int:

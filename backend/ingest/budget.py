@@ -36,11 +36,23 @@ class FrameBudget:
 
     def __init__(self, *, frames_per_s: float, frames_burst: float, bytes_per_s: float,
                  bytes_burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._base = (frames_per_s, bytes_per_s, frames_burst, bytes_burst)
         self._rates = (frames_per_s, bytes_per_s)
         self._bursts = (frames_burst, bytes_burst)
         self._frames, self._bytes = frames_burst, bytes_burst
         self._clock = clock
         self._at = clock()
+
+    def widen(self, peers: int) -> None:
+        """The connection now speaks for ``peers`` ranks (a node connection): each brings
+        its own budget; what is left of the current buckets grows by the new share."""
+        f_rate, b_rate, f_burst, b_burst = self._base
+        scale = max(1, peers)
+        added_f, added_b = f_burst * scale - self._bursts[0], b_burst * scale - self._bursts[1]
+        self._rates = (f_rate * scale, b_rate * scale)
+        self._bursts = (f_burst * scale, b_burst * scale)
+        self._frames += max(0.0, added_f)
+        self._bytes += max(0.0, added_b)
 
     def take(self, nbytes: int, frames: float = 1.0) -> str | None:
         """Charge ``frames`` frames of ``nbytes`` bytes; None if within budget, else why not."""

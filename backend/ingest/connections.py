@@ -29,21 +29,40 @@ class HookConnections:
     def __init__(self) -> None:
         self._by_job: dict[str, dict[int, WebSocket]] = {}
         self._versions: dict[int, int] = {}  # id(socket) -> protocol version of its hello
+        self._refs: dict[int, int] = {}  # id(socket) -> ranks it speaks for (several: a node connection)
 
     def add(self, job: str, rank: int, ws: WebSocket, version: int = PROTOCOL_VERSION) -> WebSocket | None:
         """Register a rank's socket and the protocol version it speaks; returns the socket
         it replaces (a stale reconnect)."""
         old = self._by_job.setdefault(job, {}).get(rank)
+        if old is ws:
+            self._versions[id(ws)] = version
+            return None
         self._by_job[job][rank] = ws
         self._versions[id(ws)] = version
-        return old if old is not ws else None
+        self._refs[id(ws)] = self._refs.get(id(ws), 0) + 1
+        if old is not None:
+            self._unref(old)
+        return old
+
+    def _unref(self, ws: WebSocket) -> None:
+        n = self._refs.get(id(ws), 0) - 1
+        if n > 0:
+            self._refs[id(ws)] = n
+        else:
+            self._refs.pop(id(ws), None)
+            self._versions.pop(id(ws), None)
+
+    def serves(self, ws: WebSocket) -> bool:
+        """True while ``ws`` speaks for at least one rank (a node connection may for several)."""
+        return id(ws) in self._refs
 
     def remove(self, job: str, rank: int, ws: WebSocket) -> None:
         """Forget a socket, unless a newer connection of the same rank replaced it."""
         ranks = self._by_job.get(job)
         if ranks is not None and ranks.get(rank) is ws:
             del ranks[rank]
-            self._versions.pop(id(ws), None)
+            self._unref(ws)
             if not ranks:
                 del self._by_job[job]
 
@@ -70,7 +89,7 @@ class HookConnections:
         """Send every socket of ``job`` to the replica at ``url`` (another replica took the
         job): an ``error`` frame with code ``redirect``, then close 4307."""
         text = encode(Error(code="redirect", message=url))
-        socks = list(self._by_job.get(job, {}).values())
+        socks = list({id(ws): ws for ws in self._by_job.get(job, {}).values()}.values())
         for ws in socks:
             with contextlib.suppress(Exception):
                 await ws.send_text(text)
@@ -84,7 +103,12 @@ class HookConnections:
         return rank in self._by_job.get(job, {})
 
     def count(self) -> int:
+        """Ranks with an open socket."""
         return sum(len(r) for r in self._by_job.values())
+
+    def sockets(self) -> int:
+        """Open hook sockets (a node connection counts once, whatever ranks it carries)."""
+        return len(self._refs)
 
     async def send(self, job: str, msg: Message, ranks: Iterable[int] | None = None) -> int:
         """Send ``msg`` to the job's connected ranks (all, or those in ``ranks``).
@@ -102,13 +126,16 @@ class HookConnections:
             v = self._versions.get(id(ws), PROTOCOL_VERSION)
             if v not in texts:
                 texts[v] = encode(msg, v)
+        # A node connection carries several ranks: it gets the frame once, for all of them.
+        unique = list({id(ws): ws for _, ws in chosen}.values())
         results = await asyncio.gather(
-            *(ws.send_text(texts[self._versions.get(id(ws), PROTOCOL_VERSION)]) for _, ws in chosen),
+            *(ws.send_text(texts[self._versions.get(id(ws), PROTOCOL_VERSION)]) for ws in unique),
             return_exceptions=True)
+        failed = {id(ws) for ws, res in zip(unique, results, strict=True) if isinstance(res, BaseException)}
         sent = 0
-        for (rank, ws), res in zip(chosen, results, strict=True):
-            if isinstance(res, BaseException):
-                log.info("dropping dead hook socket job=%s rank=%d: %s", job, rank, res)
+        for rank, ws in chosen:
+            if id(ws) in failed:
+                log.info("dropping dead hook socket job=%s rank=%d", job, rank)
                 self.remove(job, rank, ws)
             else:
                 sent += 1

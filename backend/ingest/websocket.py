@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from fastapi import WebSocket, WebSocketDisconnect
@@ -48,10 +49,12 @@ from trainer_hook.protocol import (
     CLOSE_RATE_LIMITED,
     CLOSE_REDIRECT,
     CLOSE_TRY_AGAIN_LATER,
+    MAX_RANKS_PER_CONNECTION,
     PROTOCOL_VERSION,
     Ack,
     Error,
     Hello,
+    Leave,
     MeshShape,
     Metrics,
     Oom,
@@ -127,12 +130,34 @@ def _store_hello(hello: Hello, new_run: bool) -> Callable[[Session], None]:
     return work
 
 
+@dataclass(slots=True)
+class _Rank:
+    """What a connection knows of one rank it speaks for."""
+
+    hello: Hello
+    version: int  # the protocol version its hello spoke
+    stored: bool  # False while the database refused its hello
+    retry_at: float
+
+
+def _speaks_for(job: str, ranks: Iterable[int]) -> str:
+    rs = sorted(ranks)
+    if not rs:
+        return f"job '{job}' and no rank now (each left)"
+    if len(rs) == 1:
+        return f"job '{job}' rank {rs[0]}"
+    shown = ", ".join(map(str, rs[:8])) + (f" and {len(rs) - 8} more" if len(rs) > 8 else "")
+    return f"job '{job}' ranks {shown}"
+
+
 async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> None:
-    """One rank's accepted, authenticated connection: hello, then metrics / ack / reject frames."""
-    hello: Hello | None = None
-    hello_stored = True  # False while the database refused this connection's hello
-    hello_version = PROTOCOL_VERSION
-    retry_at = 0.0
+    """One accepted, authenticated connection: hello, then metrics / ack / reject frames.
+
+    A connection speaks for one rank, or (a node connection, docs/protocol.md) for several
+    ranks of one job, each after its own hello; every frame is checked as on a rank's own."""
+    ranks: dict[int, _Rank] = {}
+    job: str | None = None
+    pending: Hello | None = None  # a hello being registered (cleaned up if the socket fails meanwhile)
     lost = False  # the peer vanished without a close frame
     budget = FrameBudget(frames_per_s=HOOK_FRAMES_PER_S, frames_burst=HOOK_FRAMES_BURST,
                          bytes_per_s=HOOK_BYTES_PER_S, bytes_burst=HOOK_BYTES_BURST)
@@ -165,7 +190,7 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                 log.warning("closing hook connection from %s: %s", actor.address, over)
                 await refuse(websocket, "rate_limited", over, CLOSE_RATE_LIMITED)
                 return
-            if hello is None or isinstance(msg, Hello):
+            if job is None or isinstance(msg, Hello):
                 if not isinstance(msg, Hello):
                     await refuse(websocket, "malformed",
                                   f"The first message must be 'hello', got '{msg.TYPE}'.", CLOSE_MALFORMED)
@@ -175,32 +200,51 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                                   f"This hook token is for job '{actor.job}'; it may not speak for job '{msg.job}'.",
                                   CLOSE_FORBIDDEN)
                     return
-                if hello is not None and (msg.job, msg.rank) != (hello.job, hello.rank):
+                if job is not None and msg.job != job:
                     await refuse(websocket, "malformed",
-                                  f"This connection speaks for job '{hello.job}' rank {hello.rank}; "
+                                  f"This connection speaks for {_speaks_for(job, ranks)}; "
                                   f"open a new connection for job '{msg.job}' rank {msg.rank}.",
                                   CLOSE_MALFORMED)
                     return
+                if msg.rank not in ranks and len(ranks) >= MAX_RANKS_PER_CONNECTION:
+                    await refuse(websocket, "malformed",
+                                  f"A connection speaks for at most {MAX_RANKS_PER_CONNECTION} ranks; got a hello "
+                                  f"for a rank beyond them ({msg.rank}). Open another connection.", CLOSE_MALFORMED)
+                    return
+                if ranks and msg.rank not in ranks:
+                    budget.widen(len(ranks) + 1)  # a node connection: each rank brings its budget
+                pending = msg
                 stored = await _on_hello(parts, websocket, msg, version)
+                pending = None
                 if stored is None:
                     return
-                hello, hello_version = msg, version
-                hello_stored = stored
-                retry_at = time.monotonic() + HELLO_RETRY_S
+                job = msg.job
+                ranks[msg.rank] = _Rank(msg, version, stored, time.monotonic() + HELLO_RETRY_S)
                 continue
-            if not isinstance(msg, (Metrics, Ack, Reject, Oom)):
+            if not isinstance(msg, (Metrics, Ack, Reject, Oom, Leave)):
                 await refuse(websocket, "malformed",
-                              f"Hooks may not send '{msg.TYPE}' messages; expected metrics, ack, reject or oom.",
+                              f"Hooks may not send '{msg.TYPE}' messages; expected metrics, ack, reject, oom or leave.",
                               CLOSE_MALFORMED)
                 return
-            if (msg.job, msg.rank) != (hello.job, hello.rank):
+            state = ranks.get(msg.rank)
+            if msg.job != job or state is None:
                 await refuse(websocket, "malformed",
-                              f"This connection speaks for job '{hello.job}' rank {hello.rank}; "
+                              f"This connection speaks for {_speaks_for(job, ranks)}; "
                               f"got a '{msg.TYPE}' for job '{msg.job}' rank {msg.rank}.",
                               CLOSE_MALFORMED)
                 return
+            hello = state.hello
             if parts.connections.current(hello.job, hello.rank) is not websocket:
-                return  # replaced by a newer connection, or its job restarted: being closed
+                # replaced by a newer connection of this rank, or its job restarted
+                del ranks[msg.rank]
+                if not any(parts.connections.current(job, r) is websocket for r in ranks):
+                    return  # nothing left to speak for: being closed
+                continue
+            if isinstance(msg, Leave):
+                del ranks[msg.rank]
+                _rank_gone(parts, websocket, hello, lost=msg.code not in _CLEAN_CLOSE,
+                           goodbye=msg.code == CLOSE_NORMAL)
+                continue
             if isinstance(msg, Metrics):
                 try:
                     msg.check_against(hello, time.time())
@@ -209,9 +253,9 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                     await refuse(websocket, exc.code, str(exc), exc.close_code)
                     return
                 parts.live.add_metrics(msg)
-                if not hello_stored and time.monotonic() >= retry_at:
-                    hello_stored = await _hello_to_sql(parts, websocket, hello, version=hello_version)
-                    retry_at = time.monotonic() + HELLO_RETRY_S
+                if not state.stored and time.monotonic() >= state.retry_at:
+                    state.stored = await _hello_to_sql(parts, websocket, hello, version=state.version)
+                    state.retry_at = time.monotonic() + HELLO_RETRY_S
                 parts.controller.on_metrics(msg.job, urgent=msg.urgent)
                 parts.hub.notify(msg.job)
             elif isinstance(msg, Ack):
@@ -230,20 +274,27 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
     except WebSocketDisconnect as exc:
         lost = exc.code not in _CLEAN_CLOSE
     except Exception:  # a bug in one handler must not take the server or other ranks down
-        log.exception("hook connection failed (job=%s rank=%s)",
-                      hello.job if hello else None, hello.rank if hello else None)
+        log.exception("hook connection failed (job=%s ranks=%s)", job, sorted(ranks))
         await refuse(websocket, "internal", "The backend failed to handle this message; see its log.",
                       CLOSE_INTERNAL)
     finally:
         parts.sockets.discard(actor, websocket)
-        if hello is not None:
-            parts.connections.remove(hello.job, hello.rank, websocket)
-            if not parts.connections.has(hello.job, hello.rank):
-                parts.live.set_connected(hello.job, hello.rank, False, lost=lost)
-                if goodbye and parts.live.said_goodbye(hello.job, hello.rank):
-                    parts.run_ended(hello.job)
-            with contextlib.suppress(Exception):
-                parts.hub.notify(hello.job)
+        gone = [state.hello for state in ranks.values()]
+        if pending is not None and pending.rank not in ranks:
+            gone.append(pending)
+        for hello in gone:
+            _rank_gone(parts, websocket, hello, lost=lost, goodbye=goodbye)
+
+
+def _rank_gone(parts: IngestParts, websocket: WebSocket, hello: Hello, *, lost: bool, goodbye: bool) -> None:
+    """``websocket`` no longer speaks for ``hello``'s rank (closed, or a node connection's leave)."""
+    parts.connections.remove(hello.job, hello.rank, websocket)
+    if not parts.connections.has(hello.job, hello.rank):
+        parts.live.set_connected(hello.job, hello.rank, False, lost=lost)
+        if goodbye and parts.live.said_goodbye(hello.job, hello.rank):
+            parts.run_ended(hello.job)
+    with contextlib.suppress(Exception):
+        parts.hub.notify(hello.job)
 
 
 async def _claim(cluster: JobLeases, websocket: WebSocket, hello: Hello) -> bool:
@@ -329,7 +380,7 @@ async def _on_hello(parts: IngestParts, websocket: WebSocket, hello: Hello, vers
     new_run = parts.live.register(hello)
     parts.controller.expect(hello.job)  # the job is listed now: actions on it wait for on_hello
     old = parts.connections.add(hello.job, hello.rank, websocket, version)
-    if old is not None:
+    if old is not None and not parts.connections.serves(old):
         log.info("job %s rank %d reconnected; closing its previous socket", hello.job, hello.rank)
         with contextlib.suppress(Exception):
             await old.close(1000, reason="replaced by a newer connection of the same rank")
@@ -346,5 +397,8 @@ async def _hello_to_sql(parts: IngestParts, websocket: WebSocket, hello: Hello, 
     ok, placement = await _unless_database_fault("answering a hello", parts.controller.on_hello(hello))
     if not ok or placement is None:
         return False
-    await websocket.send_text(encode(placement, version))  # in the version the hook speaks
+    try:
+        await websocket.send_text(encode(placement, version))  # in the version the hook speaks
+    except Exception as exc:  # the hook closed already (a last flush): still read what it sent
+        log.info("job %s rank %d closed before its hello was answered (%s)", hello.job, hello.rank, exc)
     return True

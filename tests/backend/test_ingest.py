@@ -116,7 +116,7 @@ def test_frames_for_another_rank_or_placement_from_hook_are_refused(client):
         ws.send_text(hello(rank=0))
         placement = ws.receive_text()
         ws.send_text(placement)
-        assert ws.receive_json()["message"] == "Hooks may not send 'placement' messages; expected metrics, ack, reject or oom."
+        assert ws.receive_json()["message"] == "Hooks may not send 'placement' messages; expected metrics, ack, reject, oom or leave."
 
 
 def test_reject_is_accepted_and_connection_stays_open(client):

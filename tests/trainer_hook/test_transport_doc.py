@@ -14,6 +14,7 @@ from trainer_hook.protocol import (
     DeviceSample,
     Error,
     Hello,
+    Leave,
     Metrics,
     Oom,
     Placement,
@@ -30,7 +31,7 @@ FRAMES = re.findall(r"```json\n(.*?)\n```", DOC, flags=re.S)
 
 def test_doc_has_an_example_of_every_message_kind() -> None:
     kinds = {type(decode(f)).TYPE for f in FRAMES}
-    assert kinds == {"hello", "metrics", "ack", "reject", "oom", "placement", "error"}
+    assert kinds == {"hello", "metrics", "ack", "reject", "oom", "leave", "placement", "error"}
     assert {decode_versioned(f)[1] for f in FRAMES} == set(protocol.SUPPORTED_VERSIONS)
 
 
@@ -40,7 +41,7 @@ def test_every_example_frame_decodes_and_reencodes_identically(frame: str) -> No
     assert encode(msg, version) == frame
 
 
-@pytest.mark.parametrize("cls", [Hello, Metrics, StepRecord, DeviceSample, Ack, Reject, Oom, Placement, Error])
+@pytest.mark.parametrize("cls", [Hello, Metrics, StepRecord, DeviceSample, Ack, Reject, Oom, Leave, Placement, Error])
 def test_every_field_is_documented(cls: type) -> None:
     for f in fields(cls):
         assert f"| `{f.name}` |" in DOC, f"docs/protocol.md does not document {cls.__name__}.{f.name}"

@@ -19,7 +19,9 @@ class HealthPublic(BaseModel):
     database: str = Field(description='"ok", or why not (one sentence)')
     open_mode: bool  # True while anyone may act as admin (loopback, no tokens)
     jobs: int  # jobs in live state
-    hook_connections: int
+    hook_connections: int = Field(description="ranks with an open hook websocket")
+    hook_sockets: int = Field(default=0, description="open hook websockets (a node connection carries "
+                              "the ranks of one node: it counts once)")
     buffered_windows: int = Field(description="metric windows waiting in memory for the database")
     dropped_windows: int = Field(description="metric windows dropped since start (refused rows, full buffer)")
     cluster: str = Field(default="off", description='"off" (one replica), "ok", or "paused: <why>" '
@@ -41,6 +43,7 @@ async def healthz(parts: PartsDep) -> JSONResponse:
     body = HealthPublic(
         status="degraded" if problem else "ok", database=problem or "ok", open_mode=open_mode,
         jobs=len(parts.live.jobs()), hook_connections=parts.connections.count(),
+        hook_sockets=parts.connections.sockets(),
         buffered_windows=len(parts.writes), dropped_windows=parts.writes.dropped_total,
         cluster=_cluster_state(parts),
     )

@@ -1,0 +1,330 @@
+"""Node aggregation: the ranks of one node reach the backend through one websocket.
+
+Local rank 0 (``LOCAL_RANK`` from torchrun) runs a ``NodeAgent``: a websocket server on a
+unix socket whose path every local rank derives from the environment torchrun gives them
+all (``agent_path``). The other local ranks' transports connect to it first, speaking the
+ordinary hook protocol; the agent checks each frame (it must be for that rank and the job)
+and puts it on rank 0's transport, which sends it on rank 0's own connection after rank
+0's frames. That connection says one ``hello`` per rank (docs/protocol.md, node
+connections); what the backend answers (placements, errors) the agent hands to every local
+rank. A rank whose connection to the agent ends gets a ``leave`` upstream.
+
+A dead agent never blocks training: a rank that cannot reach it (or is dropped by it) uses
+its own connection to the backend, with its queues intact. Frames the agent holds go out
+on rank 0's connection, each rank's hello first, also those it holds while that connection
+is down: they go out when it is back (``hellos`` first). ``REBALANCER_NODE_AGGREGATION`` (``1``/``0``) turns it on
+or off; by default it is on when torchrun starts two or more ranks on the node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.server import Server, ServerConnection, unix_serve
+
+from trainer_hook.protocol import (
+    CLOSE_GOING_AWAY,
+    CLOSE_MALFORMED,
+    CLOSE_NORMAL,
+    CLOSE_TRY_AGAIN_LATER,
+    MAX_MESSAGE_BYTES,
+    MAX_RANKS_PER_CONNECTION,
+    Error,
+    Hello,
+    Leave,
+    Message,
+    Metrics,
+    ProtocolError,
+    decode,
+    encode,
+)
+from trainer_hook.transport import Transport
+
+__all__ = ["ENV_NODE_AGGREGATION", "NodeAgent", "agent_path", "node_aggregation", "make_transport"]
+
+log = logging.getLogger(__name__)
+
+ENV_NODE_AGGREGATION = "REBALANCER_NODE_AGGREGATION"
+_ON, _OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+_MAX_WAITING = 4096  # frames held while rank 0's connection is down (~5 min of 8 ranks' frames)
+_DRAIN_S = 1.0  # how long stop() lets rank 0's connection take what the agent holds
+_LAST_S = 1.5  # how long a closing rank 0 waits for the other local ranks to close first
+
+
+def node_aggregation(env: Mapping[str, str]) -> bool:
+    """Whether this rank takes part in node aggregation (``REBALANCER_NODE_AGGREGATION``;
+    default: on when torchrun runs two or more ranks on this node)."""
+    raw = env.get(ENV_NODE_AGGREGATION, "").strip().lower()
+    if raw in _ON:
+        return "LOCAL_RANK" in env
+    if raw in _OFF:
+        return False
+    if raw:
+        log.error("%s must be 1 or 0, got %r; each rank uses its own connection.", ENV_NODE_AGGREGATION, raw)
+        return False
+    try:
+        return "LOCAL_RANK" in env and int(env.get("LOCAL_WORLD_SIZE", "1")) >= 2
+    except ValueError:
+        return False
+
+
+def agent_path(job: str, env: Mapping[str, str]) -> str:
+    """The unix socket of this node's agent for ``job``: the same in every local rank (the
+    launch's rendezvous, node and restart), and another for any other launch or job."""
+    key = "\0".join([job, *(env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
+                                                        "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT"))])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return os.path.join(tempfile.gettempdir(), f"rebalancer-{os.getuid()}-{digest}.sock")
+
+
+def make_transport(*, job: str, url: str, token: str | None, hello: Callable[[], Hello],
+                   on_message: Callable[[Message], None], env: Mapping[str, str] | None = None,
+                   **options: Any) -> Transport:
+    """This rank's transport: its own connection, or one through the node's agent.
+
+    Local rank 0 hosts the agent (``transport.relay``); the other local ranks try the agent
+    first and fall back to their own connection when it cannot be reached.
+    """
+    env = os.environ if env is None else env
+    if not node_aggregation(env):
+        return Transport(url=url, token=token, hello=hello, on_message=on_message, **options)
+    path = agent_path(job, env)
+    if env.get("LOCAL_RANK", "0").strip() != "0":
+        return Transport(url=url, token=token, hello=hello, on_message=on_message, local_agent=path, **options)
+    agent = NodeAgent(job=job, path=path)
+    transport = Transport(url=url, token=token, hello=hello, on_message=on_message, relay=agent, **options)
+    agent.upstream = transport
+    try:
+        agent.start()
+    except OSError as exc:  # the other ranks wait for it, then use their own connections
+        log.warning("The node agent could not listen on %s (%s); each rank uses its own connection.", path, exc)
+        transport.relay = None
+    return transport
+
+
+class NodeAgent:
+    """The other local ranks' side of rank 0's transport (``transport.Relay``).
+
+    Owns the unix socket server and the frames waiting to go upstream; handler threads
+    (one per local rank) append, the transport thread takes. ``deque`` appends and pops
+    are atomic; the lock guards the per-rank bookkeeping.
+    """
+
+    def __init__(self, *, job: str, path: str, max_waiting: int = _MAX_WAITING) -> None:
+        self.job = job
+        self.path = path
+        self.upstream: Transport | None = None  # set by make_transport, for stop()'s drain
+        self._max_waiting = max_waiting
+        self._waiting: deque[tuple[int, str]] = deque()  # (rank, frame) in arrival order
+        self._hellos: dict[int, str] = {}  # rank -> its latest hello, until its leave went up
+        self._guests: dict[int, ServerConnection] = {}
+        self._dropped: dict[int, int] = {}  # records of frames dropped on overflow, per rank
+        self._placement: str | None = None  # the last placement, for a rank that connects late
+        self._lock = threading.Lock()
+        self._server: Server | None = None
+        self._stopping = False
+        self.relayed = 0  # frames sent upstream (diagnostics and tests)
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        try:
+            os.unlink(self.path)  # a previous run's socket left behind
+        except FileNotFoundError:
+            pass
+        self._server = unix_serve(self._serve, self.path, compression=None, max_size=MAX_MESSAGE_BYTES)
+        os.chmod(self.path, 0o600)
+        threading.Thread(target=self._server.serve_forever, name="rebalancer-node-agent", daemon=True).start()
+        log.info("Node agent listening on %s: the other local ranks send through this rank.", self.path)
+
+    @property
+    def guests(self) -> list[int]:
+        """The ranks connected through the agent now."""
+        with self._lock:
+            return sorted(self._guests)
+
+    def close(self) -> None:
+        """Local rank 0 is closing: the other local ranks close at about the same step, so
+        wait for them (up to 1.5 s) to send their last frames and goodbyes through the
+        agent, then stop (those still here go to their own connections)."""
+        deadline = time.monotonic() + _LAST_S
+        while self._guests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.stop("this rank is closing")
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Stop relaying: take no new ranks, let rank 0's connection take what waits (up to
+        1 s), then close the ranks' connections with 1001 (they reconnect on their own)."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            server = self._server
+        log.info("Node agent stops (%s); the other local ranks use their own connections.", reason)
+        if server is not None:
+            server.socket.close()  # no new connections; the open ones go on for now
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+        up = self.upstream
+        deadline = time.monotonic() + _DRAIN_S
+        while self._waiting and up is not None and up.connected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with self._lock:
+            guests = list(self._guests.values())
+        for conn in guests:
+            conn.close(CLOSE_GOING_AWAY, "the node agent stopped; connect on your own")
+        deadline = time.monotonic() + _DRAIN_S / 2
+        while self._guests and time.monotonic() < deadline:  # their handlers queue the leaves
+            time.sleep(0.01)
+
+    # --- one local rank's connection (a handler thread) ------------------------------------
+
+    def _serve(self, conn: ServerConnection) -> None:
+        rank: int | None = None
+        code = 1006
+        try:
+            first = conn.recv(timeout=10.0)
+            hello = decode(first)
+            refusal = self._admit(hello)
+            if refusal is not None or not isinstance(hello, Hello):
+                refusal = refusal or (CLOSE_MALFORMED, "The first message must be 'hello'.")
+                log.warning("Node agent refused a local rank: %s", refusal[1])
+                conn.send(encode(Error(code="malformed" if refusal[0] == CLOSE_MALFORMED else "try_again_later",
+                                       message=refusal[1])))
+                conn.close(refusal[0], refusal[1][:120])
+                return
+            rank = hello.rank
+            text = first if isinstance(first, str) else first.decode()
+            with self._lock:
+                old = self._guests.get(rank)
+                self._guests[rank] = conn
+                self._hellos[rank] = text
+                placement = self._placement
+            if old is not None and old is not conn:
+                old.close(CLOSE_NORMAL, "replaced by a newer connection of the same rank")
+            self._put(rank, text)
+            if placement is not None:
+                conn.send(placement)
+            for raw in conn:
+                msg = decode(raw)
+                if isinstance(msg, Hello) or msg.TYPE in ("metrics", "ack", "reject", "oom"):
+                    if getattr(msg, "job", None) != self.job or getattr(msg, "rank", None) != rank:
+                        raise ProtocolError(f"This connection speaks for job '{self.job}' rank {rank}; got a "
+                                            f"'{msg.TYPE}' for job '{getattr(msg, 'job', '')}' rank "
+                                            f"{getattr(msg, 'rank', '')}.")
+                else:
+                    raise ProtocolError(f"Hooks may not send '{msg.TYPE}' messages; expected metrics, ack, "
+                                        f"reject or oom.")
+                text = raw if isinstance(raw, str) else raw.decode()
+                if isinstance(msg, Hello):
+                    with self._lock:
+                        self._hellos[rank] = text
+                self._put(rank, text)
+            rcvd = conn.protocol.close_rcvd
+            code = rcvd.code if rcvd is not None else 1006
+        except ProtocolError as exc:
+            log.warning("Node agent closes local rank %s: %s", rank, exc)
+            code = CLOSE_MALFORMED
+            try:
+                conn.send(encode(Error(code=exc.code, message=str(exc))))
+                conn.close(exc.close_code, str(exc)[:120])
+            except ConnectionClosed:
+                pass
+        except (ConnectionClosed, TimeoutError) as exc:
+            rcvd = getattr(exc, "rcvd", None)
+            code = rcvd.code if rcvd is not None else 1006
+        finally:
+            if rank is not None:
+                self._gone(rank, conn, code)
+
+    def _admit(self, hello: Message) -> tuple[int, str] | None:
+        if not isinstance(hello, Hello):
+            return CLOSE_MALFORMED, f"The first message must be 'hello', got '{hello.TYPE}'."
+        if hello.job != self.job:
+            return CLOSE_MALFORMED, (f"This node agent carries job '{self.job}'; connect on your own for job "
+                                     f"'{hello.job}'.")
+        with self._lock:
+            if self._stopping:
+                return CLOSE_TRY_AGAIN_LATER, "The node agent is stopping; connect on your own."
+            if hello.rank not in self._guests and len(self._guests) >= MAX_RANKS_PER_CONNECTION - 1:
+                return CLOSE_TRY_AGAIN_LATER, (f"The node agent carries {MAX_RANKS_PER_CONNECTION - 1} ranks "
+                                               f"already; connect on your own.")
+        return None
+
+    def _gone(self, rank: int, conn: ServerConnection, code: int) -> None:
+        with self._lock:
+            if self._guests.get(rank) is not conn:
+                return  # replaced by a newer connection of the same rank
+            del self._guests[rank]
+            if self._stopping and code == CLOSE_NORMAL:
+                code = CLOSE_GOING_AWAY  # we closed it: it moves to its own connection
+        self._put(rank, encode(Leave(job=self.job, rank=rank, code=code)))
+
+    def _put(self, rank: int, text: str) -> None:
+        with self._lock:
+            self._waiting.append((rank, text))
+            if len(self._waiting) > self._max_waiting:
+                self._overflow()
+
+    def _overflow(self) -> None:
+        """Drop the oldest metrics frame (acks, rejects, hellos and leaves stay) and count
+        its records; the count goes upstream in a metrics frame of that rank. Lock held."""
+        for i, (rank, text) in enumerate(self._waiting):
+            if text.startswith('{"type":"metrics"'):
+                del self._waiting[i]
+                body = json.loads(text)
+                n = len(body.get("steps", ())) + len(body.get("device", ())) + int(body.get("dropped", 0))
+                self._dropped[rank] = self._dropped.get(rank, 0) + n
+                return
+        log.error("More than %d control frames wait for the node connection; dropping the oldest.",
+                  self._max_waiting)
+        self._waiting.popleft()
+
+    # --- transport.Relay: rank 0's transport thread ----------------------------------------
+
+    def hellos(self) -> list[str]:
+        with self._lock:
+            return list(self._hellos.values())
+
+    def peek(self) -> str | None:
+        with self._lock:
+            if self._dropped:
+                dropped, self._dropped = self._dropped, {}
+                for rank, n in dropped.items():
+                    self._waiting.appendleft((rank, encode(Metrics(job=self.job, rank=rank, steps=[], device=[],
+                                                                   dropped=n))))
+            return self._waiting[0][1] if self._waiting else None
+
+    def pop(self) -> None:
+        with self._lock:
+            rank, text = self._waiting.popleft()
+            self.relayed += 1
+            if text.startswith('{"type":"leave"') and rank not in self._guests:
+                self._hellos.pop(rank, None)
+
+    def deliver(self, raw: str) -> None:
+        if raw.startswith('{"type":"placement"'):
+            with self._lock:
+                if raw == self._placement:
+                    return  # each rank's hello is answered with the same placement: once is enough
+                self._placement = raw
+        with self._lock:
+            guests = list(self._guests.values())
+        for conn in guests:
+            try:
+                conn.send(raw)
+            except ConnectionClosed:
+                pass
+
