@@ -157,6 +157,10 @@ class _Steps:
                 if batch_from <= s.batch_index <= batch_to:
                     yield rank, s
 
+    def work_by_batch(self, job: str, rank: int) -> dict[int, tuple[float, float, float | None, float | None]]:
+        """The simulated samples carry no cost (every sample costs 1): no work rows."""
+        return {}
+
 
 class _Rank:
     """One rank's transport: steps waiting to be sent, its recent per-sample costs."""

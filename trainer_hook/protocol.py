@@ -873,9 +873,10 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
     if body.get("comm_kind", None) == "":
         del body["comm_kind"]  # likewise
     if "mesh" in body:
-        mesh = body.pop("mesh")
-        if mesh is not None:  # absent for plain data parallel
-            body["mesh"] = mesh.to_dict()
+        if body["mesh"] is None:
+            del body["mesh"]  # absent for plain data parallel
+        else:
+            body["mesh"] = body["mesh"].to_dict()  # in place: the fields keep their order
     if body.get("replica_ranks", None) == ():
         del body["replica_ranks"]  # likewise
     elif "replica_ranks" in body:
