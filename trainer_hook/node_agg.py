@@ -188,6 +188,9 @@ class NodeAgent:
         deadline = time.monotonic() + _DRAIN_S / 2
         while self._guests and time.monotonic() < deadline:  # their handlers queue the leaves
             time.sleep(0.01)
+        if server is not None:  # wakes serve_forever (a closed socket alone does not) and
+            # waits for the handler threads: nothing of the agent outlives hook.close()
+            server.shutdown(code=CLOSE_GOING_AWAY, reason="the node agent stopped; connect on your own")
 
     # --- one local rank's connection (a handler thread) ------------------------------------
 

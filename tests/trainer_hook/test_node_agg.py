@@ -6,6 +6,7 @@ job through the agent is in tests/trainer_hook/test_node_agg_torchrun.py).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -118,6 +119,22 @@ def test_ranks_of_a_node_share_one_connection_then_fall_back(server: Server, tmp
                log=server.log)
     job_status: Any = server.get(f"/api/v1/jobs/{job}")
     assert job_status["status"] != "degraded"
+    # Nothing of the agent outlives it (a thread left running keeps a script from exiting).
+    left = [t.name for t in threading.enumerate() if t.name == "rebalancer-node-agent"]
+    assert left == [], left
+
+
+def test_closing_rank_0_stops_the_agent_and_its_thread(server: Server, tmp_path: Path) -> None:
+    job = "agent-thread"
+    ts, _ = _node(server, job, tmp_path)
+    agent = ts[0].relay
+    assert isinstance(agent, NodeAgent)
+    wait_until(lambda: agent.guests == [1, 2, 3], "every local rank connected to the agent")
+    for t in reversed(ts):
+        t.close(timeout=2.0)
+    serving = [t for t in threading.enumerate() if t.name == "rebalancer-node-agent"]
+    assert serving == [], "the agent's thread outlives hook.close()"
+    assert not Path(agent.path).exists()
 
 
 def test_without_the_agent_a_rank_waits_then_uses_its_own_connection(server: Server, tmp_path: Path) -> None:
