@@ -107,6 +107,8 @@ def main() -> None:
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--ckpt", default="", help="checkpoint file to write at --save-at, or to --resume from")
     p.add_argument("--save-at", type=int, default=-1, help="checkpoint after this many steps, then die 2 steps later")
+    p.add_argument("--save-s", type=float, default=0.0,
+                   help="seconds the checkpoint write takes (a sleep): what was reported before it has left")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--side-channel", action="store_true",
                    help="SideChannel model: loss terms that bypass the model's output")
@@ -183,6 +185,7 @@ def main() -> None:
                     torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
                                 "rebalancer": hook.state_dict()}, args.ckpt)
                 dist.barrier()
+                time.sleep(args.save_s)
             if args.save_at >= 0 and hook.batch_index == args.save_at + 2:
                 # Killed between checkpoints: what it trained after the checkpoint is lost.
                 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
