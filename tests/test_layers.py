@@ -51,8 +51,21 @@ def test_the_wiring_imports_no_route():
 
 def test_the_hook_never_imports_the_backend():
     for path in _modules("trainer_hook"):
-        bad = [n for n in _imports(path) if n == "backend" or n.startswith("backend.")]
+        bad = [n for n in _imports(path) if n.split(".")[0] in ("backend", "frontend")]
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_frontend_package_is_data_only():
+    """The top-level ``frontend`` package is the dashboard's files as package data: its one
+    module imports nothing, and no module imports it (routes/pages.py finds its folder with
+    importlib.resources)."""
+    modules = _modules("frontend")
+    assert [p.relative_to(ROOT).as_posix() for p in modules] == ["frontend/__init__.py"]
+    assert _imports(modules[0]) == set()
+    for package in ("backend", "trainer_hook"):
+        for path in _modules(package):
+            bad = [n for n in _imports(path) if n.split(".")[0] == "frontend"]
+            assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
 # No backend product module grows past this many lines; the ones listed are bigger with a reason.
