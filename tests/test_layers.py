@@ -56,6 +56,16 @@ def test_the_hook_never_imports_the_backend():
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
+def test_the_policy_imports_only_itself_and_the_wire():
+    """backend/policy decides from data alone (pure functions, testable without a server or
+    torch): the standard library, numpy, itself and the wire (protocol, device keys)."""
+    allowed = {"backend.policy", "numpy", "trainer_hook.protocol", "trainer_hook.devices"}
+    for path in _modules("backend/policy"):
+        bad = [n for n in _imports(path) if n.split(".")[0] not in sys.stdlib_module_names
+               and not any(n == a or n.startswith(a + ".") for a in allowed)]
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
 def test_the_client_imports_nothing_of_the_server():
     """backend/client (the REST client and its commands) runs where only plain ``rebalancer``
     is installed: the standard library, itself, the one mode list, and websockets for watch."""
