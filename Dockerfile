@@ -7,7 +7,8 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY backend ./backend
 COPY trainer_hook ./trainer_hook
-# The dashboard's files are package data (backend/frontend), so a plain install serves them.
+# The dashboard's files are package data (the top-level frontend package), so a plain install serves them.
+COPY frontend ./frontend
 RUN pip install ".[server,cluster]" && useradd --system --uid 1000 rebalancer
 USER rebalancer
 EXPOSE 8000

@@ -1,5 +1,5 @@
 """The ``rebalancer`` command: ``serve``, ``demo``, ``run``, ``token create|list|revoke``, and the
-REST client's commands (``jobs``, ``approve``, ``watch``, ... in ``backend.cli_client``).
+REST client's commands (``jobs``, ``approve``, ``watch``, ... in ``backend.client.commands``).
 
 Server packages (pydantic, FastAPI) are imported only by the server commands, so the
 client commands work where only the client is installed."""
@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from backend import cli_client
+from backend.client import commands as client_commands
 
 if TYPE_CHECKING:
     from backend.settings import Settings
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     rev.add_argument("id", type=int)
     for sp in (create, lst, rev):
         sp.add_argument("--db", help="database URL (env REBALANCER_DB)")
-    cli_client.add_commands(sub)
+    client_commands.add_commands(sub)
     from backend import run_cmd
 
     run_cmd.add_command(sub)
@@ -240,8 +240,8 @@ def _db(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in cli_client.COMMANDS:
-        return cli_client.run(args)
+    if args.command in client_commands.COMMANDS:
+        return client_commands.run(args)
     if args.command == "serve":
         return _serve(args)
     if args.command == "token":

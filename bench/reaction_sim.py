@@ -13,7 +13,7 @@ models, step by step and in simulated wall-clock time, what a real job does:
   every ``min_interval_s`` unless the frame carries a deviation (a lever), only once every
   rank trains under the placement in force, applies proposals (auto mode), judges their
   measured effect with the real ``judge_effect`` (with ``speed_factor``), rolls back what got worse;
-- rank 0 runs the real exchange schedule (``trainer_hook.control.ControlChannel`` without
+- rank 0 runs the real exchange schedule (``trainer_hook.channel.ControlChannel`` without
   a process group): a placement takes effect ``lag + lookahead`` to ``every + lag +
   lookahead`` steps after it reaches rank 0.
 
@@ -46,7 +46,7 @@ from backend.policy import (
     predicted_step_ms,
     solve,
 )
-from trainer_hook.control import ControlChannel, PendingPlacement
+from trainer_hook.channel import ControlChannel, PendingPlacement
 from trainer_hook.placement import PlacementSchedule
 
 __all__ = ["Cadence", "SimCase", "SimRun", "TODAY", "LEVERS", "DEFAULTS", "CASES", "simulate",

@@ -293,7 +293,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
 
 
 def markdown_table(report: dict[str, Any]) -> str:
-    """The report as the Markdown table README.md and docs/reliability.md show."""
+    """The report as the Markdown table docs/reliability.md shows."""
     rows = ["| path | runs | hangs | abnormal | median / max s |", "|---|---|---|---|---|"]
     for p in report["paths"]:
         why = "; ".join(f"{n} x {r}" for r, n in p["reasons"].items())

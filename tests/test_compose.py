@@ -85,7 +85,7 @@ def test_dockerfile_installs_the_server_extra_and_runs_the_cli():
     assert text.startswith("#") and "FROM python:3.11-slim" in text
     assert 'pip install ".[server,cluster]"' in text  # cluster: the Redis client for replicas
     assert 'ENTRYPOINT ["rebalancer"]' in text
-    for path in ("backend", "trainer_hook", "pyproject.toml"):
+    for path in ("backend", "trainer_hook", "frontend", "pyproject.toml"):
         assert path in text and (ROOT / path).exists()
 
 

@@ -6,11 +6,12 @@ them); the test fails on any new one, and on a listed one that is gone (drop it 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # The top layers: they may import anything in the backend.
-TOP = ("backend/main.py", "backend/parts.py", "backend/cli.py", "backend/cli_client.py",
+TOP = ("backend/main.py", "backend/parts.py", "backend/cli.py",
        "backend/demo.py", "backend/run_cmd.py", "backend/__main__.py", "backend/api/")
 UPPER = ("backend.api", "backend.parts", "backend.main", "backend.cli", "backend.demo", "backend.run_cmd")
 KNOWN_UPWARD: set[tuple[str, str]] = set()
@@ -51,8 +52,41 @@ def test_the_wiring_imports_no_route():
 
 def test_the_hook_never_imports_the_backend():
     for path in _modules("trainer_hook"):
-        bad = [n for n in _imports(path) if n == "backend" or n.startswith("backend.")]
+        bad = [n for n in _imports(path) if n.split(".")[0] in ("backend", "frontend")]
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_policy_imports_only_itself_and_the_wire():
+    """backend/policy decides from data alone (pure functions, testable without a server or
+    torch): the standard library, numpy, itself and the wire (protocol, device keys)."""
+    allowed = {"backend.policy", "numpy", "trainer_hook.protocol", "trainer_hook.devices"}
+    for path in _modules("backend/policy"):
+        bad = [n for n in _imports(path) if n.split(".")[0] not in sys.stdlib_module_names
+               and not any(n == a or n.startswith(a + ".") for a in allowed)]
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_client_imports_nothing_of_the_server():
+    """backend/client (the REST client and its commands) runs where only plain ``rebalancer``
+    is installed: the standard library, itself, the one mode list, and websockets for watch."""
+    allowed = {"backend.client", "backend.control.modes", "websockets"}
+    for path in _modules("backend/client"):
+        bad = [n for n in _imports(path) if n.split(".")[0] not in sys.stdlib_module_names
+               and not any(n == a or n.startswith(a + ".") for a in allowed)]
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_frontend_package_is_data_only():
+    """The top-level ``frontend`` package is the dashboard's files as package data: its one
+    module imports nothing, and no module imports it (routes/pages.py finds its folder with
+    importlib.resources)."""
+    modules = _modules("frontend")
+    assert [p.relative_to(ROOT).as_posix() for p in modules] == ["frontend/__init__.py"]
+    assert _imports(modules[0]) == set()
+    for package in ("backend", "trainer_hook"):
+        for path in _modules(package):
+            bad = [n for n in _imports(path) if n.split(".")[0] == "frontend"]
+            assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
 # No backend product module grows past this many lines; the ones listed are bigger with a reason.

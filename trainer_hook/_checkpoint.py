@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_hook._hook_base import HookBase
-from trainer_hook.control import PendingPlacement
+from trainer_hook.channel import PendingPlacement
 from trainer_hook.protocol import check_shares
 
 log = logging.getLogger("trainer_hook")
@@ -33,7 +33,7 @@ class Checkpoints(HookBase):
         k = self._next_batch
         current = self._schedule.at(k)
         nxt = self._schedule.latest
-        pending = self._control.undelivered if self._root else None
+        pending = self._channel.undelivered if self._root else None
         upcoming = pending if pending is not None and pending.version > nxt.version else nxt
         sampler = self._sampler
         return {
@@ -68,7 +68,7 @@ class Checkpoints(HookBase):
                 "after building the model, optimizer and loader, before iterating the loader."
             )
         k, version, shares, nxt = _check_state(state, self.config.global_batch_size, self._world_size)
-        group = self._control.group
+        group = self._channel.group
         if group is not None:  # rank 0's copy decides, so ranks cannot disagree
             w = self._world_size
             buf = torch.full((2 + w,), -1, dtype=torch.int64)
@@ -81,14 +81,14 @@ class Checkpoints(HookBase):
             k, version = values[0], values[1]
             shares = values[2:] if version >= 0 else None
         if self._lookahead is not None:  # given: settle from the resumed batch on
-            self._control.set_lookahead(k, self._lookahead)
+            self._channel.set_lookahead(k, self._lookahead)
         with self._lock:
             if shares is not None and version > self._schedule.latest.version:
                 self._schedule.replace_initial(version, shares)
             self._next_batch = k
             self._trained = self._schedule.at(k)
         if nxt is not None and self._root and nxt[0] > self._schedule.latest.version:
-            self._control.offer(PendingPlacement(nxt[0], tuple(nxt[1]), "resumed from a checkpoint"))
+            self._channel.offer(PendingPlacement(nxt[0], tuple(nxt[1]), "resumed from a checkpoint"))
 
 
 _STATE_FORMAT = 1

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from trainer_hook import _lifecycle
+from trainer_hook.channel import ControlChannel, PendingPlacement
 from trainer_hook.config import HookConfig
-from trainer_hook.control import ControlChannel, PendingPlacement
 from trainer_hook.gradients import GradientState
 from trainer_hook.memory import (
     MemoryMeter,
@@ -158,7 +158,7 @@ class HookBase:
         # Measured: settle nothing in particular until the first step agrees on it; no
         # exchange can start a placement before then.
         lookahead = self._lookahead if self._lookahead is not None else _UNMEASURED
-        self._control = ControlChannel(
+        self._channel = ControlChannel(
             rank=0 if self._root else 1 + self._rank, world_size=self._world_size, schedule=self._schedule,
             exchange_every=cfg.exchange_every, exchange_lag=cfg.exchange_lag,
             lookahead=lookahead, group=group,
@@ -244,7 +244,7 @@ class HookBase:
             return  # never used: no group, no threads
         try:
             if wait_for_peers:
-                self._control.close(timeout_s=wait_timeout_s)
+                self._channel.close(timeout_s=wait_timeout_s)
             if self._pace is not None:  # the records of the last window(s), combined if peers wait
                 pace = self._pace
                 for r in pace.flush(self._next_batch, wait_timeout_s) if wait_for_peers else pace.release():
@@ -272,7 +272,7 @@ class HookBase:
         self._forked = True
         self._grads._pg = None
         self._grads._opts = None
-        self._control.after_fork_in_child()
+        self._channel.after_fork_in_child()
         if self._pace is not None:
             self._pace.after_fork_in_child()
         if self._probe is not None:
@@ -288,7 +288,7 @@ class HookBase:
         # handle to the gradient group, so both die while the interpreter is whole.
         self._grads._pg = None
         self._grads._opts = None
-        group, self._control.group = self._control.group, None
+        group, self._channel.group = self._channel.group, None
         pace_group = None
         if self._pace is not None:
             pace_group, self._pace.group = self._pace.group, None

@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from trainer_hook._hook_base import HookBase
-from trainer_hook.control import PendingPlacement
+from trainer_hook.channel import PendingPlacement
 from trainer_hook.placement import ScheduledPlacement
 from trainer_hook.protocol import Ack, Error, Message, Placement, Reject, check_shares
 
@@ -40,7 +40,7 @@ class PlacementSwitch(HookBase):
         checked: list[int] = []
         with self._lock:
             latest = self._schedule.latest
-            pending = self._control.pending
+            pending = self._channel.pending
             newest = max(latest.version, pending.version if pending else -1)
             if global_batch_size != self.config.global_batch_size:
                 error = (
@@ -68,7 +68,7 @@ class PlacementSwitch(HookBase):
                     return None
                 error = f"placement version {version} is not newer than version {newest} already in force or pending."
             if error is None:
-                self._control.offer(PendingPlacement(version, tuple(checked), reason, length_sq_weight))
+                self._channel.offer(PendingPlacement(version, tuple(checked), reason, length_sq_weight))
                 return None
         self.rejections.append((version, error))
         log.warning("rejected placement: %s", error)
@@ -118,7 +118,7 @@ class PlacementSwitch(HookBase):
         if version is not None and version <= self._schedule.latest.version:
             version = shares = None  # a resumed checkpoint's placement is as new or newer
         if not self.config.offline:
-            self._control.sync_initial(version, shares, length_sq_weight)
+            self._channel.sync_initial(version, shares, length_sq_weight)
         with self._lock:
             self._started = True
             self._trained = self._schedule.at(self._next_batch)

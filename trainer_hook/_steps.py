@@ -42,13 +42,13 @@ class StepLoop(PlacementSwitch):
         if not self._started:
             self._ensure_started()
         k = self._next_batch
-        control = self._control
+        channel = self._channel
         if self._lookahead is None:
             self._agree_lookahead(k)
             if self._lookahead is None:  # postponed: no exchange may start a placement yet
-                control = _NO_EXCHANGE
-        if k >= control.due:  # an exchange to collect or launch; otherwise nothing to do
-            control.on_step(k)
+                channel = _NO_EXCHANGE
+        if k >= channel.due:  # an exchange to collect or launch; otherwise nothing to do
+            channel.on_step(k)
         p = self._schedule.at(k)
         sampler = self._sampler
         b = self.config.global_batch_size
@@ -101,7 +101,7 @@ class StepLoop(PlacementSwitch):
             epoch_end = (k // per_epoch + 1) * per_epoch - 1
             truncated = int(sampler.furthest >= epoch_end and k % per_epoch != 0 and self._agree_at == 0)
         lookahead = max(1, ahead + 1, self._known_lookahead)
-        group = self._control.group
+        group = self._channel.group
         if group is not None:
             buf = torch.tensor([lookahead, truncated], dtype=torch.int64)
             dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
@@ -110,7 +110,7 @@ class StepLoop(PlacementSwitch):
             self._agree_at = (k // len(sampler) + 1) * len(sampler)
             return
         self._lookahead = lookahead
-        self._control.set_lookahead(k, lookahead)
+        self._channel.set_lookahead(k, lookahead)
 
     def _freeze_norms(self) -> None:
         # Eval mode for the dummy step: normalise with the running statistics, update none.

@@ -310,7 +310,7 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
             if self._grads.weight == 0:  # a dummy batch: its tokens are not the global batch's
                 total = torch.zeros_like(total)
             if self._world_size > 1:
-                group = self._control.group if total.device.type == "cpu" else None
+                group = self._channel.group if total.device.type == "cpu" else None
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
                 if self._members > 1:  # every member of a replica counted the same tokens
                     total = total / self._members
@@ -324,7 +324,7 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
         count = float(n_valid) if self._grads.weight > 0 else 0.0  # a dummy batch counts nothing
         if self._world_size > 1:
             buf = torch.tensor([count], dtype=torch.float64)
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._control.group)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._channel.group)
             count = float(buf[0]) / self._members  # every member of a replica counted the same tokens
         return scale / count if count > 0 else 0.0
 
@@ -367,7 +367,7 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
         if length_sq_weight is not None:
             length_sq_weight = check_length_sq_weight(length_sq_weight)
         with self._lock:
-            pending = self._control.undelivered
+            pending = self._channel.undelivered
             if version is None:
                 version = 1 + max(self._schedule.latest.version, pending.version if pending else 0)
             if length_sq_weight is None:

@@ -313,7 +313,7 @@ def test_watch_shows_ranks_and_shares(live: Server):
 def test_the_client_needs_no_server_package(live: Server):
     """With FastAPI, pydantic, SQLAlchemy, ... unimportable, the CLI (watch included) works."""
     env = {"REBALANCER_SERVER": live.url, "REBALANCER_TOKEN": ADMIN}
-    probe = cli("--help", prelude=_BLOCKER + "\nimport backend.client, backend.cli_client, backend.cli\n"
+    probe = cli("--help", prelude=_BLOCKER + "\nimport backend.client, backend.client.commands, backend.cli\n"
                 "assert not any(m.split('.')[0] in " + repr(SERVER_PACKAGES) + " for m in sys.modules)")
     assert probe.returncode == 0, probe
     got = cli("jobs", "--json", env=env, prelude=_BLOCKER)

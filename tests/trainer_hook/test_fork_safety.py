@@ -116,7 +116,7 @@ def test_fork_while_the_hooks_locks_are_held_child_neither_deadlocks_nor_touches
         wait_until(lambda: hook.connected and rec.connections and "hello" in rec.connections[0],
                    "the hook to connect", 30)
         transport = hook._transport
-        locks = [hook._lock, hook._control._lock, transport._lock, hook._probe._lock]
+        locks = [hook._lock, hook._channel._lock, transport._lock, hook._probe._lock]
         held, release = threading.Event(), threading.Event()
 
         def hold() -> None:  # another thread holds every lock across the fork, as the I/O threads may

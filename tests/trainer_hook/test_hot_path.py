@@ -6,7 +6,7 @@ import bisect
 
 import pytest
 
-from trainer_hook.control import ControlChannel, PendingPlacement
+from trainer_hook.channel import ControlChannel, PendingPlacement
 from trainer_hook.gradients import GradientState
 from trainer_hook.placement import PlacementSchedule
 

@@ -1,6 +1,6 @@
 """The dashboard's pages, static files, its websocket, and two small reads it needs.
 
-- ``GET /``: jobs overview; ``GET /job/{job}``: job view (both plain HTML from frontend/).
+- ``GET /``: jobs overview; ``GET /job/{job}``: job view (both plain HTML from the top-level ``frontend`` package).
 - ``GET /static/plotly.min.js``: served from the installed ``plotly`` package (no CDN).
 - ``GET /static/{path}``: the rest of frontend/ (ES modules, CSS): ``FrontendFiles``,
   mounted by ``create_app`` after this router (plotly's route comes first).
@@ -51,7 +51,7 @@ AUTH_TIMEOUT_S = 5.0  # a dashboard socket without a token in its URL sends it w
 AUTH_FRAME_MAX_BYTES = 4096
 
 # Package data: found the same way in a source tree and in a plain (non-editable) install.
-FRONTEND_DIR = Path(str(importlib.resources.files("backend").joinpath("frontend")))
+FRONTEND_DIR = Path(str(importlib.resources.files("frontend")))
 _NO_CACHE = {"Cache-Control": "no-cache"}
 
 router = APIRouter()

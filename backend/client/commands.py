@@ -13,14 +13,16 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from typing import Any, TextIO
 
-from backend.client import APIError, Client, ServerUnreachable
+from backend.client import watch
+from backend.client._format import duration, num, table
+from backend.client.rest import APIError, Client, ServerUnreachable
 from backend.control.modes import MODES
 
 __all__ = ["COMMANDS", "add_commands", "run", "EXIT_OK", "EXIT_REFUSED", "EXIT_USAGE",
-           "EXIT_UNREACHABLE", "EXIT_SERVER_ERROR", "render_watch"]
+           "EXIT_UNREACHABLE", "EXIT_SERVER_ERROR"]
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_SERVER_ERROR = 0, 1, 2, 3, 4
 COMMANDS = ("jobs", "job", "proposals", "approve", "reject", "mode", "override", "place", "rollback", "watch",
@@ -99,31 +101,12 @@ def add_commands(sub: Any) -> None:
 # --- formatting ---------------------------------------------------------------------------
 
 
-def _num(v: Any, fmt: str = "{:.1f}", none: str = "-") -> str:
-    return none if v is None else fmt.format(v)
-
-
-def _duration(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = int(round(s))
-    h, rem = divmod(s, 3600)
-    m, sec = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else (f"{m}m{sec:02d}s" if m else f"{sec}s")
-
-
-def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
-
-
 def _job_row(j: dict[str, Any]) -> list[Any]:
     imb = j.get("imbalance")
     return [j["job"], j.get("status", "-"), j.get("mode") or "-",
-            f"{j.get('connected_ranks', 0)}/{j.get('world_size', '?')}", _num(j.get("batch_index"), "{}"),
-            _num(j.get("step_ms")), _num(imb, "{:.0%}"), _duration(j.get("eta_s")),
-            _num(j.get("cost_per_hour"), "${:.2f}")]
+            f"{j.get('connected_ranks', 0)}/{j.get('world_size', '?')}", num(j.get("batch_index"), "{}"),
+            num(j.get("step_ms")), num(imb, "{:.0%}"), duration(j.get("eta_s")),
+            num(j.get("cost_per_hour"), "${:.2f}")]
 
 
 def _job_text(j: dict[str, Any]) -> str:
@@ -133,21 +116,21 @@ def _job_text(j: dict[str, Any]) -> str:
         ("mode", f"{j.get('mode') or '-'}, strategy {j.get('strategy') or '-'}"),
         ("ranks", f"{j.get('connected_ranks', 0)}/{j.get('world_size')} connected, "
                   f"global batch {j.get('global_batch_size')}"),
-        ("progress", f"batch {_num(j.get('batch_index'), '{}')}"
+        ("progress", f"batch {num(j.get('batch_index'), '{}')}"
                      + (f" of {j['total_steps']}" if j.get("total_steps") else "")
-                     + f", step {_num(j.get('step_ms'))} ms, {_num(j.get('step_rate_hz'), '{:.2f}')} steps/s"),
-        ("imbalance", f"{_num(j.get('imbalance'), '{:.1%}')}, idle {_num(j.get('idle_fraction'), '{:.1%}')}"),
+                     + f", step {num(j.get('step_ms'))} ms, {num(j.get('step_rate_hz'), '{:.2f}')} steps/s"),
+        ("imbalance", f"{num(j.get('imbalance'), '{:.1%}')}, idle {num(j.get('idle_fraction'), '{:.1%}')}"),
         ("placement", f"v{placement.get('version', '-')} {placement.get('shares', '-')}"),
         ("pending", f"proposal {j['pending_proposal_id']}" if j.get("pending_proposal_id") is not None else "none"),
-        ("eta", _duration(j.get("eta_s"))),
-        ("cost", f"{_num(j.get('cost_per_hour'), '${:.2f}')}/h, idle {_num(j.get('idle_cost_per_hour'), '${:.2f}')}/h"),
+        ("eta", duration(j.get("eta_s"))),
+        ("cost", f"{num(j.get('cost_per_hour'), '${:.2f}')}/h, idle {num(j.get('idle_cost_per_hour'), '${:.2f}')}/h"),
     ]
     return "\n".join(f"{k + ':':<11}{v}" for k, v in lines)
 
 
 def _proposal_row(p: dict[str, Any]) -> list[Any]:
     gain = p.get("predicted_gain")
-    return [p["id"], p["status"], p["source"], _num(gain, "{:+.1%}"), p["base_version"],
+    return [p["id"], p["status"], p["source"], num(gain, "{:+.1%}"), p["base_version"],
             ",".join(map(str, p["shares"])), time.strftime("%H:%M:%S", time.localtime(p["created_at"]))]
 
 
@@ -174,92 +157,6 @@ def _ints(text: str, what: str) -> list[int]:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
         raise UsageError(f"{what} expects whole numbers separated by commas, like 12,12,8; got {text!r}.") from None
-
-
-# --- the watch view -----------------------------------------------------------------------
-
-
-def _merge_frame(state: dict[str, Any], frame: dict[str, Any]) -> None:
-    """Fold a dashboard frame into ``state`` (a frame without ``ranks`` keeps the last ones)."""
-    if frame.get("type") != "job":
-        return
-    for key in ("summary", "control", "ranks", "savings"):
-        if key in frame and frame[key] is not None:
-            state[key] = frame[key]
-    pos = frame.get("positions")
-    ranks = state.get("ranks")
-    if pos and ranks and ranks.get("rank") == pos.get("rank"):
-        ranks["batch_index"] = pos["batch_index"]
-
-
-def _rank_rows(cols: dict[str, list[Any]]) -> list[dict[str, Any]]:
-    n = len(cols.get("rank", []))
-    return [{k: v[i] for k, v in cols.items() if i < len(v)} for i in range(n)]
-
-
-def render_watch(state: dict[str, Any], width: int = 20) -> str:
-    """The watch view of a merged dashboard state, as plain text."""
-    s = state.get("summary")
-    if not s:
-        return "waiting for the job's first metrics..."
-    head = (f"{s['job']}  {s.get('status', '-')}  mode {s.get('mode') or '-'}  "
-            f"batch {_num(s.get('batch_index'), '{}')}  step {_num(s.get('step_ms'))} ms  "
-            f"{_num(s.get('step_rate_hz'), '{:.2f}')} steps/s  imbalance {_num(s.get('imbalance'), '{:.0%}')}  "
-            f"placement v{_num(s.get('placement_version'), '{}')}  ETA {_duration(s.get('eta_s'))}  "
-            f"{_num(s.get('cost_per_hour'), '${:.2f}')}/h")
-    lines = [head]
-    if s.get("status_detail"):
-        lines.append(s["status_detail"])
-    pending = (state.get("control") or {}).get("pending_proposal")
-    if pending:
-        lines.append(f"pending proposal {pending.get('id')}: {pending.get('shares')} "
-                     f"(predicted gain {_num(pending.get('predicted_gain'), '{:+.1%}')}) -> "
-                     f"rebalancer approve {s['job']} {pending.get('id')}")
-    rows = _rank_rows(state.get("ranks") or {})
-    biggest = max([r.get("share") or 0 for r in rows] + [1])
-    table = []
-    for r in rows:
-        share = r.get("share")
-        bar = "#" * round((share or 0) / biggest * width)
-        mem = (f"{r['mem_used_bytes'] / 2**30:.1f}/{r['mem_total_bytes'] / 2**30:.0f}G"
-               if r.get("mem_used_bytes") is not None and r.get("mem_total_bytes") else "-")
-        util = r.get("util_pct") if r.get("util_pct") is not None else r.get("cpu_pct")
-        table.append([r.get("rank"), ("" if r.get("connected", True) else "x ") + str(r.get("host") or "-"),
-                      r.get("device_type") or "-", _num(share, "{}"), bar.ljust(width),
-                      _num(r.get("compute_ms")), _num(r.get("sync_wait_ms")), _num(r.get("data_wait_ms")),
-                      _num(util, "{:.0f}%"), mem])
-    lines.append("")
-    lines.append(_table(["RANK", "HOST", "DEVICE", "SHARE", "", "COMPUTE ms", "SYNC ms", "DATA ms", "UTIL", "MEM"],
-                        table))
-    return "\n".join(lines)
-
-
-def _watch(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-    state: dict[str, Any] = {}
-    shown, delay, ever = 0, 0.5, False
-    tty = out.isatty() and not args.json
-    while True:
-        try:
-            for frame in client.watch(args.name):
-                ever = True
-                delay = 0.5
-                _merge_frame(state, frame)
-                if args.json:
-                    out.write(json.dumps({"summary": state.get("summary"), "savings": state.get("savings"),
-                                          "ranks": _rank_rows(state.get("ranks") or {})}) + "\n")
-                else:
-                    out.write(("\x1b[H\x1b[2J" if tty else "") + render_watch(state) + "\n" + ("" if tty else "\n"))
-                out.flush()
-                shown += 1
-                if args.count and shown >= args.count:
-                    return EXIT_OK
-        except ServerUnreachable:
-            if not ever:
-                raise
-        print(f"rebalancer watch: connection to {client.server} lost; reconnecting in {delay:g}s.",
-              file=sys.stderr)
-        time.sleep(delay)
-        delay = min(delay * 2, 8.0)
 
 
 # --- commands -------------------------------------------------------------------------------
@@ -306,16 +203,16 @@ def _report_text(r: dict[str, Any]) -> str:
     lines = [
         f"Job {r['job']}: {'finished' if r.get('finished') else 'running'} ({r.get('reason')}), "
         f"{r['world_size']} ranks, global batch {r['global_batch_size']}",
-        f"  duration {_duration(r.get('duration_s'))}, {r.get('steps', 0)} steps, "
-        f"{_num(r.get('samples_per_s'))} samples/s, mean step {_num(r.get('mean_step_ms'))} ms",
-        f"  cost {_num(cost.get('per_hour'), '${:.2f}')}/h, {_num(cost.get('total'), '${:.4f}')} in total; "
-        f"saved vs uniform {_num(sv.get('saved_s'), '{:.1f}')} s, {_num(sv.get('saved_cost'), '${:.4f}')}",
+        f"  duration {duration(r.get('duration_s'))}, {r.get('steps', 0)} steps, "
+        f"{num(r.get('samples_per_s'))} samples/s, mean step {num(r.get('mean_step_ms'))} ms",
+        f"  cost {num(cost.get('per_hour'), '${:.2f}')}/h, {num(cost.get('total'), '${:.4f}')} in total; "
+        f"saved vs uniform {num(sv.get('saved_s'), '{:.1f}')} s, {num(sv.get('saved_cost'), '${:.4f}')}",
         f"  placements {len(r.get('placements') or [])}, proposals {len(r.get('proposals') or [])} "
         f"({', '.join(f'{k} {v}' for k, v in (r.get('decisions') or {}).items()) or 'none'})",
-        _table(["RANK", "DEVICE", "STEPS", "COMPUTE ms", "SYNC WAIT ms", "DATA WAIT ms"],
+        table(["RANK", "DEVICE", "STEPS", "COMPUTE ms", "SYNC WAIT ms", "DATA WAIT ms"],
                [[x["rank"], x.get("device_name") or x.get("device_type"), x["steps"],
-                 _num(x.get("compute_ms_per_step")), _num(x.get("sync_wait_ms_per_step")),
-                 _num(x.get("data_wait_ms_per_step"))] for x in r.get("ranks") or []]),
+                 num(x.get("compute_ms_per_step")), num(x.get("sync_wait_ms_per_step")),
+                 num(x.get("data_wait_ms_per_step"))] for x in r.get("ranks") or []]),
     ]
     adv = r.get("advice")
     lines += ["Advice:", *(f"  {a}" for a in adv["summary"])] if adv else ["Advice: not enough steps stored."]
@@ -345,7 +242,7 @@ def _dispatch(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     cmd, name = args.command, str(getattr(args, "name", ""))
     if cmd == "jobs":
         jobs = client.jobs()
-        return _emit(args, out, jobs, lambda: _table(
+        return _emit(args, out, jobs, lambda: table(
             ["JOB", "STATUS", "MODE", "RANKS", "BATCH", "STEP ms", "IMBALANCE", "ETA", "COST/h"],
             [_job_row(dict(j)) for j in jobs]) if jobs else "No jobs yet.")
     if cmd == "job":
@@ -355,7 +252,7 @@ def _dispatch(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         if args.limit < 1:
             raise UsageError(f"--limit must be at least 1, got {args.limit}.")
         props = client.proposals(name, status=args.status, limit=args.limit)
-        return _emit(args, out, props, lambda: _table(
+        return _emit(args, out, props, lambda: table(
             ["ID", "STATUS", "SOURCE", "GAIN", "BASE", "SHARES", "CREATED"],
             [_proposal_row(dict(p)) for p in props]) if props else f"No proposals for {name}.")
     if cmd in ("approve", "reject"):
@@ -382,7 +279,8 @@ def _dispatch(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     if cmd == "watch":
         if args.count < 0:
             raise UsageError(f"--count must be 0 (no end) or more, got {args.count}.")
-        return _watch(client, args, out)
+        watch.watch(client, name, count=args.count, as_json=args.json, out=out)
+        return EXIT_OK
     if cmd == "report":
         return _report(client, args, out)
     raise UsageError(f"unknown command {cmd!r}.")

@@ -1,0 +1,58 @@
+"""A typed Python client for the backend's REST API and dashboard feed (standard library only).
+
+It needs none of the server's packages (FastAPI, pydantic, SQLAlchemy): install plain
+``rebalancer`` and it works; ``watch`` also needs ``websockets`` (``rebalancer[client]``).
+
+Example::
+
+    from backend.client import Client, APIError
+
+    rb = Client("http://127.0.0.1:8000", token="rb_...")   # or REBALANCER_SERVER / _TOKEN
+    job = rb.job("demo")
+    pending = rb.proposals("demo", status="proposed")
+    if pending:
+        try:
+            rb.approve("demo", pending[0]["id"], reason="looks right")
+        except APIError as exc:       # exc.status == 409, exc.detail == the server's sentence
+            print(exc.detail)
+
+Every method is one HTTP request. The server's refusals raise :class:`APIError` with the
+status and the server's ``detail`` sentence; a server that cannot be reached raises
+:class:`ServerUnreachable`. Lists come back as Python lists (the server's ``data``).
+"""
+
+from __future__ import annotations
+
+from backend.client.resources import (
+    AuditRecord,
+    Bound,
+    CostModel,
+    Device,
+    Effect,
+    Forecast,
+    Health,
+    Job,
+    Memory,
+    Mesh,
+    MetricPoint,
+    MetricsPage,
+    Overrides,
+    OverridesSet,
+    Placement,
+    Proposal,
+    Rank,
+    RankMemory,
+    Replica,
+    Summary,
+    Token,
+    TokenCreated,
+    WhoAmI,
+)
+from backend.client.rest import DEFAULT_SERVER, APIError, Client, ServerUnreachable
+
+__all__ = [
+    "Client", "APIError", "ServerUnreachable", "DEFAULT_SERVER",
+    "Job", "Bound", "Mesh", "Replica", "CostModel", "Rank", "Device", "MetricPoint", "MetricsPage",
+    "Forecast", "Summary", "RankMemory", "Memory", "Proposal", "Placement", "Effect", "Overrides",
+    "OverridesSet", "AuditRecord", "Token", "TokenCreated", "Health", "WhoAmI",
+]
