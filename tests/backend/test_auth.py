@@ -130,6 +130,13 @@ def test_token_lifecycle_and_secret_stored_hashed(client, tmp_path):
     r = client.post("/api/v1/tokens", json={"role": "hook"}, headers=_bearer(ADMIN))
     assert r.status_code == 400  # a rule across fields (issue 26: schema-valid requests get no 422)
     assert r.json() == {"detail": "A hook token must be scoped to a job; give its job name."}
+    # An empty job name is not "no job": the schema's job-name pattern refuses it, so does the
+    # server (the OpenAPI fuzz found it accepted as null).
+    empty = client.post("/api/v1/tokens", json={"role": "viewer", "job": ""}, headers=_bearer(ADMIN))
+    assert empty.status_code == 422 and "job" in str(empty.json()["detail"]), empty.json()
+    # A misspelt key is an error, not ignored (as in the control routes' bodies).
+    typo = client.post("/api/v1/tokens", json={"role": "viewer", "nmae": "ci"}, headers=_bearer(ADMIN))
+    assert typo.status_code == 422 and "nmae" in str(typo.json()["detail"]), typo.json()
     created = client.post("/api/v1/tokens", json={"role": "operator", "name": "ci"}, headers=_bearer(ADMIN)).json()
     secret = created["secret"]
     listed = client.get("/api/v1/tokens", headers=_bearer(ADMIN)).json()

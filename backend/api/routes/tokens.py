@@ -6,7 +6,7 @@ import logging
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
 from backend.api.deps import AdminDep, PartsDep, RowId
@@ -30,9 +30,11 @@ router = APIRouter(prefix="/api/v1/tokens", tags=["tokens"])
 
 
 class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not ignored
     role: Literal["viewer", "operator", "admin", "hook"]
     name: str = Field("", max_length=128)
-    job: str | None = Field(None, max_length=128, description="Required for hook tokens (400 without), refused "
+    job: str | None = Field(None, min_length=1, max_length=128,
+                            description="Required for hook tokens (400 without), refused "
                             "otherwise (400); a name the hook protocol accepts.",
                             json_schema_extra={"pattern": JOB_NAME_PATTERN})
     reason: str = Field("", max_length=2048)
