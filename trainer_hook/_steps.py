@@ -151,7 +151,10 @@ class StepLoop(PlacementSwitch):
             if rec is not None:
                 if not pace.leader:
                     self.history.append(rec)  # a member keeps its own; the leader sends
-                for r in pace.add(rec):  # only a record whose window left already
+                # Which samples it trained: the replica's members must agree (checked a window on).
+                fp = (sampler.samples_fingerprint(rec.batch_index) if sampler is not None
+                      else hash((rec.placement_version, rec.local_batch_size)))
+                for r in pace.add(rec, fp):  # only a record whose window left already
                     self._report(r)
             pace.on_step_end(self._next_batch, self._grads.events is not None)
         elif rec is not None:

@@ -170,8 +170,12 @@ def check_dp_mesh(model: Any, dp_mesh: Any) -> None:
 
 PACE_WINDOW = 8  # batches per all-reduce
 _NONE = float("-inf")  # a slot no member filled; every field is combined with MAX
-_WIDTH = 8  # compute, data wait, optimizer, step, -sync wait, peak, reserved, -device memory
-# ... then one compute time per member, each member filling its own (which one is slowest).
+_WIDTH = 10  # compute, data wait, optimizer, step, -sync wait, peak, reserved, -device memory,
+# the samples' fingerprint and its negation (MAX of both: equal magnitudes iff every member
+# that filed the slot trained the same samples), then one compute time per member, each
+# member filling its own (which one is slowest).
+_FINGERPRINT_BITS = (1 << 52) - 1  # a fingerprint stays an exact float64
+_CHECK_WAIT_S = 600.0  # the longest a member waits for a window's check (a peer's step)
 _NOTHING: tuple[StepRecord, ...] = ()
 
 
@@ -233,10 +237,17 @@ class ReplicaPace:
         self._opts = opts
         self.combined = 0  # records the leader reported as the replica's
         self.late = 0  # records the leader reported as measured
+        # Hand-overs queued and combined: every member checks hand-over h's fingerprints at
+        # hand-over h + 1 (the same batch on every member), so all raise at once.
+        self._cond = threading.Condition()
+        self._handed = 0
+        self._checked = 0
+        self.mismatch: str | None = None  # why the members trained different samples
 
-    def add(self, rec: StepRecord) -> Sequence[StepRecord]:
-        """Training thread: file this member's record. Returns what to report now (the
-        leader's record whose window already left), else nothing."""
+    def add(self, rec: StepRecord, fingerprint: int = 0) -> Sequence[StepRecord]:
+        """Training thread: file this member's record and the fingerprint of the samples it
+        trained (``samples_fingerprint``). Returns what to report now (the leader's record
+        whose window already left), else nothing."""
         k = rec.batch_index
         w = k // self.window
         if self._next is not None and w < self._next:
@@ -251,6 +262,8 @@ class ReplicaPace:
         i = (k - w * self.window) * self._width
         buf[i], buf[i + 1], buf[i + 2], buf[i + 3] = rec.compute_ms, rec.data_wait_ms, rec.optimizer_ms, rec.step_ms
         buf[i + 4] = -rec.sync_wait_ms
+        fp = float(fingerprint & _FINGERPRINT_BITS)
+        buf[i + 8], buf[i + 9] = fp, -fp
         if self.members:
             buf[i + self._own] = rec.compute_ms
         if rec.mem_peak_bytes is not None:
@@ -274,7 +287,21 @@ class ReplicaPace:
             return
         last = trained // self.window - 1 - self.behind
         if last >= self._next:
+            self._check()
             self._hand_over(last)
+
+    def _check(self) -> None:
+        """Training thread, at a hand-over: wait until the earlier hand-overs are combined
+        (they were launched a window ago: almost always done), then raise if the members
+        trained different samples. Every member raises at the same batch, so no member is
+        left waiting in a collective for one that stopped."""
+        if self._handed:
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._checked >= self._handed, _CHECK_WAIT_S):
+                    log.warning("the replica's step times of a window were not combined within %.0f s; "
+                                "going on without checking them", _CHECK_WAIT_S)
+        if self.mismatch is not None:
+            raise RuntimeError(self.mismatch)
 
     def flush(self, trained: int, timeout_s: float | None) -> Sequence[StepRecord]:
         """At close, on every member after the same steps: combine what is left and wait for
@@ -286,6 +313,8 @@ class ReplicaPace:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.warning("the replica's last step times were not combined within %s s", timeout_s)
+        if self.mismatch is not None:
+            log.error("%s", self.mismatch)
         return self.release()
 
     def release(self) -> list[StepRecord]:
@@ -304,6 +333,7 @@ class ReplicaPace:
         self._work = SimpleQueue()
         self._open = {}
         self._next = 1 << 62  # every record is late: nothing is filed
+        self._cond = threading.Condition()  # one held at the fork would never be released
 
     def _hand_over(self, last: int) -> None:
         assert self._next is not None
@@ -311,6 +341,7 @@ class ReplicaPace:
         windows = [self._open.pop(w) if w in self._open else (array("d", self._blank), [])
                    for w in range(first, last + 1)]
         self._next = last + 1
+        self._handed += 1
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="rebalancer-replica-pace", daemon=True)
             self._thread.start()
@@ -328,9 +359,11 @@ class ReplicaPace:
             except Exception as exc:  # noqa: BLE001 - a peer gone or the group destroyed: report as measured
                 log.debug("the replica's step times could not be combined: %s", exc)
                 self.late += len(held)
+                self._checked_up_to(1 << 62)  # nothing more is combined: nothing to wait for
                 if held:
                     self._report(held)
                 return
+            self._compare(first, buf)
             for rec in held:
                 w = rec.batch_index // self.window
                 _apply(rec, buf, ((w - first) * self.window + rec.batch_index - w * self.window) * self._width,
@@ -338,3 +371,27 @@ class ReplicaPace:
             self.combined += len(held)
             if held:
                 self._report(held)
+            self._checked_up_to(self._checked + 1)
+
+    def _checked_up_to(self, n: int) -> None:
+        with self._cond:
+            self._checked = n
+            self._cond.notify_all()
+
+    def _compare(self, first: int, buf: array) -> None:
+        """Pace thread: the first batch of these windows whose members filed different
+        fingerprints (after MAX, ``fp`` and ``-(-fp)`` differ) is a mismatch."""
+        if self.mismatch is not None:
+            return
+        for j in range(len(buf) // self._width):
+            i = j * self._width
+            if buf[i + 8] != _NONE and buf[i + 8] != -buf[i + 9]:
+                who = f"ranks {list(self.members)}" if self.members else "its ranks"
+                self.mismatch = (
+                    f"the members of one data-parallel replica ({who}) trained different samples at "
+                    f"batch {first * self.window + j}: every rank of a replica (its tensor- or "
+                    "context-parallel group) must train the identical local batch. Build the loader "
+                    "with hook.data_loader(...) or hook.batch_sampler(...) with the same shuffle and "
+                    "seed on every rank, and give every rank its slice of one world mesh as dp_mesh."
+                )
+                return

@@ -289,6 +289,14 @@ class RebalanceBatchSampler:
             return [whole[p] for p in mine], False
         return whole[:1], True
 
+    def samples_fingerprint(self, batch_index: int) -> int:
+        """A number that differs, almost surely, between two ranks that would train different
+        samples in ``batch_index`` (another seed, shuffle, epoch or placement; the members of
+        a mesh replica must agree): a hash of the dummy flag, the count and the first,
+        middle and last index of this rank's local batch."""
+        idx, dummy = self.local_batch(batch_index)
+        return hash((dummy, len(idx), idx[0], idx[len(idx) // 2], idx[-1]))
+
     def __iter__(self) -> Iterator[list[int]]:
         if self._before_iter is not None:
             self._before_iter()

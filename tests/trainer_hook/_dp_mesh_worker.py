@@ -83,6 +83,33 @@ def refusals(out: dict[str, object]) -> None:
         out["outside"] = f"REFUSED {exc}"
 
 
+def seed_mismatch(out: dict[str, object]) -> None:
+    """The user's mistake the hook cannot prevent: the two members of each replica (its TP
+    pair) build their samplers with different seeds. Every rank must stop with a clear
+    error at the same batch (none left waiting in a collective)."""
+    rank = dist.get_rank()
+    model, dp_mesh = build("dp2_ddp")
+    hook = RebalanceHook(job="mesh-seeds", global_batch_size=w.GLOBAL_BATCH, dp_mesh=dp_mesh)
+    hook.attach(model)
+    opt = w.make_optimizer(model)
+    ds = w.IndexedData()
+    sampler = hook.batch_sampler(ds, shuffle=True, seed=3 + rank % 2)
+    said = "TRAINED ON"
+    try:
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            for batch in sampler:
+                idx = torch.tensor(batch, dtype=torch.int64)
+                with hook.step():
+                    torch.nn.functional.mse_loss(model(ds.x[idx]), ds.y[idx]).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+    except RuntimeError as exc:
+        said = str(exc)
+    out["seed_mismatch"] = {"said": said, "at": hook.batch_index}
+    hook.close()
+
+
 def run(case: str, out: dict[str, object]) -> None:
     rank = dist.get_rank()
     model, dp_mesh = build(case)
@@ -145,6 +172,7 @@ def main() -> None:
     refusals(out)
     for case in PLANS:
         run(case, out)
+    seed_mismatch(out)
     with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()

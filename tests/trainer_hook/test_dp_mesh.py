@@ -87,6 +87,19 @@ def test_a_wrong_dp_mesh_or_placement_gets_a_clear_error(ranks: list[dict]) -> N
 
 
 @pytest.mark.multiproc
+def test_members_of_a_replica_that_train_different_samples_stop_with_a_clear_error(ranks: list[dict]) -> None:
+    # Each replica's two members built their samplers with different seeds: the first
+    # window's fingerprints disagree at batch 0, every rank raises at the same batch (16: the
+    # hand-over after the one that carried it), and the job ends instead of training wrong.
+    for rank in range(WORLD):
+        got = ranks[rank]["seed_mismatch"]
+        assert got["at"] == 16, got
+        assert got["said"].startswith(
+            f"the members of one data-parallel replica (ranks {[0, 1] if rank < 2 else [2, 3]}) trained "
+            "different samples at batch 0: every rank of a replica"), got
+
+
+@pytest.mark.multiproc
 def test_a_replica_reports_the_pace_of_its_slowest_member(ranks: list[dict]) -> None:
     # Rank 1 sleeps in every forward; its replica's leader (rank 0) shares no collective with
     # it in this case (DDP reduces over 'dp': ranks 0 and 2, 1 and 3), so only the combined

@@ -97,6 +97,42 @@ def test_the_leader_reports_every_step_once_with_the_slowest_members_times() -> 
     assert (leader.combined, leader.late) == (20, 0)
 
 
+def test_members_that_trained_different_samples_all_raise_at_the_same_batch() -> None:
+    # Batch 5 of window 0 differs (another seed on rank 7, say): both members raise at the
+    # next hand-over (step 12), the same batch on each, so neither waits in a collective for
+    # the other; nothing is raised before, and close() only logs it.
+    leader, member, reported, _ = _pair(window=4)
+    raised: dict[str, tuple[int, str]] = {}
+    for k in range(12):
+        leader.add(rec(k, 10.0), 1000 + k)
+        member.add(rec(k, 10.0), 1000 + k + (k == 5))
+        for name, pace in (("leader", leader), ("member", member)):
+            try:
+                pace.on_step_end(k + 1, False)
+            except RuntimeError as exc:
+                raised.setdefault(name, (k + 1, str(exc)))
+    assert raised["leader"] == raised["member"]
+    step, said = raised["leader"]
+    assert step == 12  # window 1 (batches 4-7) left at step 8 and was checked at step 12
+    assert said.startswith("the members of one data-parallel replica (ranks [4, 7]) trained different samples "
+                           "at batch 5: every rank of a replica"), said
+    assert "same shuffle and seed on every rank" in said
+    _close(leader, member, 12)
+    assert [r.batch_index for r in reported] == list(range(12))  # what was measured still leaves
+
+
+def test_members_that_trained_the_same_samples_never_raise() -> None:
+    leader, member, reported, _ = _pair(window=2)
+    for k in range(9):
+        leader.add(rec(k, 10.0), -7 if k % 2 else 1 << 60)  # negative and large numbers too
+        member.add(rec(k, 12.0), -7 if k % 2 else 1 << 60)
+        leader.on_step_end(k + 1, False)
+        member.on_step_end(k + 1, False)
+    _close(leader, member, 9)
+    assert leader.mismatch is None and member.mismatch is None
+    assert [r.compute_ms for r in reported] == [12.0] * 9
+
+
 def test_memory_takes_the_largest_peak_and_the_smallest_device() -> None:
     leader, member, reported, _ = _pair(window=2)
     leader.add(rec(0, 1.0, peak=100, total=1000))
