@@ -294,8 +294,15 @@ class RebalanceBatchSampler:
         samples in ``batch_index`` (another seed, shuffle, epoch or placement; the members of
         a mesh replica must agree): a hash of the dummy flag, the count and the first,
         middle and last index of this rank's local batch."""
-        idx, dummy = self.local_batch(batch_index)
-        return hash((dummy, len(idx), idx[0], idx[len(idx) // 2], idx[-1]))
+        if self.has_cost:
+            idx, dummy = self.local_batch(batch_index)
+            return hash((dummy, len(idx), idx[0], idx[len(idx) // 2], idx[-1]))
+        epoch, j = divmod(batch_index, len(self))
+        order, at = self.global_order(epoch), j * self.schedule.global_batch_size
+        lo, hi = self.local_bounds(batch_index)
+        if hi == lo:  # a dummy batch: the global batch's first sample
+            return hash((True, 1, order[at]))
+        return hash((False, hi - lo, order[at + lo], order[at + (lo + hi) // 2], order[at + hi - 1]))
 
     def __iter__(self) -> Iterator[list[int]]:
         if self._before_iter is not None:

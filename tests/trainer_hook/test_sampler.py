@@ -148,3 +148,26 @@ def test_prefetch_beyond_the_settled_horizon_raises_through_the_loader() -> None
     with pytest.raises(RuntimeError, match="not settled yet"):
         next(it)
     assert torch.get_num_threads() >= 1
+
+
+def test_the_samples_fingerprint_tells_apart_ranks_that_would_train_different_samples() -> None:
+    # The members of a mesh replica compare it (trainer_hook/mesh.py): equal for the same
+    # samples, different for another seed, rank, batch or placement; a drained rank's dummy
+    # batch too.
+    def sampler(seed: int = 1, rank: int = 0, shares: list[int] | None = None,
+                cost: list[float] | None = None) -> RebalanceBatchSampler:
+        schedule = PlacementSchedule(2, 16)
+        if shares is not None:
+            schedule.add(0, 1, shares)
+        return RebalanceBatchSampler(100, schedule=schedule, rank=rank, shuffle=True, seed=seed, sample_cost=cost)
+
+    a = sampler()
+    assert [a.samples_fingerprint(k) for k in range(9)] == [sampler().samples_fingerprint(k) for k in range(9)]
+    assert a.samples_fingerprint(3) != sampler(seed=2).samples_fingerprint(3)
+    assert a.samples_fingerprint(3) != sampler(rank=1).samples_fingerprint(3)
+    assert a.samples_fingerprint(3) != a.samples_fingerprint(4)
+    assert a.samples_fingerprint(3) != sampler(shares=[10, 6]).samples_fingerprint(3)
+    assert sampler(shares=[0, 16]).samples_fingerprint(6) == sampler(shares=[0, 16]).samples_fingerprint(6)
+    cost = [float(i % 7 + 1) for i in range(100)]  # with a cost: positions, not one slice
+    assert sampler(cost=cost).samples_fingerprint(2) == sampler(cost=cost).samples_fingerprint(2)
+    assert sampler(cost=cost).samples_fingerprint(2) != sampler(cost=cost, seed=5).samples_fingerprint(2)
