@@ -24,8 +24,14 @@ aggregation does (trainer_hook/node_agg.py, docs/protocol.md node connections): 
 per rank on it, then every rank's frames on it; ``--steps-per-s 1`` models large jobs,
 whose steps are slow (a frame per rank every max(flush interval, step) seconds).
 
+With ``--replicas 2`` the load goes to two backend processes sharing PostgreSQL (a fresh
+schema of 127.0.0.1:5432/test) and Redis (127.0.0.1:6379, a key prefix of its own), as
+docs/scale-out.md runs them: the ranks are split into ``--jobs`` jobs (default one per
+replica), job j's hooks connect to replica j % replicas (its owner), and the CPU of each
+backend, of Redis and of PostgreSQL over the window is reported beside the records counted.
+
     python -m bench.capacity [--quick | --tiny] [--ranks 8,64,256,1024] [--seconds 15]
-                             [--node-size 8] [--steps-per-s 1]
+                             [--node-size 8] [--steps-per-s 1] [--replicas 2 [--jobs 4]]
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from typing import Any
 import psutil
 import websockets
 
-from bench._backend import Backend, running_backend, stop_on_sigterm
+from bench._backend import Backend, running_backend, running_cluster, stop_on_sigterm
 from bench._report import RESULTS_DIR, print_table, write_json
 from trainer_hook.config import HookConfig
 
@@ -101,7 +107,13 @@ class CapacityResult:
     errors: list[str] = field(default_factory=list)
     node_size: int = 1  # ranks per hook websocket (1: a websocket per rank)
     steps_per_s: float = STEPS_PER_S  # per rank
-    hook_sockets: int | None = None  # open hook websockets at the backend under load (/healthz)
+    hook_sockets: int | None = None  # open hook websockets at the backends under load (/healthz)
+    replicas: int = 1  # backend processes (more than one: PostgreSQL and Redis shared)
+    jobs: int = 1  # the ranks split into this many jobs, job j owned by replica j % replicas
+    replica_cpu_pct: list[float] = field(default_factory=list)  # each backend's (sums to backend_cpu_pct)
+    replica_sockets: list[int | None] = field(default_factory=list)  # hook websockets each backend holds
+    redis_cpu_pct: float | None = None  # this machine's Redis and PostgreSQL servers in the window
+    postgres_cpu_pct: float | None = None
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -338,19 +350,50 @@ def _rest_steps(backend: Backend, job: str) -> int | None:
     return sum(int(r.get("batch_index") if r.get("batch_index") is not None else -1) + 1 for r in rows)
 
 
-async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float, node_size: int = 1,
-                   steps_per_s: float = STEPS_PER_S) -> CapacityResult:
-    job = f"cap-{ranks}" if node_size == 1 else f"cap-{ranks}-n{node_size}"
-    load = _Load(job, ranks, steps_per_s)
-    base = backend.ws_url
-    server = psutil.Process(backend.pid)
+def _service_cpu_s() -> dict[str, float]:
+    """CPU seconds so far of this machine's Redis and PostgreSQL server processes (what a
+    backend cluster costs them; other users of the same servers count too)."""
+    out = {"redis": 0.0, "postgres": 0.0}
+    for p in psutil.process_iter(["name"]):
+        name = p.info.get("name") or ""
+        key = "redis" if name.startswith("redis-server") else "postgres" if name.startswith("postgres") else None
+        if key is None:
+            continue
+        try:
+            out[key] += sum(p.cpu_times()[:2])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def _sum_counters(backends: list[Backend]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for b in backends:
+        for k, v in _ingest_counters(b).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+async def _run_one(backends: list[Backend], ranks: int, seconds: float, warmup: float, node_size: int = 1,
+                   steps_per_s: float = STEPS_PER_S, jobs: int = 1) -> CapacityResult:
+    """``ranks`` simulated ranks in ``jobs`` jobs of (nearly) equal size; job j's hooks
+    connect to ``backends[j % len(backends)]``, which therefore owns it. The dashboard
+    client watches job 0 on its owner; the scraper scrapes the first backend."""
+    sizes = [ranks // jobs + (j < ranks % jobs) for j in range(jobs)]
+    if min(sizes) < 1:
+        raise ValueError(f"{ranks} ranks cannot make {jobs} jobs.")
+    name = f"cap-{ranks}" if node_size == 1 else f"cap-{ranks}-n{node_size}"
+    loads = [_Load(name if jobs == 1 else f"{name}-j{j}", n, steps_per_s) for j, n in enumerate(sizes)]
+    load = loads[0]  # the job the dashboard client watches
+    backend = backends[0]
+    servers = [psutil.Process(b.pid) for b in backends]
     me = psutil.Process()
-    c_start = _ingest_counters(backend)  # the backend may have served others before
+    c_start = _sum_counters(backends)  # the backends may have served others before
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     parent_conn, child_conn = ctx.Pipe(duplex=False)
     dash = ctx.Process(target=_dashboard_process, daemon=True,
-                       args=(f"{base}/ws/dashboard?job={job}", ranks, stop, child_conn))
+                       args=(f"{backend.ws_url}/ws/dashboard?job={load.job}", load.ranks, stop, child_conn))
     dash.start()
     # The scraper starts with the dashboard client, before the measured window (starting a
     # process inside it would take the window's CPU); only scrapes inside it are counted.
@@ -359,7 +402,8 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float, 
     scraper = ctx.Process(target=_scrape_process, daemon=True,
                           args=(backend.url, min(SCRAPE_EVERY_S, seconds / 2), scrape_stop, scrape_child))
     scraper.start()
-    groups = [list(range(r, min(r + node_size, ranks))) for r in range(0, ranks, node_size)]
+    groups = [(job, backends[j % len(backends)].ws_url, list(range(r, min(r + node_size, job.ranks))))
+              for j, job in enumerate(loads) for r in range(0, job.ranks, node_size)]
     readies = [asyncio.Event() for _ in groups]
     tasks: list[asyncio.Task[None]] = []
     t0 = time.time() + 1.0
@@ -367,7 +411,8 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float, 
 
     async def start(i: int) -> None:
         async with sem:
-            task = asyncio.create_task(_hook_client(load, base, groups[i], t0, readies[i]))
+            job, base, members = groups[i]
+            task = asyncio.create_task(_hook_client(job, base, members, t0, readies[i]))
             tasks.append(task)
             waiter = asyncio.create_task(readies[i].wait())
             await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
@@ -378,25 +423,34 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float, 
     if failed:
         load.errors.append(f"{len(failed)} hook connections failed: {failed[0].exception()!r}")
     await asyncio.sleep(max(0.0, t0 - time.time()) + warmup)
-    load.reset_counters()
-    c0 = _ingest_counters(backend)
-    cpu_s0 = sum(server.cpu_times()[:2])
+    for job in loads:
+        job.reset_counters()
+    c0 = _sum_counters(backends)
+    cpu_s0 = [sum(p.cpu_times()[:2]) for p in servers]
+    cluster = len(backends) > 1
+    svc0 = _service_cpu_s() if cluster else {}
     cpu_g0 = sum(me.cpu_times()[:2])
     viewer = psutil.Process(dash.pid)
     cpu_d0 = sum(viewer.cpu_times()[:2])
     w0, wall0 = time.monotonic(), time.time()
-    load.measuring = True
+    for job in loads:
+        job.measuring = True
     await asyncio.sleep(seconds / 2)
-    sockets = await asyncio.to_thread(_hook_sockets, backend)
+    counts = await asyncio.gather(*(asyncio.to_thread(_hook_sockets, b) for b in backends))
+    sockets = None if None in counts else sum(n for n in counts if n is not None)
+    replica_sockets = list(counts)
     await asyncio.sleep(seconds / 2)
-    load.measuring = False
+    for job in loads:
+        job.measuring = False
     scrape_stop.set()
     elapsed, wall1 = time.monotonic() - w0, time.time()
-    c1 = _ingest_counters(backend)
-    cpu_s = sum(server.cpu_times()[:2]) - cpu_s0
+    c1 = _sum_counters(backends)
+    cpu_s = [sum(p.cpu_times()[:2]) - c for p, c in zip(servers, cpu_s0, strict=True)]
+    svc1 = _service_cpu_s() if cluster else {}
     cpu_g = sum(me.cpu_times()[:2]) - cpu_g0
     cpu_d = sum(viewer.cpu_times()[:2]) - cpu_d0
-    load.stop = True
+    for job in loads:
+        job.stop = True
     await asyncio.sleep(3 * FLUSH_S)  # senders stop; let the last frames land
     for t in tasks:
         t.cancel()
@@ -405,7 +459,7 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float, 
     if crashed:
         load.errors.append(f"{len(crashed)} hook connections ended with an error, e.g. {crashed[0]!r}")
     await asyncio.sleep(1.0)
-    c2 = _ingest_counters(backend)
+    c2 = _sum_counters(backends)
     got, scrape_error = await asyncio.to_thread(scrape_conn.recv)
     scraped = [x[1:] for x in got if wall0 <= x[0] < wall1]
     scraper.join(timeout=10)
@@ -417,13 +471,16 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float, 
     dash.join(timeout=10)
     if dash_error:
         load.errors.append(f"dashboard client: {dash_error}")
-    if load.no_reply:
-        load.errors.append(f"{load.no_reply} ranks got no reply to hello within 30 s")
+    no_reply = sum(job.no_reply for job in loads)
+    if no_reply:
+        load.errors.append(f"{no_reply} ranks got no reply to hello within 30 s")
+    errors = [e for job in loads for e in job.errors]
     latencies = _latencies(load.sent_at, seen, wall0, wall1)
     in_window = [n for t, n in frames if wall0 <= t < wall1]
 
-    sent_steps = sum(load.batch)
-    sent_records = sent_steps + load.devices_total
+    sent_steps = sum(sum(job.batch) for job in loads)
+    sent_records = sent_steps + sum(job.devices_total for job in loads)
+    messages, records = sum(job.messages for job in loads), sum(job.records for job in loads)
     counted_rate: float | None = None
     if "rebalancer_ingest_records_total" in c2:
         counted = int(c2["rebalancer_ingest_records_total"] - c_start.get("rebalancer_ingest_records_total", 0.0))
@@ -432,23 +489,23 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float, 
         if "rebalancer_ingest_records_total" in c0:
             counted_rate = (c1["rebalancer_ingest_records_total"] - c0["rebalancer_ingest_records_total"]) / elapsed
     else:
-        rest = _rest_steps(backend, job)
+        rest = sum(_rest_steps(backends[j % len(backends)], job.job) or 0 for j, job in enumerate(loads))
         counted = rest
-        lost = None if rest is None else sent_steps - rest
+        lost = sent_steps - rest
         sent_records = sent_steps
         source = "REST /ranks newest batch index (step records only)"
     return CapacityResult(
         ranks=ranks,
         seconds=round(elapsed, 2),
         target_rank_steps_per_s=ranks * load.per_msg / load.interval,
-        sent_messages_per_s=round(load.messages / elapsed, 1),
-        sent_rank_steps_per_s=round(load.records / elapsed, 1),
+        sent_messages_per_s=round(messages / elapsed, 1),
+        sent_rank_steps_per_s=round(records / elapsed, 1),
         counted_records_per_s=None if counted_rate is None else round(counted_rate, 1),
         records_sent=sent_records,
         records_counted=counted,
         records_lost=lost,
         loss_source=source,
-        backend_cpu_pct=round(100.0 * cpu_s / elapsed, 1),
+        backend_cpu_pct=round(100.0 * sum(cpu_s) / elapsed, 1),
         generator_cpu_pct=round(100.0 * cpu_g / elapsed, 1),
         dashboard_client_cpu_pct=round(100.0 * cpu_d / elapsed, 1),
         latency_p50_ms=_round(_pct(latencies, 50)),
@@ -456,17 +513,23 @@ async def _run_one(backend: Backend, ranks: int, seconds: float, warmup: float, 
         latency_samples=len(latencies),
         dashboard_frames=len(in_window),
         dashboard_bytes_per_s=round(sum(in_window) / elapsed, 1),
-        send_lag_p99_ms=_round(_pct([x * 1000 for x in load.lags], 99)) or 0.0,
+        send_lag_p99_ms=_round(_pct([x * 1000 for x in (lag for job in loads for lag in job.lags)], 99)) or 0.0,
         scrapes=len(scraped),
         scrape_p50_ms=_round(_pct([x[0] for x in scraped], 50)),
         scrape_max_ms=_round(max((x[0] for x in scraped), default=None)),
         scrape_quiet_ms=_round(statistics.median(x[0] for x in quiet)),
         scrape_bytes=quiet[-1][1],
         scrape_series=quiet[-1][2],
-        errors=load.errors,
+        errors=errors,
         node_size=node_size,
         steps_per_s=load.per_msg / load.interval,
         hook_sockets=sockets,
+        replicas=len(backends),
+        jobs=jobs,
+        replica_cpu_pct=[round(100.0 * c / elapsed, 1) for c in cpu_s],
+        replica_sockets=replica_sockets,
+        redis_cpu_pct=round(100.0 * (svc1["redis"] - svc0["redis"]) / elapsed, 1) if cluster else None,
+        postgres_cpu_pct=round(100.0 * (svc1["postgres"] - svc0["postgres"]) / elapsed, 1) if cluster else None,
     )
 
 
@@ -487,21 +550,36 @@ def _round(x: float | None) -> float | None:
 def run_capacity(
     ranks_list: list[int], *, seconds: float = 15.0, warmup: float = 3.0,
     out_dir: Path = RESULTS_DIR, name: str = "capacity", backend: Backend | None = None,
-    plot: bool = True, node_size: int = 1, steps_per_s: float = STEPS_PER_S,
+    plot: bool = True, node_size: int = 1, steps_per_s: float = STEPS_PER_S, replicas: int = 1,
+    jobs: int | None = None,
 ) -> list[CapacityResult]:
-    """Run the load for each world size against one fresh backend per size (or against
-    ``backend`` for all); write ``<name>.json``. ``node_size`` ranks share a websocket."""
+    """Run the load for each world size against fresh backends per size (or against
+    ``backend`` for all); write ``<name>.json``. ``node_size`` ranks share a websocket.
+    ``replicas`` > 1 starts that many backends on a fresh PostgreSQL schema and Redis
+    prefix (docs/scale-out.md) and splits the ranks into ``jobs`` jobs (default: one per
+    replica), job j connecting to replica j % replicas."""
     if not 1 <= node_size <= 256:
         raise ValueError(f"node_size must be between 1 and 256 (MAX_RANKS_PER_CONNECTION), got {node_size}.")
     if not 0.01 <= steps_per_s <= 1000:
         raise ValueError(f"steps_per_s must be between 0.01 and 1000, got {steps_per_s}.")
+    if not 1 <= replicas <= 16:
+        raise ValueError(f"replicas must be between 1 and 16, got {replicas}.")
+    jobs = replicas if jobs is None else jobs
+    if not 1 <= jobs <= min(ranks_list):
+        raise ValueError(f"jobs must be between 1 and the smallest world size ({min(ranks_list)}), got {jobs}.")
+    if backend is not None and replicas > 1:
+        raise ValueError("a given backend is one replica: leave replicas at 1.")
     results: list[CapacityResult] = []
     for n in ranks_list:
         if backend is not None:
-            results.append(asyncio.run(_run_one(backend, n, seconds, warmup, node_size, steps_per_s)))
+            results.append(asyncio.run(_run_one([backend], n, seconds, warmup, node_size, steps_per_s, jobs)))
             continue
-        with running_backend() as fresh:
-            results.append(asyncio.run(_run_one(fresh, n, seconds, warmup, node_size, steps_per_s)))
+        if replicas > 1:
+            with running_cluster(replicas) as fresh:
+                results.append(asyncio.run(_run_one(fresh, n, seconds, warmup, node_size, steps_per_s, jobs)))
+            continue
+        with running_backend() as one:
+            results.append(asyncio.run(_run_one([one], n, seconds, warmup, node_size, steps_per_s, jobs)))
     rows = [[
         r.ranks, r.node_size, r.hook_sockets if r.hook_sockets is not None else "-", r.sent_messages_per_s, r.sent_rank_steps_per_s,
         "-" if r.counted_records_per_s is None else r.counted_records_per_s,
@@ -526,9 +604,17 @@ def run_capacity(
           "-" if r.scrape_bytes is None else round(r.scrape_bytes / 1024, 1),
           "-" if r.scrape_series is None else r.scrape_series] for r in results],
     )
+    if replicas > 1:
+        print_table(
+            f"Per replica ({replicas} backends, PostgreSQL and Redis shared; {jobs} jobs, job j on replica j % {replicas})",
+            ["ranks", "sockets per replica", "replica CPU %", "Redis CPU %", "PostgreSQL CPU %", "counted rec/s per backend core"],
+            [[r.ranks, " / ".join(str(n) for n in r.replica_sockets), " / ".join(f"{c:g}" for c in r.replica_cpu_pct), r.redis_cpu_pct, r.postgres_cpu_pct,
+              "-" if not r.counted_records_per_s or not r.backend_cpu_pct
+              else round(r.counted_records_per_s / (r.backend_cpu_pct / 100.0))] for r in results],
+        )
     write_json(out_dir / f"{name}.json", {
         "steps_per_s_per_rank": results[0].steps_per_s if results else STEPS_PER_S, "flush_s": FLUSH_S,
-        "node_size": node_size,
+        "node_size": node_size, "replicas": replicas, "jobs": jobs,
         "results": [asdict(r) for r in results],
     })
     if plot:
@@ -605,6 +691,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="ranks per hook websocket (8: node connections of 8-GPU nodes); 1: one per rank")
     ap.add_argument("--steps-per-s", type=float, default=STEPS_PER_S, help="steps a second per rank")
     ap.add_argument("--name", default=None, help="result file name (default capacity, or capacity-nodeN)")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="backend processes on PostgreSQL (127.0.0.1:5432/test) and Redis (127.0.0.1:6379)")
+    ap.add_argument("--jobs", type=int, default=None, help="jobs the ranks are split into (default: one per replica)")
     ap.add_argument("--scrape-only", action="store_true",
                     help="only the exporter's cost in process (scrape.json): no sockets, no load")
     ap.add_argument("--rank-series", choices=("slowest", "all"), default="slowest",
@@ -628,9 +717,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.seconds:
         secs = args.seconds
     name = args.name or ("capacity" if args.node_size == 1 else f"capacity-node{args.node_size}")
+    if args.replicas > 1 and not args.name:
+        name += f"-r{args.replicas}"
     try:
         run_capacity(ranks, seconds=secs, warmup=warm, out_dir=args.out, name=name, node_size=args.node_size,
-                     steps_per_s=args.steps_per_s)
+                     steps_per_s=args.steps_per_s, replicas=args.replicas, jobs=args.jobs)
     except ValueError as exc:
         ap.error(str(exc))
     return 0

@@ -125,6 +125,34 @@ def test_capacity_tiny_loses_nothing(tmp_path: Path, backend: Backend) -> None:
     assert data["results"][0]["ranks"] == 3 and "machine" in data
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.multiproc
+def test_capacity_over_two_replicas_splits_the_jobs_and_loses_nothing(tmp_path: Path) -> None:
+    # Two real backends on a fresh PostgreSQL schema and Redis prefix: job j's node
+    # connections go to replica j % 2, which owns it (no redirect), and every record sent
+    # to either is counted by one of them.
+    redis = pytest.importorskip("redis")
+    from tests.helpers.postgres import pg_schema
+
+    try:
+        redis.Redis.from_url("redis://127.0.0.1:6379/0", socket_connect_timeout=1).ping()
+    except redis.exceptions.ConnectionError as exc:
+        pytest.skip(f"Redis at 127.0.0.1:6379 is unreachable: {exc}")
+    with pg_schema():  # skips with the reason when PostgreSQL is unreachable
+        pass
+    from bench.capacity import run_capacity
+
+    [res] = run_capacity([8], seconds=1.0, warmup=0.5, out_dir=tmp_path, plot=False, node_size=2, replicas=2,
+                         name="cluster")
+    assert res.errors == [] and res.records_sent > 0 and res.records_lost == 0, res
+    assert (res.replicas, res.jobs, res.replica_sockets) == (2, 2, [2, 2]), res  # 4 ranks a job, 2 a socket
+    assert len(res.replica_cpu_pct) == 2 and all(c > 0 for c in res.replica_cpu_pct), res
+    assert res.redis_cpu_pct is not None and res.postgres_cpu_pct is not None
+    assert res.latency_samples > 0
+    data = json.loads((tmp_path / "cluster.json").read_text())
+    assert (data["replicas"], data["jobs"]) == (2, 2)
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_balance_tiny_runs_a_real_job_under_the_oracle_split(tmp_path: Path, backend: Backend) -> None:
