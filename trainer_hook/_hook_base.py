@@ -30,7 +30,7 @@ from trainer_hook.memory import (
     default_memory_source,
     is_out_of_memory,
 )
-from trainer_hook.mesh import ReplicaPace, mesh_shape, replica_of
+from trainer_hook.mesh import ReplicaPace, device_label, mesh_shape, replica_of
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.protocol import Error, Hello, MeshShape, Message, StepRecord
 from trainer_hook.sampler import RebalanceBatchSampler
@@ -92,6 +92,7 @@ class HookBase:
         self._root = True  # global rank 0: decides placements and their batch index
         self._members = 1  # ranks per replica (its tensor/context-parallel group)
         self._replica_ranks: tuple[int, ...] = ()
+        self._replica_devices: tuple[str, ...] = ()  # each member's host and device
         self._mesh: MeshShape | None = None  # the job's mesh shape, for the hello
         self._pace: ReplicaPace | None = None  # combines the replica's records (members > 1)
         # The lookahead in force: given, or measured at the first step (None until then).
@@ -141,8 +142,9 @@ class HookBase:
         self._root = self._rank == 0
         replicas = None
         if self._dp_mesh is not None:
-            replicas = replica_of(self._dp_mesh)
+            replicas = replica_of(self._dp_mesh, device_label())
             self._rank, self._world_size, self._replica_ranks = replicas.replica, replicas.replicas, replicas.members
+            self._replica_devices = replicas.devices
             self._members = len(self._replica_ranks)
             leader = dist.get_rank() == self._replica_ranks[0]
             self._mesh = mesh_shape(self._dp_mesh, replicas.replicas, self._members)
@@ -233,6 +235,7 @@ class HookBase:
             gpu_index=gpu_index, gpu_uuid=gpu_uuid,
             comm_kind=_COMM_KIND.get(self._gradients_mode or "", ""), mesh=self._mesh,
             replica_ranks=self._replica_ranks if self._mesh is not None else (),
+            replica_devices=self._replica_devices if self._mesh is not None else (),
         )
 
     def _close(self, *, wait_for_peers: bool, wait_timeout_s: float | None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import threading
 from array import array
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from trainer_hook.protocol import MeshShape, StepRecord
 
 log = logging.getLogger("trainer_hook")
 
-__all__ = ["Replicas", "replica_of", "mesh_shape", "check_dp_mesh", "ReplicaPace", "PACE_WINDOW"]
+__all__ = ["Replicas", "replica_of", "device_label", "mesh_shape", "check_dp_mesh", "ReplicaPace", "PACE_WINDOW"]
 
 
 class Replicas(NamedTuple):
@@ -34,6 +35,7 @@ class Replicas(NamedTuple):
     replica: int
     replicas: int
     members: tuple[int, ...]
+    devices: tuple[str, ...] = ()  # each member's host and device, in the order of members
 
 
 def _mesh_ranks(mesh: Any) -> set[int]:
@@ -45,12 +47,29 @@ def _names(mesh: Any) -> tuple[str, ...]:
     return tuple(names) if names else tuple(f"dim {d}" for d in range(mesh.ndim))
 
 
-def replica_of(dp_mesh: Any) -> Replicas:
-    """This rank's replica: its index, the number of replicas and its global ranks.
+_LABEL_CHARS = 128  # the wire's limit on a name (protocol._MAX_NAME)
+
+
+def device_label() -> str:
+    """This rank's host and device as a replica's member list shows it: "node-a NVIDIA H100
+    80GB HBM3 #4" (the CUDA device the script selected), "node-a CPU" without CUDA."""
+    host = socket.gethostname()
+    try:
+        if torch.cuda.is_available():
+            i = torch.cuda.current_device()
+            return f"{host} {torch.cuda.get_device_name(i)} #{i}"[:_LABEL_CHARS]
+    except Exception:  # noqa: BLE001 - a label is not worth failing the start for
+        log.debug("the CUDA device could not be named", exc_info=True)
+    return f"{host} CPU"[:_LABEL_CHARS]
+
+
+def replica_of(dp_mesh: Any, label: str = "") -> Replicas:
+    """This rank's replica: its index, the number of replicas, its global ranks and their
+    ``label`` (each member's ``device_label()``).
 
     The replica index is this rank's coordinate in ``dp_mesh`` flattened row-major. One
-    blocking all-gather at start-up learns every rank's index, which checks that ``dp_mesh``
-    tiles the world: every replica has the same number of ranks."""
+    blocking all-gather at start-up learns every rank's index and label, which checks that
+    ``dp_mesh`` tiles the world: every replica has the same number of ranks."""
     try:
         coord = dp_mesh.get_coordinate()
         shape = tuple(int(n) for n in dp_mesh.mesh.shape)
@@ -69,7 +88,7 @@ def replica_of(dp_mesh: Any) -> Replicas:
             index = index * n + int(c)
     # Every rank takes part before any raises, so that all of them raise instead of hanging.
     every: list[Any] = [None] * world
-    dist.all_gather_object(every, (index, replicas))
+    dist.all_gather_object(every, (index, replicas, label[:_LABEL_CHARS]))
     outside = [r for r, e in enumerate(every) if e[0] < 0]
     if outside:
         raise ValueError(
@@ -90,7 +109,7 @@ def replica_of(dp_mesh: Any) -> Replicas:
             f"dp_mesh is not a sub-mesh of the world: its {replicas} replicas hold unequal numbers of "
             f"the {world} ranks ({sorted(sizes)}); every rank must pass its own slice of one world mesh."
         )
-    return Replicas(index, replicas, members)
+    return Replicas(index, replicas, members, tuple(every[r][2] for r in members))
 
 
 def mesh_shape(dp_mesh: Any, replicas: int, replica_size: int) -> MeshShape:

@@ -373,6 +373,20 @@ def _replica_ranks(d: Mapping[str, Any], mesh: MeshShape | None) -> tuple[int, .
     return tuple(got)
 
 
+def _replica_devices(d: Mapping[str, Any], members: tuple[int, ...]) -> tuple[str, ...]:
+    got = d.get("replica_devices")
+    if got is None or got == []:
+        return ()
+    if not members:
+        raise ProtocolError("'replica_devices' comes with 'replica_ranks' only: one device per member.")
+    if (not isinstance(got, list) or len(got) != len(members)
+            or any(not isinstance(x, str) or len(x) > _MAX_NAME or "\x00" in x for x in got)):
+        raise ProtocolError(
+            f"'replica_devices' must list one string per member of 'replica_ranks' ({len(members)}), "
+            f"in the same order, each at most {_MAX_NAME} characters without NUL, got {_short(got)}.")
+    return tuple(got)
+
+
 @dataclass(kw_only=True, slots=True)
 class Hello:
     """First frame of every hook connection: who is talking and what it holds."""
@@ -407,6 +421,9 @@ class Hello:
     # A mesh job: the global ranks of the replica this hook speaks for, leader first
     # (``mesh.replica_size`` of them); empty for plain data parallel.
     replica_ranks: tuple[int, ...] = ()
+    # ... and each member's host and device ("node-a NVIDIA H100 80GB HBM3 #4"), in the
+    # order of ``replica_ranks``: the job view lists them; empty when unknown.
+    replica_devices: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Hello:
@@ -438,7 +455,8 @@ class Hello:
             gpu_uuid=_str(d, "gpu_uuid", default=""),
             comm_kind=_comm_kind(d),
             mesh=mesh,
-            replica_ranks=_replica_ranks(d, mesh),
+            replica_ranks=(members := _replica_ranks(d, mesh)),
+            replica_devices=_replica_devices(d, members),
         )
 
 
@@ -858,7 +876,7 @@ class Error:
 
 Message: TypeAlias = Hello | Metrics | Ack | Reject | Oom | Leave | Placement | Error
 _TYPES: dict[str, Any] = {c.TYPE: c for c in (Hello, Metrics, Ack, Reject, Oom, Leave, Placement, Error)}
-_V2_ONLY = {"memory_source", "gpu_index", "gpu_uuid", "mesh", "replica_ranks"}  # hello fields a version-1 peer does not know
+_V2_ONLY = {"memory_source", "gpu_index", "gpu_uuid", "mesh", "replica_ranks", "replica_devices"}  # hello fields a version-1 peer does not know
 
 
 def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
@@ -881,6 +899,10 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
         del body["replica_ranks"]  # likewise
     elif "replica_ranks" in body:
         body["replica_ranks"] = list(body["replica_ranks"])
+    if body.get("replica_devices", None) == ():
+        del body["replica_devices"]  # likewise
+    elif "replica_devices" in body:
+        body["replica_devices"] = list(body["replica_devices"])
     if body.get("length_sq_weight", None) == 0.0:
         del body["length_sq_weight"]  # likewise: a hook without it reads the same
     if version < 2:

@@ -52,6 +52,7 @@ class Replica(TypedDict):
 
     replica: int  # its index: its rank in placements and overrides
     members: list[int]  # its global ranks, leader first
+    member_devices: list[str]  # each member's host and device, in that order (live only)
     connected: bool
     compute_ms: float | None  # its slowest member's (live only)
     step_ms: float | None

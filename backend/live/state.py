@@ -145,6 +145,7 @@ class RankView:
     # A mesh job (its ranks here are replicas): the replica's global ranks, and the member
     # slowest in most of its newest steps (None until its leader names one).
     members: tuple[int, ...] = ()
+    member_devices: tuple[str, ...] = ()  # each member's host and device, as its hello said
     slowest_rank: int | None = None
 
 
@@ -489,7 +490,7 @@ class LiveState:
         if h.replica_ranks:
             recent = list(islice(reversed(r.slowest), self.window_steps))
             slowest = max(h.replica_ranks, key=recent.count) if recent else None  # ties: the lowest rank
-            view = replace(view, members=h.replica_ranks, slowest_rank=slowest)
+            view = replace(view, members=h.replica_ranks, member_devices=h.replica_devices, slowest_rank=slowest)
         r.cached = (r.rev, view)
         return view
 

@@ -45,7 +45,7 @@ function renderSummary(s, savings) {
   renderForecast(s, savings);
 }
 
-// A mesh job: its replicas, their members and which one sets the replica's pace.
+// A mesh job: its replicas, their members (and devices) and which one sets the replica's pace.
 function renderReplicas(replicas) {
   const table = $("replica-table");
   table.hidden = !replicas;
@@ -56,6 +56,8 @@ function renderReplicas(replicas) {
     el("td", { class: "num" }, fmt(p.compute_ms, 1, " ms")),
     el("td", { class: "num" }, fmt(p.step_ms, 1, " ms")),
     el("td", {}, p.slowest_rank === null || p.slowest_rank === undefined ? "–" : `r${p.slowest_rank}`),
+    el("td", {}, (p.member_devices || []).length
+      ? p.members.map((m, i) => `r${m}: ${p.member_devices[i] ?? "?"}`).join("; ") : "–"),
   )));
 }
 

@@ -100,8 +100,10 @@ def _leaders(server: Server, job: str) -> tuple[Any, Any]:
     """A DP 2 x TP 2 job's two replica leaders (global ranks 0 and 2), connected."""
     r0, r1 = connect(server.ws_url + "/ws/hook"), connect(server.ws_url + "/ws/hook")
     for rank, ws in enumerate((r0, r1)):
+        # Replica 0's leader says its members' devices; replica 1's (an older hook) does not.
+        devices = ("node-a CPU", "node-b CPU") if rank == 0 else ()
         ws.send(hello(job=job, rank=rank, world_size=2, global_batch_size=32, mesh=DP_TP,
-                      replica_ranks=(2 * rank, 2 * rank + 1)))
+                      replica_ranks=(2 * rank, 2 * rank + 1), replica_devices=devices))
         assert json.loads(ws.recv(timeout=10))["type"] == "placement"
     return r0, r1
 
@@ -116,10 +118,10 @@ def test_the_job_view_groups_ranks_by_replica_with_its_slowest_member(server: Se
         job = wait_until(lambda: _job_at(server, "mesh-replicas", 7, every=True), "both replicas' steps",
                          log=server.log)
         rows = [
-            {"replica": 0, "members": [0, 1], "connected": True, "compute_ms": 30.0, "step_ms": 33.5,
-             "slowest_rank": 1},
-            {"replica": 1, "members": [2, 3], "connected": True, "compute_ms": 12.0, "step_ms": 15.5,
-             "slowest_rank": 2},
+            {"replica": 0, "members": [0, 1], "member_devices": ["node-a CPU", "node-b CPU"], "connected": True,
+             "compute_ms": 30.0, "step_ms": 33.5, "slowest_rank": 1},
+            {"replica": 1, "members": [2, 3], "member_devices": [], "connected": True, "compute_ms": 12.0,
+             "step_ms": 15.5, "slowest_rank": 2},
         ]
         assert job["replicas"] == rows
         with connect(server.ws_url + "/ws/dashboard?job=mesh-replicas") as dash:  # the job header's rows
@@ -149,8 +151,8 @@ def test_the_job_view_groups_ranks_by_replica_with_its_slowest_member(server: Se
             stored = other.get(f"{base}")
             assert isinstance(stored, dict)
             assert stored["mesh"]["label"] == "DP 2 x TP 2" and stored["world_size"] == 2
-            assert [(p["replica"], p["members"], p["slowest_rank"]) for p in stored["replicas"]] == [
-                (0, [0, 1], None), (1, [2, 3], None)]
+            assert [(p["replica"], p["members"], p["member_devices"], p["slowest_rank"])
+                    for p in stored["replicas"]] == [(0, [0, 1], [], None), (1, [2, 3], [], None)]
 
 
 def test_a_leader_that_says_another_mesh_is_refused(server: Server) -> None:

@@ -173,7 +173,8 @@ def test_a_mesh_jobs_header_shows_its_shape(stack: Stack) -> None:
     mesh = MeshShape(dp=2, replica_size=2, dims=("dp", "tp"), shape=(2, 2))
     auth = {"Authorization": f"Bearer {secret}"}
     with connect(stack.server.ws_url + "/ws/hook", additional_headers=auth) as ws:
-        ws.send(hello(job=job, rank=0, world_size=2, global_batch_size=32, mesh=mesh, replica_ranks=(0, 1)))
+        ws.send(hello(job=job, rank=0, world_size=2, global_batch_size=32, mesh=mesh, replica_ranks=(0, 1),
+                      replica_devices=("node-a NVIDIA H100 80GB HBM3 #0", "node-b NVIDIA A100-SXM4-80GB #3")))
         assert json.loads(ws.recv(timeout=10))["type"] == "placement"
         recs = steps(0, 3)
         for r in recs:
@@ -182,10 +183,13 @@ def test_a_mesh_jobs_header_shows_its_shape(stack: Stack) -> None:
         page = stack.page(f"/job/{job}", stack.viewer)
         page.wait_for_function("() => document.getElementById('stats').textContent.includes('DP 2 x TP 2')")
         assert "replicas1/2" in page.locator("#stats").text_content().replace(" ", "")
-        # The replicas, their members and slowest member (replica 1 has not said hello).
+        # The replicas, their members, slowest member and the members' devices (replica 1
+        # has not said hello).
         row = page.locator("#replica-table tr[data-replica='0'] td")
         row.first.wait_for()
-        assert [c.strip() for c in row.all_text_contents()] == ["replica 0", "r0, r1", "10.0 ms", "20.0 ms", "r1"]
+        assert [c.strip() for c in row.all_text_contents()] == [
+            "replica 0", "r0, r1", "10.0 ms", "20.0 ms", "r1",
+            "r0: node-a NVIDIA H100 80GB HBM3 #0; r1: node-b NVIDIA A100-SXM4-80GB #3"]
         page.context.close()
 
 

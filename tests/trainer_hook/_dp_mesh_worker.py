@@ -161,6 +161,7 @@ def run(case: str, out: dict[str, object]) -> None:
         "steps": [[r.batch_index, r.compute_ms, r.sync_wait_ms, r.step_ms] for r in hook.history],
         "slowest": [r.slowest_rank for r in hook.history],  # the leader's: which member it was
         "replica_ranks": list(hello.replica_ranks),
+        "replica_devices": list(hello.replica_devices),
         "mesh": hello.mesh.to_dict() if hello.mesh is not None else None,
         "mesh_label": hello.mesh.label if hello.mesh is not None else None,
     }

@@ -9,6 +9,7 @@ member of a replica is slowed: the replica's leader must report the slow member'
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 import torch
@@ -114,6 +115,8 @@ def test_a_replica_reports_the_pace_of_its_slowest_member(ranks: list[dict]) -> 
     # ... and names the member whose time that is: rank 1 on every step.
     assert ranks[0][SLOW_CASE]["slowest"] == [1] * STEPS
     assert [r[SLOW_CASE]["replica_ranks"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    host = socket.gethostname()  # each member's device as the leader's hello lists it (CPU ranks here)
+    assert [r[SLOW_CASE]["replica_devices"] for r in ranks] == [[f"{host} CPU"] * 2] * 4
     # HSDP's replicas are single ranks: nothing to combine, each reports its own.
     assert sorted(k for k, *_ in ranks[1]["hsdp"]["steps"]) == list(range(STEPS))
     assert ranks[1]["hsdp"]["slowest"] == [None] * STEPS and ranks[1]["hsdp"]["replica_ranks"] == [1]

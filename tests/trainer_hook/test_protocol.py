@@ -174,6 +174,24 @@ def test_a_bad_mesh_shape_is_named(mesh: object, expected: str) -> None:
     assert str(err.value) == expected
 
 
+def test_hello_carries_each_members_device_in_the_order_of_its_ranks() -> None:
+    mesh = MeshShape(dp=2, replica_size=2, dims=("dp", "tp"), shape=(2, 2))
+    devices = ("node-a NVIDIA H100 80GB HBM3 #0", "node-a NVIDIA H100 80GB HBM3 #1")
+    back = decode(encode(Hello(job="j", rank=0, world_size=2, global_batch_size=8, mesh=mesh, replica_ranks=(0, 1),
+                               replica_devices=devices)))
+    assert isinstance(back, Hello) and back.replica_devices == devices
+    older = encode(Hello(job="j", rank=0, world_size=2, global_batch_size=8, mesh=mesh, replica_ranks=(0, 1)))
+    assert "replica_devices" not in older and decode(older).replica_devices == ()  # type: ignore[union-attr]
+    frame = {"job": "j", "rank": 0, "world_size": 2, "global_batch_size": 8, "mesh": MESH_OK, "replica_ranks": [0, 1]}
+    for bad in (["only one"], ["a", 7], ["a", "x" * 129], ["a", "b\x00"], "node-a"):
+        with pytest.raises(ProtocolError) as err:
+            Hello.from_dict({**frame, "replica_devices": bad})
+        assert str(err.value).startswith("'replica_devices' must list one string per member of 'replica_ranks' (2), "
+                                         "in the same order, each at most 128 characters without NUL, got "), bad
+    with pytest.raises(ProtocolError, match="'replica_devices' comes with 'replica_ranks' only"):
+        Hello.from_dict({**frame, "replica_ranks": [], "replica_devices": ["a", "b"]})
+
+
 def test_check_shares_says_what_is_wrong() -> None:
     assert check_shares([3, 0, 5], world_size=3, global_batch_size=8) == [3, 0, 5]
     with pytest.raises(ValueError, match="shares has 2 entries but the job has world_size 3."):

@@ -50,6 +50,9 @@ class ReplicaPublic(BaseModel):
 
     replica: int = Field(description="The replica index: its rank in this job's placements and overrides.")
     members: list[int] = Field(description="The global ranks of its members (its TP/CP group), leader first.")
+    member_devices: list[str] = Field(
+        default_factory=list,
+        description="Each member's host and device, in the order of members (live only; empty when unknown).")
     connected: bool = False
     compute_ms: float | None = Field(None, description="The replica's compute time: its slowest member's (live only).")
     step_ms: float | None = None
