@@ -142,7 +142,7 @@ class MetricsExporter:
         return "".join(f.render() for f in fams.values() if f.lines)
 
     def _fleet(self, fams: dict[str, _Family]) -> None:
-        t = self.hub.fleet()["totals"]  # the home page's totals (backend.live.fleet)
+        t = self.hub.fleet(own=True)["totals"]  # the home page's totals over this replica's own jobs
         for name, value in (("rebalancer_fleet_jobs", t["jobs"]), ("rebalancer_fleet_ranks", t["ranks"]),
                             ("rebalancer_fleet_running_jobs", t["running"]),
                             ("rebalancer_fleet_wasted_gpu_seconds", t["wasted_gpu_hours"] * 3600.0),

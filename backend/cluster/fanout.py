@@ -13,6 +13,12 @@ One pass every ``interval_s``:
   ``{prefix}:events`` (ids, under 8,000 bytes). At most one snapshot per job per interval,
   at most ``MAX_SNAPSHOT_BYTES`` each (``backend.dashboard.remote``).
 
+- **Fleet**: each pass the owner writes one entry per job it controls into the hash
+  ``{prefix}:fleet`` (the job's fleet row and overview summary, with its wall time) and
+  reads the whole hash back: every other owner's jobs go to the hub (``set_remote_fleet``),
+  so the home page and ``GET /api/v1/fleet`` list every job of the cluster on every replica.
+  An entry not rewritten for ``fleet_ttl_s`` (its owner gone, the job over) is deleted.
+
 Between passes it listens on ``{prefix}:events``: a ``live`` message for a watched job
 pulls that job's snapshot at once (at most once per 0.1 s a job; the pass catches the
 rest). A snapshot read back is checked (``remote.check``) before the hub takes it; a bad
@@ -59,6 +65,10 @@ class FeedSource(Protocol):
 
     def drop_remote(self, job: str) -> None: ...
 
+    def fleet_rows(self, jobs: Iterable[str]) -> dict[str, tuple[Any, dict[str, Any]]]: ...
+
+    def set_remote_fleet(self, rows: dict[str, tuple[Any, dict[str, Any]]]) -> None: ...
+
 
 class LiveFanout:
     """Stores the owner's snapshots of watched jobs on Redis; pulls other owners' ones."""
@@ -72,12 +82,16 @@ class LiveFanout:
         self.interval_s = interval_s
         self.snapshot_ttl_ms = int(max(10 * interval_s, 5.0) * 1000)
         self.watch_ttl_ms = int((3 * interval_s + 1.0) * 1000)
+        # A fleet entry older than this (by its owner's wall clock) is gone: generous, so that
+        # replicas whose clocks differ by a few seconds still show each other's jobs.
+        self.fleet_ttl_s = max(10 * interval_s, 15.0)
         self.hub = hub
         self._owned = owned
         self._redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=1.0)
         self._seq: dict[str, int] = {}  # owner side: job -> sequence of its last snapshot
         self._published: dict[str, tuple[float, float]] = {}  # job -> (feed time, monotonic time)
         self._pulled: dict[str, float] = {}  # watcher side: job -> monotonic time of the last pull
+        self._fleet_refused: set[str] = set()  # jobs whose fleet entry was refused (logged once)
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         # rebalancer_fanout_snapshots_total: stored for others, taken from others, refused
@@ -98,6 +112,7 @@ class LiveFanout:
         owned = set(self._owned())
         await self._watch(owned)
         await self._publish(owned)
+        await self._share_fleet(owned)
 
     async def _watch(self, owned: set[str]) -> None:
         watched = self.hub.watched_jobs() - owned
@@ -156,6 +171,42 @@ class LiveFanout:
             if stored:
                 await pipe.execute()
                 self.published += stored
+
+    async def _share_fleet(self, owned: set[str]) -> None:
+        key = f"{self.prefix}:fleet"
+        now = time.time()
+        mine: dict[Any, Any] = {}  # job -> entry (redis-py types its mapping loosely)
+        for job, (row, summary) in self.hub.fleet_rows(owned).items():
+            text = remote.encode_fleet(row, summary, replica=self.replica_id, t=now)
+            if text is not None and 0 < len(job) <= _MAX_JOB:
+                mine[job] = text
+        async with self._redis.pipeline(transaction=False) as pipe:
+            if mine:
+                pipe.hset(key, mapping=mine)
+            pipe.hgetall(key)
+            got = (await pipe.execute())[-1]
+        rows: dict[str, tuple[Any, dict[str, Any]]] = {}
+        stale = []
+        for raw, text in got.items():
+            job = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+            if job in owned:
+                continue
+            try:
+                replica, t, row, summary = remote.check_fleet(job, text)
+            except (ValueError, TypeError, KeyError, RecursionError) as exc:  # this job's entry only
+                if job not in self._fleet_refused:
+                    self.refused += 1
+                    self._fleet_refused.add(job)
+                    log.warning("refused the fleet entry of job %s from Redis: %s", job, exc)
+                continue
+            self._fleet_refused.discard(job)
+            if now - t > self.fleet_ttl_s:
+                stale.append(raw)
+            elif replica != self.replica_id:  # ours: from before another replica took the job
+                rows[job] = (row, summary)
+        if stale:
+            await self._redis.hdel(key, *stale)
+        self.hub.set_remote_fleet(rows)
 
     async def pull(self, job: str) -> bool:
         """Read ``job``'s snapshot and hand it to the hub; False when none is newer."""

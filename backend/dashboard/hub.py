@@ -35,9 +35,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any
 
 from backend.dashboard import fold, remote
@@ -48,7 +47,7 @@ from backend.ingest.budget import (
     DASHBOARD_MAX_FRAME_BYTES,
     FrameBudget,
 )
-from backend.live.fleet import fleet_summary
+from backend.live.fleet import FleetJob, fleet_summary
 from backend.live.state import JobView, LiveState
 from backend.settings import Settings
 from trainer_hook.protocol import CLOSE_RATE_LIMITED
@@ -121,12 +120,16 @@ class DashboardHub:
         # The fleet summary (backend.live.fleet): rebuilt at most once per tick, only when a
         # job changed, and its overview frame encoded once for every overview client.
         self._fleet: dict[str, Any] | None = None
+        self._own_fleet: dict[str, Any] = {}  # the same over this replica's own jobs only
         self._fleet_dirty = True
         self._fleet_read_at = float("-inf")
         self._overview_text = ""
         # Jobs another replica controls whose feed here is a copy of its (``apply_remote``):
         # job -> (owner replica id, sequence of the snapshot applied).
         self._remote: dict[str, tuple[str, int]] = {}
+        # Jobs other replicas control, as their owners' fleet rows and overview summaries say
+        # (``set_remote_fleet``): job -> (row, summary). A job folded here is shown from here.
+        self._remote_fleet: dict[str, tuple[FleetJob, dict[str, Any]]] = {}
         # Points a feed of our own had not stored when a copy replaced it (take_unsaved).
         self._orphaned: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = []
 
@@ -241,21 +244,29 @@ class DashboardHub:
             return self._fleet
         self._fleet_dirty = False
         feeds = list(self._feeds.values())
-        fleet = fleet_summary(f.fleet_job for f in feeds if f.fleet_job is not None)
-        jobs = [f.summary for f in sorted(feeds, key=attrgetter("job")) if f.summary]
+        rows = {f.job: f.fleet_job for f in feeds if f.fleet_job is not None}
+        summaries = {f.job: f.summary for f in feeds if f.summary}
+        own = fleet_summary(rows.values())
+        for job, (row, summary) in self._remote_fleet.items():  # other owners' jobs
+            rows.setdefault(job, row)
+            summaries.setdefault(job, summary)
+        fleet = fleet_summary(rows.values()) if self._remote_fleet else own
+        jobs = [summaries[job] for job in sorted(summaries)]
         try:
             self._overview_text = json.dumps({"type": "overview", "t": self._wall(), "jobs": jobs, "fleet": fleet},
                                              separators=(",", ":"), allow_nan=False)
         except ValueError:  # a non-finite number; browsers cannot parse NaN in JSON
             log.exception("overview frame not serialisable; kept the previous one")
-        self._fleet = fleet
+        self._fleet, self._own_fleet = fleet, own
         return fleet
 
-    def fleet(self, *, refresh: bool = False) -> dict[str, Any]:
-        """The fleet summary (``{data, count, totals}``) that the home page, ``GET
-        /api/v1/fleet`` and ``/metrics`` show. ``refresh`` (event loop only) first updates
-        jobs whose feed is older than a second; a read keeps every job refreshed once a
-        second for the next minute, so the next read is fresh without it."""
+    def fleet(self, *, refresh: bool = False, own: bool = False) -> dict[str, Any]:
+        """The fleet summary (``{data, count, totals}``) that the home page and ``GET
+        /api/v1/fleet`` show: with several replicas, every job of the cluster. ``own``: the
+        jobs this replica folds itself only (``/metrics``, so that summing the replicas'
+        series counts each job once). ``refresh`` (event loop only) first updates jobs whose
+        feed is older than a second; a read keeps every job refreshed once a second for the
+        next minute, so the next read is fresh without it."""
         now = self._clock()
         self._fleet_read_at = now
         if refresh:
@@ -264,7 +275,31 @@ class DashboardHub:
                 if feed is None or now - feed.updated_at >= _IDLE_REFRESH_S:
                     with contextlib.suppress(Exception):
                         self._update(job, now)
-        return self._publish_fleet()
+        fleet = self._publish_fleet()
+        return self._own_fleet if own else fleet
+
+    def fleet_rows(self, jobs: Iterable[str]) -> dict[str, tuple[FleetJob, dict[str, Any]]]:
+        """(fleet row, overview summary) of each of ``jobs`` that this replica folds itself:
+        what ``backend.cluster.fanout`` shares with the other replicas."""
+        out: dict[str, tuple[FleetJob, dict[str, Any]]] = {}
+        for job in jobs:
+            feed = self._feeds.get(job)
+            if feed is not None and job not in self._remote and feed.fleet_job is not None and feed.summary:
+                out[job] = (feed.fleet_job, feed.summary)
+        return out
+
+    def set_remote_fleet(self, rows: dict[str, tuple[FleetJob, dict[str, Any]]]) -> None:
+        """The jobs other replicas control, as their owners last shared them (checked by
+        ``remote.check_fleet``); replaces the previous set. The home page and ``GET
+        /api/v1/fleet`` list them beside this replica's own jobs."""
+        changed = {job for job in rows.keys() | self._remote_fleet.keys()
+                   if rows.get(job) != self._remote_fleet.get(job)}
+        if not changed:
+            return
+        self._remote_fleet = dict(rows)
+        self._fleet_dirty = True
+        for job in changed:  # wakes the overview clients at the next tick
+            self.changes.mark(job)
 
     # --- history: stored by the parts' persist loop, read back after a restart -------------
 

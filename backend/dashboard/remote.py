@@ -16,12 +16,15 @@ import math
 from typing import Any
 
 from backend.dashboard.fold import SERIES_FIELDS, Feed
+from backend.live.fleet import FleetJob, fleet_job_dict, fleet_job_from_dict
 
-__all__ = ["SERIES_POINTS", "HEAT_COLUMNS", "MAX_SNAPSHOT_BYTES", "snapshot", "encode", "check", "merge"]
+__all__ = ["SERIES_POINTS", "HEAT_COLUMNS", "MAX_SNAPSHOT_BYTES", "MAX_FLEET_ENTRY_BYTES", "snapshot", "encode",
+           "check", "merge", "encode_fleet", "check_fleet"]
 
 SERIES_POINTS = 600  # newest per-batch points per snapshot: 60 s of a job at 10 steps/s
 HEAT_COLUMNS = 30  # newest heatmap columns per snapshot
 MAX_SNAPSHOT_BYTES = 2 * 1024 * 1024  # above it the per-rank columns and heatmap stay out
+MAX_FLEET_ENTRY_BYTES = 64 * 1024  # one job's fleet row and overview summary
 _MAX_MARKERS = 200
 _MAX_ID = 2**53  # JSON integers every reader keeps exact
 _SERIES_KEYS = frozenset(SERIES_FIELDS)
@@ -115,6 +118,39 @@ def check(job: str, text: str | bytes) -> dict[str, Any]:
     for key in ("saved_ms", "measured_ms", "uniform_ms"):
         _float(data, key)
     return data
+
+
+def encode_fleet(row: FleetJob, summary: dict[str, Any], *, replica: str, t: float) -> str | None:
+    """One job's fleet row and overview summary for the other replicas' home pages and
+    ``GET /api/v1/fleet`` (``t``: the owner's wall clock); None when over
+    ``MAX_FLEET_ENTRY_BYTES`` or a number is not finite."""
+    try:
+        text = json.dumps({"replica": replica, "t": t, "row": fleet_job_dict(row), "summary": summary},
+                          separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        return None
+    return text if len(text.encode()) <= MAX_FLEET_ENTRY_BYTES else None
+
+
+def check_fleet(job: str, text: str | bytes) -> tuple[str, float, FleetJob, dict[str, Any]]:
+    """(owner replica, its wall time, fleet row, overview summary) of a fleet entry read back
+    from Redis, checked: ValueError naming the field otherwise (that job's entry only)."""
+    if len(text) > MAX_FLEET_ENTRY_BYTES:
+        raise ValueError(f"fleet entry of job {job!r} is over {MAX_FLEET_ENTRY_BYTES} bytes.")
+    data = json.loads(text, parse_constant=_refuse_constant)
+    if not isinstance(data, dict):
+        raise ValueError("fleet entry must be a JSON object.")
+    replica = data.get("replica")
+    if not isinstance(replica, str) or not 1 <= len(replica) <= 64:
+        raise ValueError("fleet entry replica must be a replica id of 1 to 64 characters.")
+    t = _float(data, "t")
+    row = fleet_job_from_dict(data.get("row"))
+    if row.job != job:
+        raise ValueError(f"fleet entry row.job must be {job!r}, got {row.job!r}.")
+    _dict(data, "summary")
+    if data["summary"].get("job", job) != job:
+        raise ValueError(f"fleet entry summary.job must be {job!r}.")
+    return replica, t, row, data["summary"]
 
 
 def merge(feed: Feed, data: dict[str, Any]) -> None:

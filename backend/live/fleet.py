@@ -16,13 +16,14 @@ hub computes it at most once per tick and keeps it: ``DashboardHub.fleet``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from backend.policy.solver import predicted_step_ms, solve
 
-__all__ = ["FleetJob", "fleet_summary", "balance_gap_ms", "MS_PER_HOUR"]
+__all__ = ["FleetJob", "fleet_summary", "balance_gap_ms", "fleet_job_dict", "fleet_job_from_dict", "MS_PER_HOUR"]
 
 MS_PER_HOUR = 3.6e6
 
@@ -49,6 +50,69 @@ class FleetJob:
     batch_index: int | None = None
     bound: Any = None  # compute, communication or input (None: not known); see _bound
     pending_proposal_id: int | None = None  # a proposal waiting for an operator
+
+
+_MAX_INT = 2**53  # JSON integers every reader keeps exact
+_FLOATS = ("step_ms", "balance_gap_ms", "saved_s", "saved_cost", "cost_per_hour", "imbalance", "eta_s")
+
+
+def fleet_job_dict(j: FleetJob) -> dict[str, Any]:
+    """``j`` as JSON-ready data, for another replica's fleet (``fleet_job_from_dict``)."""
+    return {
+        "job": j.job, "status": j.status, "status_detail": j.status_detail, "mode": j.mode,
+        "world_size": j.world_size, "connected_ranks": j.connected_ranks,
+        "devices": [[kind, n] for kind, n in j.devices], "wasted_ms": j.wasted_ms,
+        **{k: getattr(j, k) for k in _FLOATS},
+        "batch_index": j.batch_index, "bound": _bound(j.bound), "pending_proposal_id": j.pending_proposal_id,
+    }
+
+
+def _text(d: dict[str, Any], key: str, most: int, *, optional: bool = False) -> Any:
+    v = d.get(key)
+    if (v is None and optional) or (isinstance(v, str) and len(v) <= most):
+        return v
+    raise ValueError(f"fleet row {key!r} must be a string of at most {most} characters, got {type(v).__name__}.")
+
+
+def _count(d: dict[str, Any], key: str, *, optional: bool = False) -> Any:
+    v = d.get(key)
+    if (v is None and optional) or (type(v) is int and 0 <= v <= _MAX_INT):
+        return v
+    raise ValueError(f"fleet row {key!r} must be an integer between 0 and {_MAX_INT}, got {v!r}.")
+
+
+def _number(d: dict[str, Any], key: str) -> float | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if type(v) not in (int, float) or not math.isfinite(v):
+        raise ValueError(f"fleet row {key!r} must be a finite number or null, got {v!r}.")
+    return float(v)
+
+
+def fleet_job_from_dict(d: Any) -> FleetJob:
+    """A row another replica stored (``fleet_job_dict``), checked: ValueError naming the field."""
+    if not isinstance(d, dict):
+        raise ValueError(f"a fleet row must be a JSON object, got {type(d).__name__}.")
+    devices = d.get("devices")
+    if (not isinstance(devices, list) or len(devices) > 64
+            or not all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and len(x[0]) <= 256
+                       and type(x[1]) is int and 0 <= x[1] <= _MAX_INT for x in devices)):
+        raise ValueError("fleet row 'devices' must be a list of at most 64 [device kind, ranks] pairs.")
+    wasted = _number(d, "wasted_ms")
+    if wasted is None or wasted < 0:
+        raise ValueError(f"fleet row 'wasted_ms' must be a finite number >= 0, got {d.get('wasted_ms')!r}.")
+    job = _text(d, "job", 256)
+    if not job:
+        raise ValueError("fleet row 'job' must not be empty.")
+    return FleetJob(
+        job=job, status=_text(d, "status", 64), status_detail=_text(d, "status_detail", 4096),
+        mode=_text(d, "mode", 64, optional=True), world_size=_count(d, "world_size"),
+        connected_ranks=_count(d, "connected_ranks"), devices=tuple((k, n) for k, n in devices),
+        wasted_ms=wasted, **{k: _number(d, k) for k in _FLOATS},
+        batch_index=_count(d, "batch_index", optional=True), bound=_text(d, "bound", 64, optional=True),
+        pending_proposal_id=_count(d, "pending_proposal_id", optional=True),
+    )
 
 
 def balance_gap_ms(a_ms: Sequence[float], c_ms: Sequence[float], shares: Sequence[int],

@@ -32,6 +32,7 @@ from tests.helpers.fake_fleet import FakeFleet, FakeJob  # noqa: E402
 from tests.helpers.ports import free_port  # noqa: E402
 from tests.helpers.postgres import pg_schema  # noqa: E402
 from tests.helpers.server import Server, running_server  # noqa: E402
+from tests.helpers.waiting import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
@@ -308,4 +309,86 @@ def test_a_bad_snapshot_on_redis_costs_only_its_own_job_one_update() -> None:
     finally:
         for key in client.scan_iter(f"{prefix}:*"):
             client.delete(key)
+        client.close()
+
+
+def test_every_replica_lists_every_job_of_the_cluster_in_its_fleet(pair: Pair) -> None:
+    # B holds no rank of JOB: its fleet (REST and the home page's overview frame) lists JOB
+    # with A's figures, shared through Redis by A's fan-out pass.
+    def listed(server: Server) -> dict | None:
+        rows = {r["job"]: r for r in pair.get(server, "/api/v1/fleet")["data"]}
+        return rows.get(JOB)
+
+    at_b = wait_until(lambda: listed(pair.b), "replica B's fleet to list the job replica A controls", log=pair.log)
+    at_a = listed(pair.a)
+    assert at_a is not None
+    keys = ("status", "mode", "world_size", "connected_ranks", "devices")
+    assert {k: at_b[k] for k in keys} == {k: at_a[k] for k in keys}
+    assert at_b["world_size"] == 2 and at_b["connected_ranks"] == 2
+    assert pair.get(pair.b, "/api/v1/fleet")["totals"]["ranks"] >= 2
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    with connect(f"{pair.b.ws_url}/ws/dashboard", additional_headers=headers) as ws:
+        frame = json.loads(ws.recv(timeout=20))
+        assert frame["type"] == "overview"
+        assert JOB in [s["job"] for s in frame["jobs"]] and JOB in [r["job"] for r in frame["fleet"]["data"]]
+
+
+def test_a_bad_or_stale_fleet_entry_on_redis_costs_only_its_own_job() -> None:
+    import asyncio
+    import time
+
+    from backend.cluster import LiveFanout
+    from tests.backend.test_hub import _feed, _hub, _register, _services
+
+    prefix = f"rebalancer-test-{uuid.uuid4().hex[:10]}"
+    client = redis.Redis.from_url(REDIS_URL)
+    svc = _services()
+    _register(svc.live)
+    for b in range(5):
+        _feed(svc.live, b)
+    owner, watcher = _hub(svc), _hub(_services())
+    owner.notify("j")
+    owner.tick()
+    key = f"{prefix}:fleet"
+    try:
+        good = {"replica": "c", "t": time.time(), "summary": {"job": "k"}, "row": {
+            "job": "k", "status": "running", "status_detail": "", "mode": "auto", "world_size": 4,
+            "connected_ranks": 4, "devices": [["H100", 4]], "wasted_ms": 0.0, "step_ms": 100.0,
+            "balance_gap_ms": None, "saved_s": None, "saved_cost": None, "cost_per_hour": None,
+            "imbalance": 0.1, "eta_s": None, "batch_index": 7, "bound": "compute", "pending_proposal_id": None}}
+        client.hset(key, mapping={
+            "k": json.dumps(good),
+            "nested": "[" * 100_000 + "]" * 100_000,  # over the size bound
+            "deep": "[" * 20_000 + "]" * 20_000,  # within it, past the parser's depth
+            "typed": json.dumps({**good, "row": {**good["row"], "job": "typed", "world_size": "4"}}),
+            "other": json.dumps({**good, "row": {**good["row"], "job": "not-other"}}),
+            "old": json.dumps({**good, "t": time.time() - 3600, "summary": {"job": "old"},
+                               "row": {**good["row"], "job": "old"}}),
+        })
+
+        async def run() -> None:
+            a = LiveFanout(url=REDIS_URL, prefix=prefix, replica_id="a", interval_s=1.0, hub=owner, owned=lambda: {"j"})
+            b = LiveFanout(url=REDIS_URL, prefix=prefix, replica_id="b", interval_s=1.0, hub=watcher, owned=set)
+            await a.pass_once()  # stores j's entry; reads k (and refuses the bad ones)
+            await b.pass_once()
+            assert b.refused == 4  # nested, deep, typed, other: each its own job's, once
+            await b.pass_once()
+            assert b.refused == 4  # logged once per job, not every pass
+            await a.stop()
+            await b.stop()
+        asyncio.run(run())
+        rows = {r["job"]: r for r in watcher.fleet()["data"]}
+        assert sorted(rows) == ["j", "k"]  # the owner's job and the good entry
+        assert rows["j"] == {r["job"]: r for r in owner.fleet()["data"]}["j"]  # the owner's own figures
+        assert (rows["k"]["world_size"], rows["k"]["devices"], rows["k"]["bound"]) == (4, [{"kind": "H100", "count": 4}],
+                                                                                      "compute")
+        assert client.hexists(key, "old") is False  # stale: deleted
+        assert client.hexists(key, "nested")  # refused, left for its owner to rewrite
+        assert sorted(r["job"] for r in owner.fleet()["data"]) == ["j", "k"]
+        # /metrics' fleet series stay each replica's own jobs (summed over replicas: once each).
+        assert [r["job"] for r in owner.fleet(own=True)["data"]] == ["j"]
+        assert watcher.fleet(own=True)["totals"]["jobs"] == 0
+    finally:
+        for k in client.scan_iter(f"{prefix}:*"):
+            client.delete(k)
         client.close()
