@@ -288,6 +288,11 @@ class DashboardHub:
                 out[job] = (feed.fleet_job, feed.summary)
         return out
 
+    def remote_fleet_row(self, job: str) -> FleetJob | None:
+        """The fleet row another replica shared for ``job`` (None: none, or folded here)."""
+        got = self._remote_fleet.get(job)
+        return None if got is None or job in self._feeds else got[0]
+
     def set_remote_fleet(self, rows: dict[str, tuple[FleetJob, dict[str, Any]]]) -> None:
         """The jobs other replicas control, as their owners last shared them (checked by
         ``remote.check_fleet``); replaces the previous set. The home page and ``GET

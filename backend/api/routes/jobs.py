@@ -270,16 +270,24 @@ def _job_from_row(row: store.JobRow, ranks: list[store.RankRow] | None = None) -
     }
 
 
+# What a job's list entry takes from its owner's fleet row when another replica controls it.
+_SHARED = ("world_size", "connected_ranks", "batch_index", "step_ms", "imbalance", "eta_s", "cost_per_hour")
+
+
 def _build(parts: Parts, job: str, row: dict[str, Any] | None) -> JobPublic | None:
     """The job resource: live numbers (or the stored row) and the controller's snapshot,
     whose status is the one status rule's (``backend.control.status``)."""
     view = parts.live.view(job)
+    shared = None if view is not None else parts.hub.remote_fleet_row(job)
     if view is not None:
         base = _job_from_live(parts, view)
     elif row is not None:
         base = row
     else:
         return None
+    if shared is not None:  # another replica controls it: its owner's figures (the fleet's)
+        return JobPublic(**{**base, **{k: getattr(shared, k) for k in _SHARED},
+                            "status": shared.status, "status_detail": shared.status_detail, "mode": shared.mode})
     control = parts.controller.job_control(job)
     if not control:
         status, detail = parts.controller.job_status(job)
@@ -289,7 +297,8 @@ def _build(parts: Parts, job: str, row: dict[str, Any] | None) -> JobPublic | No
 
 @router.get("", response_model=JobsPublic, summary="List jobs")
 async def list_jobs(_actor: ViewerDep, parts: PartsDep) -> JobsPublic:
-    """Every job seen live since start plus every job stored in SQL."""
+    """Every job seen live since start plus every job stored in SQL; with several replicas,
+    a job another replica controls carries its owner's figures (shared with the fleet)."""
     rows = await parts.sql.run(lambda s: {r.name: _job_from_row(r) for r in store.list_jobs(s)})
     names = sorted(set(parts.live.jobs()) | set(rows))
     jobs = [j for j in (_build(parts, n, rows.get(n)) for n in names) if j is not None]

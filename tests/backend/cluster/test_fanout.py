@@ -326,6 +326,18 @@ def test_every_replica_lists_every_job_of_the_cluster_in_its_fleet(pair: Pair) -
     assert {k: at_b[k] for k in keys} == {k: at_a[k] for k in keys}
     assert at_b["world_size"] == 2 and at_b["connected_ranks"] == 2
     assert pair.get(pair.b, "/api/v1/fleet")["totals"]["ranks"] >= 2
+    # B's job list (read from its database) carries A's live figures for the job too.
+    def entry(server: Server) -> dict:
+        return {j["job"]: j for j in pair.get(server, "/api/v1/jobs")["data"]}[JOB]
+
+    keys = ("batch_index", "connected_ranks", "world_size", "status", "mode")
+
+    def same() -> dict | None:  # the fan-out runs every 0.2 s here: B follows A within it
+        b, a = entry(pair.b), entry(pair.a)
+        return b if all(b[k] == a[k] for k in keys) else None
+
+    listed_b = wait_until(same, "replica B's job list to show A's figures", log=pair.log)
+    assert listed_b["connected_ranks"] == 2 and listed_b["batch_index"] is not None
     headers = {"Authorization": f"Bearer {ADMIN}"}
     with connect(f"{pair.b.ws_url}/ws/dashboard", additional_headers=headers) as ws:
         frame = json.loads(ws.recv(timeout=20))
