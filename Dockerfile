@@ -5,6 +5,9 @@ FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
 COPY pyproject.toml README.md ./
+# The wire format both sides import (standard library only), the backend, and the hook
+# package the wheel also holds (not imported by the server: it needs no torch).
+COPY rebalancer_wire ./rebalancer_wire
 COPY backend ./backend
 COPY trainer_hook ./trainer_hook
 # The dashboard's files are package data (the top-level frontend package), so a plain install serves them.

@@ -95,10 +95,10 @@ gpu-rehearsal:
 	PYTHON=$(GPU_PYTHON) scripts/gpu-check --rehearse
 
 lint: $(STAMP)
-	$(BIN)/ruff check trainer_hook backend frontend tests bench examples
+	$(BIN)/ruff check rebalancer_wire trainer_hook backend frontend tests bench examples
 
 typecheck: $(STAMP)
-	$(BIN)/mypy trainer_hook backend frontend
+	$(BIN)/mypy rebalancer_wire trainer_hook backend frontend
 
 check: lint typecheck test
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from trainer_hook.devices import CLOCK_EVENT_NAMES
+from rebalancer_wire.devices import CLOCK_EVENT_NAMES
 
 __all__ = [
     "MetricSpec", "CONTRACT", "GPU_LABELS", "THROTTLE_REASONS", "STEP_BUCKETS_S",
@@ -28,7 +28,7 @@ _RANK = ("job", "rank")
 _DEVICE = (*_RANK, *GPU_LABELS)
 
 # Every clock-event (throttle) reason NVML reports, one series each; the one list is the
-# hook's (trainer_hook.devices.CLOCK_EVENT_NAMES).
+# hook's (rebalancer_wire.devices.CLOCK_EVENT_NAMES).
 THROTTLE_REASONS: tuple[str, ...] = tuple(CLOCK_EVENT_NAMES.values())
 
 # Buckets of the per-job step-time histogram, in seconds.
@@ -155,7 +155,8 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "Placements a rank's hook rejected.", True),
     # --- the fleet: every job held in memory (backend.live.fleet, the home page's totals) --
     MetricSpec("rebalancer_fleet_jobs", "gauge", (), "1",
-               "Jobs held in memory (the fleet view's rows).", True),
+               "Jobs held in memory (the fleet view's rows); with several replicas, the jobs this "
+               "replica folds itself, so the sum over replicas counts each job once.", True),
     MetricSpec("rebalancer_fleet_ranks", "gauge", (), "1",
                "Ranks of those jobs in all (their world sizes summed).", True),
     MetricSpec("rebalancer_fleet_running_jobs", "gauge", (), "1",

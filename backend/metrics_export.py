@@ -28,7 +28,7 @@ from backend.live.forecast import forecast
 from backend.live.state import JobView, RankView
 from backend.metrics_contract import CONTRACT, STEP_BUCKETS_S, THROTTLE_REASONS, MetricSpec
 from backend.policy.comm import BOUNDS
-from trainer_hook.protocol import LINK_FIELDS
+from rebalancer_wire.protocol import LINK_FIELDS
 
 if TYPE_CHECKING:
     from backend.cluster import Forwarder, LiveFanout

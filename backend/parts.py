@@ -49,7 +49,7 @@ from backend.storage.summaries import (
     save_summary,
 )
 from backend.storage.writes import WriteBuffer, database_fault
-from trainer_hook.protocol import CLOSE_TRY_AGAIN_LATER
+from rebalancer_wire.protocol import CLOSE_TRY_AGAIN_LATER
 
 if TYPE_CHECKING:
     from backend.cluster import Forwarder, JobLeases, LiveFanout

@@ -15,8 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from backend.control.modes import Mode
 from backend.policy.types import PolicyConfig
-from trainer_hook.devices import device_key
-from trainer_hook.protocol import MAX_MESSAGE_BYTES
+from rebalancer_wire.devices import device_key
+from rebalancer_wire.protocol import MAX_MESSAGE_BYTES
 
 __all__ = ["Settings", "DEFAULT_DEVICE_PRICES", "is_loopback"]
 
@@ -26,7 +26,7 @@ _POLICY = PolicyConfig()
 
 # On-demand cloud list prices, USD per accelerator-hour (rounded, 2025). Override with
 # REBALANCER_DEVICE_PRICES='{"H100": 2.5}'. Keys are matched case-insensitively against the
-# device's key (trainer_hook.devices.device_key) and its family, then the rank's device_type,
+# device's key (rebalancer_wire.devices.device_key) and its family, then the rank's device_type,
 # then as a substring of its device_name (longest key wins): see Settings.price_for.
 DEFAULT_DEVICE_PRICES: dict[str, float] = {
     "H200": 3.8,
@@ -321,7 +321,7 @@ class Settings(BaseSettings):
         """USD per hour for one accelerator, or None when no key matches.
 
         The reported type first (the probe sends the device key), then the device named by
-        the one device-key rule (``trainer_hook.devices.device_key``): its key, then the
+        the one device-key rule (``rebalancer_wire.devices.device_key``): its key, then the
         key's family (``A100-40GB`` -> ``A100``); a key of the operator's own (a device the table lacks) is
         matched as a substring of the driver's name, the longest key winning."""
         lowered = {k.lower(): p for k, p in self.device_prices.items()}

@@ -642,7 +642,7 @@ def scrape_cost(ranks: int, repeats: int = 7, rank_series: str = "slowest") -> S
 
     from backend.parts import build_parts
     from backend.settings import Settings
-    from trainer_hook.protocol import decode
+    from rebalancer_wire.protocol import decode
 
     async def fill(parts: Any) -> None:
         job, gbs = f"scrape-{ranks}", ranks * 8

@@ -1,5 +1,6 @@
 """Imports run downward: nothing below the routes and the wiring imports them, and the hook
-never imports the backend. Read from the source (AST), type-only and function-level imports
+never imports the backend; the two share only the wire (rebalancer_wire, standard library
+only). Read from the source (AST), type-only and function-level imports
 included. KNOWN_UPWARD lists the arrows that still point up (issue 22's redesign removes
 them); the test fails on any new one, and on a listed one that is gone (drop it from the list)."""
 
@@ -56,10 +57,39 @@ def test_the_hook_never_imports_the_backend():
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
+def test_the_wire_is_the_standard_library_only():
+    """rebalancer_wire (messages, limits, codec, shares, device keys) is what the hook and the
+    backend share: it imports the standard library and itself (orjson optionally, inside
+    a try, to parse faster), nothing of either side and no third-party package."""
+    for path in _modules("rebalancer_wire"):
+        bad = [n for n in _imports(path) if n.split(".")[0] not in sys.stdlib_module_names
+               and n.split(".")[0] not in ("rebalancer_wire", "orjson")]
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+    source = (ROOT / "rebalancer_wire/protocol.py").read_text()
+    assert "    from orjson import loads as _fast_loads\nexcept ImportError:" in source
+
+
+def test_the_backend_and_the_hook_share_only_the_wire():
+    """Neither side imports the other: the backend reaches the hook's messages through
+    rebalancer_wire alone, and the hook never imports the backend (or the frontend)."""
+    for path in _modules("backend"):
+        if path.relative_to(ROOT).as_posix() in HOOK_LAUNCHERS:
+            continue
+        bad = [n for n in _imports(path) if n.split(".")[0] == "trainer_hook"]
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+# The backend modules that launch training (not the server): they need the hook package.
+HOOK_LAUNCHERS = {
+    "backend/run_cmd.py": "`rebalancer run` puts the hook's sitecustomize (trainer_hook/_site) on the "
+                          "training script's PYTHONPATH",
+}
+
+
 def test_the_policy_imports_only_itself_and_the_wire():
     """backend/policy decides from data alone (pure functions, testable without a server or
     torch): the standard library, numpy, itself and the wire (protocol, device keys)."""
-    allowed = {"backend.policy", "numpy", "trainer_hook.protocol", "trainer_hook.devices"}
+    allowed = {"backend.policy", "numpy", "rebalancer_wire.protocol", "rebalancer_wire.devices"}
     for path in _modules("backend/policy"):
         bad = [n for n in _imports(path) if n.split(".")[0] not in sys.stdlib_module_names
                and not any(n == a or n.startswith(a + ".") for a in allowed)]
@@ -105,15 +135,15 @@ def test_no_backend_module_is_over_the_line_cap():
     assert set(OVER_CAP) - set(over) == set(), "under the cap now: remove them from OVER_CAP"
 
 
-# The hook package keeps the same cap; the wire format is one module on purpose (both ends
-# validate every message with it, and docs/protocol.md is checked against it).
+# The hook and the wire packages keep the same cap; the wire format is one module on purpose
+# (both ends validate every message with it, and docs/protocol.md is checked against it).
 HOOK_OVER_CAP: dict[str, str] = {
-    "trainer_hook/protocol.py": "every wire message, its bounds and its codec in one module",
+    "rebalancer_wire/protocol.py": "every wire message, its bounds and its codec in one module",
 }
 
 
-def test_no_hook_module_is_over_the_line_cap():
-    over = _over_cap("trainer_hook")
+def test_no_hook_or_wire_module_is_over_the_line_cap():
+    over = _over_cap("trainer_hook") | _over_cap("rebalancer_wire")
     assert set(over) - set(HOOK_OVER_CAP) == set(), f"over {LINE_CAP} lines: {over}; split the module by owner"
     assert set(HOOK_OVER_CAP) - set(over) == set(), "under the cap now: remove them from HOOK_OVER_CAP"
 

@@ -1,4 +1,4 @@
-"""The step record has one definition (``trainer_hook.protocol.STEP_FIELDS`` / ``STEP_TIMES``);
+"""The step record has one definition (``rebalancer_wire.protocol.STEP_FIELDS`` / ``STEP_TIMES``);
 every place that must spell its fields out (a typed model, a table, a response schema, a
 client type, a feed's columns) carries the same names, with the same kind of value.
 
@@ -20,7 +20,7 @@ from backend.dashboard import fold
 from backend.live import rows, state, windows
 from backend.storage.metrics import RankMetricRow
 from backend.storage.reports import RankTotals
-from trainer_hook.protocol import STEP_FIELDS, STEP_TIMES, StepRecord
+from rebalancer_wire.protocol import STEP_FIELDS, STEP_TIMES, StepRecord
 
 
 def test_the_definition_is_the_wire_records():

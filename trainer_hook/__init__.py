@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
     from trainer_hook.sampler import RebalanceBatchSampler
 
-# Imported on first use, so that the backend can import trainer_hook.protocol (stdlib only)
+# Imported on first use, so that the backend can import rebalancer_wire.protocol (stdlib only)
 # without pulling in torch: the server image installs no torch.
 _LAZY = {
     "HookConfig": "trainer_hook.config",

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rebalancer_wire.protocol import check_shares
 from trainer_hook._hook_base import HookBase
 from trainer_hook.channel import PendingPlacement
-from trainer_hook.protocol import check_shares
 
 log = logging.getLogger("trainer_hook")
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
+from rebalancer_wire.protocol import Error, Hello, MeshShape, Message, StepRecord
 from trainer_hook import _lifecycle
 from trainer_hook.channel import ControlChannel, PendingPlacement
 from trainer_hook.config import HookConfig
@@ -32,7 +33,6 @@ from trainer_hook.memory import (
 )
 from trainer_hook.mesh import ReplicaPace, device_label, mesh_shape, replica_of
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
-from trainer_hook.protocol import Error, Hello, MeshShape, Message, StepRecord
 from trainer_hook.sampler import RebalanceBatchSampler
 from trainer_hook.timing import StepTimer
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from rebalancer_wire.protocol import Ack, Error, Message, Placement, Reject, check_shares
 from trainer_hook._hook_base import HookBase
 from trainer_hook.channel import PendingPlacement
 from trainer_hook.placement import ScheduledPlacement
-from trainer_hook.protocol import Ack, Error, Message, Placement, Reject, check_shares
 
 log = logging.getLogger("trainer_hook")
 

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rebalancer_wire.protocol import Oom
 from trainer_hook._placements import PlacementSwitch
-from trainer_hook.protocol import Oom
 
 log = logging.getLogger("trainer_hook")
 _OOM_FLUSH_S = 2.0  # how long an out-of-memory report may hold the failing step

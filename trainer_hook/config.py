@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from trainer_hook.protocol import MAX_GLOBAL_BATCH_SIZE
+from rebalancer_wire.protocol import MAX_GLOBAL_BATCH_SIZE
 
 __all__ = ["HookConfig", "MEASURED", "ENV_SERVER", "ENV_JOB", "ENV_TOKEN", "ENV_TOTAL_STEPS", "check_total_steps"]
 

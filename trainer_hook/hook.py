@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rebalancer_wire.protocol import MAX_LENGTH_SQ_WEIGHT, StepRecord
 from trainer_hook._checkpoint import Checkpoints
 from trainer_hook._hook_base import _COMM_KIND, _StepContext
 from trainer_hook._hook_base import HOOK_VERSION as HOOK_VERSION  # re-exported: zero_code reads it
@@ -39,7 +40,6 @@ from trainer_hook.gradients import (
     register_unshard_timer,
 )
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
-from trainer_hook.protocol import MAX_LENGTH_SQ_WEIGHT, StepRecord
 
 __all__ = ["RebalanceHook"]
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from trainer_hook.protocol import MeshShape, StepRecord
+from rebalancer_wire.protocol import MeshShape, StepRecord
 
 log = logging.getLogger("trainer_hook")
 

@@ -32,7 +32,7 @@ from typing import Any
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import Server, ServerConnection, unix_serve
 
-from trainer_hook.protocol import (
+from rebalancer_wire.protocol import (
     CLOSE_GOING_AWAY,
     CLOSE_MALFORMED,
     CLOSE_NORMAL,

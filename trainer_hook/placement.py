@@ -13,7 +13,7 @@ import bisect
 import threading
 from dataclasses import dataclass
 
-from trainer_hook.protocol import check_shares, uniform_shares
+from rebalancer_wire.protocol import check_shares, uniform_shares
 
 __all__ = ["PlacementSchedule", "ScheduledPlacement"]
 

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from trainer_hook.devices import CLOCK_EVENT_NAMES, device_key
+from rebalancer_wire.devices import CLOCK_EVENT_NAMES, device_key
+from rebalancer_wire.protocol import LINK_FIELDS, DeviceSample
 from trainer_hook.links import LinkCounters
-from trainer_hook.protocol import LINK_FIELDS, DeviceSample
 
 __all__ = ["CLOCK_EVENT_NAMES", "DeviceProbe", "device_type_key", "decode_clock_events", "load_nvml"]
 
@@ -33,7 +33,7 @@ _NVML_CLOCK_SM = 1
 _NVML_TEMPERATURE_GPU = 0
 
 def device_type_key(name: str, mem_total_bytes: int | None = None) -> str:
-    """The device table's key for a device name (``trainer_hook.devices.device_key``, the
+    """The device table's key for a device name (``rebalancer_wire.devices.device_key``, the
     one rule the backend's policy uses too); a name that matches no key comes back
     stripped, so the backend can still show it."""
     return device_key(name, mem_total_bytes) or name.strip()

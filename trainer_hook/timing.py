@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rebalancer_wire.protocol import StepRecord
 from trainer_hook.gradients import GradientState, _recorded_event
-from trainer_hook.protocol import StepRecord
 
 __all__ = ["StepTimer", "split_step"]
 

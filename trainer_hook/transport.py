@@ -33,7 +33,7 @@ from urllib.parse import urlsplit, urlunsplit
 from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection, connect, unix_connect
 
-from trainer_hook.protocol import (
+from rebalancer_wire.protocol import (
     CLOSE_FORBIDDEN,
     CLOSE_MALFORMED,
     CLOSE_REDIRECT,

@@ -36,7 +36,7 @@ import sys
 import time
 from typing import Any
 
-from trainer_hook.protocol import StepRecord
+from rebalancer_wire.protocol import StepRecord
 
 __all__ = ["Monitor", "install", "split_step", "ENABLE_LINE", "REJECT_REASON", "HOOK_VERSION_TAG"]
 
@@ -360,8 +360,8 @@ class Monitor:
                  f"{self.global_batch_size}) on {cfg.server}; observe only")
 
     def _hello(self) -> Any:
+        from rebalancer_wire.protocol import Hello
         from trainer_hook.hook import HOOK_VERSION
-        from trainer_hook.protocol import Hello
 
         device_type, device_name, mem_total = "CPU", "", None
         gpu_index, gpu_uuid = None, ""
@@ -381,7 +381,7 @@ class Monitor:
         )
 
     def _on_message(self, msg: Any) -> None:
-        from trainer_hook.protocol import Error, Placement, Reject
+        from rebalancer_wire.protocol import Error, Placement, Reject
 
         if isinstance(msg, Placement) and self.rank == 0 and msg.version > 0:
             self._transport.send_control(

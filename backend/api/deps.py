@@ -19,7 +19,7 @@ from backend.auth.access import allows
 from backend.auth.tokens import ROLE_LEVEL, Actor
 from backend.parts import Parts
 from backend.settings import is_loopback
-from trainer_hook.protocol import MAX_VERSION
+from rebalancer_wire.protocol import MAX_VERSION
 
 __all__ = [
     "get_parts",

@@ -14,7 +14,7 @@ import logging
 from starlette.websockets import WebSocket
 
 from backend.auth.tokens import Actor
-from trainer_hook.protocol import CLOSE_UNAUTHORIZED
+from rebalancer_wire.protocol import CLOSE_UNAUTHORIZED
 
 __all__ = ["TokenSockets", "REVOKED_REASON"]
 

@@ -24,7 +24,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from backend.storage.base import Base
-from trainer_hook.protocol import check_job_name
+from rebalancer_wire.protocol import check_job_name
 
 __all__ = [
     "ROLES",

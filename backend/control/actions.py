@@ -20,7 +20,7 @@ from backend.control.errors import (
 )
 from backend.control.models import check_policy_changes
 from backend.storage import control as db
-from trainer_hook.protocol import check_shares
+from rebalancer_wire.protocol import check_shares
 
 __all__ = ["OperatorActions"]
 

@@ -29,7 +29,7 @@ from backend.settings import Settings
 from backend.storage import control as db
 from backend.storage.gateway import SqlGateway
 from backend.storage.metrics import job_mesh
-from trainer_hook.protocol import Hello, MeshShape, Placement, uniform_shares
+from rebalancer_wire.protocol import Hello, MeshShape, Placement, uniform_shares
 
 __all__ = ["ARRIVAL_WAIT_S", "MODES", "SYSTEM", "ActorLike", "ControllerCore", "JobState", "Ownership", "T"]
 

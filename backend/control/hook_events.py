@@ -17,7 +17,7 @@ from backend.control.errors import (
 )
 from backend.live.state import LiveState
 from backend.storage import control as db
-from trainer_hook.protocol import Ack, Hello, Oom, Placement, Reject
+from rebalancer_wire.protocol import Ack, Hello, Oom, Placement, Reject
 
 __all__ = ["HookEvents"]
 

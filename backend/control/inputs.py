@@ -258,7 +258,7 @@ def _whole_in(v: Any, lo: int, hi: int) -> bool:
 
 def _documented_form(o: Mapping[str, Any]) -> bool:
     """True when ``o`` has the form the OpenAPI document gives overrides (types, bounds)."""
-    from trainer_hook.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_WORLD_SIZE
+    from rebalancer_wire.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_WORLD_SIZE
 
     for key in ("pins", "caps", "floors"):
         v = o.get(key, {})

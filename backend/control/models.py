@@ -24,7 +24,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from backend.control.errors import InvalidError
-from trainer_hook.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_WORLD_SIZE
+from rebalancer_wire.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_WORLD_SIZE
 
 __all__ = ["Overrides", "PolicyChanges", "WORKLOADS", "Workload", "check_policy_changes", "policy_sentence"]
 

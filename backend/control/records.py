@@ -20,7 +20,7 @@ from backend.control.effect import Effect, effect_record, merge_acks
 from backend.control.errors import ConflictError, NotFoundError
 from backend.control.inputs import OVERRIDE_KEYS
 from backend.storage import control as db
-from trainer_hook.protocol import Hello, Oom, uniform_shares
+from rebalancer_wire.protocol import Hello, Oom, uniform_shares
 
 __all__ = [
     "create_job", "fail_placement", "store_overrides", "actor_name", "pending_proposal", "proposal_to_decide", "decide", "close_pending",

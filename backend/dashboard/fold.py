@@ -30,7 +30,7 @@ from backend.live.rows import STEP_BATCH, STEP_COMPUTE, STEP_MS, STEP_VERSION, S
 from backend.live.state import JobView
 from backend.policy.comm import Communication
 from backend.policy.memory import DEFAULT_HEADROOM, memory_cap
-from trainer_hook.protocol import STEP_TIMES, uniform_shares
+from rebalancer_wire.protocol import STEP_TIMES, uniform_shares
 
 __all__ = ["Feed", "CostFit", "PriceRead", "SERIES_MAX", "SERIES_FIELDS", "RANK_COLUMNS",
            "steps_wanted", "fold_steps", "fold_heat", "ranks_due", "fold_ranks", "set_control",

@@ -50,7 +50,7 @@ from backend.ingest.budget import (
 from backend.live.fleet import FleetJob, fleet_summary
 from backend.live.state import JobView, LiveState
 from backend.settings import Settings
-from trainer_hook.protocol import CLOSE_RATE_LIMITED
+from rebalancer_wire.protocol import CLOSE_RATE_LIMITED
 
 __all__ = ["DashboardHub", "JobChanges", "ControlRead", "CostFitRead"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from trainer_hook.protocol import MAX_MESSAGE_BYTES
+from rebalancer_wire.protocol import MAX_MESSAGE_BYTES
 
 __all__ = ["FrameBudget", "DASHBOARD_FRAMES_PER_S", "DASHBOARD_FRAMES_BURST", "DASHBOARD_MAX_FRAME_BYTES",
            "HOOK_FRAMES_PER_S", "HOOK_FRAMES_BURST", "HOOK_BYTES_PER_S", "HOOK_BYTES_BURST",

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from starlette.websockets import WebSocket
 
-from trainer_hook.protocol import CLOSE_REDIRECT, PROTOCOL_VERSION, Error, Message, encode
+from rebalancer_wire.protocol import CLOSE_REDIRECT, PROTOCOL_VERSION, Error, Message, encode
 
 __all__ = ["HookConnections", "redirect_reason"]
 

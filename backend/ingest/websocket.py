@@ -41,7 +41,7 @@ from backend.storage.gateway import SqlGateway
 from backend.storage.health import report_fault
 from backend.storage.metrics import upsert_hello
 from backend.storage.writes import database_fault
-from trainer_hook.protocol import (
+from rebalancer_wire.protocol import (
     CLOSE_CONFLICT,
     CLOSE_FORBIDDEN,
     CLOSE_MALFORMED,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from backend.policy.memory import MemoryFit, MemoryReading, RankMemory, fit_memory
-from trainer_hook.protocol import Hello
+from rebalancer_wire.protocol import Hello
 
 __all__ = ["MemoryFitCache", "MEMORY_READINGS"]
 

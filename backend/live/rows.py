@@ -16,7 +16,7 @@ from operator import attrgetter
 from typing import Any, Final
 
 from backend.policy.comm import CommStep
-from trainer_hook.protocol import LINK_FIELDS, STEP_FIELDS, STEP_TIMES, DeviceSample, StepRecord
+from rebalancer_wire.protocol import LINK_FIELDS, STEP_FIELDS, STEP_TIMES, DeviceSample, StepRecord
 
 __all__ = ["STEP_FIELDS", "DEVICE_FIELDS", "STEP_BATCH", "STEP_LOCAL_BATCH", "STEP_VERSION",
            "STEP_COMPUTE", "STEP_MS", "STEP_T", "TIME_COLUMNS", "StepRow", "DeviceRow",

@@ -50,7 +50,7 @@ from backend.live.rows import (
 from backend.live.windows import Pending, Window, aggregate_windows
 from backend.policy.comm import Communication, assess
 from backend.policy.memory import MemoryReading, RankMemory
-from trainer_hook.protocol import STEP_TIMES, DeviceSample, Hello, MeshShape, Metrics, StepRecord
+from rebalancer_wire.protocol import STEP_TIMES, DeviceSample, Hello, MeshShape, Metrics, StepRecord
 
 __all__ = ["LiveState", "RankView", "JobView", "eta_seconds"]
 

@@ -18,7 +18,7 @@ from backend.live.rows import (
     StepRow,
     device_sample,
 )
-from trainer_hook.protocol import STEP_TIMES, DeviceSample
+from rebalancer_wire.protocol import STEP_TIMES, DeviceSample
 
 __all__ = ["Window", "Pending", "aggregate_windows"]
 

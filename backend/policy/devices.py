@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from trainer_hook.devices import SLOWDOWN_REASONS, device_key
+from rebalancer_wire.devices import SLOWDOWN_REASONS, device_key
 
 __all__ = [
     "DeviceSpec",
@@ -72,7 +72,7 @@ WORKLOAD_PROFILES: dict[str, tuple[float, float]] = {
 def normalize_device(name: str | None, mem_total_bytes: int | None = None) -> str | None:
     """Map a driver's device name to a key of :data:`DEVICE_TABLE`; unknown gives ``None``.
 
-    The rule is the hook's (``trainer_hook.devices.device_key``), so the policy and the
+    The rule is the hook's (``rebalancer_wire.devices.device_key``), so the policy and the
     ranks' probes always name a device alike:
 
     >>> normalize_device("NVIDIA H100 80GB HBM3")

@@ -19,7 +19,7 @@ import math
 import statistics
 from dataclasses import replace
 
-from trainer_hook.protocol import MAX_LENGTH_SQ_WEIGHT
+from rebalancer_wire.protocol import MAX_LENGTH_SQ_WEIGHT
 
 from .costfit import (
     MIN_STEPS,

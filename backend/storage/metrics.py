@@ -26,7 +26,7 @@ from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from backend.live.windows import Window
 from backend.storage.base import Base
-from trainer_hook.protocol import Hello, MeshShape, ProtocolError
+from rebalancer_wire.protocol import Hello, MeshShape, ProtocolError
 
 log = logging.getLogger("rebalancer.storage")
 

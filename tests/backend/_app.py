@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from backend.main import create_app
 from backend.settings import Settings
-from trainer_hook.protocol import Hello, Metrics, StepRecord, encode
+from rebalancer_wire.protocol import Hello, Metrics, StepRecord, encode
 
 
 def make_app(tmp_path: Path, **settings: Any) -> FastAPI:

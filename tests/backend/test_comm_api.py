@@ -7,8 +7,8 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from rebalancer_wire.protocol import Metrics, StepRecord, encode
 from tests.backend._app import hello, make_app, sync
-from trainer_hook.protocol import Metrics, StepRecord, encode
 
 N = 10
 MB = 2_000_000

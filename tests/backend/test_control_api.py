@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 from backend.auth.tokens import create_token
 from backend.main import create_app
 from backend.settings import Settings
+from rebalancer_wire.protocol import Ack, Hello, Placement, Reject, decode, encode
 from tests.helpers.waiting import wait_until
-from trainer_hook.protocol import Ack, Hello, Placement, Reject, decode, encode
 
 ADMIN = "admin-secret-0123456789"
 JOB = "api-job"

@@ -37,7 +37,7 @@ def test_the_first_ack_of_a_rank_is_kept():
 
 def _live_with(per_sample: dict[int, list[float]], shares=(16, 16)):
     from backend.live.state import LiveState
-    from trainer_hook.protocol import Hello, Metrics, StepRecord
+    from rebalancer_wire.protocol import Hello, Metrics, StepRecord
 
     live = LiveState()
     for r in range(len(shares)):
@@ -75,7 +75,7 @@ def test_with_a_cost_longer_batches_are_not_a_slower_split():
     # to 70 ms: the old split would have taken 75 on those batches, so the change stays.
     from backend.control.effect import speed_factor, work_factor
     from backend.live.state import LiveState
-    from trainer_hook.protocol import Hello, Metrics, StepRecord
+    from rebalancer_wire.protocol import Hello, Metrics, StepRecord
 
     live = LiveState()
     for r in range(2):

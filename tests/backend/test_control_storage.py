@@ -92,7 +92,7 @@ def test_controller_lifecycle_on_this_database(sessions):
     from backend.live.state import LiveState
     from backend.settings import Settings
     from backend.storage.gateway import SqlGateway
-    from trainer_hook.protocol import Ack, Hello
+    from rebalancer_wire.protocol import Ack, Hello
 
     sm, job = sessions
     sql = SqlGateway(sm)

@@ -16,8 +16,8 @@ from backend.control.controller import ConflictError, InvalidError, NotFoundErro
 from backend.control.policy_runs import PolicyRunner
 from backend.parts import build_parts
 from backend.settings import Settings
+from rebalancer_wire.protocol import Ack, Hello, Metrics, Reject, StepRecord
 from tests.helpers.fakes import FrozenClock, PlacementSocket, policy_tick, restarted
-from trainer_hook.protocol import Ack, Hello, Metrics, Reject, StepRecord
 
 OPERATOR = Actor(name="alice", role="operator", address="10.0.0.7")
 JOB = "job-a"

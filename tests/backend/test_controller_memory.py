@@ -4,8 +4,8 @@ report, and the proposal new overrides make (real SQLite, real LiveState)."""
 from __future__ import annotations
 
 from backend.control.controller import InvalidError
+from rebalancer_wire.protocol import Hello, Metrics, Oom, StepRecord
 from tests.backend.test_controller import JOB, OPERATOR, env, feed, join, run  # noqa: F401
-from trainer_hook.protocol import Hello, Metrics, Oom, StepRecord
 
 GB = 10**9
 

@@ -12,9 +12,9 @@ from backend.auth.tokens import Actor
 from backend.control.policy_runs import PolicyRunner, default_decide
 from backend.parts import build_parts
 from backend.settings import Settings
+from rebalancer_wire.protocol import Ack, Hello, Metrics, StepRecord
 from tests.helpers.fakes import FrozenClock, PlacementSocket, policy_tick
 from tests.helpers.waiting import wait_until_async
-from trainer_hook.protocol import Ack, Hello, Metrics, StepRecord
 
 JOB = "pol-job"
 B = 48

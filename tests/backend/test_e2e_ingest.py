@@ -10,11 +10,11 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from rebalancer_wire.protocol import MAX_MESSAGE_BYTES
 from tests.backend._app import hello, metrics
 from tests.helpers.server import running_server
 from tests.helpers.torchrun import run_torchrun
 from tests.helpers.waiting import wait_until
-from trainer_hook.protocol import MAX_MESSAGE_BYTES
 
 STEPS = 30
 

@@ -23,10 +23,10 @@ from backend.control.policy_runs import PolicyRunner
 from backend.main import create_app
 from backend.parts import build_parts
 from backend.settings import Settings
+from rebalancer_wire.protocol import Hello, Placement, decode, encode
 from tests.backend.test_controller import JOB, feed, join
 from tests.helpers.fakes import FrozenClock, policy_tick
 from tests.helpers.waiting import wait_until
-from trainer_hook.protocol import Hello, Placement, decode, encode
 
 OPERATOR = Actor(name="alice", role="operator", address="10.0.0.7")
 ENDED = f"Job '{JOB}' has ended (every rank said goodbye); a placement would never take effect."

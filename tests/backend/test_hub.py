@@ -11,7 +11,7 @@ import pytest
 from backend.dashboard.hub import DashboardHub, JobChanges
 from backend.live.state import LiveState
 from backend.settings import Settings
-from trainer_hook.protocol import DeviceSample, Hello, MeshShape, Metrics, StepRecord
+from rebalancer_wire.protocol import DeviceSample, Hello, MeshShape, Metrics, StepRecord
 
 WORLD, GBS = 3, 24
 

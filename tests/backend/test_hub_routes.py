@@ -10,10 +10,10 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from backend.assets import plotly_js_path
+from rebalancer_wire.protocol import Metrics, encode
 from tests.backend._app import hello, metrics, steps, sync
 from tests.conftest import ADMIN
 from tests.helpers.waiting import wait_until
-from trainer_hook.protocol import Metrics, encode
 
 
 def _bearer(secret: str) -> dict[str, str]:

@@ -7,8 +7,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from rebalancer_wire.protocol import MAX_MESSAGE_BYTES, Ack, Hello, Metrics, Reject, encode
 from tests.backend._app import hello, make_app, metrics, steps, sync
-from trainer_hook.protocol import MAX_MESSAGE_BYTES, Ack, Hello, Metrics, Reject, encode
 
 
 @pytest.fixture

@@ -81,7 +81,7 @@ def test_rest_and_the_dashboard_give_a_job_the_same_status(tmp_path):
     status rule's inputs one way, whether the controller knows the job or not."""
     import time
 
-    from trainer_hook.protocol import Hello
+    from rebalancer_wire.protocol import Hello
 
     def both(c: TestClient, job: str) -> tuple[tuple[str, str], tuple[str, str]]:
         rest = c.get(f"/api/v1/jobs/{job}").json()

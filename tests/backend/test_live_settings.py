@@ -11,9 +11,9 @@ from pydantic import ValidationError
 
 from backend.live.state import LiveState
 from backend.settings import DEFAULT_DEVICE_PRICES, Settings, is_loopback
+from rebalancer_wire.protocol import DeviceSample, Hello, Metrics, StepRecord
 from tests.backend._app import steps
 from tests.helpers.torchrun import REPO_ROOT
-from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
 
 
 def _live(world: int = 3, window: int = 4) -> LiveState:

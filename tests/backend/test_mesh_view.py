@@ -18,10 +18,7 @@ from typing import Any
 import pytest
 from websockets.sync.client import connect
 
-from tests.backend._app import closed, hello, metrics
-from tests.helpers.server import Server, running_server
-from tests.helpers.waiting import wait_until
-from trainer_hook.protocol import (
+from rebalancer_wire.protocol import (
     CLOSE_CONFLICT,
     CLOSE_MALFORMED,
     MeshShape,
@@ -29,6 +26,9 @@ from trainer_hook.protocol import (
     StepRecord,
     encode,
 )
+from tests.backend._app import closed, hello, metrics
+from tests.helpers.server import Server, running_server
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.multiproc
 

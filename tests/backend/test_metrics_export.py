@@ -12,9 +12,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from backend.metrics_contract import CONTRACT, STEP_BUCKETS_S, THROTTLE_REASONS, exposed_names
+from rebalancer_wire.protocol import DeviceSample, Metrics, StepRecord, encode
 from tests.backend._app import hello, make_app, steps, sync
 from tests.helpers.waiting import wait_until
-from trainer_hook.protocol import DeviceSample, Metrics, StepRecord, encode
 
 ADMIN = "metrics-admin-secret-0123456789"
 UUIDS = ("GPU-11111111-1111-1111-1111-111111111111", "GPU-22222222-2222-2222-2222-222222222222")

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from backend.parts import Parts, build_parts
 from backend.settings import Settings
-from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
+from rebalancer_wire.protocol import DeviceSample, Hello, Metrics, StepRecord
 
 RANKS = 256
 

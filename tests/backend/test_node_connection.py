@@ -7,8 +7,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from rebalancer_wire.protocol import Leave, encode
 from tests.backend._app import hello, make_app, metrics, sync
-from trainer_hook.protocol import Leave, encode
 
 
 @pytest.fixture(scope="module")

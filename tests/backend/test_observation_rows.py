@@ -9,7 +9,7 @@ import pickle
 from backend.control import inputs
 from backend.live.state import LiveState
 from backend.policy.types import DeviceSignals, ObservationRows, StepSample
-from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord
+from rebalancer_wire.protocol import DeviceSample, Hello, Metrics, StepRecord
 
 
 def _live() -> LiveState:

@@ -16,9 +16,9 @@ from backend.live.state import LiveState
 from backend.parts import init_db
 from backend.storage import make_engine, make_sessionmaker
 from backend.storage import metrics as store
+from rebalancer_wire.protocol import Hello, Metrics
 from tests.backend._app import hello, make_app, metrics, steps, sync
 from tests.helpers.postgres import pg_schema
-from trainer_hook.protocol import Hello, Metrics
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

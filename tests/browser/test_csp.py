@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from rebalancer_wire.protocol import Hello, Metrics, StepRecord, encode
 from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
 from tests.helpers.server import Server, running_server
-from trainer_hook.protocol import Hello, Metrics, StepRecord, encode
 
 pytestmark = [pytest.mark.browser]
 

@@ -165,8 +165,8 @@ def test_job_view_charts_update(stack: Stack) -> None:
 def test_a_mesh_jobs_header_shows_its_shape(stack: Stack) -> None:
     from websockets.sync.client import connect
 
+    from rebalancer_wire.protocol import MeshShape, Metrics, encode
     from tests.backend._app import hello, steps
-    from trainer_hook.protocol import MeshShape, Metrics, encode
 
     job = "dash-mesh"
     secret = stack.rest("/tokens", method="POST", body={"role": "hook", "job": job, "name": "e2e-mesh"})["secret"]

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from rebalancer_wire.protocol import DeviceSample, Hello, Metrics, StepRecord, encode
 from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
 from tests.helpers.ports import free_port
 from tests.helpers.server import running_server
-from trainer_hook.protocol import DeviceSample, Hello, Metrics, StepRecord, encode
 
 pytestmark = [pytest.mark.browser]
 

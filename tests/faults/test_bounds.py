@@ -21,10 +21,10 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from backend.ingest.budget import HOOK_FRAMES_BURST
+from rebalancer_wire.protocol import PROTOCOL_VERSION
 from tests.backend._app import closed, hello, metrics
 from tests.helpers.server import Server, running_server
 from tests.helpers.waiting import wait_until
-from trainer_hook.protocol import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.multiproc
 

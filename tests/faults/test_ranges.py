@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from websockets.sync.client import connect
 
+from rebalancer_wire.protocol import Ack, Hello, encode
 from tests.backend._app import closed, hello, metrics
 from tests.helpers.server import Server, running_server
 from tests.helpers.waiting import wait_until
-from trainer_hook.protocol import Ack, Hello, encode
 
 pytestmark = pytest.mark.multiproc
 

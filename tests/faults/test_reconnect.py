@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from backend.process import free_port
+from rebalancer_wire.protocol import Hello
 from tests.helpers.server import running_server
 from tests.helpers.waiting import wait_until
-from trainer_hook.protocol import Hello
 from trainer_hook.transport import Transport
 
 pytestmark = pytest.mark.multiproc

@@ -14,7 +14,7 @@ from typing import Any
 
 import websockets
 
-from trainer_hook.protocol import Hello, Metrics, StepRecord, encode, uniform_shares
+from rebalancer_wire.protocol import Hello, Metrics, StepRecord, encode, uniform_shares
 
 __all__ = ["FakeJob", "FakeFleet"]
 

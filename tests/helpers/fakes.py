@@ -7,7 +7,7 @@ from typing import Any
 from backend.control.controller import Controller
 from backend.control.policy_runs import PolicyRunner
 from backend.parts import Parts
-from trainer_hook.protocol import Placement, decode
+from rebalancer_wire.protocol import Placement, decode
 
 
 class PlacementSocket:

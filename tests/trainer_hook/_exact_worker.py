@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
+from rebalancer_wire.protocol import Placement
 from trainer_hook import RebalanceHook
-from trainer_hook.protocol import Placement
 
 N_SAMPLES = 100
 GLOBAL_BATCH = 12

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from rebalancer_wire.protocol import ProtocolError, StepRecord
 from tests.helpers.torchrun import run_torchrun
-from trainer_hook.protocol import ProtocolError, StepRecord
 
 pytestmark = pytest.mark.timeout(300)
 

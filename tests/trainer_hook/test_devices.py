@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from backend.policy import DEVICE_TABLE, normalize_device
-from trainer_hook.devices import DEVICE_KEYS, device_key
+from rebalancer_wire.devices import DEVICE_KEYS, device_key
 from trainer_hook.probe import device_type_key
 
 NAMES = [

@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 from websockets.sync.server import ServerConnection, serve
 
+from rebalancer_wire.protocol import StepRecord
 from tests.helpers.nvml import FakeGpu, FakeNvml
 from tests.helpers.ports import free_port
 from tests.helpers.waiting import wait_until
 from trainer_hook import RebalanceHook
 from trainer_hook.probe import DeviceProbe
-from trainer_hook.protocol import StepRecord
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 

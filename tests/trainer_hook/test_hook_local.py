@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
+from rebalancer_wire.protocol import Error, Placement
 from trainer_hook import RebalanceHook, _native_comm_hook
 from trainer_hook.gradients import GradientState, register_comm_hook
-from trainer_hook.protocol import Error, Placement
 
 
 @pytest.fixture(autouse=True)

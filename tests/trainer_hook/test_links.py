@@ -9,10 +9,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rebalancer_wire.protocol import DeviceSample, ProtocolError
 from tests.helpers.nvml import FakeGpu, FakeNvml
 from trainer_hook.links import LinkCounters
 from trainer_hook.probe import DeviceProbe
-from trainer_hook.protocol import DeviceSample, ProtocolError
 
 
 class Clock:

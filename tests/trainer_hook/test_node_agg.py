@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from rebalancer_wire.protocol import Hello, Message, Placement, StepRecord
 from tests.helpers.server import Server, running_server
 from tests.helpers.waiting import wait_until
 from trainer_hook.node_agg import (
@@ -23,7 +24,6 @@ from trainer_hook.node_agg import (
     make_transport,
     node_aggregation,
 )
-from trainer_hook.protocol import Hello, Message, Placement, StepRecord
 from trainer_hook.transport import Transport
 
 WORLD = 4

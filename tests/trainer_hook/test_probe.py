@@ -9,9 +9,9 @@ import psutil
 import pynvml
 import pytest
 
+from rebalancer_wire.protocol import DeviceSample, decode, encode
 from tests.helpers.nvml import FakeGpu, FakeNvml, NVMLError, NVMLError_GpuIsLost
 from trainer_hook.probe import CLOCK_EVENT_NAMES, DeviceProbe, decode_clock_events, device_type_key
-from trainer_hook.protocol import DeviceSample, decode, encode
 
 
 class Clock:
@@ -49,7 +49,7 @@ def test_nvml_sample_values_and_units() -> None:
 
 
 def encode_metrics(s: DeviceSample) -> str:
-    from trainer_hook.protocol import Metrics
+    from rebalancer_wire.protocol import Metrics
 
     return encode(Metrics(job="j", rank=0, device=[s]))
 
@@ -294,7 +294,7 @@ def test_accelerator_without_nvml_is_described_through_torch(monkeypatch: pytest
 
 def test_intel_xpu_and_apple_mps_ranks_are_named_as_such_not_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # Issue 10. No XPU or MPS here, so torch's answers are faked; the choice of device and
-    # the naming rule (trainer_hook.devices, which the policy uses too) are real.
+    # the naming rule (rebalancer_wire.devices, which the policy uses too) are real.
     import torch
 
     from backend.policy import normalize_device

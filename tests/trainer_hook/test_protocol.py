@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from trainer_hook.protocol import (
+from rebalancer_wire.protocol import (
     CLOSE_MALFORMED,
     CLOSE_TOO_BIG,
     CLOSE_UNSUPPORTED_VERSION,
@@ -116,7 +116,7 @@ _STEP = json.dumps(GOOD)
 def test_frames_decode_alike_with_and_without_orjson(raw: str | bytes, monkeypatch: pytest.MonkeyPatch) -> None:
     # The backend parses frames with orjson (its extra); a hook-only install with the
     # standard library. Both must accept the same frames and word errors the same.
-    import trainer_hook.protocol as protocol
+    import rebalancer_wire.protocol as protocol
 
     def outcome() -> object:
         try:
@@ -212,7 +212,7 @@ def test_uniform_shares_spread_the_remainder_over_the_lowest_ranks() -> None:
 
 
 def test_placement_carries_an_optional_cost_model_in_range() -> None:
-    from trainer_hook.protocol import Placement
+    from rebalancer_wire.protocol import Placement
 
     plain = Placement(job="j", version=2, shares=[3, 5], global_batch_size=8)
     assert "length_sq_weight" not in encode(plain)  # absent at 0: an older hook reads the same

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from rebalancer_wire.protocol import StepRecord
 from tests.helpers.waiting import wait_until
 from trainer_hook.mesh import ReplicaPace
-from trainer_hook.protocol import StepRecord
 
 
 class _Work:

@@ -248,8 +248,8 @@ def test_sample_length_is_validated_like_sample_cost_and_excludes_it() -> None:
 def test_step_records_carry_summed_squared_lengths_with_sample_length() -> None:
     from torch.utils.data import TensorDataset
 
+    from rebalancer_wire.protocol import StepRecord
     from trainer_hook import RebalanceHook
-    from trainer_hook.protocol import StepRecord
 
     ds = TensorDataset(torch.arange(10, dtype=torch.float64))
     lengths = [float(i + 1) for i in range(10)]

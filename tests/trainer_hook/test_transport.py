@@ -18,8 +18,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.sync.server import Server, ServerConnection, serve
 
-from tests.helpers.ports import free_port
-from trainer_hook.protocol import (
+from rebalancer_wire.protocol import (
     CLOSE_REDIRECT,
     MAX_MESSAGE_BYTES,
     MAX_RECORDS_PER_MESSAGE,
@@ -35,6 +34,7 @@ from trainer_hook.protocol import (
     decode,
     encode,
 )
+from tests.helpers.ports import free_port
 from trainer_hook.transport import Transport, hook_ws_url, hook_ws_urls
 
 WAIT_S = 20.0  # generous: the machine is shared; every wait ends early on success

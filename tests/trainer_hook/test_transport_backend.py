@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from rebalancer_wire.protocol import Ack, Hello, Message, Placement, StepRecord
 from tests.helpers.server import Server, running_server
 from trainer_hook.probe import DeviceProbe
-from trainer_hook.protocol import Ack, Hello, Message, Placement, StepRecord
 from trainer_hook.transport import Transport
 
 ADMIN = "admin-secret-0123456789"

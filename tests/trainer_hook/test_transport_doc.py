@@ -1,4 +1,4 @@
-"""docs/protocol.md stays exact against trainer_hook/protocol.py."""
+"""docs/protocol.md stays exact against rebalancer_wire/protocol.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer_hook import protocol
-from trainer_hook.protocol import (
+from rebalancer_wire import protocol
+from rebalancer_wire.protocol import (
     Ack,
     DeviceSample,
     Error,

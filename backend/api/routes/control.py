@@ -18,7 +18,7 @@ from backend.api.deps import AdminDep, OperatorDep, PartsDep, RowId, ViewerDep
 from backend.control.models import Overrides, PolicyChanges
 from backend.control.modes import MODES
 from backend.storage.control import PROPOSAL_STATUSES
-from trainer_hook.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_LENGTH_SQ_WEIGHT, MAX_WORLD_SIZE
+from rebalancer_wire.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_LENGTH_SQ_WEIGHT, MAX_WORLD_SIZE
 
 __all__ = [
     "router",

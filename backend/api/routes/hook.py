@@ -15,7 +15,7 @@ from backend.api.deps import websocket_actor
 from backend.auth.access import SEND_METRICS, allows
 from backend.ingest.websocket import converse, refuse
 from backend.parts import Parts
-from trainer_hook.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED
+from rebalancer_wire.protocol import CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED
 
 __all__ = ["router", "hook_websocket"]
 

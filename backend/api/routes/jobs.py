@@ -22,7 +22,7 @@ from backend.live.state import JobView, RankView
 from backend.parts import Parts
 from backend.policy.comm import RankComm
 from backend.storage import metrics as store
-from trainer_hook.protocol import LINK_FIELDS, MAX_BATCH_INDEX, MAX_WORLD_SIZE
+from rebalancer_wire.protocol import LINK_FIELDS, MAX_BATCH_INDEX, MAX_WORLD_SIZE
 
 __all__ = ["router", "MeshPublic", "ReplicaPublic", "SummaryPublic", "BoundPublic", "CostModelPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
 

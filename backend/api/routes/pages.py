@@ -37,7 +37,7 @@ from backend.auth.access import allows
 from backend.auth.tokens import Actor
 from backend.live.forecast import forecast as job_forecast
 from backend.parts import Parts
-from trainer_hook.protocol import (
+from rebalancer_wire.protocol import (
     CLOSE_FORBIDDEN,
     CLOSE_TOO_BIG,
     CLOSE_UNAUTHORIZED,

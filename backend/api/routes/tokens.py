@@ -18,7 +18,7 @@ from backend.auth.tokens import (
     revoke_token,
 )
 from backend.control.records import audit_token
-from trainer_hook.protocol import JOB_NAME_PATTERN, ProtocolError
+from rebalancer_wire.protocol import JOB_NAME_PATTERN, ProtocolError
 
 __all__ = ["router", "TokenCreate", "TokenPublic", "TokenCreated", "TokensPublic"]
 

@@ -23,8 +23,8 @@ import pytest  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from starlette.websockets import WebSocketDisconnect  # noqa: E402
 
+from rebalancer_wire.protocol import CLOSE_REDIRECT  # noqa: E402
 from tests.backend._app import hello, make_app  # noqa: E402
-from trainer_hook.protocol import CLOSE_REDIRECT  # noqa: E402
 
 
 def test_a_hello_at_the_non_owner_is_sent_to_the_owner(tmp_path) -> None:  # type: ignore[no-untyped-def]

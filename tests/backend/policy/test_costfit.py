@@ -126,7 +126,7 @@ def test_job_cost_model_picks_the_fit_only_where_it_explains_the_step_times_bett
 def test_a_linear_term_near_zero_gives_a_k_the_wire_accepts() -> None:
     from backend.policy.costfit import MODEL_FITTED
     from backend.policy.work import job_cost_model
-    from trainer_hook.protocol import MAX_LENGTH_SQ_WEIGHT, Placement, decode, encode
+    from rebalancer_wire.protocol import MAX_LENGTH_SQ_WEIGHT, Placement, decode, encode
 
     obs = _observation(4e-7)
     # Pure attention: no per-token term at all, so b/a is as large as the noise makes it.

@@ -18,7 +18,7 @@ from backend.policy.types import (
     StepSample,
 )
 from backend.policy.work import in_work_units, mean_batch_work
-from trainer_hook.protocol import Hello, Metrics, ProtocolError, StepRecord
+from rebalancer_wire.protocol import Hello, Metrics, ProtocolError, StepRecord
 from trainer_hook.sampler import lpt_partition
 
 B = 96
