@@ -13,7 +13,10 @@ Version 2 added the peak-memory fields of step records, ``hello.memory_source`` 
 answers each connection in the version its ``hello`` spoke.
 
 See docs/protocol.md for the conversation and the close codes.
-"""
+
+One module, over 400 lines on purpose: every wire message, its ranges and its codec, so
+that both ends validate with the same code and docs/protocol.md is checked against one
+place."""
 
 from __future__ import annotations
 

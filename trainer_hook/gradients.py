@@ -18,7 +18,10 @@ let the default averaging all-reduce divide by world size again.
 
 Which wrapper a model is, and the set-ups refused, is ``trainer_hook._wrappers``
 (``check_data_parallel`` and ``check_mesh`` are re-exported here).
-"""
+
+One module, over 400 lines on purpose: one rule, each rank's gradient weighted by
+shares[rank] / B, applied the same way for every wrapper (the DDP comm hook, FSDP1, FSDP2,
+loss scaling) with its timing events; recognising the wrapper is _wrappers.py's."""
 
 from __future__ import annotations
 

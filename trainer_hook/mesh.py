@@ -6,7 +6,10 @@ that share one coordinate in ``M`` (a tensor/context-parallel group) form one re
 get the identical local batch. The hook then presents each replica to the rest of the
 system as one worker: rank = replica index, world = number of replicas. A replica is as
 slow as its slowest member: ``ReplicaPace`` combines the members' step records so that the
-leader reports the replica's pace."""
+leader reports the replica's pace.
+
+One module, over 400 lines on purpose: the mesh's replicas, the dp_mesh checks and the
+replica's pace (ReplicaPace), which the hook sets up together at start-up."""
 
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ serialise in the driver, so the handle is cached, sampling runs on a daemon thre
 about 1 Hz, and average power comes from the energy counter (exact over the interval)
 when the device has one. Every NVML read is guarded: a failing read gives None. Without
 NVML it falls back to psutil: process CPU and RSS, system memory.
-"""
+
+One module, over 400 lines on purpose: the probe thread and its two sources (NVML through
+pynvml, the CPU fallback) with the decoding of NVML's readings."""
 
 from __future__ import annotations
 

@@ -20,7 +20,9 @@ faster than their length, as attention's does), a sample of length L costs ``L +
 k being the cost model the placement in force carries (``length_sq_weight``: 0, i.e. the
 length, until the backend has fitted one from the step times). The step records then
 carry the summed lengths and the summed squared lengths the backend fits from.
-"""
+
+One module, over 400 lines on purpose: the sampler's one rule (batch k is the same samples
+whatever the placement) with its cost partition: both give every rank its part of batch k."""
 
 from __future__ import annotations
 

@@ -15,7 +15,10 @@ hello with a redirect (an ``error`` with code ``redirect`` and close 4307) namin
 that does; the transport checks that URL and reconnects there at once, and goes back to its
 own list when it cannot reach it (the owner died: another replica takes the job).
 See docs/protocol.md for the conversation.
-"""
+
+One module, over 400 lines on purpose: the websocket's one owner thread and all it does
+(connect, hello, batch, send, follow redirects, reconnect with the queued records); split,
+its state would be shared between threads."""
 
 from __future__ import annotations
 

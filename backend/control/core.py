@@ -1,5 +1,8 @@
 """The controller's shared core: each job's in-memory control state (``JobState``), loading it
-from SQL, publishing its snapshot, and the placement and proposal writes every action uses."""
+from SQL, publishing its snapshot, and the placement and proposal writes every action uses.
+
+One module, over 400 lines on purpose: each job's control state and the writes every
+action shares (placements, proposals); the table writes themselves are records.py's."""
 
 from __future__ import annotations
 

@@ -26,7 +26,10 @@ Frames (JSON text):
   rank's newest batch index, and the page keeps the last ``ranks`` it got. At 1,024 ranks
   the columns are ~160 kB of JSON; ``positions`` ~7 kB.
   The ``ranks`` JSON is encoded once per rebuild and spliced into every client's frame.
-"""
+
+One module, over 400 lines on purpose: the hub's state on the event loop (feeds, clients,
+the fleet, other replicas' copies); the pure folding is fold.py's, the remote snapshots'
+checks remote.py's."""
 
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ an admin token; none needed in open mode), sends ``hello`` first and gets the pl
 force back, then streams ``metrics`` and answers placements with ``ack`` or ``reject``.
 Any bad frame gets an ``error`` message and a close code; one bad connection never
 disturbs the others.
-"""
+
+One module, over 400 lines on purpose: the /ws/hook conversation's rules in order (hello,
+metrics, acks, rejects, node connections), each refusal with its sentence."""
 
 from __future__ import annotations
 

@@ -17,7 +17,9 @@ indices). Readers get objects back (``recent_steps``, ``steps``, ``recent_device
 rows themselves (``*_rows``) where they read many. Each job keeps its step-time histogram
 (``backend.live.histogram``), each rank its memory-fit cache (``backend.live.memory_fit``);
 what a persistence flush takes is aggregated by ``backend.live.windows``.
-"""
+
+One module, over 400 lines on purpose: what reads or writes the live rows under their one
+lock; the row layout (live/rows.py) and the windowed figures (live/windows.py) are apart."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""``decide``: readiness, cooldown, hysteresis, guardrails and the explanation."""
+"""``decide``: readiness, cooldown, hysteresis, guardrails and the explanation.
+
+One module, over 400 lines on purpose: decide's rules in the order they apply, each with
+the sentence that explains it; split, the order and the explanations would drift apart."""
 
 from __future__ import annotations
 

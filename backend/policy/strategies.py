@@ -3,7 +3,9 @@
 A strategy is a callable ``(obs, config, constraints) -> Estimate | NoProposal`` (or a class
 whose instances are such callables, or have an ``estimate`` method), registered by name.
 The engine (``engine.decide``) turns an estimate into a proposal.
-"""
+
+One module, over 400 lines on purpose: the strategy registry and the built-in strategies
+(static, profiled, predictive), which share the estimate type and its fitting helpers."""
 
 from __future__ import annotations
 

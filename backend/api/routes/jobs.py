@@ -3,7 +3,9 @@
 A job is known from live state (since this backend started) or from SQL (any job that
 ever said hello). The controller's ``job_control(job)`` (mode, strategy, placement,
 pending proposal, status) is merged into the job resource.
-"""
+
+One module, over 400 lines on purpose: the read routes of one resource (a job, its ranks,
+metrics and summary) with the response schemas the OpenAPI document is built from."""
 
 from __future__ import annotations
 
