@@ -148,6 +148,27 @@ def test_no_hook_or_wire_module_is_over_the_line_cap():
     assert set(HOOK_OVER_CAP) - set(over) == set(), "under the cap now: remove them from HOOK_OVER_CAP"
 
 
+def test_routes_name_the_parts_they_use():
+    """A route that only reads parts of the wiring object (``parts.live``, ``parts.sql``)
+    declares those parts (``LiveDep``, ``SqlDep``: backend/api/deps.py); ``PartsDep`` is left
+    to the routes that hand the whole object on."""
+    wide = []
+    for path in _modules("backend/api/routes"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = node.args.args + node.args.kwonlyargs
+            if not any(a.arg == "parts" and a.annotation is not None and ast.unparse(a.annotation) == "PartsDep"
+                       for a in args):
+                continue
+            uses = [n for n in ast.walk(node) if isinstance(n, ast.Name) and n.id == "parts"]
+            reads = [n for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                     and n.value.id == "parts"]
+            if len(uses) == len(reads):  # never handed on: it could name its parts
+                wide.append(f"{path.relative_to(ROOT).as_posix()}:{node.name}")
+    assert not wide, f"routes that take the whole wiring object only to read parts of it: {wide}"
+
+
 WHY_CAP = 400  # over it, a module says at its top why it stays one module
 
 

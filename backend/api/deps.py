@@ -1,8 +1,9 @@
-"""``Annotated`` dependencies: the parts container, the calling actor, role checks (the
-decision is ``backend.auth.access.allows``; here it becomes a 401 or a 403).
+"""``Annotated`` dependencies: the parts a route uses (``LiveDep``, ``SqlDep``, ...; the
+whole container, ``PartsDep``, only for a route that hands it on), the calling actor, role
+checks (the decision is ``backend.auth.access.allows``; here it becomes a 401 or a 403).
 
     @router.post("/things")
-    def make(actor: OperatorDep, parts: PartsDep) -> ...
+    def make(actor: OperatorDep, controller: ControllerDep) -> ...
 
 401 "Missing or invalid bearer token." when no valid token arrives (outside open mode);
 403 "This action needs the <role> role." when the token's role is too low.
@@ -14,11 +15,22 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Path, Request, WebSocket, status
+from starlette.requests import HTTPConnection
 
 from backend.auth.access import allows
-from backend.auth.tokens import ROLE_LEVEL, Actor
+from backend.auth.sockets import TokenSockets
+from backend.auth.tokens import ROLE_LEVEL, Actor, AuthService
+from backend.control.controller import Controller
+from backend.dashboard.hub import DashboardHub
+from backend.ingest.connections import HookConnections
+from backend.live.state import LiveState
+from backend.metrics_export import MetricsExporter
 from backend.parts import Parts
-from backend.settings import is_loopback
+from backend.report.collect import RunReports
+from backend.settings import Settings, is_loopback
+from backend.storage.gateway import SqlGateway
+from backend.storage.health import StorageHealth
+from backend.storage.writes import WriteBuffer
 from rebalancer_wire.protocol import MAX_VERSION
 
 __all__ = [
@@ -31,6 +43,20 @@ __all__ = [
     "bearer_secret",
     "websocket_actor",
     "PartsDep",
+    "SettingsDep",
+    "SqlDep",
+    "LiveDep",
+    "ConnectionsDep",
+    "AuthDep",
+    "SocketsDep",
+    "ControllerDep",
+    "HubDep",
+    "ReportsDep",
+    "ExporterDep",
+    "WritesDep",
+    "StorageDep",
+    "ClusterDep",
+    "ForwarderDep",
     "ActorDep",
     "ViewerDep",
     "OperatorDep",
@@ -58,6 +84,31 @@ def get_parts(request: Request) -> Parts:
 
 
 PartsDep = Annotated[Parts, Depends(get_parts)]
+
+
+def _part(name: str) -> Callable[[HTTPConnection], Any]:
+    def get(conn: HTTPConnection) -> Any:
+        return getattr(conn.app.state.parts, name)
+
+    get.__name__ = f"get_{name}"
+    return get
+
+
+# Narrow dependencies: a route names the parts it uses, not the whole wiring object.
+SettingsDep = Annotated[Settings, Depends(_part("settings"))]
+SqlDep = Annotated[SqlGateway, Depends(_part("sql"))]
+LiveDep = Annotated[LiveState, Depends(_part("live"))]
+ConnectionsDep = Annotated[HookConnections, Depends(_part("connections"))]
+AuthDep = Annotated[AuthService, Depends(_part("auth"))]
+SocketsDep = Annotated[TokenSockets, Depends(_part("sockets"))]
+ControllerDep = Annotated[Controller, Depends(_part("controller"))]
+HubDep = Annotated[DashboardHub, Depends(_part("hub"))]
+ReportsDep = Annotated[RunReports, Depends(_part("reports"))]
+ExporterDep = Annotated[MetricsExporter, Depends(_part("exporter"))]
+WritesDep = Annotated[WriteBuffer, Depends(_part("writes"))]
+StorageDep = Annotated[StorageHealth, Depends(_part("storage"))]
+ClusterDep = Annotated[Any, Depends(_part("cluster"))]  # JobLeases, or None with one replica
+ForwarderDep = Annotated[Any, Depends(_part("forwarder"))]  # Forwarder, or None
 
 
 def bearer_secret(headers: object, query: object | None = None) -> str | None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query
 
-from backend.api.deps import AdminDep, PartsDep
+from backend.api.deps import AdminDep, SqlDep
 from backend.api.routes.control import AuditsPublic
 from backend.storage import control as db
 
@@ -18,12 +18,12 @@ router = APIRouter(prefix="/api/v1", tags=["control"])
 
 @router.get("/audit", response_model=AuditsPublic)
 async def list_all_audit(
-    actor: AdminDep, parts: PartsDep,
+    actor: AdminDep, sql: SqlDep,
     job: str | None = Query(default=None, description="only this job's records"),
     action: str | None = Query(default=None, description="only this action, e.g. proposal.approve"),
     limit: int = Query(default=200, ge=1, le=5000),
 ) -> dict[str, Any]:
     """Audit records of every job and of the backend itself, newest first."""
 
-    rows = await parts.sql.run(lambda s: [r.public() for r in db.list_audit(s, job, action=action, limit=limit)])
+    rows = await sql.run(lambda s: [r.public() for r in db.list_audit(s, job, action=action, limit=limit)])
     return {"data": rows, "count": len(rows)}

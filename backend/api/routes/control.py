@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.api.deps import AdminDep, OperatorDep, PartsDep, RowId, ViewerDep
+from backend.api.deps import AdminDep, ControllerDep, OperatorDep, RowId, ViewerDep
 from backend.control.models import Overrides, PolicyChanges
 from backend.control.modes import MODES
 from backend.storage.control import PROPOSAL_STATUSES
@@ -173,96 +173,96 @@ def _listed(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @router.put("/mode")
-async def put_mode(job: str, body: ModeIn, actor: OperatorDep, parts: PartsDep) -> dict[str, Any]:
+async def put_mode(job: str, body: ModeIn, actor: OperatorDep, controller: ControllerDep) -> dict[str, Any]:
     """Set the job's mode: observe, approve or auto. Returns the job's control state."""
-    return await parts.controller.set_mode(job, body.mode, actor=actor, reason=body.reason)
+    return await controller.set_mode(job, body.mode, actor=actor, reason=body.reason)
 
 
 @router.get("/policy")
-async def get_policy(job: str, actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
+async def get_policy(job: str, actor: ViewerDep, controller: ControllerDep) -> dict[str, Any]:
     """The job's effective policy settings."""
-    return await parts.controller.policy_settings(job)
+    return await controller.policy_settings(job)
 
 
 @router.put("/policy")
-async def put_policy(job: str, body: PolicyIn, actor: AdminDep, parts: PartsDep) -> dict[str, Any]:
+async def put_policy(job: str, body: PolicyIn, actor: AdminDep, controller: ControllerDep) -> dict[str, Any]:
     """Change the strategy and its parameters (admin). Returns the effective settings."""
     changes = body.model_dump(exclude_unset=True)
     reason = changes.pop("reason", None)
-    return await parts.controller.set_policy(job, changes, actor=actor, reason=reason)
+    return await controller.set_policy(job, changes, actor=actor, reason=reason)
 
 
 @router.get("/proposals", response_model=ProposalsPublic)
 async def list_proposals(
-    job: str, actor: ViewerDep, parts: PartsDep,
+    job: str, actor: ViewerDep, controller: ControllerDep,
     status: str | None = Query(default=None, description="only proposals in this status",
                                json_schema_extra={"enum": list(PROPOSAL_STATUSES)}),
     limit: int = Query(default=100, ge=1, le=1000),
 ) -> dict[str, Any]:
     """Proposals of the job, newest first."""
-    return _listed(await parts.controller.proposals(job, status, limit))
+    return _listed(await controller.proposals(job, status, limit))
 
 
 @router.post("/proposals", response_model=ProposalPublic, status_code=201)
 async def create_proposal(job: str, body: ManualPlacementIn, actor: OperatorDep,
-                          parts: PartsDep) -> dict[str, Any]:
+                          controller: ControllerDep) -> dict[str, Any]:
     """Submit a placement by hand (validated against the job, its overrides and its memory
     caps; ``force`` submits one that breaks a memory cap, audited; ``length_sq_weight`` sends a
     cost model k with it, audited as ``placement.cost_model`` when applied)."""
-    return await parts.controller.submit_manual(job, body.shares, actor=actor, reason=body.reason,
+    return await controller.submit_manual(job, body.shares, actor=actor, reason=body.reason,
                                                 apply=body.apply, force=body.force,
                                                 length_sq_weight=body.length_sq_weight)
 
 
 @router.get("/proposals/{proposal_id}", response_model=ProposalPublic)
-async def get_proposal(job: str, proposal_id: RowId, actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
-    return await parts.controller.proposal(job, proposal_id)
+async def get_proposal(job: str, proposal_id: RowId, actor: ViewerDep, controller: ControllerDep) -> dict[str, Any]:
+    return await controller.proposal(job, proposal_id)
 
 
 @router.post("/proposals/{proposal_id}/approve", response_model=ProposalPublic)
-async def approve(job: str, proposal_id: RowId, actor: OperatorDep, parts: PartsDep,
+async def approve(job: str, proposal_id: RowId, actor: OperatorDep, controller: ControllerDep,
                   body: DecisionIn | None = None) -> dict[str, Any]:
     """Send exactly the reviewed shares to the job as the next placement version."""
-    return await parts.controller.approve(job, proposal_id, actor=actor,
+    return await controller.approve(job, proposal_id, actor=actor,
                         reason=body.reason if body else None)
 
 
 @router.post("/proposals/{proposal_id}/reject", response_model=ProposalPublic)
-async def reject(job: str, proposal_id: RowId, actor: OperatorDep, parts: PartsDep,
+async def reject(job: str, proposal_id: RowId, actor: OperatorDep, controller: ControllerDep,
                  body: DecisionIn | None = None) -> dict[str, Any]:
-    return await parts.controller.reject(job, proposal_id, actor=actor,
+    return await controller.reject(job, proposal_id, actor=actor,
                         reason=body.reason if body else None)
 
 
 @router.get("/overrides")
-async def get_overrides(job: str, actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
+async def get_overrides(job: str, actor: ViewerDep, controller: ControllerDep) -> dict[str, Any]:
     """The overrides in force."""
-    return await parts.controller.overrides(job)
+    return await controller.overrides(job)
 
 
 @router.put("/overrides")
-async def put_overrides(job: str, body: OverridesIn, actor: OperatorDep, parts: PartsDep) -> dict[str, Any]:
+async def put_overrides(job: str, body: OverridesIn, actor: OperatorDep, controller: ControllerDep) -> dict[str, Any]:
     """Replace the overrides; the policy respects them until cleared. When the placement in
     force breaks them, a proposal that respects them is created (``proposal_id``)."""
-    return await parts.controller.set_overrides(job, body.entries(), actor=actor, reason=body.reason)
+    return await controller.set_overrides(job, body.entries(), actor=actor, reason=body.reason)
 
 
 @router.post("/rollback", response_model=PlacementPublic)
-async def rollback(job: str, actor: OperatorDep, parts: PartsDep,
+async def rollback(job: str, actor: OperatorDep, controller: ControllerDep,
                    body: DecisionIn | None = None) -> dict[str, Any]:
     """Return to exactly the shares in force before the current placement."""
-    return await parts.controller.rollback(job, actor=actor, reason=body.reason if body else None)
+    return await controller.rollback(job, actor=actor, reason=body.reason if body else None)
 
 
 @router.get("/placements", response_model=PlacementsPublic)
-async def list_placements(job: str, actor: ViewerDep, parts: PartsDep,
+async def list_placements(job: str, actor: ViewerDep, controller: ControllerDep,
                           limit: int = Query(default=100, ge=1, le=1000)) -> dict[str, Any]:
     """Placement history, newest first, with each rank's ack batch index and the effect."""
-    return _listed(await parts.controller.placements(job, limit))
+    return _listed(await controller.placements(job, limit))
 
 
 @router.get("/audit", response_model=AuditsPublic)
-async def list_audit(job: str, actor: ViewerDep, parts: PartsDep,
+async def list_audit(job: str, actor: ViewerDep, controller: ControllerDep,
                      limit: int = Query(default=200, ge=1, le=5000)) -> dict[str, Any]:
     """Audit records of the job, newest first."""
-    return _listed(await parts.controller.audit(job, limit))
+    return _listed(await controller.audit(job, limit))

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from backend.api.deps import PartsDep, ViewerDep
+from backend.api.deps import HubDep, ViewerDep
 
 __all__ = ["router", "FleetDevice", "FleetJobPublic", "FleetTotals", "FleetPublic"]
 
@@ -69,6 +69,6 @@ class FleetPublic(BaseModel):
 
 
 @router.get("/fleet", response_model=FleetPublic, summary="Every job and the fleet's totals")
-async def get_fleet(_actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
+async def get_fleet(_actor: ViewerDep, hub: HubDep) -> dict[str, Any]:
     """Every job held in memory (at most REBALANCER_MAX_LIVE_JOBS), by name, and the totals."""
-    return parts.hub.fleet(refresh=True)
+    return hub.fleet(refresh=True)

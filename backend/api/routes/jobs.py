@@ -16,7 +16,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
-from backend.api.deps import PartsDep, ViewerDep
+from backend.api.deps import LiveDep, PartsDep, SqlDep, ViewerDep
 from backend.api.forwarding import from_owner
 from backend.live.forecast import forecast
 from backend.live.replicas import replica_rows, stored_replica_rows
@@ -413,7 +413,7 @@ async def get_ranks(job: str, _actor: ViewerDep, parts: PartsDep, request: Reque
 async def get_metrics(
     job: str,
     _actor: ViewerDep,
-    parts: PartsDep,
+    live: LiveDep, sql: SqlDep,
     rank: Annotated[list[Annotated[int, Field(ge=0, le=MAX_WORLD_SIZE - 1)]] | None,
                     Query(description="Only these ranks (repeat the parameter).")] = None,
     batch_from: Annotated[int | None, Query(ge=0, le=MAX_BATCH_INDEX, description="First batch index (inclusive); batch_from <= batch_to.")] = None,
@@ -427,9 +427,9 @@ async def get_metrics(
         raise HTTPException(400, f"batch_from ({batch_from}) must not exceed batch_to ({batch_to}).")
     ranks = set(rank) if rank else None
 
-    use_live = source == "live" or (source == "auto" and job in parts.live)
+    use_live = source == "live" or (source == "auto" and job in live)
     if use_live:
-        if job not in parts.live:
+        if job not in live:
             raise _not_found(job)
         pts = [
             MetricPoint(rank=r, batch_index=s.batch_index, batch_index_start=s.batch_index, n_steps=1,
@@ -437,7 +437,7 @@ async def get_metrics(
                         local_batch_size=s.local_batch_size, compute_ms=s.compute_ms,
                         sync_wait_ms=s.sync_wait_ms, data_wait_ms=s.data_wait_ms,
                         optimizer_ms=s.optimizer_ms, step_ms=s.step_ms)
-            for r, s in parts.live.steps(job, ranks=ranks, batch_from=batch_from,
+            for r, s in live.steps(job, ranks=ranks, batch_from=batch_from,
                                          batch_to=batch_to, limit=limit)
         ]
         return MetricsPublic(data=pts, count=len(pts), source="live")
@@ -448,7 +448,7 @@ async def get_metrics(
         return list(store.query_metrics(sess, job, ranks=ranks, batch_from=batch_from,
                                         batch_to=batch_to, limit=limit))
 
-    rows = await parts.sql.run(read)
+    rows = await sql.run(read)
     if rows is None:
         raise _not_found(job)
     pts = [

@@ -30,7 +30,16 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
-from backend.api.deps import PartsDep, ViewerDep, authenticate, bearer_secret, websocket_actor
+from backend.api.deps import (
+    AuthDep,
+    LiveDep,
+    SettingsDep,
+    SqlDep,
+    ViewerDep,
+    authenticate,
+    bearer_secret,
+    websocket_actor,
+)
 from backend.api.edge import CSP, csp, sha256_source
 from backend.assets import plotly_js_path
 from backend.auth.access import allows
@@ -196,18 +205,18 @@ async def _first_message_actor(websocket: WebSocket) -> Actor | None:
 
 
 @router.get("/api/v1/whoami", tags=["auth"])
-async def whoami_route(actor: ViewerDep, parts: PartsDep) -> dict[str, Any]:
+async def whoami_route(actor: ViewerDep, auth: AuthDep, sql: SqlDep) -> dict[str, Any]:
     """Who the bearer token belongs to; the page shows operator controls from ``role``."""
     return {
         "name": actor.name, "role": actor.role,
         "operator": allows(actor, "operator"),
-        "open_mode": await parts.sql.run(lambda _s: bool(parts.auth.open_mode)),
+        "open_mode": await sql.run(lambda _s: bool(auth.open_mode)),
     }
 
 
 @router.get("/api/v1/jobs/{job}/forecast", tags=["jobs"])
 def forecast(
-    job: str, actor: ViewerDep, parts: PartsDep,
+    job: str, actor: ViewerDep, live: LiveDep, settings: SettingsDep,
     total_steps: int | None = Query(
         None, ge=1, le=MAX_BATCH_INDEX,
         description="Steps the run will take in all (default: what its hooks reported)."
@@ -215,8 +224,8 @@ def forecast(
 ) -> dict[str, Any]:
     """ETA and cost: the recent step time times the steps left; prices from settings
     (``backend.live.forecast``, the same figures the job resource and the dashboard show)."""
-    view = parts.live.view(job)
+    view = live.view(job)
     if view is None:
         raise HTTPException(404, f"Job {job!r} not found.")
-    fc = job_forecast(view, parts.settings.price_for, total_steps)
+    fc = job_forecast(view, settings.price_for, total_steps)
     return {"job": job, **fc.as_dict()}

@@ -9,7 +9,7 @@ from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
-from backend.api.deps import AdminDep, PartsDep, RowId
+from backend.api.deps import AdminDep, AuthDep, RowId, SocketsDep, SqlDep
 from backend.auth.tokens import (
     TokenRow,
     create_token,
@@ -69,7 +69,7 @@ def _public(row: TokenRow) -> dict[str, Any]:
 
 
 @router.post("", response_model=TokenCreated, status_code=201, summary="Create a token")
-async def create(body: TokenCreate, actor: AdminDep, parts: PartsDep) -> TokenCreated:
+async def create(body: TokenCreate, actor: AdminDep, auth: AuthDep, sql: SqlDep) -> TokenCreated:
     def run(s: Session) -> TokenCreated:
         row, secret = create_token(s, role=body.role, name=body.name.strip(), job=body.job or None,
                                    created_by=actor.name)
@@ -79,31 +79,31 @@ async def create(body: TokenCreate, actor: AdminDep, parts: PartsDep) -> TokenCr
         return TokenCreated(**_public(row), secret=secret)
 
     try:
-        created = await parts.sql.run(run)
+        created = await sql.run(run)
     except ProtocolError as exc:  # a job name no hook may use
         raise HTTPException(422, str(exc)) from None
     except ValueError as exc:  # role and job do not go together: a rule across fields
         raise HTTPException(400, str(exc).replace(" pass --job NAME.", " give its job name.")) from None
-    parts.auth.invalidate()
+    auth.invalidate()
     return created
 
 
 @router.get("", response_model=TokensPublic, summary="List tokens")
 async def list_all(
-    _actor: AdminDep, parts: PartsDep,
+    _actor: AdminDep, sql: SqlDep,
     include_revoked: Annotated[bool, Query(description="Also list revoked tokens.")] = False,
 ) -> TokensPublic:
     def run(s: Session) -> TokensPublic:
         rows = [TokenPublic(**_public(r)) for r in list_tokens(s, include_revoked=include_revoked)]
         return TokensPublic(data=rows, count=len(rows))
 
-    return await parts.sql.run(run)
+    return await sql.run(run)
 
 
 @router.delete("/{token_id}", response_model=TokenPublic, summary="Revoke a token",
                responses={409: {"description": "The last admin token: create another admin token first."}})
 async def revoke(
-    token_id: RowId, actor: AdminDep, parts: PartsDep,
+    token_id: RowId, actor: AdminDep, auth: AuthDep, sockets: SocketsDep, sql: SqlDep,
     reason: Annotated[str, Query(max_length=2048)] = "",
 ) -> TokenPublic:
     def run(s: Session) -> TokenPublic | None:
@@ -118,9 +118,9 @@ async def revoke(
         s.commit()
         return TokenPublic(**_public(row))
 
-    found = await parts.sql.run(run)
+    found = await sql.run(run)
     if found is None:
         raise HTTPException(404, f"Token {token_id} not found.")
-    parts.auth.invalidate()
-    await parts.sockets.close_token(token_id)  # its open hook and dashboard sockets
+    auth.invalidate()
+    await sockets.close_token(token_id)  # its open hook and dashboard sockets
     return found
