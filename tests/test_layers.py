@@ -148,6 +148,80 @@ def test_no_hook_or_wire_module_is_over_the_line_cap():
     assert set(HOOK_OVER_CAP) - set(over) == set(), "under the cap now: remove them from HOOK_OVER_CAP"
 
 
+def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that ``path`` imports when it runs: module level and inside
+    functions, not under ``if TYPE_CHECKING`` (``from pkg import sub`` is an arrow to sub)."""
+    found: set[str] = set()
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    stack: list[ast.AST] = [ast.parse(path.read_text())]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            found.update(m for a in node.names if (m := owner(a.name)))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                m = sub if sub in modules else owner(node.module)
+                if m:
+                    found.add(m)
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def test_no_import_cycle():
+    """0 cycles among the modules of backend, trainer_hook and rebalancer_wire (Tarjan's
+    strongly connected components over the runtime imports)."""
+    paths = {}
+    for package in ("backend", "trainer_hook", "rebalancer_wire"):
+        for path in _modules(package):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {m: _runtime_imports(p, set(paths)) - {m} for m, p in paths.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+    for start in graph:  # iterative Tarjan
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    cycles.append(sorted(comp))
+    assert cycles == [], f"import cycles: {cycles}"
+    assert graph["backend.parts"] and graph["trainer_hook.hook"], "the graph was read"
+
+
 def test_routes_name_the_parts_they_use():
     """A route that only reads parts of the wiring object (``parts.live``, ``parts.sql``)
     declares those parts (``LiveDep``, ``SqlDep``: backend/api/deps.py); ``PartsDep`` is left

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer_hook.mesh import mesh_dim_names, mesh_ranks
+
 __all__ = ["check_data_parallel", "check_mesh"]
 
 
@@ -158,7 +160,6 @@ def check_data_parallel(model: Any, world_size: int | None = None, *, dp_mesh: A
             f"pipeline must see the same micro-batches, so no stage can take a different share. {_SUPPORTED}"
         )
     if dp_mesh is not None:
-        from trainer_hook.mesh import check_dp_mesh
         check_dp_mesh(_compiled_inner(model), dp_mesh)
         return
     if _is_fsdp1(model):
@@ -195,3 +196,48 @@ def check_data_parallel(model: Any, world_size: int | None = None, *, dp_mesh: A
             f"{_SUPPORTED} {_NEEDS_DP_MESH}"
         )
     check_mesh(model, world_size)
+
+
+def check_dp_mesh(model: Any, dp_mesh: Any) -> None:
+    """Refuse a model whose gradients are reduced over other ranks than ``dp_mesh``'s, or
+    whose parameters are split over a dim that crosses data-parallel ranks."""
+    dp = mesh_ranks(dp_mesh)
+    dp_names = mesh_dim_names(dp_mesh)
+    if _is_ddp(model) or _is_fsdp1(model):
+        label = "DistributedDataParallel" if _is_ddp(model) else "FullyShardedDataParallel (FSDP1)"
+        group = getattr(model, "process_group", None)
+        ranks = set(dist.get_process_group_ranks(group)) if group is not None else set(range(dist.get_world_size()))
+        if ranks != dp:
+            raise ValueError(
+                f"{label} reduces gradients over ranks {sorted(ranks)}, but dp_mesh {dp_names} holds "
+                f"ranks {sorted(dp)}: wrap the model over dp_mesh.get_group() (the model's mesh and "
+                f"dp_mesh must agree)."
+            )
+    for m in _fsdp2_modules(model):
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            mesh = group.mesh_info.mesh
+            if mesh_ranks(mesh) != dp:
+                raise ValueError(
+                    f"FSDP2 (fully_shard) reduces gradients over mesh {mesh_dim_names(mesh)} (ranks "
+                    f"{sorted(mesh_ranks(mesh))}), but dp_mesh {dp_names} holds ranks {sorted(dp)}: "
+                    f"the model's mesh and dp_mesh must agree (fully_shard(mesh=mesh['dp']) with "
+                    f"dp_mesh=mesh['dp'])."
+                )
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return
+    me = dist.get_rank()
+    for pname, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        mesh = p.device_mesh
+        for d in range(mesh.ndim):
+            along = _ranks_along(mesh, d)
+            if len(along) <= 1 or along <= dp or along & dp == {me}:
+                continue  # data parallel, or orthogonal to it (tensor/context parallel)
+            raise ValueError(
+                f"parameter {pname!r} is a DTensor over mesh dims {mesh_dim_names(mesh)}; dim "
+                f"{_mesh_dim_name(mesh, d)!r} (ranks {sorted(along)}) crosses dp_mesh {dp_names} "
+                f"(ranks {sorted(dp)}): the model's mesh and dp_mesh disagree."
+            )

@@ -1,15 +1,13 @@
-"""Device meshes: which data-parallel replica this rank belongs to, and whether a model's
-mesh matches the ``dp_mesh`` the hook was given (issue 24, docs/meshes.md).
+"""Device meshes: which data-parallel replica this rank belongs to, the mesh shape its hello
+says and the replica's pace (docs/meshes.md); whether a model's mesh matches the ``dp_mesh``
+the hook was given is ``_wrappers.check_dp_mesh``'s.
 
 With ``RebalanceHook(..., dp_mesh=M)`` shares are per data-parallel replica: the ranks
 that share one coordinate in ``M`` (a tensor/context-parallel group) form one replica and
 get the identical local batch. The hook then presents each replica to the rest of the
 system as one worker: rank = replica index, world = number of replicas. A replica is as
 slow as its slowest member: ``ReplicaPace`` combines the members' step records so that the
-leader reports the replica's pace.
-
-One module, over 400 lines on purpose: the mesh's replicas, the dp_mesh checks and the
-replica's pace (ReplicaPace), which the hook sets up together at start-up."""
+leader reports the replica's pace."""
 
 from __future__ import annotations
 
@@ -29,7 +27,7 @@ from rebalancer_wire.protocol import MeshShape, StepRecord
 
 log = logging.getLogger("trainer_hook")
 
-__all__ = ["Replicas", "replica_of", "device_label", "mesh_shape", "check_dp_mesh", "ReplicaPace", "PACE_WINDOW"]
+__all__ = ["Replicas", "replica_of", "device_label", "mesh_shape", "ReplicaPace", "PACE_WINDOW"]
 
 
 class Replicas(NamedTuple):
@@ -41,11 +39,11 @@ class Replicas(NamedTuple):
     devices: tuple[str, ...] = ()  # each member's host and device, in the order of members
 
 
-def _mesh_ranks(mesh: Any) -> set[int]:
+def mesh_ranks(mesh: Any) -> set[int]:
     return {int(r) for r in mesh.mesh.flatten().tolist()}
 
 
-def _names(mesh: Any) -> tuple[str, ...]:
+def mesh_dim_names(mesh: Any) -> tuple[str, ...]:
     names = getattr(mesh, "mesh_dim_names", None)
     return tuple(names) if names else tuple(f"dim {d}" for d in range(mesh.ndim))
 
@@ -96,7 +94,7 @@ def replica_of(dp_mesh: Any, label: str = "") -> Replicas:
     if outside:
         raise ValueError(
             f"dp_mesh is not a sub-mesh of the world: ranks {outside} of the {world} are not in the "
-            f"dp_mesh they passed ({_names(dp_mesh)}, ranks {sorted(_mesh_ranks(dp_mesh))} here); every "
+            f"dp_mesh they passed ({mesh_dim_names(dp_mesh)}, ranks {sorted(mesh_ranks(dp_mesh))} here); every "
             f"rank must pass its own data-parallel slice of one world mesh, e.g. mesh['dp']."
         )
     if any(e[1] != replicas for e in every) or world % replicas:
@@ -128,64 +126,11 @@ def mesh_shape(dp_mesh: Any, replicas: int, replica_size: int) -> MeshShape:
         shape = tuple(int(n) for n in root.mesh.shape)
         if math.prod(shape) == replicas * replica_size:
             return MeshShape(dp=replicas, replica_size=replica_size, dims=tuple(root.mesh_dim_names), shape=shape)
-    dims = tuple(n if n.isidentifier() else f"dp{i}" for i, n in enumerate(_names(dp_mesh)))
+    dims = tuple(n if n.isidentifier() else f"dp{i}" for i, n in enumerate(mesh_dim_names(dp_mesh)))
     shape = tuple(int(n) for n in dp_mesh.mesh.shape)
     if replica_size > 1:
         dims, shape = (*dims, "replica"), (*shape, replica_size)
     return MeshShape(dp=replicas, replica_size=replica_size, dims=dims, shape=shape)
-
-
-def check_dp_mesh(model: Any, dp_mesh: Any) -> None:
-    """Refuse a model whose gradients are reduced over other ranks than ``dp_mesh``'s, or
-    whose parameters are split over a dim that crosses data-parallel ranks."""
-    from trainer_hook._wrappers import (
-        _fsdp2_modules,
-        _is_ddp,
-        _is_fsdp1,
-        _mesh_dim_name,
-        _ranks_along,
-    )
-
-    dp = _mesh_ranks(dp_mesh)
-    dp_names = _names(dp_mesh)
-    if _is_ddp(model) or _is_fsdp1(model):
-        label = "DistributedDataParallel" if _is_ddp(model) else "FullyShardedDataParallel (FSDP1)"
-        group = getattr(model, "process_group", None)
-        ranks = set(dist.get_process_group_ranks(group)) if group is not None else set(range(dist.get_world_size()))
-        if ranks != dp:
-            raise ValueError(
-                f"{label} reduces gradients over ranks {sorted(ranks)}, but dp_mesh {dp_names} holds "
-                f"ranks {sorted(dp)}: wrap the model over dp_mesh.get_group() (the model's mesh and "
-                f"dp_mesh must agree)."
-            )
-    for m in _fsdp2_modules(model):
-        for group in m._get_fsdp_state()._fsdp_param_groups:
-            mesh = group.mesh_info.mesh
-            if _mesh_ranks(mesh) != dp:
-                raise ValueError(
-                    f"FSDP2 (fully_shard) reduces gradients over mesh {_names(mesh)} (ranks "
-                    f"{sorted(_mesh_ranks(mesh))}), but dp_mesh {dp_names} holds ranks {sorted(dp)}: "
-                    f"the model's mesh and dp_mesh must agree (fully_shard(mesh=mesh['dp']) with "
-                    f"dp_mesh=mesh['dp'])."
-                )
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return
-    me = dist.get_rank()
-    for pname, p in model.named_parameters():
-        if not isinstance(p, DTensor):
-            continue
-        mesh = p.device_mesh
-        for d in range(mesh.ndim):
-            along = _ranks_along(mesh, d)
-            if len(along) <= 1 or along <= dp or along & dp == {me}:
-                continue  # data parallel, or orthogonal to it (tensor/context parallel)
-            raise ValueError(
-                f"parameter {pname!r} is a DTensor over mesh dims {_names(mesh)}; dim "
-                f"{_mesh_dim_name(mesh, d)!r} (ranks {sorted(along)}) crosses dp_mesh {dp_names} "
-                f"(ranks {sorted(dp)}): the model's mesh and dp_mesh disagree."
-            )
 
 
 # --- the replica's pace --------------------------------------------------------------------
