@@ -8,6 +8,7 @@ part of the world (``check_data_parallel``, ``check_mesh``). No communication ha
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -83,6 +84,20 @@ def _mesh_dim_name(mesh: Any, dim: int) -> str:
     return names[dim] if names else f"dim {dim}"
 
 
+def _dtensor_dims(model: Any) -> Iterator[tuple[str, Any, Any, int, set[int]]]:
+    """(name, parameter, its mesh, a dim of the mesh, the ranks along that dim through this
+    rank) for every dim of every DTensor parameter; nothing on a torch without DTensor."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return
+    for pname, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            for d in range(mesh.ndim):
+                yield pname, p, mesh, d, _ranks_along(mesh, d)
+
+
 def check_mesh(model: Any, world_size: int | None = None) -> None:
     """Refuse, naming ``dp_mesh``, a model whose gradients are reduced over part of the
     world or whose parameters are split over a mesh dim that is not data parallel: the
@@ -110,29 +125,18 @@ def check_mesh(model: Any, world_size: int | None = None) -> None:
             mesh = group.mesh_info.mesh
             fsdp_meshes.append(mesh)
             dp_ranks |= {int(r) for r in mesh.mesh.flatten().tolist()}
-    dtensor_cls: Any = None
-    try:
-        from torch.distributed.tensor import DTensor as dtensor_cls
-    except ImportError:  # torch without DTensor
-        pass
-    if dtensor_cls is not None:
-        for pname, p in inner.named_parameters():
-            if not isinstance(p, dtensor_cls):
-                continue
-            mesh = p.device_mesh
-            for dim in range(mesh.ndim):
-                along = _ranks_along(mesh, dim)
-                if len(along) <= 1 or along <= dp_ranks:
-                    continue
-                names = tuple(_mesh_dim_name(mesh, d) for d in range(mesh.ndim))
-                placements = ", ".join(repr(pl) for pl in p.placements)
-                raise ValueError(
-                    f"Rebalancer balances data-parallel ranks only: parameter {pname!r} is a DTensor "
-                    f"over mesh dims {names} with placements ({placements}); mesh dim "
-                    f"{_mesh_dim_name(mesh, dim)!r} ({len(along)} ranks) is not data parallel "
-                    f"(tensor or context parallelism), and all its ranks must see the same samples. "
-                    f"{_NEEDS_DP_MESH}"
-                )
+    for pname, p, mesh, dim, along in _dtensor_dims(inner):
+        if len(along) <= 1 or along <= dp_ranks:
+            continue
+        names = tuple(_mesh_dim_name(mesh, d) for d in range(mesh.ndim))
+        placements = ", ".join(repr(pl) for pl in p.placements)
+        raise ValueError(
+            f"Rebalancer balances data-parallel ranks only: parameter {pname!r} is a DTensor "
+            f"over mesh dims {names} with placements ({placements}); mesh dim "
+            f"{_mesh_dim_name(mesh, dim)!r} ({len(along)} ranks) is not data parallel "
+            f"(tensor or context parallelism), and all its ranks must see the same samples. "
+            f"{_NEEDS_DP_MESH}"
+        )
     if fsdp_meshes and len(dp_ranks) != world:
         names = tuple(dict.fromkeys(
             _mesh_dim_name(mesh, d) for mesh in fsdp_meshes for d in range(mesh.ndim)))
@@ -223,21 +227,12 @@ def check_dp_mesh(model: Any, dp_mesh: Any) -> None:
                     f"the model's mesh and dp_mesh must agree (fully_shard(mesh=mesh['dp']) with "
                     f"dp_mesh=mesh['dp'])."
                 )
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return
     me = dist.get_rank()
-    for pname, p in model.named_parameters():
-        if not isinstance(p, DTensor):
-            continue
-        mesh = p.device_mesh
-        for d in range(mesh.ndim):
-            along = _ranks_along(mesh, d)
-            if len(along) <= 1 or along <= dp or along & dp == {me}:
-                continue  # data parallel, or orthogonal to it (tensor/context parallel)
-            raise ValueError(
-                f"parameter {pname!r} is a DTensor over mesh dims {mesh_dim_names(mesh)}; dim "
-                f"{_mesh_dim_name(mesh, d)!r} (ranks {sorted(along)}) crosses dp_mesh {dp_names} "
-                f"(ranks {sorted(dp)}): the model's mesh and dp_mesh disagree."
-            )
+    for pname, _p, mesh, d, along in _dtensor_dims(model):
+        if len(along) <= 1 or along <= dp or along & dp == {me}:
+            continue  # data parallel, or orthogonal to it (tensor/context parallel)
+        raise ValueError(
+            f"parameter {pname!r} is a DTensor over mesh dims {mesh_dim_names(mesh)}; dim "
+            f"{_mesh_dim_name(mesh, d)!r} (ranks {sorted(along)}) crosses dp_mesh {dp_names} "
+            f"(ranks {sorted(dp)}): the model's mesh and dp_mesh disagree."
+        )
