@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
     from trainer_hook.sampler import RebalanceBatchSampler
 
-# Imported on first use, so that the backend can import rebalancer_wire.protocol (stdlib only)
-# without pulling in torch: the server image installs no torch.
+# Imported on first use, so that importing the package does not pull in torch: `rebalancer
+# run` (backend/run_cmd.py) finds trainer_hook/_site through it where no torch is installed.
 _LAZY = {
     "HookConfig": "trainer_hook.config",
     "RebalanceHook": "trainer_hook.hook",
