@@ -34,6 +34,7 @@ except ImportError:  # a hook-only install: the standard library's parser for ev
     _fast_loads = None
 
 __all__ = [
+    "MAX_NAME_CHARS",
     "check_job_name",
     "JOB_NAME_PATTERN",
     "STEP_FIELDS",
@@ -94,7 +95,7 @@ MAX_MESSAGE_BYTES = 1 << 20
 MAX_RECORDS_PER_MESSAGE = 2048
 MAX_WORLD_SIZE = 65536
 MAX_GPU_INDEX = 4095  # NVML device index; a node has far fewer GPUs
-_MAX_NAME = 128
+MAX_NAME_CHARS = 128  # a name or short label on the wire (host, device, replica_devices)
 _MAX_TEXT = 2048
 
 # Ranges of the numbers on the wire (docs/protocol.md, "Ranges"). Both ends validate with
@@ -197,7 +198,7 @@ def _float(obj: Mapping[str, Any], key: str, *, lo: float = 0.0, hi: float, defa
     return val
 
 
-def _str(obj: Mapping[str, Any], key: str, *, max_len: int = _MAX_NAME, default: Any = ..., nonempty: bool = False) -> Any:
+def _str(obj: Mapping[str, Any], key: str, *, max_len: int = MAX_NAME_CHARS, default: Any = ..., nonempty: bool = False) -> Any:
     if key not in obj or obj[key] is None:
         if default is ...:
             raise ProtocolError(f"'{key}' is required.")
@@ -383,10 +384,10 @@ def _replica_devices(d: Mapping[str, Any], members: tuple[int, ...]) -> tuple[st
     if not members:
         raise ProtocolError("'replica_devices' comes with 'replica_ranks' only: one device per member.")
     if (not isinstance(got, list) or len(got) != len(members)
-            or any(not isinstance(x, str) or len(x) > _MAX_NAME or "\x00" in x for x in got)):
+            or any(not isinstance(x, str) or len(x) > MAX_NAME_CHARS or "\x00" in x for x in got)):
         raise ProtocolError(
             f"'replica_devices' must list one string per member of 'replica_ranks' ({len(members)}), "
-            f"in the same order, each at most {_MAX_NAME} characters without NUL, got {_short(got)}.")
+            f"in the same order, each at most {MAX_NAME_CHARS} characters without NUL, got {_short(got)}.")
     return tuple(got)
 
 

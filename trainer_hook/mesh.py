@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from rebalancer_wire.protocol import MeshShape, StepRecord
+from rebalancer_wire.protocol import MAX_NAME_CHARS, MeshShape, StepRecord
 
 log = logging.getLogger("trainer_hook")
 
@@ -48,9 +48,6 @@ def mesh_dim_names(mesh: Any) -> tuple[str, ...]:
     return tuple(names) if names else tuple(f"dim {d}" for d in range(mesh.ndim))
 
 
-_LABEL_CHARS = 128  # the wire's limit on a name (protocol._MAX_NAME)
-
-
 def device_label() -> str:
     """This rank's host and device as a replica's member list shows it: "node-a NVIDIA H100
     80GB HBM3 #4" (the CUDA device the script selected), "node-a CPU" without CUDA."""
@@ -58,10 +55,10 @@ def device_label() -> str:
     try:
         if torch.cuda.is_available():
             i = torch.cuda.current_device()
-            return f"{host} {torch.cuda.get_device_name(i)} #{i}"[:_LABEL_CHARS]
+            return f"{host} {torch.cuda.get_device_name(i)} #{i}"
     except Exception:  # noqa: BLE001 - a label is not worth failing the start for
         log.debug("the CUDA device could not be named", exc_info=True)
-    return f"{host} CPU"[:_LABEL_CHARS]
+    return f"{host} CPU"
 
 
 def replica_of(dp_mesh: Any, label: str = "") -> Replicas:
@@ -89,7 +86,7 @@ def replica_of(dp_mesh: Any, label: str = "") -> Replicas:
             index = index * n + int(c)
     # Every rank takes part before any raises, so that all of them raise instead of hanging.
     every: list[Any] = [None] * world
-    dist.all_gather_object(every, (index, replicas, label[:_LABEL_CHARS]))
+    dist.all_gather_object(every, (index, replicas, label[:MAX_NAME_CHARS]))  # as the wire takes it
     outside = [r for r, e in enumerate(every) if e[0] < 0]
     if outside:
         raise ValueError(
