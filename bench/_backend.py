@@ -19,7 +19,6 @@ from backend.process import free_port, spawn_backend, stop_process, wait_healthy
 
 __all__ = ["ApiError", "Backend", "REPO_ROOT", "free_port", "running_backend", "running_cluster", "stop_on_sigterm"]
 
-PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -113,52 +112,46 @@ def running_backend(
 
 @contextlib.contextmanager
 def running_cluster(
-    replicas: int, *, pg_url: str = PG_URL, redis_url: str = REDIS_URL, env: dict[str, str] | None = None,
-    timeout: float = 90.0,
+    replicas: int, *, redis_url: str = REDIS_URL, env: dict[str, str] | None = None, timeout: float = 90.0,
 ) -> Iterator[list[Backend]]:
-    """``replicas`` backend processes sharing one PostgreSQL database (a fresh schema,
-    dropped on exit) and one Redis (a key prefix of their own, deleted on exit), as
-    docs/scale-out.md runs them; each advertises its own loopback URL."""
+    """``replicas`` backend processes sharing the local PostgreSQL (a fresh schema, dropped on
+    exit: ``tests.helpers.postgres.pg_schema``) and one Redis (a key prefix of their own,
+    deleted on exit), as docs/scale-out.md runs them; each advertises its own loopback URL."""
     import uuid
 
     import redis
-    from sqlalchemy import create_engine, text
+
+    from tests.helpers.postgres import pg_schema
 
     name = f"bench_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(pg_url)
     client = redis.Redis.from_url(redis_url)
-    with admin.begin() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{name}"'))
-    sep = "&" if "?" in pg_url else "?"
-    db_url = f"{pg_url}{sep}options=-csearch_path%3D{name}"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        with tempfile.TemporaryDirectory(prefix="rb-bench-cluster-") as tmp:
-            backends = []
-            for _ in range(replicas):
-                port = free_port()
-                log_path = Path(tmp) / f"backend-{port}.log"
-                proc = spawn_backend(port=port, db_url=db_url, log_path=log_path, cwd=REPO_ROOT, env={
-                    **os.environ, **(env or {}), "REBALANCER_REDIS_URL": redis_url,
-                    "REBALANCER_REDIS_PREFIX": name, "REBALANCER_ADVERTISE_URL": f"ws://127.0.0.1:{port}",
-                })
-                procs.append(proc)
-                backends.append(Backend(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path))
-                if len(backends) == 1:  # the first creates the tables; the others find them
-                    failed = wait_healthy(backends[0].url, proc, timeout)
+        with pg_schema() as db_url, tempfile.TemporaryDirectory(prefix="rb-bench-cluster-") as tmp:
+            try:
+                backends = []
+                for _ in range(replicas):
+                    port = free_port()
+                    log_path = Path(tmp) / f"backend-{port}.log"
+                    proc = spawn_backend(port=port, db_url=db_url, log_path=log_path, cwd=REPO_ROOT, env={
+                        **os.environ, **(env or {}), "REBALANCER_REDIS_URL": redis_url,
+                        "REBALANCER_REDIS_PREFIX": name, "REBALANCER_ADVERTISE_URL": f"ws://127.0.0.1:{port}",
+                    })
+                    procs.append(proc)
+                    backends.append(Backend(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path))
+                    if len(backends) == 1:  # the first creates the tables; the others find them
+                        failed = wait_healthy(backends[0].url, proc, timeout)
+                        if failed:
+                            raise RuntimeError(f"{failed}:\n{backends[0].log()}")
+                for b in backends[1:]:
+                    failed = wait_healthy(b.url, b.proc, timeout)
                     if failed:
-                        raise RuntimeError(f"{failed}:\n{backends[0].log()}")
-            for b in backends[1:]:
-                failed = wait_healthy(b.url, b.proc, timeout)
-                if failed:
-                    raise RuntimeError(f"{failed}:\n{b.log()}")
-            yield backends
+                        raise RuntimeError(f"{failed}:\n{b.log()}")
+                yield backends
+            finally:  # the replicas stop before their schema is dropped
+                for proc in procs:
+                    stop_process(proc, 10.0)
     finally:
-        for proc in procs:
-            stop_process(proc, 10.0)
         for key in client.scan_iter(f"{name}:*"):
             client.delete(key)
         client.close()
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA "{name}" CASCADE'))
-        admin.dispose()
