@@ -176,9 +176,9 @@ class LiveFanout:
         key = f"{self.prefix}:fleet"
         now = time.time()
         mine: dict[Any, Any] = {}  # job -> entry (redis-py types its mapping loosely)
-        for job, (row, summary) in self.hub.fleet_rows(owned).items():
+        for job, (row, summary) in self.hub.fleet_rows(j for j in owned if 0 < len(j) <= _MAX_JOB).items():
             text = remote.encode_fleet(row, summary, replica=self.replica_id, t=now)
-            if text is not None and 0 < len(job) <= _MAX_JOB:
+            if text is not None:
                 mine[job] = text
         async with self._redis.pipeline(transaction=False) as pipe:
             if mine:
