@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,8 @@ import time
 import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
+
+from rebalancer_wire.ports import free_port, port_free
 
 __all__ = ["free_port", "port_free", "spawn_backend", "wait_healthy", "stop_process", "on_parent_gone"]
 
@@ -30,23 +31,6 @@ def on_parent_gone(parent: int, then: Callable[[], None], *, every_s: float = 0.
         then()
 
     threading.Thread(target=watch, name="rebalancer-parent-watch", daemon=True).start()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def port_free(port: int) -> bool:
-    """True when ``port`` on 127.0.0.1 can be bound now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def spawn_backend(

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from backend.process import free_port
+from rebalancer_wire.ports import free_port
 
 __all__ = ["free_port"]

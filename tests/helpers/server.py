@@ -15,6 +15,9 @@ from typing import Any
 
 from backend.process import free_port, spawn_backend, stop_process, wait_healthy
 
+BIND_TRIES = 3
+ADDRESS_IN_USE = "address already in use"  # uvicorn's log line when its bind fails
+
 
 @dataclass
 class Server:
@@ -62,16 +65,24 @@ def running_server(
     env: dict[str, str] | None = None,
     timeout: float = 30.0,
 ) -> Iterator[Server]:
-    """Start the backend, wait for /healthz, yield it, stop it (SIGINT, then SIGKILL)."""
-    port = port or free_port()
+    """Start the backend, wait for /healthz, yield it, stop it (SIGINT, then SIGKILL).
+
+    Without ``port``, a free one; if another process binds it first (between the pick and
+    the server's bind), the server starts again on another (``BIND_TRIES`` in all)."""
     db_url = db_url or f"sqlite:///{tmp_path / 'rebalancer.db'}"
-    log_path = tmp_path / f"server-{port}.log"
-    proc = spawn_backend(port=port, db_url=db_url, log_path=log_path, env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        failed = wait_healthy(url, proc, timeout)
-        if failed:
-            raise RuntimeError(f"{failed}:\n{log_path.read_text(errors='replace')}")
-        yield Server(url=url, port=port, db_url=db_url, proc=proc, log_path=log_path)
-    finally:
-        stop_process(proc, 10.0)
+    for attempt in range(1, BIND_TRIES + 1):
+        chosen = port or free_port()
+        log_path = tmp_path / f"server-{chosen}.log"
+        proc = spawn_backend(port=chosen, db_url=db_url, log_path=log_path, env={**os.environ, **(env or {})})
+        url = f"http://127.0.0.1:{chosen}"
+        try:
+            failed = wait_healthy(url, proc, timeout)
+            if failed:
+                log = log_path.read_text(errors="replace")
+                if port is None and attempt < BIND_TRIES and ADDRESS_IN_USE in log:
+                    continue  # the finally stops it; try another port
+                raise RuntimeError(f"{failed}:\n{log}")
+            yield Server(url=url, port=chosen, db_url=db_url, proc=proc, log_path=log_path)
+            return
+        finally:
+            stop_process(proc, 10.0)

@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from rebalancer_wire.ports import free_port
+
 __all__ = ["notebook_launch"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -94,6 +89,6 @@ def notebook_launch(
         cpu = not torch.cuda.is_available()
     if cpu:
         env["ACCELERATE_USE_CPU"] = "true"
-    port = str(use_port) if use_port is not None else str(_free_port())
+    port = str(use_port) if use_port is not None else str(free_port())
     with _patched_env(env):
         notebook_launcher(function, args=args, num_processes=num_processes, use_port=port, **launcher_kwargs)

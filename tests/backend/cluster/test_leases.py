@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import uuid
 
+from tests.helpers.ports import free_port
 from tests.helpers.require import unavailable
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -29,12 +29,6 @@ def _prefix() -> str:
 def _replica(prefix: str, name: str, *, url: str = REDIS_URL, ttl_s: float = 1.0) -> JobLeases:
     return JobLeases(url=url, prefix=prefix, advertise_url=f"ws://{name}.example:8000",
                      ttl_s=ttl_s, replica_id=name)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_one_owner_at_a_time_and_the_others_find_its_url() -> None:
@@ -78,7 +72,7 @@ def test_a_dead_owner_loses_the_job_within_its_ttl() -> None:
 
 def test_redis_down_pauses_control_with_a_reason() -> None:
     async def run() -> None:
-        dead = _replica(_prefix(), "c", url=f"redis://127.0.0.1:{_free_port()}/0")
+        dead = _replica(_prefix(), "c", url=f"redis://127.0.0.1:{free_port()}/0")
         await dead.start()
         assert not await dead.acquire("gpt")
         status = dead.status()
@@ -115,7 +109,7 @@ def test_healthz_says_whether_the_cluster_controls(tmp_path) -> None:  # type: i
     with TestClient(make_app(tmp_path, redis_url=REDIS_URL, redis_prefix=_prefix())) as client:
         body = client.get("/healthz").json()
         assert body["cluster"] == "ok" and body["status"] == "ok"
-    dead = f"redis://127.0.0.1:{_free_port()}/0"
+    dead = f"redis://127.0.0.1:{free_port()}/0"
     with TestClient(make_app(tmp_path, redis_url=dead, redis_prefix=_prefix())) as client:
         reply = client.get("/healthz")
         assert reply.status_code == 200  # ingest and dashboards go on; only control pauses
