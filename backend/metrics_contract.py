@@ -70,7 +70,7 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "not said hello again; 0 otherwise (a clean close, the job finished, is not a loss).", True),
     # --- per rank: communication (absent where the hook does not measure it) ---------
     MetricSpec("rebalancer_rank_comm_bytes", "gauge", _RANK, "bytes",
-               "Bytes the rank hands to gradient collectives per step (DDP: its buckets), mean of recent steps.",
+               "Bytes the rank hands to gradient collectives per step (DDP: its buckets; FSDP: its reduce-scatters, and FSDP2's parameter all-gathers), mean of recent steps.",
                True),
     MetricSpec("rebalancer_rank_comm_seconds", "gauge", _RANK, "seconds",
                "Time per step with a gradient collective of the rank in flight (overlapped or not).", True),

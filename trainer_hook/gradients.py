@@ -59,7 +59,8 @@ class GradientState:
     their class once the first one is recorded.
 
     Communication of the step: ``comm_bytes``, the bytes handed to gradient collectives
-    (DDP's bucket buffers; FSDP's reduce-scatter inputs), and ``comm_s``, the host seconds
+    (DDP's bucket buffers; FSDP's reduce-scatter inputs) and FSDP2's parameter all-gathers
+    (their outputs), and ``comm_s``, the host seconds
     with one of them in flight (each counted from its hand-off or the previous one's
     completion, whichever is later); None where not measured (``comm_s`` with timing
     events).
@@ -483,14 +484,21 @@ def register_grad_timer(model: torch.nn.Module, state: GradientState, *, count: 
 
 class _TimedMethod:
     """Times one object's method as a wait for peers: an instance attribute over the class's
-    method, so every caller (FSDP's own prefetches included) goes through it."""
+    method, so every caller (FSDP's own prefetches included) goes through it.
+
+    ``all_gather``: the method is an FSDP2 parameter group's ``unshard``; where a call starts
+    an all-gather, its output's bytes (the unsharded parameters: nccl-tests' size of an
+    all-gather) go into ``comm_bytes`` and, on a host clock, the call's seconds (gloo's
+    all-gather blocks there) into ``comm_s``. ``wait=False`` counts only that (on a device
+    the all-gather runs on a stream of its own; the wait is timed in ``wait_for_unshard``)."""
 
     __slots__ = ("obj", "name")
 
-    def __init__(self, obj: Any, name: str, state: GradientState, events: Any) -> None:
+    def __init__(self, obj: Any, name: str, state: GradientState, events: Any, *,
+                 all_gather: bool = False, wait: bool = True) -> None:
         self.obj, self.name = obj, name
         fn = getattr(type(obj), name)  # the class's, so attaching twice never stacks wrappers
-        begin, end = state.begin_wait, state.end_wait
+        begin, end = (state.begin_wait, state.end_wait) if wait else (_no_wait, _no_wait)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             begin(events)
@@ -499,10 +507,30 @@ class _TimedMethod:
             finally:
                 end(events)
 
-        setattr(obj, name, timed)
+        def timed_all_gather(*args: Any, **kwargs: Any) -> Any:
+            pending = getattr(obj, "_all_gather_result", None)
+            waited = state.wait_s
+            try:
+                return timed(*args, **kwargs)
+            finally:
+                got = getattr(obj, "_all_gather_result", None)
+                if pending is None and got is not None and getattr(got, "all_gather_input_split_sizes", None):  # [] on 1 rank
+                    out = got.all_gather_output
+                    state.comm_bytes += out.numel() * out.element_size()
+                    if state.comm_s is not None and events is None:
+                        # Gloo's all-gather blocks inside the wait just timed: its time is that
+                        # wait, from the same clock readings (readings of its own would count a
+                        # thread switch after the wait as communication, not as waiting).
+                        state.comm_s += max(0.0, state.wait_s - waited)
+
+        setattr(obj, name, timed_all_gather if all_gather else timed)
 
     def remove(self) -> None:
         self.obj.__dict__.pop(self.name, None)
+
+
+def _no_wait(_events: Any) -> None:
+    return None
 
 
 def _on_grad_outputs(output: Any, fn: Any) -> None:
@@ -557,6 +585,8 @@ def register_unshard_timer(model: torch.nn.Module, state: GradientState) -> list
     (forward, backward, prefetches). On CPU (gloo) the all-gather blocks in ``unshard``;
     on a device with timing events (CUDA, XPU) only ``wait_for_unshard`` holds the compute
     stream (it waits there for the all-gather stream), so only it is timed, with events.
+    Each FSDP2 all-gather's bytes (its output: the unsharded parameters) count in
+    ``comm_bytes``, and on CPU its seconds in ``comm_s``.
     FSDP1: its forward between the FSDP module's pre-hooks and the wrapped module's, and
     in backward the output tensor hooks around FSDP's own pre-backward hook.
     """
@@ -571,6 +601,9 @@ def register_unshard_timer(model: torch.nn.Module, state: GradientState) -> list
                 continue
             seen.add(id(group))
             events = timing_event(group.device.type)
-            for name in ("wait_for_unshard",) if events is not None else ("unshard", "wait_for_unshard"):
-                handles.append(_TimedMethod(group, name, state, events))
+            # On a host clock gloo's all-gather blocks in unshard: a wait, and its bytes and
+            # time. On a device only wait_for_unshard holds the compute stream: unshard then
+            # counts the all-gather's bytes alone.
+            handles.append(_TimedMethod(group, "unshard", state, events, all_gather=True, wait=events is None))
+            handles.append(_TimedMethod(group, "wait_for_unshard", state, events))
     return handles

@@ -170,7 +170,9 @@ def main() -> None:
     out: dict[str, Any] = {"rank": rank, "gradients": hook.gradients, "lookahead": hook.lookahead,
                            "acks": hook.acks, "shares": [list(t.shares) for t in hook.schedule.timeline()],
                            "compute_ms": [r.compute_ms for r in hook.history],
-                           "sync_wait_ms": [r.sync_wait_ms for r in hook.history]}
+                           "sync_wait_ms": [r.sync_wait_ms for r in hook.history],
+                           "comm_bytes": [r.comm_bytes for r in hook.history],
+                           "comm_ms": [r.comm_ms for r in hook.history]}
     params = full_params(model, args.wrap)
     if bn is not None:
         out["bn"] = {"steps": norm_steps, "tracked": int(bn.num_batches_tracked)}

@@ -61,6 +61,18 @@ def test_sharded_models_are_exact_under_changing_placements(tmp_path: Path, wrap
     assert ranks[0]["shares"] == [[6, 6], [3, 9], [12, 0], [7, 5]], "every placement was trained"
     assert ranks[0]["acks"] == ranks[1]["acks"]
     _check_params(ranks[0], _replay(STEPS))
+    if wrap == "fsdp2" and accum == 1:
+        # Communication counts the parameter all-gathers as well as the reduce-scatter: each
+        # Linear is its own FSDP2 group, resharded after forward, so a step gathers it in
+        # forward and again in backward, then reduce-scatters its gradient: 3 x the padded
+        # unsharded bytes (dim 0 padded to the world size), a drained rank's dummy step too.
+        padded = sum(-(-p.shape[0] // 2) * 2 * p[0].numel() * p.element_size()
+                     for p in sw.build_model(False).parameters())
+        for r in ranks:
+            assert r["comm_bytes"] == [3 * padded] * STEPS
+            # Gloo's all-gathers block: their time is inside the sync wait, never past it.
+            assert all(c <= w + 0.05 for c, w in zip(r["comm_ms"], r["sync_wait_ms"], strict=True)), \
+                    (r["comm_ms"], r["sync_wait_ms"])
 
 
 def test_a_drained_rank_leaves_batch_norm_statistics_alone(tmp_path: Path) -> None:

@@ -238,3 +238,34 @@ def test_a_cpu_rank_keeps_host_timestamps(monkeypatch: pytest.MonkeyPatch) -> No
     rec = _one_step(timer, grads, 0, torch.zeros(1))
     assert rec is not None and grads.events is None and DeviceClockEvent.made == 0
     assert (rec.compute_ms, rec.sync_wait_ms, rec.optimizer_ms) == pytest.approx((20.0, 25.0, 5.0))
+
+
+def test_an_fsdp2_all_gather_on_the_host_counts_exactly_the_wait_timed_around_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI's sharded test saw an FSDP2 step's communication time past its sync wait on a loaded
+    machine: the all-gather was timed with clock readings of its own, outside the wait's, so
+    a thread switch between them (the sender's turn at the GIL) counted as communication but
+    not as waiting. Both now come from the same readings: a gloo all-gather blocks, all inside
+    the wait."""
+    from trainer_hook import gradients
+
+    class Result:
+        all_gather_input_split_sizes = [4, 4]
+        all_gather_output = torch.zeros(8, dtype=torch.float32)
+
+    class Group:
+        _all_gather_result = None
+
+        def unshard(self) -> None:
+            self._all_gather_result = Result()
+
+    ticks = iter(range(100))  # every clock reading is 1 s after the one before
+    monkeypatch.setattr(gradients, "_now", lambda: float(next(ticks)))
+    grads = GradientState()
+    group = Group()
+    gradients._TimedMethod(group, "unshard", grads, None, all_gather=True)
+    group.unshard()
+    assert grads.comm_bytes == 32
+    assert grads.wait_s > 0
+    assert grads.comm_s == grads.wait_s
+    group.unshard()  # already gathered (FSDP's prefetch did it): no bytes, no time of its own
+    assert grads.comm_bytes == 32 and grads.comm_s == 1.0
