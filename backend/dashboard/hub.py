@@ -96,6 +96,10 @@ class JobChanges:
         jobs, self._jobs = self._jobs, set()
         return jobs
 
+    def __contains__(self, job: object) -> bool:
+        """Whether ``job`` was marked since the last ``take`` (the mark stays)."""
+        return job in self._jobs
+
 
 class DashboardHub:
     """Feeds dashboard websockets from live state and the controller's control snapshots."""
@@ -448,14 +452,12 @@ class DashboardHub:
     async def attach(self, send: Callable[[str], Any], job: str | None, actor: Any = None) -> None:
         """Push frames through ``send`` until it raises or the task is cancelled."""
         c = _Client(send=send, job=job, actor=actor)
-        if job is not None and job not in self._feeds:
-            with contextlib.suppress(Exception):
-                self._update(job, self._clock())
-        if job is None:
-            for j in self._live_jobs():
-                if j not in self._feeds:
-                    with contextlib.suppress(Exception):
-                        self._update(j, self._clock())
+        # A new client's snapshot is as new as REST: fold what ingest marked since the last
+        # tick first (the marks stay, so the next tick still wakes the other clients).
+        for j in [job] if job is not None else self._live_jobs():
+            if j not in self._feeds or j in self.changes:
+                with contextlib.suppress(Exception):
+                    self._update(j, self._clock())
         self._clients.add(c)
         try:
             c.wake.set()  # the snapshot goes out at once

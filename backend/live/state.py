@@ -27,6 +27,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any
@@ -101,8 +102,9 @@ class _Job:
     mesh: MeshShape | None = None  # a device-mesh job's shape, as its newest hello said it
     left_at: float = 0.0  # when its last connected rank went away
     step_hist: StepHistogram = field(default_factory=StepHistogram)  # rank 0's step times
-    # The newest ``communication`` answer and the ranks' revisions it was computed at.
-    comm_cached: tuple[tuple[int, ...], Communication] | None = None
+    # The newest ``communication`` answer: the ranks' revisions it was computed at, when it
+    # was done and what it cost (seconds of ``LiveState.clock``).
+    comm_cached: tuple[tuple[int, ...], Communication, float, float] | None = None
 
 
 @dataclass(slots=True)
@@ -186,6 +188,7 @@ def eta_seconds(total_steps: int | None, batch_index: int | None, step_ms: float
 _WORK_ROWS = 512  # work rows kept per rank: more than a policy window
 _SLOWEST_STEPS = 64  # slowest members kept per replica leader: more than a view's window
 _COMM_READINGS = 256  # steps with communication counters kept per rank
+_COMM_REUSE = 10.0  # a communication answer is reused until this many times its cost old
 
 
 def _work_rates(work: deque[tuple[int, float, float, float | None, float | None]], win: list[StepRow]) -> tuple[float | None, float | None]:
@@ -213,8 +216,10 @@ def _mean(vals: list[float]) -> float:
 class LiveState:
     """In-memory state of every job the backend has heard from since it started."""
 
-    def __init__(self, *, step_buffer: int = 2048, device_buffer: int = 600, window_steps: int = 20):
+    def __init__(self, *, step_buffer: int = 2048, device_buffer: int = 600, window_steps: int = 20,
+                 clock: Callable[[], float] = time.perf_counter):
         self.step_buffer = step_buffer
+        self.clock = clock  # times the communication assessment (its cost and age)
         self.device_buffer = device_buffer
         self.window_steps = window_steps
         self._lock = threading.Lock()
@@ -398,14 +403,21 @@ class LiveState:
 
     def communication(self, job: str) -> Communication | None:
         """The job's communication and what bounds its step over the newest
-        ``window_steps`` steps (``backend.policy.comm.assess``); None if the job is unknown."""
+        ``window_steps`` steps (``backend.policy.comm.assess``); None if the job is unknown.
+
+        The answer is computed again once a rank sent a step, but not before it is
+        ``_COMM_REUSE`` times as old as it took to compute: at thousands of ranks one
+        assessment takes a fifth of a second, and the dashboard, ``/metrics``, REST and the
+        policy all ask for it, so it stays within a tenth of a core (a small job's costs
+        microseconds and follows every step)."""
         with self._lock:
             j = self._jobs.get(job)
             if j is None:
                 return None
             key = tuple(r.rev for _, r in sorted(j.ranks.items()))
             cached = j.comm_cached
-            if cached is not None and cached[0] == key:
+            started = self.clock()
+            if cached is not None and (cached[0] == key or started - cached[2] < _COMM_REUSE * cached[3]):
                 return cached[1]
             n = self.window_steps
             kind = next((r.hello.comm_kind for r in j.ranks.values() if r.hello.comm_kind), "")
@@ -414,10 +426,11 @@ class LiveState:
             world = j.world_size
         steps = {rank: comm_steps(rows, comm) for rank, (rows, comm) in taken.items()}
         result = assess(kind, world, steps, window=n)
+        done = self.clock()
         with self._lock:
             j = self._jobs.get(job)
             if j is not None:
-                j.comm_cached = (key, result)
+                j.comm_cached = (key, result, done, done - started)
         return result
 
     def view(self, job: str) -> JobView | None:

@@ -318,3 +318,30 @@ async def test_big_job_sends_rank_columns_once_a_second_and_positions_between():
     task.cancel()
     assert len(sock.frames) == 1 + len(later) + 1
     assert sock.frames[-1]["control"]["mode"] == "approve"  # changed: sent once more
+
+
+@_run_async
+async def test_a_client_that_connects_between_ticks_gets_the_newest_state_at_once():
+    """CI found a dashboard's first frame one tick behind REST: a feed folded at hello time,
+    steps that arrived after, and a client connecting before the next tick got the old
+    summary (no times). A new client's snapshot folds what is pending first."""
+    svc = _services()
+    _register(svc.live)
+    hub = _hub(svc, clock=lambda: 0.0)  # frozen clock: no tick runs unless called
+    hub.notify("j")
+    hub.tick()  # the feed exists, folded before any step
+    for b in range(3):
+        _feed(svc.live, b)
+    hub.notify("j")  # ingest marked it; the next tick has not run
+    frames = {}
+    for job in ("j", None):
+        sock = FakeSocket()
+        task = asyncio.create_task(hub.attach(sock.send, job))
+        await _settle()
+        task.cancel()
+        frames[job] = sock.frames[0]
+    assert frames["j"]["series"]["b"] == [0, 1, 2]
+    assert frames["j"]["summary"]["batch_index"] == 2
+    assert [j["batch_index"] for j in frames[None]["jobs"]] == [2]
+    # The pending mark stays: the next tick still wakes the job's other clients.
+    assert hub.changes.take() == {"j"}
