@@ -69,6 +69,7 @@ class CostModel(TypedDict, total=False):
     r2_linear: float | None
     ranks_fitted: int
     ranks_quadratic: int
+    split_shift: float | None
     detail: str
 
 

@@ -435,7 +435,8 @@ def cost_model_public(model: dict[str, Any] | None, in_force: float, mode: str) 
     k the hooks split by; a fitted k not sent yet (observe mode) is said in the detail."""
     out: dict[str, Any] = dict(model) if model is not None else {
         "model": "samples", "length_sq_weight": 0.0, "r2": None, "r2_linear": None,
-        "ranks_fitted": 0, "ranks_quadratic": 0, "detail": "no per-sample cost: every sample costs 1"}
+        "ranks_fitted": 0, "ranks_quadratic": 0, "split_shift": None,
+        "detail": "no per-sample cost: every sample costs 1"}
     out["length_sq_weight_in_force"] = in_force
     if mode == "observe" and out["length_sq_weight"] != in_force:
         out["detail"] = f"{out['detail']} (observe mode: the hooks still split with k = {in_force:.3g})"

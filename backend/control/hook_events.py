@@ -29,6 +29,7 @@ class HookEvents(ControllerCore):
     async def on_hello(self, hello: Hello) -> Placement:
         """Return the placement in force; a new job gets version 0, the uniform split."""
         job = hello.job
+        self.policy.start()  # a job's first decisions are near: start the policy worker now
         st = await self._load(job)
         if st is None:
             mode = self.settings.default_mode

@@ -111,9 +111,11 @@ def all_said_hello(live: Any, job: str, world_size: int) -> bool:
 
 def observation_rows(live: Any, job: str, *, world_size: int, global_batch_size: int,
                      shares: Sequence[int], version: int, effective: int | None,
-                     window_steps: int, rollbacks: Sequence[Rollback] = ()) -> ObservationRows | None:
+                     window_steps: int, rollbacks: Sequence[Rollback] = (),
+                     length_sq_weight: float = 0.0) -> ObservationRows | None:
     """The policy's snapshot of a job from ``LiveState``, as rows (``ObservationRows``: the
     objects are built where the policy runs); None until every rank said hello.
+    ``length_sq_weight`` is the k of ``L + k*L^2`` the hooks split by.
 
     Each rank's steps are its newest ``window_steps`` steps with samples: a rank drained to
     share 0 keeps its last measured cost instead of looking unmeasured."""
@@ -140,7 +142,7 @@ def observation_rows(live: Any, job: str, *, world_size: int, global_batch_size:
         job=job, world_size=world_size, global_batch_size=global_batch_size,
         batch_index=view.batch_index or 0, shares=tuple(shares), placement_version=version,
         steps_since_change=max(0, (view.batch_index or 0) - (effective or 0)), ranks=tuple(ranks),
-        rollbacks=tuple(rollbacks), comm=live.communication(job),
+        rollbacks=tuple(rollbacks), comm=live.communication(job), length_sq_weight=length_sq_weight,
     )
 
 

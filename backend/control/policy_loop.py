@@ -68,19 +68,22 @@ class PolicyLoop(ControllerCore):
         obs = await asyncio.to_thread(
             inputs.observation_rows, self.live, st.job, world_size=st.world_size,
             global_batch_size=st.global_batch_size, shares=list(st.shares), version=st.version,
-            effective=st.effective, window_steps=cfg.window_steps,
+            effective=st.effective, window_steps=cfg.window_steps, length_sq_weight=st.length_sq_weight,
             # The policy does not retry a rolled-back direction until the cost changed.
             rollbacks=[Rollback(k, tuple(before), tuple(after)) for k, before, after in st.rollbacks])
         if obs is None:
             return  # no data yet
+        # A run's cost, which spaces the job's runs: copying the rows here plus the decision
+        # where it ran (not a policy worker's start-up, nor the wait for a busy one).
+        rows_s = time.perf_counter() - started
         try:
-            decision = await self.policy.decide(obs, cfg, constraints)
+            decision, cost_s = await self.policy.decide_timed(obs, cfg, constraints)
         except InfeasibleError as exc:
+            st.think_s = time.perf_counter() - started
             st.status, st.status_detail = "imbalanced", f"the overrides admit no placement: {exc}"
             self._publish(st)
             return
-        finally:
-            st.think_s = time.perf_counter() - started
+        st.think_s = rows_s + cost_s
         expl = decision.explanation
         if expl is not None and len(expl.ranks) == st.world_size:
             ranks = sorted(expl.ranks, key=lambda r: r.rank)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import TYPE_CHECKING, TypeAlias
@@ -52,32 +53,61 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _decide_rows(decide: Decide, obs: JobObservation | ObservationRows, cfg: PolicyConfig,
-                 cons: Constraints) -> Proposal | NoProposal:
-    """Build the observation's objects (here: in the worker) and decide."""
+                 cons: Constraints) -> tuple[Proposal | NoProposal, float]:
+    """Build the observation's objects (here: in the worker) and decide; also returns the
+    seconds that took, timed here, so a worker's start-up is not counted as its cost."""
     from backend.policy.types import ObservationRows
 
-    return decide(obs.build() if isinstance(obs, ObservationRows) else obs, cfg, cons)
+    started = time.perf_counter()
+    decision = decide(obs.build() if isinstance(obs, ObservationRows) else obs, cfg, cons)
+    return decision, time.perf_counter() - started
+
+
+def _warm() -> None:
+    """Worker start-up work done before the first decision needs it."""
+    import backend.policy  # noqa: F401  numpy and the policy's modules
 
 
 class PolicyRunner:
-    """Runs decisions in a worker process (``process=True``) or on a worker thread."""
+    """Runs decisions in a worker process (``process=True``) or on a worker thread.
+
+    ``decide_timed`` also says what a decision cost where it ran (building the observation's
+    objects and deciding), not the wait for it: the first call in a fresh worker process
+    also waits for the process to start and import numpy (about a second on a small
+    machine), which is no measure of what the next decision will cost. ``start`` begins
+    that start-up early (the controller calls it when a job says hello)."""
 
     def __init__(self, decide: Decide = default_decide, *, process: bool = False):
         self._decide = decide
         self.process = process
         self._pool: ProcessPoolExecutor | None = None
 
-    async def decide(self, obs: JobObservation | ObservationRows, cfg: PolicyConfig,
-                     cons: Constraints) -> Proposal | NoProposal:
-        """``obs`` as objects or as rows (built where the decision runs)."""
-        if not self.process:
-            return await asyncio.to_thread(_decide_rows, self._decide, obs, cfg, cons)
+    def _ensure_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             # spawn: the backend has threads (SQL gateway, uvicorn); fork would copy their locks.
             self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_exit_with_parent, initargs=(os.getpid(),))
+        return self._pool
+
+    def start(self) -> None:
+        """Start the worker process and its imports now, once (nothing to wait for: the first
+        decision queues behind them); a no-op on a thread or once started."""
+        if self.process and self._pool is None:
+            self._ensure_pool().submit(_warm)
+
+    async def decide(self, obs: JobObservation | ObservationRows, cfg: PolicyConfig,
+                     cons: Constraints) -> Proposal | NoProposal:
+        """``obs`` as objects or as rows (built where the decision runs)."""
+        return (await self.decide_timed(obs, cfg, cons))[0]
+
+    async def decide_timed(self, obs: JobObservation | ObservationRows, cfg: PolicyConfig,
+                           cons: Constraints) -> tuple[Proposal | NoProposal, float]:
+        """The decision and what it cost where it ran, in seconds (per call: runs for
+        different jobs may overlap)."""
+        if not self.process:
+            return await asyncio.to_thread(_decide_rows, self._decide, obs, cfg, cons)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, _decide_rows, self._decide, obs, cfg, cons)
+        return await loop.run_in_executor(self._ensure_pool(), _decide_rows, self._decide, obs, cfg, cons)
 
     def close(self) -> None:
         if self._pool is not None:

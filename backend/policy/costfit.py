@@ -24,12 +24,15 @@ from itertools import combinations
 import numpy as np
 
 __all__ = ["CostFit", "CostModel", "fit_cost", "sample_cost", "cost_model_moved", "MIN_STEPS", "F_MIN",
-           "MODEL_SAMPLES", "MODEL_LINEAR", "MODEL_FITTED", "K_CHANGE"]
+           "MODEL_SAMPLES", "MODEL_LINEAR", "MODEL_FITTED", "SPLIT_SHIFT"]
 
 MIN_STEPS = 6  # fewer steps than this: no fit
 F_MIN = 4.0  # F statistic the quadratic term must reach over the linear fit (about p < 0.05)
 COLLINEAR_TOL = 1e-3  # relative residual of sum(L^2) on [1, sum(L)] below this: not identifiable
-K_CHANGE = 0.25  # a fitted k this far (relative) from the one in force is sent to the hooks
+# A fitted model is sent to the hooks when it moves a rank's share of a batch's work by more
+# than this (median relative change over the recent steps): a split that far off costs about
+# that much step time, half the policy's default gain threshold.
+SPLIT_SHIFT = 0.025
 
 # The job's cost model, as the job view names it.
 MODEL_SAMPLES = "samples"  # no cost: every sample costs 1
@@ -42,9 +45,12 @@ class CostModel:
     """The cost model a job's split uses, and how well it explains the step times.
 
     ``length_sq_weight`` is k of ``L + k*L^2`` (0 unless fitted); ``r2`` the median over
-    the fitted ranks of the share of step-time variance the model in use explains (None
-    without a fit), ``r2_linear`` the same for the length alone (with lengths); ``ranks_fitted`` / ``ranks_quadratic`` how many ranks had a fit and how many
-    of those found the quadratic term; ``detail`` one sentence for humans."""
+    the fitted ranks of the share of step-time variance it explains (None without a fit),
+    ``r2_linear`` the same for the length alone (with lengths); ``ranks_fitted`` /
+    ``ranks_quadratic`` how many ranks had a fit and how many of those count for the
+    quadratic term; ``split_shift`` how far this model's k would move a rank's share of a
+    batch's work from the k in force (median relative change over the recent steps; None
+    without lengths); ``detail`` one sentence for humans."""
 
     model: str
     length_sq_weight: float = 0.0
@@ -52,25 +58,31 @@ class CostModel:
     r2_linear: float | None = None
     ranks_fitted: int = 0
     ranks_quadratic: int = 0
+    split_shift: float | None = None
     detail: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return {"model": self.model, "length_sq_weight": self.length_sq_weight, "r2": self.r2,
                 "r2_linear": self.r2_linear, "ranks_fitted": self.ranks_fitted, "ranks_quadratic": self.ranks_quadratic,
-                "detail": self.detail}
+                "split_shift": self.split_shift, "detail": self.detail}
 
 
 def cost_model_moved(in_force: float, model: CostModel) -> bool:
-    """Whether the job's cost model differs enough from the k in force to be worth a new
-    placement: the fitted model where the length is in force, a k more than ``K_CHANGE``
-    (relative) from the one in force, or the length again once no rank needs the quadratic
-    term any more (one noisy window where too few ranks clear the margin keeps the fit)."""
+    """Whether the job's cost model is worth a new placement: it moves a rank's share of a
+    batch's work by more than ``SPLIT_SHIFT`` from the k in force (``model.split_shift``,
+    measured against ``in_force``), and it is the fitted model where the length is in force,
+    a fitted k where another is, or the length again once no rank needs the quadratic term
+    any more (a noisy window where too few ranks count keeps the fit). A refit whose k moves
+    only where the split does not care (``k*L`` far above 1 for the lengths that carry the
+    work: they weigh as ``L^2`` either way) sends nothing."""
+    if model.split_shift is None or model.split_shift <= SPLIT_SHIFT:
+        return False
     fitted = model.length_sq_weight
     if in_force <= 0:
         return fitted > 0
     if fitted <= 0:
         return model.model != MODEL_FITTED and model.ranks_quadratic == 0
-    return abs(fitted / in_force - 1.0) > K_CHANGE
+    return True
 
 
 @dataclass(frozen=True, slots=True)

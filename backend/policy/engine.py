@@ -427,11 +427,13 @@ def decide(obs: JobObservation, config: PolicyConfig,
     'rank 3 is 2.0x slower per sample than the median; moving 24 samples ...'
 
     A decision on a job with costs carries its cost model (``work.job_cost_model``; None
-    without costs: samples): with sample lengths and a fitted ``a*L + b*L^2`` in use, work
-    is ``sum(L) + k*sum(L^2)`` throughout.
+    without costs: samples). With sample lengths and a fitted ``a*L + b*L^2`` in force
+    (``obs.length_sq_weight``), work is ``sum(L) + k*sum(L^2)`` throughout: the hooks split
+    by the k in force, so shares mean its units; a newly fitted k goes to the hooks first
+    (the controller) and the next decision reads shares in it.
     """
     model = job_cost_model(obs)
-    decision = _decide(obs, config, constraints, model.length_sq_weight)
+    decision = _decide(obs, config, constraints, obs.length_sq_weight)
     return decision if model.model == MODEL_SAMPLES else replace(decision, cost_model=model)
 
 

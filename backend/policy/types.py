@@ -125,6 +125,9 @@ class JobObservation(Compact):
     # The job's communication (``backend.policy.comm.assess``): its exposed part is added
     # to every predicted step, since no split changes it. None: unknown, priced as 0.
     comm: Communication | None = None
+    # k of ``L + k*L^2`` in force: the hooks split each batch's work by it, so shares are
+    # read in its units (0: lengths as they are, or no lengths).
+    length_sq_weight: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +151,7 @@ class ObservationRows(Compact):
     ranks: tuple[tuple[Any, ...], ...]
     rollbacks: tuple[Rollback, ...] = ()
     comm: Communication | None = None
+    length_sq_weight: float = 0.0
 
     def build(self) -> JobObservation:
         return JobObservation(
@@ -155,7 +159,7 @@ class ObservationRows(Compact):
             batch_index=self.batch_index, shares=self.shares, placement_version=self.placement_version,
             steps_since_change=self.steps_since_change,
             ranks=tuple(_rank_observation(*r) for r in self.ranks), rollbacks=self.rollbacks,
-            comm=self.comm)
+            comm=self.comm, length_sq_weight=self.length_sq_weight)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,10 +32,30 @@ from .costfit import (
 )
 from .types import JobObservation, StepSample
 
-__all__ = ["in_work_units", "mean_batch_work", "job_cost_model", "MIN_FIT_STEPS"]
+__all__ = ["in_work_units", "mean_batch_work", "job_cost_model", "split_shift", "MIN_FIT_STEPS"]
 
 MIN_FIT_STEPS = 2 * MIN_STEPS  # steps a rank needs before its quadratic term may count
-RESIDUAL_MARGIN = 0.2  # the quadratic fit must leave at least 20% less unexplained variance
+RESIDUAL_MARGIN = 0.5  # to adopt it, the quadratic fit must leave at most half the unexplained variance
+
+
+def _fit(s1: list[float], s2: list[float] | None, t: list[float]) -> CostFit | None:
+    """``fit_cost`` over all the rows (the linear model alone where ``s2`` is None)."""
+    return fit_cost(s1, s2 if s2 is not None else [0.0] * len(s1), t, window=max(MIN_STEPS, len(s1)))
+
+
+def _clear(fit: CostFit, lin: CostFit) -> bool:
+    """The quadratic fit leaves at most ``1 - RESIDUAL_MARGIN`` of the linear one's unexplained variance."""
+    return 1.0 - fit.r2 <= (1.0 - RESIDUAL_MARGIN) * (1.0 - lin.r2)
+
+
+def _clear_without_slowest(s1: list[float], s2: list[float], t: list[float], lin: CostFit) -> bool:
+    """The quadratic term still clears the margin with the step furthest above the linear fit left out."""
+    worst = max(range(len(t)), key=lambda i: t[i] - lin.step_ms(s1[i], 0.0))
+    keep = [i for i in range(len(t)) if i != worst]
+    s1k, s2k, tk = [s1[i] for i in keep], [s2[i] for i in keep], [t[i] for i in keep]
+    lin_k, fit_k = _fit(s1k, None, tk), _fit(s1k, s2k, tk)
+    return (lin_k is not None and fit_k is not None and fit_k.model == "quadratic"
+            and _clear(fit_k, lin_k))
 
 
 def _batch_work(s: StepSample, k: float) -> float | None:
@@ -94,10 +114,17 @@ def job_cost_model(obs: JobObservation) -> CostModel:
     Without costs: ``samples``. With a cost per sample: ``work (linear)``, with the median
     R^2 of each rank's time against its work. With lengths: each rank's steps are fitted
     to ``c + a*sum(L) + b*sum(L^2)`` (the quadratic term only where identifiable and
-    significant, ``fit_cost``). A rank counts for the quadratic model when it has at
-    least ``MIN_FIT_STEPS`` steps and its fit leaves at least ``RESIDUAL_MARGIN`` less of
-    the variance unexplained than the length alone (a clear margin, not the F test's
-    noise); when more than half of the fitted ranks count, the job's model is ``fitted
+    significant, ``fit_cost``). Which ranks count for the quadratic model depends on the
+    model in force (``obs.length_sq_weight``), so noise near the threshold switches nothing:
+
+    - to adopt it (the length in force), a rank needs at least ``MIN_FIT_STEPS`` steps and
+      a fit that leaves at most ``1 - RESIDUAL_MARGIN`` of the length alone's unexplained
+      variance, also with its slowest step (the largest residual against the length alone)
+      left out: the F test alone, asked at every look, found a term in a loaded machine's
+      noise on about one linear job in fourteen, and one stalled step on a long batch makes one;
+    - to keep it (a fitted k in force), the F test is enough.
+
+    When more than half of the fitted ranks count, the job's model is ``fitted
     a*L+b*L^2`` with k the median of their ``b/a`` (at most the wire's bound: a linear term
     near 0 makes k huge, and past it ``L + k*L^2`` orders samples as ``L^2`` alone does);
     otherwise ``work (linear)``.
@@ -106,6 +133,7 @@ def job_cost_model(obs: JobObservation) -> CostModel:
     if not any(with_work):
         return CostModel(MODEL_SAMPLES, detail="no per-sample cost: every sample costs 1")
     lengths = any(s.work_sq is not None for steps in with_work for s in steps)
+    keeping = obs.length_sq_weight > 0
     fits: list[CostFit] = []
     quad: list[CostFit] = []
     linear_r2: list[float] = []
@@ -114,16 +142,16 @@ def job_cost_model(obs: JobObservation) -> CostModel:
         if len(rows) < MIN_STEPS:
             continue
         s1, t = [float(s.work) for s in rows], [s.compute_ms for s in rows]  # type: ignore[arg-type]
-        zeros, window = [0.0] * len(rows), max(MIN_STEPS, len(rows))
-        lin = fit_cost(s1, zeros, t, window=window)
+        lin = _fit(s1, None, t)
         if lin is None:
             continue
-        fit = fit_cost(s1, [float(s.work_sq) for s in rows], t, window=window) if lengths else lin  # type: ignore[arg-type]
-        fit = fit if fit is not None else lin
+        s2 = [float(s.work_sq) for s in rows] if lengths else None  # type: ignore[arg-type]
+        fit = (_fit(s1, s2, t) if s2 is not None else None) or lin
         fits.append(fit)
         linear_r2.append(lin.r2)
-        if (fit.model == "quadratic" and fit.n_steps >= MIN_FIT_STEPS
-                and 1.0 - fit.r2 <= (1.0 - RESIDUAL_MARGIN) * (1.0 - lin.r2)):
+        if fit.model != "quadratic" or fit.n_steps < MIN_FIT_STEPS:
+            continue
+        if keeping or (_clear(fit, lin) and s2 is not None and _clear_without_slowest(s1, s2, t, lin)):
             quad.append(fit)
     r2 = statistics.median(f.r2 for f in fits) if fits else None
     if not lengths:
@@ -134,7 +162,7 @@ def job_cost_model(obs: JobObservation) -> CostModel:
         k = statistics.median(min(f.b_ms / f.a_ms, MAX_LENGTH_SQ_WEIGHT) if f.a_ms > 0 else MAX_LENGTH_SQ_WEIGHT
                               for f in quad)
         return CostModel(MODEL_FITTED, length_sq_weight=k, r2=r2, r2_linear=r2_lin, ranks_fitted=len(fits),
-                         ranks_quadratic=len(quad),
+                         ranks_quadratic=len(quad), split_shift=split_shift(with_work, obs.length_sq_weight, k),
                          detail=f"{len(quad)} of {len(fits)} ranks fit time = c + a*sum(L) + b*sum(L^2) "
                                 f"better than the length alone; a sample of length L costs L + {k:.3g}*L^2")
     why = next((f.note for f in fits if f.note), "") if fits else ""
@@ -142,4 +170,26 @@ def job_cost_model(obs: JobObservation) -> CostModel:
               f"quadratic term{' (' + why + ')' if why else ''}" if fits else
               f"lengths weighed as they are until {MIN_STEPS} steps per rank allow a fit")
     return CostModel(MODEL_LINEAR, r2=r2_lin, r2_linear=r2_lin, ranks_fitted=len(fits),
-                     ranks_quadratic=len(quad), detail=detail)
+                     ranks_quadratic=len(quad), split_shift=split_shift(with_work, obs.length_sq_weight, 0.0),
+                     detail=detail)
+
+
+def split_shift(steps: list[list[StepSample]], k_from: float, k_to: float) -> float | None:
+    """How far weighing samples ``L + k_to*L^2`` instead of ``L + k_from*L^2`` moves a rank's
+    share of its batch's work: the median over the ranks' steps (with lengths) of the
+    relative change of ``work / batch_work``. None without such steps."""
+    changes = []
+    for rows in steps:
+        for s in rows:
+            if s.work_sq is None or s.batch_work_sq is None:
+                continue  # no lengths: k changes nothing
+            before, after = _work_share(s, k_from), _work_share(s, k_to)
+            if before is not None and after is not None and before > 0:
+                changes.append(abs(after / before - 1.0))
+    return statistics.median(changes) if changes else None
+
+
+def _work_share(s: StepSample, k: float) -> float | None:
+    """A step's share of its batch's work, samples weighed ``L + k*L^2``."""
+    w, bw = _work(s, k), _batch_work(s, k)
+    return w / bw if w is not None and bw else None

@@ -138,6 +138,39 @@ def test_while_warming_up_every_frame_may_bring_the_first_proposal(make):
     assert j.ctl.job_control(JOB)["pending_proposal"] is not None
 
 
+class _ColdRunner(PolicyRunner):
+    """A runner whose first call waits half a second before deciding, as the first call in a
+    fresh worker process waits for the process to start."""
+
+    def __init__(self) -> None:
+        super().__init__(process=False)
+        self.cold = True
+
+    async def decide_timed(self, obs, cfg, cons):
+        if self.cold:
+            self.cold = False
+            await asyncio.sleep(0.5)
+        return await super().decide_timed(obs, cfg, cons)
+
+
+def test_a_slow_first_start_of_the_policy_worker_does_not_hold_the_warm_up_back(tmp_path):
+    """Runs are spaced by five times their cost; the worker's start is no part of that cost.
+    Counted in, it spaced a short-step job's warm-up runs by seconds (bench.tokens --real,
+    B=16: the first proposal 40 steps late)."""
+    j = Job(tmp_path, "approve")
+    j.svc.controller.policy = _ColdRunner()
+    j.hello()
+    j.steps(2)
+    j.tick()
+    st = j.ctl._jobs[JOB]
+    assert j.ctl.job_control(JOB)["status"] == "warming_up"
+    assert st.think_s < 0.25, st.think_s
+    j.steps(3)
+    j.clock.t += 0.1
+    asyncio.run(policy_tick(j.ctl, JOB))
+    assert j.ctl.job_control(JOB)["pending_proposal"] is not None
+
+
 def test_a_frame_that_lands_during_a_warm_up_run_makes_it_run_again(tmp_path):
     import threading
 
@@ -342,14 +375,17 @@ def test_a_fitted_cost_model_is_shown_in_observe_mode_and_sent_in_approve_mode(m
         st = j.ctl.job_control(JOB)
         shares, version = st["placement"]["shares"], st["placement"]["version"]
         for _ in range(n):
-            for r, share in enumerate(shares):
+            sums = []
+            for share in shares:
                 lens = [rng.randint(1000, 3000) if rng.random() < 0.2 else rng.randint(20, 200) for _ in range(share)]
-                s1, s2 = float(sum(lens)), float(sum(v * v for v in lens))
+                sums.append((float(sum(lens)), float(sum(v * v for v in lens))))
+            b1, b2 = sum(s1 for s1, _ in sums), sum(s2 for _, s2 in sums)  # the global batch's
+            for r, (share, (s1, s2)) in enumerate(zip(shares, sums, strict=True)):
                 ms = 1.0 + 0.002 * s1 + 1e-5 * s2
                 rec = StepRecord(batch_index=j.k, local_batch_size=share, placement_version=version,
                                  data_wait_ms=0.1, compute_ms=ms, sync_wait_ms=0.0, optimizer_ms=0.3,
-                                 step_ms=ms + 1.0, t=1000.0 + j.k, work=s1, batch_work=3 * s1,
-                                 work_sq=s2, batch_work_sq=3 * s2)
+                                 step_ms=ms + 1.0, t=1000.0 + j.k, work=s1, batch_work=b1,
+                                 work_sq=s2, batch_work_sq=b2)
                 j.svc.live.add_metrics(Metrics(job=JOB, rank=r, steps=[rec]))
             j.k += 1
 

@@ -54,7 +54,9 @@ def test_fast_rank_with_little_memory_is_capped_below_its_speed_share(tmp_path: 
         prop = wait_for("a proposal", lambda: (
             (r := call(server, "GET", f"{base}/proposals?status=proposed", ADMIN))[0] == 200
             and r[1]["count"] and r[1]["data"][0]), proc=proc, log=out)
-        assert prop["shares"] == [26, 11, 11], prop
+        # Ranks 1 and 2 are alike and split the rest by their measured speed: 11 each on a quiet
+        # machine; a proposal made from the first few steps on a loaded one (CI) gave 13 and 9.
+        assert prop["shares"][0] == 26 and sum(prop["shares"]) == 48 and min(prop["shares"][1:]) >= 8, prop
         assert "rank 0 is capped at 26 samples by memory" in prop["reason"], prop["reason"]
         assert "; speed alone would give it " in prop["reason"], prop["reason"]
         r0 = prop["explanation"]["ranks"][0]

@@ -88,14 +88,14 @@ async def _auto_job(svc: Any, ctl: Any) -> list[Any]:
 
 def test_ranks_leaving_while_the_policy_decides_get_no_placement(env):
     svc, ctl = env
-    decide = ctl.policy.decide
+    decide = ctl.policy.decide_timed  # what the controller calls: the decision and its cost
 
     async def decide_then_everyone_leaves(*args: Any, **kw: Any) -> Any:
         got = await decide(*args, **kw)
         goodbye_all(svc)  # the goodbyes land while the policy is thinking
         return got
 
-    ctl.policy.decide = decide_then_everyone_leaves
+    ctl.policy.decide_timed = decide_then_everyone_leaves
 
     async def scenario() -> list[Any]:
         socks = await _auto_job(svc, ctl)

@@ -64,6 +64,30 @@ def test_decisions_in_the_worker_process_match_the_thread():
     assert in_process.shares[2] < 16
 
 
+@pytest.mark.multiproc
+def test_a_decision_costs_its_own_time_not_the_worker_start():
+    """The scheduler spaces a job's runs by five times their cost. The first decision in a
+    fresh worker process also pays for spawning it and importing numpy (about a second
+    here): counted as the decision's cost, it held a short-step job's warm-up runs back for
+    seconds, and the first proposal came 40 steps late (bench.tokens --real, B=16). The cost
+    is measured where the decision runs; both figures come from the same call."""
+    import time
+
+    obs, cfg = _observation(), PolicyConfig(strategy="profiled", min_steps=5)
+
+    async def first_call() -> tuple[float, float]:
+        runner = PolicyRunner(process=True)
+        try:
+            started = time.perf_counter()
+            _, cost = await runner.decide_timed(obs, cfg, Constraints())
+            return time.perf_counter() - started, cost
+        finally:
+            runner.close()
+
+    wall, cost = asyncio.run(first_call())
+    assert 0 < cost < wall / 3, (cost, wall)
+
+
 _KILLED_PARENT = """
 import asyncio, sys
 from backend.control.policy_runs import PolicyRunner

@@ -23,6 +23,7 @@ from backend.live.replicas import replica_rows, stored_replica_rows
 from backend.live.state import JobView, RankView
 from backend.parts import Parts
 from backend.policy.comm import RankComm
+from backend.policy.costfit import SPLIT_SHIFT
 from backend.storage import metrics as store
 from rebalancer_wire.protocol import LINK_FIELDS, MAX_BATCH_INDEX, MAX_WORLD_SIZE
 
@@ -107,7 +108,12 @@ class CostModelPublic(BaseModel):
     r2: float | None = Field(None, description="Median over fitted ranks of the step-time variance the model explains.")
     r2_linear: float | None = Field(None, description="The same for the length alone (jobs that give lengths).")
     ranks_fitted: int = 0
-    ranks_quadratic: int = Field(0, description="Ranks whose fit needs the quadratic term by a clear margin.")
+    ranks_quadratic: int = Field(0, description=(
+        "Ranks that count for the quadratic term: by a clear margin (slowest step left out) to adopt it, by "
+        "its F test to keep a fitted k in force."))
+    split_shift: float | None = Field(None, description=(
+        "How far the model's k would move a rank's share of a batch's work from the k in force (median "
+        f"relative change over recent steps); a new k is sent past {SPLIT_SHIFT:g}. Null without lengths."))
     detail: str = ""
 
 
