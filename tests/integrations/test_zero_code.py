@@ -1,4 +1,4 @@
-"""`rebalancer run -- torchrun ...`: plain DDP, FSDP2 and HF Trainer scripts with no
+"""`rebalancer run -- torchrun ...`: plain DDP, FSDP2, HF Trainer and Accelerate scripts with no
 rebalancer import are monitored by a real backend; a broken injection changes neither its output nor
 its exit code (trainer_hook.zero_code, trainer_hook/_site/sitecustomize.py)."""
 
@@ -93,13 +93,15 @@ def test_rebalancer_run_monitors_a_plain_ddp_script_live(server: Server, baselin
 
 FSDP2_SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "_plain_fsdp2_job.py")
 HF_SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "_plain_hf_job.py")
+ACCELERATE_SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "_plain_accelerate_job.py")
 
 
 @pytest.mark.parametrize(("job", "script", "framework", "local"), [
     ("fsdp2", [FSDP2_SCRIPT, "12", "30"], "ddp", 8),  # rank 1 computes 30 ms longer a step
     ("hf", [HF_SCRIPT, "{tmp}", "12"], "hf_trainer", 4),
-], ids=["fsdp2", "hf-trainer"])
-def test_rebalancer_run_monitors_fsdp2_and_hf_trainer_scripts(server: Server, tmp_path: Path, job, script,
+    ("accelerate", [ACCELERATE_SCRIPT, "12", "30"], "accelerate", 8),  # rank 1 30 ms longer a step
+], ids=["fsdp2", "hf-trainer", "accelerate"])
+def test_rebalancer_run_monitors_fsdp2_hf_trainer_and_accelerate_scripts(server: Server, tmp_path: Path, job, script,
                                                               framework, local):
     # Unchanged scripts: every rank's 12 steps arrive with their data wait, compute and sync
     # wait; the script's own output is all there is on stdout, its exit status is kept.
@@ -117,7 +119,7 @@ def test_rebalancer_run_monitors_fsdp2_and_hf_trainer_scripts(server: Server, tm
         assert r["n_steps"] == 12 and r["batch_index"] == 11 and r["local_batch_size"] == local
         assert r["step_ms"] > 0 and r["compute_ms"] > 0 and r["data_wait_ms"] >= 0
         assert r["step_ms"] >= r["compute_ms"] and r["sync_wait_ms"] >= 0
-    if job == "fsdp2":  # FSDP2's reduce-scatters and all-gathers: the straggler's peer waits in them
+    if job in ("fsdp2", "accelerate"):  # the straggler's peer waits in the collectives
         assert ranks[1]["compute_ms"] > ranks[0]["compute_ms"] and ranks[0]["sync_wait_ms"] > ranks[1]["sync_wait_ms"]
     assert server.get(f"/api/v1/jobs/{job}")["mode"] == "observe"  # type: ignore[index]
 
