@@ -22,12 +22,14 @@ mostly counts the machine's wobble), placements applied and rollbacks.
 
     python -m bench.reaction [--quick | --tiny | --cases [--only EVENT ...]] [--lookahead N]
     python -m bench.reaction --cases --only drift --lookahead 1   # the drift case alone
+    python -m bench.reaction --cases --only slowdown:3:2 --per-sample-ms 8 --busy 2   # long steps, loaded
     python -m bench.reaction --sim      # the closed-loop simulator (bench/reaction_sim.py)
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,6 +46,7 @@ from bench._analysis import (
 )
 from bench._backend import running_backend, stop_on_sigterm
 from bench._jobs import JobSpec, run_job
+from bench._load import busy_loops
 from bench._report import RESULTS_DIR, print_table, write_json
 
 __all__ = ["ReactionRow", "run_reaction", "cost_at", "main"]
@@ -69,6 +72,9 @@ class ReactionRow:
     rollbacks: int = 0
     global_batch_size: int = 64
     excess_ms_split: float | None = None  # the same by the model, from the placement timeline
+    # The same reaction in seconds: the measured step times from the event to that step.
+    seconds_to_within_10pct: float | None = None
+    step_ms_before_event: float | None = None  # median measured step before the event: short or long steps
 
 
 def cost_at(spec: JobSpec, step: int) -> tuple[list[float], list[float]]:
@@ -129,14 +135,17 @@ def run_reaction(
     name: str = "reaction", plot: bool = True, global_batch_size: int = 64,
     per_sample_ms: float = 2.0, fixed_ms: float = 2.0, drift_pct: float = 1.0,
     cases: tuple[tuple[str, tuple[str, ...]], ...] | None = None, lookahead: int | None = None,
+    busy: int = 0,
 ) -> dict[str, Any]:
     """Run each event under each strategy (or each of ``cases``: event, its strategies);
-    write ``<name>.json`` and ``<name>.png``."""
+    write ``<name>.json`` and ``<name>.png``. ``busy`` processes spin on the CPUs meanwhile
+    (a loaded machine)."""
     plan = cases if cases is not None else tuple((ev, strategies) for ev in events)
     rows: list[ReactionRow] = []
     plots: dict[str, dict[str, Any]] = {}
     base = dict(speeds=SPEEDS, per_sample_ms=per_sample_ms, fixed_ms=fixed_ms, lookahead=lookahead)
-    with tempfile.TemporaryDirectory(prefix="rb-react-") as tmp, running_backend(Path(tmp)) as backend:
+    with tempfile.TemporaryDirectory(prefix="rb-react-") as tmp, running_backend(Path(tmp)) as backend, \
+            busy_loops(busy):
         overheads: dict[int, float] = {}
 
         def overhead_for(b: int) -> float:
@@ -167,12 +176,12 @@ def run_reaction(
                 n = min(len(run.step_ms), len(ref))
                 ys, r = run.step_ms[:n], ref[:n]
                 exc = excess_ms(ys, lambda k, r=r: r[k], start=event)
+                within = steps_until_split_within(run.placements, lambda k, spec=spec: cost_at(spec, k), n, b, 0.10,
+                                                  start=event)
                 rolled = sum(1 for p in run.backend_placements if p.get("source") == "rollback")
                 rows.append(ReactionRow(
                     event=ev, strategy=strategy,
-                    steps_to_within_10pct=steps_until_split_within(
-                        run.placements, lambda k, spec=spec: cost_at(spec, k), n, b, 0.10,
-                        start=event),
+                    steps_to_within_10pct=within,
                     steps_to_within_10pct_measured=steps_until_within(
                         ys, lambda k, r=r: r[k], 0.10, start=event),
                     excess_ms=round(exc, 1), excess_ms_per_step=round(exc / max(1, n - event), 2),
@@ -182,6 +191,9 @@ def run_reaction(
                     rollbacks=rolled, global_batch_size=b,
                     excess_ms_split=round(split_excess_ms(
                         run.placements, lambda k, spec=spec: cost_at(spec, k), n, b, start=event), 1),
+                    seconds_to_within_10pct=(round(sum(ys[event:event + within]) / 1000.0, 2)
+                                             if within is not None else None),
+                    step_ms_before_event=round(statistics.median(ys[max(0, event - 20):event]), 1) if event else None,
                 ))
                 series[strategy] = ys
                 timelines[strategy] = run.placements
@@ -191,16 +203,16 @@ def run_reaction(
                             "placements": timelines}
     print_table(
         "Reaction (4 ranks; steps until within 10% of the moving oracle; excess over it, ms)",
-        ["event", "strategy", "steps to 10%", "measured", "excess ms", "excess ms (split)",
-         "excess ms/step", "final ms", "oracle ms", "placements", "rollbacks"],
-        [[r.event, r.strategy, r.steps_to_within_10pct, r.steps_to_within_10pct_measured, r.excess_ms,
-          r.excess_ms_split, r.excess_ms_per_step, r.steady_after_ms, r.reference_end_ms,
-          r.placements_applied, r.rollbacks] for r in rows],
+        ["event", "strategy", "step ms before", "steps to 10%", "seconds", "measured", "excess ms",
+         "excess ms (split)", "excess ms/step", "final ms", "oracle ms", "placements", "rollbacks"],
+        [[r.event, r.strategy, r.step_ms_before_event, r.steps_to_within_10pct, r.seconds_to_within_10pct,
+          r.steps_to_within_10pct_measured, r.excess_ms, r.excess_ms_split, r.excess_ms_per_step,
+          r.steady_after_ms, r.reference_end_ms, r.placements_applied, r.rollbacks] for r in rows],
     )
     payload = {
         "config": {"steps": steps, "event_step": event, "slow_rank": SLOW_RANK,
                    "global_batch_size": global_batch_size, "per_sample_ms": per_sample_ms,
-                   "fixed_ms": fixed_ms, "drift_pct_per_step": drift_pct, "lookahead": lookahead,
+                   "fixed_ms": fixed_ms, "drift_pct_per_step": drift_pct, "lookahead": lookahead, "busy": busy,
                    "overhead_ms": {str(k): round(v, 2) for k, v in overheads.items()}},
         "rows": [asdict(r) for r in rows],
         "series": plots,
@@ -228,7 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--event", type=int, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--per-sample-ms", type=float, default=2.0,
+                    help="injected compute per sample at speed 1 (2: ~45 ms steps at B 64; 8: ~150 ms)")
+    ap.add_argument("--fixed-ms", type=float, default=2.0, help="injected compute per step")
+    ap.add_argument("--busy", type=int, default=0, help="busy-looping processes beside the jobs (a loaded machine)")
+    ap.add_argument("--name", default=None, help="results file name (without .json) instead of the one made up")
     args = ap.parse_args(argv)
+    job = {"per_sample_ms": args.per_sample_ms, "fixed_ms": args.fixed_ms, "busy": args.busy}
+    suffix = (f"_{args.per_sample_ms:g}ms" if args.per_sample_ms != 2.0 else "") + (
+        f"_busy{args.busy}" if args.busy else "")
     cases = CASES
     if args.only:
         cases = tuple(c for c in CASES if c[0] in args.only)
@@ -242,16 +262,16 @@ def main(argv: list[str] | None = None) -> int:
         return reaction_sim.main(["--out", str(args.out / "reaction_sim.json")])
     if args.tiny:
         run_reaction(steps=30, event=10, strategies=("uniform",), events=("slowdown",), out_dir=args.out,
-                     lookahead=args.lookahead)
+                     lookahead=args.lookahead, name="reaction" + suffix, **job)
     elif args.quick:
-        run_reaction(**QUICK, out_dir=args.out, lookahead=args.lookahead)
+        run_reaction(**QUICK, out_dir=args.out, lookahead=args.lookahead, name="reaction" + suffix, **job)
     elif args.cases:
-        name = "reaction_cases" if cases == CASES else "reaction_" + "_".join(
-            ev.replace(":", "-").replace(".", "p") for ev, _ in cases)
+        name = args.name or ("reaction_cases" if cases == CASES else "reaction_" + "_".join(
+            ev.replace(":", "-").replace(".", "p") for ev, _ in cases)) + suffix
         run_reaction(steps=args.steps or 150, event=args.event or 60, cases=cases,
-                     out_dir=args.out, name=name, lookahead=args.lookahead)
+                     out_dir=args.out, name=name, lookahead=args.lookahead, **job)
     else:
-        run_reaction(out_dir=args.out, lookahead=args.lookahead)
+        run_reaction(out_dir=args.out, lookahead=args.lookahead, name="reaction" + suffix, **job)
     return 0
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import re
 import statistics
@@ -32,13 +31,14 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench._backend import free_port, running_backend, stop_on_sigterm
 from bench._launch import LaunchResult, first_stacks, launch, torchrun_cmd
+from bench._load import busy_loops
 from bench._report import RESULTS_DIR, machine
 
 __all__ = ["PATHS", "MAIN_PATHS", "CI_PATHS", "Path_", "classify", "run_soak", "main"]
@@ -166,26 +166,6 @@ class PathStats:
         }
 
 
-@contextlib.contextmanager
-def _burners(n: int) -> Iterator[None]:
-    procs = [mp.get_context("spawn").Process(target=_burn, daemon=True) for _ in range(n)]
-    for p in procs:
-        p.start()
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.join(5)
-
-
-def _burn() -> None:
-    x = 0
-    while True:
-        x = (x * 1103515245 + 12345) % 2**31
-
-
 def run_soak(
     paths: list[str], runs: int, *, burn: int = 0, log_dir: Path, max_minutes: float | None = None,
     timeout_s: float | None = None, progress: Callable[[str], None] = print,
@@ -200,7 +180,7 @@ def run_soak(
     load0 = os.getloadavg()[0]
     stopped_early = False
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_burners(burn))
+        stack.enter_context(busy_loops(burn))
         live = None
         if any(PATHS[p].backend == "live" for p in paths):
             live = stack.enter_context(running_backend(Path(stack.enter_context(

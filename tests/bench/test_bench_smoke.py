@@ -183,3 +183,19 @@ def test_a_mesh_jobs_split_is_over_replicas_at_their_slowest_members_speed() -> 
     assert _worker_args(spec, backend, Path("r.json"))[-2:] == ["--wrap", "dp_tp"]
     plain = JobSpec(job="p", speeds=speeds, steps=10)
     assert plain.replica_speeds == list(speeds) and "--wrap" not in _worker_args(plain, backend, Path("r"))
+
+
+def test_busy_loops_spin_while_the_block_runs_and_leave_no_process() -> None:
+    import multiprocessing
+    import os
+
+    from bench._load import busy_loops
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    with busy_loops(2):
+        spinning = [p for p in multiprocessing.active_children() if p.pid not in before]
+        assert len(spinning) == 2 and all(p.is_alive() for p in spinning)
+    assert not [p for p in spinning if p.is_alive()]
+    for p in spinning:
+        with pytest.raises(ProcessLookupError):
+            os.kill(p.pid, 0)  # reaped, not a zombie
