@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.policy import decide
-from backend.policy.costfit import fit_cost
+from backend.policy.costfit import fit_cost, shared_length_sq_weight
 from backend.policy.types import JobObservation, PolicyConfig, Proposal, RankObservation, StepSample
 from trainer_hook.sampler import lpt_partition
 
@@ -95,10 +95,11 @@ def _true_cost(lens: list[float], quad: bool) -> list[float]:
 
 
 def _ratio_b_over_a(fits_in: list[tuple[list[float], list[float], list[float]]]) -> tuple[float, list[Any]]:
+    """The product's k: fitted over the ranks whose own fit needs the quadratic term (0 without one)."""
     fits = [fit_cost(*f) for f in fits_in]
-    ratios = sorted(f.b_ms / f.a_ms for f in fits if f is not None and f.model == "quadratic" and f.a_ms > 0)
+    quad = [rows for rows, f in zip(fits_in, fits, strict=True) if f is not None and f.model == "quadratic"]
     shown = [f.as_dict() if f is not None else None for f in fits]
-    return (ratios[len(ratios) // 2] if ratios else 0.0), shown
+    return (shared_length_sq_weight(quad) if quad else 0.0), shown
 
 
 def run_case(b: int, steps: int = 120, seed: int = 0, *, quad: bool = False,

@@ -12,6 +12,13 @@ batch make it so), and adding it must explain the step times better than the lin
 more than noise (an F test of the extra term, F >= ``F_MIN``). Otherwise the fit falls back
 to the linear model and says why. Too few steps, or non-finite / negative inputs, give no
 fit at all (None, or ``ValueError`` for bad input), never a guess.
+
+The job's k of ``L + k*L^2`` (``b/a``) is fitted once over the ranks that need the quadratic
+term, not taken from each rank's own ``b/a`` (``shared_length_sq_weight``): the ranks run one
+model on one kind of data, so they share the cost's shape and differ in speed. Each rank's own
+linear term is small beside a loaded machine's noise and its ``b/a`` swings by orders of
+magnitude from window to window; over all the ranks at once, with the steps the machine
+slowed left out, k is steady.
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ from itertools import combinations
 
 import numpy as np
 
-__all__ = ["CostFit", "CostModel", "fit_cost", "sample_cost", "cost_model_moved", "MIN_STEPS", "F_MIN",
-           "MODEL_SAMPLES", "MODEL_LINEAR", "MODEL_FITTED", "SPLIT_SHIFT"]
+from rebalancer_wire.protocol import MAX_LENGTH_SQ_WEIGHT
+
+__all__ = ["CostFit", "CostModel", "fit_cost", "sample_cost", "cost_model_moved", "shared_length_sq_weight",
+           "MIN_STEPS", "F_MIN", "MODEL_SAMPLES", "MODEL_LINEAR", "MODEL_FITTED", "SPLIT_SHIFT"]
 
 MIN_STEPS = 6  # fewer steps than this: no fit
 F_MIN = 4.0  # F statistic the quadratic term must reach over the linear fit (about p < 0.05)
@@ -33,6 +42,16 @@ COLLINEAR_TOL = 1e-3  # relative residual of sum(L^2) on [1, sum(L)] below this:
 # than this (median relative change over the recent steps): a split that far off costs about
 # that much step time, half the policy's default gain threshold.
 SPLIT_SHIFT = 0.025
+
+# The shared k is searched on a log grid from K_MIN to the wire's bound, 12 points a decade
+# (21% apart: a split that far off in k moves a rank's share of work far less than
+# SPLIT_SHIFT); over at most K_RANKS ranks (more add nothing to one number but time), and
+# with each rank's TRIM share of steps furthest above its fit left out.
+K_MIN = 1e-6
+K_GRID = np.append(np.logspace(math.log10(K_MIN), math.log10(MAX_LENGTH_SQ_WEIGHT), 145)[:-1], MAX_LENGTH_SQ_WEIGHT)
+K_RANKS = 64
+TRIM = 0.3
+GOLDEN_STEPS = 16  # narrows a grid interval of 46% to under 0.03%
 
 # The job's cost model, as the job view names it.
 MODEL_SAMPLES = "samples"  # no cost: every sample costs 1
@@ -180,6 +199,90 @@ def fit_cost(sum_l: Sequence[float], sum_l2: Sequence[float], step_ms: Sequence[
     if f_stat < F_MIN:
         return _with_note(linear, f"quadratic term not significant (F = {f_stat:.1f} < {F_MIN:g})")
     return CostFit("quadratic", float(q_coef[0]), float(q_coef[1]), float(q_coef[2]), r2(q_sse), n)
+
+
+def shared_length_sq_weight(ranks: Sequence[tuple[Sequence[float], Sequence[float], Sequence[float]]]) -> float:
+    """The k of ``L + k*L^2`` that best explains the step times of all these ranks at once.
+
+    One entry per rank: its steps' ``sum(L)``, ``sum(L^2)`` and compute ms (checked as
+    ``fit_cost`` checks them). Each rank keeps its own fixed cost and speed: its times are
+    fitted as ``c_r + a_r * (sum(L) + k*sum(L^2))`` (both >= 0), and k is the one with the
+    least squared error summed over the ranks (the best point of ``K_GRID``, then a golden-section
+    search between its neighbours), each rank's ``TRIM`` share
+    of steps furthest above its fit left out (a step only ever runs late: a wake-up after a
+    sleep, a stall, another process's turn; never early). Where the bound fits as well (within
+    the F test's margin), k is the least one from which every k up to the bound does: where
+    the samples' cost levels off at ``L^2``. Ranks past ``K_RANKS`` are not read.
+    Raises ``ValueError`` without a rank of at least ``MIN_STEPS`` steps.
+    """
+    rows = []
+    for s1, s2, t in ranks[:K_RANKS]:
+        a1, a2, at = _check("sum_l", s1), _check("sum_l2", s2), _check("step_ms", t)
+        if not len(a1) == len(a2) == len(at):
+            raise ValueError(f"sum_l, sum_l2 and step_ms differ in length ({len(a1)}, {len(a2)}, {len(at)})")
+        if len(at) >= MIN_STEPS:
+            rows.append((a1, a2, at))
+    if not rows:
+        raise ValueError(f"a shared k needs a rank with at least {MIN_STEPS} steps")
+    n = max(len(r[2]) for r in rows)
+    s1m, s2m, tm, valid = (np.zeros((len(rows), n)) for _ in range(4))
+    for i, (a1, a2, at) in enumerate(rows):
+        s1m[i, :len(at)], s2m[i, :len(at)], tm[i, :len(at)], valid[i, :len(at)] = a1, a2, at, 1.0
+    dropped = (valid.sum(axis=1) - np.ceil((1.0 - TRIM) * valid.sum(axis=1)))[:, None]  # per rank
+
+    def error(k: float) -> float:
+        x = s1m + k * s2m
+        c, a = _line(x, tm, valid)
+        resid = np.where(valid > 0, tm - c - a * x, -np.inf)
+        above = np.argsort(np.argsort(-resid, axis=1), axis=1)  # 0: the step furthest above the fit
+        kept = valid * (above >= dropped)
+        c, a = _line(x, tm, kept)
+        return float(np.sum(kept * (tm - c - a * x) ** 2))
+
+    err = np.array([error(float(k)) for k in K_GRID])
+    best = int(np.argmin(err))
+    # Past some k every sample weighs as L^2 and the error levels off. Where the data cannot
+    # tell the bound from the best k (a per-token term below the noise), k is where that
+    # plateau begins: the least curvature they support, not a point at random along it.
+    dof = max(1.0, float(np.sum(valid) - np.sum(dropped)) - 2 * len(rows) - 1)
+    level = err[best] * (1.0 + F_MIN / dof)
+    if err[-1] <= level:
+        best = len(err) - 1
+        while best > 0 and err[best - 1] <= level:
+            best -= 1
+        return float(K_GRID[best])
+    if best == 0:
+        return float(K_GRID[0])
+    # A minimum inside the grid: golden-section search between its neighbours, in log k.
+    lo, hi = math.log(K_GRID[best - 1]), math.log(K_GRID[min(best + 1, len(K_GRID) - 1)])
+    g = (math.sqrt(5.0) - 1.0) / 2.0
+    m1, m2 = hi - g * (hi - lo), lo + g * (hi - lo)
+    e1, e2 = error(math.exp(m1)), error(math.exp(m2))
+    for _ in range(GOLDEN_STEPS):
+        if e1 <= e2:
+            hi, m2, e2 = m2, m1, e1
+            m1 = hi - g * (hi - lo)
+            e1 = error(math.exp(m1))
+        else:
+            lo, m1, e1 = m1, m2, e2
+            m2 = lo + g * (hi - lo)
+            e2 = error(math.exp(m2))
+    return float(min(math.exp((lo + hi) / 2.0), MAX_LENGTH_SQ_WEIGHT))
+
+
+def _line(x: np.ndarray, t: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, weighted least squares ``t = c + a*x`` with ``c, a >= 0`` (rows of ``w`` > 0)."""
+    sw = np.maximum(w.sum(axis=1, keepdims=True), 1e-300)
+    mx, mt = (w * x).sum(axis=1, keepdims=True) / sw, (w * t).sum(axis=1, keepdims=True) / sw
+    vx = (w * (x - mx) ** 2).sum(axis=1, keepdims=True)
+    a = np.where(vx > 0, (w * (x - mx) * (t - mt)).sum(axis=1, keepdims=True) / np.where(vx > 0, vx, 1.0), 0.0)
+    c = mt - a * mx
+    flat = a < 0  # time falls with work: the mean alone
+    a, c = np.where(flat, 0.0, a), np.where(flat, mt, c)
+    xx = (w * x * x).sum(axis=1, keepdims=True)
+    through_0 = np.maximum((w * x * t).sum(axis=1, keepdims=True) / np.where(xx > 0, xx, 1.0), 0.0)
+    neg = c < 0  # a negative fixed cost: through the origin
+    return np.where(neg, 0.0, c), np.where(neg, through_0, a)
 
 
 def _with_note(fit: CostFit, note: str) -> CostFit:

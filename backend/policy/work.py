@@ -9,7 +9,7 @@ judged from work-normalised times: a step that drew long samples is not a slow r
 With sample lengths (steps carry ``work_sq``, the summed squared lengths), ``job_cost_model``
 fits ``time = c + a*sum(L) + b*sum(L^2)`` per rank (``backend.policy.costfit``) and, where
 that explains the step times better than the length alone on most ranks, the job's work
-becomes ``sum(L) + k*sum(L^2)`` with k the median ``b/a``: the hook's split weighs a sample
+becomes ``sum(L) + k*sum(L^2)`` with k fitted over those ranks at once: the hook's split weighs a sample
 ``L + k*L^2`` under that model, so shares and fits stay in the units the split uses.
 """
 
@@ -19,8 +19,6 @@ import math
 import statistics
 from dataclasses import replace
 
-from rebalancer_wire.protocol import MAX_LENGTH_SQ_WEIGHT
-
 from .costfit import (
     MIN_STEPS,
     MODEL_FITTED,
@@ -29,6 +27,7 @@ from .costfit import (
     CostFit,
     CostModel,
     fit_cost,
+    shared_length_sq_weight,
 )
 from .types import JobObservation, StepSample
 
@@ -125,9 +124,11 @@ def job_cost_model(obs: JobObservation) -> CostModel:
     - to keep it (a fitted k in force), the F test is enough.
 
     When more than half of the fitted ranks count, the job's model is ``fitted
-    a*L+b*L^2`` with k the median of their ``b/a`` (at most the wire's bound: a linear term
-    near 0 makes k huge, and past it ``L + k*L^2`` orders samples as ``L^2`` alone does);
-    otherwise ``work (linear)``.
+    a*L+b*L^2`` with k fitted once over the ranks that count (``shared_length_sq_weight``: one
+    cost shape, each rank its own speed, the steps the machine slowed left out; at most the
+    wire's bound, past which ``L + k*L^2`` orders samples as ``L^2`` alone does); otherwise
+    ``work (linear)``. Each rank's own ``b/a`` is not used: its linear term is small beside
+    a loaded machine's noise, and that ratio swung from 0.002 to the bound between windows.
     """
     with_work = [[s for s in r.steps if s.work is not None] for r in obs.ranks]
     if not any(with_work):
@@ -136,6 +137,7 @@ def job_cost_model(obs: JobObservation) -> CostModel:
     keeping = obs.length_sq_weight > 0
     fits: list[CostFit] = []
     quad: list[CostFit] = []
+    quad_rows: list[tuple[list[float], list[float], list[float]]] = []
     linear_r2: list[float] = []
     for steps in with_work:
         rows = [s for s in steps if not lengths or s.work_sq is not None]
@@ -149,18 +151,18 @@ def job_cost_model(obs: JobObservation) -> CostModel:
         fit = (_fit(s1, s2, t) if s2 is not None else None) or lin
         fits.append(fit)
         linear_r2.append(lin.r2)
-        if fit.model != "quadratic" or fit.n_steps < MIN_FIT_STEPS:
+        if fit.model != "quadratic" or fit.n_steps < MIN_FIT_STEPS or s2 is None:
             continue
-        if keeping or (_clear(fit, lin) and s2 is not None and _clear_without_slowest(s1, s2, t, lin)):
+        if keeping or (_clear(fit, lin) and _clear_without_slowest(s1, s2, t, lin)):
             quad.append(fit)
+            quad_rows.append((s1, s2, t))
     r2 = statistics.median(f.r2 for f in fits) if fits else None
     if not lengths:
         return CostModel(MODEL_LINEAR, r2=r2, ranks_fitted=len(fits),
                          detail="a cost per sample (sample_cost), weighed as given")
     r2_lin = statistics.median(linear_r2) if linear_r2 else None
     if fits and 2 * len(quad) > len(fits):
-        k = statistics.median(min(f.b_ms / f.a_ms, MAX_LENGTH_SQ_WEIGHT) if f.a_ms > 0 else MAX_LENGTH_SQ_WEIGHT
-                              for f in quad)
+        k = shared_length_sq_weight(quad_rows)
         return CostModel(MODEL_FITTED, length_sq_weight=k, r2=r2, r2_linear=r2_lin, ranks_fitted=len(fits),
                          ranks_quadratic=len(quad), split_shift=split_shift(with_work, obs.length_sq_weight, k),
                          detail=f"{len(quad)} of {len(fits)} ranks fit time = c + a*sum(L) + b*sum(L^2) "
