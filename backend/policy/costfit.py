@@ -89,19 +89,14 @@ class CostModel:
 def cost_model_moved(in_force: float, model: CostModel) -> bool:
     """Whether the job's cost model is worth a new placement: it moves a rank's share of a
     batch's work by more than ``SPLIT_SHIFT`` from the k in force (``model.split_shift``,
-    measured against ``in_force``), and it is the fitted model where the length is in force,
-    a fitted k where another is, or the length again once no rank needs the quadratic term
-    any more (a noisy window where too few ranks count keeps the fit). A refit whose k moves
-    only where the split does not care (``k*L`` far above 1 for the lengths that carry the
-    work: they weigh as ``L^2`` either way) sends nothing."""
+    measured against ``in_force``), and something is fitted or in force (the fitted model
+    where the length is, another k, or the length again: ``job_cost_model`` already keeps a
+    k in force while at least half the ranks still need the quadratic term). A refit whose k
+    moves only where the split does not care (``k*L`` far above 1 for the lengths that carry
+    the work: they weigh as ``L^2`` either way) sends nothing."""
     if model.split_shift is None or model.split_shift <= SPLIT_SHIFT:
         return False
-    fitted = model.length_sq_weight
-    if in_force <= 0:
-        return fitted > 0
-    if fitted <= 0:
-        return model.model != MODEL_FITTED and model.ranks_quadratic == 0
-    return True
+    return in_force > 0 or model.length_sq_weight > 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,8 +123,11 @@ def job_cost_model(obs: JobObservation) -> CostModel:
       noise on about one linear job in fourteen, and one stalled step on a long batch makes one;
     - to keep it (a fitted k in force), the F test is enough.
 
-    When more than half of the fitted ranks count, the job's model is ``fitted
-    a*L+b*L^2`` with k fitted once over the ranks that count (``shared_length_sq_weight``: one
+    The model named is the one the hooks should split by: a kept k is named ``fitted`` (the
+    job view once said ``work (linear)`` while one rank of two kept the k in force).
+
+    When more than half of the fitted ranks count (at least half, to keep a k in force),
+    the job's model is ``fitted a*L+b*L^2`` with k fitted once over the ranks that count (``shared_length_sq_weight``: one
     cost shape, each rank its own speed, the steps the machine slowed left out; at most the
     wire's bound, past which ``L + k*L^2`` orders samples as ``L^2`` alone does); otherwise
     ``work (linear)``. Each rank's own ``b/a`` is not used: its linear term is small beside
@@ -161,7 +164,7 @@ def job_cost_model(obs: JobObservation) -> CostModel:
         return CostModel(MODEL_LINEAR, r2=r2, ranks_fitted=len(fits),
                          detail="a cost per sample (sample_cost), weighed as given")
     r2_lin = statistics.median(linear_r2) if linear_r2 else None
-    if fits and 2 * len(quad) > len(fits):
+    if fits and 2 * len(quad) >= len(fits) + (0 if keeping else 1):  # keep: half; adopt: more than half
         k = shared_length_sq_weight(quad_rows)
         return CostModel(MODEL_FITTED, length_sq_weight=k, r2=r2, r2_linear=r2_lin, ranks_fitted=len(fits),
                          ranks_quadratic=len(quad), split_shift=split_shift(with_work, obs.length_sq_weight, k),

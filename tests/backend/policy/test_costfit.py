@@ -147,12 +147,15 @@ def test_job_cost_model_picks_the_fit_only_where_it_explains_the_step_times_bett
     k = quad.length_sq_weight
     assert quad.split_shift is not None and quad.split_shift > SPLIT_SHIFT
     assert cost_model_moved(0.0, quad) and not cost_model_moved(0.0, lin) and lin.split_shift == 0.0
-    back = job_cost_model(replace(_observation(0.0), length_sq_weight=k))  # measured against k in force
-    assert back.model == MODEL_LINEAR and back.split_shift is not None and back.split_shift > SPLIT_SHIFT
-    # With k in force, the F test alone keeps a rank counting: one of the two passes it on
-    # this linear data by chance, and a window where any rank still counts keeps the fit.
-    assert back.ranks_quadratic == 1 and not cost_model_moved(k, back)
-    assert cost_model_moved(k, replace(back, ranks_quadratic=0))  # no rank needs the term any more
+    # With k in force, the F test alone keeps a rank counting, and at least half the fitted
+    # ranks keep the model: one of the two passes it on this linear data by chance, so the
+    # fit stays, and the job view names what the hooks split by (the project's CI once read
+    # `work (linear)` while a fitted k stayed in force: one rank of two kept it).
+    kept = job_cost_model(replace(_observation(0.0), length_sq_weight=k))
+    assert kept.ranks_quadratic == 1 and kept.model == MODEL_FITTED and kept.length_sq_weight > 0
+    back = job_cost_model(replace(_observation(0.0, speeds=(1.0, 0.5, 0.7)), length_sq_weight=k))
+    assert back.ranks_quadratic < 1.5 and back.model == MODEL_LINEAR  # fewer than half: the length again
+    assert back.split_shift is not None and back.split_shift > SPLIT_SHIFT and cost_model_moved(k, back)
     near = job_cost_model(replace(obs, length_sq_weight=k * 1.2))  # a refit 20% from the k in force
     assert near.model == MODEL_FITTED and near.split_shift is not None and near.split_shift < SPLIT_SHIFT
     assert not cost_model_moved(k * 1.2, near)
