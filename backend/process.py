@@ -18,7 +18,11 @@ from pathlib import Path
 
 from rebalancer_wire.ports import free_port, port_free
 
-__all__ = ["free_port", "port_free", "spawn_backend", "wait_healthy", "stop_process", "on_parent_gone"]
+__all__ = ["free_port", "port_free", "spawn_backend", "start_backend", "wait_healthy", "stop_process",
+           "on_parent_gone", "BackendStartError", "ADDRESS_IN_USE", "BIND_TRIES"]
+
+ADDRESS_IN_USE = "address already in use"  # uvicorn's log line when its bind fails
+BIND_TRIES = 3  # start_backend's tries on ports it picked
 
 
 def on_parent_gone(parent: int, then: Callable[[], None], *, every_s: float = 0.5) -> None:
@@ -57,6 +61,47 @@ def spawn_backend(
         return subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=new_session, cwd=cwd,
         )
+
+
+class BackendStartError(RuntimeError):
+    """The backend did not become healthy: ``why`` in words, ``log`` its output."""
+
+    def __init__(self, why: str, log: str):
+        super().__init__(f"{why}:\n{log}")
+        self.why, self.log = why, log
+
+
+def start_backend(
+    *,
+    db_url: str | Callable[[int], str],
+    log_path: Callable[[int], Path],
+    port: int | None = None,
+    env: Mapping[str, str] | None = None,
+    new_session: bool = False,
+    cwd: str | Path | None = None,
+    timeout: float = 60.0,
+) -> tuple[int, subprocess.Popen[bytes]]:
+    """``spawn_backend`` and ``wait_healthy`` in one: the port and the running process.
+
+    Without ``port``, a free one (``free_port``); if another process binds it between the
+    pick and the server's own bind (an outgoing connection, another test's server), the
+    server starts again on another, ``BIND_TRIES`` in all. ``db_url`` and ``log_path`` may
+    depend on the port. Raises ``BackendStartError`` (why, and the log) when the backend does
+    not become healthy; it is stopped then."""
+    for attempt in range(1, BIND_TRIES + 1):
+        chosen = port or free_port()
+        log = log_path(chosen)
+        db = db_url(chosen) if callable(db_url) else db_url
+        proc = spawn_backend(port=chosen, db_url=db, log_path=log, env=env, new_session=new_session, cwd=cwd)
+        failed = wait_healthy(f"http://127.0.0.1:{chosen}", proc, timeout)
+        if failed is None:
+            return chosen, proc
+        stop_process(proc, 10.0, group=new_session)
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if port is None and attempt < BIND_TRIES and ADDRESS_IN_USE in text:
+            continue
+        raise BackendStartError(failed, text)
+    raise AssertionError("unreachable")  # the last try returns or raises
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> str | None:

@@ -87,24 +87,21 @@ def _answers(url: str) -> bool:
 
 def _start_backend(url: str) -> tuple[str, subprocess.Popen[bytes], Path] | str:
     """A backend on loopback (the URL's port when free) in observe mode; or why not."""
-    from backend.process import free_port, port_free, spawn_backend, wait_healthy
+    from backend.process import BackendStartError, port_free, start_backend
 
     parts = urllib.parse.urlsplit(url)
-    port = parts.port if parts.hostname in _LOOPBACK and parts.port and port_free(parts.port) else free_port()
+    port = parts.port if parts.hostname in _LOOPBACK and parts.port and port_free(parts.port) else None
     workdir = Path(tempfile.mkdtemp(prefix="rebalancer-run-"))
     db = os.environ.get("REBALANCER_DB") or f"sqlite:///{workdir / 'rebalancer.db'}"
     log_path = workdir / "server.log"
     env = {**os.environ, "REBALANCER_DEFAULT_MODE": "observe"}
     env.pop("REBALANCER_MONITOR", None)
-    proc = spawn_backend(port=port, db_url=db, log_path=log_path, env=env, new_session=True)
+    try:
+        port, proc = start_backend(db_url=db, log_path=lambda _port: log_path, port=port, env=env, new_session=True)
+    except BackendStartError as exc:
+        tail = exc.log.strip().splitlines()[-1:] or [""]
+        return f"{exc.why} ({tail[0]}; log {log_path})"
     local = f"http://127.0.0.1:{port}"
-    failed = wait_healthy(local, proc, 60.0)
-    if failed:
-        from backend.process import stop_process
-
-        stop_process(proc, 5.0, group=True)
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or [""]
-        return f"{failed} ({tail[0]}; log {log_path})"
     return local, proc, log_path
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.process import free_port, spawn_backend, stop_process, wait_healthy
+from backend.process import free_port, spawn_backend, start_backend, stop_process, wait_healthy
 
 __all__ = ["ApiError", "Backend", "REPO_ROOT", "free_port", "running_backend", "running_cluster", "stop_on_sigterm"]
 
@@ -91,20 +91,17 @@ def running_backend(
     workdir: Path | None = None, *, env: dict[str, str] | None = None, timeout: float = 60.0
 ) -> Iterator[Backend]:
     """Start ``python -m backend serve`` on a free loopback port with a fresh SQLite file,
-    wait for /healthz, yield it, and stop it (SIGINT, then SIGKILL)."""
+    wait for /healthz, yield it, and stop it (SIGINT, then SIGKILL). A port taken between the
+    pick and the bind means another (``backend.process.start_backend``)."""
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rb-bench-")))
-        port = free_port()
-        db_url = f"sqlite:///{workdir / f'bench-{port}.db'}"
-        log_path = workdir / f"backend-{port}.log"
-        proc = spawn_backend(port=port, db_url=db_url, log_path=log_path,
-                             env={**os.environ, **(env or {})}, cwd=REPO_ROOT)
-        backend = Backend(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path)
+        wd = workdir
+        port, proc = start_backend(db_url=lambda p: f"sqlite:///{wd / f'bench-{p}.db'}",
+                                   log_path=lambda p: wd / f"backend-{p}.log", env={**os.environ, **(env or {})},
+                                   cwd=REPO_ROOT, timeout=timeout)
+        backend = Backend(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=wd / f"backend-{port}.log")
         try:
-            failed = wait_healthy(backend.url, proc, timeout)
-            if failed:
-                raise RuntimeError(f"{failed}:\n{backend.log()}")
             yield backend
         finally:
             stop_process(proc, 10.0)

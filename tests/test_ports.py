@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from backend import process
 from rebalancer_wire import ports
 from rebalancer_wire.ports import LOWEST, ephemeral_range, free_port, port_free
 from tests.helpers import server as server_helper
@@ -59,7 +60,7 @@ def test_a_test_backend_whose_port_was_taken_starts_again_on_another(tmp_path: P
     with socket.create_server(("127.0.0.1", 0)) as held:
         taken = held.getsockname()[1]
         picks = iter([taken])
-        monkeypatch.setattr(server_helper, "free_port", lambda: next(picks, None) or free_port())
+        monkeypatch.setattr(process, "free_port", lambda: next(picks, None) or free_port())
         with server_helper.running_server(tmp_path) as srv:
             assert srv.port != taken
             assert srv.get("/healthz")

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.process import free_port, spawn_backend, stop_process, wait_healthy
+from backend.process import ADDRESS_IN_USE, BIND_TRIES, start_backend, stop_process
 
-BIND_TRIES = 3
-ADDRESS_IN_USE = "address already in use"  # uvicorn's log line when its bind fails
+__all__ = ["Server", "running_server", "ADDRESS_IN_USE", "BIND_TRIES"]
 
 
 @dataclass
@@ -70,19 +69,10 @@ def running_server(
     Without ``port``, a free one; if another process binds it first (between the pick and
     the server's bind), the server starts again on another (``BIND_TRIES`` in all)."""
     db_url = db_url or f"sqlite:///{tmp_path / 'rebalancer.db'}"
-    for attempt in range(1, BIND_TRIES + 1):
-        chosen = port or free_port()
-        log_path = tmp_path / f"server-{chosen}.log"
-        proc = spawn_backend(port=chosen, db_url=db_url, log_path=log_path, env={**os.environ, **(env or {})})
-        url = f"http://127.0.0.1:{chosen}"
-        try:
-            failed = wait_healthy(url, proc, timeout)
-            if failed:
-                log = log_path.read_text(errors="replace")
-                if port is None and attempt < BIND_TRIES and ADDRESS_IN_USE in log:
-                    continue  # the finally stops it; try another port
-                raise RuntimeError(f"{failed}:\n{log}")
-            yield Server(url=url, port=chosen, db_url=db_url, proc=proc, log_path=log_path)
-            return
-        finally:
-            stop_process(proc, 10.0)
+    chosen, proc = start_backend(db_url=db_url, log_path=lambda p: tmp_path / f"server-{p}.log", port=port,
+                                 env={**os.environ, **(env or {})}, timeout=timeout)
+    try:
+        yield Server(url=f"http://127.0.0.1:{chosen}", port=chosen, db_url=db_url, proc=proc,
+                     log_path=tmp_path / f"server-{chosen}.log")
+    finally:
+        stop_process(proc, 10.0)
