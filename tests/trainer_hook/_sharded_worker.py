@@ -4,6 +4,12 @@ Each rank trains ``--steps`` global batches under the placements in ``--plan`` (
 on rank 0), with ``--accum`` micro-batches per step (no_sync / requires_gradient_sync),
 and rank 0 writes the full final parameters, the BatchNorm running statistics (with
 ``--batchnorm``) and, for compiled models, how many graphs dynamo compiled.
+
+``--configs '[[args...], ...]'`` runs several configurations one after the other in one
+process group (a fresh model and hook each; results under ``--out``/``cfgN``): a torchrun
+job's start (the launcher and every rank import torch, then rendezvous) costs more than
+a short run, so the test files share jobs. Not for compiled models: dynamo's graph counters
+are per process.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from contextlib import nullcontext
 from datetime import timedelta
@@ -104,10 +111,10 @@ def full_params(model: Any, how: str) -> list[list[Any]]:
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--wrap", required=True)
+    p.add_argument("--wrap", help="ddp, compiled-ddp, ddp-compiled, ddp-then-compiled, fsdp2, fsdp1, fsdp1-nested")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--plan", default="")
@@ -119,9 +126,31 @@ def main() -> None:
                    help="where the slow rank sleeps: before the forward, as backward starts (before FSDP's "
                    "pre-backward unshard of the last layer), or after that unshard")
     p.add_argument("--mark-dynamic", action="store_true", help="mark the batch dimension dynamic up front")
-    args = p.parse_args()
+    p.add_argument("--configs", default="", help="a JSON list of argument lists, run one after the other")
+    return p
 
+
+def main() -> None:
+    p = parser()
+    args = p.parse_args()
+    if not args.configs and not args.wrap:
+        p.error("--wrap or --configs is required")
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    if not args.configs:
+        train(args, args.out)
+    else:
+        base = sys.argv[1:]
+        cut = base.index("--configs")
+        base = base[:cut] + base[cut + 2:]
+        for i, extra in enumerate(json.loads(args.configs)):
+            out = os.path.join(args.out, f"cfg{i}")
+            os.makedirs(out, exist_ok=True)
+            print(f"rank {dist.get_rank()}: configuration {i}: {' '.join(extra)}", flush=True)
+            train(p.parse_args([*base, *extra]), out)
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, out_dir: str) -> None:
     rank = dist.get_rank()
     hook = RebalanceHook(job="sharded", global_batch_size=GLOBAL_BATCH, exchange_every=2, exchange_lag=1)
     model = wrap(build_model(args.batchnorm), args.wrap)
@@ -182,10 +211,9 @@ def main() -> None:
         out["graphs"] = int(counters["stats"]["unique_graphs"])
     if rank == 0:
         out["params"] = params
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,18 @@ PLAN = "1=3,9;4=12,0;7=7,5"
 
 def _run(tmp_path: Path, *extra: str, timeout: float = 150) -> list[dict]:
     run_torchrun(2, [*WORKER, "--out", str(tmp_path), "--steps", str(STEPS), "--plan", PLAN, *extra], timeout=timeout)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return _read(tmp_path)
+
+
+def _read(out: Path) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _shared_job(out: Path, configs: list[list[str]], timeout: float) -> list[list[dict]]:
+    """One torchrun job for several configurations (``--configs``): each ``_run``'s result."""
+    run_torchrun(2, [*WORKER, "--out", str(out), "--steps", str(STEPS), "--plan", PLAN,
+                     "--configs", json.dumps(configs)], timeout=timeout)
+    return [_read(out / f"cfg{i}") for i in range(len(configs))]
 
 
 def _replay(steps: int, batchnorm: bool = False) -> torch.nn.Module:
@@ -51,12 +62,22 @@ def _check_params(rank0: dict, ref: torch.nn.Module) -> None:
     assert max((g - i).abs().max().item() for g, i in zip(got, init, strict=False)) > 1e-3
 
 
-@pytest.mark.parametrize(
-    ("wrap", "accum", "mechanism"),
-    [("fsdp2", 1, "fsdp2_reduce_scatter"), ("fsdp2", 2, "fsdp2_reduce_scatter"), ("fsdp1", 2, "fsdp1_comm_hook")],
-)
-def test_sharded_models_are_exact_under_changing_placements(tmp_path: Path, wrap: str, accum: int, mechanism: str) -> None:
-    ranks = _run(tmp_path, "--wrap", wrap, "--accum", str(accum))
+EXACT_CASES = [("fsdp2", 1, "fsdp2_reduce_scatter"), ("fsdp2", 2, "fsdp2_reduce_scatter"), ("fsdp1", 2, "fsdp1_comm_hook")]
+BATCHNORM = ["--wrap", "ddp", "--batchnorm"]
+
+
+@pytest.fixture(scope="module")
+def exact_runs(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
+    """The exactness cases and the BatchNorm case, in one job."""
+    configs = [["--wrap", wrap, "--accum", str(accum)] for wrap, accum, _ in EXACT_CASES] + [BATCHNORM]
+    return _shared_job(tmp_path_factory.mktemp("sharded-exact"), configs, timeout=250)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("wrap", "accum", "mechanism"), EXACT_CASES)
+def test_sharded_models_are_exact_under_changing_placements(exact_runs: list[list[dict]], wrap: str, accum: int,
+                                                            mechanism: str) -> None:
+    ranks = exact_runs[EXACT_CASES.index((wrap, accum, mechanism))]
     assert [r["gradients"] for r in ranks] == [mechanism] * 2
     assert ranks[0]["shares"] == [[6, 6], [3, 9], [12, 0], [7, 5]], "every placement was trained"
     assert ranks[0]["acks"] == ranks[1]["acks"]
@@ -75,11 +96,12 @@ def test_sharded_models_are_exact_under_changing_placements(tmp_path: Path, wrap
                     (r["comm_ms"], r["sync_wait_ms"])
 
 
-def test_a_drained_rank_leaves_batch_norm_statistics_alone(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_a_drained_rank_leaves_batch_norm_statistics_alone(exact_runs: list[list[dict]]) -> None:
     # A drained rank trains a one-sample dummy batch (weight 0): BatchNorm1d refused it
     # in training mode, and any norm would fold it into its running statistics. The hook
     # runs batch norms in eval mode for that step only.
-    ranks = _run(tmp_path, "--wrap", "ddp", "--batchnorm")
+    ranks = exact_runs[len(EXACT_CASES)]
     steps = ranks[1]["bn"]["steps"]
     dummies = [s for s in steps if s["dummy"]]
     assert dummies and not any(s["changed"] for s in dummies)
@@ -124,31 +146,40 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-@pytest.mark.parametrize(
-    ("wrap", "gradients", "slow_in"),
-    [
-        ("ddp", "auto", "forward"),
-        # FSDP all-gathers parameters before each layer's forward: the fast rank waits
-        # there (measured before the fix: compute 39 vs 40 ms on FSDP2, 37 vs 35 on FSDP1).
-        ("fsdp2", "auto", "forward"),
-        ("fsdp1", "auto", "forward"),
-        # Slow from the start of backward: the fast rank waits in the all-gather that
-        # unshards the last layer again (resharded after forward) for its backward.
-        ("fsdp2", "auto", "backward"),
-        ("fsdp1-nested", "auto", "backward"),
-        # Slow after that: FSDP2's fast rank waits inside the blocking (gloo) reduce-scatter
-        # of a layer that is not the last to reduce.
-        ("fsdp2", "auto", "mid-backward"),
-        ("ddp", "loss_scale", "forward"),
-        ("fsdp2", "loss_scale", "forward"),  # the all-gathers are timed on this path too
-    ],
-)
-def test_sync_wait_is_measured_on_every_gradient_path(tmp_path: Path, wrap: str, gradients: str, slow_in: str) -> None:
+SYNC_WAIT_CASES = [
+    ("ddp", "auto", "forward"),
+    # FSDP all-gathers parameters before each layer's forward: the fast rank waits
+    # there (measured before the fix: compute 39 vs 40 ms on FSDP2, 37 vs 35 on FSDP1).
+    ("fsdp2", "auto", "forward"),
+    ("fsdp1", "auto", "forward"),
+    # Slow from the start of backward: the fast rank waits in the all-gather that
+    # unshards the last layer again (resharded after forward) for its backward.
+    ("fsdp2", "auto", "backward"),
+    ("fsdp1-nested", "auto", "backward"),
+    # Slow after that: FSDP2's fast rank waits inside the blocking (gloo) reduce-scatter
+    # of a layer that is not the last to reduce.
+    ("fsdp2", "auto", "mid-backward"),
+    ("ddp", "loss_scale", "forward"),
+    ("fsdp2", "loss_scale", "forward"),  # the all-gathers are timed on this path too
+]
+
+
+@pytest.fixture(scope="module")
+def sync_wait_runs(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
+    """Every sync-wait case in one job, rank 1 the slow one."""
+    configs = [["--wrap", w, "--gradients", g, "--slow-rank", "1", "--slow-in", s] for w, g, s in SYNC_WAIT_CASES]
+    return _shared_job(tmp_path_factory.mktemp("sharded-sync-wait"), configs, timeout=300)
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize(("wrap", "gradients", "slow_in"), SYNC_WAIT_CASES)
+def test_sync_wait_is_measured_on_every_gradient_path(sync_wait_runs: list[list[dict]], wrap: str, gradients: str,
+                                                      slow_in: str) -> None:
     # Rank 1 sleeps 30 ms in each step: rank 0 waits for it inside FSDP's all-gathers or
     # gradient synchronisation, which must be timed as sync wait, not compute
     # (docs/design.md, invariant 4), so that compute tells the slow rank apart.
     # Measured on DDP: compute 0.6 vs 31 ms; FSDP2 2.3 vs 33; FSDP1 1.1 vs 31.
-    ranks = _run(tmp_path, "--wrap", wrap, "--gradients", gradients, "--slow-rank", "1", "--slow-in", slow_in)
+    ranks = sync_wait_runs[SYNC_WAIT_CASES.index((wrap, gradients, slow_in))]
     fast, slow = ({k: r[k][2:] for k in ("compute_ms", "sync_wait_ms")} for r in ranks)  # skip warm-up
     assert _median(slow["compute_ms"]) > 2 * _median(fast["compute_ms"]), (fast, slow)
     # The fast rank waits about as long as the slow one computes longer: at least half of it
