@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from rebalancer_wire.protocol import Placement
+from tests.helpers.configs import worker_main
 from trainer_hook import RebalanceHook
 
 N_SAMPLES = 100
@@ -92,7 +92,7 @@ def parse_plan(text: str) -> dict[int, list[int]]:
     return plan
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=20)
@@ -112,9 +112,15 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--side-channel", action="store_true",
                    help="SideChannel model: loss terms that bypass the model's output")
-    args = p.parse_args()
+    return p
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+
+def main() -> None:
+    worker_main(parser(), train)
+
+
+def train(args: argparse.Namespace, out_dir: str) -> None:
+    """One configuration (``tests/helpers/configs.py``): results in ``out_dir``/rankN.json."""
     rank = dist.get_rank()
     extra = {} if args.lookahead == "default" else {"lookahead": int(args.lookahead)}
     hook = RebalanceHook(job="exact", global_batch_size=GLOBAL_BATCH, exchange_every=3, exchange_lag=1, **extra)
@@ -188,7 +194,7 @@ def main() -> None:
                 time.sleep(args.save_s)
             if args.save_at >= 0 and hook.batch_index == args.save_at + 2:
                 # Killed between checkpoints: what it trained after the checkpoint is lost.
-                with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+                with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
                     json.dump({"seen": seen}, f)
                 dist.barrier()
                 os._exit(0)
@@ -206,10 +212,9 @@ def main() -> None:
     }
     if rank == 0:
         out["params"] = [p.detach().tolist() for p in model.module.parameters()]
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()  # nobody tears down gloo pairs while a peer still uses them
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -5,11 +5,9 @@ on rank 0), with ``--accum`` micro-batches per step (no_sync / requires_gradient
 and rank 0 writes the full final parameters, the BatchNorm running statistics (with
 ``--batchnorm``) and, for compiled models, how many graphs dynamo compiled.
 
-``--configs '[[args...], ...]'`` runs several configurations one after the other in one
-process group (a fresh model and hook each; results under ``--out``/``cfgN``): a torchrun
-job's start (the launcher and every rank import torch, then rendezvous) costs more than
-a short run, so the test files share jobs. Not for compiled models: dynamo's graph counters
-are per process.
+``--configs '[[args...], ...]'`` runs several configurations in one job
+(``tests/helpers/configs.py``). Not for compiled models: dynamo's graph counters are per
+process.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,6 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
+from tests.helpers.configs import worker_main
 from tests.trainer_hook._exact_worker import IndexedData, make_optimizer, parse_plan
 from trainer_hook import RebalanceHook
 
@@ -126,28 +124,15 @@ def parser() -> argparse.ArgumentParser:
                    help="where the slow rank sleeps: before the forward, as backward starts (before FSDP's "
                    "pre-backward unshard of the last layer), or after that unshard")
     p.add_argument("--mark-dynamic", action="store_true", help="mark the batch dimension dynamic up front")
-    p.add_argument("--configs", default="", help="a JSON list of argument lists, run one after the other")
     return p
 
 
 def main() -> None:
     p = parser()
-    args = p.parse_args()
-    if not args.configs and not args.wrap:
+    args, _ = p.parse_known_args()
+    if "--configs" not in sys.argv and not args.wrap:
         p.error("--wrap or --configs is required")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    if not args.configs:
-        train(args, args.out)
-    else:
-        base = sys.argv[1:]
-        cut = base.index("--configs")
-        base = base[:cut] + base[cut + 2:]
-        for i, extra in enumerate(json.loads(args.configs)):
-            out = os.path.join(args.out, f"cfg{i}")
-            os.makedirs(out, exist_ok=True)
-            print(f"rank {dist.get_rank()}: configuration {i}: {' '.join(extra)}", flush=True)
-            train(p.parse_args([*base, *extra]), out)
-    dist.destroy_process_group()
+    worker_main(p, train)
 
 
 def train(args: argparse.Namespace, out_dir: str) -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.configs import read_ranks, run_configs
 from tests.helpers.torchrun import run_torchrun
 from tests.trainer_hook import _exact_worker as w
 from trainer_hook import _native_comm_hook
@@ -22,7 +22,30 @@ STEPS = 20  # a bit over two epochs of 9 batches (the 9th holds 4 samples)
 
 def _run(tmp_path: Path, *extra: str, nproc: int = 3, steps: int = STEPS, env: dict[str, str] | None = None) -> list[dict]:
     run_torchrun(nproc, [*WORKER, "--out", str(tmp_path), "--steps", str(steps), *extra], timeout=120, env=env)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return read_ranks(tmp_path, nproc)
+
+
+CHANGING = [(0, "plain", 1), (2, "hook", 5), (4, "plain", 9)]
+CHANGING_STEPS = 24
+CHANGING_PLAN = "1=2,4,6;5=6,6,0;9=1,10,1;12=5,3,4"
+SIDE_CHANNEL_STEPS = 20
+SIDE_CHANNEL = ["--plan", "1=2,4,6;5=6,6,0;9=1,10,1", "--side-channel", "--steps", str(SIDE_CHANNEL_STEPS)]
+SHARED = {  # one torchrun job for these configurations (tests/helpers/configs.py)
+    **{f"changing-{n}-{loader}": ["--plan", CHANGING_PLAN, "--num-workers", str(n), "--lookahead", "default",
+                                  "--loader", loader, *(["--persistent"] if loader == "hook" else []),
+                                  "--steps", str(CHANGING_STEPS)]
+       for n, loader, _ in CHANGING},
+    "side-channel": SIDE_CHANNEL,  # the C++ comm hook where it builds (the default)
+    "deliver": ["--deliver", "7,2,12:3,3,6", "--slow-rank", "1"],
+    "invalid": ["--invalid", "--plan", "6=2,5,5"],
+}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    runs = run_configs(3, [*WORKER, "--steps", str(STEPS)], tmp_path_factory.mktemp("exact"), list(SHARED.values()),
+                       timeout=280)
+    return dict(zip(SHARED, runs, strict=True))
 
 
 def _reference_params(steps: int, *, side_channel: bool = False) -> list[torch.Tensor]:
@@ -54,12 +77,10 @@ def _check_every_sample_once(ranks: list[dict], steps: int = STEPS) -> None:
         assert len(versions) == 1, f"batch {k}: ranks trained under different placements {versions}"
 
 
-@pytest.mark.parametrize(
-    ("num_workers", "loader", "lookahead"),
-    [(0, "plain", 1), (2, "hook", 5), (4, "plain", 9)],
-)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("num_workers", "loader", "lookahead"), CHANGING)
 def test_changing_placements_give_the_reference_parameters(
-    tmp_path: Path, num_workers: int, loader: str, lookahead: int
+    shared: dict[str, list[dict]], num_workers: int, loader: str, lookahead: int
 ) -> None:
     # Issue 10: the default HookConfig with any num_workers and PyTorch's default
     # prefetch (2 per worker); 4 workers crashed at batch 10 with a fixed lookahead of 8.
@@ -68,11 +89,8 @@ def test_changing_placements_give_the_reference_parameters(
     # hook.data_loader(...) with persistent workers and loader.sampler.set_epoch().
     # Placements requested at steps 1, 5, 9 and 12 (one drains rank 2, one puts almost
     # everything on rank 1); they take effect a few batches later, at rank 0's choice.
-    steps = 24
-    plan = "1=2,4,6;5=6,6,0;9=1,10,1;12=5,3,4"
-    extra = ["--persistent"] if loader == "hook" else []
-    ranks = _run(tmp_path, "--plan", plan, "--num-workers", str(num_workers), "--lookahead", "default",
-                 "--loader", loader, *extra, steps=steps)
+    steps = CHANGING_STEPS
+    ranks = shared[f"changing-{num_workers}-{loader}"]
     assert [r["lookahead"] for r in ranks] == [lookahead] * 3
 
     timelines = [r["timeline"] for r in ranks]
@@ -98,18 +116,23 @@ def test_changing_placements_give_the_reference_parameters(
     assert max((g - i).abs().max().item() for g, i in zip(got, init, strict=True)) > 1e-3
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("native", [True, False], ids=["cpp_comm_hook", "python_comm_hook"])
-def test_loss_terms_that_bypass_the_output_stay_exact(tmp_path: Path, native: bool) -> None:
+def test_loss_terms_that_bypass_the_output_stay_exact(shared: dict[str, list[dict]], tmp_path: Path,
+                                                      native: bool) -> None:
     # A term computed from activations and kept on the module (not returned), plus an L2
     # term on the parameters. Weighting each bucket by the rank's share keeps both exact.
     # Scaling only the gradient that enters the model's output (and letting DDP average)
     # would weight the stashed term 1 / world_size on every rank, the dummy batch of a
     # drained rank included: off by about 1e-2 here, with no way for the hook to see it.
     # This guards the gradient mechanism against that shortcut.
-    steps = 20
-    # Both DDP comm hooks (C++ where it builds, else Python) give these exact numbers.
-    env = {_native_comm_hook.ENV_VAR: "1" if native else "0"}
-    ranks = _run(tmp_path, "--plan", "1=2,4,6;5=6,6,0;9=1,10,1", "--side-channel", steps=steps, env=env)
+    steps = SIDE_CHANNEL_STEPS
+    # Both DDP comm hooks (C++ where it builds, else Python) give these exact numbers; the
+    # choice is made once a process (its environment), so the Python one runs a job of its own.
+    if native:
+        ranks = shared["side-channel"]
+    else:
+        ranks = _run(tmp_path, *SIDE_CHANNEL, env={_native_comm_hook.ENV_VAR: "0"})
     assert [r["native"] for r in ranks] == [native] * 3
     assert [r["gradients"] for r in ranks] == ["ddp_comm_hook"] * 3
     starts = [s for s, _, _ in ranks[0]["timeline"]]
@@ -121,10 +144,11 @@ def test_loss_terms_that_bypass_the_output_stay_exact(tmp_path: Path, native: bo
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12)
 
 
-def test_placement_delivered_at_different_moments_switches_everywhere_at_once(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_placement_delivered_at_different_moments_switches_everywhere_at_once(shared: dict[str, list[dict]]) -> None:
     # Rank r "receives" the backend's placement at step 2 + 5 r; rank 1 is also slow, so
     # ranks run at different paces. Only rank 0's copy counts; all switch together.
-    ranks = _run(tmp_path, "--deliver", "7,2,12:3,3,6", "--slow-rank", "1")
+    ranks = shared["deliver"]
     acks = [r["acks"] for r in ranks]
     assert acks[0] == acks[1] == acks[2]
     ((version, at),) = acks[0]
@@ -137,8 +161,9 @@ def test_placement_delivered_at_different_moments_switches_everywhere_at_once(tm
     _check_every_sample_once(ranks)
 
 
-def test_invalid_placements_are_rejected_and_training_goes_on(tmp_path: Path) -> None:
-    ranks = _run(tmp_path, "--invalid", "--plan", "6=2,5,5")
+@pytest.mark.timeout(300)
+def test_invalid_placements_are_rejected_and_training_goes_on(shared: dict[str, list[dict]]) -> None:
+    ranks = shared["invalid"]
     r0 = ranks[0]
     reasons = dict((v, reason) for v, reason in r0["rejections"])
     assert len(r0["rejections"]) == 7  # six messages and one request

@@ -4,12 +4,12 @@ FSDP1 and compiled DDP, with placements changed mid-run and gradient accumulatio
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.configs import read_ranks, run_configs
 from tests.helpers.torchrun import run_torchrun
 from tests.trainer_hook import _sharded_worker as sw
 from tests.trainer_hook._exact_worker import IndexedData, make_optimizer
@@ -29,14 +29,12 @@ def _run(tmp_path: Path, *extra: str, timeout: float = 150) -> list[dict]:
 
 
 def _read(out: Path) -> list[dict]:
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return read_ranks(out, 2)
 
 
 def _shared_job(out: Path, configs: list[list[str]], timeout: float) -> list[list[dict]]:
-    """One torchrun job for several configurations (``--configs``): each ``_run``'s result."""
-    run_torchrun(2, [*WORKER, "--out", str(out), "--steps", str(STEPS), "--plan", PLAN,
-                     "--configs", json.dumps(configs)], timeout=timeout)
-    return [_read(out / f"cfg{i}") for i in range(len(configs))]
+    """One torchrun job for several configurations (``tests/helpers/configs.py``): each ``_run``'s result."""
+    return run_configs(2, [*WORKER, "--steps", str(STEPS), "--plan", PLAN], out, configs, timeout=timeout)
 
 
 def _replay(steps: int, batchnorm: bool = False) -> torch.nn.Module:
