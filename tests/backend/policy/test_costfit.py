@@ -264,7 +264,7 @@ def test_the_k_put_in_force_under_a_loaded_machines_noise_is_near_b_over_a() -> 
     # Within 4x (the per-token term is a few ms beside this noise; the job page's e2e test asks
     # the same), on mild noise and on heavy (3 ms late on average, one step in five stalled).
     within, first_ks = 0, []
-    cases = [(seed, late, stalls) for seed in range(20) for late, stalls in ((1.0, 0.05), (3.0, 0.2))]
+    cases = [(seed, late, stalls) for seed in range(12) for late, stalls in ((1.0, 0.05), (3.0, 0.2))]
     for seed, late, stalls in cases:
         seen = _sleep_job(seed, 0.002, 1e-5, ranks=2, share=4, late_ms=late, stalls=stalls)
         ks = [k for k in seen if k > 0]
