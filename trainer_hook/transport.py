@@ -199,6 +199,7 @@ class Transport:
         if local_agent is not None:
             self.urls.insert(0, _UNIX + local_agent)
         self._agent_wait_until = time.monotonic() + float(local_agent_wait_s)
+        self._agent_fallback_said = False  # the warning that this rank connects on its own
         self.relay = relay
         self._next_url = 0  # which of ``urls`` to try next
         self._redirect: str | None = None  # the replica that controls the job, when told
@@ -372,16 +373,28 @@ class Transport:
                 )
                 wait = self._auth_backoff
             except Exception as exc:  # noqa: BLE001 - the thread must survive anything
+                # Before this rank ever connected, its node agent's socket may not exist yet
+                # (the agent's rank starts it, and may start later): expected, not a fault.
+                first_agent_try = self.url.startswith(_UNIX) and self.connects == 0
                 if self.connects > connects_before:  # a working connection broke: retry soon
                     delay, failures, self._redirects = self._backoff0, 0, 0
-                elif self.url.startswith(_UNIX) and self.connects == 0 and \
-                        time.monotonic() < self._agent_wait_until:
-                    pass  # the node agent is starting (its rank may be slower to start): wait
+                elif first_agent_try and time.monotonic() < self._agent_wait_until:
+                    log.debug("The node agent at %s is not up yet (%s: %s); waiting for it.",
+                              self.url, type(exc).__name__, exc)
+                    if self._closing.wait(random.uniform(self._backoff0 / 2, self._backoff0)):
+                        break
+                    continue
                 elif self._redirect is None:  # this replica is unreachable: the next in the list
                     self._next_url = (self._next_url + 1) % len(self.urls)
                 # The owner we were sent to broke or is unreachable: it may be dead; ask the
                 # list again (a replica there sends us back while the owner holds the job).
                 self._redirect = None
+                if first_agent_try:  # said once; the backend's own attempts count failures
+                    log.log(logging.DEBUG if self._agent_fallback_said else logging.WARNING,
+                            "No node agent answered at %s (%s: %s); this rank connects to the backend "
+                            "on its own, training goes on.", self.url, type(exc).__name__, exc)
+                    self._agent_fallback_said = True
+                    continue
                 failures += 1
                 level = logging.WARNING if failures in (1, 10) or failures % 100 == 0 else logging.DEBUG
                 log.log(level, "Cannot reach the backend at %s (%s: %s); attempt %d, training goes on.",

@@ -6,6 +6,7 @@ job through the agent is in tests/trainer_hook/test_node_agg_torchrun.py).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -148,3 +149,27 @@ def test_without_the_agent_a_rank_waits_then_uses_its_own_connection(server: Ser
         assert t.url == t.urls[1]
     finally:
         t.close(timeout=2.0)
+
+
+def test_a_rank_waiting_for_its_starting_node_agent_logs_no_warning(server: Server, tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # `make demo` printed "Cannot reach the backend at unix:...; attempt 1, training goes on."
+    # on every start: a rank tries its node agent before the agent's rank has started it,
+    # which is expected (the transport waits for it), not a fault to warn about.
+    job = "agent-starting"
+    caplog.set_level(logging.DEBUG, logger="trainer_hook.transport")
+    t = make_transport(job=job, url=server.url, token=None, hello=_hello(job, 2), on_message=lambda m: None,
+                       env=_env(job, 2, tmp_path), local_agent_wait_s=0.5)
+    t.start()
+    try:
+        t.put_step(_step(0))
+        wait_until(lambda: _ranks(server, job).get(2, {}).get("n_steps") == 1, "the step on its own connection")
+    finally:
+        t.close(timeout=2.0)
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "trainer_hook.transport"]
+    waits = [m for level, m in said if level == "DEBUG" and m.startswith("The node agent at unix:")]
+    assert waits, said  # said, where a debug log shows it
+    # Once the wait is over, one warning that says what happens, in words about the agent.
+    assert [m for level, m in said if level == "WARNING"] == [next(
+        m for m in (m for _, m in said) if m.startswith("No node agent answered at unix:"))], said
+    assert not any("Cannot reach the backend" in m for _, m in said), said
