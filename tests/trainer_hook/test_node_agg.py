@@ -138,8 +138,12 @@ def test_closing_rank_0_stops_the_agent_and_its_thread(server: Server, tmp_path:
     assert not Path(agent.path).exists()
 
 
-def test_without_the_agent_a_rank_waits_then_uses_its_own_connection(server: Server, tmp_path: Path) -> None:
+def test_without_the_agent_a_rank_waits_quietly_then_uses_its_own_connection(
+        server: Server, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # While it waits, the agent's rank may just be slower to start: `make demo` printed
+    # "Cannot reach the backend at unix:...; attempt 1, training goes on." on every start.
     job = "no-agent"
+    caplog.set_level(logging.DEBUG, logger="trainer_hook.transport")
     t = make_transport(job=job, url=server.url, token=None, hello=_hello(job, 2), on_message=lambda m: None,
                        env=_env(job, 2, tmp_path), local_agent_wait_s=0.5)
     t.start()
@@ -149,27 +153,9 @@ def test_without_the_agent_a_rank_waits_then_uses_its_own_connection(server: Ser
         assert t.url == t.urls[1]
     finally:
         t.close(timeout=2.0)
-
-
-def test_a_rank_waiting_for_its_starting_node_agent_logs_no_warning(server: Server, tmp_path: Path,
-                                                                     caplog: pytest.LogCaptureFixture) -> None:
-    # `make demo` printed "Cannot reach the backend at unix:...; attempt 1, training goes on."
-    # on every start: a rank tries its node agent before the agent's rank has started it,
-    # which is expected (the transport waits for it), not a fault to warn about.
-    job = "agent-starting"
-    caplog.set_level(logging.DEBUG, logger="trainer_hook.transport")
-    t = make_transport(job=job, url=server.url, token=None, hello=_hello(job, 2), on_message=lambda m: None,
-                       env=_env(job, 2, tmp_path), local_agent_wait_s=0.5)
-    t.start()
-    try:
-        t.put_step(_step(0))
-        wait_until(lambda: _ranks(server, job).get(2, {}).get("n_steps") == 1, "the step on its own connection")
-    finally:
-        t.close(timeout=2.0)
     said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "trainer_hook.transport"]
-    waits = [m for level, m in said if level == "DEBUG" and m.startswith("The node agent at unix:")]
-    assert waits, said  # said, where a debug log shows it
+    assert any(level == "DEBUG" and m.startswith("The node agent at unix:") for level, m in said), said
     # Once the wait is over, one warning that says what happens, in words about the agent.
-    assert [m for level, m in said if level == "WARNING"] == [next(
-        m for m in (m for _, m in said) if m.startswith("No node agent answered at unix:"))], said
+    warnings = [m for level, m in said if level == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith("No node agent answered at unix:"), said
     assert not any("Cannot reach the backend" in m for _, m in said), said
