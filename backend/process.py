@@ -80,8 +80,8 @@ def start_backend(
     new_session: bool = False,
     cwd: str | Path | None = None,
     timeout: float = 60.0,
-) -> tuple[int, subprocess.Popen[bytes]]:
-    """``spawn_backend`` and ``wait_healthy`` in one: the port and the running process.
+) -> tuple[int, subprocess.Popen[bytes], Path]:
+    """``spawn_backend`` and ``wait_healthy`` in one: the port, the running process and its log.
 
     Without ``port``, a free one (``free_port``); if another process binds it between the
     pick and the server's own bind (an outgoing connection, another test's server), the
@@ -95,7 +95,7 @@ def start_backend(
         proc = spawn_backend(port=chosen, db_url=db, log_path=log, env=env, new_session=new_session, cwd=cwd)
         failed = wait_healthy(f"http://127.0.0.1:{chosen}", proc, timeout)
         if failed is None:
-            return chosen, proc
+            return chosen, proc, log
         stop_process(proc, 10.0, group=new_session)
         text = log.read_text(errors="replace") if log.exists() else ""
         if port is None and attempt < BIND_TRIES and ADDRESS_IN_USE in text:

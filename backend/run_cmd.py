@@ -97,7 +97,8 @@ def _start_backend(url: str) -> tuple[str, subprocess.Popen[bytes], Path] | str:
     env = {**os.environ, "REBALANCER_DEFAULT_MODE": "observe"}
     env.pop("REBALANCER_MONITOR", None)
     try:
-        port, proc = start_backend(db_url=db, log_path=lambda _port: log_path, port=port, env=env, new_session=True)
+        port, proc, _ = start_backend(db_url=db, log_path=lambda _port: log_path, port=port, env=env,
+                                      new_session=True)
     except BackendStartError as exc:
         tail = exc.log.strip().splitlines()[-1:] or [""]
         return f"{exc.why} ({tail[0]}; log {log_path})"

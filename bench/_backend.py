@@ -97,10 +97,10 @@ def running_backend(
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rb-bench-")))
         wd = workdir
-        port, proc = start_backend(db_url=lambda p: f"sqlite:///{wd / f'bench-{p}.db'}",
-                                   log_path=lambda p: wd / f"backend-{p}.log", env={**os.environ, **(env or {})},
-                                   cwd=REPO_ROOT, timeout=timeout)
-        backend = Backend(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=wd / f"backend-{port}.log")
+        port, proc, log_path = start_backend(db_url=lambda p: f"sqlite:///{wd / f'bench-{p}.db'}",
+                                             log_path=lambda p: wd / f"backend-{p}.log",
+                                             env={**os.environ, **(env or {})}, cwd=REPO_ROOT, timeout=timeout)
+        backend = Backend(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path)
         try:
             yield backend
         finally:

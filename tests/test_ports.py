@@ -64,4 +64,4 @@ def test_a_test_backend_whose_port_was_taken_starts_again_on_another(tmp_path: P
         with server_helper.running_server(tmp_path) as srv:
             assert srv.port != taken
             assert srv.get("/healthz")
-        assert server_helper.ADDRESS_IN_USE in (tmp_path / f"server-{taken}.log").read_text()
+        assert process.ADDRESS_IN_USE in (tmp_path / f"server-{taken}.log").read_text()

@@ -203,9 +203,9 @@ def shared_length_sq_weight(ranks: Sequence[tuple[Sequence[float], Sequence[floa
     One entry per rank: its steps' ``sum(L)``, ``sum(L^2)`` and compute ms (checked as
     ``fit_cost`` checks them). Each rank keeps its own fixed cost and speed: its times are
     fitted as ``c_r + a_r * (sum(L) + k*sum(L^2))`` (both >= 0), and k is the one with the
-    least squared error summed over the ranks (the best point of ``K_GRID``, then a golden-section
-    search between its neighbours), each rank's ``TRIM`` share
-    of steps furthest above its fit left out (a step only ever runs late: a wake-up after a
+    least squared error summed over the ranks (the best point of ``K_GRID``, then a
+    golden-section search between its neighbours), each rank's ``TRIM`` share of steps
+    furthest above its fit left out (a step only ever runs late: a wake-up after a
     sleep, a stall, another process's turn; never early). Where the bound fits as well (within
     the F test's margin), k is the least one from which every k up to the bound does: where
     the samples' cost levels off at ``L^2``. Ranks past ``K_RANKS`` are not read.

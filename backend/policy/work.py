@@ -9,8 +9,8 @@ judged from work-normalised times: a step that drew long samples is not a slow r
 With sample lengths (steps carry ``work_sq``, the summed squared lengths), ``job_cost_model``
 fits ``time = c + a*sum(L) + b*sum(L^2)`` per rank (``backend.policy.costfit``) and, where
 that explains the step times better than the length alone on most ranks, the job's work
-becomes ``sum(L) + k*sum(L^2)`` with k fitted over those ranks at once: the hook's split weighs a sample
-``L + k*L^2`` under that model, so shares and fits stay in the units the split uses.
+becomes ``sum(L) + k*sum(L^2)`` with k fitted over those ranks at once: the hook's split
+weighs a sample ``L + k*L^2`` under that model, so shares and fits stay in the units the split uses.
 """
 
 from __future__ import annotations
@@ -127,10 +127,10 @@ def job_cost_model(obs: JobObservation) -> CostModel:
     job view once said ``work (linear)`` while one rank of two kept the k in force).
 
     When more than half of the fitted ranks count (at least half, to keep a k in force),
-    the job's model is ``fitted a*L+b*L^2`` with k fitted once over the ranks that count (``shared_length_sq_weight``: one
-    cost shape, each rank its own speed, the steps the machine slowed left out; at most the
-    wire's bound, past which ``L + k*L^2`` orders samples as ``L^2`` alone does); otherwise
-    ``work (linear)``. Each rank's own ``b/a`` is not used: its linear term is small beside
+    the job's model is ``fitted a*L+b*L^2`` with k fitted once over the ranks that count
+    (``shared_length_sq_weight``: one cost shape, each rank its own speed, the steps the
+    machine slowed left out; at most the wire's bound, past which ``L + k*L^2`` orders
+    samples as ``L^2`` alone does); otherwise ``work (linear)``. Each rank's own ``b/a`` is not used: its linear term is small beside
     a loaded machine's noise, and that ratio swung from 0.002 to the bound between windows.
     """
     with_work = [[s for s in r.steps if s.work is not None] for r in obs.ranks]
@@ -139,8 +139,7 @@ def job_cost_model(obs: JobObservation) -> CostModel:
     lengths = any(s.work_sq is not None for steps in with_work for s in steps)
     keeping = obs.length_sq_weight > 0
     fits: list[CostFit] = []
-    quad: list[CostFit] = []
-    quad_rows: list[tuple[list[float], list[float], list[float]]] = []
+    quad: list[tuple[list[float], list[float], list[float]]] = []  # the rows of ranks that count
     linear_r2: list[float] = []
     for steps in with_work:
         rows = [s for s in steps if not lengths or s.work_sq is not None]
@@ -157,15 +156,14 @@ def job_cost_model(obs: JobObservation) -> CostModel:
         if fit.model != "quadratic" or fit.n_steps < MIN_FIT_STEPS or s2 is None:
             continue
         if keeping or (_clear(fit, lin) and _clear_without_slowest(s1, s2, t, lin)):
-            quad.append(fit)
-            quad_rows.append((s1, s2, t))
+            quad.append((s1, s2, t))
     r2 = statistics.median(f.r2 for f in fits) if fits else None
     if not lengths:
         return CostModel(MODEL_LINEAR, r2=r2, ranks_fitted=len(fits),
                          detail="a cost per sample (sample_cost), weighed as given")
     r2_lin = statistics.median(linear_r2) if linear_r2 else None
     if fits and 2 * len(quad) >= len(fits) + (0 if keeping else 1):  # keep: half; adopt: more than half
-        k = shared_length_sq_weight(quad_rows)
+        k = shared_length_sq_weight(quad)
         return CostModel(MODEL_FITTED, length_sq_weight=k, r2=r2, r2_linear=r2_lin, ranks_fitted=len(fits),
                          ranks_quadratic=len(quad), split_shift=split_shift(with_work, obs.length_sq_weight, k),
                          detail=f"{len(quad)} of {len(fits)} ranks fit time = c + a*sum(L) + b*sum(L^2) "

@@ -13,9 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.process import ADDRESS_IN_USE, BIND_TRIES, start_backend, stop_process
-
-__all__ = ["Server", "running_server", "ADDRESS_IN_USE", "BIND_TRIES"]
+from backend.process import start_backend, stop_process
 
 
 @dataclass
@@ -69,10 +67,9 @@ def running_server(
     Without ``port``, a free one; if another process binds it first (between the pick and
     the server's bind), the server starts again on another (``BIND_TRIES`` in all)."""
     db_url = db_url or f"sqlite:///{tmp_path / 'rebalancer.db'}"
-    chosen, proc = start_backend(db_url=db_url, log_path=lambda p: tmp_path / f"server-{p}.log", port=port,
-                                 env={**os.environ, **(env or {})}, timeout=timeout)
+    chosen, proc, log_path = start_backend(db_url=db_url, log_path=lambda p: tmp_path / f"server-{p}.log",
+                                           port=port, env={**os.environ, **(env or {})}, timeout=timeout)
     try:
-        yield Server(url=f"http://127.0.0.1:{chosen}", port=chosen, db_url=db_url, proc=proc,
-                     log_path=tmp_path / f"server-{chosen}.log")
+        yield Server(url=f"http://127.0.0.1:{chosen}", port=chosen, db_url=db_url, proc=proc, log_path=log_path)
     finally:
         stop_process(proc, 10.0)

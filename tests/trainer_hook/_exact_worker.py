@@ -214,7 +214,6 @@ def train(args: argparse.Namespace, out_dir: str) -> None:
         out["params"] = [p.detach().tolist() for p in model.module.parameters()]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    dist.barrier()  # nobody tears down gloo pairs while a peer still uses them
 
 
 if __name__ == "__main__":

@@ -198,7 +198,6 @@ def train(args: argparse.Namespace, out_dir: str) -> None:
         out["params"] = params
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    dist.barrier()
 
 
 if __name__ == "__main__":
