@@ -29,3 +29,66 @@ def test_the_design_lives_in_docs_and_nothing_cites_an_outside_design_file() -> 
         assert part in design
     for page in PAGES:
         assert "DESIGN" not in page.read_text(), f"{page.relative_to(ROOT)} cites DESIGN; point at docs/design.md"
+
+
+# docs/architecture.md's module map: one entry a line, two spaces of indent a folder level, the
+# role after the name; a continuation line starts at the role's column.
+_ENTRY = re.compile(r"^( *)([\w.]+/|[\w.]+\.py)(?:\s{2,}(\S.*))?$")
+_PRODUCT = ("rebalancer_wire", "trainer_hook", "backend")
+
+
+def _module_map(text: str) -> tuple[dict[str, str], list[str]]:
+    """The entries of the map (path -> role) and the lines it could not read."""
+    block = text.split("## Packages", 1)[1].split("```", 2)[1]
+    entries: dict[str, str] = {}
+    unread: list[str] = []
+    folders: list[str] = []
+    for line in block.splitlines()[1:]:
+        indent = len(line) - len(line.lstrip(" "))
+        if not line.strip() or indent >= 24:
+            continue  # a role's continuation
+        m = _ENTRY.match(line)
+        if m is None or indent % 2 or indent // 2 > len(folders) or not m.group(3):
+            unread.append(line)
+            continue
+        del folders[indent // 2:]
+        path = "".join(folders) + m.group(2)
+        entries[path] = m.group(3)
+        if path.endswith("/"):
+            folders.append(m.group(2))
+    return entries, unread
+
+
+def _product_modules() -> set[str]:
+    """Every module of the product packages; a package's __init__.py is its folder's entry, and
+    Alembic's versions/ are the migrations/ entry's."""
+    found = set()
+    for package in _PRODUCT:
+        for path in (ROOT / package).rglob("*.py"):
+            rel = path.relative_to(ROOT).as_posix()
+            if "migrations/versions/" in rel:
+                continue
+            found.add(rel[: -len("__init__.py")] if path.name == "__init__.py" else rel)
+    return found
+
+
+def test_the_architecture_page_lists_every_module_with_its_role() -> None:
+    entries, unread = _module_map((ROOT / "docs" / "architecture.md").read_text())
+    assert unread == [], f"lines of the module map that are not 'name  role' at a folder's indent: {unread}"
+    listed = {p for p in entries if p.split("/", 1)[0] in _PRODUCT
+              and (p.endswith(".py") or (ROOT / p / "__init__.py").exists())}  # _site/ is no package
+    modules = _product_modules()
+    assert sorted(modules - listed) == [], "modules missing from docs/architecture.md's map"
+    assert sorted(listed - modules) == [], "docs/architecture.md lists modules that are gone"
+    gone = [p for p in entries if not (ROOT / p).exists()]
+    assert gone == [], f"docs/architecture.md lists paths that are gone: {gone}"
+
+
+def test_the_module_map_reader_sees_missing_and_gone_modules() -> None:
+    text = ("## Packages\n\n```\nbackend/                 the server\n  cli.py                 the command\n"
+            "  api/                   the edge\n    deps.py              dependencies\n"
+            "                         (a continuation)\n  gone.py\n```\n")
+    entries, unread = _module_map(text)
+    assert entries == {"backend/": "the server", "backend/cli.py": "the command",
+                       "backend/api/": "the edge", "backend/api/deps.py": "dependencies"}
+    assert unread == ["  gone.py"]  # an entry without its role
