@@ -23,10 +23,10 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Any
 
-from backend.control.modes import MODES
 from backend.live.forecast import forecast
 from backend.live.state import JobView, RankView
 from backend.metrics_contract import CONTRACT, STEP_BUCKETS_S, THROTTLE_REASONS, MetricSpec
+from backend.modes import MODES
 from backend.policy.comm import BOUNDS
 from rebalancer_wire.protocol import LINK_FIELDS
 
@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from backend.cluster import Forwarder, LiveFanout
     from backend.control.controller import Controller
     from backend.dashboard.hub import DashboardHub
-    from backend.ingest.connections import HookConnections
     from backend.live.state import LiveState
+    from backend.peers.connections import HookConnections
     from backend.settings import Settings
     from backend.storage.health import StorageHealth
     from backend.storage.writes import WriteBuffer

@@ -25,10 +25,10 @@ from backend.auth.tokens import AuthService
 from backend.control.controller import Controller
 from backend.control.policy_runs import PolicyRunner
 from backend.dashboard.hub import DashboardHub, JobChanges
-from backend.ingest.connections import HookConnections
 from backend.live.state import LiveState
 from backend.live.windows import Pending, aggregate_windows
 from backend.metrics_export import MetricsExporter
+from backend.peers.connections import HookConnections
 from backend.report.collect import GOODBYE, RunReports
 from backend.settings import Settings
 from backend.storage import (

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from backend.control.modes import Mode
+from backend.modes import Mode
 from backend.policy.types import PolicyConfig
 from rebalancer_wire.devices import device_key
 from rebalancer_wire.protocol import MAX_MESSAGE_BYTES

@@ -46,6 +46,70 @@ def test_nothing_below_the_routes_and_the_wiring_imports_them():
     assert KNOWN_UPWARD - upward == set(), "gone: remove them from KNOWN_UPWARD"
 
 
+# The backend's layers, bottom first: a module imports only from its own layer or those below.
+# The middle (peers, control, dashboard, cluster, ingest) has an order of its own: control sends
+# through peers; the dashboard folds what control decided; cluster copies dashboards between
+# replicas; ingest, the hooks' conversation, drives all of them.
+LAYERS: list[tuple[str, ...]] = [
+    ("backend", "backend.modes", "backend.assets", "backend.heap", "backend.redact",
+     "backend.metrics_contract", "backend.process"),
+    ("backend.policy",),
+    ("backend.settings",),
+    ("backend.live",),
+    ("backend.storage",),
+    ("backend.auth",),
+    ("backend.peers",),
+    ("backend.control",),
+    ("backend.dashboard",),
+    ("backend.cluster",),
+    ("backend.ingest",),
+    ("backend.report",),
+    ("backend.metrics_export",),
+    ("backend.parts",),
+    ("backend.api",),
+    ("backend.main",),
+    ("backend.client", "backend.demo", "backend.run_cmd"),
+    ("backend.cli", "backend.__main__"),
+]
+_LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def _upward(path: Path, root: Path = ROOT) -> list[str]:
+    parts = path.relative_to(root).with_suffix("").parts
+    own = _unit(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return [name for name in sorted(_imports(path)) if name.split(".")[0] == "backend"
+            and _LAYER_OF[_unit(name)] > _LAYER_OF[own]]
+
+
+def test_every_backend_module_has_a_layer():
+    units = set()
+    for path in _modules("backend"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        units.add(_unit(".".join(parts[:-1] if parts[-1] == "__init__" else parts)))
+    assert sorted(units - set(_LAYER_OF)) == [], "give these a place in LAYERS"
+    assert sorted(set(_LAYER_OF) - units) == [], "gone: remove them from LAYERS"
+
+
+def test_no_import_runs_back_up_a_layer():
+    """Type-only and function-level imports count too: an arrow up is one whatever its reason."""
+    upward = {path.relative_to(ROOT).as_posix(): names for path in _modules("backend")
+              if (names := _upward(path))}
+    assert upward == {}, "imports that run back up the layers (move the shared piece down)"
+
+
+def test_the_layer_rule_sees_an_upward_import(tmp_path: Path):
+    bad = tmp_path / "backend" / "settings.py"
+    bad.parent.mkdir()
+    bad.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from backend.control.core import X\n"
+                   "from backend.policy import decide\n")
+    assert _upward(bad, root=tmp_path) == ["backend.control.core"]
+
+
 def test_the_wiring_imports_no_route():
     names = _imports(ROOT / "backend/parts.py")
     assert not [n for n in names if n.startswith("backend.api")]
@@ -99,7 +163,7 @@ def test_the_policy_imports_only_itself_and_the_wire():
 def test_the_client_imports_nothing_of_the_server():
     """backend/client (the REST client and its commands) runs where only plain ``rebalancer``
     is installed: the standard library, itself, the one mode list, and websockets for watch."""
-    allowed = {"backend.client", "backend.control.modes", "websockets"}
+    allowed = {"backend.client", "backend.modes", "websockets"}
     for path in _modules("backend/client"):
         bad = [n for n in _imports(path) if n.split(".")[0] not in sys.stdlib_module_names
                and not any(n == a or n.startswith(a + ".") for a in allowed)]
@@ -148,9 +212,9 @@ def test_no_hook_or_wire_module_is_over_the_line_cap():
     assert set(HOOK_OVER_CAP) - set(over) == set(), "under the cap now: remove them from HOOK_OVER_CAP"
 
 
-def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
-    """The modules of ``modules`` that ``path`` imports when it runs: module level and inside
-    functions, not under ``if TYPE_CHECKING`` (``from pkg import sub`` is an arrow to sub)."""
+def _module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that ``path`` imports: module level, inside functions and
+    under ``if TYPE_CHECKING`` (``from pkg import sub`` is an arrow to sub)."""
     found: set[str] = set()
 
     def owner(name: str) -> str | None:
@@ -161,9 +225,6 @@ def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
     stack: list[ast.AST] = [ast.parse(path.read_text())]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            stack.extend(node.orelse)
-            continue
         if isinstance(node, ast.Import):
             found.update(m for a in node.names if (m := owner(a.name)))
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -178,13 +239,13 @@ def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
 
 def test_no_import_cycle():
     """0 cycles among the modules of backend, trainer_hook and rebalancer_wire (Tarjan's
-    strongly connected components over the runtime imports)."""
+    strongly connected components over every import, type-only ones included)."""
     paths = {}
     for package in ("backend", "trainer_hook", "rebalancer_wire"):
         for path in _modules(package):
             parts = path.relative_to(ROOT).with_suffix("").parts
             paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph = {m: _runtime_imports(p, set(paths)) - {m} for m, p in paths.items()}
+    graph = {m: _module_imports(p, set(paths)) - {m} for m, p in paths.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []

@@ -14,7 +14,7 @@ import socket
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,6 @@ from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.sampler import RebalanceBatchSampler
 from trainer_hook.timing import StepTimer
 
-if TYPE_CHECKING:
-    from trainer_hook.hook import RebalanceHook
-
 log = logging.getLogger("trainer_hook")
 HOOK_VERSION = "0.1.0"
 # The collective each gradient mechanism reports its bytes for (Hello.comm_kind).
@@ -51,12 +48,22 @@ _AUTO: Any = object()
 _UNMEASURED = 1 << 40  # lookahead before the first step measures it: nothing is final yet
 
 
+class _Steps(Protocol):
+    """What a step's context calls: the hook's step loop (trainer_hook._steps.StepLoop)."""
+
+    def _begin_step(self) -> int: ...
+
+    def _end_step(self, *, failed: bool) -> None: ...
+
+    def _report_oom(self, exc: BaseException) -> None: ...
+
+
 class _StepContext:
     """The object ``hook.step()`` returns; reused every step to keep the hot path small."""
 
     __slots__ = ("_hook",)
 
-    def __init__(self, hook: RebalanceHook) -> None:
+    def __init__(self, hook: _Steps) -> None:
         self._hook = hook
 
     def __enter__(self) -> int:
@@ -105,7 +112,7 @@ class HookBase:
         self._memory: MemoryMeter | None = (
             MemoryMeter(source, every=cfg.memory_every) if source is not None else None)
         self._mem_pending: MemoryReading | None = None
-        self._ctx = _StepContext(cast("RebalanceHook", self))  # only ever built as one
+        self._ctx = _StepContext(cast("_Steps", self))  # only ever built with the step loop
         self._sampler: RebalanceBatchSampler | None = None
         self._next_batch = 0
         self._epoch_restored: int | None = None

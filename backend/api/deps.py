@@ -22,10 +22,10 @@ from backend.auth.sockets import TokenSockets
 from backend.auth.tokens import ROLE_LEVEL, Actor, AuthService
 from backend.control.controller import Controller
 from backend.dashboard.hub import DashboardHub
-from backend.ingest.connections import HookConnections
 from backend.live.state import LiveState
 from backend.metrics_export import MetricsExporter
 from backend.parts import Parts
+from backend.peers.connections import HookConnections
 from backend.report.collect import RunReports
 from backend.settings import Settings, is_loopback
 from backend.storage.gateway import SqlGateway

@@ -19,11 +19,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import Float, Integer, String, func, select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
-from backend.storage.base import Base
+from backend.storage.tokens import TokenRow
 from rebalancer_wire.protocol import check_job_name
 
 __all__ = [
@@ -60,20 +60,6 @@ class Actor:
 
 def role_allows(role: str, needed: str) -> bool:
     return ROLE_LEVEL.get(role, -1) >= ROLE_LEVEL[needed]
-
-
-class TokenRow(Base):
-    __tablename__ = "auth_tokens"
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(128))
-    role: Mapped[str] = mapped_column(String(16))
-    job: Mapped[str | None] = mapped_column(String(128), nullable=True)
-    secret_sha256: Mapped[str] = mapped_column(String(64), unique=True, index=True)
-    hint: Mapped[str] = mapped_column(String(16))  # first characters, to tell tokens apart
-    created_at: Mapped[float] = mapped_column(Float, default=time.time)
-    created_by: Mapped[str] = mapped_column(String(128), default="")
-    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 def hash_secret(secret: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 from backend.client import watch
 from backend.client._format import duration, num, table
 from backend.client.rest import APIError, Client, ServerUnreachable
-from backend.control.modes import MODES
+from backend.modes import MODES
 
 __all__ = ["COMMANDS", "add_commands", "run", "EXIT_OK", "EXIT_REFUSED", "EXIT_USAGE",
            "EXIT_UNREACHABLE", "EXIT_SERVER_ERROR"]

@@ -24,10 +24,10 @@ from backend.control.errors import (
     ElsewhereError,
     NotFoundError,
 )
-from backend.control.modes import MODES
 from backend.control.policy_runs import PolicyRunner
-from backend.ingest.connections import HookConnections
 from backend.live.state import LiveState
+from backend.modes import MODES
+from backend.peers.connections import HookConnections
 from backend.settings import Settings
 from backend.storage import control as db
 from backend.storage.gateway import SqlGateway

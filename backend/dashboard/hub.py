@@ -44,14 +44,14 @@ from typing import Any
 
 from backend.dashboard import fold, remote
 from backend.dashboard.fold import CostFit, Feed
-from backend.ingest.budget import (
+from backend.live.fleet import FleetJob, fleet_summary
+from backend.live.state import JobView, LiveState
+from backend.peers.budget import (
     DASHBOARD_FRAMES_BURST,
     DASHBOARD_FRAMES_PER_S,
     DASHBOARD_MAX_FRAME_BYTES,
     FrameBudget,
 )
-from backend.live.fleet import FleetJob, fleet_summary
-from backend.live.state import JobView, LiveState
 from backend.settings import Settings
 from rebalancer_wire.protocol import CLOSE_RATE_LIMITED
 
@@ -490,7 +490,7 @@ class DashboardHub:
 
 async def _drain(websocket: Any) -> None:
     # Reading is how a disconnect shows up; the dashboard sends nothing that matters, so a
-    # client that floods it or sends a big frame is closed (budgets in backend.ingest.budget).
+    # client that floods it or sends a big frame is closed (budgets in backend.peers.budget).
     budget = FrameBudget(frames_per_s=DASHBOARD_FRAMES_PER_S, frames_burst=DASHBOARD_FRAMES_BURST,
                          bytes_per_s=DASHBOARD_FRAMES_PER_S * DASHBOARD_MAX_FRAME_BYTES,
                          bytes_burst=DASHBOARD_FRAMES_BURST * DASHBOARD_MAX_FRAME_BYTES)

@@ -28,7 +28,8 @@ from backend.auth.sockets import TokenSockets
 from backend.auth.tokens import Actor
 from backend.control.controller import Controller
 from backend.dashboard.hub import DashboardHub
-from backend.ingest.budget import (
+from backend.live.state import LiveState
+from backend.peers.budget import (
     HOOK_BYTES_BURST,
     HOOK_BYTES_PER_S,
     HOOK_FRAMES_BURST,
@@ -36,8 +37,7 @@ from backend.ingest.budget import (
     HOOK_HELLO_FRAMES,
     FrameBudget,
 )
-from backend.ingest.connections import HookConnections, redirect_reason
-from backend.live.state import LiveState
+from backend.peers.connections import HookConnections, redirect_reason
 from backend.settings import Settings
 from backend.storage.gateway import SqlGateway
 from backend.storage.health import report_fault

@@ -20,7 +20,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from backend.ingest.budget import HOOK_FRAMES_BURST
+from backend.peers.budget import HOOK_FRAMES_BURST
 from rebalancer_wire.protocol import PROTOCOL_VERSION
 from tests.backend._app import closed, hello, metrics
 from tests.helpers.server import Server, running_server

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import AdminDep, ControllerDep, OperatorDep, RowId, ViewerDep
 from backend.control.models import Overrides, PolicyChanges
-from backend.control.modes import MODES
+from backend.modes import MODES
 from backend.storage.control import PROPOSAL_STATUSES
 from rebalancer_wire.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_LENGTH_SQ_WEIGHT, MAX_WORLD_SIZE
 
