@@ -10,4 +10,5 @@ def load_models() -> None:
     import backend.auth.tokens  # noqa: F401  (auth_tokens)
     import backend.storage.control  # noqa: F401
     import backend.storage.metrics  # noqa: F401
+    import backend.storage.owners  # noqa: F401
     import backend.storage.summaries  # noqa: F401
