@@ -101,8 +101,12 @@ class Forwarder:
                                     "applied. Try again: once its lease expires (REBALANCER_LEASE_TTL_S) "
                                     "another replica takes the job.") from exc
         except httpx.HTTPError as exc:
-            raise ForwardError(503, f"{where}, which did not answer within {timeout:g} s "
-                                    f"({type(exc).__name__}); the action may have been applied there: read the "
+            # Reached, then no answer: it timed out, or it dropped the connection (reset,
+            # killed or restarted mid-request). Either way it may have applied the action.
+            what = (f"did not answer within {timeout:g} s ({type(exc).__name__})"
+                    if isinstance(exc, httpx.TimeoutException)
+                    else f"dropped the connection before answering ({type(exc).__name__}: {exc or 'no detail'})")
+            raise ForwardError(503, f"{where}, which {what}; the action may have been applied there: read the "
                                     f"job's audit (GET /api/v1/jobs/{job}/audit) before sending it again.") from exc
         self.answered += 1
         passed = {k: reply.headers[k] for k in PASSED_HEADERS if k in reply.headers}

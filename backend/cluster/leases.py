@@ -5,7 +5,10 @@ this replica's id, set with ``SET NX PX``; the owner renews it every ``ttl/3`` w
 compare-and-set script, so a replica that dies (SIGKILL) loses its jobs within one TTL and
 the next replica that sees the job's hook takes it. Each replica also advertises the URL
 its hooks should use (``{prefix}:replica:{id}``), so a non-owner can redirect a hook to the
-owner. Messages between replicas carry ids only (``{prefix}:events``, pub/sub), never data.
+owner. Each acquisition (not a renewal) also takes the job's next lease epoch,
+``{prefix}:epoch:{job}`` (INCR in the same script, so a replica paused between the two can
+never get a newer epoch than the replica that took the job after it): the fencing token
+every control write of the owner carries (``backend.storage.owners``). Messages between replicas carry ids only (``{prefix}:events``, pub/sub), never data.
 With Redis unreachable a replica owns nothing: control pauses (``status().state``) and
 training is untouched, because the hook never waits on the backend.
 
@@ -37,6 +40,24 @@ log = logging.getLogger("rebalancer.cluster")
 
 # KEYS[1] the lease, ARGV[1] our id, ARGV[2] TTL in ms: extend only a lease we still hold.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
+# KEYS[1] the lease, KEYS[2] the job's epoch counter: take a free lease with a new epoch, or
+# renew ours with the epoch it has; 0 when another replica holds it.
+_ACQUIRE = """
+if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return redis.call('incr', KEYS[2]) end
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  redis.call('pexpire', KEYS[1], ARGV[2])
+  return tonumber(redis.call('get', KEYS[2]) or '0')
+end
+return 0
+"""
+# The store of record holds an epoch above the counter (Redis lost its data): the holder
+# of the lease, and only it, moves the counter past it (ARGV[2]).
+_RAISE = """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+local e = redis.call('incr', KEYS[2])
+if e <= tonumber(ARGV[2]) then e = tonumber(ARGV[2]) + 1; redis.call('set', KEYS[2], e) end
+return e
+"""
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 
 MAX_JOB_NAME = 256
@@ -82,6 +103,7 @@ class JobLeases:
                                         decode_responses=True)
         self._owned: set[str] = set()
         self._acquired_at: dict[str, float] = {}  # monotonic time of the last acquisition
+        self._epochs: dict[str, int] = {}  # the lease epoch of each job we hold
         self._reason = ""
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
@@ -104,6 +126,33 @@ class JobLeases:
         """True while this replica holds ``job``'s lease and Redis answers."""
         return not self._reason and job in self._owned
 
+    def epoch(self, job: str) -> int | None:
+        """The lease epoch under which this replica holds ``job`` (None: it does not)."""
+        return self._epochs.get(job) if self.owns(job) else None
+
+    def fenced(self, job: str) -> None:
+        """The store of record refused our epoch of ``job``: another replica took it. Stop
+        controlling it here; the next renewal pass finds out who holds the lease."""
+        self._owned.discard(job)
+        self._epochs.pop(job, None)
+
+    async def raise_epoch(self, job: str, floor: int) -> int | None:
+        """A new epoch above ``floor`` while we hold ``job``'s lease (None: we do not)."""
+        try:
+            got = int(await self._redis.eval(_RAISE, 2, self._lease_key(job), self._epoch_key(job),
+                                             self.replica_id, floor))
+        except (RedisError, OSError) as exc:
+            self._down(exc)
+            return None
+        if not got:
+            self.fenced(job)
+            return None
+        self._epochs[job] = got
+        return got
+
+    def _epoch_key(self, job: str) -> str:
+        return f"{self.prefix}:epoch:{job}"
+
     def owned_jobs(self) -> set[str]:
         """The jobs whose lease this replica holds (none while Redis is down)."""
         return set() if self._reason else set(self._owned)
@@ -118,16 +167,19 @@ class JobLeases:
         or Redis is down (then ``status()`` says so)."""
         key = self._lease_key(job)
         try:
-            got = await self._redis.set(key, self.replica_id, nx=True, px=self.ttl_ms)
-            if not got:
-                got = bool(await self._redis.eval(_RENEW, 1, key, self.replica_id, self.ttl_ms))
+            epoch = int(await self._redis.eval(_ACQUIRE, 2, key, self._epoch_key(job), self.replica_id,
+                                               self.ttl_ms))
         except (RedisError, OSError) as exc:
             self._down(exc)
             return False
         self._reason = ""
+        got = epoch > 0
         if not got:
-            self._owned.discard(job)  # another replica holds it now, whatever we thought
+            self.fenced(job)  # another replica holds it now, whatever we thought
         if got:
+            if job not in self._owned or self._epochs.get(job, 0) < epoch:
+                self._owned.discard(job)  # a new term: taken over again below
+            self._epochs[job] = epoch
             self._acquired_at[job] = time.monotonic()
             if job not in self._owned:
                 self._owned.add(job)
@@ -158,6 +210,7 @@ class JobLeases:
 
     async def release(self, job: str) -> None:
         self._owned.discard(job)
+        self._epochs.pop(job, None)
         self._acquired_at.pop(job, None)
         with contextlib.suppress(RedisError, OSError):
             await self._redis.eval(_RELEASE, 1, self._lease_key(job), self.replica_id)
@@ -189,7 +242,7 @@ class JobLeases:
                                   px=self.ttl_ms)
             for job in list(self._owned):
                 if not await self._redis.eval(_RENEW, 1, self._lease_key(job), self.replica_id, self.ttl_ms):
-                    self._owned.discard(job)
+                    self.fenced(job)
                     self._acquired_at.pop(job, None)
                     log.warning("lost the lease of job %s to another replica", job)
         except (RedisError, OSError) as exc:
@@ -221,6 +274,7 @@ class JobLeases:
             log.error("Redis unreachable, control paused: %s", exc)
         # Our leases expire on their own; claiming them again after Redis returns is acquire()'s job.
         self._owned.clear()
+        self._epochs.clear()
         self._reason = f"Redis unreachable ({type(exc).__name__}: {exc}); control paused, training continues."
 
     async def start(self) -> None:

@@ -40,6 +40,7 @@ class OperatorActions(ControllerCore):
                 raise ConflictError(f"Job '{job}' is in observe mode; set the mode to approve or auto to apply proposals.")
             if prop.base_version != st.version:
                 records.decide(prop, "expired", f"placement version {st.version} came into force", self._wall())
+                self._fence(s, st)
                 s.commit()
                 self._read_facts(s, st)
                 raise ConflictError(
@@ -47,6 +48,7 @@ class OperatorActions(ControllerCore):
                     f"but version {st.version} is in force; refresh.")
             if prop.expires_at is not None and self._wall() > prop.expires_at:
                 records.decide(prop, "expired", "older than its TTL", self._wall())
+                self._fence(s, st)
                 s.commit()
                 self._read_facts(s, st)
                 raise ConflictError(f"Proposal {proposal_id} expired; refresh.")
@@ -65,6 +67,7 @@ class OperatorActions(ControllerCore):
             if k is not None:  # an operator's cost model
                 records.audit_cost_model(s, prop, row, length_sq_weight=k, previous=st.length_sq_weight,
                                          actor=actor, reason=reason)
+            self._fence(s, st)
             s.commit()
             self._read_facts(s, st)
             return prop.public(), k
@@ -98,6 +101,7 @@ class OperatorActions(ControllerCore):
             def work(s: Session) -> dict[str, Any]:
                 prop = records.proposal_to_decide(s, job, proposal_id, "rejected")
                 records.reject(s, prop, actor=actor, reason=reason, at=self._wall())
+                self._fence(s, st)
                 s.commit()
                 self._read_facts(s, st)
                 return prop.public()
@@ -150,6 +154,7 @@ class OperatorActions(ControllerCore):
                                           explanation=expl)
                 records.audit_manual(s, prop, apply=apply, force=force, problems=problems,
                                      actor=actor, reason=reason)
+                self._fence(s, st)
                 s.commit()
                 self._read_facts(s, st)
                 return prop.id, prop.public()
@@ -186,6 +191,7 @@ class OperatorActions(ControllerCore):
         async with st.lock:
             def work(s: Session) -> None:
                 records.set_mode(s, job, mode, actor=actor, reason=reason, at=self._wall())
+                self._fence(s, st)
                 s.commit()
 
             await self._sql(work)
@@ -219,6 +225,7 @@ class OperatorActions(ControllerCore):
             def work(s: Session) -> None:
                 records.set_policy(s, job, policy, changes=changes, actor=actor, reason=reason,
                                    at=self._wall())
+                self._fence(s, st)
                 s.commit()
 
             await self._sql(work)
@@ -265,6 +272,7 @@ class OperatorActions(ControllerCore):
                                               actor=actor, reason=f"respect the new overrides: {broken}",
                                               costs=costs)
                     pid = prop.id
+                self._fence(s, st)
                 s.commit()
                 self._read_facts(s, st)
                 return pid

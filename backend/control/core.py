@@ -22,6 +22,7 @@ from backend.control import inputs, records
 from backend.control.errors import (
     ConflictError,
     ElsewhereError,
+    FencedError,
     NotFoundError,
 )
 from backend.control.policy_runs import PolicyRunner
@@ -30,17 +31,20 @@ from backend.modes import MODES
 from backend.peers.connections import HookConnections
 from backend.settings import Settings
 from backend.storage import control as db
+from backend.storage import owners
 from backend.storage.gateway import SqlGateway
 from backend.storage.metrics import job_mesh
 from rebalancer_wire.protocol import Hello, MeshShape, Placement, uniform_shares
 
-__all__ = ["ARRIVAL_WAIT_S", "MODES", "SYSTEM", "ActorLike", "ControllerCore", "JobState", "Ownership", "T"]
+__all__ = ["ARRIVAL_WAIT_S", "LOCAL_REPLICA", "MODES", "SYSTEM", "ActorLike", "ControllerCore", "JobState",
+           "Ownership", "T", "fence_detail"]
 
 log = logging.getLogger("backend.control.controller")
 
 # How long an action waits for a job whose first hello is being stored (``expect``).
 ARRIVAL_WAIT_S = 5.0
 SYSTEM = "controller"
+LOCAL_REPLICA = "local"  # the replica id in job_owners of a backend without Redis
 T = TypeVar("T")
 ActorLike = Actor | str
 
@@ -56,7 +60,17 @@ class _LeaseStatus(Protocol):
 class Ownership(Protocol):
     """Which jobs this replica controls (``backend.cluster.JobLeases`` with several replicas)."""
 
+    replica_id: str
+
     def owns(self, job: str) -> bool: ...
+
+    def epoch(self, job: str) -> int | None: ...
+
+    def fenced(self, job: str) -> None: ...
+
+    async def raise_epoch(self, job: str, floor: int) -> int | None: ...
+
+    async def acquire(self, job: str) -> bool: ...
 
     async def owner(self, job: str) -> tuple[str | None, str | None]: ...
 
@@ -103,6 +117,9 @@ class JobState:
     restart_count: int | None = None  # TorchElastic attempt of the ranks (None: none seen since load)
     # A device-mesh job's shape (its ranks here are replicas), from its hellos or its stored row.
     mesh: MeshShape | None = None
+    # The lease epoch this replica installed in the store of record when it loaded the job
+    # (None: loaded while another replica, or none, controlled it); every control write checks it.
+    epoch: int | None = None
 
     def replicas_sentence(self) -> str:
         """For errors about shares or ranks: what they count in this job."""
@@ -152,10 +169,47 @@ class ControllerCore:
         self.arrival_wait_s = ARRIVAL_WAIT_S
         self._tasks: list[asyncio.Task[None]] = []
         self._stale: set[str] = set()  # taken over while busy: reload once free (``_load``)
+        self._resends: set[asyncio.Task[None]] = set()  # placements sent after a take-over
         self.policy_runs = 0
 
     async def _sql(self, fn: Callable[[Session], T]) -> T:
-        return await self.sql.run(fn)
+        try:
+            return await self.sql.run(fn)
+        except FencedError as exc:
+            self._lost_fence(exc.job)
+            raise
+
+    @property
+    def replica_id(self) -> str:
+        return self.ownership.replica_id if self.ownership is not None else LOCAL_REPLICA
+
+    def _fence(self, s: Session, st: JobState) -> None:
+        """The last statement of every control write before its commit: the job's row in
+        ``job_owners`` must still hold the epoch this replica loaded the job under."""
+        if st.epoch is not None:
+            held = records.check_epoch(s, st.job, self.replica_id, st.epoch,
+                                      idle_limit_s=self.settings.lease_ttl_s)
+            if held is None:
+                return
+        else:
+            held = owners.epoch_of(s, st.job) or (0, "")
+        s.rollback()
+        raise FencedError(fence_detail(self.replica_id, st.job, st.epoch, held[0]), job=st.job)
+
+    def _lost_fence(self, job: str) -> None:
+        """A write was fenced off: drop the job's state (reloaded from the store on its next
+        use) and stop controlling it until the lease says otherwise."""
+        self._stale.add(job)
+        if self.ownership is not None:
+            self.ownership.fenced(job)
+
+    def _term(self, job: str) -> tuple[bool, int | None]:
+        """(whether this replica may install its epoch of ``job`` now, that epoch; None with
+        one replica: the stored epoch plus one, a new term at every load)."""
+        if self.ownership is None:
+            return True, None
+        epoch = self.ownership.epoch(job)
+        return epoch is not None, epoch
 
     def _publish(self, st: JobState) -> None:
         """Refresh the job's snapshot (what job_control serves) and tell the dashboard."""
@@ -177,6 +231,9 @@ class ControllerCore:
             self._notify_hub(st.job)
 
     async def _send(self, job: str, msg: Placement) -> None:
+        if not self.controls(job):  # the lease went while we wrote: its owner sends (fenced)
+            log.warning("placement %s of job %s not sent: this replica no longer controls the job", msg.version, job)
+            return
         try:
             await self.connections.send(job, msg)
         except Exception:  # a dead socket must not undo a recorded decision; hello resyncs
@@ -206,11 +263,31 @@ class ControllerCore:
             del self._loading[job]
 
     async def _load_from_sql(self, job: str) -> JobState | None:
+        loaded = await self._sql(self._reader(job))
+        if loaded is None:
+            return None
+        if loaded.epoch is None and self.ownership is not None and self.ownership.epoch(job) is not None:
+            # We hold the lease but the store has a higher epoch: Redis lost its counter, or
+            # a replica paused past its lease installed its own. Raise ours past it, once.
+            held = await self._sql(lambda s: owners.epoch_of(s, job))
+            if held is not None and await self.ownership.raise_epoch(job, held[0]) is not None:
+                loaded = await self._sql(self._reader(job)) or loaded
+        st = self._jobs.setdefault(job, loaded)
+        if st is loaded:
+            self._publish(st)
+        return st
+
+    def _reader(self, job: str) -> Callable[[Session], JobState | None]:
+        mine, term = self._term(job)
+        replica = self.replica_id
 
         def read(s: Session) -> JobState | None:
             row = db.get_settings(s, job)
             if row is None:
                 return None
+            # First, in this transaction: a write of the previous owner committed before our
+            # epoch is read below; one after it is refused by its own check.
+            epoch = records.take_epoch(s, job, replica, term) if mine else None
             pl = db.latest_placement(s, job)
             st = JobState(
                 job=job, world_size=row.world_size, global_batch_size=row.global_batch_size,
@@ -219,7 +296,7 @@ class ControllerCore:
                 version=pl.version if pl else 0,
                 shares=list(pl.shares) if pl else uniform_shares(row.world_size, row.global_batch_size),
                 status="idle", status_detail="no ranks connected since the backend started",
-                mesh=job_mesh(row),
+                mesh=job_mesh(row), epoch=epoch,
             )
             st.last_effect = records.last_effect(s, job)
             if pl is not None:
@@ -229,15 +306,10 @@ class ControllerCore:
             if sent:
                 st.length_sq_weight = float((sent[0].params or {}).get("length_sq_weight", 0.0))
             self._read_facts(s, st)
+            s.commit()
             return st
 
-        loaded = await self._sql(read)
-        if loaded is None:
-            return None
-        st = self._jobs.setdefault(job, loaded)
-        if st is loaded:
-            self._publish(st)
-        return st
+        return read
 
     def _read_facts(self, s: Session, st: JobState) -> None:
         """Pending proposal and counts by status, read after every change (gateway thread)."""
@@ -274,17 +346,23 @@ class ControllerCore:
 
     async def _refuse_if_elsewhere(self, job: str) -> None:
         """An operator action on a job another replica controls: say where to send it; while
-        Redis is down (control paused), say so."""
+        Redis is down (control paused), say so. A job nobody leases is taken here first (a
+        new lease epoch), so that the action is applied under this replica's fence and the
+        placement in force reaches the ranks from the store of record, wherever they are."""
         if self.ownership is None or self.ownership.owns(job):
             return
-        rid, url = await self.ownership.owner(job)
-        if rid is not None:
-            where = f" at {url}" if url else ""
-            raise ElsewhereError(f"Job '{job}' is controlled by replica {rid}{where}; send this action there.",
-                                 job=job, owner=rid, url=url or "")
-        status = self.ownership.status()
-        if status.state == "paused":  # no replica may act on a job until Redis answers
-            raise ConflictError(f"Control of job '{job}' is paused: {status.reason}")
+        for _ in range(2):
+            rid, url = await self.ownership.owner(job)
+            if rid is not None and rid != self.ownership.replica_id:
+                where = f" at {url}" if url else ""
+                raise ElsewhereError(f"Job '{job}' is controlled by replica {rid}{where}; send this action there.",
+                                     job=job, owner=rid, url=url or "")
+            status = self.ownership.status()
+            if status.state == "paused":  # no replica may act on a job until Redis answers
+                raise ConflictError(f"Control of job '{job}' is paused: {status.reason}")
+            if await self.ownership.acquire(job):
+                return
+        raise ConflictError(f"Job '{job}' changed owner while this action started; nothing was applied. Send it again.")
 
     def take_over(self, job: str) -> None:
         """This replica just took ``job``'s lease: drop what memory holds of it (loaded at
@@ -293,6 +371,22 @@ class ControllerCore:
         if not self.forget(job):
             log.warning("job %s was taken over while an action held it; its state reloads on the next", job)
             self._stale.add(job)
+        if self.connections.ranks(job):  # ranks connected here: send them what the store has in force
+            task = asyncio.get_running_loop().create_task(self._resend(job), name=f"rebalancer-resend-{job}")
+            self._resends.add(task)
+            task.add_done_callback(self._resends.discard)
+
+    async def _resend(self, job: str) -> None:
+        """After a take-over: the placement in force (read again from the store of record,
+        under our new epoch) to the ranks connected here; one they already run is a no-op."""
+        try:
+            st = await self._load(job)
+            if st is None or st.epoch is None:
+                return
+            async with st.lock:
+                await self._send(job, self._placement_msg(st))
+        except Exception as exc:  # the next hello answers it too
+            log.warning("sending job %s's placement in force after the take-over failed: %s", job, exc)
 
     def known(self, job: str) -> bool:
         """True when the job has control state in memory (it said hello at least once)."""
@@ -377,6 +471,7 @@ class ControllerCore:
                                       current=old)
             records.issued(s, row, old, source=source, actor=actor, action=action, params=params,
                            reason=reason)
+            self._fence(s, st)
             s.commit()
             self._read_facts(s, st)
             return row.public()
@@ -428,6 +523,15 @@ class ControllerCore:
 
     def job_control(self, job: str) -> dict[str, Any]:
         raise NotImplementedError  # read_model.ReadModel
+
+
+def fence_detail(replica: str, job: str, mine: int | None, held: int) -> str:
+    """The 409 of a control write the store of record fenced off."""
+    if mine is None:
+        return (f"Replica {replica} does not control job '{job}' (it holds no lease epoch; the store of record "
+                f"has epoch {held}); nothing was applied. Retry: the request will be forwarded to the owner.")
+    return (f"Replica {replica} no longer owns job '{job}' (lease epoch {mine} < {held}); nothing was applied. "
+            "Retry: the request will be forwarded to the owner.")
 
 
 def cost_model_public(model: dict[str, Any] | None, in_force: float, mode: str) -> dict[str, Any]:

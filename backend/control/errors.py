@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
-__all__ = ["ControlError", "NotFoundError", "ConflictError", "ElsewhereError", "InvalidError", "StateError",
-           "error_detail"]
+__all__ = ["ControlError", "NotFoundError", "ConflictError", "ElsewhereError", "FencedError", "InvalidError",
+           "StateError", "error_detail"]
 
 
 class ControlError(Exception):
@@ -34,6 +34,15 @@ class ElsewhereError(ConflictError):
     def __init__(self, detail: str, *, job: str, owner: str, url: str):
         super().__init__(detail)
         self.job, self.owner, self.url = job, owner, url
+
+
+class FencedError(ConflictError):
+    """A control write the store of record refused: this replica no longer holds the job's
+    lease epoch (another replica took the job). Nothing was written."""
+
+    def __init__(self, detail: str, *, job: str):
+        super().__init__(detail)
+        self.job = job
 
 
 class InvalidError(ControlError):

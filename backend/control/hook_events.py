@@ -187,6 +187,7 @@ class HookEvents(ControllerCore):
                 row = records.record_oom(s, oom, ov, cap=ceiling, why=why, actor=SYSTEM, at=self._wall())
                 if row is not None and row.previous_shares is not None and len(row.previous_shares) == st.world_size:
                     previous = list(row.previous_shares)
+                self._fence(s, st)
                 s.commit()
                 self._read_facts(s, st)
                 return previous

@@ -124,6 +124,7 @@ class PolicyLoop(ControllerCore):
                 s, st, shares, source="policy", strategy=expl.strategy, actor=SYSTEM,
                 reason=decision.reason, explanation=_explanation_dict(expl),
                 before=expl.step_ms_before, after=expl.step_ms_after, gain=expl.gain)
+            self._fence(s, st)
             s.commit()
             self._read_facts(s, st)
             return prop.id
@@ -209,6 +210,7 @@ class PolicyLoop(ControllerCore):
                 may_roll_back=row.auto and may_auto and row.previous_shares is not None,
                 speed_factor=factor)
             rollback = records.record_effect(row, verdict)
+            self._fence(s, st)
             st.measured = True
             st.last_effect = effect.effect_record(row)
             s.commit()

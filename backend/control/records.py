@@ -20,6 +20,7 @@ from backend.control.effect import Effect, effect_record, merge_acks
 from backend.control.errors import ConflictError, NotFoundError
 from backend.control.inputs import OVERRIDE_KEYS
 from backend.storage import control as db
+from backend.storage import owners
 from rebalancer_wire.protocol import Hello, Oom, uniform_shares
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "expire_due", "new_placement", "add_proposal", "refused_before", "last_effect",
     "recent_rollbacks", "approve", "reject", "audit_manual", "set_mode", "set_policy", "reshape",
     "record_acks", "record_oom", "audit_restart", "issued", "record_effect", "audit_token",
+    "take_epoch", "check_epoch",
 ]
 
 
@@ -362,3 +364,14 @@ def last_effect(s: Any, job: str) -> dict[str, Any] | None:
         if row.step_ms_after is not None:
             return effect_record(row)
     return None
+
+
+def take_epoch(s: Any, job: str, replica: str, epoch: int | None) -> int | None:
+    """This replica's lease epoch for ``job`` installed in ``job_owners`` (None: a higher one
+    is there; ``epoch`` None: one replica, the stored epoch plus one)."""
+    return owners.take_epoch(s, job, replica, epoch)
+
+
+def check_epoch(s: Any, job: str, replica: str, epoch: int, *, idle_limit_s: float) -> tuple[int, str] | None:
+    """The fence of a control write, its last statement before the commit (None: it holds)."""
+    return owners.check_epoch(s, job, replica, epoch, idle_limit_s=idle_limit_s)

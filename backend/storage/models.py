@@ -9,5 +9,6 @@ __all__ = ["load_models"]
 def load_models() -> None:
     import backend.storage.control  # noqa: F401
     import backend.storage.metrics  # noqa: F401
+    import backend.storage.owners  # noqa: F401
     import backend.storage.summaries  # noqa: F401
     import backend.storage.tokens  # noqa: F401

@@ -14,6 +14,7 @@ from backend.storage import make_engine, make_sessionmaker
 from backend.storage import metrics as store
 from backend.storage.control import get_settings, latest_placement, list_audit
 from backend.storage.migrations import FIRST, HEAD, current, upgrade
+from backend.storage.owners import epoch_of
 from tests.helpers.postgres import pg_schema
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=timezone.utc)
@@ -67,6 +68,7 @@ def test_a_database_of_the_first_schema_upgrades_and_keeps_its_rows(db_url):
         assert store.list_ranks(s, "old")[0].first_seen == pytest.approx(T0.timestamp())
         assert store.get_job(s, "old").mesh is None and store.list_ranks(s, "old")[0].replica_ranks is None  # 0005
         assert latest_placement(s, "old").shares == [16, 16]
+        assert epoch_of(s, "old") is None  # 0006: no replica has fenced the job yet
         assert [a.action for a in list_audit(s, "old")] == ["job.create"]
         token_time = s.execute(text("SELECT created_at FROM auth_tokens")).scalar_one()
         assert token_time == pytest.approx(T0.timestamp())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -609,3 +610,64 @@ def test_the_first_steps_go_out_one_by_one(backend: WsBackend) -> None:
         assert not backend.of(Metrics)[0].urgent
     finally:
         t.close()
+
+
+class FrozenBackend:
+    """A backend that answers the hello, then freezes like a paused process: its socket stays
+    open and takes frames (the kernel buffers them), nothing reads them or answers a ping."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.port = free_port()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._conns: list[Any] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        import base64
+        import hashlib
+
+        with contextlib.suppress(OSError):
+            conn, _ = self._listener.accept()
+            self._conns.append(conn)
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(4096)
+            key = next(line.split(b":", 1)[1].strip() for line in request.split(b"\r\n")
+                       if line.lower().startswith(b"sec-websocket-key:"))
+            accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+            conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+            placement = encode(Placement(job="j1", version=3, shares=[8, 8], global_batch_size=16)).encode()
+            conn.sendall(bytes([0x81, len(placement)]) + placement)  # one unmasked text frame (< 126 bytes)
+
+    def stop(self) -> None:
+        for sock in (*self._conns, self._listener):
+            sock.close()
+
+
+def test_a_silent_backend_is_left_and_what_it_never_confirmed_is_sent_again() -> None:
+    """A paused owner's socket takes frames nobody reads: after ``silent_timeout_s`` without a
+    pong the transport goes to the next URL and sends again every frame not confirmed."""
+    frozen, live = FrozenBackend(), WsBackend().start()
+    state = HookState()
+    t = Transport(url=f"http://127.0.0.1:{frozen.port},http://127.0.0.1:{live.port}", token=None,
+                  hello=state.hello, on_message=state.on_message, flush_interval_s=0.05,
+                  backoff_initial_s=0.05, backoff_max_s=0.2, silent_timeout_s=1.0)
+    t.start()
+    try:
+        wait = time.monotonic() + WAIT_S
+        while not state.received and time.monotonic() < wait:
+            time.sleep(0.01)
+        assert state.received, "the frozen backend's placement never arrived"
+        for k in range(40):  # sent into the frozen backend's socket
+            t.put_step(step(k))
+            time.sleep(0.01)
+        live.wait(lambda: [s.batch_index for s in live.steps()] == list(range(40)),
+                  "every step at the next backend, once and in order")
+    finally:
+        t.close(timeout=0.5)
+        live.stop()
+        frozen.stop()

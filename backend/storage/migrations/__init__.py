@@ -17,7 +17,7 @@ from sqlalchemy import Engine, inspect
 
 __all__ = ["upgrade", "create_head", "current", "HEAD", "FIRST"]
 
-HEAD = "0005"
+HEAD = "0006"
 FIRST = "0001"
 
 

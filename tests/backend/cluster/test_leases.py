@@ -136,6 +136,35 @@ def test_stop_ends_the_renewals_even_when_a_cancel_lands_mid_command() -> None:
             await asyncio.sleep(random.uniform(0.0, 0.01))
             await a.stop()
             assert a._task is not None and a._task.done()
-        assert await client.keys(f"{prefix}:*") == []  # every lease released, no renewal after stop
+        # Every lease released, no renewal after stop; the epoch counters stay (they only rise).
+        assert [k for k in await client.keys(f"{prefix}:*") if b":epoch:" not in k] == []
+        assert len(await client.keys(f"{prefix}:epoch:*")) == 300
+        for key in await client.keys(f"{prefix}:*"):
+            await client.delete(key)
         await client.aclose()
+    asyncio.run(run())
+
+
+def test_each_take_over_gets_a_higher_epoch_and_only_the_holder_raises_it() -> None:
+    async def run() -> None:
+        prefix = _prefix()
+        client = redis.asyncio.Redis.from_url(REDIS_URL)
+        a, b = _replica(prefix, "a"), _replica(prefix, "b")
+        assert await a.acquire("opt") and a.epoch("opt") == 1
+        assert await a.acquire("opt") and a.epoch("opt") == 1  # a renewal keeps the epoch
+        assert not await b.acquire("opt") and b.epoch("opt") is None
+        await a.release("opt")
+        assert await b.acquire("opt") and b.epoch("opt") == 2  # a take-over: the next epoch
+        assert a.epoch("opt") is None
+        # The store of record holds epoch 9 (say, Redis lost its counter): the holder moves
+        # past it; a replica without the lease cannot.
+        assert await a.raise_epoch("opt", 9) is None
+        assert await b.raise_epoch("opt", 9) == 10 and b.epoch("opt") == 10
+        b.fenced("opt")  # the store refused b's epoch: it stops controlling the job
+        assert not b.owns("opt") and b.epoch("opt") is None
+        for key in await client.keys(f"{prefix}:*"):
+            await client.delete(key)
+        await client.aclose()
+        await a.stop()
+        await b.stop()
     asyncio.run(run())
