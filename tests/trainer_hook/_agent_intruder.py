@@ -120,7 +120,7 @@ def connect_as_guest(sock_path: str, key_path: str) -> None:
     other.pop("ws", None)
     _say(attempt="another local rank", **other)
     own = _try(sock_path, header, Hello(rank=local_rank, local_rank=local_rank, **me))  # type: ignore[arg-type]
-    ws = own.pop("ws", None)
+    ws: Any = own.pop("ws", None)
     _say(attempt="own local rank", **own)
     sys.stdin.readline()
     if ws is not None:
