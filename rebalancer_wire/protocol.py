@@ -56,6 +56,7 @@ __all__ = [
     "MAX_LENGTH_SQ_WEIGHT",
     "MAX_AGE_S",
     "MAX_AHEAD_S",
+    "MAX_BATCH_JUMP",
     "CLOSE_NORMAL",
     "CLOSE_GOING_AWAY",
     "CLOSE_TOO_BIG",
@@ -121,6 +122,10 @@ _MAX_TEMP_C = 1000.0
 _MAX_CLOCK_MHZ = 100_000.0
 
 MAX_RANKS_PER_CONNECTION = 256  # a node connection (docs/protocol.md) speaks for at most this many ranks
+# A step's batch index is at most this far from its rank's last on the connection (the hello's
+# batch_index, then the highest sent): 6x the hook's default queue of records held offline,
+# and 18 hours at one step a second. A run resumed from a checkpoint says so in a new hello.
+MAX_BATCH_JUMP = 1 << 16
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
 CLOSE_TOO_BIG = 1009
@@ -708,12 +713,20 @@ class Metrics:
             urgent=_bool(d, "urgent", default=False),
         )
 
-    def check_against(self, hello: Hello, now: float) -> None:
+    def check_against(self, hello: Hello, now: float, last_batch_index: int | None = None) -> None:
         """The ranges that need the sender's ``hello`` and the receiver's clock: no step
         larger than the job's global batch, every ``t`` within ``MAX_AGE_S`` before and
-        ``MAX_AHEAD_S`` after ``now``. Raises ProtocolError naming the first record off."""
+        ``MAX_AHEAD_S`` after ``now``, every ``batch_index`` within ``MAX_BATCH_JUMP`` of the
+        rank's last (``last_batch_index``, by default the hello's). Raises ProtocolError
+        naming the first record off."""
         lo, hi, cap = now - MAX_AGE_S, now + MAX_AHEAD_S, hello.global_batch_size
+        last = hello.batch_index if last_batch_index is None else last_batch_index
         for i, s in enumerate(self.steps):
+            if abs(s.batch_index - last) > MAX_BATCH_JUMP:
+                raise ProtocolError(
+                    f"'steps[{i}].batch_index' is {s.batch_index}, {s.batch_index - last:+d} from this rank's "
+                    f"last ({last}); it must be within {MAX_BATCH_JUMP} of it (MAX_BATCH_JUMP). A run resumed "
+                    f"elsewhere says its batch index in a new hello.")
             if s.local_batch_size > cap:
                 raise ProtocolError(
                     f"'steps[{i}].local_batch_size' is {s.local_batch_size} but the job's global batch is {cap}.")
@@ -872,10 +885,12 @@ class Error:
     TYPE: ClassVar[str] = "error"
     code: str
     message: str
+    rank: int | None = None  # on a node connection: the one rank refused (the others go on)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Error:
-        return cls(code=_str(d, "code"), message=_str(d, "message", max_len=_MAX_TEXT))
+        return cls(code=_str(d, "code"), message=_str(d, "message", max_len=_MAX_TEXT),
+                   rank=_int(d, "rank", hi=MAX_WORLD_SIZE - 1, default=None))
 
 
 Message: TypeAlias = Hello | Metrics | Ack | Reject | Oom | Leave | Placement | Error
@@ -890,6 +905,8 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
     body = {f.name: getattr(msg, f.name) for f in fields(msg)}
     if body.get("total_steps", 0) is None:
         del body["total_steps"]  # optional and rarely set: absent rather than null
+    if isinstance(msg, Error) and body["rank"] is None:
+        del body["rank"]  # likewise
     if body.get("urgent", True) is False:
         del body["urgent"]  # likewise
     if body.get("comm_kind", None) == "":

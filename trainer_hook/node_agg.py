@@ -2,7 +2,10 @@
 
 Local rank 0 (``LOCAL_RANK`` from torchrun) runs a ``NodeAgent``: a websocket server on a
 unix socket whose path every local rank derives from the environment torchrun gives them
-all (``agent_path``). The other local ranks' transports connect to it first, speaking the
+all (``agent_path``), in a directory only the job's user can enter. Who may talk to it is
+trainer_hook/_agent_trust.py's: the peer's uid (``SO_PEERCRED``, both ends), the launch's
+secret from a 0600 file beside the socket, and a hello only from the peer's own process and
+as its own local rank. The other local ranks' transports connect to it first, speaking the
 ordinary hook protocol; the agent checks each frame (it must be for that rank and the job)
 and puts it on rank 0's transport, which sends it on rank 0's own connection after rank
 0's frames. That connection says one ``hello`` per rank (docs/protocol.md, node
@@ -22,7 +25,7 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
+import stat
 import threading
 import time
 from collections import deque
@@ -30,9 +33,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
 from websockets.sync.server import Server, ServerConnection, unix_serve
 
 from rebalancer_wire.protocol import (
+    CLOSE_FORBIDDEN,
     CLOSE_GOING_AWAY,
     CLOSE_MALFORMED,
     CLOSE_NORMAL,
@@ -47,6 +52,17 @@ from rebalancer_wire.protocol import (
     ProtocolError,
     decode,
     encode,
+)
+from trainer_hook._agent_trust import (
+    KEY_HEADER,
+    NotPrivate,
+    check_private_dir,
+    launch_local_rank,
+    peer_credentials,
+    private_dir,
+    same_secret,
+    secret_path,
+    write_secret,
 )
 from trainer_hook.transport import Transport
 
@@ -80,11 +96,13 @@ def node_aggregation(env: Mapping[str, str]) -> bool:
 
 def agent_path(job: str, env: Mapping[str, str]) -> str:
     """The unix socket of this node's agent for ``job``: the same in every local rank (the
-    launch's rendezvous, node and restart), and another for any other launch or job."""
+    launch's rendezvous, node and restart), and another for any other launch or job. It lies
+    in this user's private directory (``_agent_trust.private_dir``, made if missing); raises
+    ``OSError`` when that directory is not this user's alone (then there is no agent)."""
     key = "\0".join([job, *(env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
                                                         "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT"))])
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
-    return os.path.join(tempfile.gettempdir(), f"rebalancer-{os.getuid()}-{digest}.sock")
+    return os.path.join(private_dir(env), f"{digest}.sock")
 
 
 def make_transport(*, job: str, url: str, token: str | None, hello: Callable[[], Hello],
@@ -98,10 +116,15 @@ def make_transport(*, job: str, url: str, token: str | None, hello: Callable[[],
     env = os.environ if env is None else env
     if not node_aggregation(env):
         return Transport(url=url, token=token, hello=hello, on_message=on_message, **options)
-    path = agent_path(job, env)
+    try:
+        path = agent_path(job, env)
+    except OSError as exc:  # a planted or opened-up directory: no agent on this node
+        log.warning("No node agent: %s. This rank connects to the backend on its own; remove that path or "
+                    "set %s to a directory only this user can enter (0700).", exc, "REBALANCER_AGENT_DIR")
+        return Transport(url=url, token=token, hello=hello, on_message=on_message, **options)
     if env.get("LOCAL_RANK", "0").strip() != "0":
         return Transport(url=url, token=token, hello=hello, on_message=on_message, local_agent=path, **options)
-    agent = NodeAgent(job=job, path=path)
+    agent = NodeAgent(job=job, path=path, local_world_size=_int_env(env, "LOCAL_WORLD_SIZE"))
     transport = Transport(url=url, token=token, hello=hello, on_message=on_message, relay=agent, **options)
     agent.upstream = transport
     try:
@@ -112,6 +135,13 @@ def make_transport(*, job: str, url: str, token: str | None, hello: Callable[[],
     return transport
 
 
+def _int_env(env: Mapping[str, str], key: str) -> int | None:
+    try:
+        return int(env.get(key, ""))
+    except ValueError:
+        return None
+
+
 class NodeAgent:
     """The other local ranks' side of rank 0's transport (``transport.Relay``).
 
@@ -120,9 +150,15 @@ class NodeAgent:
     are atomic; the lock guards the per-rank bookkeeping.
     """
 
-    def __init__(self, *, job: str, path: str, max_waiting: int = _MAX_WAITING) -> None:
+    def __init__(self, *, job: str, path: str, max_waiting: int = _MAX_WAITING,
+                 local_world_size: int | None = None) -> None:
         self.job = job
         self.path = path
+        self.local_world_size = local_world_size
+        self._secret = ""  # the launch's, written beside the socket by start()
+        # local rank -> (pid, rank) of the process that said hello as it: each local rank
+        # speaks from one process, for one rank, for the agent's life (a launch)
+        self._claims: dict[int, tuple[int, int]] = {}
         self.upstream: Transport | None = None  # set by make_transport, for stop()'s drain
         self._max_waiting = max_waiting
         self._waiting: deque[tuple[int, str]] = deque()  # (rank, frame) in arrival order
@@ -138,11 +174,20 @@ class NodeAgent:
     # --- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Listen; raises ``OSError`` (then there is no agent) when the socket's directory is
+        not this user's alone or its path holds something that is not our old socket."""
+        check_private_dir(os.path.dirname(self.path))
         try:
-            os.unlink(self.path)  # a previous run's socket left behind
+            st = os.lstat(self.path)
         except FileNotFoundError:
             pass
-        self._server = unix_serve(self._serve, self.path, compression=None, max_size=MAX_MESSAGE_BYTES)
+        else:  # a previous run's socket left behind: ours to replace; anything else is not
+            if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
+                raise NotPrivate(f"{self.path} is taken by something that is not this user's old agent socket")
+            os.unlink(self.path)
+        self._secret = write_secret(secret_path(self.path))
+        self._server = unix_serve(self._serve, self.path, compression=None, max_size=MAX_MESSAGE_BYTES,
+                                  process_request=self._handshake)
         os.chmod(self.path, 0o600)
         threading.Thread(target=self._server.serve_forever, name="rebalancer-node-agent", daemon=True).start()
         log.info("Node agent listening on %s: the other local ranks send through this rank.", self.path)
@@ -173,10 +218,11 @@ class NodeAgent:
         log.info("Node agent stops (%s); the other local ranks use their own connections.", reason)
         if server is not None:
             server.socket.close()  # no new connections; the open ones go on for now
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+            for path in (self.path, secret_path(self.path)):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
         up = self.upstream
         deadline = time.monotonic() + _DRAIN_S
         while self._waiting and up is not None and up.connected and time.monotonic() < deadline:
@@ -194,18 +240,32 @@ class NodeAgent:
 
     # --- one local rank's connection (a handler thread) ------------------------------------
 
+    def _handshake(self, conn: ServerConnection, request: Request) -> Response | None:
+        """Before a guest's hello: the peer is this user (the kernel says) and knows the launch's
+        secret; else HTTP 403 and nothing it sends is read."""
+        pid, uid, _ = peer_credentials(conn.socket)
+        if uid != os.getuid():
+            why = f"pid {pid} runs as uid {uid}, not as this job's user (uid {os.getuid()})"
+        elif not same_secret(request.headers.get(KEY_HEADER), self._secret):
+            why = f"pid {pid} did not prove it belongs to this launch (no or a wrong {KEY_HEADER})"
+        else:
+            return None
+        log.warning("Node agent refused a connection: %s.", why)
+        return conn.respond(403, "This node agent carries the frames of its own launch only.\n")
+
     def _serve(self, conn: ServerConnection) -> None:
         rank: int | None = None
         code = 1006
         try:
+            pid = peer_credentials(conn.socket)[0]
             first = conn.recv(timeout=10.0)
             hello = decode(first)
-            refusal = self._admit(hello)
+            refusal = self._admit(hello, pid)
             if refusal is not None or not isinstance(hello, Hello):
                 refusal = refusal or (CLOSE_MALFORMED, "The first message must be 'hello'.")
                 log.warning("Node agent refused a local rank: %s", refusal[1])
-                conn.send(encode(Error(code="malformed" if refusal[0] == CLOSE_MALFORMED else "try_again_later",
-                                       message=refusal[1])))
+                conn.send(encode(Error(code={CLOSE_MALFORMED: "malformed", CLOSE_FORBIDDEN: "forbidden"}.get(
+                    refusal[0], "try_again_later"), message=refusal[1])))
                 conn.close(refusal[0], refusal[1][:120])
                 return
             rank = hello.rank
@@ -230,6 +290,9 @@ class NodeAgent:
                 else:
                     raise ProtocolError(f"Hooks may not send '{msg.TYPE}' messages; expected metrics, ack, "
                                         f"reject or oom.")
+                if isinstance(msg, Hello) and (msg.local_rank, msg.pid) != (hello.local_rank, hello.pid):
+                    raise ProtocolError(f"This connection speaks for local rank {hello.local_rank} (pid "
+                                        f"{hello.pid}); got a 'hello' as local rank {msg.local_rank} (pid {msg.pid}).")
                 text = raw if isinstance(raw, str) else raw.decode()
                 if isinstance(msg, Hello):
                     with self._lock:
@@ -252,18 +315,48 @@ class NodeAgent:
             if rank is not None:
                 self._gone(rank, conn, code)
 
-    def _admit(self, hello: Message) -> tuple[int, str] | None:
+    def _admit(self, hello: Message, pid: int) -> tuple[int, str] | None:
         if not isinstance(hello, Hello):
             return CLOSE_MALFORMED, f"The first message must be 'hello', got '{hello.TYPE}'."
         if hello.job != self.job:
             return CLOSE_MALFORMED, (f"This node agent carries job '{self.job}'; connect on your own for job "
                                      f"'{hello.job}'.")
+        refusal = self._identity(hello, pid)
+        if refusal is not None:
+            return CLOSE_FORBIDDEN, refusal
         with self._lock:
             if self._stopping:
                 return CLOSE_TRY_AGAIN_LATER, "The node agent is stopping; connect on your own."
             if hello.rank not in self._guests and len(self._guests) >= MAX_RANKS_PER_CONNECTION - 1:
                 return CLOSE_TRY_AGAIN_LATER, (f"The node agent carries {MAX_RANKS_PER_CONNECTION - 1} ranks "
                                                f"already; connect on your own.")
+            self._claims[hello.local_rank] = (pid, hello.rank)
+        return None
+
+    def _identity(self, hello: Hello, pid: int) -> str | None:
+        """Why a guest may not say this hello (None: it may): it speaks only from its own process
+        (the kernel's pid), as its own local rank, and a local rank for one process and rank."""
+        lr = hello.local_rank
+        if hello.pid != pid:
+            return f"A local rank says hello from its own process only: this hello says pid {hello.pid}, the " \
+                   f"connection is from pid {pid}."
+        size = self.local_world_size
+        if lr == 0 or (size is not None and lr >= size):
+            return f"A guest of this node agent is local rank 1 to {(size or 2) - 1}; this hello says local rank {lr}."
+        if pid != os.getpid():  # another process: the local rank torchrun started it as, where known
+            started = launch_local_rank(pid)
+            if started is not None and started != lr:
+                return f"Process {pid} was started as local rank {started}; it may not say hello as local rank {lr}."
+        with self._lock:
+            held = self._claims.get(lr)
+            if held is not None and held != (pid, hello.rank):
+                return f"Local rank {lr} speaks from pid {held[0]} as rank {held[1]}; this hello (pid {pid}, rank " \
+                       f"{hello.rank}) may not take it over."
+            for other, (p, r) in self._claims.items():
+                if other != lr and r == hello.rank:
+                    return f"Rank {hello.rank} is local rank {other}'s; local rank {lr} may not say hello as it."
+                if other != lr and p == pid and pid != os.getpid():
+                    return f"Pid {pid} speaks as local rank {other}; it may not say hello as local rank {lr} too."
         return None
 
     def _gone(self, rank: int, conn: ServerConnection, code: int) -> None:

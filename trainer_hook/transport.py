@@ -23,7 +23,9 @@ its state would be shared between threads."""
 from __future__ import annotations
 
 import logging
+import os
 import random
+import socket
 import statistics
 import threading
 import time
@@ -34,7 +36,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
-from websockets.sync.client import ClientConnection, connect, unix_connect
+from websockets.sync.client import ClientConnection, connect
 
 from rebalancer_wire.protocol import (
     CLOSE_FORBIDDEN,
@@ -57,6 +59,14 @@ from rebalancer_wire.protocol import (
     StepRecord,
     decode,
     encode,
+)
+from trainer_hook._agent_trust import (
+    KEY_HEADER,
+    NotPrivate,
+    check_private_dir,
+    peer_credentials,
+    read_secret,
+    secret_path,
 )
 
 __all__ = ["Relay", "Transport", "hook_ws_url", "hook_ws_urls"]
@@ -386,6 +396,14 @@ class Transport:
                     self._next_url = (self._next_url + 1) % len(self.urls)
                 self._redirect = None
                 continue
+            except _AgentRefused as exc:  # never again: this rank's own connection from now on
+                log.warning("Not using the node agent at %s: %s. This rank connects to the backend on its own, "
+                            "training goes on.", self.url, exc)
+                self._agent_fallback_said = True
+                if self.urls[0].startswith(_UNIX):
+                    self.urls.pop(0)
+                self._next_url, self._redirect = 0, None
+                continue
             except _AuthRefused as exc:
                 log.error(
                     "The backend at %s refused this hook's token (%s). Set REBALANCER_TOKEN to a "
@@ -430,6 +448,8 @@ class Transport:
         try:
             ws = self._connect(self.url, self._open_timeout, 1.0)
         except InvalidStatus as exc:
+            if self.url.startswith(_UNIX):
+                raise _AgentRefused(f"it answered the handshake with HTTP {exc.response.status_code}") from None
             if exc.response.status_code in (401, 403):
                 raise _AuthRefused(f"HTTP {exc.response.status_code} on the handshake") from None
             raise
@@ -477,9 +497,20 @@ class Transport:
             ws.close_socket()
 
     def _connect(self, url: str, open_timeout: float, close_timeout: float) -> ClientConnection:
-        if url.startswith(_UNIX):  # the node agent on this machine: no auth, no compression
-            return unix_connect(url[len(_UNIX):], "ws://localhost" + WS_PATH, open_timeout=open_timeout,
-                                close_timeout=close_timeout, max_size=MAX_MESSAGE_BYTES, compression=None)
+        if url.startswith(_UNIX):  # the node agent on this machine: never the token, no compression
+            path = url[len(_UNIX):]
+            sock = _agent_socket(path, open_timeout)
+            try:
+                secret = read_secret(secret_path(path))
+            except NotPrivate as exc:
+                sock.close()
+                raise _AgentRefused(str(exc)) from None
+            except BaseException:
+                sock.close()
+                raise
+            return connect("ws://localhost" + WS_PATH, sock=sock, additional_headers={KEY_HEADER: secret},
+                           open_timeout=open_timeout, close_timeout=close_timeout, max_size=MAX_MESSAGE_BYTES,
+                           compression=None)
         return connect(url, additional_headers=self._headers, open_timeout=open_timeout,
                        close_timeout=close_timeout, max_size=MAX_MESSAGE_BYTES)
 
@@ -496,6 +527,9 @@ class Transport:
     def _closed_by_server(self, exc: ConnectionClosed) -> None:
         code = exc.rcvd.code if exc.rcvd is not None else None
         reason = exc.rcvd.reason if exc.rcvd is not None else ""
+        if self.url.startswith(_UNIX) and code in (CLOSE_REDIRECT, CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED):
+            # the agent refused this rank, or tried to send it elsewhere: an agent never redirects
+            raise _AgentRefused(f"it closed the connection with {code} ({reason})") from None
         if code == CLOSE_REDIRECT:
             # The error frame before the close names the owner; the close reason repeats it
             # when it fits (a send may meet the close before the frame is read).
@@ -539,7 +573,11 @@ class Transport:
         if isinstance(msg, Placement):
             self._answered, self._unanswered, self._unanswered_control = True, [], []
         if isinstance(msg, Error) and msg.code == "redirect":
-            self._follow(msg.message)
+            if self.url.startswith(_UNIX):  # only a backend replica may send a rank elsewhere
+                log.warning("Ignoring a redirect to %r from the node agent at %s: an agent never redirects.",
+                            msg.message[:200], self.url)
+            else:
+                self._follow(msg.message)
             return
         if self.relay is not None:
             self.relay.deliver(raw if isinstance(raw, str) else raw.decode())
@@ -720,6 +758,34 @@ def _requeue(q: deque[Any], rest: list[Any]) -> int:
     overflow = len(q) + len(rest) - (q.maxlen or 0)
     q.extendleft(reversed(rest))
     return max(0, overflow)
+
+
+def _agent_socket(path: str, timeout: float) -> socket.socket:
+    """A connected unix socket to the node agent at ``path``, once its directory is this user's
+    alone and the process listening runs as this user (``SO_PEERCRED``): only then may the
+    launch's secret go to it. ``_AgentRefused`` otherwise; ``OSError`` while nobody listens."""
+    try:
+        check_private_dir(os.path.dirname(path))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise _AgentRefused(str(exc)) from None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        pid, uid, _ = peer_credentials(sock)
+    except BaseException:
+        sock.close()
+        raise
+    if uid != os.getuid():
+        sock.close()
+        raise _AgentRefused(f"pid {pid} listening on {path} runs as uid {uid}, not as this user (uid {os.getuid()})")
+    return sock
+
+
+class _AgentRefused(Exception):
+    """The node agent cannot be trusted or refused this rank: this rank uses its own connection."""
 
 
 class _Redirected(Exception):

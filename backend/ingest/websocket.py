@@ -13,6 +13,7 @@ metrics, acks, rejects, node connections), each refusal with its sentence."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -51,6 +52,7 @@ from rebalancer_wire.protocol import (
     CLOSE_RATE_LIMITED,
     CLOSE_REDIRECT,
     CLOSE_TRY_AGAIN_LATER,
+    MAX_BATCH_JUMP,
     MAX_RANKS_PER_CONNECTION,
     PROTOCOL_VERSION,
     Ack,
@@ -140,6 +142,7 @@ class _Rank:
     version: int  # the protocol version its hello spoke
     stored: bool  # False while the database refused its hello
     retry_at: float
+    last_batch_index: int  # its hello's, then the highest it sent (MAX_BATCH_JUMP is counted from it)
 
 
 def _speaks_for(job: str, ranks: Iterable[int]) -> str:
@@ -164,6 +167,23 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
     budget = FrameBudget(frames_per_s=HOOK_FRAMES_PER_S, frames_burst=HOOK_FRAMES_BURST,
                          bytes_per_s=HOOK_BYTES_PER_S, bytes_burst=HOOK_BYTES_BURST)
     goodbye = False  # the hook closed normally (its close()): this rank is done
+    dropped: set[int] = set()  # ranks of a node connection refused alone; their late frames are ignored
+
+    async def refuse_rank(rank: int, code: str, message: str, close_code: int) -> bool:
+        """One rank's frame is refused: on a node connection that rank alone is dropped (an
+        ``error`` naming it; the others go on), else the connection is closed. True: closed."""
+        if not any(r != rank for r in ranks):
+            await refuse(websocket, code, message, close_code)
+            return True
+        log.info("dropping job %s rank %d from its node connection: %s", job, rank, message)
+        with contextlib.suppress(Exception):
+            await websocket.send_text(encode(Error(code=code, message=message, rank=rank)))
+        dropped.add(rank)
+        state = ranks.pop(rank, None)
+        if state is not None:
+            _rank_gone(parts, websocket, state.hello, lost=True, goodbye=False)
+        return False
+
     parts.sockets.add(actor, websocket)
     try:
         while True:
@@ -185,6 +205,11 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
             try:
                 msg, version = decode_versioned(raw)
             except ProtocolError as exc:
+                sender = _rank_of(raw) if len(ranks) > 1 else None
+                if sender is not None and sender in ranks:  # one rank's bad frame on a node connection
+                    if await refuse_rank(sender, exc.code, str(exc), exc.close_code):
+                        return
+                    continue
                 log.info("closing hook connection from %s: %s", actor.address, exc)
                 await refuse(websocket, exc.code, str(exc), exc.close_code)
                 return
@@ -213,6 +238,21 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                                   f"A connection speaks for at most {MAX_RANKS_PER_CONNECTION} ranks; got a hello "
                                   f"for a rank beyond them ({msg.rank}). Open another connection.", CLOSE_MALFORMED)
                     return
+                known = ranks.get(msg.rank)
+                if known is not None and abs(msg.batch_index - known.last_batch_index) > MAX_BATCH_JUMP:
+                    if await refuse_rank(msg.rank, "malformed", (
+                            f"'batch_index' is {msg.batch_index}, {msg.batch_index - known.last_batch_index:+d} "
+                            f"from this rank's last ({known.last_batch_index}) on this connection; it must be within "
+                            f"{MAX_BATCH_JUMP} of it (MAX_BATCH_JUMP). A run resumed elsewhere connects anew."),
+                            CLOSE_MALFORMED):
+                        return
+                    continue
+                if any(r != msg.rank for r in ranks):  # a node connection: a refused rank goes alone
+                    refusal, _ = _reshape_refusal(parts, websocket, msg)
+                    if refusal is not None:
+                        log.warning("refused hello of job %s rank %d: %s", msg.job, msg.rank, refusal)
+                        await refuse_rank(msg.rank, "conflict", refusal, CLOSE_CONFLICT)
+                        continue
                 if ranks and msg.rank not in ranks:
                     budget.widen(len(ranks) + 1)  # a node connection: each rank brings its budget
                 pending = msg
@@ -221,7 +261,8 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                 if stored is None:
                     return
                 job = msg.job
-                ranks[msg.rank] = _Rank(msg, version, stored, time.monotonic() + HELLO_RETRY_S)
+                dropped.discard(msg.rank)
+                ranks[msg.rank] = _Rank(msg, version, stored, time.monotonic() + HELLO_RETRY_S, msg.batch_index)
                 continue
             if not isinstance(msg, (Metrics, Ack, Reject, Oom, Leave)):
                 await refuse(websocket, "malformed",
@@ -229,6 +270,8 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                               CLOSE_MALFORMED)
                 return
             state = ranks.get(msg.rank)
+            if msg.job == job and state is None and msg.rank in dropped:
+                continue  # sent before its node's agent dropped it: ignored, as after a close
             if msg.job != job or state is None:
                 await refuse(websocket, "malformed",
                               f"This connection speaks for {_speaks_for(job, ranks)}; "
@@ -249,11 +292,14 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                 continue
             if isinstance(msg, Metrics):
                 try:
-                    msg.check_against(hello, time.time())
+                    msg.check_against(hello, time.time(), state.last_batch_index)
                 except ProtocolError as exc:
-                    log.info("closing hook connection of job %s rank %d: %s", hello.job, hello.rank, exc)
-                    await refuse(websocket, exc.code, str(exc), exc.close_code)
-                    return
+                    log.info("refusing a frame of job %s rank %d: %s", hello.job, hello.rank, exc)
+                    if await refuse_rank(msg.rank, exc.code, str(exc), exc.close_code):
+                        return
+                    continue
+                if msg.steps:
+                    state.last_batch_index = max(state.last_batch_index, max(s.batch_index for s in msg.steps))
                 parts.live.add_metrics(msg)
                 if not state.stored and time.monotonic() >= state.retry_at:
                     state.stored = await _hello_to_sql(parts, websocket, hello, version=state.version)
@@ -286,6 +332,16 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
             gone.append(pending)
         for hello in gone:
             _rank_gone(parts, websocket, hello, lost=lost, goodbye=goodbye)
+
+
+def _rank_of(raw: str | bytes) -> int | None:
+    """The ``rank`` a frame that failed to decode names, when it names one plainly."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    rank = body.get("rank") if isinstance(body, dict) else None
+    return rank if type(rank) is int else None
 
 
 def _rank_gone(parts: IngestParts, websocket: WebSocket, hello: Hello, *, lost: bool, goodbye: bool) -> None:
@@ -333,8 +389,9 @@ def _reshape_refusal(parts: IngestParts, websocket: WebSocket, hello: Hello) -> 
     mesh = parts.live.mesh(hello.job)
     if shape == new and mesh == hello.mesh:
         return None, False
-    others = [r for r in parts.connections.ranks(hello.job)
-              if parts.connections.current(hello.job, r) is not websocket]
+    # Every connected rank but this one, on any connection: on a single-node job all of them
+    # share the node connection this hello came on.
+    others = [r for r in parts.connections.ranks(hello.job) if r != hello.rank]
     counts = [h.restart_count for r in others if (h := parts.live.hello(hello.job, r)) is not None]
     if not others or hello.restart_count > max(counts, default=-1):
         return None, shape != new

@@ -7,6 +7,7 @@ job through the agent is in tests/trainer_hook/test_node_agg_torchrun.py).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,7 +38,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def _hello(job: str, rank: int) -> Callable[[], Hello]:
-    return lambda: Hello(job=job, rank=rank, world_size=WORLD, global_batch_size=16, local_rank=rank, host="n")
+    return lambda: Hello(job=job, rank=rank, world_size=WORLD, global_batch_size=16, local_rank=rank, host="n",
+                         pid=os.getpid())
 
 
 def _step(k: int) -> StepRecord:
