@@ -124,6 +124,10 @@ class Settings(BaseSettings):
     default_strategy: str = _POLICY.strategy
     default_workload: str = _POLICY.workload
     proposal_ttl_s: float = 300.0
+    # A pending proposal stays until a new one predicts a step this much shorter than it
+    # (plus the fit's noise) and it has been up this many seconds (issue 39).
+    proposal_margin: float = 0.05
+    proposal_min_age_s: float = 30.0
     controller_tick_s: float = 1.0
     min_gain: float = _POLICY.min_gain
     cooldown_steps: int = _POLICY.cooldown_steps

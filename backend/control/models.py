@@ -62,6 +62,8 @@ class PolicyChanges(BaseModel):
     rollback_threshold: Annotated[float, Field(ge=0.0, le=1.0, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="auto mode: roll back when steps get this much slower")
     effect_window_steps: Annotated[int, Field(ge=2, le=10_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="steps before/after a change to measure its effect")
     proposal_ttl_s: Annotated[float, Field(ge=1.0, le=7 * 86400.0, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="seconds a proposal stays approvable")
+    proposal_margin: Annotated[float, Field(ge=0.0, le=0.5, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="a new proposal replaces the pending one only when its predicted step is this much shorter (plus the fit's noise)")
+    proposal_min_age_s: Annotated[float, Field(ge=0.0, le=3600.0, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="seconds a pending proposal stays before a better one may replace it")
     memory_headroom: Annotated[float, Field(ge=0.0, le=0.9, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="fraction of device memory the memory caps keep free")
 
     @model_validator(mode="wrap")

@@ -6,6 +6,7 @@ the sentence that explains it; split, the order and the explanations would drift
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -15,7 +16,15 @@ from ._guards import rollback_blocks
 from .comm import Communication, comm_bound_text
 from .costfit import MODEL_SAMPLES
 from .memory import DEFAULT_HEADROOM, format_bytes, memory_bounds, memory_limit_bytes
-from .solver import NO_CONSTRAINTS, check_placement, predicted_step_ms, rank_bounds, solve
+from .solver import (
+    NO_CONSTRAINTS,
+    TIE_TOLERANCE,
+    check_placement,
+    even_ties,
+    predicted_step_ms,
+    rank_bounds,
+    solve,
+)
 from .strategies import Estimate, Strategy, get_strategy, static_strategy
 from .types import (
     Constraints,
@@ -222,6 +231,7 @@ def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Seque
             a_ms=est.a_ms[i], c_ms=est.c_ms[i],
             fit_r2=est.fit_r2[i] if est.fit_r2 else None,
             n_steps=est.n_steps[i] if est.n_steps else 0,
+            rel_error=_finite_or_none(est.rel_error[i]) if est.rel_error else None,
             mem_peak_before_bytes=mem[i][0], mem_peak_after_bytes=mem[i][1],
             mem_cap=mem_caps.get(i), mem_limit_bytes=mem[i][2],
         )
@@ -229,6 +239,10 @@ def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Seque
     )
     evidence = {"units": est.units, **est.evidence, **evidence_extra, **_comm_evidence(obs.comm, exposed)}
     return Explanation(strategy, before, after, gain, ranks, evidence)
+
+
+def _finite_or_none(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
 
 
 def _comm_clause(obs: JobObservation, expl: Explanation) -> str:
@@ -519,7 +533,11 @@ def _decide(obs: JobObservation, config: PolicyConfig, constraints: Constraints,
         k_se = float(config.params.get("plan_margin_se", 2.0))
         plan_c = [c * (1.0 + k_se * e) for c, e in zip(est.c_ms, est.rel_error, strict=True)] \
             if est.rel_error else list(est.c_ms)
-        target = solve(est.a_ms, plan_c, b_total, plan_cons)
+        # Ranks the fit cannot tell apart plan with one cost: split evenly, never by the
+        # noise of the last window (which flips mirror images between runs).
+        tie_a, tie_c = even_ties(est.a_ms, plan_c, b_total, est.rel_error,
+                                 float(config.params.get("tie_tolerance", TIE_TOLERANCE)))
+        target = solve(tie_a, tie_c, b_total, plan_cons)
     except InfeasibleError as exc:
         return NoProposal("infeasible", str(exc))
     if config.max_move_fraction is not None and violation is None:
