@@ -15,6 +15,7 @@ import numpy as np
 from ._guards import rollback_blocks
 from .comm import Communication, comm_bound_text
 from .costfit import MODEL_SAMPLES
+from .limits import limit_problem
 from .memory import DEFAULT_HEADROOM, format_bytes, memory_bounds, memory_limit_bytes
 from .solver import (
     NO_CONSTRAINTS,
@@ -385,24 +386,19 @@ def _trending_through(obs: JobObservation, est: Estimate | NoProposal, effective
 
 
 def check_config(cfg: PolicyConfig) -> None:
-    """ValueError naming the setting when ``cfg`` is not one ``decide`` can run with."""
-
-    def bad(key: str, want: str, got: object) -> ValueError:
-        return ValueError(f"policy.{key} must be {want}, got {got!r}.")
-
-    if not (isinstance(cfg.min_gain, (int, float)) and 0 <= cfg.min_gain < 1):
-        raise bad("min_gain", "a fraction in [0, 1)", cfg.min_gain)
-    for key, low in (("cooldown_steps", 0), ("min_steps", 1), ("window_steps", 1),
-                     ("horizon_steps", 0)):
-        value = getattr(cfg, key)
-        if not isinstance(value, int) or value < low:
-            raise bad(key, f"an integer >= {low}", value)
+    """ValueError naming the setting when ``cfg`` is not one ``decide`` can run with (the
+    ranges: ``limits.POLICY_LIMITS``, the table PUT /policy and Settings read too)."""
+    for key in ("min_gain", "cooldown_steps", "min_steps", "window_steps", "horizon_steps"):
+        problem = limit_problem(key, getattr(cfg, key))
+        if problem is not None:
+            raise ValueError(f"policy.{key} {problem}.")
     if cfg.window_steps < cfg.min_steps:
         raise ValueError(f"policy.window_steps ({cfg.window_steps}) must be at least "
                          f"policy.min_steps ({cfg.min_steps}).")
-    frac = cfg.max_move_fraction
-    if frac is not None and not (isinstance(frac, (int, float)) and 0 < frac <= 1):
-        raise bad("max_move_fraction", "a fraction in (0, 1] or None", frac)
+    if cfg.max_move_fraction is not None:
+        problem = limit_problem("max_move_fraction", cfg.max_move_fraction)
+        if problem is not None:
+            raise ValueError(f"policy.max_move_fraction {problem} (or None).")
 
 
 def decide(obs: JobObservation, config: PolicyConfig,
