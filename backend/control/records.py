@@ -204,6 +204,9 @@ def proposal_to_decide(s: Any, job: str, proposal_id: int, verb: str) -> db.Prop
         new, why = m.group(1), m.group(2)
         raise ConflictError(f"Proposal {proposal_id} was replaced by proposal {new} at "
                             f"{_clock_time(prop.decided_at)} ({why}); review {new}.")
+    if prop.status == "superseded" and prop.decision_reason and prop.decided_at is not None:
+        raise ConflictError(f"Proposal {proposal_id} was superseded at {_clock_time(prop.decided_at)} "
+                            f"({prop.decision_reason}); refresh and review the newest one.")
     if prop.status != "proposed":
         raise ConflictError(f"Proposal {proposal_id} is {prop.status}; only a proposed one can be {verb}.")
     return prop

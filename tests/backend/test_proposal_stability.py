@@ -146,3 +146,14 @@ def test_a_real_change_in_speed_still_yields_a_proposal_promptly_and_the_old_one
     when = time.strftime("%H:%M:%S", time.gmtime(replaced["decided_at"]))
     assert e.value.detail == (f"Proposal {first['id']} was replaced by proposal {new['id']} at {when} UTC "
                               f"(a clearly better split); review {new['id']}.")
+
+
+def test_approving_a_proposal_an_operator_replaced_says_so_in_plain_words(job):
+    first = asyncio.run(job.ctl.submit_manual(JOB, [48, 32, 16], actor=OPERATOR))
+    job.clock.t += 61.0
+    asyncio.run(job.ctl.submit_manual(JOB, [32, 48, 16], actor=OPERATOR))
+    with pytest.raises(ConflictError) as e:
+        asyncio.run(job.ctl.approve(JOB, first["id"], actor=OPERATOR))
+    when = time.strftime("%H:%M:%S", time.gmtime(job.clock.t))
+    assert e.value.detail == (f"Proposal {first['id']} was superseded at {when} UTC (an operator submitted a "
+                              f"placement); refresh and review the newest one.")
