@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from backend.modes import Mode
+from backend.policy.limits import limit_problem
 from backend.policy.types import PolicyConfig
 from rebalancer_wire.devices import device_key
 from rebalancer_wire.protocol import MAX_MESSAGE_BYTES
@@ -23,6 +24,17 @@ __all__ = ["Settings", "DEFAULT_DEVICE_PRICES", "is_loopback"]
 # The policy owns its defaults (PolicyConfig's fields); the backend-wide defaults of the same
 # settings below are read from it, so the two cannot differ.
 _POLICY = PolicyConfig()
+
+# Settings that are the backend's defaults of per-job policy settings, and the setting each
+# is (its range: backend.policy.limits, the one table PUT /policy reads too).
+_POLICY_FIELDS = {
+    "min_gain": "min_gain", "cooldown_steps": "cooldown_steps", "min_steps": "min_steps",
+    "policy_window_steps": "window_steps", "horizon_steps": "horizon_steps",
+    "auto_max_move_fraction": "max_move_fraction", "rollback_threshold": "rollback_threshold",
+    "effect_window_steps": "effect_window_steps", "proposal_ttl_s": "proposal_ttl_s",
+    "proposal_margin": "proposal_margin", "proposal_min_age_s": "proposal_min_age_s",
+    "memory_headroom": "memory_headroom",
+}
 
 # On-demand cloud list prices, USD per accelerator-hour (rounded, 2025). Override with
 # REBALANCER_DEVICE_PRICES='{"H100": 2.5}'. Keys are matched case-insensitively against the
@@ -124,6 +136,10 @@ class Settings(BaseSettings):
     default_strategy: str = _POLICY.strategy
     default_workload: str = _POLICY.workload
     proposal_ttl_s: float = 300.0
+    # A pending proposal stays until a new one predicts a step this much shorter than it
+    # (plus the fit's noise) and it has been up this many seconds (issue 39).
+    proposal_margin: float = 0.05
+    proposal_min_age_s: float = 30.0
     controller_tick_s: float = 1.0
     min_gain: float = _POLICY.min_gain
     cooldown_steps: int = _POLICY.cooldown_steps
@@ -160,7 +176,7 @@ class Settings(BaseSettings):
     # and young ones every 100,000 allocations (backend.heap); 0: Python's own schedule.
     gc_full_interval_s: Annotated[float, Field(ge=0.0, le=86400.0, allow_inf_nan=False)] = 600.0
     # Memory caps keep this fraction of each device's memory free (docs/design.md, invariant 8).
-    memory_headroom: Annotated[float, Field(ge=0.0, le=0.9)] = _POLICY.memory_headroom
+    memory_headroom: float = _POLICY.memory_headroom
 
     @field_validator("port")
     @classmethod
@@ -250,8 +266,7 @@ class Settings(BaseSettings):
             )
         return v
 
-    @field_validator("step_buffer", "device_buffer", "window_steps", "cooldown_steps",
-                     "min_steps", "policy_window_steps", "effect_window_steps", "persist_buffer_windows")
+    @field_validator("step_buffer", "device_buffer", "window_steps", "persist_buffer_windows")
     @classmethod
     def _positive_int(cls, v: int, info) -> int:  # type: ignore[no-untyped-def]
         if v < 1 or v > 1_000_000:
@@ -260,7 +275,7 @@ class Settings(BaseSettings):
             )
         return v
 
-    @field_validator("persist_interval_s", "stale_after_s", "proposal_ttl_s", "controller_tick_s",
+    @field_validator("persist_interval_s", "stale_after_s", "controller_tick_s",
                      "ws_ping_interval_s", "ws_ping_timeout_s", "health_interval_s")
     @classmethod
     def _positive_seconds(cls, v: float, info) -> float:  # type: ignore[no-untyped-def]
@@ -268,11 +283,13 @@ class Settings(BaseSettings):
             raise ValueError(f"REBALANCER_{info.field_name.upper()} must be a positive number of seconds, got {v}.")
         return v
 
-    @field_validator("min_gain", "auto_max_move_fraction", "rollback_threshold")
+    @field_validator(*_POLICY_FIELDS)
     @classmethod
-    def _fraction(cls, v: float, info) -> float:  # type: ignore[no-untyped-def]
-        if not math.isfinite(v) or not 0 <= v <= 1:
-            raise ValueError(f"REBALANCER_{info.field_name.upper()} must be a fraction between 0 and 1, got {v}.")
+    def _policy_range(cls, v: float, info) -> float:  # type: ignore[no-untyped-def]
+        # The backend's default of a per-job policy setting: the same range PUT /policy takes.
+        problem = limit_problem(_POLICY_FIELDS[info.field_name], v)
+        if problem is not None:
+            raise ValueError(f"REBALANCER_{info.field_name.upper()} {problem}.")
         return v
 
     @field_validator("dashboard_max_hz")

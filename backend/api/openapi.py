@@ -1,5 +1,7 @@
 """The OpenAPI document says what the server really answers, and 405s name every method.
 
+Every ``/api/`` operation names the bearer scheme (``bearerAuth``), so ``/docs`` can authorize.
+
 FastAPI documents each operation's success and its 422; the server also answers 401 and 403
 (tokens and roles), 400, 404 and 409 (the controller's refusals: ``ControlError``), 503 (the
 database does not take writes) and, for anything unexpected, 500. Every one of those is
@@ -25,6 +27,7 @@ from starlette.responses import Response
 __all__ = ["install_openapi"]
 
 ERROR_SCHEMA = "ErrorPublic"
+BEARER = "bearerAuth"
 _ERRORS: dict[str, str] = {
     "400": "Refused: the request contradicts the job's state or rules (one sentence says why).",
     "401": "Missing or invalid bearer token.",
@@ -44,11 +47,17 @@ def _document_errors(schema: dict[str, Any]) -> dict[str, Any]:
     }
     if "HTTPValidationError" in comps:
         comps["HTTPValidationError"]["properties"]["detail"] = {"title": "Detail", "type": "string"}
+    # Every /api/ call takes a bearer token (the routes read the Authorization header
+    # themselves): declared here, /docs gets its Authorize button and sends the token.
+    schema["components"].setdefault("securitySchemes", {})[BEARER] = {
+        "type": "http", "scheme": "bearer",
+        "description": "A Rebalancer token (`rebalancer token create`, or the admin token)."}
     ref = {"application/json": {"schema": {"$ref": f"#/components/schemas/{ERROR_SCHEMA}"}}}
     for path, ops in schema.get("paths", {}).items():
         if not path.startswith("/api/"):
             continue
         for op in ops.values():
+            op.setdefault("security", [{BEARER: []}])
             responses = op.setdefault("responses", {})
             for code, text in _ERRORS.items():
                 responses.setdefault(code, {"description": text, "content": ref})

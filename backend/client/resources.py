@@ -79,7 +79,7 @@ class Job(TypedDict, total=False):
     global_batch_size: int
     mode: str | None
     strategy: str | None
-    status: str  # warming_up | balanced | imbalanced | proposal_pending | idle | degraded
+    status: str  # warming_up | balanced | imbalanced | proposal_pending | idle | degraded | ended
     status_detail: str
     batch_index: int | None
     step_rate_hz: float | None

@@ -43,7 +43,7 @@ OVERRIDE_KEYS = ("pins", "caps", "floors", "drains", "granularity")
 _DEVICE_SAMPLES = 60  # device samples per rank in an observation (~1 minute at 1 Hz)
 
 # Controller knobs the policy never sees; their defaults are Settings fields of the same name.
-_KNOBS = ("rollback_threshold", "effect_window_steps", "proposal_ttl_s")
+_KNOBS = ("rollback_threshold", "effect_window_steps", "proposal_ttl_s", "proposal_margin", "proposal_min_age_s")
 
 
 def _max_move_fraction(policy: Mapping[str, Any], settings: Settings) -> float:
@@ -74,7 +74,8 @@ def policy_config(policy: Mapping[str, Any], mode: str, settings: Settings) -> P
 
 
 def knob(policy: Mapping[str, Any], settings: Settings, name: str) -> Any:
-    """A controller knob (rollback_threshold, effect_window_steps, proposal_ttl_s)."""
+    """A controller knob (rollback_threshold, effect_window_steps, proposal_ttl_s,
+    proposal_margin, proposal_min_age_s)."""
     if name not in _KNOBS:
         raise ValueError(f"Unknown controller knob {name!r}; expected one of {', '.join(_KNOBS)}.")
     return policy.get(name, getattr(settings, name))

@@ -1,5 +1,6 @@
-"""Pydantic models of a job's policy settings: the limits live in the ``Field``s, and a bad
-value becomes one sentence that names the setting, what it must be and what arrived.
+"""Pydantic models of a job's policy settings: the limits come from the one table
+(``backend.policy.limits``), and a bad value becomes one sentence that names the setting,
+what it must be and what arrived.
 
 ``PolicyChanges`` is the body of ``PUT /api/v1/jobs/{job}/policy`` and what
 ``Controller.set_policy`` checks its changes with; defaults come from ``Settings`` (a field
@@ -11,7 +12,6 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, get_args
 
-from annotated_types import Ge, Le
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -24,6 +24,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from backend.control.errors import InvalidError
+from backend.policy.limits import POLICY_LIMITS, limit_text
 from rebalancer_wire.protocol import MAX_GLOBAL_BATCH_SIZE, MAX_WORLD_SIZE
 
 __all__ = ["Overrides", "PolicyChanges", "WORKLOADS", "Workload", "check_policy_changes", "policy_sentence"]
@@ -40,6 +41,14 @@ Workload = Literal["llm", "vision", "diffusion", "recsys", "custom"]
 WORKLOADS: tuple[str, ...] = get_args(Workload)
 
 
+def _range(key: str) -> Any:
+    """A policy setting's ``Field`` limits, from the one table (``POLICY_LIMITS``)."""
+    kind, lo, hi = POLICY_LIMITS[key]
+    if kind is int:
+        return Field(ge=int(lo), le=int(hi), strict=True)
+    return Field(ge=lo, le=hi, strict=True, allow_inf_nan=False)
+
+
 class PolicyChanges(BaseModel):
     """Policy settings an admin may change (fields left out keep their value)."""
 
@@ -53,16 +62,18 @@ class PolicyChanges(BaseModel):
         json_schema_extra={"additionalProperties": {"type": "number", "exclusiveMinimum": 0}})
     params: dict[str, Any] | None = Field(default=None, description="strategy-specific numbers",
                                           json_schema_extra={"additionalProperties": {"type": "number"}})
-    min_gain: Annotated[float, Field(ge=0.0, le=0.99, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="propose only above this predicted gain")
-    cooldown_steps: Annotated[int, Field(ge=0, le=1_000_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="steps to wait after each change")
-    min_steps: Annotated[int, Field(ge=1, le=1_000_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="valid steps per rank before measuring strategies propose")
-    window_steps: Annotated[int, Field(ge=2, le=100_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="recent steps used for a fit")
-    max_move_fraction: Annotated[float, Field(ge=0.001, le=1.0, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="auto mode: most of B one change moves a rank")
-    horizon_steps: Annotated[int, Field(ge=1, le=100_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="predictive: steps to forecast ahead")
-    rollback_threshold: Annotated[float, Field(ge=0.0, le=1.0, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="auto mode: roll back when steps get this much slower")
-    effect_window_steps: Annotated[int, Field(ge=2, le=10_000, strict=True), BeforeValidator(_whole)] | None = Field(default=None, description="steps before/after a change to measure its effect")
-    proposal_ttl_s: Annotated[float, Field(ge=1.0, le=7 * 86400.0, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="seconds a proposal stays approvable")
-    memory_headroom: Annotated[float, Field(ge=0.0, le=0.9, strict=True, allow_inf_nan=False)] | None = Field(default=None, description="fraction of device memory the memory caps keep free")
+    min_gain: Annotated[float, _range("min_gain")] | None = Field(default=None, description="propose only above this predicted gain")
+    cooldown_steps: Annotated[int, _range("cooldown_steps"), BeforeValidator(_whole)] | None = Field(default=None, description="steps to wait after each change")
+    min_steps: Annotated[int, _range("min_steps"), BeforeValidator(_whole)] | None = Field(default=None, description="valid steps per rank before measuring strategies propose")
+    window_steps: Annotated[int, _range("window_steps"), BeforeValidator(_whole)] | None = Field(default=None, description="recent steps used for a fit")
+    max_move_fraction: Annotated[float, _range("max_move_fraction")] | None = Field(default=None, description="auto mode: most of B one change moves a rank")
+    horizon_steps: Annotated[int, _range("horizon_steps"), BeforeValidator(_whole)] | None = Field(default=None, description="predictive: steps to forecast ahead")
+    rollback_threshold: Annotated[float, _range("rollback_threshold")] | None = Field(default=None, description="auto mode: roll back when steps get this much slower")
+    effect_window_steps: Annotated[int, _range("effect_window_steps"), BeforeValidator(_whole)] | None = Field(default=None, description="steps before/after a change to measure its effect")
+    proposal_ttl_s: Annotated[float, _range("proposal_ttl_s")] | None = Field(default=None, description="seconds a proposal stays approvable")
+    proposal_margin: Annotated[float, _range("proposal_margin")] | None = Field(default=None, description="a new proposal replaces the pending one only when its predicted step is this much shorter (plus the fit's noise)")
+    proposal_min_age_s: Annotated[float, _range("proposal_min_age_s")] | None = Field(default=None, description="seconds a pending proposal stays before a better one may replace it")
+    memory_headroom: Annotated[float, _range("memory_headroom")] | None = Field(default=None, description="fraction of device memory the memory caps keep free")
 
     @model_validator(mode="wrap")
     @classmethod
@@ -98,20 +109,6 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _bound(key: str) -> tuple[str, float, float]:
-    info = PolicyChanges.model_fields[key]
-    ann = next(a for a in get_args(info.annotation) if a is not type(None))
-    kind, *meta = get_args(ann)
-    limits = [m for f in meta for m in getattr(f, "metadata", ())]
-    lo = float(next(m.ge for m in limits if isinstance(m, Ge)))  # type: ignore[arg-type]
-    hi = float(next(m.le for m in limits if isinstance(m, Le)))  # type: ignore[arg-type]
-    return ("an integer" if kind is int else "a number"), lo, hi
-
-
-def _n(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
 def policy_sentence(exc: ValidationError, data: Any) -> str:
     """The first error of ``exc`` as the one sentence the API answers with."""
     err = exc.errors()[0]
@@ -127,9 +124,8 @@ def policy_sentence(exc: ValidationError, data: Any) -> str:
     if key in ("custom_weights", "params"):
         what = "device types to weights > 0" if key == "custom_weights" else "names to numbers"
         return f"{key} must map {what}, got {got!r}."
-    if key in PolicyChanges.model_fields and key != "strategy":
-        noun, lo, hi = _bound(key)
-        return f"{key} must be {noun} between {_n(lo)} and {_n(hi)}, got {got!r}."
+    if key in POLICY_LIMITS:
+        return f"{key} must be {limit_text(key)}, got {got!r}."
     return f"{key or 'policy'}: {err['msg']}."
 
 

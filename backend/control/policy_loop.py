@@ -48,7 +48,7 @@ class PolicyLoop(ControllerCore):
         self.policy_runs += 1
         await self._acks_from_metrics(st)
         await self._measure_effect(st)
-        from backend.policy import InfeasibleError, Rollback
+        from backend.policy import InfeasibleError, Rollback, replaces_pending
         from backend.policy.types import Proposal as PolicyProposal
 
         if not self._settled(st):
@@ -112,6 +112,15 @@ class PolicyLoop(ControllerCore):
                 await self._apply_auto(st, pending["id"])
             return
         assert expl is not None  # a Proposal always explains itself
+        why = f"placement version {st.version} came into force"
+        if pending is not None and pending["status"] == "proposed" and pending["base_version"] == st.version:
+            # The one on screen stays until a new one is clearly better and it has been up
+            # long enough to be read: noise alone must not replace it (issue 39).
+            if not replaces_pending(expl, pending["shares"], age_s=self._wall() - pending["created_at"],
+                                    margin=float(self._knob(st, "proposal_margin")),
+                                    min_age_s=float(self._knob(st, "proposal_min_age_s"))):
+                return
+            why = "a clearly better split"
 
         def work(s: Session) -> int | str:
             if self.live.ended(st.job):
@@ -119,11 +128,11 @@ class PolicyLoop(ControllerCore):
             blocked = records.refused_before(s, st.job, st.version, shares)
             if blocked:
                 return blocked
-            self._close_pending(s, st.job, "superseded", "a newer policy proposal replaced it")
             prop = self._add_proposal(
                 s, st, shares, source="policy", strategy=expl.strategy, actor=SYSTEM,
                 reason=decision.reason, explanation=_explanation_dict(expl),
                 before=expl.step_ms_before, after=expl.step_ms_after, gain=expl.gain)
+            records.supersede(s, st.job, prop, why)
             self._fence(s, st)
             s.commit()
             self._read_facts(s, st)

@@ -35,7 +35,8 @@ class ReadModel(ControllerCore):
         """(status, detail) of any job, known to the controller or not (``status_of``)."""
         st = self._jobs.get(job)
         reading = None if st is None else Reading(
-            st.status, st.status_detail, st.snapshot["pending_proposal"], st.last_metrics, st.world_size)
+            st.status, st.status_detail, st.snapshot["pending_proposal"], st.last_metrics, st.world_size,
+            st.mode)
         return status_of(self.live.view(job), reading, now=self._wall(),
                          stale_after_s=self.settings.stale_after_s)
 

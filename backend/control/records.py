@@ -11,6 +11,8 @@ with what these return.
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +26,7 @@ from backend.storage import owners
 from rebalancer_wire.protocol import Hello, Oom, uniform_shares
 
 __all__ = [
-    "create_job", "fail_placement", "store_overrides", "actor_name", "pending_proposal", "proposal_to_decide", "decide", "close_pending",
+    "create_job", "fail_placement", "store_overrides", "actor_name", "pending_proposal", "proposal_to_decide", "decide", "close_pending", "supersede",
     "expire_due", "new_placement", "add_proposal", "refused_before", "last_effect",
     "recent_rollbacks", "approve", "reject", "audit_manual", "set_mode", "set_policy", "reshape",
     "record_acks", "record_oom", "audit_restart", "issued", "record_effect", "audit_token",
@@ -195,13 +197,35 @@ def pending_proposal(s: Any, job: str) -> db.ProposalRow | None:
 
 
 def proposal_to_decide(s: Any, job: str, proposal_id: int, verb: str) -> db.ProposalRow:
-    """The proposal an operator approves or rejects; only a proposed one may be."""
+    """The proposal an operator approves or rejects; only a proposed one may be. One that
+    another replaced says by which, when and why, so the operator reviews that one."""
     prop = db.get_proposal(s, job, proposal_id)
     if prop is None:
         raise NotFoundError(f"Proposal {proposal_id} not found for job '{job}'.")
+    if prop.status == "superseded" and (m := _REPLACED.match(prop.decision_reason or "")):
+        new, why = m.group(1), m.group(2)
+        raise ConflictError(f"Proposal {proposal_id} was replaced by proposal {new} at "
+                            f"{_clock_time(prop.decided_at)} ({why}); review {new}.")
+    if prop.status == "superseded" and prop.decision_reason and prop.decided_at is not None:
+        raise ConflictError(f"Proposal {proposal_id} was superseded at {_clock_time(prop.decided_at)} "
+                            f"({prop.decision_reason}); refresh and review the newest one.")
     if prop.status != "proposed":
         raise ConflictError(f"Proposal {proposal_id} is {prop.status}; only a proposed one can be {verb}.")
     return prop
+
+
+# ``supersede`` writes a replaced proposal's decision reason in this form; the 409 above reads it.
+_REPLACED = re.compile(r"^replaced by proposal (\d+) \((.+)\)$")
+
+
+def _clock_time(t: float | None) -> str:
+    return time.strftime("%H:%M:%S UTC", time.gmtime(t)) if t is not None else "an unknown time"
+
+
+def supersede(s: Any, job: str, new: db.ProposalRow, why: str) -> None:
+    """Proposal ``new`` replaces every other proposed one of ``job`` (``why``: a few words,
+    e.g. "a clearly better split"); each says by which in its decision reason."""
+    close_pending(s, job, "superseded", f"replaced by proposal {new.id} ({why})", new.created_at, keep=new.id)
 
 
 def decide(prop: db.ProposalRow, status: str, why: str, at: float, *, by: Any = None) -> None:

@@ -16,23 +16,27 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 if TYPE_CHECKING:
     from backend.live.state import JobView
 
-__all__ = ["STATUSES", "Status", "job_status", "status_of", "Reading", "NEVER_CONNECTED", "FIRST_STEPS"]
+__all__ = ["STATUSES", "Status", "job_status", "status_of", "Reading", "NEVER_CONNECTED", "FIRST_STEPS", "ENDED"]
 
-Status = Literal["warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded"]
-STATUSES: tuple[Status, ...] = ("warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded")
+Status = Literal["warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded", "ended"]
+STATUSES: tuple[Status, ...] = ("warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded",
+                                "ended")
 NEVER_CONNECTED = ("idle", "no rank has connected since the backend started")
 FIRST_STEPS = ("warming_up", "waiting for the first steps")
+ENDED = ("ended", "the run ended: every rank said goodbye")
 
 
 class Reading(NamedTuple):
     """The controller's reading of a job it knows: its verdict and detail, the pending
-    proposal it published, the wall time of the newest metrics or hello, the world size."""
+    proposal it published, the wall time of the newest metrics or hello, the world size,
+    and the job's mode (in ``observe`` a proposal is shown, never waits for anyone)."""
 
     verdict: str
     detail: str
     pending: Mapping[str, Any] | None
     last_metrics: float | None
     world_size: int
+    mode: str = "approve"
 
 
 def status_of(view: JobView | None, reading: Reading | None, *, now: float,
@@ -48,22 +52,27 @@ def status_of(view: JobView | None, reading: Reading | None, *, now: float,
         connected_ranks=view.connected_ranks if view is not None else None,
         metrics_age_s=None if reading.last_metrics is None else max(now - reading.last_metrics, 0.0),
         stale_after_s=stale_after_s, lost_ranks=view.lost_ranks if view is not None else (),
-        world_size=reading.world_size)
+        world_size=reading.world_size, ended=view is not None and view.ended, mode=reading.mode)
 
 
 def job_status(*, verdict: str, detail: str, pending: Mapping[str, Any] | None,
                connected_ranks: int | None, metrics_age_s: float | None,
                stale_after_s: float, lost_ranks: Sequence[int] = (),
-               world_size: int | None = None) -> tuple[str, str]:
+               world_size: int | None = None, ended: bool = False,
+               mode: str = "approve") -> tuple[str, str]:
     """(status, one-sentence detail) of a job.
 
     ``connected_ranks``: ranks with an open hook socket (None: not live since start);
     ``metrics_age_s``: seconds since its newest metrics (None: none yet); ``lost_ranks``:
     ranks whose socket dropped without a close and that have not come back (``degraded``,
-    whatever else holds: a dead rank stalls the whole job).
+    whatever else holds: a dead rank stalls the whole job); ``ended``: every rank said
+    goodbye (the run finished: ``ended``, never stale nor pending). In ``observe`` mode a
+    proposal is shown but waits for nobody: the verdict stands, the detail names it.
     """
     if connected_ranks is None:
         return NEVER_CONNECTED
+    if ended:
+        return ENDED
     if lost_ranks:
         shown = ", ".join(map(str, lost_ranks[:8])) + (" ..." if len(lost_ranks) > 8 else "")
         of = f" of {world_size}" if world_size is not None else ""
@@ -72,8 +81,12 @@ def job_status(*, verdict: str, detail: str, pending: Mapping[str, Any] | None,
         return "idle", "no rank is connected"
     if metrics_age_s is not None and metrics_age_s > stale_after_s:
         return "idle", "no metrics from the job recently"
-    if pending is not None:
+    if pending is not None and mode != "observe":
         return "proposal_pending", f"proposal {pending['id']} is {pending['status']}: {pending['reason']}"
     if verdict not in STATUSES:
         raise ValueError(f"Unknown job status verdict {verdict!r}; expected one of {', '.join(STATUSES)}.")
+    if pending is not None:  # observe mode
+        verdict = "imbalanced" if verdict == "proposal_pending" else verdict
+        return verdict, (f"observe mode: proposal {pending['id']} is shown, never sent "
+                         f"({pending['reason']})")
     return verdict, detail

@@ -234,14 +234,19 @@ def _point(b: int, recs: list[Any], gbs: int, pred: float | None) -> dict[str, A
     max_c = max(s[STEP_COMPUTE] for s in recs)
     mean_c = sum(s[STEP_COMPUTE] for s in recs) / len(recs)
     uniform = None
-    if pred is not None:
+    version = max(s[STEP_VERSION] for s in recs)
+    if version == 0:
+        # Version 0 is the uniform split: this step is the uniform split's own, not a
+        # prediction of it (whose fit error made "saved" negative on runs never rebalanced).
+        uniform = round(step_ms, 3)
+    elif pred is not None:
         # Sync and overheads stay; only the slowest rank's compute changes with the split.
         uniform = round(max(step_ms - max_c + pred, 0.0), 3)
     return {
         "b": b, "step_ms": round(step_ms, 3), "max_compute_ms": round(max_c, 3),
         "mean_compute_ms": round(mean_c, 3),
         "throughput": round(gbs * 1000.0 / step_ms, 2) if step_ms > 0 else None,
-        "uniform_step_ms": uniform, "version": max(s[STEP_VERSION] for s in recs),
+        "uniform_step_ms": uniform, "version": version,
     }
 
 
@@ -355,7 +360,10 @@ def fleet_job(feed: Feed, view: JobView, fit: CostFit | None) -> FleetJob:
         saved_s=saved.get("saved_s"), saved_cost=saved.get("saved_cost"),
         cost_per_hour=s["cost_per_hour"], imbalance=view.imbalance, eta_s=s["eta_s"],
         batch_index=view.batch_index, bound=s.get("bound", ctl.get("bound")),
-        pending_proposal_id=pending.get("id") if pending.get("status") == "proposed" else None)
+        # Waiting for an operator only where the status says so: never in observe mode (shown,
+        # never sent) nor once the run ended.
+        pending_proposal_id=pending.get("id") if pending.get("status") == "proposed"
+        and s["status"] == "proposal_pending" else None)
 
 
 # --- history: what a restarted backend refills the feed from; what is stored --------------

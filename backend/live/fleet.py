@@ -173,7 +173,7 @@ def fleet_summary(jobs: Iterable[FleetJob]) -> dict[str, Any]:
         })
         ranks += j.world_size
         connected += j.connected_ranks
-        running += j.status != "idle"
+        running += j.status not in ("idle", "ended")
         pending += is_pending
         wasted_ms += j.wasted_ms
         saved_s += j.saved_s or 0.0

@@ -8,7 +8,8 @@ Derived numbers use each rank's last ``window_steps`` steps:
 - ``compute_ms``, ``step_ms`` ...: means over that window.
 - ``step_rate_hz``: steps per second over that window (from the records' ``t``).
 - job ``imbalance``: ``max_i compute_i / mean_i compute_i - 1`` over ranks with data
-  (0 = perfectly balanced; 1.0 = the slowest rank computes twice as long as the average).
+  and samples (0 = perfectly balanced; 1.0 = the slowest rank computes twice as long as the
+  average); a drained rank's one-sample placeholder batch is left out.
 - job ``idle_fraction``: ``1 - mean_i compute_i / max_i compute_i``, the share of paid
   accelerator time spent waiting for the slowest rank.
 
@@ -170,11 +171,17 @@ class JobView:
     total_steps: int | None = None
     lost_ranks: tuple[int, ...] = ()  # ranks whose socket dropped without a close
     mesh: MeshShape | None = None  # a mesh job's shape: its ranks here are replicas
+    ended: bool = False  # every rank said goodbye since its hello: the run ended (``LiveState.ended``)
 
     @property
     def eta_s(self) -> float | None:
         """Seconds to finish: steps left times the recent step time (None if unknown)."""
         return eta_seconds(self.total_steps, self.batch_index, self.step_ms)
+
+
+def _run_ended(j: _Job) -> bool:
+    """Every rank of job ``j`` said goodbye since its hello (under the live-state lock)."""
+    return len(j.ranks) == j.world_size and all(x.goodbye for x in j.ranks.values())
 
 
 def eta_seconds(total_steps: int | None, batch_index: int | None, step_ms: float | None) -> float | None:
@@ -353,8 +360,7 @@ class LiveState:
         nothing sent to it would take effect (a new hello makes it live again)."""
         with self._lock:
             j = self._jobs.get(job)
-            return (j is not None and len(j.ranks) == j.world_size
-                    and all(x.goodbye for x in j.ranks.values()))
+            return j is not None and _run_ended(j)
 
     def forget(self, job: str) -> None:
         with self._lock:
@@ -446,8 +452,11 @@ class LiveState:
             ranks = tuple(views)
             meta = (j.job, j.world_size, j.global_batch_size, j.created_at, j.last_seen)
             total_steps, mesh = j.total_steps, j.mesh
+            ended = _run_ended(j)
         with_data = [r for r in ranks if r.compute_ms is not None]
-        compute = [r.compute_ms for r in with_data if r.compute_ms is not None]
+        # A drained rank (share 0) trains a one-sample placeholder batch whose weight is 0:
+        # its compute says nothing of the job's balance, so imbalance and idle leave it out.
+        compute = [r.compute_ms for r in with_data if r.compute_ms is not None and r.local_batch_size != 0]
         imbalance = idle = None
         if compute and max(compute) > 0:
             mean_c = _mean(compute)
@@ -463,7 +472,7 @@ class LiveState:
             step_ms=statistics.median(step_ms) if step_ms else None,
             step_rate_hz=_mean(rates) if rates else None,
             imbalance=imbalance, idle_fraction=idle, ranks=ranks, total_steps=total_steps,
-            lost_ranks=tuple(r.rank for r in ranks if r.lost), mesh=mesh,
+            lost_ranks=tuple(r.rank for r in ranks if r.lost), mesh=mesh, ended=ended,
         )
 
     def _rank_view(self, rank: int, r: _Rank) -> RankView:

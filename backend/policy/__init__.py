@@ -28,6 +28,7 @@ from .memory import (
 )
 from .simulator import SCENARIOS, JobSimulator, SimRank, SimResult
 from .solver import predicted_step_ms, solve
+from .stability import gain_over, replaces_pending
 from .strategies import (
     Estimate,
     Strategy,
@@ -91,6 +92,7 @@ __all__ = [
     "check_placement",
     "decide",
     "device_weights",
+    "gain_over",
     "get_strategy",
     "limit_moves",
     "memory_caps",
@@ -98,6 +100,7 @@ __all__ = [
     "predicted_step_ms",
     "rank_bounds",
     "register_strategy",
+    "replaces_pending",
     "solve",
     "static_shares",
     "with_caps",

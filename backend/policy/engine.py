@@ -6,6 +6,7 @@ the sentence that explains it; split, the order and the explanations would drift
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -14,8 +15,17 @@ import numpy as np
 from ._guards import rollback_blocks
 from .comm import Communication, comm_bound_text
 from .costfit import MODEL_SAMPLES
+from .limits import limit_problem
 from .memory import DEFAULT_HEADROOM, format_bytes, memory_bounds, memory_limit_bytes
-from .solver import NO_CONSTRAINTS, check_placement, predicted_step_ms, rank_bounds, solve
+from .solver import (
+    NO_CONSTRAINTS,
+    TIE_TOLERANCE,
+    check_placement,
+    even_ties,
+    predicted_step_ms,
+    rank_bounds,
+    solve,
+)
 from .strategies import Estimate, Strategy, get_strategy, static_strategy
 from .types import (
     Constraints,
@@ -222,6 +232,7 @@ def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Seque
             a_ms=est.a_ms[i], c_ms=est.c_ms[i],
             fit_r2=est.fit_r2[i] if est.fit_r2 else None,
             n_steps=est.n_steps[i] if est.n_steps else 0,
+            rel_error=_finite_or_none(est.rel_error[i]) if est.rel_error else None,
             mem_peak_before_bytes=mem[i][0], mem_peak_after_bytes=mem[i][1],
             mem_cap=mem_caps.get(i), mem_limit_bytes=mem[i][2],
         )
@@ -229,6 +240,10 @@ def _explain(est: Estimate, strategy: str, current: Sequence[int], target: Seque
     )
     evidence = {"units": est.units, **est.evidence, **evidence_extra, **_comm_evidence(obs.comm, exposed)}
     return Explanation(strategy, before, after, gain, ranks, evidence)
+
+
+def _finite_or_none(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
 
 
 def _comm_clause(obs: JobObservation, expl: Explanation) -> str:
@@ -371,24 +386,19 @@ def _trending_through(obs: JobObservation, est: Estimate | NoProposal, effective
 
 
 def check_config(cfg: PolicyConfig) -> None:
-    """ValueError naming the setting when ``cfg`` is not one ``decide`` can run with."""
-
-    def bad(key: str, want: str, got: object) -> ValueError:
-        return ValueError(f"policy.{key} must be {want}, got {got!r}.")
-
-    if not (isinstance(cfg.min_gain, (int, float)) and 0 <= cfg.min_gain < 1):
-        raise bad("min_gain", "a fraction in [0, 1)", cfg.min_gain)
-    for key, low in (("cooldown_steps", 0), ("min_steps", 1), ("window_steps", 1),
-                     ("horizon_steps", 0)):
-        value = getattr(cfg, key)
-        if not isinstance(value, int) or value < low:
-            raise bad(key, f"an integer >= {low}", value)
+    """ValueError naming the setting when ``cfg`` is not one ``decide`` can run with (the
+    ranges: ``limits.POLICY_LIMITS``, the table PUT /policy and Settings read too)."""
+    for key in ("min_gain", "cooldown_steps", "min_steps", "window_steps", "horizon_steps"):
+        problem = limit_problem(key, getattr(cfg, key))
+        if problem is not None:
+            raise ValueError(f"policy.{key} {problem}.")
     if cfg.window_steps < cfg.min_steps:
         raise ValueError(f"policy.window_steps ({cfg.window_steps}) must be at least "
                          f"policy.min_steps ({cfg.min_steps}).")
-    frac = cfg.max_move_fraction
-    if frac is not None and not (isinstance(frac, (int, float)) and 0 < frac <= 1):
-        raise bad("max_move_fraction", "a fraction in (0, 1] or None", frac)
+    if cfg.max_move_fraction is not None:
+        problem = limit_problem("max_move_fraction", cfg.max_move_fraction)
+        if problem is not None:
+            raise ValueError(f"policy.max_move_fraction {problem} (or None).")
 
 
 def decide(obs: JobObservation, config: PolicyConfig,
@@ -519,7 +529,11 @@ def _decide(obs: JobObservation, config: PolicyConfig, constraints: Constraints,
         k_se = float(config.params.get("plan_margin_se", 2.0))
         plan_c = [c * (1.0 + k_se * e) for c, e in zip(est.c_ms, est.rel_error, strict=True)] \
             if est.rel_error else list(est.c_ms)
-        target = solve(est.a_ms, plan_c, b_total, plan_cons)
+        # Ranks the fit cannot tell apart plan with one cost: split evenly, never by the
+        # noise of the last window (which flips mirror images between runs).
+        tie_a, tie_c = even_ties(est.a_ms, plan_c, b_total, est.rel_error,
+                                 float(config.params.get("tie_tolerance", TIE_TOLERANCE)))
+        target = solve(tie_a, tie_c, b_total, plan_cons)
     except InfeasibleError as exc:
         return NoProposal("infeasible", str(exc))
     if config.max_move_fraction is not None and violation is None:

@@ -18,6 +18,7 @@ bounds admit no multiple of g, when the 8 most promising ranks are tried.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,7 +26,8 @@ import numpy as np
 from .bounds import NO_CONSTRAINTS, Bounds, _ranks_text, check_placement, rank_bounds
 from .types import Constraints, InfeasibleError
 
-__all__ = ["NO_CONSTRAINTS", "solve", "predicted_step_ms", "rank_bounds", "Bounds", "check_placement"]
+__all__ = ["NO_CONSTRAINTS", "solve", "predicted_step_ms", "rank_bounds", "Bounds", "check_placement",
+           "even_ties", "TIE_TOLERANCE"]
 
 _EXACT_REMAINDER_RANKS = 64
 _REMAINDER_CANDIDATES = 8
@@ -263,6 +265,56 @@ def _fast_remainder(a: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.ndarray
         out[best_b] = share_b[best_b]
         out[int(taker[best_b])] += g
     return out
+
+
+# Ranks whose predicted times at an even share differ by less than this fraction (or by less
+# than twice their relative standard error, when that is larger) count as equal.
+TIE_TOLERANCE = 0.03
+
+
+def even_ties(a_ms: Sequence[float], c_ms: Sequence[float], global_batch_size: int,
+              rel_error: Sequence[float] = (),
+              tolerance: float = TIE_TOLERANCE) -> tuple[list[float], list[float]]:
+    """``(a_ms, c_ms)`` with ranks the fit cannot tell apart given one cost, their mean.
+
+    Two equal cards never measure exactly alike: left to the noise, the one that happened to
+    look faster takes what does not divide evenly, and the next fit hands it to the other
+    (48/32, then 32/48). Ranks are compared by their predicted time at an even share
+    ``B / n``; sorted by it, a rank joins the group of the fastest rank not yet grouped when
+    it is within ``max(tolerance, 2 * rel_error)`` of it. With one cost per group the
+    solver's own tie rule splits the group evenly, the lower rank taking what does not
+    divide: the same answer at every run.
+
+    >>> even_ties([0.0, 0.0, 0.0], [1.0, 1.01, 2.0], 96)
+    ([0.0, 0.0, 0.0], [1.005, 1.005, 2.0])
+    """
+    n = len(a_ms)
+    a, c = [float(x) for x in a_ms], [float(x) for x in c_ms]
+    if n < 2:
+        return a, c
+    share = global_batch_size / n
+    t = [a[i] + c[i] * share for i in range(n)]
+    err = [float(e) if math.isfinite(e) else 0.0 for e in rel_error] if rel_error else [0.0] * n
+    order = sorted(range(n), key=lambda i: (t[i], i))
+    k = 0
+    while k < n:
+        head = order[k]
+        group = [head]
+        j = k + 1
+        while j < n:
+            i = order[j]
+            tol = max(tolerance, 2.0 * max(err[head], err[i]))
+            if t[i] > t[head] * (1.0 + tol) or t[head] <= 0:
+                break
+            group.append(i)
+            j += 1
+        if len(group) > 1:
+            ga = sum(a[i] for i in group) / len(group)
+            gc = sum(c[i] for i in group) / len(group)
+            for i in group:
+                a[i], c[i] = ga, gc
+        k = j
+    return a, c
 
 
 def predicted_step_ms(a_ms: Sequence[float], c_ms: Sequence[float],

@@ -202,6 +202,7 @@ class RankExplanation(Compact):
     c_ms: float  # fitted per-sample cost
     fit_r2: float | None = None
     n_steps: int = 0
+    rel_error: float | None = None  # relative standard error of c_ms (None: not measured)
     # Predicted peak device memory (None where the rank has no memory fit), the memory
     # cap in samples and the bytes it may use.
     mem_peak_before_bytes: float | None = None

@@ -52,16 +52,22 @@ export class Controls {
     this.control = control || {};
     const c = this.control;
     this.world = ranks && ranks.rank ? ranks.rank.length : this.world;
-    $("mode-text").textContent = this.operator ? "" : (c.mode || "–");
+    // No action on a run that ended; in observe mode only the mode itself (the way out).
+    const ended = c.status === "ended";
+    const observe = c.mode === "observe";
+    $("mode").hidden = !this.operator || ended;
+    $("override-card").hidden = !this.operator || ended || observe;
+    $("mode-text").textContent = this.operator && !ended ? "" : (c.mode || "–");
     if (this.operator && c.mode && document.activeElement !== $("mode")) $("mode").value = c.mode;
     $("strategy-text").textContent = c.strategy ? `strategy: ${c.strategy}` : "";
-    this.renderProposal(c.pending_proposal);
+    this.renderProposal(c.pending_proposal, ended ? "ended" : observe ? "observe" : "");
     this.renderOverrideTable(c, ranks);
   }
 
-  renderProposal(p) {
+  // `why` ("ended", "observe" or ""): why the proposal may not be acted on here.
+  renderProposal(p, why = "") {
     const box = $("proposal");
-    const key = p ? `${p.id}:${p.status}` : "none";
+    const key = p ? `${p.id}:${p.status}:${why}` : "none";
     if (key === this.proposalKey) return;
     this.proposalKey = key;
     if (!p) {
@@ -81,7 +87,11 @@ export class Controls {
       el("div", { class: "explain", id: "proposal-reason" }, p.reason || ""),
       explanationTable(p.explanation),
     ];
-    if (this.operator && p.status === "proposed") {
+    if (p.status === "proposed" && why) {
+      nodes.push(el("p", { class: "hint", id: "proposal-note" }, why === "ended"
+        ? "The run ended: no placement can take effect now."
+        : "Observe mode: this proposal is shown, never sent. Set the mode to approve to act on it."));
+    } else if (this.operator && p.status === "proposed") {
       nodes.push(el("div", { class: "row" },
         el("button", { type: "button", class: "good", id: "approve", onclick: () => this.decide(p.id, "approve") }, "Approve"),
         el("button", { type: "button", class: "ghost", id: "reject", onclick: () => this.decide(p.id, "reject") }, "Reject")));

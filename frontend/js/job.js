@@ -86,6 +86,20 @@ function renderForecast(s, savings) {
     stat("faster than uniform", pct(savings.faster), savings.faster > 0 ? "good" : ""),
     stat("cost saved", money(savings.saved_cost)),
   );
+  $("savings-note").textContent = savingsNote(s, savings);
+}
+
+// A saving is never shown negative, nor as 0, without saying what it means.
+function savingsNote(s, savings) {
+  if (s.placement_version === 0 || (savings.uniform_s > 0 && savings.saved_s === 0)) {
+    return "No change in split: the job still trains under the uniform split, so nothing is saved or lost.";
+  }
+  if (savings.saved_s < 0) {
+    return "Negative: the steps under the rebalanced split took longer than the uniform split is predicted "
+      + "to take (predicted from each rank's measured per-sample cost); see the measured gain of each "
+      + "placement below, and roll back if it made things worse.";
+  }
+  return "";
 }
 
 // Peak memory: newest peak, the fit m0 + m*b and the memory cap in samples (what the
@@ -209,8 +223,19 @@ function draw() {
     charts.updatePlacement(state.control, ranks);
     if (controls) controls.update(state.control, ranks);
   }
-  const stale = f.summary.age_s !== null && f.summary.age_s * 1000 > STALE_MS;
+  // A run that ended (every rank said goodbye) is not stale: it says so, once.
+  const ended = f.summary.status === "ended";
+  $("ended-banner").hidden = !ended;
+  if (ended) {
+    $("ended-banner").textContent = `The run ended at batch ${f.summary.batch_index ?? "–"}: every rank said `
+      + `goodbye ${new Date(f.summary.last_seen * 1000).toLocaleTimeString()}. Its figures are final.`;
+  }
+  const stale = !ended && f.summary.age_s !== null && f.summary.age_s * 1000 > STALE_MS;
   showStale(stale, stale ? `Data is stale: the job sent nothing for ${duration(f.summary.age_s)}.` : "");
+}
+
+function ended() {
+  return Boolean(state.summary && state.summary.status === "ended");
 }
 
 function showStale(on, text) {
@@ -267,7 +292,8 @@ checkZeroCode();
 setInterval(() => { if (state.zeroCode) renderZeroCode(); else checkZeroCode(); }, 3000);
 
 setInterval(() => {
-  if (state.lastFrameAt && Date.now() - state.lastFrameAt > STALE_MS) {
+  // An ended run sends no more frames: silence is expected, not stale.
+  if (state.lastFrameAt && Date.now() - state.lastFrameAt > STALE_MS && !ended()) {
     showStale(true, `Data is stale: no update from the server for ${duration((Date.now() - state.lastFrameAt) / 1000)}; reconnecting.`);
   }
 }, 1000);
@@ -283,6 +309,7 @@ $("total-steps").addEventListener("change", (e) => {
 mountTokenBox($("token-box")).then((me) => {
   state.me = me;
   controls = new Controls(job, me);
+  window.rebalancer.controls = controls;
   if (state.ranks) controls.update(state.control, state.ranks);
   document.body.dataset.role = me && me.role ? me.role : "none";
   document.body.classList.toggle("no-controls", !controls.operator);

@@ -33,7 +33,7 @@ function row(j, summary) {
   const f = forecastFor(j.job, summary || j, () => render());  // the server's ETA (a local total: its /forecast)
   const eta = f ? f.eta_s : null;
   const age = summary ? summary.age_s : null;
-  const stale = age !== null && age !== undefined && age > 5 && j.status !== "idle";
+  const stale = age !== null && age !== undefined && age > 5 && j.status !== "idle" && j.status !== "ended";
   const jobUrl = `/job/${encodeURIComponent(j.job)}`;
   const saved = j.saved_cost !== null && j.saved_cost !== undefined
     ? `${signedDuration(j.saved_s)} · ${money(j.saved_cost)}` : signedDuration(j.saved_s);
@@ -47,7 +47,9 @@ function row(j, summary) {
     el("td", { class: "num", title: j.balanced_step_ms === null ? "the policy has not fitted the job yet"
       : `balanced step ${fmt(j.balanced_step_ms, 1, " ms")}` }, j.efficiency === null ? "n/a" : pct(j.efficiency)),
     el("td", { class: "num" }, gpuHours(j.wasted_gpu_hours)),
-    el("td", { class: "num" }, saved),
+    el("td", { class: "num", title: j.saved_s < 0
+      ? "negative: the rebalanced steps took longer than the uniform split is predicted to take"
+      : j.saved_s === 0 ? "no change in split" : "" }, saved),
     el("td", {}, j.bound || "n/a"),
     el("td", { class: "num" }, j.pending_proposals
       ? el("a", { href: `${jobUrl}#placement-card`, class: "pending-link", title: "approve or reject on the job page" },
@@ -77,7 +79,7 @@ function compare(a, b) {
 
 function matches(j) {
   const s = statusFilter.value;
-  if (s === "running" ? j.status === "idle" : s && j.status !== s) return false;
+  if (s === "running" ? j.status === "idle" || j.status === "ended" : s && j.status !== s) return false;
   const q = textFilter.value.trim().toLowerCase();
   return !q || j.job.toLowerCase().includes(q) || devicesText(j).toLowerCase().includes(q);
 }

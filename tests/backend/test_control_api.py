@@ -246,7 +246,8 @@ def test_bad_input_gets_one_plain_sentence(api):
             ("PUT", "/policy", {"workload": "chess"}, "workload must be one of llm, vision, diffusion, recsys, custom; got 'chess'."),
             ("PUT", "/policy", {"speed": 3}, "Unknown policy setting 'speed'; known settings: strategy, workload, "
              "custom_weights, params, min_gain, cooldown_steps, min_steps, window_steps, max_move_fraction, "
-             "horizon_steps, rollback_threshold, effect_window_steps, proposal_ttl_s, memory_headroom."),
+             "horizon_steps, rollback_threshold, effect_window_steps, proposal_ttl_s, proposal_margin, "
+             "proposal_min_age_s, memory_headroom."),
             ("PUT", "/policy", {"custom_weights": {"H100": -1}}, "custom_weights must map device types to weights > 0, got {'H100': -1}."),
             ("POST", "/proposals", {"shares": "20,20,8"}, "Invalid placement: shares must be a list of integers, got str."),
             ("PUT", "/overrides", {"pins": {"zero": 4}}, "pins keys must be rank numbers, got 'zero'."),

@@ -53,6 +53,35 @@ def test_knobs_default_to_the_settings_of_the_same_name():
         knob({}, Settings(), "min_gain")
 
 
+def test_one_table_holds_the_ranges_of_the_policy_settings():
+    """PUT /policy, the backend's defaults and the policy itself read one table (issue 37
+    found min_gain 0..1 in one place and 0..0.99 in another)."""
+    from dataclasses import replace
+
+    from pydantic import ValidationError
+
+    from backend.control.models import PolicyChanges, check_policy_changes
+    from backend.policy.engine import check_config
+    from backend.policy.limits import POLICY_LIMITS
+    from backend.policy.types import PolicyConfig
+    from backend.settings import _POLICY_FIELDS
+
+    numeric = set(PolicyChanges.model_fields) - {"strategy", "workload", "custom_weights", "params"}
+    assert numeric == set(POLICY_LIMITS) == set(_POLICY_FIELDS.values())
+    for setting, key in _POLICY_FIELDS.items():
+        kind, lo, hi = POLICY_LIMITS[key]
+        step = 1 if kind is int else 0.001
+        assert check_policy_changes({key: kind(lo)}) and check_policy_changes({key: kind(hi)})
+        for bad in (lo - step, hi + step):
+            with pytest.raises(InvalidError, match=f"^{key} must be "):
+                check_policy_changes({key: kind(bad)})
+            with pytest.raises(ValidationError, match=f"REBALANCER_{setting.upper()} must be "):
+                Settings(**{setting: kind(bad)})
+            if key in ("min_gain", "cooldown_steps", "min_steps", "horizon_steps", "max_move_fraction"):
+                with pytest.raises(ValueError, match=f"^policy.{key} must be "):
+                    check_config(replace(PolicyConfig(), **{key: kind(bad)}))
+
+
 def test_overrides_validate_and_become_constraints():
     ov = validate_overrides({"pins": {"0": 8}, "drains": [2], "granularity": 4},
                             world_size=3, global_batch_size=48)

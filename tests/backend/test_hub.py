@@ -250,11 +250,14 @@ async def test_no_uniform_estimate_before_the_policy_fitted_the_job():
     svc = _services()
     _register(svc.live)
     hub = _hub(svc, clock=lambda: 0.0)
-    for b in range(5):
+    for b in range(5):  # version 0, the uniform split: each step is its own uniform step
         _feed(svc.live, b)
+    for b in range(5, 8):  # a new split, no fit to predict the uniform one with
+        _feed(svc.live, b, shares=(12, 9, 3), version=1)
     hub.notify("j")
     hub.tick()
-    assert [p["uniform_step_ms"] for p in hub._feeds["j"].series] == [None] * 5
+    series = list(hub._feeds["j"].series)
+    assert [p["uniform_step_ms"] for p in series] == [p["step_ms"] for p in series[:5]] + [None] * 3
     assert hub.savings("j")["saved_s"] == 0.0
 
 

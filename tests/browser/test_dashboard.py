@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
@@ -314,9 +315,18 @@ def test_stale_banner_when_the_job_stops(stack: Stack) -> None:
     page = stack.page(f"/job/{JOB}", stack.viewer)
     page.wait_for_function("() => window.rebalancer && window.rebalancer.state.draws > 0")
     assert page.locator("#stale-banner").is_hidden()
-    os.killpg(stack.job.pid, signal.SIGTERM)
-    stack.job.wait(timeout=30)
-    page.locator("#stale-banner").wait_for(state="visible")
+    # Frozen, not stopped: a job whose hooks close normally has ended (its page says
+    # "ended", tests/browser/test_one_verdict.py); one that just goes silent is stale.
+    tree = [*psutil.Process(stack.job.pid).children(recursive=True), psutil.Process(stack.job.pid)]
+    for proc in tree:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        page.locator("#stale-banner").wait_for(state="visible")
+        assert page.locator("#ended-banner").is_hidden()
+    finally:
+        for proc in tree:
+            proc.kill()
+        stack.job.wait(timeout=30)
     assert "Data is stale" in page.locator("#stale-banner").inner_text()
     assert page.locator("#conn").inner_text() == "live"  # the socket is fine; the job is silent
     page.context.close()

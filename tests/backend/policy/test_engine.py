@@ -189,12 +189,12 @@ def test_explanation_is_plain_json():
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (PolicyConfig(min_gain=-0.1), "policy.min_gain must be a fraction in [0, 1), got -0.1."),
-        (PolicyConfig(cooldown_steps=-1), "policy.cooldown_steps must be an integer >= 0, got -1."),
+        (PolicyConfig(min_gain=-0.1), "policy.min_gain must be a number between 0 and 0.99, got -0.1."),
+        (PolicyConfig(cooldown_steps=-1), "policy.cooldown_steps must be an integer between 0 and 1000000, got -1."),
         (PolicyConfig(min_steps=50, window_steps=20),
          "policy.window_steps (20) must be at least policy.min_steps (50)."),
         (PolicyConfig(max_move_fraction=2.0),
-         "policy.max_move_fraction must be a fraction in (0, 1] or None, got 2.0."),
+         "policy.max_move_fraction must be a number between 0.001 and 1, got 2.0 (or None)."),
         (PolicyConfig(strategy="fastest"), "unknown strategy 'fastest'; available: "),
         (PolicyConfig(strategy="static", workload="nlp"), "unknown workload 'nlp'; expected one"),
     ],
