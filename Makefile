@@ -18,12 +18,23 @@ $(BIN)/python:
 # and macOS wheels, which carry no +cpu tag).
 TORCH_VERSION   ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || \
+TORCH_INSTALL = $(BIN)/python -c "import torch" 2>/dev/null || \
 		$(BIN)/pip install -q torch==$(TORCH_VERSION)+cpu 2>/dev/null || \
 		$(BIN)/pip install -q --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION)
-	$(BIN)/pip install -q -e '.[dev]'
+
+# Two stamps: `make demo` and `make serve` need only the hook and the server (DEMO_STAMP);
+# `make setup` and `make test` add the test tools (`.[dev]`, which holds both, so it
+# stamps the demo's set-up too).
+DEMO_STAMP := $(VENV)/.demo-stamp
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	$(TORCH_INSTALL)
+	$(BIN)/pip install -q -e '.[hook,server]'
 	touch $@
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(TORCH_INSTALL)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@ $(DEMO_STAMP)
 
 setup: $(STAMP)
 
@@ -54,10 +65,10 @@ PROMETHEUS_SERVICE_OFF = if [ -d /run/systemd/system ]; then systemctl disable -
 	if [ -x /etc/init.d/prometheus ]; then /etc/init.d/prometheus stop >/dev/null 2>&1; \
 	update-rc.d prometheus disable >/dev/null 2>&1; fi; true
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/rebalancer demo --port $(PORT) $(if $(STEPS),--steps $(STEPS),)
 
-serve: $(STAMP)
+serve: $(DEMO_STAMP)
 	$(BIN)/rebalancer serve --port $(PORT)
 
 # Two pytest workers (pytest-xdist), a test file per worker at a time: most tests wait on

@@ -16,7 +16,7 @@ def plotly_js_path() -> Path:
     """Where the installed plotly package keeps plotly.min.js (RuntimeError if absent)."""
     spec = importlib.util.find_spec("plotly")
     if spec is None or not spec.origin:
-        raise RuntimeError("The plotly package is not installed; pip install 'rebalancer[server]'.")
+        raise RuntimeError("The plotly package is not installed; pip install 'torch-rebalancer[server]'.")
     path = Path(spec.origin).parent / "package_data" / "plotly.min.js"
     if not path.is_file():
         raise RuntimeError(f"plotly.min.js is missing from the plotly package (looked at {path}).")

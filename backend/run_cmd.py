@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_command", "run", "site_dir", "job_name_for"]
+__all__ = ["add_command", "run", "site_dir", "job_name_for", "follow_job"]
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -106,35 +106,62 @@ def _start_backend(url: str) -> tuple[str, subprocess.Popen[bytes], Path] | str:
     return local, proc, log_path
 
 
-def _observe_when_seen(server: str, job: str, stop: threading.Event) -> None:
-    """On a backend this command did not start: put the job in observe mode once it exists."""
-    from backend.client import APIError, Client
+def _known_jobs(client: Any) -> set[str] | None:
+    try:
+        return {j["job"] for j in client.jobs()}
+    except Exception:  # noqa: BLE001 - the backend is starting or restarting: ask again later
+        return None
+
+
+def follow_job(client: Any, job: str, before: set[str], stop: threading.Event, *, set_observe: bool,
+               poll_s: float = 1.0) -> str | None:
+    """Wait for the command's ranks to say hello; return the job name they report under.
+
+    ``job`` is the name this command gave (REBALANCER_JOB); a script whose own hook names its
+    own job reports under another, the first job the backend did not know ``before``: that
+    name and its dashboard are printed. ``set_observe``: on a backend this command did not
+    start, put ``job`` in observe mode once it exists (a script's own hook keeps its mode)."""
+    from backend.client import APIError
+
+    while True:
+        stopping = stop.wait(poll_s)  # once more after the command ended: a short job
+        names = _known_jobs(client)
+        used = None
+        if names is not None:
+            new = sorted(names - before)
+            used = job if job in names else (new[0] if new else None)
+        if used is None:
+            if stopping:
+                return None
+            continue
+        if used != job:
+            _say(f"the script reports as job '{used}' (it names its own job, not '{job}'): dashboard: "
+                 f"{client.server}/job/{urllib.parse.quote(used)}")
+            return used
+        if set_observe:
+            try:
+                if client.job(job).get("mode") != "observe":
+                    client.set_mode(job, "observe", reason="rebalancer run: monitoring without code change")
+            except APIError as exc:
+                _say(f"cannot set job '{job}' to observe mode ({exc.detail}); the ranks reject placements anyway")
+            except Exception as exc:  # noqa: BLE001
+                _say(f"cannot set job '{job}' to observe mode ({exc}); the ranks reject placements anyway")
+        return used
+
+
+def _start_follower(server: str, job: str, stop: threading.Event, *, set_observe: bool) -> threading.Thread | None:
+    from backend.client import Client
 
     try:
         client = Client(server, os.environ.get("REBALANCER_TOKEN"))
     except ValueError as exc:
-        _say(f"cannot set observe mode: {exc}")
-        return
-    while True:
-        stopping = stop.wait(1.0)  # once more after the command ended: a short job
-        try:
-            state = client.job(job)
-        except APIError as exc:
-            if exc.status == 404 and not stopping:
-                continue
-            if exc.status != 404:
-                _say(f"cannot read job '{job}' to set observe mode: {exc}")
-            return
-        except Exception:  # noqa: BLE001 - the server restarts: try again
-            if stopping:
-                return
-            continue
-        if state.get("mode") != "observe":
-            try:
-                client.set_mode(job, "observe", reason="rebalancer run: monitoring without code change")
-            except Exception as exc:  # noqa: BLE001
-                _say(f"cannot set job '{job}' to observe mode ({exc}); the ranks reject placements anyway")
-        return
+        _say(f"cannot follow the job: {exc}")
+        return None
+    before = (_known_jobs(client) or set()) - {job}
+    t = threading.Thread(target=follow_job, args=(client, job, before, stop), kwargs={"set_observe": set_observe},
+                         daemon=True)
+    t.start()
+    return t
 
 
 def _run_child(argv: list[str], env: dict[str, str]) -> int:
@@ -181,10 +208,8 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     monitored = True
     watcher: threading.Thread | None = None
-    if _answers(server):
-        watcher = threading.Thread(target=_observe_when_seen, args=(server, job, stop), daemon=True)
-        watcher.start()
-    else:
+    ours = False
+    if not _answers(server):
         try:
             started = _start_backend(server)
         except Exception as exc:  # noqa: BLE001 - run the command anyway
@@ -195,8 +220,10 @@ def run(args: argparse.Namespace) -> int:
             monitored = False
         else:
             server, backend, log_path = started
+            ours = True
             _say(f"started a backend at {server} (observe mode, log {log_path})")
     if monitored:
+        watcher = _start_follower(server, job, stop, set_observe=not ours)
         previous = env.get("PYTHONPATH", "")
         env["PYTHONPATH"] = site_dir() + (os.pathsep + previous if previous else "")
         env.update({"REBALANCER_MONITOR": "1", "REBALANCER_SERVER": server, "REBALANCER_JOB": job})

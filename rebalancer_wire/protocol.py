@@ -37,6 +37,7 @@ __all__ = [
     "MAX_NAME_CHARS",
     "check_job_name",
     "JOB_NAME_PATTERN",
+    "HELLO_MODES",
     "STEP_FIELDS",
     "COMM_KINDS",
     "LINK_FIELDS",
@@ -433,6 +434,10 @@ class Hello:
     # ... and each member's host and device ("node-a NVIDIA H100 80GB HBM3 #4"), in the
     # order of ``replica_ranks``: the job view lists them; empty when unknown.
     replica_devices: tuple[str, ...] = ()
+    # The mode the job asks to start in (``RebalanceHook(mode=...)``, one of HELLO_MODES);
+    # the backend applies it to a job it has not seen yet (an operator's preset wins). ""
+    # for none: the backend's default.
+    mode: str = ""
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Hello:
@@ -466,7 +471,19 @@ class Hello:
             mesh=mesh,
             replica_ranks=(members := _replica_ranks(d, mesh)),
             replica_devices=_replica_devices(d, members),
+            mode=_hello_mode(d),
         )
+
+
+# The control modes a hello may ask for (backend.control.modes.MODES names the same three).
+HELLO_MODES = ("observe", "approve", "auto")
+
+
+def _hello_mode(d: Mapping[str, Any]) -> str:
+    mode = _str(d, "mode", max_len=16, default="")
+    if mode and mode not in HELLO_MODES:
+        raise ProtocolError(f"'mode' must be one of {', '.join(HELLO_MODES)} (or absent), got {mode!r}.")
+    return mode
 
 
 @dataclass(kw_only=True, slots=True)

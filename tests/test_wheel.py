@@ -41,7 +41,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dist = tmp_path_factory.mktemp("dist")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(dist), str(ROOT)], check=True, cwd=dist)
-    return next(dist.glob("rebalancer-*.whl"))
+    return next(dist.glob("torch_rebalancer-*.whl"))
 
 
 @pytest.mark.install

@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
+from urllib.parse import quote
 
 import torch
 import torch.distributed as dist
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from rebalancer_wire.protocol import Error, Hello, MeshShape, Message, StepRecord
 from trainer_hook import _lifecycle
 from trainer_hook.channel import ControlChannel, PendingPlacement
-from trainer_hook.config import HookConfig
+from trainer_hook.config import ENV_SERVER, HookConfig
 from trainer_hook.gradients import GradientState
 from trainer_hook.memory import (
     MemoryMeter,
@@ -46,6 +48,27 @@ _COMM_KIND = {"ddp_comm_hook": "all_reduce", "fsdp2_reduce_scatter": "reduce_sca
 _EXIT_WAIT_S = 30.0
 _AUTO: Any = object()
 _UNMEASURED = 1 << 40  # lookahead before the first step measures it: nothing is final yet
+
+
+def start_line(cfg: HookConfig, world_size: int) -> str:
+    """What the hook says once at start: where it reports and as which job, or that it is
+    offline and why."""
+    if cfg.offline:
+        return ("rebalancer: offline, nothing is reported (no server: pass RebalanceHook(server=...) or set "
+                f"{ENV_SERVER}); steps are still timed and request_placement() still changes the split")
+    server = (cfg.server or "").split(",")[0].strip().rstrip("/")
+    mode = f"starting in mode {cfg.mode}" if cfg.mode else "the backend's default mode"
+    return (f"rebalancer: reporting to {server} as job {cfg.job_name!r} ({world_size} ranks, {mode}); "
+            f"dashboard {server}/job/{quote(cfg.job_name, safe='')}")
+
+
+def say_start(line: str) -> None:
+    """Through logging where the program configured it (INFO), else on stderr: a library's
+    INFO record goes nowhere by default, and this line is the one a user must see."""
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        log.info("%s", line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 class _Steps(Protocol):
@@ -180,6 +203,8 @@ class HookBase:
                                      position=replicas.members.index(dist.get_rank()))
         self._trained: ScheduledPlacement = self._schedule.at(0)
         self._ready = True
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() == 0 or global_world == 1:
+            say_start(start_line(cfg, self._world_size))  # one line for the job, from rank 0
         if not cfg.offline and leader:  # only a replica's leader talks to the backend
             self._start_io()
         _lifecycle.track(self)  # after init_process_group: its atexit runs before torch's
@@ -243,6 +268,7 @@ class HookBase:
             comm_kind=_COMM_KIND.get(self._gradients_mode or "", ""), mesh=self._mesh,
             replica_ranks=self._replica_ranks if self._mesh is not None else (),
             replica_devices=self._replica_devices if self._mesh is not None else (),
+            mode=self.config.mode or "",
         )
 
     def _close(self, *, wait_for_peers: bool, wait_timeout_s: float | None) -> None:

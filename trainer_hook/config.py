@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from rebalancer_wire.protocol import MAX_GLOBAL_BATCH_SIZE
+from rebalancer_wire.protocol import HELLO_MODES, MAX_GLOBAL_BATCH_SIZE
 
 __all__ = ["HookConfig", "MEASURED", "ENV_SERVER", "ENV_JOB", "ENV_TOKEN", "ENV_TOTAL_STEPS", "check_total_steps"]
 
@@ -57,6 +57,10 @@ class HookConfig:
       means offline: no network, placements only from ``request_placement``.
     - ``job``: the job name the backend files this run under (required with a server).
     - ``global_batch_size``: B, fixed for the job.
+    - ``mode``: the control mode the job starts in, ``"observe"``, ``"approve"`` or
+      ``"auto"`` (sent in the hello; the backend applies it to a job it has not seen yet,
+      and a preset an operator stored first, ``rebalancer mode JOB auto``, wins); None:
+      the backend's default (``approve``).
     - ``total_steps``: how many steps (global batches) the run takes in all, if known;
       the backend shows the job's ETA and cost to finish from it. Optional; the HF
       Trainer callback fills it from ``max_steps``, ``hook.set_total_steps(n)`` changes it.
@@ -89,6 +93,7 @@ class HookConfig:
     global_batch_size: int
     token: str | None = None
     total_steps: int | None = None
+    mode: str | None = None
     exchange_every: int = 4
     exchange_lag: int = 2
     lookahead: int | str = "measured"
@@ -125,6 +130,9 @@ class HookConfig:
                 f"global_batch_size must be at most {MAX_GLOBAL_BATCH_SIZE} (the protocol's limit), "
                 f"got {self.global_batch_size}.")
         check_total_steps(self.total_steps)
+        if self.mode is not None and self.mode not in HELLO_MODES:
+            raise ValueError(f"mode must be one of {', '.join(map(repr, HELLO_MODES))} or None (the "
+                             f"backend's default), got {self.mode!r}.")
         _positive_int("exchange_every", self.exchange_every)
         _positive_int("exchange_lag", self.exchange_lag, lo=0)
         if self.exchange_lag >= self.exchange_every:

@@ -38,6 +38,7 @@ from trainer_hook.gradients import (
     register_grad_timer,
     register_gradient_weighting,
     register_unshard_timer,
+    timing_event,
 )
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 
@@ -289,14 +290,16 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
         path's average over ranks), so parameters follow the mean loss over all valid
         tokens of the global batch, however the batch is split. A rank with no valid
         tokens gets 0, and a drained rank's dummy batch counts none. Call it inside ``with hook.step():``,
-        once per step. Example::
+        once per step, best from the labels before the forward (every rank is then ready for
+        the all-reduce); the time a rank waits in it for its peers is timed as sync wait, not
+        compute, wherever it is called. Example::
 
             with hook.step():
+                weight = hook.token_loss_weight((labels != -100).sum())
                 logits = model(input_ids)
                 loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
                                            ignore_index=-100, reduction="sum")
-                n_valid = (labels != -100).sum()
-                (loss_sum * hook.token_loss_weight(n_valid)).backward()
+                (loss_sum * weight).backward()
                 opt.step(); opt.zero_grad()
         """
         scale = self._token_scale()
@@ -310,8 +313,17 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
             if self._grads.weight == 0:  # a dummy batch: its tokens are not the global batch's
                 total = torch.zeros_like(total)
             if self._world_size > 1:
-                group = self._channel.group if total.device.type == "cpu" else None
-                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+                cpu = total.device.type == "cpu"
+                # A wait for peers, not compute (invariant 11): a fast rank waits here for
+                # the slowest one's forward. On a device, events bracket the compute
+                # stream's wait for the collective.
+                events = None if cpu else timing_event(total.device.type)
+                grads = self._grads
+                grads.begin_wait(events)
+                try:
+                    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._channel.group if cpu else None)
+                finally:
+                    grads.end_wait(events)
                 if self._members > 1:  # every member of a replica counted the same tokens
                     total = total / self._members
             # 0 valid tokens in the whole batch: nothing to learn, and no division by zero.
@@ -324,7 +336,12 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
         count = float(n_valid) if self._grads.weight > 0 else 0.0  # a dummy batch counts nothing
         if self._world_size > 1:
             buf = torch.tensor([count], dtype=torch.float64)
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._channel.group)
+            grads = self._grads
+            grads.begin_wait(None)  # a wait for peers, not compute (invariant 11)
+            try:
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._channel.group)
+            finally:
+                grads.end_wait(None)
             count = float(buf[0]) / self._members  # every member of a replica counted the same tokens
         return scale / count if count > 0 else 0.0
 

@@ -1,7 +1,7 @@
 """A typed Python client for the backend's REST API and dashboard feed (standard library only).
 
 It needs none of the server's packages (FastAPI, pydantic, SQLAlchemy): install plain
-``rebalancer`` and it works; ``watch`` also needs ``websockets`` (``rebalancer[client]``).
+``torch-rebalancer`` and it works; ``watch`` also needs ``websockets`` (``torch-rebalancer[client]``).
 
 Example::
 

@@ -92,6 +92,8 @@ def add_commands(sub: Any) -> None:
     p = add("watch", "live view of a job's ranks and shares (dashboard feed; Ctrl-C ends)")
     p.add_argument("name")
     p.add_argument("--count", type=int, default=0, help="stop after N updates (default: until Ctrl-C)")
+    p.add_argument("--wait", action="store_true", help="wait for a job that has not started yet (by default "
+                                                       "an unknown job is an error)")
     p = add("report", "a job's end-of-run report: key figures, or one offline HTML file with --out")
     p.add_argument("name")
     p.add_argument("--out", metavar="FILE.html", help="write the self-contained HTML report (plotly charts) here")
@@ -261,6 +263,9 @@ def _dispatch(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         return _emit(args, out, p, lambda: _proposal_line("approved" if cmd == "approve" else "rejected", dict(p)))
     if cmd == "mode":
         ctl = client.set_mode(name, args.mode, reason=args.reason)
+        if ctl.get("preset"):  # a job not seen yet: stored, applied at its first hello
+            return _emit(args, out, ctl, lambda: f"Job {name} has not started yet: mode {ctl.get('mode', args.mode)} "
+                                                 "is preset and applies when its first rank connects.")
         return _emit(args, out, ctl, lambda: f"Job {name} is now in {ctl.get('mode', args.mode)} mode.")
     if cmd == "override":
         return _override(client, args, out)
@@ -279,11 +284,29 @@ def _dispatch(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     if cmd == "watch":
         if args.count < 0:
             raise UsageError(f"--count must be 0 (no end) or more, got {args.count}.")
+        if not args.wait:
+            _require_job(client, name)
         watch.watch(client, name, count=args.count, as_json=args.json, out=out)
         return EXIT_OK
     if cmd == "report":
         return _report(client, args, out)
     raise UsageError(f"unknown command {cmd!r}.")
+
+
+def _require_job(client: Client, name: str) -> None:
+    """A job the backend knows, or an error naming the jobs it does know (a misspelt name
+    would otherwise wait for frames that never come)."""
+    try:
+        client.job(name)
+        return
+    except APIError as exc:
+        if exc.status != 404:
+            raise
+    names = sorted(j["job"] for j in client.jobs())
+    known = (f"known jobs: {', '.join(names[:10])}" + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+             if names else "the backend has no jobs yet")
+    raise APIError(404, f"Job '{name}' not found ({known}; `rebalancer jobs` lists them). To wait for a job "
+                        "that has not started yet, pass --wait.", method="GET", path=f"/api/v1/jobs/{name}")
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:

@@ -313,7 +313,7 @@ class Client:
             from websockets.exceptions import ConnectionClosed, InvalidHandshake
             from websockets.sync.client import connect
         except ImportError:
-            raise ImportError("watch needs the websockets package: pip install 'rebalancer[client]'.") from None
+            raise ImportError("watch needs the websockets package: pip install 'torch-rebalancer[client]'.") from None
         if not job:
             raise ValueError("job must be a non-empty job name.")
         ws_url = "ws" + self.server[4:] + "/ws/dashboard?" + urllib.parse.urlencode({"job": job})

@@ -15,12 +15,13 @@ from backend.control.errors import (
     ConflictError,
     ControlError,
     InvalidError,
+    NotFoundError,
     StateError,
     error_detail,
 )
 from backend.control.models import check_policy_changes
 from backend.storage import control as db
-from rebalancer_wire.protocol import check_shares
+from rebalancer_wire.protocol import ProtocolError, check_job_name, check_shares
 
 __all__ = ["OperatorActions"]
 
@@ -184,10 +185,17 @@ class OperatorActions(ControllerCore):
                                      action="placement.rollback", params={"to_version": prev_version})
 
     async def set_mode(self, job: str, mode: str, *, actor: ActorLike, reason: str | None = None) -> dict[str, Any]:
+        """The job's mode; for a job not seen yet, a preset its first hello applies."""
         await self._refuse_if_elsewhere(job)
-        st = await self._require(job)
         if mode not in MODES:
             raise InvalidError(f"Mode must be one of observe, approve, auto; got {mode!r}.")
+        try:
+            st = await self._require(job)
+        except NotFoundError:
+            preset = await self._preset_mode(job, mode, actor=actor, reason=reason)
+            if preset is not None:
+                return preset
+            st = await self._require(job)  # its first hello came in meanwhile
         async with st.lock:
             def work(s: Session) -> None:
                 records.set_mode(s, job, mode, actor=actor, reason=reason, at=self._wall())
@@ -199,6 +207,26 @@ class OperatorActions(ControllerCore):
             self._dirty.add(job)
             self._publish(st)
         return self.job_control(job)
+
+    async def _preset_mode(self, job: str, mode: str, *, actor: ActorLike, reason: str | None) -> dict[str, Any] | None:
+        """Store ``mode`` for a job not seen yet; None if the job exists by now."""
+        try:
+            check_job_name(job)
+        except ProtocolError as exc:
+            raise InvalidError(f"Cannot preset the mode of job {job[:140]!r}: {exc}") from None
+
+        def work(s: Session) -> bool:
+            if db.get_settings(s, job) is not None:
+                return False
+            records.preset_mode(s, job, mode, actor=actor, reason=reason)
+            s.commit()
+            return True
+
+        if not await self._sql(work):
+            return None
+        return {"job": job, "mode": mode, "preset": True,
+                "detail": f"Job '{job}' has not started yet: mode {mode} is stored as a preset and applies "
+                          "when its first rank connects."}
 
     async def set_policy(self, job: str, changes: dict[str, Any], *, actor: ActorLike,
                          reason: str | None = None) -> dict[str, Any]:

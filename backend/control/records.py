@@ -28,7 +28,7 @@ from rebalancer_wire.protocol import Hello, Oom, uniform_shares
 __all__ = [
     "create_job", "fail_placement", "store_overrides", "actor_name", "pending_proposal", "proposal_to_decide", "decide", "close_pending", "supersede",
     "expire_due", "new_placement", "add_proposal", "refused_before", "last_effect",
-    "recent_rollbacks", "approve", "reject", "audit_manual", "set_mode", "set_policy", "reshape",
+    "recent_rollbacks", "approve", "reject", "audit_manual", "set_mode", "preset_mode", "mode_preset", "set_policy", "reshape",
     "record_acks", "record_oom", "audit_restart", "issued", "record_effect", "audit_token",
     "take_epoch", "check_epoch",
 ]
@@ -38,7 +38,10 @@ _PENDING = ("proposed", "approved")
 
 
 def create_job(s: Any, hello: Hello, *, mode: str, actor: str, at: float) -> None:
-    """Settings and the first placement (the uniform split) of a job new to this backend."""
+    """Settings and the first placement (the uniform split) of a job new to this backend.
+    Its mode: an operator's preset (``preset_mode``), else the one its hello asks for, else
+    ``mode`` (the backend's default)."""
+    chosen = mode_preset(s, hello.job) or hello.mode or mode
     job = hello.job
     shares = uniform_shares(hello.world_size, hello.global_batch_size)
     # A job that already runs a version this backend never recorded (its database
@@ -50,14 +53,14 @@ def create_job(s: Any, hello: Hello, *, mode: str, actor: str, at: float) -> Non
                         global_batch_size=hello.global_batch_size, created_at=at, last_seen=at)
         s.add(row)
     row.world_size, row.global_batch_size = hello.world_size, hello.global_batch_size
-    row.mode, row.policy, row.updated_at = mode, {}, at
+    row.mode, row.policy, row.updated_at = chosen, {}, at
     s.add(db.PlacementRow(
         job=job, version=first, shares=shares, source="initial", actor=actor,
         reason="uniform split for a new job", created_at=at, acks={},
     ))
     db.record_audit(s, actor=actor, action="job.create", job=job,
                     params={"world_size": hello.world_size,
-                            "global_batch_size": hello.global_batch_size},
+                            "global_batch_size": hello.global_batch_size, "mode": chosen},
                     reason="first hello from the job")
 
 
@@ -68,6 +71,24 @@ def set_mode(s: Any, job: str, mode: str, *, actor: Any, reason: str | None, at:
     old, row.mode, row.updated_at = row.mode, mode, at
     db.record_audit(s, actor=actor, action="job.mode", job=job,
                     params={"mode": mode, "previous": old}, reason=reason)
+
+
+def preset_mode(s: Any, job: str, mode: str, *, actor: Any, reason: str | None) -> None:
+    """The mode a job not seen yet starts in: an audit record (no settings row exists yet),
+    which ``mode_preset`` reads when the job's first hello creates it."""
+    db.record_audit(s, actor=actor, action="job.mode_preset", job=job, params={"mode": mode}, reason=reason)
+
+
+def mode_preset(s: Any, job: str) -> str | None:
+    """The mode preset for ``job`` since it was last created, else None."""
+    preset = db.list_audit(s, job, action="job.mode_preset", limit=1)
+    if not preset:
+        return None
+    created = db.list_audit(s, job, action="job.create", limit=1)
+    if created and created[0].id > preset[0].id:
+        return None  # a preset for an earlier incarnation of the name, applied then
+    mode = (preset[0].params or {}).get("mode")
+    return mode if isinstance(mode, str) else None
 
 
 def set_policy(s: Any, job: str, policy: dict[str, Any], *, changes: dict[str, Any], actor: Any,

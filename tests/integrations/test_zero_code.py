@@ -204,8 +204,9 @@ def test_the_monitor_stands_down_when_the_script_has_its_own_hook(capsys):
     with RebalanceHook(global_batch_size=4):  # offline, one process
         m._after_optimizer_step(opt, (), {})
     assert m.off and m._transport is None
-    assert capsys.readouterr().err == (
-        "rebalancer: the script has its own RebalanceHook: the injected monitoring stands down\n")
+    err = capsys.readouterr().err  # after the hook's own start line (offline here)
+    assert err.startswith("rebalancer: offline, nothing is reported") and err.endswith(
+        "\nrebalancer: the script has its own RebalanceHook: the injected monitoring stands down\n"), err
 
 
 def test_a_step_splits_into_data_optimizer_sync_and_compute():
@@ -222,3 +223,45 @@ def test_a_step_splits_into_data_optimizer_sync_and_compute():
     step, data, opt, sync = split_step(10.0, 11.0, 0.7, 10.9, 10.1, 5.0)
     assert (step, data, opt) == pytest.approx((1.0, 0.7, 0.1)) and sync == pytest.approx(0.2)
     assert step - data - opt - sync == pytest.approx(0.0, abs=1e-12)
+
+
+class _Jobs:
+    """A backend's job list as ``rebalancer run`` polls it: one list per call, the last repeated."""
+
+    server = "http://127.0.0.1:9"
+
+    def __init__(self, *lists: list[str]) -> None:
+        self.lists = list(lists)
+        self.modes: list[str] = []
+
+    def jobs(self) -> list[dict[str, str]]:
+        names = self.lists.pop(0) if len(self.lists) > 1 else self.lists[0]
+        return [{"job": n} for n in names]
+
+    def job(self, name: str) -> dict[str, str]:
+        return {"job": name, "mode": "approve"}
+
+    def set_mode(self, name: str, mode: str, *, reason: str) -> None:
+        self.modes.append(mode)
+
+
+def test_rebalancer_run_prints_the_job_name_the_script_reports_under(capsys):
+    # Issue 39: the script's own hook named its own job; the dashboard URL printed at start
+    # (for --job's name) led nowhere. The name the ranks used is printed once they say hello.
+    import threading
+
+    from backend.run_cmd import follow_job
+
+    jobs = _Jobs(["old"], ["old"], ["old", "sft-7b"])
+    assert follow_job(jobs, "train-1612", {"old"}, threading.Event(), set_observe=True, poll_s=0) == "sft-7b"
+    assert capsys.readouterr().err == (
+        "rebalancer run: the script reports as job 'sft-7b' (it names its own job, not 'train-1612'): "
+        "dashboard: http://127.0.0.1:9/job/sft-7b\n")
+    assert jobs.modes == []  # the script's own hook: its mode is its own
+    # The name given: silent, and put in observe mode on a backend this command did not start.
+    same = _Jobs(["old"], ["old", "train-1612", "sft-7b"])
+    assert follow_job(same, "train-1612", {"old"}, threading.Event(), set_observe=True, poll_s=0) == "train-1612"
+    assert capsys.readouterr().err == "" and same.modes == ["observe"]
+    stopped = threading.Event()
+    stopped.set()
+    assert follow_job(_Jobs(["old"]), "train-1612", {"old"}, stopped, set_observe=True, poll_s=0) is None

@@ -68,7 +68,10 @@ def loss_sum(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mask: tor
     return ((model(x) - y).pow(2) * mask).sum()
 
 
-RUNS = ("comm_hook", "loss_scale_accum", "fsdp2_accum", "compiled_accum", "lengths_accum")
+RUNS = ("comm_hook", "loss_scale_accum", "fsdp2_accum", "compiled_accum", "lengths_accum", "readme_slow")
+# readme_slow: a forward takes 1 ms per token, 2 ms on rank 1; 34 steps, so that the policy
+# trusts every fit (it holds a rank with fewer than 3 x min_steps steps when noisy).
+SLOW_RANK, S_PER_TOKEN, SLOW_STEPS = 1, 0.001, 34
 
 
 def parse_plan(text: str) -> dict[int, tuple[list[int], float | None]]:
@@ -107,7 +110,8 @@ def train(run: str, args: argparse.Namespace) -> None:
     plan = parse_plan(args.lengths_plan if run == "lengths_accum" else args.plan)
     how = "fsdp2" if run == "fsdp2_accum" else "ddp"
     shares_seen, sizes = [], []
-    while hook.batch_index < args.steps:
+    steps = SLOW_STEPS if run == "readme_slow" else args.steps
+    while hook.batch_index < steps:
         for x, y, mask in loader:
             k = hook.batch_index
             if rank == 0 and k in plan:
@@ -123,13 +127,18 @@ def train(run: str, args: argparse.Namespace) -> None:
                     for i, (xi, yi, mi) in enumerate(pieces):
                         with sw.no_sync(model, how, last=i == len(pieces) - 1):
                             (loss_sum(model, xi, yi, mi) * f).backward()
+                elif run == "readme_slow":  # as README.md writes it: the count after the forward
+                    # The forward's cost, per token: rank 1 is 2x slower.
+                    time.sleep(S_PER_TOKEN * float(mask.sum()) * (2 if rank == SLOW_RANK else 1))
+                    loss = loss_sum(model, x, y, mask)
+                    (loss * hook.token_loss_weight(mask.sum())).backward()
                 else:
                     (loss_sum(model, x, y, mask) * hook.token_loss_weight(mask.sum())).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             shares_seen.append(hook.shares)
             sizes.append(len(x))
-            if hook.batch_index >= args.steps:
+            if hook.batch_index >= steps:
                 break
     hook.close()
     out: dict[str, object] = {
@@ -137,6 +146,9 @@ def train(run: str, args: argparse.Namespace) -> None:
         "cpu_s": time.process_time() - started,  # what the run costs CI, by rank
         "timeline": [[t.start_batch, t.version, list(t.shares), t.length_sq_weight] for t in hook.schedule.timeline()],
     }
+    if run == "readme_slow":
+        out["records"] = [[r.batch_index, r.local_batch_size, r.compute_ms, r.sync_wait_ms, r.work, r.batch_work]
+                          for r in hook.history]
     params = sw.full_params(model, how)  # FSDP2 gathers the shards: every rank takes part
     if rank == 0:
         out["params"] = params

@@ -62,3 +62,42 @@ def test_missing_global_batch_size_says_how_to_fix() -> None:
 def test_server_must_be_a_url() -> None:
     with pytest.raises(ValueError, match="server must be a URL like 'http://127.0.0.1:8000'"):
         HookConfig(global_batch_size=8, server="127.0.0.1:8000", job="a")
+
+
+def test_the_starting_mode_is_checked_and_sent_in_the_hello() -> None:
+    # Issue 39: RebalanceHook(mode=...) asks the backend to start a new job in that mode.
+    from trainer_hook import RebalanceHook
+
+    with pytest.raises(ValueError, match=r"^mode must be one of 'observe', 'approve', 'auto' or None \(the "
+                                         r"backend's default\), got 'Auto'\.$"):
+        HookConfig(global_batch_size=8, mode="Auto")
+    hook = RebalanceHook(global_batch_size=8, mode="auto")
+    assert hook._hello().mode == "auto"
+    hook.close()
+    hook = RebalanceHook(global_batch_size=8)
+    assert hook._hello().mode == ""  # the backend's default
+    hook.close()
+
+
+def test_the_hook_says_at_start_where_it_reports_or_why_it_is_offline(capsys, caplog) -> None:
+    # Issue 39: without a server the hook went offline silently.
+    import logging
+
+    from trainer_hook import RebalanceHook
+    from trainer_hook._hook_base import start_line
+
+    RebalanceHook(global_batch_size=8).close()
+    err = capsys.readouterr().err  # no logging configured at INFO: on stderr, one line
+    assert err == ("rebalancer: offline, nothing is reported (no server: pass RebalanceHook(server=...) or set "
+                   "REBALANCER_SERVER); steps are still timed and request_placement() still changes the split\n")
+    with caplog.at_level(logging.INFO, logger="trainer_hook"):
+        RebalanceHook(global_batch_size=8).close()
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("rebalancer:")] == [err.strip()]
+    assert capsys.readouterr().err == ""
+    cfg = HookConfig(server="http://10.0.0.5:8000/,http://10.0.0.6:8000", job="sft 7b", global_batch_size=8,
+                     mode="auto")
+    assert start_line(cfg, 4) == ("rebalancer: reporting to http://10.0.0.5:8000 as job 'sft 7b' (4 ranks, "
+                                  "starting in mode auto); dashboard http://10.0.0.5:8000/job/sft%207b")
+    cfg = HookConfig(server="http://h:8000", job="j", global_batch_size=8)
+    assert start_line(cfg, 2).startswith("rebalancer: reporting to http://h:8000 as job 'j' (2 ranks, the backend's "
+                                         "default mode)")

@@ -269,3 +269,47 @@ def test_an_fsdp2_all_gather_on_the_host_counts_exactly_the_wait_timed_around_it
     assert grads.comm_s == grads.wait_s
     group.unshard()  # already gathered (FSDP's prefetch did it): no bytes, no time of its own
     assert grads.comm_bytes == 32 and grads.comm_s == 1.0
+
+
+class SteppedClock:
+    """A frozen clock the test moves by hand (the timer and the wait timer both read it)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("count", [12, torch.tensor(12)], ids=["int", "tensor"])
+def test_the_token_counts_all_reduce_is_sync_wait_not_compute(monkeypatch: pytest.MonkeyPatch, count: Any) -> None:
+    # Issue 39: under the README's loop (count after the forward) a fast rank waits inside
+    # token_loss_weight's all-reduce for the slow rank's forward; that wait is not compute.
+    from trainer_hook import RebalanceHook, gradients
+    from trainer_hook import hook as hook_module
+
+    clock = SteppedClock(10.0)
+    monkeypatch.setattr(gradients, "_now", clock)
+    hook = RebalanceHook(job="t", global_batch_size=4)
+    hook._init_distributed("test")
+    hook._timer._clock = clock
+    hook._world_size = 2  # as if a peer took part: the fake collective below stands in for it
+    calls: list[object] = []
+
+    def all_reduce(t: torch.Tensor, op: Any = None, group: Any = None) -> None:
+        calls.append(group)
+        clock.now += 0.030  # waiting for the slow peer's forward
+        t.mul_(2)
+
+    monkeypatch.setattr(hook_module.dist, "all_reduce", all_reduce)
+    with hook.step():
+        clock.now += 0.010  # this rank's forward
+        weight = hook.token_loss_weight(count)
+        clock.now += 0.005  # its backward and optimizer step
+    hook.close()
+    assert len(calls) == 1 and float(weight) == pytest.approx(2 / 24)  # no attach: the wrapper averages over 2
+    rec = hook.last_step
+    assert rec is not None
+    assert rec.compute_ms == pytest.approx(15.0)
+    assert rec.sync_wait_ms == pytest.approx(30.0)
+    assert rec.step_ms == pytest.approx(45.0)

@@ -145,11 +145,11 @@ class RebalanceLightningCallback(pl.Callback):
         over the global batch's valid tokens (the Hugging Face and torchtitan convention)::
 
             def training_step(self, batch, batch_idx):
+                weight = rebalance.token_loss_weight((batch["labels"] != -100).sum())  # before the forward
                 logits = self.model(batch["input_ids"])
                 loss_sum = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
                                            ignore_index=-100, reduction="sum")
-                n_valid = (batch["labels"] != -100).sum()
-                return loss_sum * rebalance.token_loss_weight(n_valid)
+                return loss_sum * weight
 
         Lightning calls ``backward`` on what the step returns; the factor makes the
         parameters follow the global token mean under any split (the DDP comm hook's

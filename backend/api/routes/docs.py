@@ -31,7 +31,7 @@ def docs_assets_dir() -> Path:
     """Where fastapi-offline keeps Swagger UI (RuntimeError if it is missing)."""
     spec = importlib.util.find_spec("fastapi_offline")
     if spec is None or not spec.origin:
-        raise RuntimeError("The fastapi-offline package is not installed; pip install 'rebalancer[server]'.")
+        raise RuntimeError("The fastapi-offline package is not installed; pip install 'torch-rebalancer[server]'.")
     return Path(spec.origin).parent / "static"
 
 

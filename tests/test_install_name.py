@@ -1,0 +1,64 @@
+"""The distribution is ``torch-rebalancer`` (issue 39: ``rebalancer`` on PyPI is someone
+else's library): every install line names it, and ``make demo`` installs only what the
+demo needs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DIST = "torch-rebalancer"
+# A requirement naming this project: "rebalancer", maybe with a prefix, extras or quotes.
+REQUIREMENT = re.compile(r"""(?<![\w./-])([\w-]*rebalancer)(?=\[|["'`\s]|$)""")
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "backend").rglob("*.py")),
+            *sorted((ROOT / "trainer_hook").rglob("*.py")), *sorted((ROOT / "tests").rglob("*.py")),
+            ROOT / "Dockerfile", ROOT / "Makefile"]
+
+
+def test_the_distribution_is_torch_rebalancer_and_its_extras_name_it() -> None:
+    import tomllib  # Python 3.11+, as tests/test_compose.py
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["name"] == DIST
+    assert project["scripts"] == {"rebalancer": "backend.cli:main"}  # the command stays
+    own = [req for reqs in project["optional-dependencies"].values() for req in reqs if "rebalancer" in req]
+    assert own and all(req.startswith(f"{DIST}[") for req in own), own
+
+
+def test_every_install_line_names_the_distribution() -> None:
+    wrong = []
+    for path in _pages():
+        if path == Path(__file__):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if "pip install" not in line:
+                continue
+            tail = re.split(r"`|&&|#|\|", line.split("pip install", 1)[1])[0]  # the command's arguments
+            for name in REQUIREMENT.findall(tail):
+                if name != DIST:
+                    wrong.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not wrong, wrong
+
+
+def _recipe(makefile: str, target: str) -> str:
+    match = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)+)", makefile, re.M)
+    assert match, target
+    return match.group(0)
+
+
+def test_make_demo_installs_the_hook_and_the_server_only() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    demo, serve = _recipe(makefile, "demo"), _recipe(makefile, "serve")
+    assert demo.startswith("demo: $(DEMO_STAMP)") and serve.startswith("serve: $(DEMO_STAMP)")
+    demo_setup = _recipe(makefile, "$(DEMO_STAMP)")
+    assert "pip install -q -e '.[hook,server]'" in demo_setup and "dev" not in demo_setup
+    assert "$(TORCH_INSTALL)" in demo_setup  # an importable torch is reused
+    test_setup = _recipe(makefile, "$(STAMP)")
+    assert "pip install -q -e '.[dev]'" in test_setup and "$(TORCH_INSTALL)" in test_setup
+    assert "touch $@ $(DEMO_STAMP)" in test_setup  # .[dev] holds the demo's extras
+    assert 'python -c "import torch" 2>/dev/null ||' in makefile.split("TORCH_INSTALL =", 1)[1].split("\n\n")[0]
+    assert re.search(r"^setup: \$\(STAMP\)$", makefile, re.M)
