@@ -32,6 +32,7 @@ from trainer_hook.memory import (
     is_out_of_memory,
 )
 from trainer_hook.mesh import ReplicaPace, device_label, mesh_shape, replica_of
+from trainer_hook.phases import PhaseClock
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.sampler import RebalanceBatchSampler
 from trainer_hook.timing import StepTimer
@@ -100,7 +101,9 @@ class HookBase:
         self._known_lookahead = 0  # what hook.data_loader() knows its loader needs
         self._agree_at = 0  # the batch index at which to measure and agree on it
         self._grads = GradientState()
-        self._timer = StepTimer()
+        self._phases = PhaseClock()  # GC pauses, loader and checkpoint time of each step
+        self._phases.install()
+        self._timer = StepTimer(phases=self._phases)
         source = default_memory_source() if memory_source is _AUTO else memory_source
         self._memory: MemoryMeter | None = (
             MemoryMeter(source, every=cfg.memory_every) if source is not None else None)
@@ -243,6 +246,7 @@ class HookBase:
             return
         self._closed = True
         _lifecycle.forget(self)  # nothing left for the exit handler
+        self._phases.uninstall()
         if not self._ready:
             return  # never used: no group, no threads
         try:
@@ -273,6 +277,7 @@ class HookBase:
         self._initial_event = threading.Event()
         self._closed = True
         self._forked = True
+        self._phases.uninstall()
         self._grads._pg = None
         self._grads._opts = None
         self._channel.after_fork_in_child()

@@ -1,0 +1,142 @@
+"""The step's phases (trainer_hook.phases): GC pauses, loader and checkpoint time, with a
+frozen clock; their checks at the wire's edge."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+
+from rebalancer_wire.protocol import Metrics, ProtocolError, StepRecord, decode, encode
+from trainer_hook.gradients import GradientState
+from trainer_hook.phases import PhaseClock, TimedIterator
+from trainer_hook.timing import StepTimer
+
+
+class Clock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_gc_pauses_add_up_per_generation_and_reset_each_step() -> None:
+    clock = Clock()
+    phases = PhaseClock(clock=clock)
+    for gen, ms in ((0, 1.0), (0, 0.5), (2, 20.0)):
+        phases._on_gc("start", {"generation": gen})
+        clock.t += ms / 1e3
+        phases._on_gc("stop", {"generation": gen})
+    host, ckpt, gc_ms = phases.take(0.0, 1.0)
+    assert host is None and ckpt is None  # no hook loader, no checkpoint
+    assert gc_ms == pytest.approx((1.5, 0.0, 20.0))
+    assert phases.take(0.0, 1.0) == (None, None, None)
+
+
+def test_pauses_are_clipped_to_the_step() -> None:
+    clock = Clock()
+    phases = PhaseClock(clock=clock)
+    phases._on_gc("start", {"generation": 2})
+    clock.t += 0.5  # a collection before the first step, longer than it
+    phases._on_gc("stop", {"generation": 2})
+    _, _, gc_ms = phases.take(0.0, 0.1)
+    assert gc_ms is not None and sum(gc_ms) == pytest.approx(100.0)
+
+
+def test_loader_and_checkpoint_split_the_wait_before_the_step() -> None:
+    clock = Clock()
+    phases = PhaseClock(clock=clock)
+
+    def batches():
+        for i in range(3):
+            clock.t += 0.030  # the loader's 30 ms
+            yield i
+
+    it = TimedIterator(batches(), phases)
+    assert next(it) == 0
+    phases.add_checkpoint(0.050)
+    host, ckpt, gc_ms = phases.take(0.100, 0.300)  # a 100 ms gap: 30 loader, 50 checkpoint, 20 host
+    assert (host, ckpt, gc_ms) == (pytest.approx(20.0), pytest.approx(50.0), None)
+    host, ckpt, _ = phases.take(0.010, 0.2)  # nothing from the loader this time: all host
+    assert host == pytest.approx(10.0) and ckpt is None
+
+
+def test_collector_callbacks_are_installed_and_removed() -> None:
+    phases = PhaseClock()
+    phases.install()
+    phases.install()
+    try:
+        assert gc.callbacks.count(phases._on_gc) == 1
+        gc.collect()
+        _, _, gc_ms = phases.take(0.0, 10.0)
+        assert gc_ms is not None and gc_ms[2] > 0.0  # a full collection is generation 2
+    finally:
+        phases.uninstall()
+    assert phases._on_gc not in gc.callbacks
+
+
+def test_step_timer_carries_the_phases_on_its_record() -> None:
+    clock = Clock(1.0)
+    phases = PhaseClock(clock=clock)
+    timer = StepTimer(clock=clock, wall=lambda: 1.7e9, phases=phases)
+    timer.start(0, 8, 0)
+    clock.t += 0.050
+    timer.finish(GradientState())
+    TimedIterator(iter([1]), phases).__next__()  # the loader: 0 ms
+    clock.t += 0.020  # 20 ms of host work before the next step
+    timer.start(1, 8, 0)
+    phases._on_gc("start", {"generation": 1})
+    clock.t += 0.004
+    phases._on_gc("stop", {"generation": 1})
+    clock.t += 0.046
+    rec = timer.finish(GradientState())
+    assert rec is not None
+    assert rec.data_wait_ms == pytest.approx(20.0) and rec.step_ms == pytest.approx(70.0)
+    assert rec.host_ms == pytest.approx(20.0) and rec.ckpt_ms is None
+    assert rec.gc_ms == pytest.approx((0.0, 4.0, 0.0))
+    back = decode(encode(Metrics(job="j", rank=0, steps=[rec])))
+    assert isinstance(back, Metrics) and back.steps[0] == rec
+
+
+def _frame(**extra: object) -> str:
+    step = {"batch_index": 1, "local_batch_size": 4, "placement_version": 0, "data_wait_ms": 10.0,
+            "compute_ms": 50.0, "sync_wait_ms": 5.0, "optimizer_ms": 5.0, "step_ms": 70.0, "t": 1.7e9, **extra}
+    return json.dumps({"type": "metrics", "v": 2, "job": "j", "rank": 0, "steps": [step]})
+
+
+def test_an_older_hook_without_phases_decodes_as_before() -> None:
+    msg = decode(_frame())
+    assert isinstance(msg, Metrics)
+    s = msg.steps[0]
+    assert (s.host_ms, s.ckpt_ms, s.gc_ms) == (None, None, None)
+    assert "host_ms" not in s.to_dict() and "gc_ms" not in s.to_dict()
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"host_ms": 8.0, "ckpt_ms": 3.0},
+     "'host_ms' + 'ckpt_ms' (11) must not exceed 'data_wait_ms' (10): they are parts of the wait before the step."),
+    ({"gc_ms": [10.0, 0.0, 61.0]},
+     "'gc_ms' sums to 71 ms, more than the step's 'step_ms' (70): the pauses are parts of the step."),
+    ({"gc_ms": [1.0, 2.0]},
+     "'gc_ms' must be a list of 3 numbers (ms of garbage collection in generations 0, 1 and 2), "
+     "each between 0 and 86400000, got [1.0, 2.0]."),
+    ({"gc_ms": [1.0, -2.0, 0.0]},
+     "'gc_ms' must be a list of 3 numbers (ms of garbage collection in generations 0, 1 and 2), "
+     "each between 0 and 86400000, got [1.0, -2.0, 0.0]."),
+    ({"host_ms": -1.0}, "'host_ms' must be a number between 0 and 86400000, got -1.0."),
+    ({"ckpt_ms": "5"}, "'ckpt_ms' must be a number, got str."),
+])
+def test_phases_that_do_not_add_up_are_refused_at_the_edge(extra: dict[str, object], message: str) -> None:
+    with pytest.raises(ProtocolError) as err:
+        decode(_frame(**extra))
+    assert str(err.value) == message
+
+
+def test_phases_within_their_wholes_pass() -> None:
+    msg = decode(_frame(host_ms=4.0, ckpt_ms=6.0, gc_ms=[1.0, 0.0, 69.0], comm_bytes=100, comm_ms=3.0))
+    assert isinstance(msg, Metrics)
+    s = msg.steps[0]
+    assert (s.host_ms, s.ckpt_ms, s.gc_ms, s.comm_bytes) == (4.0, 6.0, (1.0, 0.0, 69.0), 100)
+    assert isinstance(s, StepRecord)
