@@ -19,10 +19,8 @@ Example (torchrun, one process per rank)::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -266,23 +264,6 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
         gives the global batch index being trained.
         """
         return self._ctx
-
-    @contextlib.contextmanager
-    def checkpointing(self) -> Iterator[None]:
-        """Context manager around a checkpoint write between steps: its time is reported
-        as the step's ``ckpt_ms`` (a part of the wait before the next step), so the job's
-        causes (docs/causes.md) tell checkpoints from data loading. Example::
-
-            if k % 1000 == 0:
-                with hook.checkpointing():
-                    torch.save({"model": model.state_dict(), "hook": hook.state_dict()}, path)
-        """
-        clock = self._phases._clock
-        t0 = clock()
-        try:
-            yield
-        finally:
-            self._phases.add_checkpoint(clock() - t0)
 
     def loss_weight(self) -> float:
         """Factor for the local mean loss on the loss-scaling path (1.0 with the comm hook).

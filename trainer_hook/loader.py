@@ -39,6 +39,8 @@ class EpochView(Sampler[int]):
 class HookDataLoader(DataLoader[Any]):
     """A DataLoader over a RebalanceBatchSampler whose ``sampler`` takes ``set_epoch``."""
 
+    _phases: PhaseClock | None
+
     def __init__(self, dataset: Sized, batch_sampler: RebalanceBatchSampler, *,
                  phases: PhaseClock | None = None, **kwargs: Any) -> None:
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)  # type: ignore[arg-type]

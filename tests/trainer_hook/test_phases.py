@@ -22,6 +22,14 @@ class Clock:
         return self.t
 
 
+class TickingClock(Clock):
+    """A frozen clock that moves 1 us at every reading (so every timed span is positive)."""
+
+    def __call__(self) -> float:
+        self.t += 1e-6
+        return self.t
+
+
 def test_gc_pauses_add_up_per_generation_and_reset_each_step() -> None:
     clock = Clock()
     phases = PhaseClock(clock=clock)
@@ -140,3 +148,34 @@ def test_phases_within_their_wholes_pass() -> None:
     s = msg.steps[0]
     assert (s.host_ms, s.ckpt_ms, s.gc_ms, s.comm_bytes) == (4.0, 6.0, (1.0, 0.0, 69.0), 100)
     assert isinstance(s, StepRecord)
+
+
+def test_a_hook_reports_its_loader_checkpoints_and_collections(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from trainer_hook import RebalanceHook
+
+    for var in ("REBALANCER_SERVER", "REBALANCER_JOB", "REBALANCER_TOKEN", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    hook = RebalanceHook(global_batch_size=4)
+    clock = TickingClock(50.0)
+    hook._phases._clock = clock  # the phases' clock; the step timer keeps its own
+    model = hook.attach(torch.nn.Linear(2, 1))
+    ds = TensorDataset(torch.zeros(16, 2))
+    loader = hook.data_loader(ds, shuffle=False)
+    for (x,) in loader:
+        with hook.step():
+            model(x).sum().backward()
+        if hook.batch_index == 2:
+            with hook.checkpointing():
+                clock.t += 0.002  # a 2 ms write between steps 1 and 2
+                gc.collect()  # a full collection in the gap
+    hook.close()
+    assert hook._phases._on_gc not in gc.callbacks  # closed: the collector's callback left
+    recs = list(hook.history)
+    assert len(recs) == 4 and all(r.host_ms is not None for r in recs)  # the loader is the hook's
+    ckpt = [r.ckpt_ms for r in recs]
+    assert ckpt[:2] == [None, None] and ckpt[3] is None
+    assert ckpt[2] == pytest.approx(min(2.0, recs[2].data_wait_ms), abs=0.01)  # within its wait, never beyond
+    assert recs[2].gc_ms is not None and recs[2].gc_ms[2] > 0.0

@@ -196,6 +196,9 @@ class RankPublic(BaseModel):
     comm_ms: float | None = Field(default=None, description="Time a step with a gradient collective in flight.")
     wait_ms: float | None = Field(default=None, description="Of comm_ms, the wait for peers (the rest is transfer).")
     busbw_gbps: float | None = Field(default=None, description="Bus bandwidth, GB/s (nccl-tests definition).")
+    host_ms: float | None = Field(default=None, description="Of data_wait_ms, the loop's own host work (docs/causes.md).")
+    ckpt_ms: float | None = Field(default=None, description="Of data_wait_ms, checkpoint writes.")
+    gc_ms: float | None = Field(default=None, description="Python GC pauses a step (within the other times).")
 
 
 class RanksPublic(BaseModel):
@@ -372,6 +375,7 @@ def _rank_live(parts: Parts, job: str, r: RankView, shares: list[int] | None,
         price_per_hour=parts.settings.price_for(r.device_type, r.device_name),
         work_per_s=r.work_per_s, work_share=r.work_share,
         hook_version=hello.hook_version if hello is not None else "",
+        host_ms=r.host_ms, ckpt_ms=r.ckpt_ms, gc_ms=r.gc_ms,
     )
 
 
