@@ -32,7 +32,7 @@ from trainer_hook.memory import (
     is_out_of_memory,
 )
 from trainer_hook.mesh import ReplicaPace, device_label, mesh_shape, replica_of
-from trainer_hook.phases import PhaseClock
+from trainer_hook.phases import GcSchedule, PhaseClock
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.sampler import RebalanceBatchSampler
 from trainer_hook.timing import StepTimer
@@ -104,6 +104,8 @@ class HookBase:
         self._phases = PhaseClock()  # GC pauses, loader and checkpoint time of each step
         self._phases.install()
         self._timer = StepTimer(phases=self._phases)
+        gcs = GcSchedule(freeze=cfg.gc_freeze, every=cfg.gc_collect_every)
+        self._gc_schedule: GcSchedule | None = gcs if gcs.active else None  # None: Python's own
         source = default_memory_source() if memory_source is _AUTO else memory_source
         self._memory: MemoryMeter | None = (
             MemoryMeter(source, every=cfg.memory_every) if source is not None else None)
@@ -247,6 +249,8 @@ class HookBase:
         self._closed = True
         _lifecycle.forget(self)  # nothing left for the exit handler
         self._phases.uninstall()
+        if self._gc_schedule is not None:
+            self._gc_schedule.restore()
         if not self._ready:
             return  # never used: no group, no threads
         try:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["PhaseClock", "TimedIterator"]
+__all__ = ["PhaseClock", "TimedIterator", "GcSchedule"]
 
 
 class PhaseClock:
@@ -115,3 +115,66 @@ class TimedIterator:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._it, name)
+
+
+class GcSchedule:
+    """``HookConfig(gc_freeze=..., gc_collect_every=...)``: the collector's settings for
+    training (both off by default; docs/causes.md).
+
+    - ``freeze``: at the first step, one collection, then ``gc.freeze()``: what setup built
+      (model, optimizer, dataset) moves to the permanent generation, and no later
+      collection walks it again.
+    - ``collect_every`` N > 0: automatic full (generation 2) collections stop (its threshold
+      goes out of reach; generations 0 and 1 stay automatic) and every rank collects in
+      full before batch k for every k a multiple of N. Every rank trains the same batch
+      indices, so they pause together without any collective: the pause costs the job
+      once, not once per rank that happens to collect while the others wait for it.
+
+    ``restore`` puts the collector's thresholds back and unfreezes (``close()``)."""
+
+    __slots__ = ("freeze", "every", "_gc", "_saved", "_frozen", "_started")
+
+    def __init__(self, *, freeze: bool, every: int, gc_module: Any = gc) -> None:
+        self.freeze = freeze
+        self.every = every
+        self._gc = gc_module
+        self._saved: tuple[int, ...] | None = None
+        self._frozen = False
+        self._started = False
+
+    @property
+    def active(self) -> bool:
+        return self.freeze or self.every > 0
+
+    def start(self) -> None:
+        """The first step: freeze what setup built; take full collections over."""
+        g = self._gc
+        if self.freeze and not self._frozen:
+            g.collect()
+            g.freeze()
+            self._frozen = True
+        if self.every > 0 and self._saved is None:
+            self._saved = tuple(g.get_threshold())
+            t0, t1 = self._saved[0], self._saved[1] if len(self._saved) > 1 else 10
+            g.set_threshold(t0, t1, _OUT_OF_REACH)
+
+    def on_step(self, batch_index: int) -> None:
+        """Before batch ``batch_index`` starts: the first step's set-up, then the
+        synchronised full collection when due."""
+        if not self._started:
+            self._started = True
+            self.start()
+        elif self.every > 0 and batch_index % self.every == 0:
+            self._gc.collect(2)
+
+    def restore(self) -> None:
+        g = self._gc
+        if self._saved is not None:
+            g.set_threshold(*self._saved)
+            self._saved = None
+        if self._frozen:
+            g.unfreeze()
+            self._frozen = False
+
+
+_OUT_OF_REACH = 1 << 30  # a generation-2 threshold no run reaches: no automatic full collection

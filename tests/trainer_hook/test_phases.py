@@ -179,3 +179,76 @@ def test_a_hook_reports_its_loader_checkpoints_and_collections(monkeypatch: pyte
     assert ckpt[:2] == [None, None] and ckpt[3] is None
     assert ckpt[2] == pytest.approx(min(2.0, recs[2].data_wait_ms), abs=0.01)  # within its wait, never beyond
     assert recs[2].gc_ms is not None and recs[2].gc_ms[2] > 0.0
+
+
+class FakeGc:
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+        self.threshold = (700, 10, 10)
+
+    def collect(self, gen: int = 2) -> int:
+        self.calls.append(("collect", gen))
+        return 0
+
+    def freeze(self) -> None:
+        self.calls.append(("freeze",))
+
+    def unfreeze(self) -> None:
+        self.calls.append(("unfreeze",))
+
+    def get_threshold(self) -> tuple[int, int, int]:
+        return self.threshold
+
+    def set_threshold(self, *t: int) -> None:
+        self.calls.append(("set_threshold", *t))
+        self.threshold = t  # type: ignore[assignment]
+
+
+def test_gc_schedule_freezes_once_and_collects_on_the_same_batches_everywhere() -> None:
+    from trainer_hook.phases import GcSchedule
+
+    fake = FakeGc()
+    sched = GcSchedule(freeze=True, every=3, gc_module=fake)
+    for k in range(5, 12):  # a resumed run: its first step is batch 5
+        sched.on_step(k)
+    assert fake.calls == [("collect", 2), ("freeze",), ("set_threshold", 700, 10, 1 << 30),
+                          ("collect", 2), ("collect", 2)]  # batches 6 and 9: multiples of 3
+    sched.restore()
+    assert fake.calls[-2:] == [("set_threshold", 700, 10, 10), ("unfreeze",)]
+    assert not GcSchedule(freeze=False, every=0, gc_module=fake).active
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("gc_freeze", 1, "gc_freeze must be True or False, got 1."),
+    ("gc_collect_every", -1, "gc_collect_every must be an integer >= 0, got -1."),
+    ("gc_collect_every", 2.5, "gc_collect_every must be an integer >= 0, got 2.5."),
+])
+def test_gc_settings_are_checked(key: str, value: object, message: str) -> None:
+    from trainer_hook.config import HookConfig
+
+    with pytest.raises(ValueError) as err:
+        HookConfig(global_batch_size=4, **{key: value})  # type: ignore[arg-type]
+    assert str(err.value) == message
+
+
+def test_a_hook_collecting_every_two_steps_restores_the_collector(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from trainer_hook import RebalanceHook
+
+    for var in ("REBALANCER_SERVER", "REBALANCER_JOB", "REBALANCER_TOKEN", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    before = gc.get_threshold()
+    hook = RebalanceHook(global_batch_size=4, gc_freeze=True, gc_collect_every=2)
+    model = hook.attach(torch.nn.Linear(2, 1))
+    during = []
+    for (x,) in hook.data_loader(TensorDataset(torch.zeros(24, 2)), shuffle=False):
+        with hook.step():
+            model(x).sum().backward()
+        during.append((gc.get_threshold()[2], gc.get_freeze_count() > 0))
+    hook.close()
+    assert all(t == 1 << 30 and frozen for t, frozen in during)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    full = [r.batch_index for r in hook.history if r.gc_ms is not None and r.gc_ms[2] > 0]
+    assert full == [0, 2, 4]  # the first step's collection before the freeze, then every second
