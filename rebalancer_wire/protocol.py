@@ -74,6 +74,9 @@ __all__ = [
     "StepRecord",
     "DeviceSample",
     "Metrics",
+    "Hang",
+    "HANG_PHASES",
+    "MAX_STACK_CHARS",
     "Ack",
     "Reject",
     "Oom",
@@ -729,6 +732,36 @@ class DeviceSample:
         )
 
 
+HANG_PHASES = ("data_wait", "compute", "sync_wait", "optimizer")  # where a stalled rank is
+MAX_STACK_CHARS = 16384  # a hang report's stack: its innermost frames, cut to this
+
+
+@dataclass(kw_only=True, slots=True)
+class Hang:
+    """A rank that stopped stepping (``metrics.hang``, version 2, additive; docs/causes.md).
+
+    Its hook's watchdog saw no step end for ``stalled_s`` seconds: the rank is in ``phase``
+    (HANG_PHASES: before the step, computing, inside the gradient collective, in the
+    optimizer) of batch ``batch_index`` since Unix time ``since``, and ``stack`` is its
+    training thread's Python stack (innermost last, at most MAX_STACK_CHARS)."""
+
+    batch_index: int
+    phase: str
+    since: float
+    stalled_s: float
+    stack: str = ""
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Hang:
+        h = _obj(d, "'hang'")
+        phase = _str(h, "phase", max_len=32)
+        if phase not in HANG_PHASES:
+            raise ProtocolError(f"'hang.phase' must be one of {', '.join(HANG_PHASES)}, got {phase!r}.")
+        return cls(batch_index=_int(h, "batch_index", hi=MAX_BATCH_INDEX), phase=phase,
+                   since=_float(h, "since", hi=_MAX_UNIX_TIME), stalled_s=_float(h, "stalled_s", hi=MAX_DURATION_MS / 1e3),
+                   stack=_str(h, "stack", max_len=MAX_STACK_CHARS, default=""))
+
+
 @dataclass(kw_only=True, slots=True)
 class Metrics:
     """A batch of step records and device samples from one rank.
@@ -748,6 +781,8 @@ class Metrics:
     # The hook flushed this frame early: a step's time per sample deviated strongly from
     # the rank's recent median (a slowdown). The backend runs the policy on it at once.
     urgent: bool = False
+    # The rank stopped stepping (its hook's watchdog; docs/causes.md); absent otherwise.
+    hang: Hang | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Metrics:
@@ -761,6 +796,7 @@ class Metrics:
             dropped=_int(d, "dropped", hi=MAX_COUNT, default=0),
             total_steps=_int(d, "total_steps", lo=1, hi=MAX_BATCH_INDEX, default=None),
             urgent=_bool(d, "urgent", default=False),
+            hang=Hang.from_dict(d["hang"]) if d.get("hang") is not None else None,
         )
 
     def check_against(self, hello: Hello, now: float) -> None:
@@ -781,6 +817,8 @@ class Metrics:
         for i, d in enumerate(self.device):
             if not lo <= d.t <= hi:
                 raise ProtocolError(_clock_message(f"device[{i}].t", d.t, now))
+        if self.hang is not None and not lo <= self.hang.since <= hi:
+            raise ProtocolError(_clock_message("hang.since", self.hang.since, now))
 
 
 def _clock_message(key: str, t: float, now: float) -> str:
@@ -947,6 +985,11 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
         del body["total_steps"]  # optional and rarely set: absent rather than null
     if body.get("urgent", True) is False:
         del body["urgent"]  # likewise
+    if "hang" in body:
+        if body["hang"] is None:
+            del body["hang"]  # likewise
+        else:
+            body["hang"] = asdict(body["hang"])
     if body.get("comm_kind", None) == "":
         del body["comm_kind"]  # likewise
     if "mesh" in body:

@@ -36,6 +36,7 @@ from trainer_hook.phases import GcSchedule, PhaseClock
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.sampler import RebalanceBatchSampler
 from trainer_hook.timing import StepTimer
+from trainer_hook.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from trainer_hook.hook import RebalanceHook
@@ -131,6 +132,8 @@ class HookBase:
         self._initial_event = threading.Event()
         self._transport: Any = None
         self._probe: Any = None
+        self._watchdog: Watchdog | None = None
+        self._training_thread = threading.get_ident()  # whose stack a hang report carries
         self._forked = False
         self._ready = False
         # Created before the process group (HF TrainingArguments and Accelerate's
@@ -217,6 +220,24 @@ class HookBase:
         self._transport.total_steps = cfg.total_steps
         self._transport.start()
         self._probe.start()
+        if cfg.hang_after_s > 0:
+            self._watchdog = Watchdog(where=self._where, report=self._transport.put_hang,
+                                      after_s=cfg.hang_after_s, thread_id=self._training_thread)
+            self._watchdog.start()
+
+    def _where(self) -> tuple[int, str, float, float] | None:
+        """The watchdog's thread: where training is (``trainer_hook.watchdog.Where``)."""
+        t = self._timer
+        prev = t._prev_end
+        if prev is None:
+            return None
+        last = self.history[-1] if self.history else None
+        step_s = last.step_ms / 1e3 if last is not None else 0.0
+        if t._t0 > prev:  # inside hook.step()
+            g = self._grads
+            phase = "compute" if g.last_bucket_t is None else "sync_wait" if g.last_done_t is None else "optimizer"
+            return t._meta[0], phase, prev, step_s
+        return self._next_batch, "data_wait", prev, step_s
 
     def _hello(self) -> Hello:
         device_type, device_name, mem_total = "CPU", "", None
@@ -262,6 +283,8 @@ class HookBase:
                     self._report(r)  # held by the leader only
         finally:
             self._release_process_groups()
+            if self._watchdog is not None:
+                self._watchdog.stop()
             if self._probe is not None:
                 self._probe.stop()
             if self._transport is not None:

@@ -79,8 +79,13 @@ class Job(TypedDict, total=False):
     global_batch_size: int
     mode: str | None
     strategy: str | None
-    status: str  # warming_up | balanced | imbalanced | proposal_pending | idle | degraded
+    status: str  # warming_up | balanced | imbalanced | proposal_pending | idle | degraded | hung
     status_detail: str
+    hung_rank: int | None  # with status hung (docs/causes.md)
+    hung_since: float | None
+    hung_batch_index: int | None
+    hung_phase: str | None
+    hung_stack: str | None
     batch_index: int | None
     step_rate_hz: float | None
     step_ms: float | None

@@ -14,12 +14,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 if TYPE_CHECKING:
+    from backend.live.hangs import HungRank
     from backend.live.state import JobView
 
 __all__ = ["STATUSES", "Status", "job_status", "status_of", "Reading", "NEVER_CONNECTED", "FIRST_STEPS"]
 
-Status = Literal["warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded"]
-STATUSES: tuple[Status, ...] = ("warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded")
+Status = Literal["warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded", "hung"]
+STATUSES: tuple[Status, ...] = ("warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded", "hung")
 NEVER_CONNECTED = ("idle", "no rank has connected since the backend started")
 FIRST_STEPS = ("warming_up", "waiting for the first steps")
 
@@ -48,19 +49,28 @@ def status_of(view: JobView | None, reading: Reading | None, *, now: float,
         connected_ranks=view.connected_ranks if view is not None else None,
         metrics_age_s=None if reading.last_metrics is None else max(now - reading.last_metrics, 0.0),
         stale_after_s=stale_after_s, lost_ranks=view.lost_ranks if view is not None else (),
-        world_size=reading.world_size)
+        world_size=reading.world_size, hung=_hung_text(view.hung, now) if view is not None else None)
+
+
+def _hung_text(hung: HungRank | None, now: float) -> str | None:
+    if hung is None:
+        return None
+    at = f" at batch {hung.batch_index}" if hung.batch_index is not None else ""
+    return (f"rank {hung.rank} stopped stepping{at} ({hung.phase}) {max(now - hung.since, 0.0):.0f} s ago; "
+            f"{len(hung.reported_by)} rank(s) report a stall")
 
 
 def job_status(*, verdict: str, detail: str, pending: Mapping[str, Any] | None,
                connected_ranks: int | None, metrics_age_s: float | None,
                stale_after_s: float, lost_ranks: Sequence[int] = (),
-               world_size: int | None = None) -> tuple[str, str]:
+               world_size: int | None = None, hung: str | None = None) -> tuple[str, str]:
     """(status, one-sentence detail) of a job.
 
     ``connected_ranks``: ranks with an open hook socket (None: not live since start);
     ``metrics_age_s``: seconds since its newest metrics (None: none yet); ``lost_ranks``:
     ranks whose socket dropped without a close and that have not come back (``degraded``,
-    whatever else holds: a dead rank stalls the whole job).
+    whatever else holds: a dead rank stalls the whole job); ``hung``: the sentence naming
+    the rank a stalled job waits on (``hung``: its ranks are connected but stopped stepping).
     """
     if connected_ranks is None:
         return NEVER_CONNECTED
@@ -70,6 +80,8 @@ def job_status(*, verdict: str, detail: str, pending: Mapping[str, Any] | None,
         return "degraded", f"lost ranks: {shown} ({connected_ranks}{of} connected)"
     if connected_ranks == 0:
         return "idle", "no rank is connected"
+    if hung is not None:
+        return "hung", hung
     if metrics_age_s is not None and metrics_age_s > stale_after_s:
         return "idle", "no metrics from the job recently"
     if pending is not None:

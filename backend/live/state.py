@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any
 
+from backend.live.hangs import HungRank, hung_rank
 from backend.live.histogram import StepHistogram, cumulative
 from backend.live.memory_fit import MemoryFitCache
 from backend.live.rows import (
@@ -54,7 +55,15 @@ from backend.live.windows import Pending, Window, aggregate_windows
 from backend.policy.causes import CauseStep
 from backend.policy.comm import Communication, assess
 from backend.policy.memory import MemoryReading, RankMemory
-from rebalancer_wire.protocol import STEP_TIMES, DeviceSample, Hello, MeshShape, Metrics, StepRecord
+from rebalancer_wire.protocol import (
+    STEP_TIMES,
+    DeviceSample,
+    Hang,
+    Hello,
+    MeshShape,
+    Metrics,
+    StepRecord,
+)
 
 __all__ = ["LiveState", "RankView", "JobView", "eta_seconds"]
 
@@ -91,6 +100,7 @@ class _Rank:
     comm: deque[tuple[int, int, float | None]] = field(default_factory=lambda: deque(maxlen=_COMM_READINGS))
     # (batch_index, host_ms, ckpt_ms, gc_ms summed) of the steps that carried phases (docs/causes.md).
     phases: deque[tuple[int, float, float, float]] = field(default_factory=lambda: deque(maxlen=_WORK_ROWS))
+    hang: Hang | None = None  # its watchdog's stall report, until a newer step ends
 
 
 @dataclass(slots=True)
@@ -178,6 +188,7 @@ class JobView:
     total_steps: int | None = None
     lost_ranks: tuple[int, ...] = ()  # ranks whose socket dropped without a close
     mesh: MeshShape | None = None  # a mesh job's shape: its ranks here are replicas
+    hung: HungRank | None = None  # the rank a stalled job waits on (backend.live.hangs)
 
     @property
     def eta_s(self) -> float | None:
@@ -290,6 +301,10 @@ class LiveState:
                 if s.mem_peak_bytes is not None:
                     r.memory.add(MemoryReading(s.local_batch_size, s.mem_peak_bytes,
                                                s.mem_total_bytes, s.mem_reserved_bytes))
+            if r.hang is not None and rows and max(row[STEP_T] for row in rows) > r.hang.since:
+                r.hang = None  # steps resumed
+            if msg.hang is not None:
+                r.hang = msg.hang
             if msg.rank == 0:
                 job.step_hist.observe_ms(row[STEP_MS] for row in rows)
             r.steps.extend(rows)
@@ -456,6 +471,9 @@ class LiveState:
             ranks = tuple(views)
             meta = (j.job, j.world_size, j.global_batch_size, j.created_at, j.last_seen)
             total_steps, mesh = j.total_steps, j.mesh
+            reports = [(rank, r.hang) for rank, r in j.ranks.items() if r.hang is not None]
+            silent = [(rank, r.steps[-1][STEP_BATCH] if r.steps else None, r.steps[-1][STEP_T] if r.steps else r.last_seen)
+                      for rank, r in j.ranks.items() if r.hang is None and r.connected] if reports else []
         with_data = [r for r in ranks if r.compute_ms is not None]
         compute = [r.compute_ms for r in with_data if r.compute_ms is not None]
         imbalance = idle = None
@@ -473,7 +491,7 @@ class LiveState:
             step_ms=statistics.median(step_ms) if step_ms else None,
             step_rate_hz=_mean(rates) if rates else None,
             imbalance=imbalance, idle_fraction=idle, ranks=ranks, total_steps=total_steps,
-            lost_ranks=tuple(r.rank for r in ranks if r.lost), mesh=mesh,
+            lost_ranks=tuple(r.rank for r in ranks if r.lost), mesh=mesh, hung=hung_rank(reports, silent),
         )
 
     def _rank_view(self, rank: int, r: _Rank) -> RankView:

@@ -1,7 +1,8 @@
 // "Why is this job slow" card of the job view: the causes of lost step time, largest first,
 // as GET /api/v1/jobs/{job}/causes gives them (backend/policy/causes.py replays the recent
 // steps with one cause removed at a time). Every figure is the server's; a GC hint shows
-// when the server gives one (GC pauses above 2% of the step).
+// when the server gives one (GC pauses above 2% of the step). A hung job's rank, phase and
+// Python stack (GET /api/v1/jobs/{job}: hung_*) show in their own card above.
 import { api, el, fmt, pct } from "./common.js";
 
 const POLL_MS = 3000;
@@ -12,6 +13,7 @@ export class CausesCard {
     this.body = document.querySelector("#causes-table tbody");
     this.summary = document.getElementById("causes-summary");
     this.hint = document.getElementById("gc-hint");
+    this.hang = document.getElementById("hang-card");
     this.last = null;
   }
 
@@ -21,11 +23,26 @@ export class CausesCard {
   }
 
   async refresh() {
-    let res;
+    const path = `/jobs/${encodeURIComponent(this.job)}`;
+    let res, job;
     try {
-      res = await api(`/jobs/${encodeURIComponent(this.job)}/causes`);
+      [res, job] = await Promise.all([api(`${path}/causes`), api(path)]);
     } catch { return; }
     this.render(res);
+    this.renderHang(job);
+  }
+
+  // A hung job (status "hung"): the rank it waits on, where, since when, and its stack.
+  renderHang(job) {
+    const hung = job.status === "hung" && job.hung_rank !== null && job.hung_rank !== undefined;
+    this.hang.hidden = !hung;
+    if (!hung) return;
+    const since = job.hung_since ? Math.max(0, Date.now() / 1000 - job.hung_since) : null;
+    document.getElementById("hang-text").textContent =
+      `Rank ${job.hung_rank} stopped stepping` +
+      (job.hung_batch_index !== null ? ` at batch ${job.hung_batch_index}` : "") +
+      ` (${job.hung_phase})` + (since !== null ? `, ${since.toFixed(0)} s ago` : "") + ".";
+    document.getElementById("hang-stack").textContent = job.hung_stack || "(no stack: its hook sent no report)";
   }
 
   render(res) {

@@ -75,6 +75,11 @@ class JobPublic(BaseModel):
     strategy: str | None = None
     status: str
     status_detail: str = ""
+    hung_rank: int | None = Field(None, description="With status hung: the rank the job waits on (docs/causes.md).")
+    hung_since: float | None = Field(None, description="Unix time of that rank's last step end.")
+    hung_batch_index: int | None = Field(None, description="The batch it is stuck in (or before).")
+    hung_phase: str | None = Field(None, description="data_wait, compute, sync_wait, optimizer; unknown: it sent no report.")
+    hung_stack: str | None = Field(None, description="Its training thread's Python stack, innermost last (at most 16 KiB).")
     batch_index: int | None = None
     step_rate_hz: float | None = None
     step_ms: float | None = None
@@ -267,8 +272,16 @@ def _job_from_live(parts: Parts, view: JobView) -> dict[str, Any]:
         "created_at": view.created_at, "last_seen": view.last_seen,
         "cost_per_hour": fc.cost_per_hour, "idle_cost_per_hour": fc.idle_cost_per_hour,
         "total_steps": fc.total_steps, "eta_s": fc.eta_s, "mesh": view.mesh.as_view() if view.mesh else None,
-        "replicas": replica_rows(view),
+        "replicas": replica_rows(view), **_hung(view),
     }
+
+
+def _hung(view: JobView) -> dict[str, Any]:
+    h = view.hung
+    if h is None:
+        return {}
+    return {"hung_rank": h.rank, "hung_since": h.since, "hung_batch_index": h.batch_index,
+            "hung_phase": h.phase, "hung_stack": h.stack}
 
 
 def _job_from_row(row: store.JobRow, ranks: list[store.RankRow] | None = None) -> dict[str, Any]:
