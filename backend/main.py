@@ -16,6 +16,7 @@ from backend.api.errors import install_error_handlers
 from backend.api.openapi import install_openapi
 from backend.api.routes import (
     audit,
+    causes,
     control,
     docs,
     fleet,
@@ -39,7 +40,7 @@ log = logging.getLogger("rebalancer")
 # Every router, listed: the hook websocket, then one per REST resource and the dashboard's pages.
 ROUTERS: tuple[APIRouter, ...] = (
     hook.router, metrics.router, audit.router, control.router, docs.router, fleet.router, health.router,
-    jobs.router, memory.router, pages.router, report.router, tokens.router,
+    jobs.router, causes.router, memory.router, pages.router, report.router, tokens.router,
 )
 
 

@@ -122,6 +122,11 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "Mean compute time over the job's ranks.", True),
     MetricSpec("rebalancer_lost_ranks", "gauge", ("job",), "1",
                "Ranks whose hook connection is gone without a close and that have not come back.", True),
+    MetricSpec("rebalancer_job_hung", "gauge", ("job", "rank"), "1",
+               "1 while the job's ranks are connected but stopped stepping; rank is the one it waits on "
+               "(docs/causes.md: its phase and Python stack are in the job's REST resource). Absent otherwise.", True),
+    MetricSpec("rebalancer_job_hung_seconds", "gauge", ("job", "rank"), "seconds",
+               "Seconds since the hung rank's last step ended. Absent unless the job is hung.", True),
     MetricSpec("rebalancer_rank_series_omitted", "gauge", ("job",), "1",
                "Ranks of the job left out of the per-rank series (REBALANCER_METRICS_RANK_SERIES=slowest "
                "keeps the REBALANCER_METRICS_SLOWEST_RANKS slowest and every rank that is gone); 0 with all.",

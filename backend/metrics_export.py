@@ -21,6 +21,7 @@ families and ``generate_latest`` took about three times the CPU (bench.capacity 
 from __future__ import annotations
 
 import heapq
+import time
 from typing import TYPE_CHECKING, Any
 
 from backend.live.forecast import forecast
@@ -276,6 +277,11 @@ class MetricsExporter:
         version = (control.get("placement") or {}).get("version")
         if version is not None:
             fams["rebalancer_placement_version"].add(labels, version)
+        hung = view.hung
+        if hung is not None:
+            hl = _labels(job=view.job, rank=hung.rank)
+            fams["rebalancer_job_hung"].add(hl, 1.0)
+            fams["rebalancer_job_hung_seconds"].add(hl, max(0.0, time.time() - hung.since))
 
     def _control(self, fams: dict[str, _Family], job: str, control: dict[str, Any]) -> None:
         if not control:

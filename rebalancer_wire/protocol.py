@@ -76,6 +76,9 @@ __all__ = [
     "StepRecord",
     "DeviceSample",
     "Metrics",
+    "Hang",
+    "HANG_PHASES",
+    "MAX_STACK_CHARS",
     "Ack",
     "Reject",
     "Oom",
@@ -511,6 +514,15 @@ class StepRecord:
     is in ``sync_wait_ms``). Absent where not measured, never 0 for unknown.
     ``slowest_rank`` (a mesh replica's leader only): the global rank of the member whose
     compute time the record's ``compute_ms`` is (docs/meshes.md). Absent otherwise.
+
+    The step broken down further (docs/causes.md; optional, older hooks never send them):
+    ``host_ms`` and ``ckpt_ms`` are parts of ``data_wait_ms`` (the gap before the step):
+    host work outside the hook's loader and checkpoint writes (``hook.checkpointing()``);
+    the rest of the gap is the loader's. ``host_ms`` only comes with ``hook.data_loader()``
+    (without it the hook cannot tell the loader from the rest). ``gc_ms`` is the Python
+    garbage collector's pauses per generation ``[gen0, gen1, gen2]`` anywhere in the step
+    (its gap included), absent when all three are 0. Their sums are checked at the edge:
+    ``host_ms + ckpt_ms <= data_wait_ms``, ``sum(gc_ms) <= step_ms``.
     """
 
     batch_index: int
@@ -532,6 +544,9 @@ class StepRecord:
     work_sq: float | None = None
     batch_work_sq: float | None = None
     slowest_rank: int | None = None
+    host_ms: float | None = None
+    ckpt_ms: float | None = None
+    gc_ms: tuple[float, float, float] | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepRecord:
@@ -539,6 +554,10 @@ class StepRecord:
         # so check the common, valid shape in one pass; anything off takes the slow path,
         # which names the field that is wrong. Records with memory fields take it too.
         n_fields = len(d) if type(d) is dict else 0
+        if n_fields > 9 and _phase_count(d):  # the step's phases: checked apart (slow path)
+            rec = cls.from_dict({k: v for k, v in d.items() if k not in _PHASE_KEYS})
+            _set_phases(rec, d)
+            return rec
         if n_fields == 9 or (n_fields == 11 and "comm_ms" in d):
             try:
                 bi, lb, pv = d["batch_index"], d["local_batch_size"], d["placement_version"]
@@ -614,7 +633,46 @@ class StepRecord:
                 d["batch_work_sq"] = self.batch_work_sq
         if self.slowest_rank is not None:
             d["slowest_rank"] = self.slowest_rank
+        if self.host_ms is not None:
+            d["host_ms"] = self.host_ms
+        if self.ckpt_ms:
+            d["ckpt_ms"] = self.ckpt_ms
+        if self.gc_ms is not None:
+            d["gc_ms"] = list(self.gc_ms)
         return d
+
+
+# The step's optional phases (StepRecord docstring, docs/causes.md). A sum may exceed its
+# whole by this much (float rounding of the hook's own arithmetic), no more.
+_PHASE_KEYS = frozenset(("host_ms", "ckpt_ms", "gc_ms"))
+_PHASE_SLACK_MS = 0.01
+
+
+def _phase_count(d: Mapping[str, Any]) -> int:
+    return sum(1 for k in _PHASE_KEYS if k in d)
+
+
+def _set_phases(rec: StepRecord, d: Mapping[str, Any]) -> None:
+    """Read and check the record's phases: each in range, and the parts within their whole."""
+    rec.host_ms = _float(d, "host_ms", hi=MAX_DURATION_MS, default=None)
+    rec.ckpt_ms = _float(d, "ckpt_ms", hi=MAX_DURATION_MS, default=None)
+    gc_ms = d.get("gc_ms")
+    if gc_ms is not None:
+        if (not isinstance(gc_ms, list) or len(gc_ms) != 3
+                or any(type(x) not in _NUMBER_TYPES or not (0.0 <= x <= MAX_DURATION_MS) for x in gc_ms)):
+            raise ProtocolError(
+                f"'gc_ms' must be a list of 3 numbers (ms of garbage collection in generations 0, 1 "
+                f"and 2), each between 0 and {_num(MAX_DURATION_MS)}, got {_short(gc_ms)}.")
+        rec.gc_ms = (float(gc_ms[0]), float(gc_ms[1]), float(gc_ms[2]))
+    parts = (rec.host_ms or 0.0) + (rec.ckpt_ms or 0.0)
+    if parts > rec.data_wait_ms * (1 + 1e-9) + _PHASE_SLACK_MS:
+        raise ProtocolError(
+            f"'host_ms' + 'ckpt_ms' ({parts:g}) must not exceed 'data_wait_ms' ({rec.data_wait_ms:g}): "
+            f"they are parts of the wait before the step.")
+    if rec.gc_ms is not None and sum(rec.gc_ms) > rec.step_ms * (1 + 1e-9) + _PHASE_SLACK_MS:
+        raise ProtocolError(
+            f"'gc_ms' sums to {sum(rec.gc_ms):g} ms, more than the step's 'step_ms' ({rec.step_ms:g}): "
+            f"the pauses are parts of the step.")
 
 
 # DeviceSample's link rates (bytes per second), in order.
@@ -696,6 +754,36 @@ class DeviceSample:
         )
 
 
+HANG_PHASES = ("data_wait", "compute", "sync_wait", "optimizer")  # where a stalled rank is
+MAX_STACK_CHARS = 16384  # a hang report's stack: its innermost frames, cut to this
+
+
+@dataclass(kw_only=True, slots=True)
+class Hang:
+    """A rank that stopped stepping (``metrics.hang``, version 2, additive; docs/causes.md).
+
+    Its hook's watchdog saw no step end for ``stalled_s`` seconds: the rank is in ``phase``
+    (HANG_PHASES: before the step, computing, inside the gradient collective, in the
+    optimizer) of batch ``batch_index`` since Unix time ``since``, and ``stack`` is its
+    training thread's Python stack (innermost last, at most MAX_STACK_CHARS)."""
+
+    batch_index: int
+    phase: str
+    since: float
+    stalled_s: float
+    stack: str = ""
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Hang:
+        h = _obj(d, "'hang'")
+        phase = _str(h, "phase", max_len=32)
+        if phase not in HANG_PHASES:
+            raise ProtocolError(f"'hang.phase' must be one of {', '.join(HANG_PHASES)}, got {phase!r}.")
+        return cls(batch_index=_int(h, "batch_index", hi=MAX_BATCH_INDEX), phase=phase,
+                   since=_float(h, "since", hi=_MAX_UNIX_TIME), stalled_s=_float(h, "stalled_s", hi=MAX_DURATION_MS / 1e3),
+                   stack=_str(h, "stack", max_len=MAX_STACK_CHARS, default=""))
+
+
 @dataclass(kw_only=True, slots=True)
 class Metrics:
     """A batch of step records and device samples from one rank.
@@ -715,6 +803,8 @@ class Metrics:
     # The hook flushed this frame early: a step's time per sample deviated strongly from
     # the rank's recent median (a slowdown). The backend runs the policy on it at once.
     urgent: bool = False
+    # The rank stopped stepping (its hook's watchdog; docs/causes.md); absent otherwise.
+    hang: Hang | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Metrics:
@@ -728,6 +818,7 @@ class Metrics:
             dropped=_int(d, "dropped", hi=MAX_COUNT, default=0),
             total_steps=_int(d, "total_steps", lo=1, hi=MAX_BATCH_INDEX, default=None),
             urgent=_bool(d, "urgent", default=False),
+            hang=Hang.from_dict(d["hang"]) if d.get("hang") is not None else None,
         )
 
     def check_against(self, hello: Hello, now: float, last_batch_index: int | None = None) -> None:
@@ -756,6 +847,8 @@ class Metrics:
         for i, d in enumerate(self.device):
             if not lo <= d.t <= hi:
                 raise ProtocolError(_clock_message(f"device[{i}].t", d.t, now))
+        if self.hang is not None and not lo <= self.hang.since <= hi:
+            raise ProtocolError(_clock_message("hang.since", self.hang.since, now))
 
 
 def _clock_message(key: str, t: float, now: float) -> str:
@@ -926,6 +1019,11 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
         del body["rank"]  # likewise
     if body.get("urgent", True) is False:
         del body["urgent"]  # likewise
+    if "hang" in body:
+        if body["hang"] is None:
+            del body["hang"]  # likewise
+        else:
+            body["hang"] = asdict(body["hang"])
     if body.get("comm_kind", None) == "":
         del body["comm_kind"]  # likewise
     if "mesh" in body:

@@ -1,8 +1,11 @@
-"""Checkpoint state: where the run stands (``state_dict``) and resuming there."""
+"""Checkpoint state: where the run stands (``state_dict``) and resuming there; timing a
+checkpoint write (``checkpointing``, the step record's ``ckpt_ms``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,7 +19,24 @@ log = logging.getLogger("trainer_hook")
 
 
 class Checkpoints(HookBase):
-    """``state_dict`` and ``load_state_dict`` of a RebalanceHook."""
+    """``state_dict``, ``load_state_dict`` and ``checkpointing`` of a RebalanceHook."""
+
+    @contextlib.contextmanager
+    def checkpointing(self) -> Iterator[None]:
+        """Context manager around a checkpoint write between steps: its time is reported
+        as the step's ``ckpt_ms`` (a part of the wait before the next step), so the job's
+        causes (docs/causes.md) tell checkpoints from data loading. Example::
+
+            if k % 1000 == 0:
+                with hook.checkpointing():
+                    torch.save({"model": model.state_dict(), "hook": hook.state_dict()}, path)
+        """
+        clock = self._phases._clock
+        t0 = clock()
+        try:
+            yield
+        finally:
+            self._phases.add_checkpoint(clock() - t0)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the run stands, for a checkpoint: plain ints and lists (JSON-safe).

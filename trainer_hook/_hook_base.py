@@ -34,9 +34,11 @@ from trainer_hook.memory import (
     is_out_of_memory,
 )
 from trainer_hook.mesh import ReplicaPace, device_label, mesh_shape, replica_of
+from trainer_hook.phases import GcSchedule, PhaseClock
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.sampler import RebalanceBatchSampler
 from trainer_hook.timing import StepTimer
+from trainer_hook.watchdog import Watchdog
 
 log = logging.getLogger("trainer_hook")
 HOOK_VERSION = "0.1.0"
@@ -130,7 +132,11 @@ class HookBase:
         self._known_lookahead = 0  # what hook.data_loader() knows its loader needs
         self._agree_at = 0  # the batch index at which to measure and agree on it
         self._grads = GradientState()
-        self._timer = StepTimer()
+        self._phases = PhaseClock()  # GC pauses, loader and checkpoint time of each step
+        self._phases.install()
+        self._timer = StepTimer(phases=self._phases)
+        gcs = GcSchedule(freeze=cfg.gc_freeze, every=cfg.gc_collect_every)
+        self._gc_schedule: GcSchedule | None = gcs if gcs.active else None  # None: Python's own
         source = default_memory_source() if memory_source is _AUTO else memory_source
         self._memory: MemoryMeter | None = (
             MemoryMeter(source, every=cfg.memory_every) if source is not None else None)
@@ -156,6 +162,8 @@ class HookBase:
         self._initial_event = threading.Event()
         self._transport: Any = None
         self._probe: Any = None
+        self._watchdog: Watchdog | None = None
+        self._training_thread = threading.get_ident()  # whose stack a hang report carries
         self._forked = False
         self._ready = False
         # Created before the process group (HF TrainingArguments and Accelerate's
@@ -244,6 +252,24 @@ class HookBase:
         self._transport.total_steps = cfg.total_steps
         self._transport.start()
         self._probe.start()
+        if cfg.hang_after_s > 0:
+            self._watchdog = Watchdog(where=self._where, report=self._transport.put_hang,
+                                      after_s=cfg.hang_after_s, thread_id=self._training_thread)
+            self._watchdog.start()
+
+    def _where(self) -> tuple[int, str, float, float] | None:
+        """The watchdog's thread: where training is (``trainer_hook.watchdog.Where``)."""
+        t = self._timer
+        prev = t._prev_end
+        if prev is None:
+            return None
+        last = self.history[-1] if self.history else None
+        step_s = last.step_ms / 1e3 if last is not None else 0.0
+        if t._t0 > prev:  # inside hook.step()
+            g = self._grads
+            phase = "compute" if g.last_bucket_t is None else "sync_wait" if g.last_done_t is None else "optimizer"
+            return t._meta[0], phase, prev, step_s
+        return self._next_batch, "data_wait", prev, step_s
 
     def _hello(self) -> Hello:
         device_type, device_name, mem_total = "CPU", "", None
@@ -276,6 +302,9 @@ class HookBase:
             return
         self._closed = True
         _lifecycle.forget(self)  # nothing left for the exit handler
+        self._phases.uninstall()
+        if self._gc_schedule is not None:
+            self._gc_schedule.restore()
         if not self._ready:
             return  # never used: no group, no threads
         try:
@@ -287,6 +316,8 @@ class HookBase:
                     self._report(r)  # held by the leader only
         finally:
             self._release_process_groups()
+            if self._watchdog is not None:
+                self._watchdog.stop()
             if self._probe is not None:
                 self._probe.stop()
             if self._transport is not None:
@@ -306,6 +337,7 @@ class HookBase:
         self._initial_event = threading.Event()
         self._closed = True
         self._forked = True
+        self._phases.uninstall()
         self._grads._pg = None
         self._grads._opts = None
         self._channel.after_fork_in_child()

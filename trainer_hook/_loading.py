@@ -69,7 +69,7 @@ class LoaderWiring(PlacementSwitch):
             )
         sampler = self.batch_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                      sample_cost=sample_cost, sample_length=sample_length)
-        loader = HookDataLoader(dataset, sampler, **loader_kwargs)
+        loader = HookDataLoader(dataset, sampler, phases=self._phases, **loader_kwargs)
         self._known_lookahead = max(self._known_lookahead, depth + 1)
         return loader
 

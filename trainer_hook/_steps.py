@@ -77,6 +77,8 @@ class StepLoop(PlacementSwitch):
         self._trained = p
         if self._memory is not None:
             self._memory.begin(local)
+        if self._gc_schedule is not None:  # HookConfig gc_freeze / gc_collect_every
+            self._gc_schedule.on_step(k)
         self._timer.start(k, local, p.version, events=grads.events)
         return k
 

@@ -86,6 +86,14 @@ class HookConfig:
     - ``history``: how many recent StepRecords the hook keeps locally (``hook.history``).
     - ``memory_every``: read the peak device memory once every this many steps (the peak
       over those steps; ``trainer_hook.memory``).
+    - ``gc_freeze``: at the first step, collect once and ``gc.freeze()`` what setup built,
+      so no later collection walks it (off by default; docs/causes.md).
+    - ``gc_collect_every``: N > 0 stops Python's automatic full collections and has every
+      rank collect before each batch whose index is a multiple of N, all at once with no
+      collective (0, the default: Python's own schedule). Generations 0 and 1 stay automatic.
+    - ``hang_after_s``: with a backend, a rank whose steps stop for this many seconds (or
+      five of its recent steps, if longer) reports where it is, with its Python stack
+      (``trainer_hook.watchdog``; 0 turns it off).
     """
 
     server: str | None = None
@@ -104,6 +112,9 @@ class HookConfig:
     flush_on_deviation: float = 0.2
     history: int = 256
     memory_every: int = 8
+    gc_freeze: bool = False
+    gc_collect_every: int = 0
+    hang_after_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.server is not None and (not isinstance(self.server, str) or not self.server.strip()):
@@ -154,6 +165,10 @@ class HookConfig:
                              f"off), got {fod!r}.")
         _positive_int("history", self.history)
         _positive_int("memory_every", self.memory_every)
+        if not isinstance(self.gc_freeze, bool):
+            raise ValueError(f"gc_freeze must be True or False, got {self.gc_freeze!r}.")
+        _positive_int("gc_collect_every", self.gc_collect_every, lo=0)
+        _positive_float("hang_after_s", self.hang_after_s, allow_zero=True)
 
     @property
     def offline(self) -> bool:

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Sampler
 
+from trainer_hook.phases import PhaseClock, TimedIterator
 from trainer_hook.sampler import RebalanceBatchSampler
 
 __all__ = ["HookDataLoader", "EpochView"]
@@ -38,8 +39,18 @@ class EpochView(Sampler[int]):
 class HookDataLoader(DataLoader[Any]):
     """A DataLoader over a RebalanceBatchSampler whose ``sampler`` takes ``set_epoch``."""
 
-    def __init__(self, dataset: Sized, batch_sampler: RebalanceBatchSampler, **kwargs: Any) -> None:
+    _phases: PhaseClock | None
+
+    def __init__(self, dataset: Sized, batch_sampler: RebalanceBatchSampler, *,
+                 phases: PhaseClock | None = None, **kwargs: Any) -> None:
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)  # type: ignore[arg-type]
         # DataLoader refuses to re-set `sampler` after __init__; the view is not used to
         # batch (batch_sampler is), only by scripts calling loader.sampler.set_epoch().
         object.__setattr__(self, "sampler", EpochView(batch_sampler))
+        object.__setattr__(self, "_phases", phases)
+
+    def __iter__(self) -> Any:
+        it = super().__iter__()
+        # The loader's share of the wait before each step (its next()), told apart from
+        # the training loop's other host work (docs/causes.md).
+        return TimedIterator(it, self._phases) if self._phases is not None else it

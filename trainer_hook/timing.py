@@ -8,7 +8,8 @@ Waits for peers before the gradients are ready (FSDP's unshard all-gathers, bloc
 reductions before the last: ``GradientState.wait_s``/``wait_events``) move from compute
 to sync-wait. The record also carries the step's communication: ``comm_bytes`` handed to
 gradient collectives and ``comm_ms``, the time one was in flight (overlapped with compute
-or not; ``sync_wait_ms`` is the exposed part), None where not measured.
+or not; ``sync_wait_ms`` is the exposed part), None where not measured. With a
+``PhaseClock`` it carries the GC pauses, host and checkpoint time of the step too.
 
 On a device torch offers timing events for (CUDA, XPU, MPS: ``gradients.timing_event``)
 the hook records events instead of timestamps; they are read one step later with
@@ -23,6 +24,7 @@ from typing import Any
 
 from rebalancer_wire.protocol import StepRecord
 from trainer_hook.gradients import GradientState, _recorded_event
+from trainer_hook.phases import PhaseClock
 
 __all__ = ["StepTimer", "split_step"]
 
@@ -52,8 +54,10 @@ class StepTimer:
         *,
         clock: Callable[[], float] = time.perf_counter,
         wall: Callable[[], float] = time.time,
+        phases: PhaseClock | None = None,
     ) -> None:
         self._clock = clock
+        self._phases = phases  # GC pauses, loader and checkpoint time (trainer_hook.phases)
         self._wall = wall
         self._prev_end: float | None = None
         self._t0 = 0.0
@@ -78,11 +82,13 @@ class StepTimer:
         t_end = self._clock()
         self._prev_end = t_end
         k, local, version = self._meta
+        phases = self._phases
         if self._start_event is not None and grads is not None and grads.grad_event is not None:
             end_ev = _recorded_event(self._events)
+            taken = phases.take(self._data_wait, self._data_wait + t_end - self._t0) if phases is not None else None
             self._pending_events.append(
                 (self._start_event, grads.grad_event, grads.done_event, end_ev, grads.wait_events, k, local,
-                 version, self._data_wait, t_end - self._t0, self._wall(), grads.comm_bytes or None)
+                 version, self._data_wait, t_end - self._t0, self._wall(), grads.comm_bytes or None, taken)
             )
             return self._read_events()
         t0 = self._t0
@@ -113,12 +119,15 @@ class StepTimer:
             compute -= wait
             sync += wait
         data_wait = self._data_wait
-        return StepRecord(
+        rec = StepRecord(
             batch_index=k, local_batch_size=local, placement_version=version,
             data_wait_ms=data_wait * 1e3, compute_ms=compute * 1e3, sync_wait_ms=sync * 1e3,
             optimizer_ms=opt * 1e3, step_ms=(data_wait + t_end - t0) * 1e3, t=self._wall(),
             comm_bytes=comm_bytes, comm_ms=comm_ms,
         )
+        if phases is not None:
+            rec.host_ms, rec.ckpt_ms, rec.gc_ms = phases.take(data_wait, data_wait + t_end - t0)
+        return rec
 
     def _read_events(self) -> StepRecord | None:
         # Oldest pending step whose end event has completed; query() never blocks.
@@ -126,7 +135,7 @@ class StepTimer:
             if len(self._pending_events) > 8:
                 self._pending_events.pop(0)  # the device is far behind; give up on the oldest
             return None
-        start, grad, done, end, waits, k, local, version, data_wait, cpu_s, t, comm_bytes = self._pending_events.pop(0)
+        start, grad, done, end, waits, k, local, version, data_wait, cpu_s, t, comm_bytes, taken = self._pending_events.pop(0)
         total = start.elapsed_time(end)
         compute = start.elapsed_time(grad)
         sync = grad.elapsed_time(done) if done is not None and done.query() else 0.0
@@ -135,9 +144,12 @@ class StepTimer:
             wait = min(max(0.0, sum(a.elapsed_time(b) for a, b in waits)), max(0.0, compute))
             compute -= wait
             sync += wait
-        return StepRecord(
+        rec = StepRecord(
             batch_index=k, local_batch_size=local, placement_version=version,
             data_wait_ms=data_wait * 1e3, compute_ms=max(0.0, compute), sync_wait_ms=sync,
             optimizer_ms=max(0.0, total - compute - sync),
             step_ms=data_wait * 1e3 + max(total, cpu_s * 1e3), t=t, comm_bytes=comm_bytes,
         )
+        if taken is not None:  # host-timed at the step's end: within its data wait and host time
+            rec.host_ms, rec.ckpt_ms, rec.gc_ms = taken
+        return rec

@@ -49,6 +49,7 @@ from rebalancer_wire.protocol import (
     Ack,
     DeviceSample,
     Error,
+    Hang,
     Hello,
     Message,
     Metrics,
@@ -268,6 +269,7 @@ class Transport:
         self._close_deadline = 0.0
         self._unsent: list[str] = []  # frames built but not yet sent (resent after reconnect)
         self._ident: tuple[str, int] | None = None  # (job, rank) from the last hello
+        self._hang: Hang | None = None  # a stall report waiting for the next frame
         self._ws: ClientConnection | None = None
         self._connected = False
         self._closing = threading.Event()
@@ -295,6 +297,11 @@ class Transport:
         if len(q) >= self._max_queue:
             self._steps_dropped += 1
         q.append(rec)
+
+    def put_hang(self, hang: Hang) -> None:
+        """A stall report (the watchdog's thread): it goes with the next metrics frame; a
+        newer one replaces one not sent yet."""
+        self._hang = hang
 
     def put_device(self, sample: DeviceSample) -> None:
         """Queue one device sample (from the probe thread). Never blocks."""
@@ -682,7 +689,8 @@ class Transport:
         if self._ident is None:
             return None
         dropped = self.dropped - self._reported
-        if not self._steps and not self._devices and dropped == 0:
+        hang, self._hang = self._hang, None
+        if not self._steps and not self._devices and dropped == 0 and hang is None:
             return None
         n = min(len(self._steps), MAX_RECORDS_PER_MESSAGE)
         m = min(len(self._devices), _MAX_DEVICE_PER_MESSAGE)
@@ -693,7 +701,7 @@ class Transport:
         job, rank = self._ident
         while True:
             frame = encode(Metrics(job=job, rank=rank, steps=steps[:n], device=devices[:m], dropped=dropped,
-                                   total_steps=self.total_steps, urgent=urgent))
+                                   total_steps=self.total_steps, urgent=urgent, hang=hang))
             if len(frame) <= MAX_MESSAGE_BYTES or (n <= 1 and m <= 1):
                 break
             n, m = n // 2, m // 2  # rare: only huge records get here; halve until it fits

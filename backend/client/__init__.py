@@ -26,6 +26,8 @@ from __future__ import annotations
 from backend.client.resources import (
     AuditRecord,
     Bound,
+    Cause,
+    Causes,
     CostModel,
     Device,
     Effect,
@@ -53,6 +55,6 @@ from backend.client.rest import DEFAULT_SERVER, APIError, Client, ServerUnreacha
 __all__ = [
     "Client", "APIError", "ServerUnreachable", "DEFAULT_SERVER",
     "Job", "Bound", "Mesh", "Replica", "CostModel", "Rank", "Device", "MetricPoint", "MetricsPage",
-    "Forecast", "Summary", "RankMemory", "Memory", "Proposal", "Placement", "Effect", "Overrides",
+    "Forecast", "Summary", "RankMemory", "Memory", "Cause", "Causes", "Proposal", "Placement", "Effect", "Overrides",
     "OverridesSet", "AuditRecord", "Token", "TokenCreated", "Health", "WhoAmI",
 ]

@@ -7,7 +7,7 @@ from typing import Any, TypedDict
 
 __all__ = [
     "PlacementBrief", "Job", "Bound", "Mesh", "Replica", "CostModel", "Rank", "Device", "MetricPoint",
-    "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory", "Proposal", "Placement", "Effect",
+    "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory", "Cause", "Causes", "Proposal", "Placement", "Effect",
     "Overrides", "OverridesSet", "AuditRecord", "Token", "TokenCreated", "Health", "WhoAmI",
 ]
 
@@ -79,8 +79,13 @@ class Job(TypedDict, total=False):
     global_batch_size: int
     mode: str | None
     strategy: str | None
-    status: str  # warming_up | balanced | imbalanced | proposal_pending | idle | degraded | ended
+    status: str  # warming_up | balanced | imbalanced | proposal_pending | idle | degraded | hung | ended
     status_detail: str
+    hung_rank: int | None  # with status hung (docs/causes.md)
+    hung_since: float | None
+    hung_batch_index: int | None
+    hung_phase: str | None
+    hung_stack: str | None
     batch_index: int | None
     step_rate_hz: float | None
     step_ms: float | None
@@ -152,6 +157,9 @@ class Rank(TypedDict, total=False):
     comm_ms: float | None
     wait_ms: float | None
     busbw_gbps: float | None
+    host_ms: float | None  # parts of the step (docs/causes.md)
+    ckpt_ms: float | None
+    gc_ms: float | None
 
 
 class MetricPoint(TypedDict):
@@ -225,6 +233,27 @@ class Memory(TypedDict):
     data: list[RankMemory]
     count: int
     memory_headroom: float
+
+
+class Cause(TypedDict):
+    cause: str  # slow_rank | placement | sample_cost_skew | data_wait | gc | host | checkpoint | communication
+    ranks: list[int]
+    ms_per_step: float
+    share_of_step: float
+    gpu_hours_lost: float
+    predicted_step_ms_without: float
+    remedy: str
+    detail: str
+
+
+class Causes(TypedDict):
+    data: list[Cause]  # largest first
+    count: int
+    window_steps: int
+    step_ms: float | None
+    replayed_step_ms: float | None
+    gc_share: float
+    hint: str | None
 
 
 class Proposal(TypedDict):

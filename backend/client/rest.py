@@ -13,6 +13,7 @@ from typing import Any, cast
 
 from backend.client.resources import (
     AuditRecord,
+    Causes,
     Forecast,
     Health,
     Job,
@@ -192,6 +193,10 @@ class Client:
     def memory(self, job: str) -> Memory:
         """Each rank's peak-memory fit and the cap it gives, with the job's headroom."""
         return cast(Memory, self.request("GET", self._job(job) + "/memory"))
+
+    def causes(self, job: str) -> Causes:
+        """Why the job is slow: each cause's cost per step and in GPU-hours, largest first."""
+        return cast(Causes, self.request("GET", self._job(job) + "/causes"))
 
     def policy(self, job: str) -> dict[str, Any]:
         return cast("dict[str, Any]", self.request("GET", self._job(job) + "/policy"))

@@ -14,13 +14,15 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 if TYPE_CHECKING:
+    from backend.live.hangs import HungRank
     from backend.live.state import JobView
 
 __all__ = ["STATUSES", "Status", "job_status", "status_of", "Reading", "NEVER_CONNECTED", "FIRST_STEPS", "ENDED"]
 
-Status = Literal["warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded", "ended"]
+Status = Literal["warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded", "hung",
+                 "ended"]
 STATUSES: tuple[Status, ...] = ("warming_up", "balanced", "imbalanced", "proposal_pending", "idle", "degraded",
-                                "ended")
+                                "hung", "ended")
 NEVER_CONNECTED = ("idle", "no rank has connected since the backend started")
 FIRST_STEPS = ("warming_up", "waiting for the first steps")
 ENDED = ("ended", "the run ended: every rank said goodbye")
@@ -52,14 +54,23 @@ def status_of(view: JobView | None, reading: Reading | None, *, now: float,
         connected_ranks=view.connected_ranks if view is not None else None,
         metrics_age_s=None if reading.last_metrics is None else max(now - reading.last_metrics, 0.0),
         stale_after_s=stale_after_s, lost_ranks=view.lost_ranks if view is not None else (),
-        world_size=reading.world_size, ended=view is not None and view.ended, mode=reading.mode)
+        world_size=reading.world_size, ended=view is not None and view.ended, mode=reading.mode,
+        hung=_hung_text(view.hung, now) if view is not None else None)
+
+
+def _hung_text(hung: HungRank | None, now: float) -> str | None:
+    if hung is None:
+        return None
+    at = f" at batch {hung.batch_index}" if hung.batch_index is not None else ""
+    return (f"rank {hung.rank} stopped stepping{at} ({hung.phase}) {max(now - hung.since, 0.0):.0f} s ago; "
+            f"{len(hung.reported_by)} rank(s) report a stall")
 
 
 def job_status(*, verdict: str, detail: str, pending: Mapping[str, Any] | None,
                connected_ranks: int | None, metrics_age_s: float | None,
                stale_after_s: float, lost_ranks: Sequence[int] = (),
                world_size: int | None = None, ended: bool = False,
-               mode: str = "approve") -> tuple[str, str]:
+               mode: str = "approve", hung: str | None = None) -> tuple[str, str]:
     """(status, one-sentence detail) of a job.
 
     ``connected_ranks``: ranks with an open hook socket (None: not live since start);
@@ -68,6 +79,8 @@ def job_status(*, verdict: str, detail: str, pending: Mapping[str, Any] | None,
     whatever else holds: a dead rank stalls the whole job); ``ended``: every rank said
     goodbye (the run finished: ``ended``, never stale nor pending). In ``observe`` mode a
     proposal is shown but waits for nobody: the verdict stands, the detail names it.
+    ``hung``: the sentence naming the rank a stalled job waits on (``hung``: its ranks are
+    connected but stopped stepping).
     """
     if connected_ranks is None:
         return NEVER_CONNECTED
@@ -79,6 +92,8 @@ def job_status(*, verdict: str, detail: str, pending: Mapping[str, Any] | None,
         return "degraded", f"lost ranks: {shown} ({connected_ranks}{of} connected)"
     if connected_ranks == 0:
         return "idle", "no rank is connected"
+    if hung is not None:
+        return "hung", hung
     if metrics_age_s is not None and metrics_age_s > stale_after_s:
         return "idle", "no metrics from the job recently"
     if pending is not None and mode != "observe":

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any
 
+from backend.live.hangs import HungRank, hung_rank
 from backend.live.histogram import StepHistogram, cumulative
 from backend.live.memory_fit import MemoryFitCache
 from backend.live.rows import (
@@ -52,9 +53,18 @@ from backend.live.rows import (
     step_row,
 )
 from backend.live.windows import Pending, Window, aggregate_windows
+from backend.policy.causes import CauseStep
 from backend.policy.comm import Communication, assess
 from backend.policy.memory import MemoryReading, RankMemory
-from rebalancer_wire.protocol import STEP_TIMES, DeviceSample, Hello, MeshShape, Metrics, StepRecord
+from rebalancer_wire.protocol import (
+    STEP_TIMES,
+    DeviceSample,
+    Hang,
+    Hello,
+    MeshShape,
+    Metrics,
+    StepRecord,
+)
 
 __all__ = ["LiveState", "RankView", "JobView", "eta_seconds"]
 
@@ -89,6 +99,9 @@ class _Rank:
     work: deque[tuple[int, float, float, float | None, float | None]] = field(default_factory=lambda: deque(maxlen=_WORK_ROWS))
     # (batch_index, comm_bytes, comm_ms) of the steps that carried communication counters.
     comm: deque[tuple[int, int, float | None]] = field(default_factory=lambda: deque(maxlen=_COMM_READINGS))
+    # (batch_index, host_ms, ckpt_ms, gc_ms summed) of the steps that carried phases (docs/causes.md).
+    phases: deque[tuple[int, float, float, float]] = field(default_factory=lambda: deque(maxlen=_WORK_ROWS))
+    hang: Hang | None = None  # its watchdog's stall report, until a newer step ends
 
 
 @dataclass(slots=True)
@@ -152,6 +165,11 @@ class RankView:
     members: tuple[int, ...] = ()
     member_devices: tuple[str, ...] = ()  # each member's host and device, as its hello said
     slowest_rank: int | None = None
+    # The window's mean host work, checkpoint writes and GC pauses per step (parts of the
+    # times above; docs/causes.md); None where the rank's hook sends no phases.
+    host_ms: float | None = None
+    ckpt_ms: float | None = None
+    gc_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +190,7 @@ class JobView:
     lost_ranks: tuple[int, ...] = ()  # ranks whose socket dropped without a close
     mesh: MeshShape | None = None  # a mesh job's shape: its ranks here are replicas
     ended: bool = False  # every rank said goodbye since its hello: the run ended (``LiveState.ended``)
+    hung: HungRank | None = None  # the rank a stalled job waits on (backend.live.hangs)
 
     @property
     def eta_s(self) -> float | None:
@@ -284,9 +303,15 @@ class LiveState:
                     r.pending_comm.append((s.comm_bytes, s.comm_ms))
                 if s.slowest_rank is not None:
                     r.slowest.append(s.slowest_rank)
+                if s.host_ms is not None or s.ckpt_ms is not None or s.gc_ms is not None:
+                    r.phases.append((s.batch_index, s.host_ms or 0.0, s.ckpt_ms or 0.0, sum(s.gc_ms) if s.gc_ms else 0.0))
                 if s.mem_peak_bytes is not None:
                     r.memory.add(MemoryReading(s.local_batch_size, s.mem_peak_bytes,
                                                s.mem_total_bytes, s.mem_reserved_bytes))
+            if r.hang is not None and rows and max(row[STEP_T] for row in rows) > r.hang.since:
+                r.hang = None  # steps resumed
+            if msg.hang is not None:
+                r.hang = msg.hang
             if msg.rank == 0:
                 job.step_hist.observe_ms(row[STEP_MS] for row in rows)
             r.steps.extend(rows)
@@ -453,6 +478,9 @@ class LiveState:
             meta = (j.job, j.world_size, j.global_batch_size, j.created_at, j.last_seen)
             total_steps, mesh = j.total_steps, j.mesh
             ended = _run_ended(j)
+            reports = [(rank, r.hang) for rank, r in j.ranks.items() if r.hang is not None]
+            silent = [(rank, r.steps[-1][STEP_BATCH] if r.steps else None, r.steps[-1][STEP_T] if r.steps else r.last_seen)
+                      for rank, r in j.ranks.items() if r.hang is None and r.connected] if reports else []
         with_data = [r for r in ranks if r.compute_ms is not None]
         # A drained rank (share 0) trains a one-sample placeholder batch whose weight is 0:
         # its compute says nothing of the job's balance, so imbalance and idle leave it out.
@@ -473,6 +501,7 @@ class LiveState:
             step_rate_hz=_mean(rates) if rates else None,
             imbalance=imbalance, idle_fraction=idle, ranks=ranks, total_steps=total_steps,
             lost_ranks=tuple(r.rank for r in ranks if r.lost), mesh=mesh, ended=ended,
+            hung=hung_rank(reports, silent),
         )
 
     def _rank_view(self, rank: int, r: _Rank) -> RankView:
@@ -511,6 +540,11 @@ class LiveState:
         if r.work and win:
             work_per_s, work_share = _work_rates(r.work, win)
             view = replace(view, work_per_s=work_per_s, work_share=work_share)
+        if r.phases and win:
+            ph = {p[0]: p for p in r.phases}
+            got = [ph.get(row[STEP_BATCH], (0, 0.0, 0.0, 0.0)) for row in win]
+            view = replace(view, host_ms=sum(p[1] for p in got) / n, ckpt_ms=sum(p[2] for p in got) / n,
+                           gc_ms=sum(p[3] for p in got) / n)
         if h.replica_ranks:
             recent = list(islice(reversed(r.slowest), self.window_steps))
             slowest = max(h.replica_ranks, key=recent.count) if recent else None  # ties: the lowest rank
@@ -536,6 +570,30 @@ class LiveState:
             tail = list(islice(reversed(r.steps), n))  # O(n) from the newest end
         tail.reverse()
         return tuple(tail)
+
+    def cause_steps(self, job: str, n: int) -> dict[int, list[CauseStep]]:
+        """Each rank's newest ``n`` steps as the what-if replay reads them (``backend.policy.causes``):
+        the step's times with its phases, communication and work joined by batch index."""
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None:
+                return {}
+            taken = {rank: (list(islice(reversed(r.steps), n)), {c[0]: c for c in r.comm},
+                            {p[0]: p for p in r.phases}, {w[0]: w[1] for w in r.work})
+                     for rank, r in j.ranks.items()}
+        out: dict[int, list[CauseStep]] = {}
+        for rank, (rows, comm, phases, work) in taken.items():
+            steps = []
+            for row in reversed(rows):
+                k = row[STEP_BATCH]
+                c, p = comm.get(k), phases.get(k)
+                steps.append(CauseStep(
+                    batch_index=k, local_batch_size=row[STEP_LOCAL_BATCH], data_wait_ms=row[3],
+                    compute_ms=row[STEP_COMPUTE], sync_wait_ms=row[5], optimizer_ms=row[6], step_ms=row[STEP_MS],
+                    host_ms=p[1] if p else 0.0, ckpt_ms=p[2] if p else 0.0, gc_ms=p[3] if p else 0.0,
+                    comm_bytes=c[1] if c else None, comm_ms=c[2] if c else None, work=work.get(k)))
+            out[rank] = steps
+        return out
 
     def work_by_batch(self, job: str, rank: int) -> dict[int, tuple[float, float, float | None, float | None]]:
         """``batch_index -> (work, batch_work, work_sq, batch_work_sq)`` for the recent steps of

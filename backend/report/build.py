@@ -60,6 +60,9 @@ class ReportInputs:
     # What bounded the step over the run's last steps, with per-rank communication
     # (``backend.policy.comm``, as the REST ``bound`` object plus ``ranks``); None: unknown.
     communication: dict[str, Any] | None = None
+    # Why the run was slow over its last steps (``backend.policy.causes``: each cause as the
+    # REST ``/causes`` item, largest first); None: unknown (live state no longer held them).
+    causes: list[dict[str, Any]] | None = None
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -180,5 +183,6 @@ def build_report(inp: ReportInputs) -> dict[str, Any]:
                  "unpriced_ranks": inp.unpriced_ranks},
         "advice": _advice(inp, rank_rows),
         "communication": inp.communication,
+        "causes": inp.causes,
         "series": list(inp.series),
     }

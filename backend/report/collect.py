@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session
 
 from backend.control.errors import NotFoundError
+from backend.live.causes import job_causes
 from backend.live.forecast import hourly_cost
+from backend.policy.causes import CauseReport
 from backend.report.build import RankInfo, ReportInputs, build_report
 from backend.storage import metrics as store
 from backend.storage import reports as db
@@ -99,7 +101,8 @@ class RunReports:
             series=got.series, fit_windows=got.fits, placements=placements, proposals=proposals,
             savings=savings, cost_per_hour=cost_h, unpriced_ranks=unpriced,
             fit_window_steps=self._settings.policy_window_steps,
-            communication=_communication(self._live.communication(job)))
+            communication=_communication(self._live.communication(job)),
+            causes=_causes(job_causes(self._live, job)))
         return await asyncio.to_thread(build_report, inputs)
 
     async def store(self, job: str, *, reason: str, finished: bool) -> dict[str, Any] | None:
@@ -126,3 +129,13 @@ def _communication(comm: Any) -> dict[str, Any] | None:
     return {**comm.figures(), "ranks": [
         {"rank": r.rank, "comm_bytes_per_step": r.comm_bytes_per_step, "comm_ms": r.comm_ms,
          "wait_ms": r.wait_ms, "busbw_gbps": r.busbw_gbps} for r in comm.ranks]}
+
+
+def _causes(report: CauseReport | None) -> list[dict[str, Any]] | None:
+    """The run's causes of lost time over its last steps (live state only), largest first."""
+    if report is None or report.steps == 0:
+        return None
+    return [{"cause": c.cause, "ranks": list(c.ranks), "ms_per_step": round(c.ms_per_step, 3),
+             "share_of_step": round(c.share_of_step, 4), "gpu_hours_lost": round(c.gpu_hours_lost, 6),
+             "predicted_step_ms_without": round(c.predicted_step_ms_without, 3), "remedy": c.remedy}
+            for c in report.causes]

@@ -154,6 +154,16 @@ def _details(r: dict[str, Any]) -> str:
                               _num(c["busbw_gbps"])] for c in comm["ranks"]]))
     else:
         parts.append("<p>Not measured (the backend no longer held the run's last steps).</p>")
+    causes = r.get("causes")
+    parts.append("<h2>Why the run was slow</h2>")
+    if causes:
+        parts.append(_table(["cause", "ranks", "ms lost per step", "share of step", "GPU-hours lost", "remedy"],
+                            [[c["cause"], " ".join(map(str, c["ranks"])), _num(c["ms_per_step"]),
+                              _pct(c["share_of_step"]), _num(c["gpu_hours_lost"], 4), c["remedy"]] for c in causes]))
+    elif causes == []:
+        parts.append("<p>No cause cost more than 0.2% of the step over the run's last steps.</p>")
+    else:
+        parts.append("<p>Not measured (the backend no longer held the run's last steps).</p>")
     return "".join(parts)
 
 

@@ -94,7 +94,7 @@ export function liveSocket(job, onFrame, onState) {
 
 export const STATUS_LABEL = {
   warming_up: "warming up", balanced: "balanced", imbalanced: "imbalanced",
-  proposal_pending: "proposal pending", idle: "idle", degraded: "degraded", ended: "ended",
+  proposal_pending: "proposal pending", idle: "idle", degraded: "degraded", hung: "hung", ended: "ended",
 };
 
 export function fmt(v, digits = 1, unit = "") {

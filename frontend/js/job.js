@@ -1,6 +1,7 @@
 /* global Plotly */
 // Job view: wires the live socket to the charts, the tables and the operator controls.
 import { Charts } from "./charts.js";
+import { CausesCard } from "./causes.js";
 import { CommCard } from "./comm.js";
 import {
   STATUS_LABEL, api, bytes, duration, el, forecastFor, fmt, liveSocket, money,
@@ -320,3 +321,6 @@ liveSocket(job, onFrame, setConn);
 const comm = new CommCard(job);
 window.rebalancer.comm = comm;
 comm.start();
+const causes = new CausesCard(job);
+window.rebalancer.causes = causes;
+causes.start();

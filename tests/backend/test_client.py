@@ -136,7 +136,7 @@ def test_every_rest_operation_has_a_client_method(live: Server):
     made = rb.create_token("viewer", name="route-probe")
     calls: list[typing.Callable[[], object]] = [
         rb.health, rb.whoami, rb.jobs, rb.fleet, lambda: rb.job(job), lambda: rb.ranks(job), lambda: rb.metrics(job),
-        lambda: rb.forecast(job), lambda: rb.summary(job), lambda: rb.memory(job), lambda: rb.policy(job),
+        lambda: rb.forecast(job), lambda: rb.summary(job), lambda: rb.memory(job), lambda: rb.causes(job), lambda: rb.policy(job),
         lambda: rb.proposals(job), lambda: rb.proposal(job, 1), lambda: rb.overrides(job),
         lambda: rb.report(job), lambda: rb.report_html(job), lambda: rb.store_report(job),
         lambda: rb.placements(job), lambda: rb.audit(job), rb.audit_log, rb.tokens,
@@ -195,7 +195,8 @@ def test_typed_resources_match_the_servers_schema(live: Server):
              "Proposal": "ProposalPublic", "Placement": "PlacementPublic", "Effect": "EffectPublic",
              "AuditRecord": "AuditPublic", "Token": "TokenPublic", "TokenCreated": "TokenCreated",
              "Health": "HealthPublic", "Summary": "SummaryPublic", "Memory": "MemoryPublic",
-             "RankMemory": "RankMemoryPublic", "CostModel": "CostModelPublic"}
+             "RankMemory": "RankMemoryPublic", "CostModel": "CostModelPublic", "Cause": "CausePublic",
+             "Causes": "CausesPublic"}
     for ours, theirs in pairs.items():
         keys = set(typing.get_type_hints(getattr(client_mod, ours)))
         assert keys == set(schemas[theirs]["properties"]), ours

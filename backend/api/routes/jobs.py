@@ -75,6 +75,11 @@ class JobPublic(BaseModel):
     strategy: str | None = None
     status: str
     status_detail: str = ""
+    hung_rank: int | None = Field(None, description="With status hung: the rank the job waits on (docs/causes.md).")
+    hung_since: float | None = Field(None, description="Unix time of that rank's last step end.")
+    hung_batch_index: int | None = Field(None, description="The batch it is stuck in (or before).")
+    hung_phase: str | None = Field(None, description="data_wait, compute, sync_wait, optimizer; unknown: it sent no report.")
+    hung_stack: str | None = Field(None, description="Its training thread's Python stack, innermost last (at most 16 KiB).")
     batch_index: int | None = None
     step_rate_hz: float | None = None
     step_ms: float | None = None
@@ -196,6 +201,9 @@ class RankPublic(BaseModel):
     comm_ms: float | None = Field(default=None, description="Time a step with a gradient collective in flight.")
     wait_ms: float | None = Field(default=None, description="Of comm_ms, the wait for peers (the rest is transfer).")
     busbw_gbps: float | None = Field(default=None, description="Bus bandwidth, GB/s (nccl-tests definition).")
+    host_ms: float | None = Field(default=None, description="Of data_wait_ms, the loop's own host work (docs/causes.md).")
+    ckpt_ms: float | None = Field(default=None, description="Of data_wait_ms, checkpoint writes.")
+    gc_ms: float | None = Field(default=None, description="Python GC pauses a step (within the other times).")
 
 
 class RanksPublic(BaseModel):
@@ -264,8 +272,16 @@ def _job_from_live(parts: Parts, view: JobView) -> dict[str, Any]:
         "created_at": view.created_at, "last_seen": view.last_seen,
         "cost_per_hour": fc.cost_per_hour, "idle_cost_per_hour": fc.idle_cost_per_hour,
         "total_steps": fc.total_steps, "eta_s": fc.eta_s, "mesh": view.mesh.as_view() if view.mesh else None,
-        "replicas": replica_rows(view),
+        "replicas": replica_rows(view), **_hung(view),
     }
+
+
+def _hung(view: JobView) -> dict[str, Any]:
+    h = view.hung
+    if h is None:
+        return {}
+    return {"hung_rank": h.rank, "hung_since": h.since, "hung_batch_index": h.batch_index,
+            "hung_phase": h.phase, "hung_stack": h.stack}
 
 
 def _job_from_row(row: store.JobRow, ranks: list[store.RankRow] | None = None) -> dict[str, Any]:
@@ -372,6 +388,7 @@ def _rank_live(parts: Parts, job: str, r: RankView, shares: list[int] | None,
         price_per_hour=parts.settings.price_for(r.device_type, r.device_name),
         work_per_s=r.work_per_s, work_share=r.work_share,
         hook_version=hello.hook_version if hello is not None else "",
+        host_ms=r.host_ms, ckpt_ms=r.ckpt_ms, gc_ms=r.gc_ms,
     )
 
 
