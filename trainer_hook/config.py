@@ -82,6 +82,11 @@ class HookConfig:
     - ``history``: how many recent StepRecords the hook keeps locally (``hook.history``).
     - ``memory_every``: read the peak device memory once every this many steps (the peak
       over those steps; ``trainer_hook.memory``).
+    - ``micro_batches``: micro-batch placements (docs/streaming.md): the number M of
+      fixed-shape micro-batches every optimizer step trains over all ranks. Shares then
+      count micro-batches (``global_batch_size`` is M; give one or both, equal), rank r
+      runs ``shares[r]`` of them per step through ``hook.micro_batches(source)``, and a
+      placement changes only those counts, never a shape. None (default): shares count samples.
     """
 
     server: str | None = None
@@ -99,6 +104,7 @@ class HookConfig:
     flush_on_deviation: float = 0.2
     history: int = 256
     memory_every: int = 8
+    micro_batches: int | None = None
 
     def __post_init__(self) -> None:
         if self.server is not None and (not isinstance(self.server, str) or not self.server.strip()):
@@ -146,6 +152,13 @@ class HookConfig:
                              f"off), got {fod!r}.")
         _positive_int("history", self.history)
         _positive_int("memory_every", self.memory_every)
+        if self.micro_batches is not None:
+            _positive_int("micro_batches", self.micro_batches)
+            if self.micro_batches != self.global_batch_size:
+                raise ValueError(
+                    f"micro_batches ({self.micro_batches}) and global_batch_size ({self.global_batch_size}) "
+                    "differ: with micro-batch placements the global batch counts micro-batches. Pass "
+                    "micro_batches=M alone (or both equal).")
 
     @property
     def offline(self) -> bool:
@@ -178,6 +191,8 @@ class HookConfig:
                 kwargs["total_steps"] = int(raw)
             except ValueError:
                 raise ValueError(f"{ENV_TOTAL_STEPS} must be a whole number of steps, got {raw!r}.") from None
+        if kwargs.get("global_batch_size") is None and kwargs.get("micro_batches") is not None:
+            kwargs["global_batch_size"] = kwargs["micro_batches"]
         if "global_batch_size" not in kwargs or kwargs["global_batch_size"] is None:
             raise ValueError("global_batch_size is required: RebalanceHook(global_batch_size=256).")
         return cls(**kwargs)
