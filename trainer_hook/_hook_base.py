@@ -245,6 +245,7 @@ class HookBase:
             comm_kind=_COMM_KIND.get(self._gradients_mode or "", ""), mesh=self._mesh,
             replica_ranks=self._replica_ranks if self._mesh is not None else (),
             replica_devices=self._replica_devices if self._mesh is not None else (),
+            micro_batches=self.config.micro_batches is not None,
         )
 
     def _close(self, *, wait_for_peers: bool, wait_timeout_s: float | None) -> None:

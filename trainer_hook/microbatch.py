@@ -28,7 +28,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["MicroBatches", "MicroBatchStream", "StreamEnded", "batch_signature"]
+__all__ = ["MicroBatches", "MicroBatchStream", "StreamEnded", "batch_signature", "refuse_micro_batches"]
+
+
+def refuse_micro_batches(hook: Any, adapter: str) -> None:
+    """ValueError for a framework adapter given a ``micro_batches=M`` hook: the adapter owns
+    the loop and a loader that splits samples, which such a hook does not do."""
+    config = getattr(hook, "config", None)
+    if getattr(config, "micro_batches", None) is not None:
+        raise ValueError(
+            f"{adapter} balances samples (it owns the loop and splits each batch's samples), but this "
+            f"hook was created with micro_batches={config.micro_batches} (shares count micro-batches). "  # type: ignore[union-attr]
+            "Write the training loop with `for mb in hook.micro_batches(stream)` inside `with hook.step():` "
+            "(docs/streaming.md; with Accelerate, prepare the model and optimizer only), or create the "
+            "hook without micro_batches to balance samples.")
 
 
 class StreamEnded(RuntimeError):

@@ -153,3 +153,23 @@ def test_a_drained_rank_peeks_a_micro_batch_and_trains_it_later(tmp_path: Path) 
     assert [int(mb["id"]) for mb in s.take(2, step=1)] == [0, 1]
     assert int(s.dummy(step=2)["id"]) == 1  # the newest trained one, nothing consumed
     assert s.state_dict()["consumed"] == 2
+
+
+def test_the_framework_adapters_refuse_a_micro_batch_hook_naming_the_loop() -> None:
+    from trainer_hook.integrations.accelerate import prepare_with_rebalancer
+
+    hook = RebalanceHook(micro_batches=4)
+    with pytest.raises(ValueError, match=r"prepare_with_rebalancer balances samples .* micro_batches=4 .* "
+                                         r"hook.micro_batches\(stream\)"):
+        prepare_with_rebalancer(object(), hook, _model(), None, [])
+    pytest.importorskip("transformers")
+    from trainer_hook.integrations.hf_trainer import RebalanceCallback
+
+    with pytest.raises(ValueError, match="RebalanceCallback balances samples"):
+        RebalanceCallback(hook)
+    pytest.importorskip("pytorch_lightning")
+    from trainer_hook.integrations.lightning import RebalanceLightningCallback
+
+    with pytest.raises(ValueError, match="RebalanceLightningCallback balances samples"):
+        RebalanceLightningCallback(hook)
+    hook.close()
