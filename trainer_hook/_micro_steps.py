@@ -115,6 +115,10 @@ class MicroBatchSteps(HookBase):
             raise RuntimeError("hook.micro_batches() is called inside `with hook.step():`, once per step.")
         if self._mb is not None:
             raise RuntimeError("hook.micro_batches() was called twice in one step: call it once per step.")
+        if self._gradients_mode is None:
+            raise RuntimeError(
+                "hook.micro_batches() needs hook.attach(model) first: the hook weights each micro-batch "
+                "1/M of the step and turns gradient synchronisation off for all but the last.")
         stream = self._stream
         if stream is None:
             stream = self._stream = MicroBatchStream(source, rank=self._rank, resume=self._stream_resume)

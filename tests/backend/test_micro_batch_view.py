@@ -32,6 +32,13 @@ def test_a_flat_memory_fit_caps_nothing_while_the_peak_fits_and_drains_when_it_d
     assert sampled is not None and memory_cap(sampled, 80 * gib) is not None  # samples: a cap
 
 
+def test_the_policy_splits_whole_micro_batches_by_time_per_micro_batch() -> None:
+    from backend.policy.solver import solve
+
+    # 40 ms a micro-batch on three ranks, 80 on the fourth: 28 micro-batches split 8, 8, 8, 4.
+    assert solve([2.0] * 4, [40.0, 40.0, 40.0, 80.0], 28) == (8, 8, 8, 4)
+
+
 def test_the_job_view_says_shares_count_micro_batches(tmp_path) -> None:
     with TestClient(make_app(tmp_path)) as c:
         with c.websocket_connect("/ws/hook") as a, c.websocket_connect("/ws/hook") as b:

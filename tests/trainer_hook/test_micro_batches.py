@@ -105,6 +105,7 @@ def test_one_process_accumulates_its_micro_batches_into_the_mean() -> None:
 
 def test_a_resumed_plain_stream_skips_what_was_trained() -> None:
     hook = RebalanceHook(micro_batches=2)
+    hook.attach(_model())
     hook.load_state_dict({"format": 1, "batch_index": 3, "global_batch_size": 2, "world_size": 1,
                           "placement": {"version": 0, "shares": [2]}, "next_placement": None,
                           "stream": {"consumed": 6, "source_state": None, "pushback": []}})
@@ -116,6 +117,11 @@ def test_a_resumed_plain_stream_skips_what_was_trained() -> None:
 
 def test_bad_input_gets_clear_errors() -> None:
     hook = RebalanceHook(micro_batches=3)
+    with pytest.raises(RuntimeError, match=r"needs hook.attach\(model\) first"), hook.step():
+        hook.micro_batches([])
+    hook.close()
+    hook = RebalanceHook(micro_batches=3)
+    hook.attach(_model())
     with pytest.raises(RuntimeError, match=r"inside `with hook.step\(\):`"):
         hook.micro_batches([])
     with pytest.raises(ValueError, match="micro_batches=M .* hook.micro_batches"):
@@ -127,12 +133,14 @@ def test_bad_input_gets_clear_errors() -> None:
     hook.close()
 
     hook = RebalanceHook(micro_batches=2)
+    hook.attach(_model())
     odd = iter([mw.make(0), {**mw.make(1), "x": torch.zeros(2, 4, 5, dtype=torch.float64)}])
     with pytest.raises(ValueError, match=r"micro-batch 1: its shapes \{x: \[2, 4, 5\] float64"), hook.step():
         hook.micro_batches(odd)
     hook.close()
 
     hook = RebalanceHook(micro_batches=2)
+    hook.attach(_model())
     src = (mw.make(i) for i in itertools.count())
     with pytest.raises(RuntimeError, match="before its 2 micro-batches were all trained"), hook.step():
         for _ in hook.micro_batches(src):
