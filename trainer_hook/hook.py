@@ -75,6 +75,17 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
     ``batch_sampler(dataset)`` (this rank's slice of each global batch) and one
     ``with hook.step():`` around each batch's forward, backward and optimizer step.
 
+    Streams and fixed shapes: ``RebalanceHook(micro_batches=M)`` makes a share count
+    fixed-shape micro-batches instead of samples; the loop then takes this rank's
+    micro-batches from its own stream with ``hook.micro_batches(stream)`` inside
+    ``hook.step()`` and needs no sampler (docs/streaming.md)::
+
+        hook = RebalanceHook(micro_batches=32); hook.attach(DDP(torch.compile(m, dynamic=False)))
+        with hook.step():
+            for x, y in hook.micro_batches(stream):
+                loss_fn(model(x), y).backward()
+            opt.step(); opt.zero_grad()
+
     Peak device memory is read every ``memory_every`` steps from torch's allocator (CUDA,
     ROCm, XPU; nothing on CPU); ``memory_source`` replaces that source (tests inject a
     fake one, see ``trainer_hook.memory``), ``None`` turns it off. An out-of-memory error
