@@ -441,6 +441,9 @@ class Hello:
     # the backend applies it to a job it has not seen yet (an operator's preset wins). ""
     # for none: the backend's default.
     mode: str = ""
+    # Micro-batch placements (``RebalanceHook(micro_batches=M)``, docs/streaming.md): shares
+    # and local batch sizes count fixed-shape micro-batches, ``global_batch_size`` is M.
+    micro_batches: bool = False
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Hello:
@@ -475,6 +478,7 @@ class Hello:
             replica_ranks=(members := _replica_ranks(d, mesh)),
             replica_devices=_replica_devices(d, members),
             mode=_hello_mode(d),
+            micro_batches=_bool(d, "micro_batches", default=False),
         )
 
 
@@ -1005,7 +1009,7 @@ class Error:
 
 Message: TypeAlias = Hello | Metrics | Ack | Reject | Oom | Leave | Placement | Error
 _TYPES: dict[str, Any] = {c.TYPE: c for c in (Hello, Metrics, Ack, Reject, Oom, Leave, Placement, Error)}
-_V2_ONLY = {"memory_source", "gpu_index", "gpu_uuid", "mesh", "replica_ranks", "replica_devices"}  # hello fields a version-1 peer does not know
+_V2_ONLY = {"memory_source", "gpu_index", "gpu_uuid", "mesh", "replica_ranks", "replica_devices", "micro_batches"}  # hello fields a version-1 peer does not know
 
 
 def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
@@ -1026,6 +1030,8 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
             body["hang"] = asdict(body["hang"])
     if body.get("comm_kind", None) == "":
         del body["comm_kind"]  # likewise
+    if body.get("micro_batches", True) is False:
+        del body["micro_batches"]  # likewise
     if "mesh" in body:
         if body["mesh"] is None:
             del body["mesh"]  # absent for plain data parallel

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainer_hook.config import HookConfig
     from trainer_hook.hook import RebalanceHook
+    from trainer_hook.microbatch import MicroBatches, StreamEnded
     from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
     from trainer_hook.sampler import RebalanceBatchSampler
 
@@ -22,6 +23,8 @@ _LAZY = {
     "PlacementSchedule": "trainer_hook.placement",
     "ScheduledPlacement": "trainer_hook.placement",
     "RebalanceBatchSampler": "trainer_hook.sampler",
+    "MicroBatches": "trainer_hook.microbatch",
+    "StreamEnded": "trainer_hook.microbatch",
 }
 
 
@@ -36,4 +39,6 @@ __all__ = [
     "PlacementSchedule",
     "ScheduledPlacement",
     "RebalanceBatchSampler",
+    "MicroBatches",
+    "StreamEnded",
 ]

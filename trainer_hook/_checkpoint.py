@@ -56,7 +56,7 @@ class Checkpoints(HookBase):
         pending = self._channel.undelivered if self._root else None
         upcoming = pending if pending is not None and pending.version > nxt.version else nxt
         sampler = self._sampler
-        return {
+        state: dict[str, Any] = {
             "format": _STATE_FORMAT,
             "batch_index": k,
             "global_batch_size": self.config.global_batch_size,
@@ -69,13 +69,19 @@ class Checkpoints(HookBase):
             "epoch": k // len(sampler) if sampler is not None else None,
             "batches_per_epoch": len(sampler) if sampler is not None else None,
         }
+        if self.config.micro_batches is not None:
+            # This rank's stream (what it consumed, the source's own state, what it
+            # peeked): per rank, unlike the rest.
+            state["stream"] = self._stream.state_dict() if self._stream is not None else self._stream_resume
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``: the next step trains ``batch_index`` under the
         placement it had (or a newer one the backend holds), and the loader's sampler
         starts there, in the right epoch of the seeded order.
 
-        Call it on every rank (rank 0's copy is used), after ``attach`` and before the
+        Call it on every rank (rank 0's copy is used; with micro-batch placements each
+        rank's own ``stream`` entry resumes its stream: save every rank's state), after ``attach`` and before the
         loader is first iterated. Raises ValueError for a state of another job shape
         (global batch size) or out-of-range numbers; a different world size keeps the
         batch index and starts from the uniform split.
@@ -88,6 +94,7 @@ class Checkpoints(HookBase):
                 "after building the model, optimizer and loader, before iterating the loader."
             )
         k, version, shares, nxt = _check_state(state, self.config.global_batch_size, self._world_size)
+        self._stream_resume = _check_stream(state.get("stream"))
         group = self._channel.group
         if group is not None:  # rank 0's copy decides, so ranks cannot disagree
             w = self._world_size
@@ -112,6 +119,20 @@ class Checkpoints(HookBase):
 
 
 _STATE_FORMAT = 1
+
+
+def _check_stream(entry: Any) -> dict[str, Any] | None:
+    """A state_dict's ``stream`` entry (micro-batch placements), checked, or None."""
+    if entry is None:
+        return None
+    consumed = entry.get("consumed") if isinstance(entry, dict) else None
+    if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
+        raise ValueError(
+            f"state_dict stream must be a dict with consumed (an integer >= 0), got {entry!r:.200}.")
+    pushback = entry.get("pushback") or []
+    if not isinstance(pushback, list):
+        raise ValueError(f"state_dict stream pushback must be a list of micro-batches, got {type(pushback).__name__}.")
+    return entry
 
 
 def _check_state(

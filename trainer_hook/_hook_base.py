@@ -154,6 +154,15 @@ class HookBase:
         self._grad_handles: list[Any] = []
         self._norms: list[torch.nn.Module] = []  # batch norms kept out of dummy steps
         self._frozen: list[torch.nn.Module] = []
+        # Micro-batch placements (trainer_hook.microbatch): the rank's stream, this step's
+        # micro-batches, the step's token factor, the model's gradient-sync switch.
+        self._in_step = False
+        self._model: torch.nn.Module | None = None
+        self._sync_switch: Any = lambda on: None
+        self._stream: Any = None
+        self._stream_resume: dict[str, Any] | None = None
+        self._mb: Any = None
+        self._mb_tokens: Any = None
         self.history: deque[StepRecord] = deque(maxlen=cfg.history)
         self.acks: list[tuple[int, int]] = []
         self.rejections: list[tuple[int, str]] = []
@@ -295,6 +304,7 @@ class HookBase:
             replica_ranks=self._replica_ranks if self._mesh is not None else (),
             replica_devices=self._replica_devices if self._mesh is not None else (),
             mode=self.config.mode or "",
+            micro_batches=self.config.micro_batches is not None,
         )
 
     def _close(self, *, wait_for_peers: bool, wait_timeout_s: float | None) -> None:

@@ -113,6 +113,12 @@ class LoaderWiring(PlacementSwitch):
             loader = hook.data_loader(ds, shuffle=True, seed=0, sample_length=lengths)
         """
         self._init_distributed("hook.batch_sampler()")
+        if self.config.micro_batches is not None:
+            raise ValueError(
+                "batch_sampler()/data_loader() split samples, but this hook was created with "
+                "micro_batches=M (shares count micro-batches): build each rank's own loader of "
+                "fixed-shape micro-batches and train them with hook.micro_batches(loader) inside "
+                "hook.step() (docs/streaming.md).")
         sampler = RebalanceBatchSampler(
             dataset, schedule=self._schedule, rank=self._rank, shuffle=shuffle, seed=seed,
             drop_last=drop_last, position=lambda: self._next_batch, before_iter=self._ensure_started,

@@ -59,7 +59,9 @@ class StepLoop(PlacementSwitch):
             # Full batch: this rank's share and weight only change with the placement.
             if p is not self._full_for:
                 local = p.shares[self._rank]
-                self._full = (local, local / b)
+                # Micro-batch shares: each micro-batch's gradient is 1/M of the step's.
+                micro = self.config.micro_batches is not None
+                self._full = (local, (1.0 / b if local else 0.0) if micro else local / b)
                 self._full_for = p
             local, weight = self._full
         else:  # an epoch's short last batch, split in proportion by the sampler
@@ -80,6 +82,7 @@ class StepLoop(PlacementSwitch):
         if self._gc_schedule is not None:  # HookConfig gc_freeze / gc_collect_every
             self._gc_schedule.on_step(k)
         self._timer.start(k, local, p.version, events=grads.events)
+        self._in_step, self._mb = True, None
         return k
 
     def _agree_lookahead(self, k: int) -> None:
@@ -121,6 +124,9 @@ class StepLoop(PlacementSwitch):
             m.train(False)
 
     def _end_step(self, *, failed: bool) -> None:
+        self._in_step = False
+        if not failed and self.config.micro_batches is not None:
+            self._check_micro_step()  # type: ignore[attr-defined]
         if self._frozen:
             for m in self._frozen:
                 m.train(True)

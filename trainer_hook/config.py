@@ -94,6 +94,11 @@ class HookConfig:
     - ``hang_after_s``: with a backend, a rank whose steps stop for this many seconds (or
       five of its recent steps, if longer) reports where it is, with its Python stack
       (``trainer_hook.watchdog``; 0 turns it off).
+    - ``micro_batches``: micro-batch placements (docs/streaming.md): the number M of
+      fixed-shape micro-batches every optimizer step trains over all ranks. Shares then
+      count micro-batches (``global_batch_size`` is M; give one or both, equal), rank r
+      runs ``shares[r]`` of them per step through ``hook.micro_batches(source)``, and a
+      placement changes only those counts, never a shape. None (default): shares count samples.
     """
 
     server: str | None = None
@@ -115,6 +120,7 @@ class HookConfig:
     gc_freeze: bool = False
     gc_collect_every: int = 0
     hang_after_s: float = 5.0
+    micro_batches: int | None = None
 
     def __post_init__(self) -> None:
         if self.server is not None and (not isinstance(self.server, str) or not self.server.strip()):
@@ -169,6 +175,13 @@ class HookConfig:
             raise ValueError(f"gc_freeze must be True or False, got {self.gc_freeze!r}.")
         _positive_int("gc_collect_every", self.gc_collect_every, lo=0)
         _positive_float("hang_after_s", self.hang_after_s, allow_zero=True)
+        if self.micro_batches is not None:
+            _positive_int("micro_batches", self.micro_batches)
+            if self.micro_batches != self.global_batch_size:
+                raise ValueError(
+                    f"micro_batches ({self.micro_batches}) and global_batch_size ({self.global_batch_size}) "
+                    "differ: with micro-batch placements the global batch counts micro-batches. Pass "
+                    "micro_batches=M alone (or both equal).")
 
     @property
     def offline(self) -> bool:
@@ -201,6 +214,8 @@ class HookConfig:
                 kwargs["total_steps"] = int(raw)
             except ValueError:
                 raise ValueError(f"{ENV_TOTAL_STEPS} must be a whole number of steps, got {raw!r}.") from None
+        if kwargs.get("global_batch_size") is None and kwargs.get("micro_batches") is not None:
+            kwargs["global_batch_size"] = kwargs["micro_batches"]
         if "global_batch_size" not in kwargs or kwargs["global_batch_size"] is None:
             raise ValueError("global_batch_size is required: RebalanceHook(global_batch_size=256).")
         return cls(**kwargs)

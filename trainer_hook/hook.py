@@ -31,6 +31,7 @@ from trainer_hook._checkpoint import Checkpoints
 from trainer_hook._hook_base import _COMM_KIND, _StepContext
 from trainer_hook._hook_base import HOOK_VERSION as HOOK_VERSION  # re-exported: zero_code reads it
 from trainer_hook._loading import LoaderWiring
+from trainer_hook._micro_steps import MicroBatchSteps, gradient_sync_switch
 from trainer_hook._steps import StepLoop
 from trainer_hook.config import check_total_steps
 from trainer_hook.gradients import (
@@ -60,7 +61,7 @@ def check_length_sq_weight(value: object) -> float:
     return k
 
 
-class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
+class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
     """Measures this rank and applies placements of the global batch in lockstep.
 
     ``RebalanceHook(server=None, job=None, global_batch_size=..., token=None, **config)``;
@@ -74,6 +75,17 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
     The loop needs three things from it: ``attach(model)`` (gradient weighting),
     ``batch_sampler(dataset)`` (this rank's slice of each global batch) and one
     ``with hook.step():`` around each batch's forward, backward and optimizer step.
+
+    Streams and fixed shapes: ``RebalanceHook(micro_batches=M)`` makes a share count
+    fixed-shape micro-batches instead of samples; the loop then takes this rank's
+    micro-batches from its own stream with ``hook.micro_batches(stream)`` inside
+    ``hook.step()`` and needs no sampler (docs/streaming.md)::
+
+        hook = RebalanceHook(micro_batches=32); hook.attach(DDP(torch.compile(m, dynamic=False)))
+        with hook.step():
+            for x, y in hook.micro_batches(stream):
+                loss_fn(model(x), y).backward()
+            opt.step(); opt.zero_grad()
 
     Peak device memory is read every ``memory_every`` steps from torch's allocator (CUDA,
     ROCm, XPU; nothing on CPU); ``memory_source`` replaces that source (tests inject a
@@ -235,6 +247,7 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
         # FSDP's parameter all-gathers are waits for peers on either path.
         self._grad_handles += register_unshard_timer(model, self._grads)
         self._gradients_mode = mode
+        self._model, self._sync_switch = model, gradient_sync_switch(model)
         if self._transport is not None and mode in _COMM_KIND:
             # The hello sent on connecting (at the top of attach) could not name the collective yet.
             self._transport.send_control(self._hello())
@@ -277,7 +290,7 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
             return self._world_size * self._grads.weight
         return 1.0
 
-    def token_loss_weight(self, n_valid: int | torch.Tensor) -> float | torch.Tensor:
+    def token_loss_weight(self, n_valid: int | torch.Tensor | None = None) -> float | torch.Tensor:
         """Factor that turns this rank's summed token loss into its part of the global token mean.
 
         ``n_valid`` is the number of valid tokens (labels not equal to the ignore index) in
@@ -292,7 +305,9 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
         tokens gets 0, and a drained rank's dummy batch counts none. Call it inside ``with hook.step():``,
         once per step, best from the labels before the forward (every rank is then ready for
         the all-reduce); the time a rank waits in it for its peers is timed as sync wait, not
-        compute, wherever it is called. Example::
+        compute, wherever it is called.
+        With micro-batch placements, ``hook.micro_batches(source, valid_tokens=fn)`` counts once
+        per step and ``token_loss_weight()`` (no argument) returns the step's factor. Example::
 
             with hook.step():
                 weight = hook.token_loss_weight((labels != -100).sum())
@@ -302,6 +317,12 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
                 (loss_sum * weight).backward()
                 opt.step(); opt.zero_grad()
         """
+        if n_valid is None:  # micro-batch placements: counted by micro_batches(valid_tokens=)
+            if self._mb is None or self._mb_tokens is None:
+                raise ValueError(
+                    "token_loss_weight() without a count needs hook.micro_batches(source, valid_tokens=fn) "
+                    "earlier in the same step; otherwise pass this rank's count of valid tokens.")
+            return self._mb_tokens
         scale = self._token_scale()
         if isinstance(n_valid, torch.Tensor):
             if n_valid.numel() != 1 or n_valid.is_floating_point() and not torch.isfinite(n_valid).all():
@@ -352,8 +373,8 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints):
             return 0.0
         if mode in ("ddp_comm_hook", "fsdp2_reduce_scatter", "fsdp1_comm_hook"):
             return 1.0 / w
-        if mode == "local":
-            return 1.0
+        if mode == "local":  # micro-batch placements scale the accumulated gradients by w
+            return 1.0 / w if self.config.micro_batches is not None else 1.0
         return float(self._world_size)  # the wrapper averages over ranks (loss_scale, or no attach)
 
     # --- placements ------------------------------------------------------------------

@@ -104,6 +104,7 @@ class Job(TypedDict, total=False):
     mesh: Mesh | None
     replicas: list[Replica] | None
     cost_model: CostModel | None
+    share_unit: str  # "sample", or "micro_batch": shares count fixed-shape micro-batches
 
 
 class Device(TypedDict, total=False):

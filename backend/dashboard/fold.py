@@ -337,6 +337,7 @@ def summary(feed: Feed, view: JobView, *, wall: Callable[[], float], stale_after
         "bound": bound if bound != "unknown" else None,
         "mesh": view.mesh.as_view() if view.mesh else None,  # its ranks are replicas
         "replicas": replica_rows(view),  # with their members and slowest member
+        "share_unit": view.share_unit,  # "micro_batch": shares count micro-batches
     }
 
 

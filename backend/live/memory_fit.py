@@ -47,7 +47,8 @@ class MemoryFitCache:
         if self._summary is not None:
             return self._summary
         if self._stale:
-            self._fit, self._stale = fit_memory(self.readings), False
+            # Micro-batch shares: a rank's peak does not grow with its count (docs/streaming.md).
+            self._fit, self._stale = fit_memory(self.readings, flat=hello.micro_batches), False
         fit = self._fit
         last_total = self.readings[-1].total_bytes if self.readings else None
         total = last_total or (fit.total_bytes if fit else None) or \

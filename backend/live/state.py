@@ -114,6 +114,7 @@ class _Job:
     ranks: dict[int, _Rank] = field(default_factory=dict)
     total_steps: int | None = None  # the newest a hook said (hello or metrics)
     mesh: MeshShape | None = None  # a device-mesh job's shape, as its newest hello said it
+    micro_batches: bool = False  # shares count micro-batches (Hello.micro_batches)
     left_at: float = 0.0  # when its last connected rank went away
     step_hist: StepHistogram = field(default_factory=StepHistogram)  # rank 0's step times
     # The newest ``communication`` answer: the ranks' revisions it was computed at, when it
@@ -191,6 +192,12 @@ class JobView:
     mesh: MeshShape | None = None  # a mesh job's shape: its ranks here are replicas
     ended: bool = False  # every rank said goodbye since its hello: the run ended (``LiveState.ended``)
     hung: HungRank | None = None  # the rank a stalled job waits on (backend.live.hangs)
+    micro_batches: bool = False  # shares and local batch sizes count micro-batches
+
+    @property
+    def share_unit(self) -> str:
+        """What a share counts: ``"micro_batch"`` or ``"sample"`` (the job view says it)."""
+        return "micro_batch" if self.micro_batches else "sample"
 
     @property
     def eta_s(self) -> float | None:
@@ -275,6 +282,7 @@ class LiveState:
             if hello.total_steps is not None:
                 job.total_steps = hello.total_steps
             job.mesh = hello.mesh
+            job.micro_batches = hello.micro_batches
             old = job.ranks.get(hello.rank)
             if old is None:
                 job.ranks[hello.rank] = _Rank(
@@ -476,7 +484,7 @@ class LiveState:
                 views.append(c[1] if c is not None and c[0] == r.rev else self._rank_view(rank, r))
             ranks = tuple(views)
             meta = (j.job, j.world_size, j.global_batch_size, j.created_at, j.last_seen)
-            total_steps, mesh = j.total_steps, j.mesh
+            total_steps, mesh, micro = j.total_steps, j.mesh, j.micro_batches
             ended = _run_ended(j)
             reports = [(rank, r.hang) for rank, r in j.ranks.items() if r.hang is not None]
             silent = [(rank, r.steps[-1][STEP_BATCH] if r.steps else None, r.steps[-1][STEP_T] if r.steps else r.last_seen)
@@ -501,7 +509,7 @@ class LiveState:
             step_rate_hz=_mean(rates) if rates else None,
             imbalance=imbalance, idle_fraction=idle, ranks=ranks, total_steps=total_steps,
             lost_ranks=tuple(r.rank for r in ranks if r.lost), mesh=mesh, ended=ended,
-            hung=hung_rank(reports, silent),
+            hung=hung_rank(reports, silent), micro_batches=micro,
         )
 
     def _rank_view(self, rank: int, r: _Rank) -> RankView:

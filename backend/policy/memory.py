@@ -61,7 +61,7 @@ class MemoryFit(Compact):
     total_bytes: int | None
     n: int
     sizes: int  # distinct batch sizes behind the fit
-    method: Literal["linear", "proportional"]
+    method: Literal["linear", "proportional", "flat"]
     max_peak_bytes: int  # the largest peak seen
     max_batch: int  # the largest local batch seen
 
@@ -86,8 +86,13 @@ class RankMemory(Compact):
     max_share: int | None = None
 
 
-def fit_memory(readings: Iterable[MemoryReading], *, min_readings: int = 2) -> MemoryFit | None:
+def fit_memory(readings: Iterable[MemoryReading], *, min_readings: int = 2,
+               flat: bool = False) -> MemoryFit | None:
     """Fit ``m0 + m * b`` above every recent per-size peak; None with too few readings.
+
+    ``flat``: micro-batch placements, where b counts micro-batches a rank runs one after
+    the other, so its peak does not grow with b: the fit is the largest peak seen
+    (``m = 0``), and the cap is none while that fits, 0 (drain) when it does not.
 
     >>> r = [MemoryReading(8, 5_000), MemoryReading(8, 5_100), MemoryReading(16, 9_000)]
     >>> f = fit_memory(r); (f.method, round(f.m_bytes), round(f.m0_bytes))
@@ -112,6 +117,8 @@ def fit_memory(readings: Iterable[MemoryReading], *, min_readings: int = 2) -> M
     pts = sorted(peaks.items())
     b_max, p_at_max = pts[-1]
     max_peak = max(p for _, p in pts)
+    if flat:
+        return MemoryFit(float(max_peak), 0.0, total, n, len(pts), "flat", max_peak, b_max)
     if len(pts) >= 2:
         xs = [float(b) for b, _ in pts]
         ys = [float(p) for _, p in pts]

@@ -28,15 +28,17 @@ function renderSummary(s, savings) {
   $("status").textContent = STATUS_LABEL[s.status] || s.status;
   $("status-detail").textContent = s.status_detail || "";
   const thr = s.step_ms ? (s.global_batch_size * 1000) / s.step_ms : null;
+  // Micro-batch placements: shares count fixed-shape micro-batches (docs/streaming.md).
+  const micro = s.share_unit === "micro_batch";
   $("stats").replaceChildren(
     // A mesh job's rows are its data-parallel replicas; the mesh says what each holds.
     ...(s.mesh ? [stat("mesh", s.mesh.label)] : []),
     stat(s.mesh ? "replicas" : "ranks", `${s.connected_ranks}/${s.world_size}`),
-    stat("global batch", s.global_batch_size),
+    stat("global batch", micro ? `${s.global_batch_size} micro-batches` : s.global_batch_size),
     stat("batch", s.batch_index ?? "–"),
     stat("step", fmt(s.step_ms, 1, " ms")),
     stat("steps/s", fmt(s.step_rate_hz, 2)),
-    stat("samples/s", fmt(thr, 0)),
+    stat(micro ? "micro-batches/s" : "samples/s", fmt(thr, 0)),
     stat("imbalance", pct(s.imbalance), s.imbalance > 0.1 ? "bad" : "good"),
     stat("idle", pct(s.idle_fraction)),
     stat("placement", s.placement_version === null || s.placement_version === undefined ? "–" : `v${s.placement_version}`),
@@ -134,7 +136,8 @@ function renderDevices(r, shares) {
       el("td", {}, `r${rank}`, r.connected[i] ? "" : " (disconnected)"),
       el("td", {}, r.host[i] || ""),
       el("td", { title: r.device_name[i] || "" }, r.device_type[i] || ""),
-      el("td", { class: "num" }, shares[i] ?? r.share[i] ?? "–"),
+      el("td", { class: "num", title: state.summary && state.summary.share_unit === "micro_batch" ? "micro-batches per step" : "samples per step" },
+        shares[i] ?? r.share[i] ?? "–"),
       el("td", { class: "num" }, r.work_per_s ? fmt(r.work_per_s[i], 0) : "–"),
       el("td", { class: "num" }, r.work_share ? pct(r.work_share[i]) : "–"),
       el("td", { class: "num" }, fmt(r.compute_ms[i], 1, " ms")),

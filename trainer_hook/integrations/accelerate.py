@@ -12,6 +12,7 @@ from collections.abc import Sized
 from typing import Any
 
 from trainer_hook.integrations._loader import check_accelerator, prepared_loader
+from trainer_hook.microbatch import refuse_micro_batches
 from trainer_hook.sampler import SampleCost
 
 __all__ = ["prepare_with_rebalancer", "gradient_mode_for"]
@@ -84,6 +85,7 @@ def prepare_with_rebalancer(
     ``dispatch_batches``) and when the hook's ``lookahead`` is too short for the
     loader's prefetch.
     """
+    refuse_micro_batches(hook, "prepare_with_rebalancer")
     check_accelerator(accelerator)
     if int(getattr(accelerator, "num_processes", 1)) != hook.world_size:
         raise ValueError(

@@ -27,6 +27,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from trainer_hook.integrations._loader import check_accelerator, prepared_loader, sampler_of
+from trainer_hook.microbatch import refuse_micro_batches
 
 __all__ = ["RebalanceCallback", "RebalancingTrainer", "STATE_FILE"]
 
@@ -59,6 +60,7 @@ class RebalanceCallback(TrainerCallback):
     """
 
     def __init__(self, hook: Any) -> None:
+        refuse_micro_batches(hook, "RebalanceCallback")
         self.hook = hook
         self.trainer: Trainer | None = None
         self.gradients = "comm_hook"
@@ -136,6 +138,7 @@ class RebalancingTrainer(Trainer):
                  **kwargs: Any) -> None:
         if rebalance_hook is None:
             raise ValueError("rebalance_hook is required: RebalancingTrainer(rebalance_hook=RebalanceHook(...), ...).")
+        refuse_micro_batches(rebalance_hook, "RebalancingTrainer")
         super().__init__(*args, **kwargs)
         check_accelerator(self.accelerator)
         self.rebalance_hook = rebalance_hook

@@ -26,6 +26,7 @@ from typing import Any
 from torch.utils.data.distributed import DistributedSampler
 
 from trainer_hook.loader import EpochView, HookDataLoader
+from trainer_hook.microbatch import refuse_micro_batches
 from trainer_hook.sampler import RebalanceBatchSampler
 
 try:
@@ -121,6 +122,7 @@ class RebalanceLightningCallback(pl.Callback):
     """
 
     def __init__(self, hook: Any) -> None:
+        refuse_micro_batches(hook, "RebalanceLightningCallback")
         self.hook = hook
         self._ctx: Any = None
         self._attached: Any = None

@@ -100,6 +100,9 @@ class JobPublic(BaseModel):
         None, description="A mesh job's replicas with their members, time and slowest member; null for plain data parallel.")
     cost_model: CostModelPublic | None = Field(
         None, description="What a sample costs in the split, and how well that explains the step times.")
+    share_unit: Literal["sample", "micro_batch"] = Field(
+        "sample", description="What a share counts: samples, or fixed-shape micro-batches "
+                              "(RebalanceHook(micro_batches=M): global_batch_size is M; docs/streaming.md).")
 
 
 class CostModelPublic(BaseModel):
@@ -273,6 +276,7 @@ def _job_from_live(parts: Parts, view: JobView) -> dict[str, Any]:
         "cost_per_hour": fc.cost_per_hour, "idle_cost_per_hour": fc.idle_cost_per_hour,
         "total_steps": fc.total_steps, "eta_s": fc.eta_s, "mesh": view.mesh.as_view() if view.mesh else None,
         "replicas": replica_rows(view), **_hung(view),
+        "share_unit": view.share_unit,  # "micro_batch": shares count micro-batches (docs/streaming.md)
     }
 
 

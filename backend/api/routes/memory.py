@@ -31,7 +31,7 @@ class RankMemoryPublic(BaseModel):
     total_bytes: int | None = None
     fixed_bytes: float | None = Field(default=None, description="m0 of the fit")
     per_sample_bytes: float | None = Field(default=None, description="m of the fit")
-    method: str | None = Field(default=None, description="linear (two or more batch sizes) | proportional (one)")
+    method: str | None = Field(default=None, description="linear (two or more batch sizes) | proportional (one) | flat (micro-batch shares: the peak does not grow with the count)")
     batch_sizes: int = 0
     predicted_peak_bytes: float | None = Field(default=None, description="at the share in force")
     limit_bytes: float | None = Field(default=None, description="(1 - memory_headroom) * total")
