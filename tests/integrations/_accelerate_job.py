@@ -1,20 +1,31 @@
 """torchrun target: Accelerate + RebalanceHook, placement changes mid-run, records all.
 
 Usage: python -m tests.integrations._accelerate_job OUT_DIR STEPS [GRAD_ACCUM] [NUM_WORKERS] [save|resume]
+   or: python -m tests.integrations._accelerate_job --configs OUT_DIR '[[STEPS, ...] or ["mismatch"], ...]'
 
 With workers the hook is created before the Accelerator (which starts the process group)
 and measures its lookahead. ``save``: ``accelerator.save_state`` after 10 steps, then die
 2 steps later; ``resume``: ``accelerator.load_state`` first (the hook is registered for
-checkpointing by prepare_with_rebalancer).
+checkpointing by prepare_with_rebalancer). The checkpoint lies next to OUT_DIR.
+
+``--configs`` runs each argument list after the other in one job (a job's start costs more
+than a run), the N-th one's results in OUT_DIR/cfgN; Accelerate's process-wide state is
+reset between them, and only the first one's hook can be created before the process group
+exists. ``save`` ends the process, so it comes last. ``mismatch``: ``Accelerator()`` without
+CPU mode on a machine without GPUs; each rank writes the adapter's error to ``rankN.txt``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 
 from tests.integrations._common import GLOBAL_BATCH, IndexedData, TinyNet, dump, make_optimizer
 from trainer_hook import RebalanceHook
@@ -24,11 +35,11 @@ from trainer_hook.integrations.accelerate import prepare_with_rebalancer
 REQUESTS = {1: [9, 3], 5: [2, 10]}
 
 
-def main() -> None:
-    out_dir, steps = sys.argv[1], int(sys.argv[2])
-    accum = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-    workers = int(sys.argv[4]) if len(sys.argv) > 4 else 0
-    ckpt = sys.argv[5] if len(sys.argv) > 5 else ""
+def run(out_dir: str, argv: Sequence[str]) -> None:
+    steps = int(argv[0])
+    accum = int(argv[1]) if len(argv) > 1 else 1
+    workers = int(argv[2]) if len(argv) > 2 else 0
+    ckpt = argv[3] if len(argv) > 3 else ""
     if workers == 0:
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum)
         hook = RebalanceHook(global_batch_size=GLOBAL_BATCH, exchange_every=2, exchange_lag=1, lookahead=2)
@@ -74,6 +85,39 @@ def main() -> None:
     }
     hook.close()
     dump(out_dir, hook.rank, payload, accelerator.unwrap_model(model))
+
+
+def mismatch(out_dir: str) -> None:
+    """Accelerator() without CPU mode on a machine without GPUs (the process group exists)."""
+    hook = RebalanceHook(global_batch_size=GLOBAL_BATCH)
+    accelerator = Accelerator()  # the mistake on a machine without GPUs: no cpu=True
+    model = TinyNet()
+    try:
+        prepare_with_rebalancer(accelerator, hook, model, make_optimizer(model), IndexedData())
+        line = f"rank {hook.rank}: NO ERROR"
+    except ValueError as exc:
+        line = f"rank {hook.rank}: {exc}"
+    hook.close()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / f"rank{hook.rank}.txt").write_text(line)
+
+
+def main() -> None:
+    if sys.argv[1] != "--configs":
+        run(sys.argv[1], sys.argv[2:])
+    else:
+        out_root, configs = sys.argv[2], json.loads(sys.argv[3])
+        for i, argv in enumerate(configs):
+            if i:  # a fresh Accelerate for the next configuration, on the process group in place
+                dist.barrier()
+                AcceleratorState._reset_state(reset_partial_state=True)
+                GradientState._reset_state()
+            out = os.path.join(out_root, f"cfg{i}")
+            if argv == ["mismatch"]:
+                mismatch(out)
+            else:
+                run(out, argv)
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,16 +1,23 @@
 """torchrun target: transformers Trainer + RebalancingTrainer, placements change mid-run.
 
-Usage: python -m tests.integrations._hf_job OUT_DIR MAX_STEPS [GRAD_ACCUM] [tokens|samples] [save|resume]
+Usage: python -m tests.integrations._hf_job OUT_DIR MAX_STEPS [GRAD_ACCUM] [tokens|tokens_cost|samples] [save|resume]
+   or: python -m tests.integrations._hf_job --configs OUT_DIR '[[MAX_STEPS, ...], ...]'
 
 The hook is created before the TrainingArguments, which start the process group, and
 measures its lookahead. ``save``: a checkpoint at the last step (next to OUT_DIR);
-``resume``: ``trainer.train(resume_from_checkpoint=...)`` from it.
+``resume``: ``trainer.train(resume_from_checkpoint=...)`` from it. ``--configs`` runs each
+argument list after the other in one job (a job's start, every rank importing transformers,
+costs more than a run), with the results of the N-th in OUT_DIR/cfgN and the checkpoint in
+OUT_DIR/hf_ckpt: the first configuration's hook is created before the process group exists,
+the others' after; Accelerate's process-wide state is reset between them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -83,13 +90,13 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([it[k] for it in items]) for k in items[0]}
 
 
-def main() -> None:
-    out_dir, max_steps = sys.argv[1], int(sys.argv[2])
-    accum = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-    tokens = len(sys.argv) > 4 and sys.argv[4] in ("tokens", "tokens_cost")
+def run(out_dir: str, argv: Sequence[str]) -> None:
+    max_steps = int(argv[0])
+    accum = int(argv[1]) if len(argv) > 1 else 1
+    tokens = len(argv) > 2 and argv[2] in ("tokens", "tokens_cost")
     # tokens_cost: each sample's valid-target count is its cost, so shares split tokens
-    cost = [i % 3 + 1 for i in range(N_SAMPLES)] if len(sys.argv) > 4 and sys.argv[4] == "tokens_cost" else None
-    ckpt = sys.argv[5] if len(sys.argv) > 5 else ""
+    cost = [i % 3 + 1 for i in range(N_SAMPLES)] if len(argv) > 2 and argv[2] == "tokens_cost" else None
+    ckpt = argv[3] if len(argv) > 3 else ""
     ckpt_root = os.path.join(os.path.dirname(os.path.abspath(out_dir)), "hf_ckpt")
     # Issue 10: created before TrainingArguments (no process group yet): it waits for it.
     hook = RebalanceHook(global_batch_size=GLOBAL_BATCH, exchange_every=2, exchange_lag=1)
@@ -119,6 +126,22 @@ def main() -> None:
     }
     hook.close()
     dump(out_dir, hook.rank, payload, model)
+
+
+def main() -> None:
+    if sys.argv[1] != "--configs":
+        run(sys.argv[1], sys.argv[2:])
+    else:
+        from accelerate.state import AcceleratorState, GradientState
+
+        out_root, configs = sys.argv[2], json.loads(sys.argv[3])
+        for i, argv in enumerate(configs):
+            if i:  # a fresh Accelerate for the next Trainer, on the process group in place
+                dist.barrier()  # the last configuration's checkpoint is complete on every rank
+                AcceleratorState._reset_state(reset_partial_state=True)
+                GradientState._reset_state()
+            run(os.path.join(out_root, f"cfg{i}"), argv)
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,10 +1,15 @@
-"""transformers Trainer integration: RebalancingTrainer keeps the math exact (2 gloo ranks)."""
+"""transformers Trainer integration: RebalancingTrainer keeps the math exact (2 gloo ranks).
+
+One torchrun job runs every configuration after the other (``_hf_job --configs``); each
+is still its own test, reading its results from the module fixture."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +22,27 @@ from tests.integrations._common import (
     reference,
 )
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = pytest.mark.timeout(300)
+
+# The configurations of the module's one job, in order: (max_steps, accum, loss[, save|resume]).
+# The first one's hook is created before the process group exists (issue 10).
+CONFIGS = {
+    "comm-hook": ["20", "1", "samples"],
+    "accum2": ["9", "2", "samples"],
+    "global-token-mean": ["20", "1", "tokens"],
+    "sample-cost": ["20", "1", "tokens_cost"],
+    "save": ["7", "1", "samples", "save"],
+    "resume": ["20", "1", "samples", "resume"],  # from the checkpoint "save" left
+}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every configuration's output folder, after the one job that ran them all."""
+    out = tmp_path_factory.mktemp("hf_trainer")
+    run_torchrun(2, ["-m", "tests.integrations._hf_job", "--configs", str(out), json.dumps(list(CONFIGS.values()))],
+                 timeout=280)
+    return {name: out / f"cfg{i}" for i, name in enumerate(CONFIGS)}
 
 
 @pytest.mark.multiproc
@@ -26,12 +51,13 @@ pytestmark = pytest.mark.timeout(150)
     [(1, 20, "comm_hook", "samples"), (2, 9, "loss_scale", "samples"), (1, 20, "loss_scale", "tokens")],
     ids=["comm-hook", "accum2", "global-token-mean"],
 )
-def test_trainer_matches_single_process_reference(tmp_path, accum, max_steps, gradients, loss):
+def test_trainer_matches_single_process_reference(job, request, accum, max_steps, gradients, loss):
     # "tokens": a model taking num_items_in_batch, samples with 1 to 3 valid targets; the
     # Trainer divides by the global batch's count, so no extra weight may be applied, and
     # a drained rank's dummy sample must not count among the tokens.
-    run_torchrun(2, ["-m", "tests.integrations._hf_job", str(tmp_path), str(max_steps), str(accum), loss])
-    recs, params = load(tmp_path, 2)
+    name = request.node.callspec.id
+    assert CONFIGS[name] == [str(max_steps), str(accum), loss]
+    recs, params = load(job[name], 2)
     assert recs[0]["mode"] == "MULTI_CPU" and recs[0]["world"] == 2
     assert recs[0]["gradients"] == gradients
     assert recs[0]["loss_is_global"] == (loss == "tokens")
@@ -62,14 +88,34 @@ def test_trainer_matches_single_process_reference(tmp_path, accum, max_steps, gr
 
 
 @pytest.mark.multiproc
-def test_trainer_resumed_from_a_checkpoint_continues_where_it_stood(tmp_path):
+def test_trainer_with_sample_cost_matches_the_single_process_token_mean(job):
+    # Issue 23: a per-sample cost, here sample i's valid-target count (i % 3 + 1), so shares
+    # split tokens; the Trainer's global token mean (num_items_in_batch,
+    # average_tokens_across_devices) stays exact. Placements 9:3 at step 1 and 12:0 (rank 1
+    # drained) at step 5, as in the plain token case.
+    recs, params = load(job["sample-cost"], 2)
+    assert recs[0]["loss_is_global"] is True and recs[0]["gradients"] == "loss_scale"
+    assert [v for v, _ in recs[0]["acks"]] == [1, 2]
+    # Under the 9:3 split rank 0 trains about 3/4 of the tokens (not of the samples).
+    mine = [i % 3 + 1 for b in recs[0]["batches"].values() if b["version"] == 1 for i in b["idx"]]
+    theirs = [i % 3 + 1 for b in recs[1]["batches"].values() if b["version"] == 1 for i in b["idx"]]
+    assert 0.7 <= sum(mine) / (sum(mine) + sum(theirs)) <= 0.8
+    assert any(b["dummy"] for b in recs[1]["batches"].values() if b["version"] == 2)
+    batches = global_batches(recs)
+    check_every_sample_once([sorted(b) for b in batches])
+    want = reference(batches, tokens=True)
+    for p in params:
+        assert_close_params(p, want, rtol=1e-9)
+
+
+@pytest.mark.multiproc
+def test_trainer_resumed_from_a_checkpoint_continues_where_it_stood(job):
     # Issue 10: a run resumed from a checkpoint started again at batch 0 with the uniform
     # split. The checkpoint at step 7 holds the hook's state; the Trainer skips the
-    # epoch's 2 trained batches itself and the hook lines its sampler up with that.
-    first, second = tmp_path / "first", tmp_path / "second"
-    run_torchrun(2, ["-m", "tests.integrations._hf_job", str(first), "7", "1", "samples", "save"])
-    assert (tmp_path / "hf_ckpt" / "checkpoint-7" / "rebalancer_state.json").is_file()
-    run_torchrun(2, ["-m", "tests.integrations._hf_job", str(second), "20", "1", "samples", "resume"])
+    # epoch's 2 trained batches itself and the hook lines its sampler up with that. The
+    # resumed run is a fresh Trainer and hook (in the job's process: Accelerate reset).
+    first, second = job["save"], job["resume"]
+    assert (first.parent / "hf_ckpt" / "checkpoint-7" / "rebalancer_state.json").is_file()
     before, _ = load(first, 2)
     recs, params = load(second, 2)
     assert min(int(k) for k in recs[0]["batches"]) == 7 and recs[0]["global_step"] == 20
