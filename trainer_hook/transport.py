@@ -686,7 +686,7 @@ class Transport:
             return
         target = self._redirect or self.url
         if target.startswith(_UNIX):  # the node agent is gone (we are not connected): our own
-            target = self.urls[1]
+            target = next(u for u in self.urls if not u.startswith(_UNIX))
         try:
             ws = self._connect(target, min(remaining, 1.0), 0.5)
         except Exception as exc:  # noqa: BLE001
