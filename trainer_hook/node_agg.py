@@ -21,6 +21,7 @@ or off; by default it is on when torchrun starts two or more ranks on the node.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -37,6 +38,7 @@ from websockets.http11 import Request, Response
 from websockets.sync.server import Server, ServerConnection, unix_serve
 
 from rebalancer_wire.protocol import (
+    CLOSE_CONFLICT,
     CLOSE_FORBIDDEN,
     CLOSE_GOING_AWAY,
     CLOSE_MALFORMED,
@@ -75,6 +77,7 @@ _ON, _OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
 _MAX_WAITING = 4096  # frames held while rank 0's connection is down (~5 min of 8 ranks' frames)
 _DRAIN_S = 1.0  # how long stop() lets rank 0's connection take what the agent holds
 _LAST_S = 1.5  # how long a closing rank 0 waits for the other local ranks to close first
+_CLOSE_OF = {"conflict": CLOSE_CONFLICT, "forbidden": CLOSE_FORBIDDEN}  # an error's code -> a guest's close
 
 
 def node_aggregation(env: Mapping[str, str]) -> bool:
@@ -163,6 +166,7 @@ class NodeAgent:
         self._max_waiting = max_waiting
         self._waiting: deque[tuple[int, str]] = deque()  # (rank, frame) in arrival order
         self._hellos: dict[int, str] = {}  # rank -> its latest hello, until its leave went up
+        self._latest: dict[int, int] = {}  # rank -> the batch after the last step it sent
         self._guests: dict[int, ServerConnection] = {}
         self._dropped: dict[int, int] = {}  # records of frames dropped on overflow, per rank
         self._placement: str | None = None  # the last placement, for a rank that connects late
@@ -297,6 +301,10 @@ class NodeAgent:
                 if isinstance(msg, Hello):
                     with self._lock:
                         self._hellos[rank] = text
+                elif isinstance(msg, Metrics) and msg.steps:
+                    top = max(st.batch_index for st in msg.steps) + 1
+                    with self._lock:
+                        self._latest[rank] = max(self._latest.get(rank, 0), top)
                 self._put(rank, text)
             rcvd = conn.protocol.close_rcvd
             code = rcvd.code if rcvd is not None else 1006
@@ -391,8 +399,20 @@ class NodeAgent:
     # --- transport.Relay: rank 0's transport thread ----------------------------------------
 
     def hellos(self) -> list[str]:
+        """Each guest's hello, its batch index brought up to what the guest has sent since (the
+        backend bounds a step's distance from its rank's hello: MAX_BATCH_JUMP)."""
         with self._lock:
-            return list(self._hellos.values())
+            held = list(self._hellos.items())
+            latest = dict(self._latest)
+        out = []
+        for rank, text in held:
+            nxt = latest.get(rank)
+            if nxt is not None:
+                hello = decode(text)
+                if isinstance(hello, Hello) and hello.batch_index < nxt:
+                    text = encode(dataclasses.replace(hello, batch_index=nxt))
+            out.append(text)
+        return out
 
     def peek(self) -> str | None:
         with self._lock:
@@ -409,6 +429,23 @@ class NodeAgent:
             self.relayed += 1
             if text.startswith('{"type":"leave"') and rank not in self._guests:
                 self._hellos.pop(rank, None)
+
+    def drop(self, rank: int, code: str, message: str) -> None:
+        """The backend refused one guest's frame: that guest alone is closed (with the close
+        code it would have got on its own connection) and what it has waiting is dropped; it
+        reconnects, and the others go on."""
+        with self._lock:
+            conn = self._guests.get(rank)
+            self._waiting = deque((r, t) for r, t in self._waiting if r != rank)
+            self._hellos.pop(rank, None)
+            self._latest.pop(rank, None)
+        log.warning("The backend refused local rank %s's frame (%s: %s); closing that rank's connection to the "
+                    "node agent.", rank, code, message)
+        if conn is not None:
+            try:
+                conn.close(_CLOSE_OF.get(code, CLOSE_MALFORMED), message[:120])
+            except ConnectionClosed:
+                pass
 
     def deliver(self, raw: str) -> None:
         if raw.startswith('{"type":"placement"'):

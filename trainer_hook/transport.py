@@ -137,6 +137,10 @@ class Relay(Protocol):
         """A ``placement`` or ``error`` frame from the backend, for the other ranks."""
         ...
 
+    def drop(self, rank: int, code: str, message: str) -> None:
+        """The backend refused a frame of ``rank`` (another local rank) and dropped it alone."""
+        ...
+
     def stop(self, reason: str) -> None:
         """Stop relaying: the other ranks go to their own connections."""
         ...
@@ -550,8 +554,10 @@ class Transport:
             if self._redirect is not None and self._redirect != self.url:
                 raise _Redirected from None
         if code == CLOSE_MALFORMED and self.relay is not None:
-            # A backend that refuses a second rank's hello (older than node connections), or
-            # a frame it refused: the other ranks go to their own connections from now on.
+            # A backend that refuses a second rank's hello (older than node connections; a newer
+            # one drops a refused rank alone): the other ranks go to their own connections.
+            log.warning("The backend closed the node connection with %s (%s); the other local ranks connect on "
+                        "their own from now on.", code, reason)
             self.relay.stop(f"the backend closed the node connection with {code}: {reason}")
         if code in _AUTH_CODES:
             raise _AuthRefused(f"close code {code}: {reason}") from None
@@ -585,6 +591,14 @@ class Transport:
                             msg.message[:200], self.url)
             else:
                 self._follow(msg.message)
+            return
+        if isinstance(msg, Error) and msg.rank is not None:  # a node connection: one rank refused
+            if self._ident is not None and msg.rank == self._ident[1]:
+                log.warning("The backend refused a frame of this rank (%s: %s); saying hello again.",
+                            msg.code, msg.message)
+                self._control.appendleft(self._make_hello())
+            elif self.relay is not None:
+                self.relay.drop(msg.rank, msg.code, msg.message)
             return
         if self.relay is not None:
             self.relay.deliver(raw if isinstance(raw, str) else raw.decode())
@@ -734,7 +748,7 @@ class Transport:
             return
         target = self._redirect or self.url
         if target.startswith(_UNIX):  # the node agent is gone (we are not connected): our own
-            target = self.urls[1]
+            target = next(u for u in self.urls if not u.startswith(_UNIX))
         try:
             ws = self._connect(target, min(remaining, 1.0), 0.5)
         except Exception as exc:  # noqa: BLE001

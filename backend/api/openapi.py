@@ -64,14 +64,56 @@ def _document_errors(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+# No string a request carries may hold NUL (PostgreSQL's text cannot store it): the edge refuses
+# one with 422 (backend.api.edge), and the document says so on every string and free key a
+# request may carry, so a client (or a fuzzer) that follows the document never meets that 422.
+NUL_FREE = "^[^\\x00]*$"
+
+
+def _nul_free(node: Any, comps: dict[str, Any], seen: set[str]) -> None:
+    """Add ``NUL_FREE`` to every string schema (without enum or pattern of its own) and every
+    object with free keys under ``node``, following ``$ref``s into ``comps`` once each."""
+    if isinstance(node, list):
+        for item in node:
+            _nul_free(item, comps, seen)
+        return
+    if not isinstance(node, dict):
+        return
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/components/schemas/"):
+        name = ref.rsplit("/", 1)[1]
+        if name not in seen and name in comps:
+            seen.add(name)
+            _nul_free(comps[name], comps, seen)
+    if node.get("type") == "string" and "enum" not in node and "const" not in node and "pattern" not in node:
+        node["pattern"] = NUL_FREE
+    if node.get("type") == "object" and node.get("additionalProperties", True) is not False \
+            and "propertyNames" not in node:
+        node["propertyNames"] = {"pattern": NUL_FREE}
+    for key, value in node.items():
+        if key not in ("$ref", "enum", "const", "default", "examples", "example"):
+            _nul_free(value, comps, seen)
+
+
+def _document_nul(schema: dict[str, Any]) -> dict[str, Any]:
+    comps = schema.get("components", {}).get("schemas", {})
+    seen: set[str] = set()
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            for param in op.get("parameters", ()):
+                _nul_free(param.get("schema"), comps, seen)
+            _nul_free(op.get("requestBody"), comps, seen)
+    return schema
+
+
 def install_openapi(app: FastAPI) -> None:
     """Document the error answers in ``/openapi.json`` and fill ``Allow`` on every 405."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = _document_errors(get_openapi(
+            app.openapi_schema = _document_nul(_document_errors(get_openapi(
                 title=app.title, version=app.version, summary=app.summary,
-                description=app.description, routes=app.routes))
+                description=app.description, routes=app.routes)))
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

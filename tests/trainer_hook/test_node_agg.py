@@ -127,6 +127,37 @@ def test_ranks_of_a_node_share_one_connection_then_fall_back(server: Server, tmp
     assert left == [], left
 
 
+def test_a_bad_frame_of_one_local_rank_drops_that_rank_alone(server: Server, tmp_path: Path) -> None:
+    # One local rank's frame the backend refused (a step larger than the global batch) closed
+    # the shared node connection and turned aggregation off for the run (issue 38).
+    job = "node-bad-frame"
+    ts, _ = _node(server, job, tmp_path)
+    agent = ts[0].relay
+    assert isinstance(agent, NodeAgent)
+    try:
+        wait_until(lambda: agent.guests == [1, 2, 3], "every local rank connected to the agent")
+        for k in range(5):
+            for t in ts:
+                t.put_step(_step(k))
+        wait_until(lambda: _steps_arrived(server, job, 5), "5 steps of every rank", timeout=60, log=server.log)
+        bad = _step(5)
+        bad.local_batch_size = 17  # the job's global batch is 16
+        ts[2].put_step(bad)
+        wait_until(lambda: "rank 2 from its node connection" in server.log(), "the backend dropped rank 2",
+                   log=server.log)
+        for k in range(6, 12):
+            for t in ts:
+                t.put_step(_step(k))
+        wait_until(lambda: _steps_arrived(server, job, 11), "steps 0-4 and 6-11 of every rank", timeout=60,
+                   log=lambda: str({i: (r["n_steps"], r["connected"]) for i, r in _ranks(server, job).items()}))
+        assert ts[0].relay is agent and not agent._stopping  # noqa: SLF001
+        assert server.get("/healthz")["hook_sockets"] == 1  # type: ignore[index]
+        assert agent.guests == [1, 2, 3]
+    finally:
+        for t in ts:
+            t.close(timeout=2.0)
+
+
 def test_closing_rank_0_stops_the_agent_and_its_thread(server: Server, tmp_path: Path) -> None:
     job = "agent-thread"
     ts, _ = _node(server, job, tmp_path)
