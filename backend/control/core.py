@@ -427,7 +427,7 @@ class ControllerCore:
     def _placement_msg(self, st: JobState, *, proposal_id: int | None = None, reason: str = "") -> Placement:
         return Placement(job=st.job, version=st.version, shares=list(st.shares),
                          global_batch_size=st.global_batch_size, proposal_id=proposal_id,
-                         reason=reason, length_sq_weight=st.length_sq_weight)
+                         reason=reason, length_sq_weight=st.length_sq_weight, epoch=st.epoch or 0)
 
     def _new_placement(self, s: Session, st: JobState, shares: Sequence[int], *, source: str,
                        actor: ActorLike, reason: str, proposal_id: int | None = None,
