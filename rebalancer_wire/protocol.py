@@ -962,6 +962,10 @@ class Placement:
     uses for samples given by length (``sample_length=``): a sample of length L costs
     ``L + k*L^2``. The backend fits it from the step times (``a*sum(L) + b*sum(L^2)``, k =
     b/a); it takes effect with the placement, at the batch index rank 0 picks for it.
+
+    ``epoch`` (optional, 0 when absent): the lease epoch of the backend replica that sent it
+    (a fence: it rises with every take-over of the job); rank 0 refuses a placement whose
+    epoch is below one it has seen, since its sender no longer owns the job.
     """
 
     TYPE: ClassVar[str] = "placement"
@@ -972,6 +976,7 @@ class Placement:
     proposal_id: int | None = None
     reason: str = ""
     length_sq_weight: float = 0.0
+    epoch: int = 0
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Placement:
@@ -989,6 +994,7 @@ class Placement:
             proposal_id=_int(d, "proposal_id", hi=MAX_VERSION, default=None),
             reason=_str(d, "reason", max_len=_MAX_TEXT, default=""),
             length_sq_weight=_float(d, "length_sq_weight", hi=MAX_LENGTH_SQ_WEIGHT, default=0.0),
+            epoch=_int(d, "epoch", hi=MAX_VERSION, default=0),
         )
 
 
@@ -1047,6 +1053,8 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
         body["replica_devices"] = list(body["replica_devices"])
     if body.get("length_sq_weight", None) == 0.0:
         del body["length_sq_weight"]  # likewise: a hook without it reads the same
+    if isinstance(msg, Placement) and body.get("epoch", None) == 0:
+        del body["epoch"]  # likewise: a backend without replicas' leases
     if version < 2:
         for key in _V2_ONLY:
             body.pop(key, None)

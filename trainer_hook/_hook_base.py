@@ -169,6 +169,7 @@ class HookBase:
         self.last_error: Error | None = None
         self._initial: PendingPlacement | None = None
         self._initial_event = threading.Event()
+        self._epoch_seen = 0  # the highest lease epoch of a backend placement (rank 0)
         self._transport: Any = None
         self._probe: Any = None
         self._watchdog: Watchdog | None = None

@@ -76,11 +76,23 @@ class PlacementSwitch(HookBase):
             self._transport.send_control(Reject(job=self.config.job_name, rank=self._rank, version=version, reason=error))
         return error
 
+    def _newest_version(self) -> int:
+        with self._lock:
+            pending = self._channel.pending
+            return max(self._schedule.latest.version, pending.version if pending else -1)
+
     def _on_message(self, msg: Message) -> None:
         """Transport thread: a backend ``placement`` (rank 0 acts on it) or ``error``."""
         if isinstance(msg, Placement):
             if not self._root:
                 return  # rank 0 decides for everyone; the exchange brings it here
+            if msg.epoch < self._epoch_seen and msg.version <= self._newest_version():
+                # From a replica that lost the job (paused past its lease): ignored, not
+                # rejected, since a reject would mark that version failed in the store.
+                log.warning("ignored placement version %d from a backend replica that no longer owns the job "
+                            "(lease epoch %d < %d)", msg.version, msg.epoch, self._epoch_seen)
+                return
+            self._epoch_seen = msg.epoch  # (a newer version under a lower epoch: the backend's store was replaced)
             with self._lock:
                 startup = not self._started
             if startup:

@@ -69,6 +69,7 @@ from trainer_hook._agent_trust import (
     read_secret,
     secret_path,
 )
+from trainer_hook._confirm import Silent, Unconfirmed
 
 __all__ = ["Relay", "Transport", "hook_ws_url", "hook_ws_urls"]
 
@@ -81,8 +82,6 @@ _MAX_DEVICE_PER_MESSAGE = 256  # ~1 Hz samples; keeps a full frame of steps well
 _MAX_CONTROL = 4096  # acks/rejects are a few per placement; this only guards a runaway caller
 _MAX_REDIRECTS = 3  # redirects followed in a row at once; then with back-off (a loop between replicas)
 _MAX_UNANSWERED = 256  # metrics frames kept for resending until the hello is answered
-_MAX_UNCONFIRMED = 1024  # metrics frames kept for resending until a pong confirms the backend read them
-_CONFIRM_S = 0.5  # at most one confirming ping this often, and only with frames to confirm
 _UNIX = "unix:"  # a URL in ``urls`` that is a node agent's unix socket (trainer_hook/node_agg.py)
 
 
@@ -230,15 +229,8 @@ class Transport:
         self._answered = False
         self._unanswered: list[str] = []
         self._unanswered_control: list[Ack | Reject | Oom | Hello] = []
-        # Metrics frames sent on this connection that no pong has confirmed yet: the backend
-        # answers a ping only after reading every frame sent before it. A connection that
-        # breaks, or a backend silent for ``silent_timeout_s`` (paused: its socket takes our
-        # frames and nobody reads them), sends them again on the next connection, so that a
-        # failover loses at most what the old backend read and had not stored.
-        self._unconfirmed: list[str] = []
-        self._ping: tuple[threading.Event, int, float] | None = None  # (pong, frames covered, sent at)
-        self._next_ping = 0.0
-        self._silent_s = float(silent_timeout_s)
+        # Frames no pong confirmed: sent again after a break or a silence (``_confirm.py``).
+        self._unconfirmed = Unconfirmed(float(silent_timeout_s))
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._hello = hello
         self._on_message = on_message
@@ -400,7 +392,7 @@ class Transport:
             except _Stop:
                 self._stopped = True
                 return
-            except _Silent as exc:
+            except Silent as exc:
                 log.warning("%s; this rank tries the next backend URL and sends again what it did not "
                             "confirm, training goes on.", exc)
                 if self._redirect is None:
@@ -469,7 +461,7 @@ class Transport:
             raise _Stop from None
         self._ws = ws
         self._answered, self._unanswered, self._unanswered_control = False, [], []
-        self._unconfirmed, self._ping = [], None
+        self._unconfirmed.reset()
         clean = False
         try:
             hello = self._make_hello()
@@ -490,7 +482,7 @@ class Transport:
                     self._send_metrics(ws)
                     next_flush = time.monotonic() + self._flush_s
                 self._receive(ws, _POLL_S)
-                self._confirm(ws)
+                self._unconfirmed.check(ws.ping, self.url)
             self._flush(ws, self._close_deadline)
             ws.close()
             clean = True  # the close handshake: the backend read everything
@@ -500,9 +492,9 @@ class Transport:
             clean = exc.rcvd is not None
             self._closed_by_server(exc)
         finally:
-            if not clean and self._unconfirmed:  # the backend may never have read them
-                self._unsent[:0] = self._unconfirmed
-            self._unconfirmed, self._ping = [], None
+            if not clean:  # the backend may never have read them
+                self._unsent[:0] = self._unconfirmed.frames
+            self._unconfirmed.reset()
             self._connected = False
             self._ws = None
             ws.close_socket()
@@ -548,7 +540,7 @@ class Transport:
                 self._follow(reason)
             if not self._answered:  # the replica read nothing after the hello: send it again
                 self._unsent[:0] = self._unanswered
-                self._unconfirmed = []  # the same frames (none was answered)
+                self._unconfirmed.reset()  # the same frames (none was answered)
                 self._control.extendleft(reversed(self._unanswered_control))
             self._unanswered, self._unanswered_control = [], []
             if self._redirect is not None and self._redirect != self.url:
@@ -653,29 +645,7 @@ class Transport:
     def _sent(self, frame: str) -> None:
         if not self._answered and len(self._unanswered) < _MAX_UNANSWERED:
             self._unanswered.append(frame)
-        if len(self._unconfirmed) >= _MAX_UNCONFIRMED:
-            self._unconfirmed.pop(0)  # the oldest is given up on (the backend has read it, most likely)
-            if self._ping is not None and self._ping[1] > 0:
-                self._ping = (self._ping[0], self._ping[1] - 1, self._ping[2])
-        self._unconfirmed.append(frame)
-
-    def _confirm(self, ws: ClientConnection) -> None:
-        """Drop the frames a pong confirmed; ping for the rest (one ping in flight at most).
-        Raise ``_Silent`` when the backend answered no ping for ``silent_timeout_s``."""
-        now = time.monotonic()
-        if self._ping is not None:
-            pong, covered, sent_at = self._ping
-            if pong.is_set():
-                del self._unconfirmed[:covered]
-                self._ping = None
-            elif now - sent_at > self._silent_s:
-                raise _Silent(f"The backend at {self.url} answered no ping for {self._silent_s:g} s "
-                              f"({len(self._unconfirmed)} metrics frames unconfirmed)")
-            else:
-                return
-        if self._unconfirmed and now >= self._next_ping:
-            self._ping = (ws.ping(), len(self._unconfirmed), now)
-            self._next_ping = now + _CONFIRM_S
+        self._unconfirmed.sent(frame)
 
     def _scan(self) -> bool:
         """Look at the steps queued since the last look (sender thread): True when one
@@ -812,10 +782,6 @@ class _AgentRefused(Exception):
 
 class _Redirected(Exception):
     """Another replica controls the job; ``Transport._redirect`` says which."""
-
-
-class _Silent(Exception):
-    """The backend answered no ping for ``silent_timeout_s`` (paused, or its host is gone)."""
 
 
 class _AuthRefused(Exception):

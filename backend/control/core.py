@@ -34,6 +34,7 @@ from backend.storage import control as db
 from backend.storage import owners
 from backend.storage.gateway import SqlGateway
 from backend.storage.metrics import job_mesh
+from backend.storage.writes import database_fault
 from rebalancer_wire.protocol import Hello, MeshShape, Placement, uniform_shares
 
 __all__ = ["ARRIVAL_WAIT_S", "LOCAL_REPLICA", "MODES", "SYSTEM", "ActorLike", "ControllerCore", "JobState",
@@ -186,6 +187,8 @@ class ControllerCore:
     def _fence(self, s: Session, st: JobState) -> None:
         """The last statement of every control write before its commit: the job's row in
         ``job_owners`` must still hold the epoch this replica loaded the job under."""
+        if st.epoch is None and self.ownership is None:  # loaded while the database refused writes
+            st.epoch = records.take_epoch(s, st.job, self.replica_id, None)
         if st.epoch is not None:
             held = records.check_epoch(s, st.job, self.replica_id, st.epoch,
                                       idle_limit_s=self.settings.lease_ttl_s)
@@ -287,7 +290,14 @@ class ControllerCore:
                 return None
             # First, in this transaction: a write of the previous owner committed before our
             # epoch is read below; one after it is refused by its own check.
-            epoch = records.take_epoch(s, job, replica, term) if mine else None
+            epoch = None
+            if mine:
+                try:
+                    epoch = records.take_epoch(s, job, replica, term)
+                except Exception as exc:  # a read-only database: the job loads, its writes wait
+                    if not database_fault(exc):
+                        raise
+                    s.rollback()
             pl = db.latest_placement(s, job)
             st = JobState(
                 job=job, world_size=row.world_size, global_batch_size=row.global_batch_size,
@@ -427,7 +437,7 @@ class ControllerCore:
     def _placement_msg(self, st: JobState, *, proposal_id: int | None = None, reason: str = "") -> Placement:
         return Placement(job=st.job, version=st.version, shares=list(st.shares),
                          global_batch_size=st.global_batch_size, proposal_id=proposal_id,
-                         reason=reason, length_sq_weight=st.length_sq_weight)
+                         reason=reason, length_sq_weight=st.length_sq_weight, epoch=st.epoch or 0)
 
     def _new_placement(self, s: Session, st: JobState, shares: Sequence[int], *, source: str,
                        actor: ActorLike, reason: str, proposal_id: int | None = None,

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from backend.control import effect, inputs, records
 from backend.control.core import SYSTEM, ControllerCore, JobState
 from backend.control.errors import (
+    FencedError,
     InvalidError,
 )
 from backend.live.state import LiveState
@@ -192,7 +193,12 @@ class HookEvents(ControllerCore):
                 self._read_facts(s, st)
                 return previous
 
-            previous = await self._sql(work)
+            try:
+                previous = await self._sql(work)
+            except FencedError as exc:  # another replica took the job: its hooks go there
+                log.warning("job %s: the out-of-memory cap of rank %d was not stored here: %s", oom.job, oom.rank,
+                            exc.detail)
+                return
             st.overrides, st.last_run = ov, -math.inf
             st.status, st.status_detail = "imbalanced", why
             self._dirty.add(oom.job)

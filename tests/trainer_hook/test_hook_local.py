@@ -117,6 +117,25 @@ def test_invalid_placements_are_rejected_with_reasons_and_training_goes_on() -> 
     assert hook.batch_index == 8 and hook.acks == [] and hook.placement_version == 0
 
 
+def test_a_placement_from_a_replica_that_lost_the_job_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    hook = RebalanceHook(global_batch_size=8, exchange_every=2, exchange_lag=1, lookahead=2)
+    model = hook.attach(torch.nn.Linear(4, 1))
+
+    def on_step(k: int) -> None:
+        if k == 1:
+            hook._on_message(Placement(job="local", version=1, shares=[8], global_batch_size=8, epoch=3))
+            # The replica paused past its lease sends its (older) placement late: ignored, no reject.
+            hook._on_message(Placement(job="local", version=1, shares=[8], global_batch_size=8, epoch=2))
+        if k == 4:  # a newer version under a lower epoch: the backend's store was replaced
+            hook._on_message(Placement(job="local", version=2, shares=[8], global_batch_size=8, epoch=1))
+
+    _train(hook, model, 12, on_step)
+    hook.close()
+    assert hook.rejections == [] and hook.placement_version == 2
+    assert "ignored placement version 1 from a backend replica that no longer owns the job (lease epoch 2 < 3)" \
+        in caplog.text
+
+
 def test_request_placement_sets_or_keeps_the_cost_model_k() -> None:
     hook = RebalanceHook(global_batch_size=8, exchange_every=2, exchange_lag=1, lookahead=2)
     model = hook.attach(torch.nn.Linear(4, 1))
