@@ -43,12 +43,19 @@ class StepLoop(PlacementSwitch):
             self._ensure_started()
         k = self._next_batch
         channel = self._channel
+        waited = 0.0  # in the hook's own collectives: sync wait, not data wait (invariant 11)
         if self._lookahead is None:
+            clock = self._timer.clock
+            t = clock()
             self._agree_lookahead(k)
+            waited = clock() - t
             if self._lookahead is None:  # postponed: no exchange may start a placement yet
                 channel = _NO_EXCHANGE
         if k >= channel.due:  # an exchange to collect or launch; otherwise nothing to do
+            clock = self._timer.clock
+            t = clock()
             channel.on_step(k)
+            waited += clock() - t
         p = self._schedule.at(k)
         sampler = self._sampler
         b = self.config.global_batch_size
@@ -77,7 +84,7 @@ class StepLoop(PlacementSwitch):
         self._trained = p
         if self._memory is not None:
             self._memory.begin(local)
-        self._timer.start(k, local, p.version, events=grads.events)
+        self._timer.start(k, local, p.version, events=grads.events, waited=waited)
         return k
 
     def _agree_lookahead(self, k: int) -> None:
