@@ -43,7 +43,9 @@ class StepLoop(PlacementSwitch):
             self._ensure_started()
         k = self._next_batch
         channel = self._channel
-        waited = 0.0  # in the hook's own collectives: sync wait, not data wait (invariant 11)
+        # In the hook's own collectives: sync wait, not data wait (invariant 11); a replica's
+        # pace check at the end of the previous step included.
+        waited, self._entry_wait = self._entry_wait, 0.0
         if self._lookahead is None:
             clock = self._timer.clock
             t = clock()
@@ -163,7 +165,10 @@ class StepLoop(PlacementSwitch):
                       else hash((rec.placement_version, rec.local_batch_size)))
                 for r in pace.add(rec, fp):  # only a record whose window left already
                     self._report(r)
-            pace.on_step_end(self._next_batch, self._grads.events is not None)
+            clock = self._timer.clock
+            t = clock()
+            pace.on_step_end(self._next_batch, self._grads.events is not None)  # may wait for the last window
+            self._entry_wait = clock() - t
         elif rec is not None:
             self._report(rec)
         if self._grads.repeated_bucket:

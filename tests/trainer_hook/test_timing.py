@@ -355,3 +355,35 @@ def test_the_entry_wait_is_clipped_to_the_gap_before_the_step() -> None:
     rec = timer.finish(grads)
     assert rec is not None
     assert (rec.data_wait_ms, rec.sync_wait_ms, rec.compute_ms, rec.step_ms) == pytest.approx((0.0, 40.0, 10.0, 50.0))
+
+
+def test_a_replicas_pace_check_after_a_step_is_the_next_steps_sync_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A mesh replica's members wait at a hand-over for the last window to be combined
+    # (trainer_hook.mesh.ReplicaPace): time in the hook, after the step's record was taken.
+    from trainer_hook import RebalanceHook, gradients
+
+    clock = SteppedClock(10.0)
+    monkeypatch.setattr(gradients, "_now", clock)
+    hook = RebalanceHook(job="t", global_batch_size=4, lookahead=1)
+    hook._init_distributed("test")
+    hook._timer._clock = clock
+
+    class Pace:
+        leader = False
+
+        def add(self, rec: Any, fingerprint: int = 0) -> tuple[()]:
+            return ()
+
+        def on_step_end(self, trained: int, late: bool) -> None:
+            clock.now += 0.012
+
+    hook._pace = Pace()  # type: ignore[assignment]
+    for _ in range(2):
+        with hook.step():
+            clock.now += 0.010
+        clock.now += 0.003  # the loader
+    hook._pace = None
+    hook.close()
+    rec = hook.last_step
+    assert rec is not None and rec.batch_index == 1
+    assert (rec.data_wait_ms, rec.sync_wait_ms, rec.compute_ms) == pytest.approx((3.0, 12.0, 10.0))
