@@ -127,6 +127,7 @@ class HookBase:
         self._replica_devices: tuple[str, ...] = ()  # each member's host and device
         self._mesh: MeshShape | None = None  # the job's mesh shape, for the hello
         self._pace: ReplicaPace | None = None  # combines the replica's records (members > 1)
+        self._entry_wait = 0.0  # seconds the pace check after the last step waited (sync wait)
         # The lookahead in force: given, or measured at the first step (None until then).
         self._lookahead: int | None = cfg.lookahead if isinstance(cfg.lookahead, int) else None
         self._known_lookahead = 0  # what hook.data_loader() knows its loader needs

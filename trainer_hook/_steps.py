@@ -43,12 +43,21 @@ class StepLoop(PlacementSwitch):
             self._ensure_started()
         k = self._next_batch
         channel = self._channel
+        # In the hook's own collectives: sync wait, not data wait (invariant 11); a replica's
+        # pace check at the end of the previous step included.
+        waited, self._entry_wait = self._entry_wait, 0.0
         if self._lookahead is None:
+            clock = self._timer.clock
+            t = clock()
             self._agree_lookahead(k)
+            waited = clock() - t
             if self._lookahead is None:  # postponed: no exchange may start a placement yet
                 channel = _NO_EXCHANGE
         if k >= channel.due:  # an exchange to collect or launch; otherwise nothing to do
+            clock = self._timer.clock
+            t = clock()
             channel.on_step(k)
+            waited += clock() - t
         p = self._schedule.at(k)
         sampler = self._sampler
         b = self.config.global_batch_size
@@ -81,7 +90,7 @@ class StepLoop(PlacementSwitch):
             self._memory.begin(local)
         if self._gc_schedule is not None:  # HookConfig gc_freeze / gc_collect_every
             self._gc_schedule.on_step(k)
-        self._timer.start(k, local, p.version, events=grads.events)
+        self._timer.start(k, local, p.version, events=grads.events, waited=waited)
         self._in_step, self._mb = True, None
         return k
 
@@ -164,7 +173,10 @@ class StepLoop(PlacementSwitch):
                       else hash((rec.placement_version, rec.local_batch_size)))
                 for r in pace.add(rec, fp):  # only a record whose window left already
                     self._report(r)
-            pace.on_step_end(self._next_batch, self._grads.events is not None)
+            clock = self._timer.clock
+            t = clock()
+            pace.on_step_end(self._next_batch, self._grads.events is not None)  # may wait for the last window
+            self._entry_wait = clock() - t
         elif rec is not None:
             self._report(rec)
         if self._grads.repeated_bucket:

@@ -8,6 +8,8 @@ part of the world (``check_data_parallel``, ``check_mesh``). No communication ha
 
 from __future__ import annotations
 
+import gc
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,12 +32,31 @@ def _is_ddp(model: Any) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
-_SUPPORTED = (
+_SUPPORTED_WRAPPERS = (
     "Supported: DistributedDataParallel, FSDP2 (fully_shard) and FSDP1 "
     "(FullyShardedDataParallel) over one data-parallel dimension, each through "
-    "hook.attach(model); anything that averages gradients over all ranks through "
+    "hook.attach(model)."
+)
+_SUPPORTED = (
+    _SUPPORTED_WRAPPERS[:-1] + "; anything that averages gradients over all ranks through "
     "hook.attach(model, gradients='loss_scale') with loss * hook.loss_weight()."
 )
+
+
+def _pipeline_stage_of(model: Any) -> Any:
+    """The ``torch.distributed.pipelining`` stage that holds ``model`` as its module, else
+    None (looked for only where pipelining is imported; once, at attach)."""
+    if "torch.distributed.pipelining" not in sys.modules:
+        return None
+    try:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+    except ImportError:
+        return None
+    inner = _compiled_inner(model)
+    for holder in gc.get_referrers(model, inner) if inner is not model else gc.get_referrers(model):
+        if isinstance(holder, _PipelineStageBase) and getattr(holder, "submod", None) in (model, inner):
+            return holder
+    return None
 
 
 def _fsdp2_modules(model: torch.nn.Module) -> list[Any]:
@@ -158,10 +179,14 @@ def check_data_parallel(model: Any, world_size: int | None = None, *, dp_mesh: A
             f"DeepSpeed ({name}) is not supported by the rebalancer: its engine reduces and "
             f"partitions gradients inside engine.backward()/step(), out of the hook's reach. {_SUPPORTED}"
         )
-    if module.startswith("torch.distributed.pipelining") or "Pipe" in name:
+    stage = _pipeline_stage_of(model)
+    if module.startswith("torch.distributed.pipelining") or "Pipe" in name or stage is not None:
+        what = name if stage is None else f"the module of {type(stage).__name__} {getattr(stage, 'stage_index', '?')}"
         raise ValueError(
-            f"pipeline parallelism ({name}) is not supported by the rebalancer: every stage of a "
-            f"pipeline must see the same micro-batches, so no stage can take a different share. {_SUPPORTED}"
+            f"pipeline parallelism ({what}) is not supported by the rebalancer: every stage of a "
+            f"pipeline must see the same micro-batches, so no stage can take a different share, and "
+            f"no gradient mechanism makes it right (gradients='loss_scale' included). {_SUPPORTED_WRAPPERS} "
+            f"Train the model with data parallelism only."
         )
     if dp_mesh is not None:
         check_dp_mesh(_compiled_inner(model), dp_mesh)

@@ -1,7 +1,8 @@
 """StepTimer: splits each step into data-wait, compute, sync-wait and optimizer time.
 
 Data-wait is the gap between the end of the previous step and the start of this one
-(the loader's turn). Compute ends when the last gradient bucket is handed to the comm
+(the loader's turn), less the hook's own collectives on entry (the placement exchange, the
+lookahead's agreement): those are sync wait (docs/design.md invariant 11). Compute ends when the last gradient bucket is handed to the comm
 hook (local gradients ready); sync-wait runs from there until the last reduction
 completes; the rest until the step ends is the optimizer (docs/design.md invariant 4).
 Waits for peers before the gradients are ready (FSDP's unshard all-gathers, blocking
@@ -66,14 +67,25 @@ class StepTimer:
         self._events: Any = None
         self._start_event: Any = None
         self._pending_events: list[tuple[Any, ...]] = []
+        self._pre_sync = 0.0
 
-    def start(self, batch_index: int, local_batch_size: int, placement_version: int, *, events: Any = None) -> None:
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The host clock the timer reads (``time.perf_counter`` unless a test froze it)."""
+        return self._clock
+
+    def start(self, batch_index: int, local_batch_size: int, placement_version: int, *, events: Any = None,
+              waited: float = 0.0) -> None:
         """A step starts; ``events``: the device's timing event class (``GradientState.events``),
-        None for host timestamps."""
+        None for host timestamps; ``waited``: seconds the hook's own collectives took on entry
+        (the placement exchange, the lookahead's agreement), sync wait rather than data wait."""
         t0 = self._clock()
         self._t0 = t0
         prev = self._prev_end
-        self._data_wait = 0.0 if prev is None or t0 < prev else t0 - prev
+        gap = 0.0 if prev is None or t0 < prev else t0 - prev
+        pre = min(max(waited, 0.0), gap)
+        self._pre_sync = pre
+        self._data_wait = gap - pre
         self._meta = (batch_index, local_batch_size, placement_version)
         self._events = events
         self._start_event = None if events is None else _recorded_event(events)
@@ -88,7 +100,7 @@ class StepTimer:
             taken = phases.take(self._data_wait, self._data_wait + t_end - self._t0) if phases is not None else None
             self._pending_events.append(
                 (self._start_event, grads.grad_event, grads.done_event, end_ev, grads.wait_events, k, local,
-                 version, self._data_wait, t_end - self._t0, self._wall(), grads.comm_bytes or None, taken)
+                 version, self._data_wait, t_end - self._t0, self._wall(), grads.comm_bytes or None, self._pre_sync, taken)
             )
             return self._read_events()
         t0 = self._t0
@@ -119,10 +131,11 @@ class StepTimer:
             compute -= wait
             sync += wait
         data_wait = self._data_wait
+        pre = self._pre_sync
         rec = StepRecord(
             batch_index=k, local_batch_size=local, placement_version=version,
-            data_wait_ms=data_wait * 1e3, compute_ms=compute * 1e3, sync_wait_ms=sync * 1e3,
-            optimizer_ms=opt * 1e3, step_ms=(data_wait + t_end - t0) * 1e3, t=self._wall(),
+            data_wait_ms=data_wait * 1e3, compute_ms=compute * 1e3, sync_wait_ms=(sync + pre) * 1e3,
+            optimizer_ms=opt * 1e3, step_ms=(data_wait + pre + t_end - t0) * 1e3, t=self._wall(),
             comm_bytes=comm_bytes, comm_ms=comm_ms,
         )
         if phases is not None:
@@ -135,7 +148,7 @@ class StepTimer:
             if len(self._pending_events) > 8:
                 self._pending_events.pop(0)  # the device is far behind; give up on the oldest
             return None
-        start, grad, done, end, waits, k, local, version, data_wait, cpu_s, t, comm_bytes, taken = self._pending_events.pop(0)
+        start, grad, done, end, waits, k, local, version, data_wait, cpu_s, t, comm_bytes, pre, taken = self._pending_events.pop(0)
         total = start.elapsed_time(end)
         compute = start.elapsed_time(grad)
         sync = grad.elapsed_time(done) if done is not None and done.query() else 0.0
@@ -146,9 +159,9 @@ class StepTimer:
             sync += wait
         rec = StepRecord(
             batch_index=k, local_batch_size=local, placement_version=version,
-            data_wait_ms=data_wait * 1e3, compute_ms=max(0.0, compute), sync_wait_ms=sync,
+            data_wait_ms=data_wait * 1e3, compute_ms=max(0.0, compute), sync_wait_ms=sync + pre * 1e3,
             optimizer_ms=max(0.0, total - compute - sync),
-            step_ms=data_wait * 1e3 + max(total, cpu_s * 1e3), t=t, comm_bytes=comm_bytes,
+            step_ms=(data_wait + pre) * 1e3 + max(total, cpu_s * 1e3), t=t, comm_bytes=comm_bytes,
         )
         if taken is not None:  # host-timed at the step's end: within its data wait and host time
             rec.host_ms, rec.ckpt_ms, rec.gc_ms = taken

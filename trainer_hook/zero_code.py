@@ -126,8 +126,12 @@ def _script_has_hook() -> bool:
     return len(_lifecycle._live) > 0
 
 
-def _framework() -> str:
-    """Which adapter's line would enable rebalancing in this script (what it imported)."""
+def _framework(streaming: bool = False) -> str:
+    """Which adapter's line would enable rebalancing in this script (what it imported);
+    ``streaming`` for a loader over an IterableDataset, which none of them can split (the
+    page then says what rebalancing needs instead of a line that would refuse it)."""
+    if streaming:
+        return "streaming"
     mods = sys.modules
     if "pytorch_lightning" in mods or "lightning.pytorch" in mods:
         return "lightning"
@@ -136,6 +140,16 @@ def _framework() -> str:
     if "accelerate.accelerator" in mods:
         return "accelerate"
     return "ddp"
+
+
+def _streams(it: Any) -> bool:
+    """Whether a DataLoader iterator reads an IterableDataset (a stream: no global order)."""
+    try:
+        from torch.utils.data import IterableDataset
+
+        return isinstance(getattr(it, "_dataset", None), IterableDataset)
+    except Exception:  # noqa: BLE001 - never break the job
+        return False
 
 
 class Monitor:
@@ -148,6 +162,7 @@ class Monitor:
         self._optimizer: int | None = None  # id() of the optimizer whose steps are counted
         self._prev_end: float | None = None  # perf_counter() at the last step's end
         self._fetch_s = 0.0  # DataLoader waits since then
+        self._streaming = False  # a DataLoader over an IterableDataset was seen
         self._opt_t0 = -1.0  # perf_counter() when the optimizer's step() began
         self._grad_t = -1.0  # perf_counter() when the last gradient of this step was accumulated
         self._grad_hooks = False
@@ -204,6 +219,8 @@ class Monitor:
             finally:  # StopIteration included: the wait for the end of an epoch counts too
                 monitor._fetched(t)
             monitor._batch_ready(batch)
+            if not monitor._streaming:
+                monitor._streaming = _streams(it)
             return batch
 
         _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign,assignment]
@@ -379,7 +396,7 @@ class Monitor:
             device_name=device_name, mem_total_bytes=mem_total, placement_version=0,
             batch_index=self._k,
             restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-            hook_version=f"{HOOK_VERSION} {HOOK_VERSION_TAG}: {_framework()}", gpu_index=gpu_index, gpu_uuid=gpu_uuid,
+            hook_version=f"{HOOK_VERSION} {HOOK_VERSION_TAG}: {_framework(self._streaming)}", gpu_index=gpu_index, gpu_uuid=gpu_uuid,
         )
 
     def _on_message(self, msg: Any) -> None:

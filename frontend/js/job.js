@@ -266,6 +266,10 @@ const ENABLE_LINE = {
   lightning: (b) => `rebalance = RebalanceLightningCallback(RebalanceHook(global_batch_size=${b}))`
     + " (pass callbacks=[rebalance] and return rebalance.train_dataloader(dataset) from train_dataloader)",
 };
+// A loader over an IterableDataset: every line above would refuse it (no global order to split).
+const STREAMING_NEEDS = "a map-style dataset (__len__ and __getitem__) in place of the stream: every "
+  + "adapter splits one global order of the samples, which an IterableDataset does not have; then "
+  + "hook.data_loader(dataset) as for DDP (docs/integrations.md)";
 state.zeroCode = null; // the framework, once a rank reported it
 
 async function checkZeroCode() {
@@ -282,13 +286,15 @@ function renderZeroCode() {
   // Shown once the job's summary gave its global batch size: the line is meant to be pasted.
   if (!state.zeroCode || !state.summary) { box.hidden = true; return; }
   const b = state.summary.global_batch_size;
-  const line = (ENABLE_LINE[state.zeroCode] || ENABLE_LINE.ddp)(b);
+  const streaming = state.zeroCode === "streaming";
+  const line = streaming ? STREAMING_NEEDS : (ENABLE_LINE[state.zeroCode] || ENABLE_LINE.ddp)(b);
   const p = state.control && state.control.pending_proposal;
   const gain = p && p.predicted_gain !== null && p.predicted_gain !== undefined
     ? `the policy predicts ${pct(p.predicted_gain)} shorter steps with it (proposal ${p.id}, observe mode).`
     : "the policy predicts no gain above its threshold yet (observe mode).";
   box.replaceChildren(
-    `Monitored by rebalancer run without code change: observe only. One line enables rebalancing: `,
+    `Monitored by rebalancer run without code change: observe only. `
+      + (streaming ? "This job streams its data; rebalancing needs " : "One line enables rebalancing: "),
     el("code", { id: "zero-code-line" }, line), "; ", el("span", { id: "zero-code-gain" }, gain));
   box.hidden = false;
 }

@@ -265,3 +265,25 @@ def test_rebalancer_run_prints_the_job_name_the_script_reports_under(capsys):
     stopped = threading.Event()
     stopped.set()
     assert follow_job(_Jobs(["old"]), "train-1612", {"old"}, stopped, set_observe=True, poll_s=0) is None
+
+
+def test_a_streaming_loader_is_reported_so_the_page_suggests_no_call_that_refuses_it():
+    # Issue 39: the notice for a job over an IterableDataset named hook.data_loader(dataset),
+    # which refuses one. The monitor tags such a job "streaming"; the page then says what
+    # rebalancing needs instead (frontend/js/job.js, STREAMING_NEEDS).
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from trainer_hook.zero_code import _framework, _streams
+
+    class Stream(IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self):
+            return iter(torch.zeros(4, 2))
+
+    assert _streams(iter(DataLoader(Stream(), batch_size=2)))
+    assert not _streams(iter(DataLoader(torch.zeros(4, 2), batch_size=2)))
+    assert _framework(streaming=True) == "streaming"
+    js = Path(REPO_ROOT, "frontend", "js", "job.js").read_text()
+    needs = js.split("const STREAMING_NEEDS = ", 1)[1].split(";\n", 1)[0]
+    assert "a map-style dataset" in needs and "hook.data_loader(dataset)" in needs
+    assert 'state.zeroCode === "streaming"' in js

@@ -313,3 +313,77 @@ def test_the_token_counts_all_reduce_is_sync_wait_not_compute(monkeypatch: pytes
     assert rec.compute_ms == pytest.approx(15.0)
     assert rec.sync_wait_ms == pytest.approx(30.0)
     assert rec.step_ms == pytest.approx(45.0)
+
+
+def test_the_hooks_exchange_on_entry_is_sync_wait_not_data_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 39: the placement exchange collected on entry to hook.step() (and the lookahead's
+    # agreement at the first step) waits for peers; it was counted as the loader's time.
+    from trainer_hook import RebalanceHook, gradients
+
+    clock = SteppedClock(10.0)
+    monkeypatch.setattr(gradients, "_now", clock)
+    hook = RebalanceHook(job="t", global_batch_size=4, lookahead=1)
+    hook._init_distributed("test")
+    hook._timer._clock = clock
+    with hook.step():
+        clock.now += 0.010
+    clock.now += 0.005  # the loader's turn
+    channel = hook._channel
+    monkeypatch.setattr(channel, "due", 0)
+
+    def on_step(k: int) -> None:
+        clock.now += 0.020  # waiting for the broadcast launched steps ago
+
+    monkeypatch.setattr(channel, "on_step", on_step)
+    with hook.step():
+        clock.now += 0.010
+    hook.close()
+    rec = hook.last_step
+    assert rec is not None and rec.batch_index == 1
+    assert rec.data_wait_ms == pytest.approx(5.0)
+    assert rec.sync_wait_ms == pytest.approx(20.0)
+    assert rec.compute_ms == pytest.approx(10.0)
+    assert rec.step_ms == pytest.approx(35.0)
+
+
+def test_the_entry_wait_is_clipped_to_the_gap_before_the_step() -> None:
+    timer = StepTimer(clock=FrozenClock(1.000, 1.010, 1.050, 1.060), wall=lambda: 0.0)
+    grads = GradientState()
+    timer.start(0, 8, 0)
+    assert timer.finish(grads) is not None
+    timer.start(1, 8, 0, waited=0.5)  # more than the 40 ms gap: at most the gap
+    rec = timer.finish(grads)
+    assert rec is not None
+    assert (rec.data_wait_ms, rec.sync_wait_ms, rec.compute_ms, rec.step_ms) == pytest.approx((0.0, 40.0, 10.0, 50.0))
+
+
+def test_a_replicas_pace_check_after_a_step_is_the_next_steps_sync_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A mesh replica's members wait at a hand-over for the last window to be combined
+    # (trainer_hook.mesh.ReplicaPace): time in the hook, after the step's record was taken.
+    from trainer_hook import RebalanceHook, gradients
+
+    clock = SteppedClock(10.0)
+    monkeypatch.setattr(gradients, "_now", clock)
+    hook = RebalanceHook(job="t", global_batch_size=4, lookahead=1)
+    hook._init_distributed("test")
+    hook._timer._clock = clock
+
+    class Pace:
+        leader = False
+
+        def add(self, rec: Any, fingerprint: int = 0) -> tuple[()]:
+            return ()
+
+        def on_step_end(self, trained: int, late: bool) -> None:
+            clock.now += 0.012
+
+    hook._pace = Pace()  # type: ignore[assignment]
+    for _ in range(2):
+        with hook.step():
+            clock.now += 0.010
+        clock.now += 0.003  # the loader
+    hook._pace = None
+    hook.close()
+    rec = hook.last_step
+    assert rec is not None and rec.batch_index == 1
+    assert (rec.data_wait_ms, rec.sync_wait_ms, rec.compute_ms) == pytest.approx((3.0, 12.0, 10.0))
