@@ -24,7 +24,7 @@ from typing import Any
 
 from backend.control.status import status_of
 from backend.live.fleet import FleetJob, balance_gap_ms
-from backend.live.forecast import forecast, savings
+from backend.live.forecast import forecast, goodput, savings
 from backend.live.replicas import replica_rows
 from backend.live.rows import STEP_BATCH, STEP_COMPUTE, STEP_MS, STEP_VERSION, StepRow
 from backend.live.state import JobView
@@ -355,7 +355,8 @@ def fleet_job(feed: Feed, view: JobView, fit: CostFit | None) -> FleetJob:
         saved_s=saved.get("saved_s"), saved_cost=saved.get("saved_cost"),
         cost_per_hour=s["cost_per_hour"], imbalance=view.imbalance, eta_s=s["eta_s"],
         batch_index=view.batch_index, bound=s.get("bound", ctl.get("bound")),
-        pending_proposal_id=pending.get("id") if pending.get("status") == "proposed" else None)
+        pending_proposal_id=pending.get("id") if pending.get("status") == "proposed" else None,
+        goodput=goodput(view))
 
 
 # --- history: what a restarted backend refills the feed from; what is stored --------------
