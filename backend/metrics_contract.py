@@ -122,6 +122,8 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "Mean compute time over the job's ranks.", True),
     MetricSpec("rebalancer_lost_ranks", "gauge", ("job",), "1",
                "Ranks whose hook connection is gone without a close and that have not come back.", True),
+    MetricSpec("rebalancer_goodput_ratio", "gauge", ("job",), "1",
+               "Useful compute over paid device time: the ranks' mean compute over the job's step (0 to 1).", True),
     MetricSpec("rebalancer_job_hung", "gauge", ("job", "rank"), "1",
                "1 while the job's ranks are connected but stopped stepping; rank is the one it waits on "
                "(docs/causes.md: its phase and Python stack are in the job's REST resource). Absent otherwise.", True),

@@ -24,7 +24,7 @@ import heapq
 import time
 from typing import TYPE_CHECKING, Any
 
-from backend.live.forecast import forecast
+from backend.live.forecast import forecast, goodput
 from backend.live.state import JobView, RankView
 from backend.metrics_contract import CONTRACT, STEP_BUCKETS_S, THROTTLE_REASONS, MetricSpec
 from backend.modes import MODES
@@ -259,6 +259,9 @@ class MetricsExporter:
                 fam.add(f'{labels},le="{le}"', n, f"{base}_bucket")
             fam.add(labels, cumulative[-1], f"{base}_count")
             fam.add(labels, total_s, f"{base}_sum")
+        good = goodput(view)
+        if good is not None:
+            fams["rebalancer_goodput_ratio"].add(labels, good)
         fc = forecast(view, self.settings.price_for)
         for name, value in (("rebalancer_eta_seconds", fc.eta_s),
                             ("rebalancer_hourly_cost_dollars", fc.cost_per_hour),

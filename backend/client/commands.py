@@ -1,4 +1,4 @@
-"""``rebalancer jobs|job|proposals|approve|reject|mode|override|place|rollback|watch|report``: the
+"""``rebalancer jobs|job|proposals|approve|reject|mode|override|place|rollback|watch|report|causes``: the
 REST client from a shell. Standard library only (``watch`` adds ``websockets``), so it runs
 where the server's packages are not installed.
 
@@ -26,7 +26,7 @@ __all__ = ["COMMANDS", "add_commands", "run", "EXIT_OK", "EXIT_REFUSED", "EXIT_U
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_SERVER_ERROR = 0, 1, 2, 3, 4
 COMMANDS = ("jobs", "job", "proposals", "approve", "reject", "mode", "override", "place", "rollback", "watch",
-            "report")
+            "report", "causes")
 
 
 class UsageError(ValueError):
@@ -94,6 +94,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--count", type=int, default=0, help="stop after N updates (default: until Ctrl-C)")
     p.add_argument("--wait", action="store_true", help="wait for a job that has not started yet (by default "
                                                        "an unknown job is an error)")
+    add("causes", "why a job is slow: each cause's time per step, GPU-hours lost and remedy").add_argument("name")
     p = add("report", "a job's end-of-run report: key figures, or one offline HTML file with --out")
     p.add_argument("name")
     p.add_argument("--out", metavar="FILE.html", help="write the self-contained HTML report (plotly charts) here")
@@ -200,6 +201,23 @@ def _override(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     return _emit(args, out, res, text)
 
 
+def _causes_text(name: str, c: dict[str, Any]) -> str:
+    if not c.get("window_steps"):
+        return f"Job {name}: no step every rank sent yet."
+    lines = [f"Job {name}: {c['window_steps']} recent steps, {num(c.get('step_ms'))} ms a step "
+             f"(replay {num(c.get('replayed_step_ms'))} ms)"]
+    if c.get("hint"):
+        lines.append(f"  {c['hint']}")
+    if not c["data"]:
+        return "\n".join([*lines, "  No cause costs more than 0.2% of the step."])
+    lines.append(table(["CAUSE", "RANKS", "ms/STEP", "SHARE", "GPU-h LOST", "STEP WITHOUT ms"],
+                       [[x["cause"], ",".join(map(str, x["ranks"])) or "-", num(x["ms_per_step"]),
+                         f"{100 * x['share_of_step']:.1f}%", num(x["gpu_hours_lost"], "{:.4f}"),
+                         num(x["predicted_step_ms_without"])] for x in c["data"]]))
+    lines += [f"{x['cause']}: {x['remedy']}" for x in c["data"]]
+    return "\n".join(lines)
+
+
 def _report_text(r: dict[str, Any]) -> str:
     cost, sv = r.get("cost") or {}, r.get("savings") or {}
     lines = [
@@ -250,6 +268,9 @@ def _dispatch(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     if cmd == "job":
         j = client.job(name)
         return _emit(args, out, j, lambda: _job_text(dict(j)))
+    if cmd == "causes":
+        c = client.causes(name)
+        return _emit(args, out, c, lambda: _causes_text(name, dict(c)))
     if cmd == "proposals":
         if args.limit < 1:
             raise UsageError(f"--limit must be at least 1, got {args.limit}.")

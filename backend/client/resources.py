@@ -81,6 +81,8 @@ class Job(TypedDict, total=False):
     strategy: str | None
     status: str  # warming_up | balanced | imbalanced | proposal_pending | idle | degraded | hung | ended
     status_detail: str
+    goodput: float | None  # useful compute / paid device time (docs/causes.md)
+    lost_cost_per_hour: float | None
     hung_rank: int | None  # with status hung (docs/causes.md)
     hung_since: float | None
     hung_batch_index: int | None
@@ -245,6 +247,7 @@ class Cause(TypedDict):
     predicted_step_ms_without: float
     remedy: str
     detail: str
+    cost_lost: float | None
 
 
 class Causes(TypedDict):

@@ -24,7 +24,7 @@ from typing import Any
 
 from backend.control.status import status_of
 from backend.live.fleet import FleetJob, balance_gap_ms
-from backend.live.forecast import forecast, savings
+from backend.live.forecast import forecast, goodput, savings
 from backend.live.replicas import replica_rows
 from backend.live.rows import STEP_BATCH, STEP_COMPUTE, STEP_MS, STEP_VERSION, StepRow
 from backend.live.state import JobView
@@ -364,7 +364,8 @@ def fleet_job(feed: Feed, view: JobView, fit: CostFit | None) -> FleetJob:
         # Waiting for an operator only where the status says so: never in observe mode (shown,
         # never sent) nor once the run ended.
         pending_proposal_id=pending.get("id") if pending.get("status") == "proposed"
-        and s["status"] == "proposal_pending" else None)
+        and s["status"] == "proposal_pending" else None,
+        goodput=goodput(view))
 
 
 # --- history: what a restarted backend refills the feed from; what is stored --------------

@@ -50,10 +50,11 @@ class FleetJob:
     batch_index: int | None = None
     bound: Any = None  # compute, communication or input (None: not known); see _bound
     pending_proposal_id: int | None = None  # a proposal waiting for an operator
+    goodput: float | None = None  # useful compute / paid device time (backend.live.forecast.goodput)
 
 
 _MAX_INT = 2**53  # JSON integers every reader keeps exact
-_FLOATS = ("step_ms", "balance_gap_ms", "saved_s", "saved_cost", "cost_per_hour", "imbalance", "eta_s")
+_FLOATS = ("step_ms", "balance_gap_ms", "saved_s", "saved_cost", "cost_per_hour", "imbalance", "eta_s", "goodput")
 
 
 def fleet_job_dict(j: FleetJob) -> dict[str, Any]:
@@ -169,6 +170,7 @@ def fleet_summary(jobs: Iterable[FleetJob]) -> dict[str, Any]:
             "saved_s": _r(j.saved_s, 3), "saved_cost": _r(j.saved_cost),
             "cost_per_hour": _r(j.cost_per_hour, 4), "imbalance": _r(j.imbalance, 4),
             "eta_s": _r(j.eta_s, 3), "batch_index": j.batch_index, "bound": _bound(j.bound),
+            "goodput": _r(j.goodput, 4),
             "pending_proposals": 1 if is_pending else 0, "pending_proposal_id": j.pending_proposal_id,
         })
         ranks += j.world_size

@@ -6,6 +6,8 @@
   times the job's idle fraction; cost to finish is the ETA times the hourly cost.
 - Savings: wall time the run took against what the uniform split would have taken, summed
   over closed batches, and that time priced at the job's hourly cost.
+- Goodput: useful compute over paid device time, the ranks' mean compute over the job's
+  step (``goodput``); the cost of the rest is ``cost_per_hour * (1 - goodput)``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 from backend.live.state import JobView, eta_seconds
 
-__all__ = ["Forecast", "forecast", "Savings", "savings", "eta_seconds", "hourly_cost"]
+__all__ = ["Forecast", "forecast", "Savings", "savings", "eta_seconds", "hourly_cost", "goodput"]
 
 PriceFor = Callable[[str, str], "float | None"]
 
@@ -48,6 +50,16 @@ def hourly_cost(price_for: PriceFor, devices: Iterable[tuple[str, str]]) -> tupl
         else:
             total, priced = total + p * n, True
     return (total if priced else None), unpriced
+
+
+def goodput(view: JobView) -> float | None:
+    """Useful compute over paid device time (0..1): the mean over ranks with data of their
+    compute (forward and backward) over the job's step; None until steps came. What the
+    rest costs an hour is ``cost_per_hour * (1 - goodput)``; docs/causes.md says where it goes."""
+    compute = [r.compute_ms for r in view.ranks if r.compute_ms is not None]
+    if not compute or not view.step_ms:
+        return None
+    return min(1.0, max(0.0, sum(compute) / len(compute) / view.step_ms))
 
 
 def forecast(view: JobView, price_for: PriceFor, total_steps: int | None = None) -> Forecast:

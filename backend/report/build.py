@@ -63,6 +63,7 @@ class ReportInputs:
     # Why the run was slow over its last steps (``backend.policy.causes``: each cause as the
     # REST ``/causes`` item, largest first); None: unknown (live state no longer held them).
     causes: list[dict[str, Any]] | None = None
+    goodput: float | None = None  # useful compute / paid device time over the last steps
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -184,5 +185,6 @@ def build_report(inp: ReportInputs) -> dict[str, Any]:
         "advice": _advice(inp, rank_rows),
         "communication": inp.communication,
         "causes": inp.causes,
+        "goodput": _r(inp.goodput),
         "series": list(inp.series),
     }

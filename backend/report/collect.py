@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from backend.control.errors import NotFoundError
 from backend.live.causes import job_causes
-from backend.live.forecast import hourly_cost
+from backend.live.forecast import goodput, hourly_cost
 from backend.policy.causes import CauseReport
 from backend.report.build import RankInfo, ReportInputs, build_report
 from backend.storage import metrics as store
@@ -102,7 +102,8 @@ class RunReports:
             savings=savings, cost_per_hour=cost_h, unpriced_ranks=unpriced,
             fit_window_steps=self._settings.policy_window_steps,
             communication=_communication(self._live.communication(job)),
-            causes=_causes(job_causes(self._live, job)))
+            causes=_causes(job_causes(self._live, job)),
+            goodput=goodput(view) if (view := self._live.view(job)) is not None else None)
         return await asyncio.to_thread(build_report, inputs)
 
     async def store(self, job: str, *, reason: str, finished: bool) -> dict[str, Any] | None:

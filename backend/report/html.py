@@ -156,6 +156,8 @@ def _details(r: dict[str, Any]) -> str:
         parts.append("<p>Not measured (the backend no longer held the run's last steps).</p>")
     causes = r.get("causes")
     parts.append("<h2>Why the run was slow</h2>")
+    if r.get("goodput") is not None:
+        parts.append(f"<p>Goodput (useful compute over paid device time, last steps): <b>{_pct(r['goodput'])}</b></p>")
     if causes:
         parts.append(_table(["cause", "ranks", "ms lost per step", "share of step", "GPU-hours lost", "remedy"],
                             [[c["cause"], " ".join(map(str, c["ranks"])), _num(c["ms_per_step"]),

@@ -14,6 +14,7 @@ export class CausesCard {
     this.summary = document.getElementById("causes-summary");
     this.hint = document.getElementById("gc-hint");
     this.hang = document.getElementById("hang-card");
+    this.goodput = null;
     this.last = null;
   }
 
@@ -28,6 +29,7 @@ export class CausesCard {
     try {
       [res, job] = await Promise.all([api(`${path}/causes`), api(path)]);
     } catch { return; }
+    this.goodput = job.goodput;
     this.render(res);
     this.renderHang(job);
   }
@@ -49,6 +51,7 @@ export class CausesCard {
     this.last = res;
     this.summary.textContent = res.window_steps
       ? `${res.window_steps} recent steps replayed: measured ${fmt(res.step_ms, 1, " ms")}, replay ${fmt(res.replayed_step_ms, 1, " ms")} a step.`
+        + (this.goodput !== null && this.goodput !== undefined ? ` Goodput ${pct(this.goodput)}.` : "")
       : "Waiting for steps from every rank.";
     this.hint.hidden = !res.hint;
     this.hint.textContent = res.hint || "";

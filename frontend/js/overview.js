@@ -59,6 +59,8 @@ function row(j, summary) {
     el("td", {}, j.mode || "–"),
     el("td", { class: "num" }, eta === null || eta === undefined ? "–" : duration(eta)),
     el("td", { class: "num" }, money(j.cost_per_hour)),
+    el("td", { class: "num", title: "useful compute over paid device time (docs/causes.md)" },
+      j.goodput === null || j.goodput === undefined ? "n/a" : pct(j.goodput)),
   );
 }
 
@@ -112,7 +114,7 @@ function render() {
   const rows = fleet.data.filter(matches).sort(compare);
   shown.textContent = `${rows.length} of ${fleet.count} shown`;
   body.replaceChildren(...(rows.length ? rows.map((j) => row(j, summaries.get(j.job)))
-    : [el("tr", {}, el("td", { colspan: 14, class: "empty" }, "No job matches the filter."))]));
+    : [el("tr", {}, el("td", { colspan: 15, class: "empty" }, "No job matches the filter."))]));
 }
 
 for (const th of table.querySelectorAll("th[data-sort]")) {

@@ -71,3 +71,25 @@ def test_ranks_view_carries_the_phases(client):
         pytest.skip("the app keeps its parts elsewhere")
     r1 = view.ranks[1]
     assert (r1.host_ms, r1.gc_ms, r1.ckpt_ms) == (pytest.approx(2.0), pytest.approx(4.0), 0.0)
+
+
+def test_goodput_on_the_job_the_fleet_and_metrics(client):
+    job = client.get("/api/v1/jobs/slow-input").json()
+    assert job["goodput"] == pytest.approx(40.0 / 80.0)  # both ranks compute 40 ms of an 80 ms step
+    assert 'rebalancer_goodput_ratio{job="slow-input"} 0.5' in client.get("/metrics").text
+    body = client.get("/api/v1/jobs/slow-input/causes").json()
+    cost_h, done = job["cost_per_hour"], job["batch_index"] + 1
+    for c in body["data"]:  # its time lost per step, over the steps done, at the job's hourly cost
+        assert c["cost_lost"] == (None if cost_h is None else pytest.approx(c["ms_per_step"] * done / 3.6e6 * cost_h))
+
+
+def test_the_cli_prints_the_causes_as_a_table(client):
+    from backend.client.commands import _causes_text
+
+    text = _causes_text("slow-input", client.get("/api/v1/jobs/slow-input/causes").json())
+    lines = text.splitlines()
+    assert lines[0] == "Job slow-input: 10 recent steps, 80.0 ms a step (replay 80.0 ms)"
+    assert lines[1].startswith("  GC pauses cost 5% of the step")
+    assert lines[2].split() == ["CAUSE", "RANKS", "ms/STEP", "SHARE", "GPU-h", "LOST", "STEP", "WITHOUT", "ms"]
+    assert lines[3].split()[:4] == ["data_wait", "1", "30.0", "37.5%"]
+    assert any(line.startswith("data_wait: The loader keeps ranks waiting") for line in lines)

@@ -44,6 +44,7 @@ def test_rows_are_sorted_by_name_and_totals_add_up():
     assert a["wasted_gpu_hours"] == 2.0 and a["bound"] == "input"
     assert a["pending_proposals"] == 1 and a["pending_proposal_id"] == 7
     assert got["data"][1]["pending_proposals"] == 0 and got["data"][2]["bound"] is None
+    assert a["goodput"] is None
     assert got["totals"] == {
         "jobs": 3, "ranks": 8, "connected_ranks": 6, "running": 2,
         "by_status": {"balanced": 1, "idle": 1, "imbalanced": 1},
@@ -259,3 +260,14 @@ def test_rest_and_metrics_show_the_same_totals(app_client):
         wait_until(lambda: _scraped(client)["rebalancer_fleet_pending_proposals"]
                    == fleet()["totals"]["pending_proposals"], "the same pending count", 20)
         assert lines["rebalancer_fleet_saved_seconds"] == t["saved_s"]
+
+
+def test_goodput_travels_with_the_row():
+    from backend.live.fleet import fleet_job_dict, fleet_job_from_dict
+
+    j = _job("g", goodput=0.8125)
+    assert fleet_summary([j])["data"][0]["goodput"] == 0.8125
+    assert fleet_job_from_dict(fleet_job_dict(j)).goodput == 0.8125  # another replica's fleet
+    old = fleet_job_dict(j)
+    del old["goodput"]  # a replica from before goodput
+    assert fleet_job_from_dict(old).goodput is None

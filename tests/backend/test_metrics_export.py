@@ -61,9 +61,23 @@ def _feed_two_gpus(client: TestClient) -> None:
         sync(b, _gpu_hello(1))
 
 
+def _feed_a_hung_job(client: TestClient) -> None:
+    """A second job whose one rank reports a stall (docs/causes.md): the hung series."""
+    from rebalancer_wire.protocol import Hang
+
+    with client.websocket_connect("/ws/hook") as ws:
+        h = hello(job="stuck", rank=0, world_size=1)
+        ws.send_text(h)
+        ws.receive_json()
+        ws.send_text(encode(Metrics(job="stuck", rank=0, hang=Hang(  # no steps: the histogram stays job j's
+            batch_index=3, phase="compute", since=time.time(), stalled_s=6.0))))
+        sync(ws, h)
+
+
 def test_every_contract_metric_with_its_labels_and_dcgm_gpu_labels(tmp_path: Path):
     with TestClient(make_app(tmp_path)) as client:
         _feed_two_gpus(client)
+        _feed_a_hung_job(client)
         # Savings come from the dashboard hub's feed, built on its next tick.
         def with_savings() -> str | None:
             text = client.get("/metrics").text
@@ -95,7 +109,8 @@ def test_every_contract_metric_with_its_labels_and_dcgm_gpu_labels(tmp_path: Pat
     assert _value(samples, "rebalancer_step_duration_seconds_count", job="j") == 4
     assert _value(samples, "rebalancer_step_duration_seconds_bucket", job="j", le="0.025") == 4
     assert _value(samples, "rebalancer_step_duration_seconds_bucket", job="j", le="0.01") == 0
-    assert len([1 for n, _ in samples if n == "rebalancer_step_duration_seconds_bucket"]) == len(STEP_BUCKETS_S) + 1
+    assert len([1 for n, ls in samples if n == "rebalancer_step_duration_seconds_bucket"
+                and ("job", "j") in ls]) == len(STEP_BUCKETS_S) + 1
     assert _value(samples, "rebalancer_step_duration_seconds_sum", job="j") == pytest.approx(0.08)
     # Counters start at 0 for every source; the first hello stored placement version 0.
     assert _value(samples, "rebalancer_proposals_created_total", job="j", source="manual") == 0

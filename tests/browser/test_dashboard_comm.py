@@ -51,5 +51,13 @@ def test_ranks_bound_and_the_job_view_show_communication(tmp_path: Path) -> None
                 page.wait_for_function("() => (document.querySelector('#comm-bars').data || []).length === 3")
                 bars = page.evaluate("() => document.querySelector('#comm-bars').data[0].y")
                 assert bars == [pytest.approx(r0["busbw_gbps"], rel=0.2), pytest.approx(r1["busbw_gbps"], rel=0.2)]
+                # Why is this job slow: the table lists REST's causes in its order (docs/causes.md).
+                causes: Any = server.get(f"/api/v1/jobs/{JOB}/causes")
+                assert causes["window_steps"] > 0
+                names = [c["cause"] for c in causes["data"]]
+                page.wait_for_function("() => (window.rebalancer.causes.last || {}).window_steps > 0")
+                shown = page.evaluate(
+                    "() => [...document.querySelectorAll('#causes-table tbody tr[data-cause]')].map(r => r.dataset.cause)")
+                assert shown == names
             finally:
                 browser.close()

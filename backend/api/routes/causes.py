@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 
 from backend.api.deps import PartsDep, ViewerDep
 from backend.api.forwarding import from_owner
-from backend.live.causes import job_causes
+from backend.live.causes import cause_costs, job_causes
 from backend.policy.causes import CAUSES, GC_HINT_SHARE, CauseReport
 
 __all__ = ["router", "CausePublic", "CausesPublic", "causes_public"]
@@ -26,6 +26,7 @@ class CausePublic(BaseModel):
     gpu_hours_lost: float = Field(description="ms_per_step times the steps done times every device of the job, in GPU-hours.")
     predicted_step_ms_without: float = Field(description="The replay's mean step time with the cause removed, ms.")
     remedy: str = Field(description="What removes it: a placement, a setting, advice.")
+    cost_lost: float | None = Field(None, description="What it has cost so far at the job's hourly price (null without prices).")
     detail: str = ""
 
 
@@ -39,11 +40,12 @@ class CausesPublic(BaseModel):
     hint: str | None = Field(None, description="A one-line hint when GC pauses cost more than 2% of the step.")
 
 
-def causes_public(report: CauseReport) -> CausesPublic:
+def causes_public(report: CauseReport, costs: list[float | None] | None = None) -> CausesPublic:
+    costs = costs or [None] * len(report.causes)
     data = [CausePublic(cause=c.cause, ranks=list(c.ranks), ms_per_step=c.ms_per_step,
                         share_of_step=c.share_of_step, gpu_hours_lost=c.gpu_hours_lost,
                         predicted_step_ms_without=c.predicted_step_ms_without, remedy=c.remedy,
-                        detail=c.detail) for c in report.causes]
+                        detail=c.detail, cost_lost=cost) for c, cost in zip(report.causes, costs, strict=True)]
     hint = None
     if report.gc_share > GC_HINT_SHARE:
         hint = (f"GC pauses cost {report.gc_share:.0%} of the step: RebalanceHook(gc_freeze=True, "
@@ -61,4 +63,4 @@ async def get_causes(job: str, _actor: ViewerDep, parts: PartsDep, request: Requ
     report = job_causes(parts.live, job)
     if report is None:
         raise HTTPException(404, f"Job '{job}' is not live; causes come from its recent steps.")
-    return causes_public(report)
+    return causes_public(report, cause_costs(parts.live, job, report, parts.settings.price_for))

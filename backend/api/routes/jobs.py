@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from backend.api.deps import LiveDep, PartsDep, SqlDep, ViewerDep
 from backend.api.forwarding import from_owner
-from backend.live.forecast import forecast
+from backend.live.forecast import forecast, goodput
 from backend.live.replicas import replica_rows, stored_replica_rows
 from backend.live.state import JobView, RankView
 from backend.parts import Parts
@@ -75,6 +75,8 @@ class JobPublic(BaseModel):
     strategy: str | None = None
     status: str
     status_detail: str = ""
+    goodput: float | None = Field(None, description="Useful compute over paid device time, 0..1 (docs/causes.md).")
+    lost_cost_per_hour: float | None = Field(None, description="cost_per_hour * (1 - goodput): what the rest costs an hour.")
     hung_rank: int | None = Field(None, description="With status hung: the rank the job waits on (docs/causes.md).")
     hung_since: float | None = Field(None, description="Unix time of that rank's last step end.")
     hung_batch_index: int | None = Field(None, description="The batch it is stuck in (or before).")
@@ -275,7 +277,8 @@ def _job_from_live(parts: Parts, view: JobView) -> dict[str, Any]:
         "created_at": view.created_at, "last_seen": view.last_seen,
         "cost_per_hour": fc.cost_per_hour, "idle_cost_per_hour": fc.idle_cost_per_hour,
         "total_steps": fc.total_steps, "eta_s": fc.eta_s, "mesh": view.mesh.as_view() if view.mesh else None,
-        "replicas": replica_rows(view), **_hung(view),
+        "replicas": replica_rows(view), **_hung(view), "goodput": (good := goodput(view)),
+        "lost_cost_per_hour": fc.cost_per_hour * (1.0 - good) if fc.cost_per_hour is not None and good is not None else None,
         "share_unit": view.share_unit,  # "micro_batch": shares count micro-batches (docs/streaming.md)
     }
 
