@@ -159,6 +159,13 @@ class MicroBatchSteps(HookBase):
         self._mb = MicroBatches(items, count, switch, after_last, step_over)
         return self._mb
 
+    def _step_token_weight(self) -> Any:
+        if self._mb is None or self._mb_tokens is None:
+            raise ValueError(
+                "token_loss_weight() without a count needs hook.micro_batches(source, valid_tokens=fn) "
+                "earlier in the same step; otherwise pass this rank's count of valid tokens.")
+        return self._mb_tokens
+
     def _check_micro_step(self) -> None:
         mb = self._mb
         if mb is None:

@@ -15,6 +15,9 @@ Example (torchrun, one process per rank)::
         with hook.step():
             loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
     hook.close()
+
+One module, over 400 lines on purpose: the whole public API in one place, each method a
+short forward to the private parts beside its full docstring and example.
 """
 
 from __future__ import annotations
@@ -76,16 +79,9 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
     ``batch_sampler(dataset)`` (this rank's slice of each global batch) and one
     ``with hook.step():`` around each batch's forward, backward and optimizer step.
 
-    Streams and fixed shapes: ``RebalanceHook(micro_batches=M)`` makes a share count
-    fixed-shape micro-batches instead of samples; the loop then takes this rank's
-    micro-batches from its own stream with ``hook.micro_batches(stream)`` inside
-    ``hook.step()`` and needs no sampler (docs/streaming.md)::
-
-        hook = RebalanceHook(micro_batches=32); hook.attach(DDP(torch.compile(m, dynamic=False)))
-        with hook.step():
-            for x, y in hook.micro_batches(stream):
-                loss_fn(model(x), y).backward()
-            opt.step(); opt.zero_grad()
+    Streams and fixed shapes: with ``micro_batches=M`` a share counts fixed-shape
+    micro-batches, which ``hook.micro_batches(stream)`` yields inside ``hook.step()``
+    (no sampler; see that method and docs/streaming.md).
 
     Peak device memory is read every ``memory_every`` steps from torch's allocator (CUDA,
     ROCm, XPU; nothing on CPU); ``memory_source`` replaces that source (tests inject a
@@ -318,11 +314,7 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
                 opt.step(); opt.zero_grad()
         """
         if n_valid is None:  # micro-batch placements: counted by micro_batches(valid_tokens=)
-            if self._mb is None or self._mb_tokens is None:
-                raise ValueError(
-                    "token_loss_weight() without a count needs hook.micro_batches(source, valid_tokens=fn) "
-                    "earlier in the same step; otherwise pass this rank's count of valid tokens.")
-            return self._mb_tokens
+            return self._step_token_weight()
         scale = self._token_scale()
         if isinstance(n_valid, torch.Tensor):
             if n_valid.numel() != 1 or n_valid.is_floating_point() and not torch.isfinite(n_valid).all():

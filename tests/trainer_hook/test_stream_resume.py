@@ -49,6 +49,7 @@ def phases(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[list[dict]], 
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(480)  # the fixture's two launches, each bounded at 200 s
 @pytest.mark.parametrize("cfg", range(len(CONFIGS)), ids=["hf-stateful-loader", "plain-iterator"])
 def test_a_resumed_run_trains_no_sample_twice_and_skips_none(phases: Any, cfg: int) -> None:
     first, resumed = phases[0][cfg], phases[1][cfg]
