@@ -16,8 +16,8 @@ $(BIN)/python:
 # configured sources (a local wheel where there is one; PyPI has no +cpu builds, so this
 # fails fast on a laptop), then the PyTorch CPU wheel index (it also serves torch's deps,
 # and macOS wheels, which carry no +cpu tag).
-# ninja comes with it: what the C++ comm hook's build needs, so that the build can start
-# while the rest installs (`make test`).
+# ninja and numpy come with it (what the C++ comm hook's build needs, and what torch
+# imports if present), so that the build can start while the rest installs (`make test`).
 TORCH_VERSION   ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_STAMP     := $(VENV)/.torch-stamp
@@ -25,7 +25,7 @@ $(TORCH_STAMP): | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || \
 		$(BIN)/pip install -q torch==$(TORCH_VERSION)+cpu 2>/dev/null || \
 		$(BIN)/pip install -q --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION)
-	$(BIN)/python -c "import ninja" 2>/dev/null || $(BIN)/pip install -q 'ninja>=1.11'
+	$(BIN)/python -c "import ninja, numpy" 2>/dev/null || $(BIN)/pip install -q 'ninja>=1.11' 'numpy>=1.26'
 	touch $@
 
 $(STAMP): pyproject.toml | $(TORCH_STAMP)
