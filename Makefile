@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 PORT   ?= 8000
 STEPS  ?=
 
-.PHONY: setup demo test test-unit test-gpu gpu-check gpu-rehearsal check check-min-versions lint typecheck bench bench-quick soak browser prometheus system-packages serve clean
+.PHONY: setup setup-and-hook demo test test-unit test-gpu gpu-check gpu-rehearsal check check-min-versions lint typecheck bench bench-quick soak browser prometheus system-packages serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,27 +16,43 @@ $(BIN)/python:
 # configured sources (a local wheel where there is one; PyPI has no +cpu builds, so this
 # fails fast on a laptop), then the PyTorch CPU wheel index (it also serves torch's deps,
 # and macOS wheels, which carry no +cpu tag).
+# ninja and numpy come with it (what the C++ comm hook's build needs, and what torch
+# imports if present), so that the build can start while the rest installs (`make test`).
 TORCH_VERSION   ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-TORCH_INSTALL = $(BIN)/python -c "import torch" 2>/dev/null || \
+TORCH_STAMP     := $(VENV)/.torch-stamp
+$(TORCH_STAMP): | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || \
 		$(BIN)/pip install -q torch==$(TORCH_VERSION)+cpu 2>/dev/null || \
 		$(BIN)/pip install -q --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION)
+	$(BIN)/python -c "import ninja, numpy" 2>/dev/null || $(BIN)/pip install -q 'ninja>=1.11' 'numpy>=1.26'
+	touch $@
 
 # Two stamps: `make demo` and `make serve` need only the hook and the server (DEMO_STAMP);
 # `make setup` and `make test` add the test tools (`.[dev]`, which holds both, so it
 # stamps the demo's set-up too).
 DEMO_STAMP := $(VENV)/.demo-stamp
-$(DEMO_STAMP): pyproject.toml | $(BIN)/python
-	$(TORCH_INSTALL)
+$(DEMO_STAMP): pyproject.toml | $(TORCH_STAMP)
 	$(BIN)/pip install -q -e '.[hook,server]'
 	touch $@
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(TORCH_INSTALL)
+$(STAMP): pyproject.toml | $(TORCH_STAMP)
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@ $(DEMO_STAMP)
 
 setup: $(STAMP)
+
+# setup, with the C++ DDP comm hook built (about 50 s of one core on a cold cache) while the
+# rest of the packages install, once torch is in. The build imports torch before pip goes
+# on; should it fail anyway, the tests build it again (tests/conftest.py).
+HOOK_IMPORTED := $(VENV)/.native-hook-imported
+setup-and-hook:
+	@$(MAKE) --no-print-directory $(TORCH_STAMP) || exit 1; rm -f $(HOOK_IMPORTED); \
+		$(BIN)/python -c "import torch.utils.cpp_extension; from trainer_hook import _native_comm_hook as n; \
+			open('$(HOOK_IMPORTED)', 'w').close(); n.load()" & hook=$$!; \
+		while [ ! -e $(HOOK_IMPORTED) ] && kill -0 $$hook 2>/dev/null; do sleep 0.2; done; \
+		$(MAKE) --no-print-directory setup; status=$$?; \
+		wait $$hook || status=1; rm -f $(HOOK_IMPORTED); exit $$status
 
 # Debian's Chromium for the browser tests (Playwright's own download cannot work offline).
 browser:
@@ -74,14 +90,13 @@ serve: $(DEMO_STAMP)
 # Two pytest workers (pytest-xdist), a test file per worker at a time: most tests wait on
 # real processes and servers, so two keep two cores busy. TEST_WORKERS=0 runs them in one.
 # Nothing waits that need not: apt installs Chromium and Prometheus (one `apt-get update`)
-# while the venv is set up and the C++ comm hook (about 50 s of one core on a cold cache)
-# is built, instead of each step after the other. tests/conftest.py sends the slowest test
-# files to the workers first, so that no long file is left to run alone at the end.
+# while the venv is set up and the C++ comm hook is built (setup-and-hook), instead of each
+# step after the other. tests/conftest.py sends the slowest test files to the workers
+# first, so that no long file is left to run alone at the end.
 TEST_WORKERS ?= 2
 test:
 	@$(MAKE) --no-print-directory system-packages & apt=$$!; \
-		$(MAKE) --no-print-directory setup && \
-		$(BIN)/python -c "from trainer_hook import _native_comm_hook as n; n.load()"; status=$$?; \
+		$(MAKE) --no-print-directory setup-and-hook; status=$$?; \
 		wait $$apt || status=1; exit $$status
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile
 

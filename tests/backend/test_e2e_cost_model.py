@@ -3,7 +3,13 @@ lengths to a real backend, which fits time = c + a*sum(L) + b*sum(L^2) per rank,
 the job view which model is in use and how well it fits, and sends the fitted k to the hooks
 in a placement (auto mode) that both ranks of a torchrun job schedule at the same batch for
 their split, and the job view in real Chromium says so in a line, with the fit's R^2 beside
-the length alone's. One server for the module."""
+the length alone's. One server for the module.
+
+The workers time each step on a clock that moves by exactly its modelled cost (with a seeded
+1% jitter; ``tests/backend/_lengths_worker.py``): the fit's inputs are the same on every run,
+so a loaded machine's late wake-ups no longer decide which model this test sees (the CI once
+got the wire's bound for k, and once the linear model's name while a k stayed in force). The
+policy's handling of that noise is tested by replaying it (``tests/backend/policy/test_costfit.py``)."""
 
 from __future__ import annotations
 

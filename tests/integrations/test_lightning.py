@@ -4,6 +4,7 @@ and resume from Lightning's own checkpoints; both strategies fit in the same lau
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,10 @@ from tests.integrations._common import (
     reference,
 )
 
-pytest.importorskip("pytorch_lightning")
+# Looked up, not imported: importing Lightning at collection cost every pytest worker
+# seconds of CPU, and only the worker that runs this file needs it.
+if importlib.util.find_spec("pytorch_lightning") is None:
+    pytest.skip("could not import 'pytorch_lightning'", allow_module_level=True)
 pytestmark = [pytest.mark.timeout(300), pytest.mark.multiproc]
 
 
