@@ -1038,6 +1038,8 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
         del body["comm_kind"]  # likewise
     if body.get("micro_batches", True) is False:
         del body["micro_batches"]  # likewise
+    if isinstance(msg, Hello) and body["mode"] == "":
+        del body["mode"]  # likewise: the backend's default
     if "mesh" in body:
         if body["mesh"] is None:
             del body["mesh"]  # absent for plain data parallel

@@ -303,7 +303,7 @@ def test_an_action_on_a_job_whose_hello_never_lands_still_gets_404(env):
     async def scenario():
         ctl.expect("ghost")  # its hello could not be stored (say, the database is away)
         ctl.arrival_wait_s = 0.2
-        with pytest.raises(NotFoundError):
-            await ctl.set_mode("ghost", "auto", actor=OPERATOR)
+        with pytest.raises(NotFoundError):  # (a mode for a job not seen is a preset: tests/backend/test_mode_preset.py)
+            await ctl.rollback("ghost", actor=OPERATOR)
 
     run(scenario())

@@ -30,7 +30,7 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 try:
     import redis
 except ImportError:
-    unavailable("the redis package is not installed (pip install 'rebalancer[cluster]')", module=True)
+    unavailable("the redis package is not installed (pip install 'torch-rebalancer[cluster]')", module=True)
 try:
     redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
 except (redis.RedisError, OSError) as exc:
