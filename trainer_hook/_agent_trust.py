@@ -29,7 +29,12 @@ import struct
 import tempfile
 from collections.abc import Mapping
 
-__all__ = ["ENV_AGENT_DIR", "KEY_HEADER", "NotPrivate", "check_private_dir", "launch_local_rank",
+from websockets.sync.client import ClientConnection, connect
+
+from rebalancer_wire.protocol import MAX_MESSAGE_BYTES
+from trainer_hook._urls import WS_PATH
+
+__all__ = ["AgentRefused", "ENV_AGENT_DIR", "KEY_HEADER", "NotPrivate", "connect_agent", "check_private_dir", "launch_local_rank",
            "peer_credentials", "private_dir", "read_secret", "same_secret", "secret_path", "write_secret"]
 
 ENV_AGENT_DIR = "REBALANCER_AGENT_DIR"
@@ -139,3 +144,49 @@ def launch_local_rank(pid: int) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+class AgentRefused(Exception):
+    """The node agent cannot be trusted or refused this rank: this rank uses its own connection."""
+
+
+def connect_agent(path: str, *, open_timeout: float, close_timeout: float) -> ClientConnection:
+    """A guest's websocket to its node agent at ``path``: the directory is this user's alone, the
+    listener runs as this user, and only then does the launch's secret go to it (never the
+    backend's token). ``AgentRefused`` otherwise; ``OSError`` while nobody listens."""
+    sock = _agent_socket(path, open_timeout)
+    try:
+        secret = read_secret(secret_path(path))
+    except NotPrivate as exc:
+        sock.close()
+        raise AgentRefused(str(exc)) from None
+    except BaseException:
+        sock.close()
+        raise
+    return connect("ws://localhost" + WS_PATH, sock=sock, additional_headers={KEY_HEADER: secret},
+                   open_timeout=open_timeout, close_timeout=close_timeout, max_size=MAX_MESSAGE_BYTES,
+                   compression=None)
+
+
+def _agent_socket(path: str, timeout: float) -> socket.socket:
+    """A connected unix socket to the node agent at ``path``, once its directory is this user's
+    alone and the process listening runs as this user (``SO_PEERCRED``): only then may the
+    launch's secret go to it. ``AgentRefused`` otherwise; ``OSError`` while nobody listens."""
+    try:
+        check_private_dir(os.path.dirname(path))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise AgentRefused(str(exc)) from None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        pid, uid, _ = peer_credentials(sock)
+    except BaseException:
+        sock.close()
+        raise
+    if uid != os.getuid():
+        sock.close()
+        raise AgentRefused(f"pid {pid} listening on {path} runs as uid {uid}, not as this user (uid {os.getuid()})")
+    return sock

@@ -97,6 +97,9 @@ def node_aggregation(env: Mapping[str, str]) -> bool:
         return False
 
 
+_MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the final NUL (Linux)
+
+
 def agent_path(job: str, env: Mapping[str, str]) -> str:
     """The unix socket of this node's agent for ``job``: the same in every local rank (the
     launch's rendezvous, node and restart), and another for any other launch or job. It lies
@@ -105,7 +108,11 @@ def agent_path(job: str, env: Mapping[str, str]) -> str:
     key = "\0".join([job, *(env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
                                                         "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT"))])
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
-    return os.path.join(private_dir(env), f"{digest}.sock")
+    path = os.path.join(private_dir(env), f"{digest}.sock")
+    if len(os.fsencode(path)) > _MAX_UNIX_PATH:
+        raise OSError(f"the agent's socket path {path} is longer than the {_MAX_UNIX_PATH} bytes a unix socket "
+                      "allows; set REBALANCER_AGENT_DIR to a shorter private directory")
+    return path
 
 
 def make_transport(*, job: str, url: str, token: str | None, hello: Callable[[], Hello],

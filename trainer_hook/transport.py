@@ -23,9 +23,7 @@ its state would be shared between threads."""
 from __future__ import annotations
 
 import logging
-import os
 import random
-import socket
 import statistics
 import threading
 import time
@@ -33,7 +31,6 @@ from collections import deque
 from collections.abc import Callable
 from itertools import islice
 from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection, connect
@@ -61,59 +58,21 @@ from rebalancer_wire.protocol import (
     decode,
     encode,
 )
-from trainer_hook._agent_trust import (
-    KEY_HEADER,
-    NotPrivate,
-    check_private_dir,
-    peer_credentials,
-    read_secret,
-    secret_path,
-)
+from trainer_hook._agent_trust import AgentRefused, connect_agent
 from trainer_hook._confirm import Silent, Unconfirmed
+from trainer_hook._route import Route
+from trainer_hook._urls import UNIX, hook_ws_url, hook_ws_urls
 
 __all__ = ["Relay", "Transport", "hook_ws_url", "hook_ws_urls"]
 
 log = logging.getLogger(__name__)
 
-WS_PATH = "/ws/hook"
 _POLL_S = 0.05  # how long one recv waits; bounds the latency of acks and of close()
 _AUTH_CODES = (CLOSE_UNAUTHORIZED, CLOSE_FORBIDDEN)
 _MAX_DEVICE_PER_MESSAGE = 256  # ~1 Hz samples; keeps a full frame of steps well under 1 MiB
 _MAX_CONTROL = 4096  # acks/rejects are a few per placement; this only guards a runaway caller
 _MAX_REDIRECTS = 3  # redirects followed in a row at once; then with back-off (a loop between replicas)
 _MAX_UNANSWERED = 256  # metrics frames kept for resending until the hello is answered
-_UNIX = "unix:"  # a URL in ``urls`` that is a node agent's unix socket (trainer_hook/node_agg.py)
-
-
-def hook_ws_url(server: str) -> str:
-    """Turn the backend base URL a user gives into the hook's websocket URL.
-
-    ``http://host:8000`` -> ``ws://host:8000/ws/hook``; ``https`` -> ``wss``; ``ws(s)://``
-    is kept; a path prefix (a reverse proxy mount) is kept. Raises ValueError otherwise.
-    """
-    if not isinstance(server, str) or not server.strip():
-        raise ValueError(f"server must be a URL like 'http://127.0.0.1:8000', got {server!r}.")
-    parts = urlsplit(server.strip())
-    schemes = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}
-    if parts.scheme not in schemes or not parts.hostname:
-        raise ValueError(
-            f"server must be a URL like 'http://127.0.0.1:8000' (scheme http, https, ws or wss "
-            f"and a host), got {server!r}."
-        )
-    path = parts.path.rstrip("/")
-    if not path.endswith(WS_PATH):
-        path += WS_PATH
-    return urlunsplit((schemes[parts.scheme], parts.netloc, path, parts.query, ""))
-
-
-def hook_ws_urls(server: str) -> list[str]:
-    """``hook_ws_url`` for each of several comma-separated backend URLs (replicas)."""
-    if not isinstance(server, str) or not server.strip():
-        raise ValueError(f"server must be a URL like 'http://127.0.0.1:8000', got {server!r}.")
-    urls = [hook_ws_url(part) for part in server.split(",") if part.strip()]
-    if not urls:
-        raise ValueError(f"server must be a URL like 'http://127.0.0.1:8000', got {server!r}.")
-    return urls
 
 
 class Relay(Protocol):
@@ -211,18 +170,10 @@ class Transport:
         ):
             if not isinstance(val, (int, float)) or not val > 0:
                 raise ValueError(f"{name} must be a number > 0, got {val!r}.")
-        self.urls = hook_ws_urls(url)
         # A node agent's unix socket (another local rank carries this rank's frames) is
         # tried first; once it cannot be reached, this rank uses its own connection.
-        if local_agent is not None:
-            self.urls.insert(0, _UNIX + local_agent)
-        self._agent_wait_until = time.monotonic() + float(local_agent_wait_s)
-        self._agent_fallback_said = False  # the warning that this rank connects on its own
+        self.route = Route(hook_ws_urls(url), agent=local_agent, agent_wait_s=local_agent_wait_s)
         self.relay = relay
-        self._next_url = 0  # which of ``urls`` to try next
-        self._redirect: str | None = None  # the replica that controls the job, when told
-        self._redirects = 0  # redirects followed since the last session that was not one
-        self.url = self.urls[0]  # the URL of the current (or last) connection attempt
         # Metrics frames sent on this connection before the backend answered the hello: a
         # replica that redirects reads nothing after the hello, so they are sent again to
         # the owner. Once a placement arrives the backend is reading: they are dropped.
@@ -276,6 +227,15 @@ class Transport:
         self.total_steps: int | None = None  # sent with every metrics frame (the job's ETA)
 
     # --- training-thread side ------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The URL of the current (or last) connection attempt."""
+        return self.route.url
+
+    @property
+    def urls(self) -> list[str]:
+        return self.route.urls
 
     @property
     def connected(self) -> bool:
@@ -376,36 +336,31 @@ class Transport:
         failures = 0
         while not self._closing.is_set():
             connects_before = self.connects
-            self.url = self._redirect or self.urls[self._next_url]
+            self.route.pick()
             try:
                 self._session()
                 delay, failures = self._backoff0, 0
-                self._redirects = 0
+                self.route.redirects = 0
                 continue  # the connection ended cleanly or the server went away: reconnect
             except _Redirected:
-                self._redirects += 1
-                if self._redirects <= _MAX_REDIRECTS:
+                self.route.redirects += 1
+                if self.route.redirects <= _MAX_REDIRECTS:
                     continue  # straight to the replica that controls the job
                 wait = random.uniform(delay / 2, delay)  # replicas disagree for now: back off
                 delay = min(delay * 2, self._backoff_max)
-                self._redirects = 0
+                self.route.redirects = 0
             except _Stop:
                 self._stopped = True
                 return
             except Silent as exc:
                 log.warning("%s; this rank tries the next backend URL and sends again what it did not "
                             "confirm, training goes on.", exc)
-                if self._redirect is None:
-                    self._next_url = (self._next_url + 1) % len(self.urls)
-                self._redirect = None
+                self.route.move_on()
                 continue
-            except _AgentRefused as exc:  # never again: this rank's own connection from now on
+            except AgentRefused as exc:  # never again: this rank's own connection from now on
                 log.warning("Not using the node agent at %s: %s. This rank connects to the backend on its own, "
                             "training goes on.", self.url, exc)
-                self._agent_fallback_said = True
-                if self.urls[0].startswith(_UNIX):
-                    self.urls.pop(0)
-                self._next_url, self._redirect = 0, None
+                self.route.drop_agent()
                 continue
             except _AuthRefused as exc:
                 log.error(
@@ -416,25 +371,25 @@ class Transport:
             except Exception as exc:  # noqa: BLE001 - the thread must survive anything
                 # Before this rank ever connected, its node agent's socket may not exist yet
                 # (the agent's rank starts it, and may start later): expected, not a fault.
-                first_agent_try = self.url.startswith(_UNIX) and self.connects == 0
+                first_agent_try = self.route.on_agent and self.connects == 0
                 if self.connects > connects_before:  # a working connection broke: retry soon
-                    delay, failures, self._redirects = self._backoff0, 0, 0
-                elif first_agent_try and time.monotonic() < self._agent_wait_until:
+                    delay, failures, self.route.redirects = self._backoff0, 0, 0
+                    self.route.redirect = None  # the owner we were sent to broke: ask the list again
+                elif first_agent_try and time.monotonic() < self.route.agent_wait_until:
                     log.debug("The node agent at %s is not up yet (%s: %s); waiting for it.",
                               self.url, type(exc).__name__, exc)
                     if self._closing.wait(random.uniform(self._backoff0 / 2, self._backoff0)):
                         break
                     continue
-                elif self._redirect is None:  # this replica is unreachable: the next in the list
-                    self._next_url = (self._next_url + 1) % len(self.urls)
-                # The owner we were sent to broke or is unreachable: it may be dead; ask the
-                # list again (a replica there sends us back while the owner holds the job).
-                self._redirect = None
+                else:  # this replica is unreachable: the next in the list; the owner we were sent
+                    # to may be dead: ask the list again (a replica there sends us back while the
+                    # owner holds the job)
+                    self.route.move_on()
                 if first_agent_try:  # said once; the backend's own attempts count failures
-                    log.log(logging.DEBUG if self._agent_fallback_said else logging.WARNING,
+                    log.log(logging.DEBUG if self.route.fallback_said else logging.WARNING,
                             "No node agent answered at %s (%s: %s); this rank connects to the backend "
                             "on its own, training goes on.", self.url, type(exc).__name__, exc)
-                    self._agent_fallback_said = True
+                    self.route.fallback_said = True
                     continue
                 failures += 1
                 level = logging.WARNING if failures in (1, 10) or failures % 100 == 0 else logging.DEBUG
@@ -451,8 +406,8 @@ class Transport:
         try:
             ws = self._connect(self.url, self._open_timeout, 1.0)
         except InvalidStatus as exc:
-            if self.url.startswith(_UNIX):
-                raise _AgentRefused(f"it answered the handshake with HTTP {exc.response.status_code}") from None
+            if self.route.on_agent:
+                raise AgentRefused(f"it answered the handshake with HTTP {exc.response.status_code}") from None
             if exc.response.status_code in (401, 403):
                 raise _AuthRefused(f"HTTP {exc.response.status_code} on the handshake") from None
             raise
@@ -500,20 +455,8 @@ class Transport:
             ws.close_socket()
 
     def _connect(self, url: str, open_timeout: float, close_timeout: float) -> ClientConnection:
-        if url.startswith(_UNIX):  # the node agent on this machine: never the token, no compression
-            path = url[len(_UNIX):]
-            sock = _agent_socket(path, open_timeout)
-            try:
-                secret = read_secret(secret_path(path))
-            except NotPrivate as exc:
-                sock.close()
-                raise _AgentRefused(str(exc)) from None
-            except BaseException:
-                sock.close()
-                raise
-            return connect("ws://localhost" + WS_PATH, sock=sock, additional_headers={KEY_HEADER: secret},
-                           open_timeout=open_timeout, close_timeout=close_timeout, max_size=MAX_MESSAGE_BYTES,
-                           compression=None)
+        if url.startswith(UNIX):  # the node agent on this machine: never the token, no compression
+            return connect_agent(url[len(UNIX):], open_timeout=open_timeout, close_timeout=close_timeout)
         return connect(url, additional_headers=self._headers, open_timeout=open_timeout,
                        close_timeout=close_timeout, max_size=MAX_MESSAGE_BYTES)
 
@@ -530,20 +473,20 @@ class Transport:
     def _closed_by_server(self, exc: ConnectionClosed) -> None:
         code = exc.rcvd.code if exc.rcvd is not None else None
         reason = exc.rcvd.reason if exc.rcvd is not None else ""
-        if self.url.startswith(_UNIX) and code in (CLOSE_REDIRECT, CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED):
+        if self.route.on_agent and code in (CLOSE_REDIRECT, CLOSE_FORBIDDEN, CLOSE_UNAUTHORIZED):
             # the agent refused this rank, or tried to send it elsewhere: an agent never redirects
-            raise _AgentRefused(f"it closed the connection with {code} ({reason})") from None
+            raise AgentRefused(f"it closed the connection with {code} ({reason})") from None
         if code == CLOSE_REDIRECT:
             # The error frame before the close names the owner; the close reason repeats it
             # when it fits (a send may meet the close before the frame is read).
-            if reason and (self._redirect is None or self._redirect == self.url):
-                self._follow(reason)
+            if reason and (self.route.redirect is None or self.route.redirect == self.url):
+                self.route.follow(reason)
             if not self._answered:  # the replica read nothing after the hello: send it again
                 self._unsent[:0] = self._unanswered
                 self._unconfirmed.reset()  # the same frames (none was answered)
                 self._control.extendleft(reversed(self._unanswered_control))
             self._unanswered, self._unanswered_control = [], []
-            if self._redirect is not None and self._redirect != self.url:
+            if self.route.redirect is not None and self.route.redirect != self.url:
                 raise _Redirected from None
         if code == CLOSE_MALFORMED and self.relay is not None:
             # A backend that refuses a second rank's hello (older than node connections; a newer
@@ -578,11 +521,11 @@ class Transport:
         if isinstance(msg, Placement):
             self._answered, self._unanswered, self._unanswered_control = True, [], []
         if isinstance(msg, Error) and msg.code == "redirect":
-            if self.url.startswith(_UNIX):  # only a backend replica may send a rank elsewhere
+            if self.route.on_agent:  # only a backend replica may send a rank elsewhere
                 log.warning("Ignoring a redirect to %r from the node agent at %s: an agent never redirects.",
                             msg.message[:200], self.url)
             else:
-                self._follow(msg.message)
+                self.route.follow(msg.message)
             return
         if isinstance(msg, Error) and msg.rank is not None:  # a node connection: one rank refused
             if self._ident is not None and msg.rank == self._ident[1]:
@@ -600,17 +543,6 @@ class Transport:
             self._on_message(msg)
         except Exception:  # noqa: BLE001 - a bad callback must not kill the transport
             log.exception("on_message raised while handling a %r frame; continuing.", msg.TYPE)
-
-    def _follow(self, url: str) -> None:
-        """A redirect to ``url``: kept when it is a backend URL we may connect to."""
-        try:
-            target = hook_ws_url(url)
-        except ValueError as exc:
-            log.warning("Ignoring a redirect from %s to %r: %s", self.url, url, exc)
-            return
-        if target != self.url:
-            log.info("%s sends this rank to %s (the replica that controls the job).", self.url, target)
-            self._redirect = target
 
     def _send_control(self, ws: ClientConnection) -> None:
         while self._control:
@@ -716,9 +648,7 @@ class Transport:
         remaining = self._close_deadline - time.monotonic()
         if remaining <= 0.05:
             return
-        target = self._redirect or self.url
-        if target.startswith(_UNIX):  # the node agent is gone (we are not connected): our own
-            target = next(u for u in self.urls if not u.startswith(_UNIX))
+        target = self.route.last_chance()
         try:
             ws = self._connect(target, min(remaining, 1.0), 0.5)
         except Exception as exc:  # noqa: BLE001
@@ -752,36 +682,8 @@ def _requeue(q: deque[Any], rest: list[Any]) -> int:
     return max(0, overflow)
 
 
-def _agent_socket(path: str, timeout: float) -> socket.socket:
-    """A connected unix socket to the node agent at ``path``, once its directory is this user's
-    alone and the process listening runs as this user (``SO_PEERCRED``): only then may the
-    launch's secret go to it. ``_AgentRefused`` otherwise; ``OSError`` while nobody listens."""
-    try:
-        check_private_dir(os.path.dirname(path))
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise _AgentRefused(str(exc)) from None
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        sock.connect(path)
-        pid, uid, _ = peer_credentials(sock)
-    except BaseException:
-        sock.close()
-        raise
-    if uid != os.getuid():
-        sock.close()
-        raise _AgentRefused(f"pid {pid} listening on {path} runs as uid {uid}, not as this user (uid {os.getuid()})")
-    return sock
-
-
-class _AgentRefused(Exception):
-    """The node agent cannot be trusted or refused this rank: this rank uses its own connection."""
-
-
 class _Redirected(Exception):
-    """Another replica controls the job; ``Transport._redirect`` says which."""
+    """Another replica controls the job; ``Route.redirect`` says which."""
 
 
 class _AuthRefused(Exception):

@@ -338,11 +338,12 @@ def test_a_rank_checks_who_listens_before_it_sends_the_secret(shared: Path, spy:
     assert spy.got == []
 
 
-def test_a_redirect_from_the_agent_is_never_followed(tmp_path: Path, spy: Spy,
+def test_a_redirect_from_the_agent_is_never_followed(shared: Path, spy: Spy,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     # A same-user agent (buggy or not ours) answers a rank's hello with a redirect: the rank
-    # ignores it and connects on its own; its token goes nowhere else.
-    run = _run_dir(tmp_path)
+    # ignores it and connects on its own; its token goes nowhere else. (A short directory: under
+    # pytest-xdist tmp_path is longer than a unix socket's 107-byte path.)
+    run = _run_dir(shared)
     env = _env("redir", 1, run)
     path = agent_path("redir", env)
     write_secret(secret_path(path))
@@ -368,3 +369,15 @@ def test_a_redirect_from_the_agent_is_never_followed(tmp_path: Path, spy: Spy,
     assert len(seen) == 1 and spy.got == []
     said = [r.getMessage() for r in caplog.records if r.name == "trainer_hook.transport"]
     assert any(m.startswith("Ignoring a redirect to ") for m in said), said
+
+
+def test_a_private_directory_too_deep_for_a_unix_socket_means_no_agent(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir(mode=0o700)
+    caplog.set_level(logging.WARNING)
+    t = make_transport(job="deep", url="http://127.0.0.1:9", token=None, hello=_hello("deep", 1),
+                       on_message=lambda m: None, env=_env("deep", 1, deep))
+    assert t.relay is None and t.urls == ["ws://127.0.0.1:9/ws/hook"]
+    said = [r.getMessage() for r in caplog.records if r.name == "trainer_hook.node_agg"]
+    assert len(said) == 1 and "longer than the 107 bytes a unix socket allows" in said[0], said
