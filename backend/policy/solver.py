@@ -268,7 +268,7 @@ def _fast_remainder(a: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.ndarray
 
 
 # Ranks whose predicted times at an even share differ by less than this fraction (or by less
-# than twice their relative standard error, when that is larger) count as equal.
+# than two standard errors of the difference, when that is larger) count as equal.
 TIE_TOLERANCE = 0.03
 
 
@@ -281,7 +281,8 @@ def even_ties(a_ms: Sequence[float], c_ms: Sequence[float], global_batch_size: i
     look faster takes what does not divide evenly, and the next fit hands it to the other
     (48/32, then 32/48). Ranks are compared by their predicted time at an even share
     ``B / n``; sorted by it, a rank joins the group of the fastest rank not yet grouped when
-    it is within ``max(tolerance, 2 * rel_error)`` of it. With one cost per group the
+    it is within ``max(tolerance, 2 * hypot(rel_error_i, rel_error_j))`` of it (two standard
+    errors of the difference). With one cost per group the
     solver's own tie rule splits the group evenly, the lower rank taking what does not
     divide: the same answer at every run.
 
@@ -303,7 +304,7 @@ def even_ties(a_ms: Sequence[float], c_ms: Sequence[float], global_batch_size: i
         j = k + 1
         while j < n:
             i = order[j]
-            tol = max(tolerance, 2.0 * max(err[head], err[i]))
+            tol = max(tolerance, 2.0 * math.hypot(err[head], err[i]))  # two sigma of the difference
             if t[i] > t[head] * (1.0 + tol) or t[head] <= 0:
                 break
             group.append(i)
