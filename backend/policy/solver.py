@@ -268,7 +268,7 @@ def _fast_remainder(a: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.ndarray
 
 
 # Ranks whose predicted times at an even share differ by less than this fraction (or by less
-# than twice their relative standard error, when that is larger) count as equal.
+# than two standard errors of the difference, when that is larger) count as equal.
 TIE_TOLERANCE = 0.03
 
 
@@ -281,7 +281,8 @@ def even_ties(a_ms: Sequence[float], c_ms: Sequence[float], global_batch_size: i
     look faster takes what does not divide evenly, and the next fit hands it to the other
     (48/32, then 32/48). Ranks are compared by their predicted time at an even share
     ``B / n``; sorted by it, a rank joins the group of the fastest rank not yet grouped when
-    it is within ``max(tolerance, 2 * rel_error)`` of it. With one cost per group the
+    it is within ``max(tolerance, 2 * hypot(rel_error_i, rel_error_j))`` of it (two standard
+    errors of the difference). With one cost per group the
     solver's own tie rule splits the group evenly, the lower rank taking what does not
     divide: the same answer at every run.
 
@@ -289,32 +290,32 @@ def even_ties(a_ms: Sequence[float], c_ms: Sequence[float], global_batch_size: i
     ([0.0, 0.0, 0.0], [1.005, 1.005, 2.0])
     """
     n = len(a_ms)
-    a, c = [float(x) for x in a_ms], [float(x) for x in c_ms]
+    a = np.asarray(a_ms, dtype=float).copy()
+    c = np.asarray(c_ms, dtype=float).copy()
     if n < 2:
-        return a, c
-    share = global_batch_size / n
-    t = [a[i] + c[i] * share for i in range(n)]
-    err = [float(e) if math.isfinite(e) else 0.0 for e in rel_error] if rel_error else [0.0] * n
-    order = sorted(range(n), key=lambda i: (t[i], i))
+        return a.tolist(), c.tolist()
+    t = a + c * (global_batch_size / n)
+    err = np.zeros(n) if not len(rel_error) else np.asarray(rel_error, dtype=float)
+    err = np.where(np.isfinite(err), err, 0.0)
+    order = np.lexsort((np.arange(n), t))
+    ts, es = t[order], err[order]
+    widest = max(tolerance, 2.0 * math.hypot(float(es.max()), float(es.max())))
     k = 0
     while k < n:
-        head = order[k]
-        group = [head]
-        j = k + 1
-        while j < n:
-            i = order[j]
-            tol = max(tolerance, 2.0 * max(err[head], err[i]))
-            if t[i] > t[head] * (1.0 + tol) or t[head] <= 0:
-                break
-            group.append(i)
-            j += 1
-        if len(group) > 1:
-            ga = sum(a[i] for i in group) / len(group)
-            gc = sum(c[i] for i in group) / len(group)
-            for i in group:
-                a[i], c[i] = ga, gc
+        head = float(ts[k])
+        if head <= 0:
+            k += 1
+            continue
+        # Only ranks within the widest tolerance can join: look no further than that.
+        stop = int(np.searchsorted(ts, head * (1.0 + widest), side="right"))
+        tol = np.maximum(tolerance, 2.0 * np.hypot(es[k], es[k + 1:stop]))  # two sigma of the difference
+        outside = np.flatnonzero(ts[k + 1:stop] > head * (1.0 + tol))
+        j = k + 1 + (int(outside[0]) if outside.size else stop - k - 1)
+        if j - k > 1:
+            group = order[k:j]
+            a[group], c[group] = a[group].mean(), c[group].mean()
         k = j
-    return a, c
+    return a.tolist(), c.tolist()
 
 
 def predicted_step_ms(a_ms: Sequence[float], c_ms: Sequence[float],

@@ -107,7 +107,6 @@ def _mirrors(a: list[int], b: list[int]) -> bool:
 
 
 def test_a_noisy_job_gets_at_most_one_proposal_a_minute_and_ties_split_evenly(job):
-    started = time.perf_counter()
     job.run(180.0)  # three minutes, nobody at the screen
     props = [p for p in job.proposals() if p["source"] == "policy"]
     assert 1 <= len(props) <= 3, [(p["id"], p["shares"], p["created_at"] - 10_000.0) for p in props]
@@ -123,7 +122,6 @@ def test_a_noisy_job_gets_at_most_one_proposal_a_minute_and_ties_split_evenly(jo
     before = len(job.proposals())
     job.run(120.0)  # two more minutes under the new split: noise alone proposes nothing
     assert len(job.proposals()) == before
-    assert time.perf_counter() - started < 60  # the replay itself stays cheap
 
 
 def test_a_real_change_in_speed_still_yields_a_proposal_promptly_and_the_old_one_says_why(job):

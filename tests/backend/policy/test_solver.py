@@ -193,3 +193,18 @@ def test_fast_remainder_path_matches_trying_every_rank(n, g, seed):
     assert check_placement(fast, b_total, cons) is None
     assert predicted_step_ms(a, c, fast) == pytest.approx(predicted_step_ms(a, c, every),
                                                           rel=1e-12)
+
+
+def test_ranks_the_fit_cannot_tell_apart_split_evenly_the_lower_rank_first():
+    """Issue 39: two equal ranks were offered 48/32, then 32/48, as the noise of each fit
+    made one or the other look faster. Within noise they share one cost; the solver's tie
+    rule then gives the lower rank what does not divide, at every run."""
+    from backend.policy.solver import even_ties
+
+    cons = Constraints(granularity=16)
+    for c in ([1.0, 1.02, 2.0], [1.02, 1.0, 2.0], [1.05, 1.0, 2.0]):
+        a, tied = even_ties([0.0] * 3, c, 96, rel_error=[0.02, 0.02, 0.02])
+        assert tied[0] == tied[1] and solve(a, tied, 96, cons) == (48, 32, 16)
+    # A difference the noise cannot explain still counts.
+    a, tied = even_ties([0.0] * 3, [1.2, 1.0, 2.0], 96, rel_error=[0.02, 0.02, 0.02])
+    assert tied == [1.2, 1.0, 2.0] and solve(a, tied, 96, cons) == (32, 48, 16)
