@@ -911,6 +911,8 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
         del body["urgent"]  # likewise
     if body.get("comm_kind", None) == "":
         del body["comm_kind"]  # likewise
+    if body.get("mode", None) == "":
+        del body["mode"]  # likewise: the hello of a hook that asks for no mode
     if "mesh" in body:
         if body["mesh"] is None:
             del body["mesh"]  # absent for plain data parallel
