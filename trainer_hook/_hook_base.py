@@ -52,7 +52,7 @@ _AUTO: Any = object()
 _UNMEASURED = 1 << 40  # lookahead before the first step measures it: nothing is final yet
 
 
-def start_line(cfg: HookConfig, world_size: int) -> str:
+def start_line(cfg: HookConfig, world_size: int, unit: str = "ranks") -> str:
     """What the hook says once at start: where it reports and as which job, or that it is
     offline and why."""
     if cfg.offline:
@@ -60,7 +60,7 @@ def start_line(cfg: HookConfig, world_size: int) -> str:
                 f"{ENV_SERVER}); steps are still timed and request_placement() still changes the split")
     server = (cfg.server or "").split(",")[0].strip().rstrip("/")
     mode = f"starting in mode {cfg.mode}" if cfg.mode else "the backend's default mode"
-    return (f"rebalancer: reporting to {server} as job {cfg.job_name!r} ({world_size} ranks, {mode}); "
+    return (f"rebalancer: reporting to {server} as job {cfg.job_name!r} ({world_size} {unit}, {mode}); "
             f"dashboard {server}/job/{quote(cfg.job_name, safe='')}")
 
 
@@ -222,8 +222,9 @@ class HookBase:
                                      position=replicas.members.index(dist.get_rank()))
         self._trained: ScheduledPlacement = self._schedule.at(0)
         self._ready = True
-        if dist.is_available() and dist.is_initialized() and dist.get_rank() == 0 or global_world == 1:
-            say_start(start_line(cfg, self._world_size))  # one line for the job, from rank 0
+        if global_world == 1 or (dist.is_available() and dist.is_initialized() and dist.get_rank() == 0):
+            unit = "ranks" if self._dp_mesh is None else "data-parallel replicas"
+            say_start(start_line(cfg, self._world_size, unit))  # one line for the job, from rank 0
         if not cfg.offline and leader:  # only a replica's leader talks to the backend
             self._start_io()
         _lifecycle.track(self)  # after init_process_group: its atexit runs before torch's
