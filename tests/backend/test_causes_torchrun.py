@@ -25,8 +25,9 @@ GLOBAL_BATCH = 12
 @pytest.fixture(scope="module")
 def phases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, list[CauseStep]]]:
     out: Path = tmp_path_factory.mktemp("causes_job")
-    run_torchrun(NPROC, ["-m", "tests.backend._causes_worker", "--out", str(out),
-                         "--phase-steps", str(PHASE_STEPS)], timeout=240)
+    # Causes of 32-40 ms a step, so a loaded machine's jitter (a few ms) stays well inside 10%.
+    run_torchrun(NPROC, ["-m", "tests.backend._causes_worker", "--out", str(out), "--phase-steps", str(PHASE_STEPS),
+                         "--loader-ms", "40", "--sample-ms", "8"], timeout=240)
     by_phase: dict[str, dict[int, list[CauseStep]]] = {}
     for rank in range(NPROC):
         rows: list[dict[str, Any]] = json.loads((out / f"rank{rank}.json").read_text())
@@ -59,7 +60,7 @@ def test_the_top_cause_and_its_gain_against_removing_it_for_real(phases, phase, 
     top = report.causes[0]
     assert (top.cause, top.ranks) == (cause, ranks), report.causes
     measured = _step_ms(phases[phase]) - _step_ms(phases["clean"])
-    assert measured > 10.0  # the injected cause costs 20-30 ms a step
+    assert measured > 20.0  # the injected cause costs 32-40 ms a step
     assert top.ms_per_step == pytest.approx(measured, rel=0.10), (top, measured)
     # The replay with nothing removed tells the measured step within 10% too.
     assert report.replayed_step_ms == pytest.approx(report.step_ms, rel=0.10)
