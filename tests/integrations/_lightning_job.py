@@ -2,6 +2,7 @@
 rebalancer's callback; placements requested mid-run; records what every rank trained.
 
 Usage: python -m tests.integrations._lightning_job OUT_DIR STEPS [CKPT_DIR [resume]]
+       python -m tests.integrations._lightning_job OUT_DIR STEPS CKPT_DIR tokens TOKENS_OUT TOKENS_STEPS
        python -m tests.integrations._lightning_job OUT_DIR STEPS tokens
 
 Without ``tokens`` the job fits twice in the one launch: under ``strategy="ddp"`` (into
@@ -11,7 +12,10 @@ and CKPT_DIR-fsdp2; there each checkpoint is a directory of shards). Without ``r
 ModelCheckpoint saves every 8 steps into CKPT_DIR; with it the run resumes from
 CKPT_DIR/step8.ckpt (Lightning's own checkpoint) and trains to STEPS. With
 ``tokens`` the module trains TokenNet on TokenData with the loss a mean over the global
-batch's valid targets: the summed loss times ``callback.token_loss_weight(n_valid)``.
+batch's valid targets: the summed loss times ``callback.token_loss_weight(n_valid)``;
+after CKPT_DIR, ``tokens TOKENS_OUT TOKENS_STEPS`` adds that fit (``strategy="ddp"``) to the
+launch, between the other two (a launch's start, every rank importing Lightning, costs more
+than a fit).
 """
 
 from __future__ import annotations
@@ -116,6 +120,8 @@ def main() -> None:
     ckpt_dir = sys.argv[3] if len(sys.argv) > 3 and not tokens else None
     resume = len(sys.argv) > 4 and sys.argv[4] == "resume"
     fit(out_dir, steps, ckpt_dir, resume, tokens=tokens, fsdp2=False)
+    if len(sys.argv) > 6 and sys.argv[4] == "tokens":
+        fit(sys.argv[5], int(sys.argv[6]), None, False, tokens=True, fsdp2=False)
     if not tokens:
         fit(out_dir + "-fsdp2", steps, ckpt_dir and ckpt_dir + "-fsdp2", resume, tokens=False, fsdp2=True)
     if dist.is_initialized():

@@ -22,15 +22,16 @@ from tests.integrations._common import (
 # seconds of CPU, and only the worker that runs this file needs it.
 if importlib.util.find_spec("pytorch_lightning") is None:
     pytest.skip("could not import 'pytorch_lightning'", allow_module_level=True)
-pytestmark = [pytest.mark.timeout(300), pytest.mark.multiproc]
+pytestmark = [pytest.mark.timeout(400), pytest.mark.multiproc]
 
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # One 20-step run shared by both tests; its ModelCheckpoint saves at step 8 (mid-epoch).
+    # The same launch fits the 12-step token-mean run into "tokens" (its own test below).
     root = tmp_path_factory.mktemp("lightning")
-    run_torchrun(2, ["-m", "tests.integrations._lightning_job", str(root / "full"), "20", str(root / "ckpt")],
-                 timeout=240)
+    run_torchrun(2, ["-m", "tests.integrations._lightning_job", str(root / "full"), "20", str(root / "ckpt"),
+                     "tokens", str(root / "tokens"), "12"], timeout=320)
     return root
 
 
@@ -86,11 +87,10 @@ def test_lightning_resumes_from_its_own_checkpoint(resumed_run, suffix, gradient
         assert_close_params(p, want, rtol=1e-9)
 
 
-def test_lightning_token_mean_matches_single_process_reference(tmp_path):
+def test_lightning_token_mean_matches_single_process_reference(full_run):
     # training_step returns loss_sum * callback.token_loss_weight(n_valid): the parameters
     # follow the mean over the global batch's valid targets under uneven, changing splits.
-    run_torchrun(2, ["-m", "tests.integrations._lightning_job", str(tmp_path), "12", "tokens"], timeout=150)
-    recs, params = load(tmp_path, 2)
+    recs, params = load(full_run / "tokens", 2)
     assert [v for v, _ in recs[0]["acks"]] == [1, 2, 3]
     batches = global_batches(recs)
     assert len(batches) == 12
