@@ -11,20 +11,19 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import threading
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
-from urllib.parse import quote
 
 import torch
 import torch.distributed as dist
 
 from rebalancer_wire.protocol import Error, Hello, MeshShape, Message, StepRecord
 from trainer_hook import _lifecycle
+from trainer_hook._announce import say_start, start_line
 from trainer_hook.channel import ControlChannel, PendingPlacement
-from trainer_hook.config import ENV_SERVER, HookConfig
+from trainer_hook.config import HookConfig
 from trainer_hook.gradients import GradientState
 from trainer_hook.memory import (
     MemoryMeter,
@@ -50,27 +49,6 @@ _COMM_KIND = {"ddp_comm_hook": "all_reduce", "fsdp2_reduce_scatter": "reduce_sca
 _EXIT_WAIT_S = 30.0
 _AUTO: Any = object()
 _UNMEASURED = 1 << 40  # lookahead before the first step measures it: nothing is final yet
-
-
-def start_line(cfg: HookConfig, world_size: int, unit: str = "ranks") -> str:
-    """What the hook says once at start: where it reports and as which job, or that it is
-    offline and why."""
-    if cfg.offline:
-        return ("rebalancer: offline, nothing is reported (no server: pass RebalanceHook(server=...) or set "
-                f"{ENV_SERVER}); steps are still timed and request_placement() still changes the split")
-    server = (cfg.server or "").split(",")[0].strip().rstrip("/")
-    mode = f"starting in mode {cfg.mode}" if cfg.mode else "the backend's default mode"
-    return (f"rebalancer: reporting to {server} as job {cfg.job_name!r} ({world_size} {unit}, {mode}); "
-            f"dashboard {server}/job/{quote(cfg.job_name, safe='')}")
-
-
-def say_start(line: str) -> None:
-    """Through logging where the program configured it (INFO), else on stderr: a library's
-    INFO record goes nowhere by default, and this line is the one a user must see."""
-    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
-        log.info("%s", line)
-    else:
-        print(line, file=sys.stderr, flush=True)
 
 
 class _Steps(Protocol):

@@ -17,6 +17,10 @@ its own connection to the backend, with its queues intact. Frames the agent hold
 on rank 0's connection, each rank's hello first, also those it holds while that connection
 is down: they go out when it is back (``hellos`` first). ``REBALANCER_NODE_AGGREGATION`` (``1``/``0``) turns it on
 or off; by default it is on when torchrun starts two or more ranks on the node.
+
+One module, over 400 lines on purpose: the agent's server thread and the per-guest state only it
+touches (who said hello as which local rank, what waits to go upstream); who may talk to it is
+_agent_trust.py's.
 """
 
 from __future__ import annotations

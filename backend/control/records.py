@@ -7,6 +7,9 @@ the caller commits. Each closes or adds rows the way the proposal lifecycle says
 (``proposed`` -> ``approved`` -> ``applied``, or ``rejected | superseded | failed |
 expired``) and touches nothing else; the controller keeps its in-memory state in step
 with what these return.
+
+One module, over 400 lines on purpose: every write to the control tables has this one home (the layer
+test holds the rest of backend/control to it); split, the rule would have two.
 """
 
 from __future__ import annotations

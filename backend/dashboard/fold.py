@@ -10,6 +10,9 @@ are cut from the feeds.
 Above ``RANKS_FULL_RATE_MAX`` ranks the per-rank columns are rebuilt at most once every
 ``RANKS_EVERY_S`` (``ranks_due``), and so are the heatmap columns; the ``ranks`` and
 ``control`` JSON is encoded once per change and shared by every client's frame.
+
+One module, over 400 lines on purpose: a feed is built in one pass per tick, every field of it
+here; split, one feed's fields would be folded in two places that must agree.
 """
 
 from __future__ import annotations

@@ -53,7 +53,6 @@ from backend.live.rows import (
     step_row,
 )
 from backend.live.windows import Pending, Window, aggregate_windows
-from backend.policy.causes import CauseStep
 from backend.policy.comm import Communication, assess
 from backend.policy.memory import MemoryReading, RankMemory
 from rebalancer_wire.protocol import (
@@ -579,29 +578,17 @@ class LiveState:
         tail.reverse()
         return tuple(tail)
 
-    def cause_steps(self, job: str, n: int) -> dict[int, list[CauseStep]]:
-        """Each rank's newest ``n`` steps as the what-if replay reads them (``backend.policy.causes``):
-        the step's times with its phases, communication and work joined by batch index."""
+    def cause_rows(self, job: str, n: int) -> dict[int, tuple[list[tuple[Any, ...]], dict[int, Any], dict[int, Any],
+                                                              dict[int, Any]]]:
+        """Each rank's newest ``n`` step rows, oldest first, with its communication, phases and
+        work by batch index: what ``backend.live.causes`` turns into the replay's steps."""
         with self._lock:
             j = self._jobs.get(job)
             if j is None:
                 return {}
-            taken = {rank: (list(islice(reversed(r.steps), n)), {c[0]: c for c in r.comm},
-                            {p[0]: p for p in r.phases}, {w[0]: w[1] for w in r.work})
-                     for rank, r in j.ranks.items()}
-        out: dict[int, list[CauseStep]] = {}
-        for rank, (rows, comm, phases, work) in taken.items():
-            steps = []
-            for row in reversed(rows):
-                k = row[STEP_BATCH]
-                c, p = comm.get(k), phases.get(k)
-                steps.append(CauseStep(
-                    batch_index=k, local_batch_size=row[STEP_LOCAL_BATCH], data_wait_ms=row[3],
-                    compute_ms=row[STEP_COMPUTE], sync_wait_ms=row[5], optimizer_ms=row[6], step_ms=row[STEP_MS],
-                    host_ms=p[1] if p else 0.0, ckpt_ms=p[2] if p else 0.0, gc_ms=p[3] if p else 0.0,
-                    comm_bytes=c[1] if c else None, comm_ms=c[2] if c else None, work=work.get(k)))
-            out[rank] = steps
-        return out
+            return {rank: (list(islice(reversed(r.steps), n))[::-1], {c[0]: c for c in r.comm},
+                           {p[0]: p for p in r.phases}, {w[0]: w[1] for w in r.work})
+                    for rank, r in j.ranks.items()}
 
     def work_by_batch(self, job: str, rank: int) -> dict[int, tuple[float, float, float | None, float | None]]:
         """``batch_index -> (work, batch_work, work_sq, batch_work_sq)`` for the recent steps of

@@ -88,8 +88,8 @@ def test_controller_lifecycle_on_this_database(sessions):
 
     from backend.control.controller import Controller
     from backend.control.policy_runs import PolicyRunner
-    from backend.peers.connections import HookConnections
     from backend.live.state import LiveState
+    from backend.peers.connections import HookConnections
     from backend.settings import Settings
     from backend.storage.gateway import SqlGateway
     from rebalancer_wire.protocol import Ack, Hello

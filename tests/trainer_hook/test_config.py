@@ -84,7 +84,7 @@ def test_the_hook_says_at_start_where_it_reports_or_why_it_is_offline(capsys, ca
     import logging
 
     from trainer_hook import RebalanceHook
-    from trainer_hook._hook_base import start_line
+    from trainer_hook._announce import start_line
 
     RebalanceHook(global_batch_size=8).close()
     err = capsys.readouterr().err  # no logging configured at INFO: on stderr, one line
