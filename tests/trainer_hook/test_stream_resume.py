@@ -15,8 +15,8 @@ import pytest
 from tests.helpers.configs import read_ranks
 from tests.helpers.torchrun import REPO_ROOT, run_torchrun
 
-pytest.importorskip("datasets", reason="the [streaming] extra: pip install "torch-rebalancer[streaming]"")
-pytest.importorskip("torchdata", reason="the [streaming] extra: pip install "torch-rebalancer[streaming]"")
+pytest.importorskip("datasets", reason="the [streaming] extra: pip install 'torch-rebalancer[streaming]'")
+pytest.importorskip("torchdata", reason="the [streaming] extra: pip install 'torch-rebalancer[streaming]'")
 
 FILES, ROWS_PER_FILE = 4, 40
 STEPS = 5  # per phase
