@@ -125,10 +125,10 @@ CONTRACT: tuple[MetricSpec, ...] = (
     MetricSpec("rebalancer_goodput_ratio", "gauge", ("job",), "1",
                "Useful compute over paid device time: the ranks' mean compute over the job's step (0 to 1).", True),
     MetricSpec("rebalancer_job_hung", "gauge", ("job", "rank"), "1",
-               "1 while the job's ranks are connected but stopped stepping; rank is the one it waits on "
-               "(docs/causes.md: its phase and Python stack are in the job's REST resource). Absent otherwise.", True),
+               "1 for the rank a hung job waits on (its ranks are connected but stopped stepping; "
+               "docs/causes.md: its phase and Python stack are in the job's REST resource), 0 for every other rank.", True),
     MetricSpec("rebalancer_job_hung_seconds", "gauge", ("job", "rank"), "seconds",
-               "Seconds since the hung rank's last step ended. Absent unless the job is hung.", True),
+               "Seconds since the hung rank's last step ended; 0 for the ranks the job does not wait on.", True),
     MetricSpec("rebalancer_rank_series_omitted", "gauge", ("job",), "1",
                "Ranks of the job left out of the per-rank series (REBALANCER_METRICS_RANK_SERIES=slowest "
                "keeps the REBALANCER_METRICS_SLOWEST_RANKS slowest and every rank that is gone); 0 with all.",

@@ -280,11 +280,13 @@ class MetricsExporter:
         version = (control.get("placement") or {}).get("version")
         if version is not None:
             fams["rebalancer_placement_version"].add(labels, version)
-        hung = view.hung
-        if hung is not None:
-            hl = _labels(job=view.job, rank=hung.rank)
-            fams["rebalancer_job_hung"].add(hl, 1.0)
-            fams["rebalancer_job_hung_seconds"].add(hl, max(0.0, time.time() - hung.since))
+        hung = view.hung  # every rank has the series (0: the job does not wait on it), as rank_connected
+        hung_s = max(0.0, time.time() - hung.since) if hung is not None else 0.0
+        for r in view.ranks:
+            hl = _labels(job=view.job, rank=r.rank)
+            on = hung is not None and r.rank == hung.rank
+            fams["rebalancer_job_hung"].add(hl, 1.0 if on else 0.0)
+            fams["rebalancer_job_hung_seconds"].add(hl, hung_s if on else 0.0)
 
     def _control(self, fams: dict[str, _Family], job: str, control: dict[str, Any]) -> None:
         if not control:

@@ -69,11 +69,14 @@ def test_hung_then_recovered(client):
         assert job["status_detail"].endswith(" s ago; 2 rank(s) report a stall")
         text = client.get("/metrics").text
         assert 'rebalancer_job_hung{job="stuck",rank="1"} 1.0' in text
-        # Steps resume: the job is no longer hung, and the series goes.
+        assert 'rebalancer_job_hung{job="stuck",rank="0"} 0.0' in text  # every rank has the series
+        # Steps resume: the job is no longer hung, and the series says 0.
         a.send_text(_steps("stuck", 0, 10, 3, since + 20))
         b.send_text(_steps("stuck", 1, 10, 3, since + 20))
         for ws, h in ((a, ha), (b, hb)):
             sync(ws, h)
         job = client.get("/api/v1/jobs/stuck").json()
         assert job["status"] != "hung" and job.get("hung_rank") is None
-        assert "rebalancer_job_hung{" not in client.get("/metrics").text
+        text = client.get("/metrics").text
+        assert 'rebalancer_job_hung{job="stuck",rank="1"} 0.0' in text and " 1.0" not in [
+            line[line.rindex(" "):] for line in text.splitlines() if line.startswith("rebalancer_job_hung{")]

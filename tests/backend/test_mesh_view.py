@@ -163,8 +163,9 @@ def test_a_leader_that_says_another_mesh_is_refused(server: Server) -> None:
                        replica_ranks=(1, 3)))
         code, _, replies = closed(odd)
         assert code == CLOSE_CONFLICT
+        # (judged against every connected leader but the rank it claims to be: rank 0 here)
         assert replies == [{"type": "error", "v": 2, "code": "conflict", "message": (
-            "Job 'mesh-twice' runs as mesh DP 2 x TP 2 (2 replicas of 2 ranks) on 2 connected replica leaders; "
+            "Job 'mesh-twice' runs as mesh DP 2 x TP 2 (2 replicas of 2 ranks) on 1 connected replica leader; "
             "this hello says mesh DP_REPLICATE 2 x DP_SHARD 2 (2 replicas of 2 ranks). Every replica leader of "
             "one job must say the same mesh: pass every rank its slice of one world mesh as dp_mesh, or use "
             "another job name.")}]

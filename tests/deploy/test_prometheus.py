@@ -109,7 +109,7 @@ def test_the_shipped_alert_rules_load_and_evaluate(scraped: Scraped):
     rules = {r["name"]: r for g in groups for r in g["rules"]}
     assert set(rules) == {"RebalancerStragglerUnbalanced", "RebalancerProposalWaiting",
                           "RebalancerPlacementRolledBack", "RebalancerRankLost", "RebalancerBackendDown",
-                          "RebalancerBackendAbsent"}
+                          "RebalancerBackendAbsent", "RebalancerJobHung"}
     wait_until(lambda: all(r.get("health") == "ok" for g in scraped.prom.api("rules")["groups"] for r in g["rules"]),
                "every rule to evaluate", 20, interval=0.5)
     # The straggler and the waiting proposal are real: both alerts are pending (their `for:` runs).

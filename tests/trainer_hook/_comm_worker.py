@@ -85,8 +85,11 @@ def main() -> None:
     model = Sleepy(args.width, (args.base_ms + (args.delay_ms if rank in slow else 0.0)) / 1e3,
                    ballast=int(args.ballast_mb * 2**20 / 4))
     ddp = DDP(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+    # No placement exchange inside the measured steps and a fixed lookahead (no agreement at the
+    # first step): the hook's own collectives are sync wait too (invariant 11), and this job
+    # compares sync wait with the time inside the gradients' all-reduce alone.
     hook = RebalanceHook(server=args.server, job=args.job, global_batch_size=args.global_batch,
-                         total_steps=args.steps)
+                         total_steps=args.steps, exchange_every=10_000, lookahead=1)
     hook.attach(ddp)
     gen = torch.Generator().manual_seed(1)
     ds = TensorDataset(torch.randn(args.global_batch * args.steps, 8, generator=gen),

@@ -173,13 +173,15 @@ def test_a_planted_agent_gets_nothing_and_never_redirects_a_rank(shared: Path, s
     assert "handshake" not in out, out
 
 
-def test_directories_that_are_not_this_users_alone_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_directories_that_are_not_this_users_alone_are_refused(tmp_path: Path, shared: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(tmp))
-    # $XDG_RUNTIME_DIR when it is private; one that others may enter is passed over
-    run = _run_dir(tmp_path)
+    # $XDG_RUNTIME_DIR when it is private; one that others may enter is passed over (a short one:
+    # an agent's socket path must fit a unix socket's 107 bytes)
+    run = _run_dir(shared)
     assert private_dir({"XDG_RUNTIME_DIR": str(run)}) == str(run / "rebalancer")
     assert (run / "rebalancer").stat().st_mode & 0o777 == 0o700
     opened = tmp_path / "opened"

@@ -164,7 +164,7 @@ IN_PROCESS: dict[str, Callable[[], str]] = {
     "pipeline parallelism (`torch.distributed.pipelining`: a `Pipe`, a stage, or a stage's module, "
     '`gradients="loss_scale"` included)': _pipeline,
     "DeepSpeed (engine, Accelerate or Trainer)": _deepspeed,
-    "`IterableDataset`": _iterable,
+    "`IterableDataset` with sample shares (`hook.batch_sampler`)": _iterable,
 }
 # Rows that need several ranks, a framework or a launcher: the test that shows each.
 ELSEWHERE = {
@@ -186,6 +186,10 @@ ELSEWHERE = {
     "HSDP: FSDP1 HYBRID_SHARD": "tests/trainer_hook/test_refusals.py::test_fsdp1_hybrid_shard_is_refused_on_two_ranks",
     "DDP / FSDP1 over a process group smaller than the world, FSDP2 over a sub-mesh, without `dp_mesh`":
         "tests/trainer_hook/test_mesh_refusals.py::test_ddp_over_a_sub_group_is_refused",
+    "streams: `IterableDataset`, `split_dataset_by_node`, `StatefulDataLoader`, any iterator; compiled fixed shapes":
+        "tests/trainer_hook/test_micro_batches.py::test_parameters_equal_a_one_process_replay_under_changing_counts_and_a_drain",
+    "HF Trainer, Accelerate's `prepare_with_rebalancer`, Lightning with a `micro_batches=M` hook":
+        "tests/trainer_hook/test_micro_batches.py::test_the_framework_adapters_refuse_a_micro_batch_hook_naming_the_loop",
 }
 
 
