@@ -126,7 +126,7 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "Useful compute over paid device time: the ranks' mean compute over the job's step (0 to 1).", True),
     MetricSpec("rebalancer_job_hung", "gauge", ("job", "rank"), "1",
                "1 for the rank a hung job waits on (its ranks are connected but stopped stepping; "
-               "docs/causes.md: its phase and Python stack are in the job's REST resource), 0 for every other rank.", True),
+               "docs/causes.md: its phase and Python stack are in the job's REST resource), 0 for its other ranks with per-rank series (the hung rank always has them).", True),
     MetricSpec("rebalancer_job_hung_seconds", "gauge", ("job", "rank"), "seconds",
                "Seconds since the hung rank's last step ended; 0 for the ranks the job does not wait on.", True),
     MetricSpec("rebalancer_rank_series_omitted", "gauge", ("job",), "1",

@@ -155,7 +155,8 @@ class MetricsExporter:
 
     def _exported_ranks(self, view: JobView) -> tuple[RankView, ...]:
         """The ranks with per-rank series: all, or (``slowest``, the default) the k with the
-        longest compute and every rank that is gone while others of its job still run."""
+        longest compute, every rank that is gone while others of its job still run, and the
+        rank a hung job waits on."""
         k = self.settings.metrics_slowest_ranks
         ranks = view.ranks
         if self.settings.metrics_rank_series == "all" or len(ranks) <= k:
@@ -166,7 +167,7 @@ class MetricsExporter:
         slowest = heapq.nlargest(k, timed, key=lambda r: (r.compute_ms, -r.rank))
         if len(slowest) < k:  # ranks without steps yet fill the rest, lowest first
             slowest += [r for r in ranks if r.compute_ms is None][:k - len(slowest)]
-        keep = {r.rank for r in slowest} | {r.rank for r in gone}
+        keep = {r.rank for r in slowest} | {r.rank for r in gone} | ({view.hung.rank} if view.hung else set())
         return tuple(r for r in ranks if r.rank in keep)
 
     def _ranks(self, fams: dict[str, _Family], view: JobView, control: dict[str, Any]) -> None:
@@ -185,10 +186,15 @@ class MetricsExporter:
         lost = fams["rebalancer_rank_lost"]
         local, ratio = fams["rebalancer_rank_local_batch_size"], fams["rebalancer_rank_batch_share_ratio"]
         throttle = fams["rebalancer_device_throttle_reason"]
+        hung, hung_on, hung_s = view.hung, fams["rebalancer_job_hung"], fams["rebalancer_job_hung_seconds"]
+        waited_s = max(0.0, time.time() - hung.since) if hung is not None else 0.0
         for r in exported:
             labels = f'job="{job}",rank="{r.rank}"'
             connected.add(labels, 1.0 if r.connected else 0.0)
             lost.add(labels, 1.0 if r.lost else 0.0)
+            on = hung is not None and r.rank == hung.rank  # 0 for the ranks the job does not wait on
+            hung_on.add(labels, 1.0 if on else 0.0)
+            hung_s.add(labels, waited_s if on else 0.0)
             for fam, attr in times:
                 ms = getattr(r, attr)
                 if ms is not None:
@@ -280,13 +286,6 @@ class MetricsExporter:
         version = (control.get("placement") or {}).get("version")
         if version is not None:
             fams["rebalancer_placement_version"].add(labels, version)
-        hung = view.hung  # every rank has the series (0: the job does not wait on it), as rank_connected
-        hung_s = max(0.0, time.time() - hung.since) if hung is not None else 0.0
-        for r in view.ranks:
-            hl = _labels(job=view.job, rank=r.rank)
-            on = hung is not None and r.rank == hung.rank
-            fams["rebalancer_job_hung"].add(hl, 1.0 if on else 0.0)
-            fams["rebalancer_job_hung_seconds"].add(hl, hung_s if on else 0.0)
 
     def _control(self, fams: dict[str, _Family], job: str, control: dict[str, Any]) -> None:
         if not control:
