@@ -16,6 +16,8 @@ from tests.helpers.server import running_server
 from tests.helpers.waiting import wait_until
 from trainer_hook import RebalanceHook
 
+pytestmark = pytest.mark.multiproc  # a real backend process (make test-unit starts none)
+
 NAMED_WITHIN_S = 15.0
 
 
