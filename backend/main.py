@@ -22,6 +22,7 @@ from backend.api.routes import (
     fleet,
     health,
     hook,
+    identity,
     jobs,
     memory,
     metrics,
@@ -40,7 +41,7 @@ log = logging.getLogger("rebalancer")
 # Every router, listed: the hook websocket, then one per REST resource and the dashboard's pages.
 ROUTERS: tuple[APIRouter, ...] = (
     hook.router, metrics.router, audit.router, control.router, docs.router, fleet.router, health.router,
-    jobs.router, causes.router, memory.router, pages.router, report.router, tokens.router,
+    identity.router, jobs.router, causes.router, memory.router, pages.router, report.router, tokens.router,
 )
 
 

@@ -23,38 +23,8 @@ status and the server's ``detail`` sentence; a server that cannot be reached rai
 
 from __future__ import annotations
 
-from backend.client.resources import (
-    AuditRecord,
-    Bound,
-    Cause,
-    Causes,
-    CostModel,
-    Device,
-    Effect,
-    Forecast,
-    Health,
-    Job,
-    Memory,
-    Mesh,
-    MetricPoint,
-    MetricsPage,
-    Overrides,
-    OverridesSet,
-    Placement,
-    Proposal,
-    Rank,
-    RankMemory,
-    Replica,
-    Summary,
-    Token,
-    TokenCreated,
-    WhoAmI,
-)
+from backend.client import resources
+from backend.client.resources import *  # noqa: F403  (the response types, generated: resources.__all__)
 from backend.client.rest import DEFAULT_SERVER, APIError, Client, ServerUnreachable
 
-__all__ = [
-    "Client", "APIError", "ServerUnreachable", "DEFAULT_SERVER",
-    "Job", "Bound", "Mesh", "Replica", "CostModel", "Rank", "Device", "MetricPoint", "MetricsPage",
-    "Forecast", "Summary", "RankMemory", "Memory", "Cause", "Causes", "Proposal", "Placement", "Effect", "Overrides",
-    "OverridesSet", "AuditRecord", "Token", "TokenCreated", "Health", "WhoAmI",
-]
+__all__ = ["Client", "APIError", "ServerUnreachable", "DEFAULT_SERVER", *resources.__all__]

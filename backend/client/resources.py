@@ -1,367 +1,425 @@
-"""The server's JSON answers, typed for readers and mypy (``TypedDict``s named like the
-server's response models; tests keep their keys equal to the OpenAPI schema)."""
+"""The server's JSON answers, typed for readers and mypy: GENERATED from the OpenAPI
+document by ``python -m backend.api.client_types`` (do not edit: change the route's
+response model and regenerate). Each type is named as the client calls it."""
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 __all__ = [
-    "PlacementBrief", "Job", "Bound", "Mesh", "Replica", "CostModel", "Rank", "Device", "MetricPoint",
-    "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory", "Cause", "Causes", "Proposal", "Placement", "Effect",
-    "Overrides", "OverridesSet", "AuditRecord", "Token", "TokenCreated", "Health", "WhoAmI",
+    "PlacementBrief", "Bound", "Mesh", "Replica", "CostModel", "Job", "Device", "Rank",
+    "MetricPoint", "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory", "Cause",
+    "Causes", "Proposal", "Effect", "Placement", "Overrides", "OverridesSet", "AuditRecord",
+    "Token", "TokenCreated", "Health", "WhoAmI",
 ]
 
 
 class PlacementBrief(TypedDict):
-    version: int
+    """``PlacementBrief``."""
+
     shares: list[int]
+    version: int
 
 
 class Bound(TypedDict, total=False):
-    """What bounds a job's step, with its figures (``GET /api/v1/jobs/{job}``'s ``bound``)."""
+    """``BoundPublic``: What bounds the job's step, with the figures behind it
+    (``backend.policy.comm``)."""
 
-    verdict: str  # compute-bound | communication-bound | input-bound | balanced | unknown
-    detail: str
-    n_steps: int
-    kind: str | None
-    step_ms: float | None
-    compute_ms: float | None
-    exposed_comm_ms: float | None
-    data_wait_ms: float | None
-    compute_share: float | None
-    comm_share: float | None
-    input_share: float | None
-    comm_bytes_per_step: float | None
-    transfer_ms: float | None
     algbw_gbps: float | None
-    busbw_gbps: float | None
+    busbw_gbps: float | None  # algbw x 2(n-1)/n (all-reduce) or (n-1)/n (reduce-scatter).
+    comm_bytes_per_step: float | None
+    comm_share: float | None
+    compute_ms: float | None  # The slowest rank's compute time.
+    compute_share: float | None
+    data_wait_ms: float | None  # The longest data wait.
+    detail: str
+    exposed_comm_ms: float | None  # The last arriver's sync wait: communication no compute hid.
+    input_share: float | None
+    kind: str | None  # The gradient collective: all_reduce or reduce_scatter.
+    n_steps: int  # Steps assessed (the newest every rank reported).
+    step_ms: float | None
+    transfer_ms: float | None  # The last arriver's time inside the collectives.
+    verdict: Literal["compute-bound", "communication-bound", "input-bound", "balanced", "unknown"]
 
 
 class Mesh(TypedDict):
-    """A device-mesh job's shape (``GET /api/v1/jobs/{job}``'s ``mesh``): its ranks are replicas."""
+    """``MeshPublic``: A device-mesh job's shape, as its hooks said it (docs/meshes.md): its
+    ranks here are its data-parallel replicas."""
 
-    dp: int
-    replica_size: int
-    dims: list[str]
-    shape: list[int]
-    label: str  # e.g. "DP 2 x TP 2"
+    dims: list[str]  # The mesh's dimension names, e.g. ['dp', 'tp'].
+    dp: int  # Data-parallel replicas: the job's world_size.
+    label: str  # How people read it, e.g. 'DP 2 x TP 2'.
+    replica_size: int  # Ranks per replica (its tensor/context-parallel group).
+    shape: list[int]  # One size per name in dims.
 
 
-class Replica(TypedDict):
-    """One data-parallel replica of a mesh job (``GET /api/v1/jobs/{job}``'s ``replicas``)."""
+class Replica(TypedDict, total=False):
+    """``ReplicaPublic``: One data-parallel replica of a mesh job (its row here;
+    docs/meshes.md)."""
 
-    replica: int  # its index: its rank in placements and overrides
-    members: list[int]  # its global ranks, leader first
-    member_devices: list[str]  # each member's host and device, in that order (live only)
+    compute_ms: float | None  # The replica's compute time: its slowest member's (live only).
     connected: bool
-    compute_ms: float | None  # its slowest member's (live only)
+    member_devices: list[str]  # Each member's host and device, in the order of members (live only; empty when unknown).
+    members: list[int]  # The global ranks of its members (its TP/CP group), leader first.
+    replica: int  # The replica index: its rank in this job's placements and overrides.
+    slowest_rank: int | None  # The member slowest in most of the newest steps (a global rank; live only).
     step_ms: float | None
-    slowest_rank: int | None  # the member slowest in most of the newest steps (live only)
 
 
 class CostModel(TypedDict, total=False):
-    """What a sample costs in the split (``GET /api/v1/jobs/{job}``'s ``cost_model``)."""
+    """``CostModelPublic``: The job's cost model (``backend.policy.work.job_cost_model``):
+    ``samples`` (no cost), ``work (linear)`` (a cost per sample, or lengths as they are) or
+    ``fitted a*L+b*L^2`` (lengths, a sample costing ``L + k*L^2``)."""
 
-    model: str  # samples | work (linear) | fitted a*L+b*L^2
-    length_sq_weight: float
-    length_sq_weight_in_force: float
-    r2: float | None
-    r2_linear: float | None
-    ranks_fitted: int
-    ranks_quadratic: int
-    split_shift: float | None
     detail: str
+    length_sq_weight: float  # k of L + k*L^2 as fitted (b/a); 0 unless fitted.
+    length_sq_weight_in_force: float  # The k the hooks split by (the placement's).
+    model: Literal["samples", "work (linear)", "fitted a*L+b*L^2"]
+    r2: float | None  # Median over fitted ranks of the step-time variance the model explains.
+    r2_linear: float | None  # The same for the length alone (jobs that give lengths).
+    ranks_fitted: int
+    ranks_quadratic: int  # Ranks that count for the quadratic term: by a clear margin (slowest step left out) to adopt it, by its F test to keep a fitted k in force.
+    split_shift: float | None  # How far the model's k would move a rank's share of a batch's work from the k in force (median relative change over recent steps); a new k is sent past 0.025. Null without lengths.
 
 
 class Job(TypedDict, total=False):
-    job: str
-    world_size: int
-    global_batch_size: int
-    mode: str | None
-    strategy: str | None
-    status: str  # warming_up | balanced | imbalanced | proposal_pending | idle | degraded | hung | ended
-    status_detail: str
-    goodput: float | None  # useful compute / paid device time (docs/causes.md)
-    lost_cost_per_hour: float | None
-    hung_rank: int | None  # with status hung (docs/causes.md)
-    hung_since: float | None
-    hung_batch_index: int | None
-    hung_phase: str | None
-    hung_stack: str | None
+    """``JobPublic``: A job; keys from the controller's job_control (policy, overrides, ...) are
+    merged in."""
+
     batch_index: int | None
-    step_rate_hz: float | None
-    step_ms: float | None
-    imbalance: float | None
-    idle_fraction: float | None
-    placement: PlacementBrief | None
-    pending_proposal_id: int | None
+    bound: Bound | None  # What bounds the step (live jobs only).
     connected_ranks: int
-    created_at: float | None
-    last_seen: float | None
-    total_steps: int | None
-    eta_s: float | None
+    cost_model: CostModel | None  # What a sample costs in the split, and how well that explains the step times.
     cost_per_hour: float | None
+    created_at: float | None
+    eta_s: float | None  # Deprecated: the job's forecast says it, as eta_seconds (GET /api/v1/jobs/{job}/forecast); the same figure, kept here for existing readers.
+    global_batch_size: int
+    goodput: float | None  # Useful compute over paid device time, 0..1 (docs/causes.md).
+    hung_batch_index: int | None  # The batch it is stuck in (or before).
+    hung_phase: str | None  # data_wait, compute, sync_wait, optimizer; unknown: it sent no report.
+    hung_rank: int | None  # With status hung: the rank the job waits on (docs/causes.md).
+    hung_since: float | None  # Unix time of that rank's last step end.
+    hung_stack: str | None  # Its training thread's Python stack, innermost last (at most 16 KiB).
     idle_cost_per_hour: float | None
-    bound: Bound | None
-    mesh: Mesh | None
-    replicas: list[Replica] | None
-    cost_model: CostModel | None
-    share_unit: str  # "sample", or "micro_batch": shares count fixed-shape micro-batches
+    idle_fraction: float | None
+    imbalance: float | None
+    job: str
+    last_seen: float | None
+    lost_cost_per_hour: float | None  # cost_per_hour * (1 - goodput): what the rest costs an hour.
+    mesh: Mesh | None  # A device-mesh job's shape; null for plain data parallel.
+    mode: str | None
+    pending_proposal_id: int | None
+    placement: PlacementBrief | None
+    replicas: list[Replica] | None  # A mesh job's replicas with their members, time and slowest member; null for plain data parallel.
+    share_unit: Literal["sample", "micro_batch"]  # What a share counts: samples, or fixed-shape micro-batches (RebalanceHook(micro_batches=M): global_batch_size is M; docs/streaming.md).
+    status: str
+    status_detail: str
+    step_ms: float | None
+    step_rate_hz: float | None
+    strategy: str | None
+    total_steps: int | None  # Steps the run takes in all, as its hooks reported.
+    world_size: int
 
 
 class Device(TypedDict, total=False):
-    t: float | None
-    source: str | None
-    util_pct: float | None
-    mem_used_bytes: int | None
-    mem_total_bytes: int | None
-    power_w: float | None
-    temp_c: float | None
-    sm_clock_mhz: float | None
-    sm_clock_max_mhz: float | None
-    throttle_reasons: list[str]
+    """``DeviceSample``: One device reading (about 1 Hz). Fields the source cannot read are
+    None."""
+
     cpu_pct: float | None
-    rss_bytes: int | None
-    nic_tx_bytes_per_s: float | None
-    nic_rx_bytes_per_s: float | None
-    ib_tx_bytes_per_s: float | None
     ib_rx_bytes_per_s: float | None
-    pcie_tx_bytes_per_s: float | None
-    pcie_rx_bytes_per_s: float | None
-    nvlink_tx_bytes_per_s: float | None
+    ib_tx_bytes_per_s: float | None
+    mem_total_bytes: int | None
+    mem_used_bytes: int | None
+    nic_rx_bytes_per_s: float | None
+    nic_tx_bytes_per_s: float | None
     nvlink_rx_bytes_per_s: float | None
+    nvlink_tx_bytes_per_s: float | None
+    pcie_rx_bytes_per_s: float | None
+    pcie_tx_bytes_per_s: float | None
+    power_w: float | None
+    rss_bytes: int | None
+    sm_clock_max_mhz: float | None
+    sm_clock_mhz: float | None
+    source: str
+    t: float
+    temp_c: float | None
+    throttle_reasons: list[str]
+    util_pct: float | None
 
 
 class Rank(TypedDict, total=False):
-    rank: int
-    host: str
-    device_type: str
-    device_name: str
-    connected: bool
-    share: int | None
+    """``RankPublic``."""
+
     batch_index: int | None
-    placement_version: int | None
+    busbw_gbps: float | None  # Bus bandwidth, GB/s (nccl-tests definition).
+    ckpt_ms: float | None  # Of data_wait_ms, checkpoint writes.
+    comm_bytes_per_step: float | None  # Bytes handed to gradient collectives a step.
+    comm_ms: float | None  # Time a step with a gradient collective in flight.
     compute_ms: float | None
-    sync_wait_ms: float | None
+    connected: bool
     data_wait_ms: float | None
-    optimizer_ms: float | None
-    step_ms: float | None
-    step_rate_hz: float | None
+    device: Device | None  # The newest reading of its device (live only).
+    device_name: str
+    device_type: str
+    dropped: int
+    gc_ms: float | None  # Python GC pauses a step (within the other times).
+    hook_version: str
+    host: str
+    host_ms: float | None  # Of data_wait_ms, the loop's own host work (docs/causes.md).
+    last_seen: float | None
     local_batch_size: float | None
     n_steps: int
-    device: Device | None
-    dropped: int
-    last_seen: float | None
+    optimizer_ms: float | None
+    placement_version: int | None
     price_per_hour: float | None
-    hook_version: str
+    rank: int
+    share: int | None
+    step_ms: float | None
+    step_rate_hz: float | None
+    sync_wait_ms: float | None
+    wait_ms: float | None  # Of comm_ms, the wait for peers (the rest is transfer).
     work_per_s: float | None
     work_share: float | None
-    comm_bytes_per_step: float | None
+
+
+class MetricPoint(TypedDict, total=False):
+    """``MetricPoint``: Live: one step (n_steps 1). History: the mean over
+    batch_index_start..batch_index."""
+
+    batch_index: int  # The step's batch (history: the window's last).
+    batch_index_start: int  # The window's first batch (live: batch_index).
+    comm_bytes: float | None
     comm_ms: float | None
-    wait_ms: float | None
-    busbw_gbps: float | None
-    host_ms: float | None  # parts of the step (docs/causes.md)
-    ckpt_ms: float | None
-    gc_ms: float | None
-
-
-class MetricPoint(TypedDict):
+    compute_ms: float  # Until the rank's gradients were ready, less the wait inside their sync.
+    data_wait_ms: float  # Waiting for the DataLoader.
+    local_batch_size: float  # Samples (or micro-batches) the rank trained: its share.
+    n_steps: int  # Steps in the point: 1 live, the window's in history.
+    optimizer_ms: float  # In the optimizer step.
+    placement_version: int  # The placement the step ran under.
     rank: int
-    batch_index: int
-    batch_index_start: int
-    n_steps: int
-    t: float
-    placement_version: int
-    local_batch_size: float
-    compute_ms: float
-    sync_wait_ms: float
-    data_wait_ms: float
-    optimizer_ms: float
-    step_ms: float
-    comm_bytes: float | None  # history: mean per step over the window (None: no counters)
-    comm_ms: float | None
+    step_ms: float  # Wall time of the whole step.
+    sync_wait_ms: float  # Waiting inside gradient synchronisation.
+    t: float  # Unix time the step (the window) ended.
 
 
 class MetricsPage(TypedDict):
-    data: list[MetricPoint]
+    """``MetricsPublic``."""
+
     count: int
-    source: str  # live | history
+    data: list[MetricPoint]
+    source: Literal["live", "history"]
 
 
 class Forecast(TypedDict):
+    """``ForecastPublic``: ETA and cost to finish (``backend.live.forecast``: the figures the
+    job resource, the fleet and the dashboard show)."""
+
+    batch_index: int | None  # The newest batch the job closed.
+    cost_per_hour: float | None  # The ranks' hourly prices summed (settings' prices).
+    cost_to_finish: float | None  # eta_seconds priced at cost_per_hour.
+    eta_s: float | None  # Deprecated name of eta_seconds (the same value).
+    eta_seconds: float | None  # Seconds to finish: remaining_steps x step_ms.
+    idle_cost_per_hour: float | None  # cost_per_hour x the job's idle fraction.
     job: str
-    batch_index: int | None
-    total_steps: int | None
-    remaining_steps: int | None
-    step_ms: float | None
-    eta_s: float | None
-    cost_per_hour: float | None
-    unpriced_ranks: int
-    cost_to_finish: float | None
+    remaining_steps: int | None  # Steps left after the newest batch.
+    step_ms: float | None  # The recent step time the ETA assumes.
+    total_steps: int | None  # Steps in all: the query's, else what the hooks reported.
+    unpriced_ranks: int  # Ranks whose device has no price (left out of the cost).
 
 
-class Summary(TypedDict):
-    job: str
+class Summary(TypedDict, total=False):
+    """``SummaryPublic``: A run's summary: savings against the uniform split and its latest
+    figures. Live while the job is in memory, else the stored one (it survives a restart)."""
+
     batch_index: int | None
-    total_steps: int | None
-    measured_s: float  # wall time of the closed batches
-    uniform_s: float  # what they would have taken under the uniform split
-    saved_s: float
-    saved_cost: float | None
     cost_per_hour: float | None
-    step_ms: float | None
     imbalance: float | None
+    job: str
+    measured_s: float  # Wall time of the closed batches, seconds.
     placement_version: int | None
+    saved_cost: float | None  # saved_s priced at the job's hourly cost.
+    saved_s: float  # uniform_s - measured_s.
+    step_ms: float | None
+    total_steps: int | None
+    uniform_s: float  # What those batches would have taken under the uniform split.
     updated_at: float
 
 
-class RankMemory(TypedDict):
-    rank: int
-    source: str  # cuda | rocm | xpu; empty: not measured (no cap)
-    status: str  # fitted | measuring | unmeasured
-    share: int | None
-    readings: int
-    last_peak_bytes: int | None
-    total_bytes: int | None
-    fixed_bytes: float | None  # m0 of the fit peak = m0 + m * local_batch
-    per_sample_bytes: float | None  # m
-    method: str | None
+class RankMemory(TypedDict, total=False):
+    """``RankMemoryPublic``."""
+
     batch_sizes: int
-    predicted_peak_bytes: float | None
-    limit_bytes: float | None
-    cap: int | None
+    cap: int | None  # most samples the policy gives this rank
+    fixed_bytes: float | None  # m0 of the fit
+    last_peak_bytes: int | None
+    limit_bytes: float | None  # (1 - memory_headroom) * total
+    method: str | None  # linear (two or more batch sizes) | proportional (one) | flat (micro-batch shares: the peak does not grow with the count)
+    per_sample_bytes: float | None  # m of the fit
+    predicted_peak_bytes: float | None  # at the share in force
+    rank: int
+    readings: int
+    share: int | None
+    source: str  # what the hook reads memory with: cuda, rocm, xpu; empty: none (no cap)
+    status: str  # fitted | measuring (may only lose work) | unmeasured (no cap)
+    total_bytes: int | None
 
 
 class Memory(TypedDict):
-    data: list[RankMemory]
+    """``MemoryPublic``."""
+
     count: int
+    data: list[RankMemory]
     memory_headroom: float
 
 
-class Cause(TypedDict):
-    cause: str  # slow_rank | placement | sample_cost_skew | data_wait | gc | host | checkpoint | communication
-    ranks: list[int]
-    ms_per_step: float
-    share_of_step: float
-    gpu_hours_lost: float
-    predicted_step_ms_without: float
-    remedy: str
+class Cause(TypedDict, total=False):
+    """``CausePublic``."""
+
+    cause: str  # One of slow_rank, placement, sample_cost_skew, data_wait, gc, host, checkpoint, communication.
+    cost_lost: float | None  # What it has cost so far at the job's hourly price (null without prices).
     detail: str
-    cost_lost: float | None
+    gpu_hours_lost: float  # ms_per_step times the steps done times every device of the job, in GPU-hours.
+    ms_per_step: float  # Time it costs each step, ms: the replay's step without it subtracted from the replay's step.
+    predicted_step_ms_without: float  # The replay's mean step time with the cause removed, ms.
+    ranks: list[int]  # The ranks the cause sits on (all ranks for communication).
+    remedy: str  # What removes it: a placement, a setting, advice.
+    share_of_step: float  # ms_per_step over the replayed step time (0..1).
 
 
-class Causes(TypedDict):
-    data: list[Cause]  # largest first
+class Causes(TypedDict, total=False):
+    """``CausesPublic``."""
+
     count: int
-    window_steps: int
-    step_ms: float | None
-    replayed_step_ms: float | None
-    gc_share: float
-    hint: str | None
+    data: list[Cause]
+    gc_share: float  # GC pauses of the rank arriving last, as a share of the step.
+    hint: str | None  # A one-line hint when GC pauses cost more than 2% of the step.
+    replayed_step_ms: float | None  # The replay's with nothing removed (its gap to step_ms is the model's error).
+    step_ms: float | None  # Their measured mean step time, ms.
+    window_steps: int  # Steps replayed (the newest every rank sent).
 
 
 class Proposal(TypedDict):
+    """``ProposalPublic``."""
+
+    base_version: int
+    created_at: float
+    created_by: str
+    current_shares: list[int]
+    decided_at: float | None
+    decided_by: str | None
+    decision_reason: str | None
+    error: str | None
+    expires_at: float | None
+    explanation: dict[str, Any] | None
     id: int
     job: str
-    status: str  # proposed | approved | applied | rejected | superseded | failed | expired
-    source: str
-    strategy: str
-    base_version: int
-    shares: list[int]
-    current_shares: list[int]
-    predicted_step_ms_before: float | None
-    predicted_step_ms_after: float | None
-    predicted_gain: float | None
-    explanation: dict[str, Any] | None
-    reason: str
-    created_by: str
-    created_at: float
-    expires_at: float | None
-    decided_by: str | None
-    decided_at: float | None
-    decision_reason: str | None
     placement_version: int | None
-    error: str | None
+    predicted_gain: float | None
+    predicted_step_ms_after: float | None
+    predicted_step_ms_before: float | None
+    reason: str
+    shares: list[int]
+    source: str
+    status: str
+    strategy: str
 
 
 class Effect(TypedDict):
-    step_ms_before: float | None
-    step_ms_after: float | None
-    predicted_step_ms: float | None
+    """``EffectPublic``."""
+
     measured_gain: float | None
+    predicted_step_ms: float | None
     rolled_back: bool
+    step_ms_after: float | None
+    step_ms_before: float | None
 
 
 class Placement(TypedDict):
-    version: int
-    shares: list[int]
-    previous_shares: list[int] | None
-    source: str
-    proposal_id: int | None
+    """``PlacementPublic``."""
+
+    acks: dict[str, int]
     actor: str
-    reason: str
-    created_at: float
-    effective_batch_index: int | None
-    acks: dict[str, int]  # rank (a JSON key, so a string) -> batch index
     applied_at: float | None
-    failed: bool
-    error: str | None
+    created_at: float
     effect: Effect
+    effective_batch_index: int | None
+    error: str | None
+    failed: bool
+    previous_shares: list[int] | None
+    proposal_id: int | None
+    reason: str
+    shares: list[int]
+    source: str
+    version: int
 
 
 class Overrides(TypedDict, total=False):
-    pins: dict[str, int]
-    caps: dict[str, int]
-    floors: dict[str, int]
-    drains: list[int]
-    granularity: int
+    """``OverridesIn`` without reason."""
+
+    caps: dict[str, int]  # rank -> most samples
+    drains: list[int]  # ranks that get no samples
+    floors: dict[str, int]  # rank -> fewest samples
+    granularity: int  # shares are multiples of this (one rank may carry the remainder)
+    pins: dict[str, int]  # rank -> exact share
 
 
 class OverridesSet(Overrides, total=False):
-    proposal_id: int | None  # a proposal that respects them, when the placement in force does not
+    """``OverridesIn`` without reason, with proposal_id."""
+
+    proposal_id: int | None
 
 
 class AuditRecord(TypedDict):
-    id: int
-    time: float
-    actor: str
-    role: str
-    address: str
+    """``AuditPublic``."""
+
     action: str
+    actor: str
+    address: str
+    id: int
     job: str | None
     params: dict[str, Any]
     reason: str
+    role: str
+    time: float
 
 
 class Token(TypedDict):
-    id: int
-    name: str
-    role: str
-    job: str | None
-    hint: str
+    """``TokenPublic``."""
+
     created_at: float
     created_by: str
+    hint: str
+    id: int
+    job: str | None
+    name: str
     revoked_at: float | None
+    role: str
 
 
 class TokenCreated(Token):
-    secret: str  # shown once
+    """``TokenCreated``."""
+
+    secret: str
 
 
-class Health(TypedDict):
-    status: str
-    database: str
-    open_mode: bool
-    jobs: int
+class Health(TypedDict, total=False):
+    """``HealthPublic``."""
+
+    buffered_windows: int  # metric windows waiting in memory for the database
+    cluster: str  # "off" (one replica), "ok", or "paused: <why>" while Redis is unreachable (control pauses; ingest, dashboards and training go on)
+    database: str  # "ok", or why not (one sentence)
+    dropped_windows: int  # metric windows dropped since start (refused rows, full buffer)
     hook_connections: int  # ranks with an open hook websocket
-    hook_sockets: int  # open hook websockets (a node connection counts once)
-    buffered_windows: int
-    dropped_windows: int
-    cluster: str  # "off" (one replica), "ok", or "paused: <why>"
+    hook_sockets: int  # open hook websockets (a node connection carries the ranks of one node: it counts once)
+    jobs: int
+    open_mode: bool
+    status: str  # "ok", or "degraded" while the database does not take writes
 
 
 class WhoAmI(TypedDict):
-    name: str
-    role: str
-    operator: bool
-    open_mode: bool
+    """``WhoAmIPublic``."""
+
+    name: str  # The token's name (the audit log's actor).
+    open_mode: bool  # True while the server is on loopback with no active token: every caller is admin.
+    operator: bool  # Whether the role may take operator actions (approve, mode, ...).
+    role: str  # viewer, operator, admin or hook.

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
+from backend.cluster._loop import end, pause
 from backend.dashboard import remote
 
 __all__ = ["LiveFanout", "FeedSource", "MAX_EVENT_BYTES"]
@@ -289,15 +290,9 @@ class LiveFanout:
                 await self.pull(job)
 
     async def _pause(self) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), self.interval_s)
+        await pause(self._stopping, self.interval_s)
 
     async def stop(self) -> None:
-        # Ends on ``_stopping`` (see JobLeases._loop: redis-py may swallow a cancellation).
-        self._stopping.set()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await end(self._stopping, self._task)
         with contextlib.suppress(RedisError, OSError):
             await self._redis.aclose()

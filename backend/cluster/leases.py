@@ -34,6 +34,8 @@ from typing import Literal
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
+from backend.cluster._loop import end, pause
+
 __all__ = ["Claim", "ClusterStatus", "JobLeases"]
 
 log = logging.getLogger("rebalancer.cluster")
@@ -282,9 +284,7 @@ class JobLeases:
         self._task = asyncio.create_task(self._loop(), name="rebalancer-leases")
 
     async def _loop(self) -> None:
-        # Ends on ``_stopping``, not on cancellation alone: redis-py 8.2 swallows a
-        # CancelledError that lands while a command is on the wire (the await returns the
-        # reply, the task stays 'cancelling'), and the loop would renew on after stop().
+        # Ends on ``_stopping`` (``backend.cluster._loop``: redis-py may swallow a cancellation).
         period = self.ttl_ms / 3000
         while not self._stopping.is_set():
             started = time.monotonic()
@@ -292,16 +292,10 @@ class JobLeases:
                 await self.renew_all()
             except Exception:  # a bug in a callback must not end the renewals
                 log.exception("lease renewal pass failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(),
-                                       max(0.05, period - (time.monotonic() - started)))
+            await pause(self._stopping, max(0.05, period - (time.monotonic() - started)))
 
     async def stop(self) -> None:
-        self._stopping.set()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await end(self._stopping, self._task)
         for job in list(self._owned):
             await self.release(job)
         with contextlib.suppress(RedisError, OSError):

@@ -105,7 +105,8 @@ def test_whoami_and_forecast(client):
             return f if f["batch_index"] == 9 else None
 
         f = wait_until(forecast, "the forecast to see batch 9", timeout=10, interval=0.05)
-    assert f["remaining_steps"] == 1000 and f["eta_s"] == pytest.approx(100.0)
+    assert f["remaining_steps"] == 1000 and f["eta_seconds"] == pytest.approx(100.0)
+    assert f["eta_s"] == f["eta_seconds"]  # the deprecated name, kept
     assert f["cost_per_hour"] == pytest.approx(3.0)  # the H100 default price
     assert f["cost_to_finish"] == pytest.approx(3.0 * 100 / 3600)
     bad = client.get("/api/v1/jobs/j/forecast?total_steps=0", headers=_bearer(viewer))
@@ -125,7 +126,7 @@ def test_eta_from_the_total_steps_the_hooks_report(client):
         assert job["eta_s"] == pytest.approx(1000 * 0.1)
         f = client.get("/api/v1/jobs/j/forecast", headers=auth).json()
         assert f["total_steps"] == 1010 and f["remaining_steps"] == 1000
-        assert f["eta_s"] == pytest.approx(100.0)
+        assert f["eta_seconds"] == pytest.approx(100.0) == job["eta_s"]  # the job's (deprecated) copy agrees
         # The loop learns a longer run (set_total_steps): metrics carry the new total.
         h0.send_text(encode(Metrics(job="j", rank=0, steps=steps(10, 10, step_ms=100.0), total_steps=2020)))
         sync(h0, hello(rank=0, world_size=1))
@@ -133,7 +134,7 @@ def test_eta_from_the_total_steps_the_hooks_report(client):
         assert job["total_steps"] == 2020 and job["eta_s"] == pytest.approx(2000 * 0.1)
         # The query parameter still wins over the reported total.
         f = client.get("/api/v1/jobs/j/forecast?total_steps=120", headers=auth).json()
-        assert f["remaining_steps"] == 100 and f["eta_s"] == pytest.approx(10.0)
+        assert f["remaining_steps"] == 100 and f["eta_seconds"] == pytest.approx(10.0)
         # An invalid total is refused like any malformed frame; the connection's job is untouched.
         h0.send_text(encode(Metrics(job="j", rank=0, steps=steps(20, 1))).replace('"dropped":0', '"dropped":0,"total_steps":0'))
         err = h0.receive_json()

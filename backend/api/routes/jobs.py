@@ -16,7 +16,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
-from backend.api.deps import LiveDep, PartsDep, SqlDep, ViewerDep
+from backend.api.deps import LiveDep, PartsDep, SettingsDep, SqlDep, ViewerDep
 from backend.api.forwarding import from_owner
 from backend.live.forecast import forecast, goodput
 from backend.live.replicas import replica_rows, stored_replica_rows
@@ -25,9 +25,9 @@ from backend.parts import Parts
 from backend.policy.comm import RankComm
 from backend.policy.costfit import SPLIT_SHIFT
 from backend.storage import metrics as store
-from rebalancer_wire.protocol import LINK_FIELDS, MAX_BATCH_INDEX, MAX_WORLD_SIZE
+from rebalancer_wire.protocol import MAX_BATCH_INDEX, MAX_WORLD_SIZE, DeviceSample
 
-__all__ = ["router", "MeshPublic", "ReplicaPublic", "SummaryPublic", "BoundPublic", "CostModelPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic"]
+__all__ = ["router", "MeshPublic", "ReplicaPublic", "SummaryPublic", "BoundPublic", "CostModelPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic", "ForecastPublic"]
 
 log = logging.getLogger("rebalancer.api")
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
@@ -93,7 +93,9 @@ class JobPublic(BaseModel):
     created_at: float | None = None
     last_seen: float | None = None
     total_steps: int | None = Field(None, description="Steps the run takes in all, as its hooks reported.")
-    eta_s: float | None = Field(None, description="Seconds to finish: steps left times the recent step time.")
+    eta_s: float | None = Field(None, deprecated=True, description=(
+        "Deprecated: the job's forecast says it, as eta_seconds (GET /api/v1/jobs/{job}/forecast); "
+        "the same figure, kept here for existing readers."))
     cost_per_hour: float | None = None
     idle_cost_per_hour: float | None = None
     bound: BoundPublic | None = Field(None, description="What bounds the step (live jobs only).")
@@ -152,29 +154,6 @@ class JobsPublic(BaseModel):
     count: int
 
 
-class DevicePublic(BaseModel):
-    t: float | None = None
-    source: str | None = None
-    util_pct: float | None = None
-    mem_used_bytes: int | None = None
-    mem_total_bytes: int | None = None
-    power_w: float | None = None
-    temp_c: float | None = None
-    sm_clock_mhz: float | None = None
-    sm_clock_max_mhz: float | None = None
-    throttle_reasons: list[str] = []
-    cpu_pct: float | None = None
-    rss_bytes: int | None = None
-    nic_tx_bytes_per_s: float | None = None
-    nic_rx_bytes_per_s: float | None = None
-    ib_tx_bytes_per_s: float | None = None
-    ib_rx_bytes_per_s: float | None = None
-    pcie_tx_bytes_per_s: float | None = None
-    pcie_rx_bytes_per_s: float | None = None
-    nvlink_tx_bytes_per_s: float | None = None
-    nvlink_rx_bytes_per_s: float | None = None
-
-
 class RankPublic(BaseModel):
     rank: int
     host: str = ""
@@ -192,7 +171,7 @@ class RankPublic(BaseModel):
     step_rate_hz: float | None = None
     local_batch_size: float | None = None
     n_steps: int = 0
-    device: DevicePublic | None = None
+    device: DeviceSample | None = Field(default=None, description="The newest reading of its device (live only).")
     dropped: int = 0
     last_seen: float | None = None
     price_per_hour: float | None = None
@@ -220,17 +199,17 @@ class MetricPoint(BaseModel):
     """Live: one step (n_steps 1). History: the mean over batch_index_start..batch_index."""
 
     rank: int
-    batch_index: int
-    batch_index_start: int
-    n_steps: int
-    t: float
-    placement_version: int
-    local_batch_size: float
-    compute_ms: float
-    sync_wait_ms: float
-    data_wait_ms: float
-    optimizer_ms: float
-    step_ms: float
+    batch_index: int = Field(description="The step's batch (history: the window's last).")
+    batch_index_start: int = Field(description="The window's first batch (live: batch_index).")
+    n_steps: int = Field(description="Steps in the point: 1 live, the window's in history.")
+    t: float = Field(description="Unix time the step (the window) ended.")
+    placement_version: int = Field(description="The placement the step ran under.")
+    local_batch_size: float = Field(description="Samples (or micro-batches) the rank trained: its share.")
+    compute_ms: float = Field(description="Until the rank's gradients were ready, less the wait inside their sync.")
+    sync_wait_ms: float = Field(description="Waiting inside gradient synchronisation.")
+    data_wait_ms: float = Field(description="Waiting for the DataLoader.")
+    optimizer_ms: float = Field(description="In the optimizer step.")
+    step_ms: float = Field(description="Wall time of the whole step.")
     # History: mean bytes handed to collectives and ms inside them per step (null where the
     # window's steps carried no counters; live points leave them null).
     comm_bytes: float | None = None
@@ -259,6 +238,23 @@ class SummaryPublic(BaseModel):
     imbalance: float | None = None
     placement_version: int | None = None
     updated_at: float
+
+
+class ForecastPublic(BaseModel):
+    """ETA and cost to finish (``backend.live.forecast``: the figures the job resource, the
+    fleet and the dashboard show)."""
+
+    job: str
+    batch_index: int | None = Field(description="The newest batch the job closed.")
+    total_steps: int | None = Field(description="Steps in all: the query's, else what the hooks reported.")
+    remaining_steps: int | None = Field(description="Steps left after the newest batch.")
+    step_ms: float | None = Field(description="The recent step time the ETA assumes.")
+    eta_seconds: float | None = Field(description="Seconds to finish: remaining_steps x step_ms.")
+    eta_s: float | None = Field(deprecated=True, description="Deprecated name of eta_seconds (the same value).")
+    cost_per_hour: float | None = Field(description="The ranks' hourly prices summed (settings' prices).")
+    idle_cost_per_hour: float | None = Field(description="cost_per_hour x the job's idle fraction.")
+    unpriced_ranks: int = Field(description="Ranks whose device has no price (left out of the cost).")
+    cost_to_finish: float | None = Field(description="eta_seconds priced at cost_per_hour.")
 
 
 def _not_found(job: str) -> HTTPException:
@@ -362,16 +358,18 @@ async def get_summary(job: str, _actor: ViewerDep, parts: PartsDep, request: Req
     return found
 
 
-def _device(d: Any) -> DevicePublic | None:
-    if d is None:
-        return None
-    return DevicePublic(
-        t=d.t, source=d.source, util_pct=d.util_pct, mem_used_bytes=d.mem_used_bytes,
-        mem_total_bytes=d.mem_total_bytes, power_w=d.power_w, temp_c=d.temp_c,
-        sm_clock_mhz=d.sm_clock_mhz, sm_clock_max_mhz=d.sm_clock_max_mhz,
-        throttle_reasons=list(d.throttle_reasons), cpu_pct=d.cpu_pct, rss_bytes=d.rss_bytes,
-        **{f: getattr(d, f) for f in LINK_FIELDS},
-    )
+@router.get("/{job}/forecast", response_model=ForecastPublic, summary="ETA and cost to finish")
+def get_forecast(
+    job: str, _actor: ViewerDep, live: LiveDep, settings: SettingsDep,
+    total_steps: Annotated[int | None, Query(
+        ge=1, le=MAX_BATCH_INDEX, description="Steps the run will take in all (default: what its hooks reported).")] = None,
+) -> ForecastPublic:
+    """ETA and cost: the recent step time times the steps left; prices from settings."""
+    view = live.view(job)
+    if view is None:
+        raise _not_found(job)
+    fc = forecast(view, settings.price_for, total_steps)
+    return ForecastPublic.model_validate({"job": job, "eta_seconds": fc.eta_s, **fc.as_dict()})
 
 
 def _shares(parts: Parts, job: str) -> list[int] | None:
@@ -391,7 +389,7 @@ def _rank_live(parts: Parts, job: str, r: RankView, shares: list[int] | None,
         batch_index=r.batch_index, placement_version=r.placement_version, compute_ms=r.compute_ms,
         sync_wait_ms=r.sync_wait_ms, data_wait_ms=r.data_wait_ms, optimizer_ms=r.optimizer_ms,
         step_ms=r.step_ms, step_rate_hz=r.step_rate_hz, local_batch_size=r.local_batch_size,
-        n_steps=r.n_steps, device=_device(r.device), dropped=r.dropped, last_seen=r.last_seen,
+        n_steps=r.n_steps, device=r.device, dropped=r.dropped, last_seen=r.last_seen,
         price_per_hour=parts.settings.price_for(r.device_type, r.device_name),
         work_per_s=r.work_per_s, work_share=r.work_share,
         hook_version=hello.hook_version if hello is not None else "",

@@ -1,4 +1,4 @@
-"""The dashboard's pages, static files, its websocket, and two small reads it needs.
+"""The dashboard's pages, static files and its websocket.
 
 - ``GET /``: jobs overview; ``GET /job/{job}``: job view (both plain HTML from the top-level ``frontend`` package).
 - ``GET /static/plotly.min.js``: served from the installed ``plotly`` package (no CDN).
@@ -8,8 +8,9 @@
   comes as the first message, ``{"type": "auth", "token": T}`` (what the page sends: no
   secret in a URL), or as a bearer header; ``?token=T`` still works (its value is redacted
   from the logs).
-- ``GET /api/v1/whoami``: the caller's name and role, so the page shows operator controls.
-- ``GET /api/v1/jobs/{job}/forecast?total_steps=N``: ETA and cost to finish.
+
+The reads the pages make live with their resources: ``GET /api/v1/whoami`` in
+``routes/identity.py``, ``GET /api/v1/jobs/{job}/forecast`` in ``routes/jobs.py``.
 """
 
 from __future__ import annotations
@@ -22,20 +23,14 @@ import importlib.util
 import json
 import mimetypes
 from pathlib import Path
-from typing import Any
 
-from fastapi import APIRouter, HTTPException, Query, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, HTTPException, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
 from backend.api.deps import (
-    AuthDep,
-    LiveDep,
-    SettingsDep,
-    SqlDep,
-    ViewerDep,
     authenticate,
     bearer_secret,
     websocket_actor,
@@ -44,13 +39,11 @@ from backend.api.edge import CSP, csp, sha256_source
 from backend.assets import plotly_js_path
 from backend.auth.access import allows
 from backend.auth.tokens import Actor
-from backend.live.forecast import forecast as job_forecast
 from backend.parts import Parts
 from rebalancer_wire.protocol import (
     CLOSE_FORBIDDEN,
     CLOSE_TOO_BIG,
     CLOSE_UNAUTHORIZED,
-    MAX_BATCH_INDEX,
 )
 
 __all__ = ["router", "FRONTEND_DIR", "FrontendFiles", "AUTH_TIMEOUT_S", "AUTH_FRAME_MAX_BYTES",
@@ -202,30 +195,3 @@ async def _first_message_actor(websocket: WebSocket) -> Actor | None:
     parts: Parts = websocket.app.state.parts
     address = websocket.client.host if websocket.client else None
     return await authenticate(parts, token, address)
-
-
-@router.get("/api/v1/whoami", tags=["auth"])
-async def whoami_route(actor: ViewerDep, auth: AuthDep, sql: SqlDep) -> dict[str, Any]:
-    """Who the bearer token belongs to; the page shows operator controls from ``role``."""
-    return {
-        "name": actor.name, "role": actor.role,
-        "operator": allows(actor, "operator"),
-        "open_mode": await sql.run(lambda _s: bool(auth.open_mode)),
-    }
-
-
-@router.get("/api/v1/jobs/{job}/forecast", tags=["jobs"])
-def forecast(
-    job: str, actor: ViewerDep, live: LiveDep, settings: SettingsDep,
-    total_steps: int | None = Query(
-        None, ge=1, le=MAX_BATCH_INDEX,
-        description="Steps the run will take in all (default: what its hooks reported)."
-    ),
-) -> dict[str, Any]:
-    """ETA and cost: the recent step time times the steps left; prices from settings
-    (``backend.live.forecast``, the same figures the job resource and the dashboard show)."""
-    view = live.view(job)
-    if view is None:
-        raise HTTPException(404, f"Job {job!r} not found.")
-    fc = job_forecast(view, settings.price_for, total_steps)
-    return {"job": job, **fc.as_dict()}

@@ -1,0 +1,48 @@
+"""The client's types are the server's response models: backend/client/resources.py is
+what ``backend.api.client_types`` renders from the OpenAPI document, to the byte."""
+
+from __future__ import annotations
+
+import copy
+import typing
+
+from fastapi import APIRouter
+
+from backend.api.client_types import CLIENT_TYPES, RESOURCES, openapi_document, render
+from backend.api.routes import identity, jobs, pages
+from backend.client import resources
+
+
+def test_the_client_types_are_rendered_from_the_openapi_document():
+    doc = openapi_document()
+    assert RESOURCES.read_text() == render(doc), "stale: run python -m backend.api.client_types"
+    for ours, (schema, left_out) in CLIENT_TYPES.items():  # every exported type, every field
+        keys = set(typing.get_type_hints(getattr(resources, ours)))
+        assert set(doc["components"]["schemas"][schema]["properties"]) - set(left_out) <= keys, ours
+
+
+def test_a_changed_response_model_changes_the_client_types():
+    doc = openapi_document()
+    changed = copy.deepcopy(doc)
+    changed["components"]["schemas"]["MetricPoint"]["properties"]["step_ms"] = {"type": "integer"}
+    del changed["components"]["schemas"]["RankPublic"]["properties"]["gc_ms"]
+    before, after = render(doc), render(changed)
+    assert "    step_ms: float\n" in before and "    step_ms: int\n" in after
+    assert "gc_ms" in before.split("class Rank(")[1].split("class ")[0]
+    assert "gc_ms" not in after.split("class Rank(")[1].split("class ")[0]
+
+
+def test_forecast_and_whoami_live_with_their_resources():
+    def paths(router: APIRouter) -> set[str]:
+        return {getattr(r, "path", "") for r in router.routes}
+
+    assert "/api/v1/jobs/{job}/forecast" in paths(jobs.router)
+    assert "/api/v1/whoami" in paths(identity.router)
+    assert not [p for p in paths(pages.router) if p.startswith("/api/")]
+
+
+def test_eta_seconds_is_the_forecasts_and_the_old_names_are_deprecated():
+    schemas = openapi_document()["components"]["schemas"]
+    forecast, job = schemas["ForecastPublic"]["properties"], schemas["JobPublic"]["properties"]
+    assert "deprecated" not in forecast["eta_seconds"]
+    assert forecast["eta_s"]["deprecated"] is True and job["eta_s"]["deprecated"] is True
