@@ -12,8 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # The top layers: they may import anything in the backend.
-TOP = ("backend/main.py", "backend/parts.py", "backend/cli.py",
-       "backend/demo.py", "backend/run_cmd.py", "backend/__main__.py", "backend/api/")
+TOP = ("backend/main.py", "backend/parts.py", "backend/cli.py", "backend/demo.py",
+       "backend/run_cmd.py", "backend/client_types.py", "backend/__main__.py", "backend/api/")
 UPPER = ("backend.api", "backend.parts", "backend.main", "backend.cli", "backend.demo", "backend.run_cmd")
 KNOWN_UPWARD: set[tuple[str, str]] = set()
 
@@ -68,7 +68,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("backend.parts",),
     ("backend.api",),
     ("backend.main",),
-    ("backend.client", "backend.demo", "backend.run_cmd"),
+    ("backend.client", "backend.demo", "backend.run_cmd", "backend.client_types"),
     ("backend.cli", "backend.__main__"),
 ]
 _LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}

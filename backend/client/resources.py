@@ -1,6 +1,9 @@
 """The server's JSON answers, typed for readers and mypy: GENERATED from the OpenAPI
-document by ``python -m backend.api.client_types`` (do not edit: change the route's
-response model and regenerate). Each type is named as the client calls it."""
+document by ``python -m backend.client_types`` (do not edit: change the route's
+response model and regenerate). Each type is named as the client calls it.
+
+One module, over 400 lines on purpose: generated, one ``TypedDict`` a REST shape, as
+``backend.client`` exports them."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
-"""The client's types come from the server's OpenAPI document: ``render`` writes
+"""The client's types come from the server's OpenAPI document (this module sits above
+``backend.main``: it builds the app to read it). ``render`` writes
 ``backend/client/resources.py`` (``TypedDict``s, standard library only) from the response
 models the routes declare, so a REST shape is written once, as a pydantic model next to its
 route. ``tests/backend/test_client_types.py`` fails when the file and the document part.
 
 Regenerate after changing a response model::
 
-    python -m backend.api.client_types          # rewrites backend/client/resources.py
-    python -m backend.api.client_types --check  # exit 1 when it is stale
+    python -m backend.client_types          # rewrites backend/client/resources.py
+    python -m backend.client_types --check  # exit 1 when it is stale
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 __all__ = ["CLIENT_TYPES", "EXTRA_FIELDS", "BASES", "render", "openapi_document", "RESOURCES"]
 
-RESOURCES = Path(__file__).resolve().parents[1] / "client" / "resources.py"
+RESOURCES = Path(__file__).resolve().parent / "client" / "resources.py"
 
 # The client's name for each shape: the OpenAPI schema it comes from and the schema's
 # properties it leaves out (a request body's own fields, where a route answers with the body).
@@ -89,8 +90,11 @@ def render(document: dict[str, Any]) -> str:
     names = {schema: ours for ours, (schema, _) in reversed(CLIENT_TYPES.items())}
     out = [
         '"""The server\'s JSON answers, typed for readers and mypy: GENERATED from the OpenAPI',
-        "document by ``python -m backend.api.client_types`` (do not edit: change the route's",
-        'response model and regenerate). Each type is named as the client calls it."""',
+        "document by ``python -m backend.client_types`` (do not edit: change the route's",
+        "response model and regenerate). Each type is named as the client calls it.",
+        "",
+        "One module, over 400 lines on purpose: generated, one ``TypedDict`` a REST shape, as",
+        '``backend.client`` exports them."""',
         "",
         "from __future__ import annotations",
         "",
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(openapi_document())
     if args.check:
         if RESOURCES.read_text() != text:
-            print(f"{RESOURCES} is stale: run python -m backend.api.client_types", file=sys.stderr)
+            print(f"{RESOURCES} is stale: run python -m backend.client_types", file=sys.stderr)
             return 1
         return 0
     RESOURCES.write_text(text)
