@@ -26,6 +26,13 @@ def _smooth(values: Sequence[float], window: int = 5) -> list[float]:
     return [med[0]] * (window // 2) + med + [med[-1]] * (len(values) - len(med) - window // 2)
 
 
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_balance(rows: Sequence[Any], series: Mapping[str, Mapping[str, Sequence[float]]], path: Path) -> None:
     """Efficiency bars per scenario and strategy, and step time over steps per strategy."""
     scenarios = list(dict.fromkeys(r.scenario for r in rows))
@@ -55,10 +62,7 @@ def plot_balance(rows: Sequence[Any], series: Mapping[str, Mapping[str, Sequence
     ax2.set_title(f"Step time over a run, speeds {pick}")
     ax2.set_ylim(bottom=0)
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_reaction(runs: Mapping[str, Mapping[str, Any]], path: Path) -> None:
@@ -79,10 +83,7 @@ def plot_reaction(runs: Mapping[str, Mapping[str, Any]], path: Path) -> None:
         ax.set_ylabel("step time, ms (rolling median of 5)")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_capacity(results: Sequence[Any], path: Path) -> None:
@@ -103,7 +104,4 @@ def plot_capacity(results: Sequence[Any], path: Path) -> None:
     ax2.set_xlabel("ranks (10 steps/s each)")
     ax2.set_ylabel("CPU, % of one core")
     ax2.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)

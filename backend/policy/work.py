@@ -57,20 +57,21 @@ def _clear_without_slowest(s1: list[float], s2: list[float], t: list[float], lin
             and _clear(fit_k, lin_k))
 
 
-def _batch_work(s: StepSample, k: float) -> float | None:
-    if s.batch_work is None:
+def _cost(work: float | None, work_sq: float | None, k: float) -> float | None:
+    """sum(L) + k * sum(L^2); sum(L) alone when k is 0 or the squares are not reported."""
+    if work is None:
         return None
-    if k > 0 and s.batch_work_sq is not None:
-        return s.batch_work + k * s.batch_work_sq
-    return s.batch_work
+    if k > 0 and work_sq is not None:
+        return work + k * work_sq
+    return work
+
+
+def _batch_work(s: StepSample, k: float) -> float | None:
+    return _cost(s.batch_work, s.batch_work_sq, k)
 
 
 def _work(s: StepSample, k: float) -> float | None:
-    if s.work is None:
-        return None
-    if k > 0 and s.work_sq is not None:
-        return s.work + k * s.work_sq
-    return s.work
+    return _cost(s.work, s.work_sq, k)
 
 
 def mean_batch_work(obs: JobObservation, length_sq_weight: float = 0.0) -> float | None:
