@@ -11,9 +11,9 @@ from typing import Any, Literal, TypedDict
 
 __all__ = [
     "PlacementBrief", "Bound", "Mesh", "Replica", "CostModel", "Job", "Device", "Rank",
-    "MetricPoint", "MetricsPage", "Forecast", "Summary", "RankMemory", "Memory", "Cause",
-    "Causes", "Proposal", "Effect", "Placement", "Overrides", "OverridesSet", "AuditRecord",
-    "Token", "TokenCreated", "Health", "WhoAmI",
+    "MetricPoint", "MetricsPage", "Forecast", "FleetDevice", "FleetJob", "FleetTotals", "Fleet",
+    "Summary", "RankMemory", "Memory", "Cause", "Causes", "Proposal", "Effect", "Placement",
+    "Overrides", "OverridesSet", "AuditRecord", "Token", "TokenCreated", "Health", "WhoAmI",
 ]
 
 
@@ -228,6 +228,61 @@ class Forecast(TypedDict):
     step_ms: float | None  # The recent step time the ETA assumes.
     total_steps: int | None  # Steps in all: the query's, else what the hooks reported.
     unpriced_ranks: int  # Ranks whose device has no price (left out of the cost).
+
+
+class FleetDevice(TypedDict):
+    """``FleetDevice``."""
+
+    count: int
+    kind: str  # device name the hooks reported (or its type)
+
+
+class FleetJob(TypedDict, total=False):
+    """``FleetJobPublic``."""
+
+    balanced_step_ms: float | None  # The step with the slowest rank's predicted compute replaced by the oracle split's (the policy's per-rank fit); null until the policy has fitted the job.
+    batch_index: int | None
+    bound: str | None  # compute, communication or input; null: not known.
+    connected_ranks: int
+    cost_per_hour: float | None
+    devices: list[FleetDevice]
+    efficiency: float | None  # balanced_step_ms / step_ms (1: balanced); null: n/a.
+    eta_s: float | None
+    imbalance: float | None
+    job: str
+    mode: str | None
+    pending_proposal_id: int | None
+    pending_proposals: int  # Proposals waiting for an operator (approve on the job page).
+    saved_cost: float | None  # saved_s priced at the job's hourly cost.
+    saved_s: float | None  # Time saved against the uniform split so far.
+    status: str
+    status_detail: str
+    step_ms: float | None
+    wasted_gpu_hours: float  # Rank-hours spent waiting for the slowest rank's compute so far.
+    world_size: int
+
+
+class FleetTotals(TypedDict, total=False):
+    """``FleetTotals``."""
+
+    by_status: dict[str, int]
+    connected_ranks: int
+    efficiency: float | None  # Rank-weighted mean over jobs with a figure.
+    jobs: int
+    pending_proposals: int
+    ranks: int
+    running: int  # Jobs whose status is not idle.
+    saved_cost: float | None
+    saved_s: float
+    wasted_gpu_hours: float
+
+
+class Fleet(TypedDict):
+    """``FleetPublic``."""
+
+    count: int
+    data: list[FleetJob]
+    totals: FleetTotals
 
 
 class Summary(TypedDict, total=False):

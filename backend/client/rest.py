@@ -14,6 +14,7 @@ from typing import Any, cast
 from backend.client.resources import (
     AuditRecord,
     Causes,
+    Fleet,
     Forecast,
     Health,
     Job,
@@ -164,10 +165,10 @@ class Client:
     def jobs(self) -> list[Job]:
         return cast("list[Job]", self.request("GET", "/api/v1/jobs")["data"])
 
-    def fleet(self) -> dict[str, Any]:
+    def fleet(self) -> Fleet:
         """Every job held in memory, one row each, and the fleet's totals:
         ``{"data": rows, "count": n, "totals": {...}}`` (the home page's figures)."""
-        return cast("dict[str, Any]", self.request("GET", "/api/v1/fleet"))
+        return cast(Fleet, self.request("GET", "/api/v1/fleet"))
 
     def job(self, job: str) -> Job:
         return cast(Job, self.request("GET", self._job(job)))
