@@ -1,8 +1,10 @@
 """The client's types come from the server's OpenAPI document (this module sits above
 ``backend.main``: it builds the app to read it). ``render`` writes
-``backend/client/resources.py`` (``TypedDict``s, standard library only) from the response
-models the routes declare, so a REST shape is written once, as a pydantic model next to its
-route. ``tests/backend/test_client_types.py`` fails when the file and the document part.
+``backend/client/resources.py`` (``TypedDict``s, standard library only): one type for every
+schema a route answers with, named without its ``Public`` suffix, so a REST shape is written
+once, as the pydantic response model next to its route, and a new one reaches the client
+when the file is regenerated. ``tests/backend/test_client_types.py`` fails when the file and
+the document part.
 
 Regenerate after changing a response model::
 
@@ -20,50 +22,49 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CLIENT_TYPES", "EXTRA_FIELDS", "BASES", "render", "openapi_document", "RESOURCES"]
+__all__ = ["client_types", "RENAMES", "DERIVED", "EXTRA_FIELDS", "BASES", "render", "openapi_document", "RESOURCES"]
 
 RESOURCES = Path(__file__).resolve().parent / "client" / "resources.py"
 
-# The client's name for each shape: the OpenAPI schema it comes from and the schema's
-# properties it leaves out (a request body's own fields, where a route answers with the body).
-CLIENT_TYPES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "PlacementBrief": ("PlacementBrief", ()),
-    "Bound": ("BoundPublic", ()),
-    "Mesh": ("MeshPublic", ()),
-    "Replica": ("ReplicaPublic", ()),
-    "CostModel": ("CostModelPublic", ()),
-    "Job": ("JobPublic", ()),
-    "Device": ("DeviceSample", ()),
-    "Rank": ("RankPublic", ()),
-    "MetricPoint": ("MetricPoint", ()),
-    "MetricsPage": ("MetricsPublic", ()),
-    "Forecast": ("ForecastPublic", ()),
-    "FleetDevice": ("FleetDevice", ()),
-    "FleetJob": ("FleetJobPublic", ()),
-    "FleetTotals": ("FleetTotals", ()),
-    "Fleet": ("FleetPublic", ()),
-    "Summary": ("SummaryPublic", ()),
-    "RankMemory": ("RankMemoryPublic", ()),
-    "Memory": ("MemoryPublic", ()),
-    "Cause": ("CausePublic", ()),
-    "Causes": ("CausesPublic", ()),
-    "Proposal": ("ProposalPublic", ()),
-    "Effect": ("EffectPublic", ()),
-    "Placement": ("PlacementPublic", ()),
-    # GET/PUT .../overrides answer the overrides in force: the body's shape without its reason.
-    "Overrides": ("OverridesIn", ("reason",)),
-    "OverridesSet": ("OverridesIn", ("reason",)),
-    "AuditRecord": ("AuditPublic", ()),
-    "Token": ("TokenPublic", ()),
-    "TokenCreated": ("TokenCreated", ()),
-    "Health": ("HealthPublic", ()),
-    "WhoAmI": ("WhoAmIPublic", ()),
-}
+# Every schema a route answers with (and every schema those name) becomes a client type,
+# named as the schema less its "Public" suffix, except where the client's name came first.
+RENAMES: dict[str, str] = {"DeviceSample": "Device", "MetricsPublic": "MetricsPage", "AuditPublic": "AuditRecord"}
+# Types the routes answer without a model of their own: (name, schema, properties left out).
+# GET/PUT .../overrides answer the overrides in force, the PUT body's shape without its reason.
+DERIVED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("Overrides", "OverridesIn", ("reason",)),
+    ("OverridesSet", "OverridesIn", ("reason",)),
+)
 # Fields a route adds to a schema's (PUT .../overrides: the proposal that respects them).
 EXTRA_FIELDS: dict[str, dict[str, str]] = {"OverridesSet": {"proposal_id": "int | None"}}
 # A type that is another with more keys is written as its subclass (render checks the base's
 # keys and types are all in it, the same).
-BASES: dict[str, str] = {"TokenCreated": "Token", "OverridesSet": "Overrides"}
+BASES: dict[str, str] = {"TokenCreated": "Token", "OverridesSet": "Overrides", "Pipeline": "PipelineBrief"}
+
+
+def client_types(document: dict[str, Any]) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """{client name: (schema, properties left out)} for every schema a 2xx JSON answer
+    reaches, and the DERIVED ones."""
+    schemas = document["components"]["schemas"]
+    todo = [op for ops in document.get("paths", {}).values() for op in ops.values()]
+    seen: set[str] = set()
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/components/schemas/"):
+                name = ref.rsplit("/", 1)[-1]
+                if name not in seen:
+                    seen.add(name)
+                    todo.append(schemas[name])
+            todo += [v for k, v in node.items() if k not in ("parameters", "requestBody")
+                     and not (k.isdigit() and not k.startswith("2"))]
+        elif isinstance(node, list):
+            todo += node
+    found: dict[str, tuple[str, tuple[str, ...]]] = {RENAMES.get(n, n.removesuffix("Public")): (n, ()) for n in seen}
+    found.update({name: (schema, left_out) for name, schema, left_out in DERIVED})
+    return dict(sorted(found.items()))
+
 
 _SCALARS = {"integer": "int", "number": "float", "string": "str", "boolean": "bool", "null": "None"}
 
@@ -91,7 +92,14 @@ def render(document: dict[str, Any]) -> str:
     ``TypedDict`` a shape, its keys in alphabetical order (the document's descriptions as
     comments); ``total=False`` where the document does not require every key."""
     schemas = document["components"]["schemas"]
-    names = {schema: ours for ours, (schema, _) in reversed(CLIENT_TYPES.items())}
+    types = client_types(document)
+    names = {schema: ours for ours, (schema, left_out) in types.items() if not left_out}
+    order = list(types)
+    for ours in list(order):  # a base before its subclasses
+        base = BASES.get(ours)
+        if base in types and order.index(base) > order.index(ours):
+            order.remove(ours)
+            order.insert(order.index(base) + 1, ours)
     out = [
         '"""The server\'s JSON answers, typed for readers and mypy: GENERATED from the OpenAPI',
         "document by ``python -m backend.client_types`` (do not edit: change the route's",
@@ -105,12 +113,13 @@ def render(document: dict[str, Any]) -> str:
         "from typing import Any, Literal, TypedDict",
         "",
         "__all__ = [",
-        *textwrap.wrap(", ".join(f'"{n}"' for n in CLIENT_TYPES) + ",", 96,
+        *textwrap.wrap(", ".join(f'"{n}"' for n in types) + ",", 96,
                        initial_indent="    ", subsequent_indent="    "),
         "]",
     ]
     emitted: dict[str, dict[str, tuple[str, str]]] = {}
-    for ours, (schema_name, left_out) in CLIENT_TYPES.items():
+    for ours in order:
+        schema_name, left_out = types[ours]
         schema = schemas[schema_name]
         props = {k: v for k, v in schema["properties"].items() if k not in left_out}
         required = set(schema.get("required", ()))
@@ -118,18 +127,17 @@ def render(document: dict[str, Any]) -> str:
         fields = {k: (_type(v, names), v.get("description", "")) for k, v in props.items()}
         fields.update({k: (t, "") for k, t in EXTRA_FIELDS.get(ours, {}).items()})
         emitted[ours] = dict(fields)
-        base = BASES.get(ours)
+        base = BASES.get(ours) if BASES.get(ours) in types else None
         if base is not None:
             inherited = emitted[base]
             if any(fields.get(k, ("",))[0] != t for k, (t, _) in inherited.items()):
                 raise ValueError(f"{ours} is not {base} with more keys: write it without a base.")
             fields = {k: v for k, v in fields.items() if k not in inherited}
-        parents = base or "TypedDict"
         doc = f"``{schema_name}``" + (f": {_first_line(schema['description'])}" if schema.get("description") else ".")
         if left_out or ours in EXTRA_FIELDS:  # not the schema itself: say how it differs
             doc = f"``{schema_name}`` without {', '.join(left_out)}" + "".join(
                 f", with {k}" for k in EXTRA_FIELDS.get(ours, {})) + "."
-        out += ["", "", f"class {ours}({parents}{'' if total else ', total=False'}):",
+        out += ["", "", f"class {ours}({base or 'TypedDict'}{'' if total else ', total=False'}):",
                 *textwrap.wrap(f'"""{doc}"""', 96, initial_indent="    ", subsequent_indent="    "), ""]
         for key in sorted(fields):
             kind, text = fields[key]

@@ -10,18 +10,33 @@ from __future__ import annotations
 from typing import Any, Literal, TypedDict
 
 __all__ = [
-    "PlacementBrief", "Bound", "Mesh", "Replica", "CostModel", "Job", "Device", "Rank",
-    "MetricPoint", "MetricsPage", "Forecast", "FleetDevice", "FleetJob", "FleetTotals", "Fleet",
-    "Summary", "RankMemory", "Memory", "Cause", "Causes", "Proposal", "Effect", "Placement",
-    "Overrides", "OverridesSet", "AuditRecord", "Token", "TokenCreated", "Health", "WhoAmI",
+    "AuditRecord", "Audits", "Bound", "Cause", "Causes", "CostModel", "Device", "Effect",
+    "Fleet", "FleetDevice", "FleetJob", "FleetTotals", "Forecast", "Health", "Job", "Jobs",
+    "Memory", "Mesh", "MetricPoint", "MetricsPage", "Overrides", "OverridesSet", "Placement",
+    "PlacementBrief", "Placements", "Proposal", "Proposals", "Rank", "RankMemory", "Ranks",
+    "Replica", "Summary", "Token", "TokenCreated", "Tokens", "WhoAmI",
 ]
 
 
-class PlacementBrief(TypedDict):
-    """``PlacementBrief``."""
+class AuditRecord(TypedDict):
+    """``AuditPublic``."""
 
-    shares: list[int]
-    version: int
+    action: str
+    actor: str
+    address: str
+    id: int
+    job: str | None
+    params: dict[str, Any]
+    reason: str
+    role: str
+    time: float
+
+
+class Audits(TypedDict):
+    """``AuditsPublic``."""
+
+    count: int
+    data: list[AuditRecord]
 
 
 class Bound(TypedDict, total=False):
@@ -45,28 +60,30 @@ class Bound(TypedDict, total=False):
     verdict: Literal["compute-bound", "communication-bound", "input-bound", "balanced", "unknown"]
 
 
-class Mesh(TypedDict):
-    """``MeshPublic``: A device-mesh job's shape, as its hooks said it (docs/meshes.md): its
-    ranks here are its data-parallel replicas."""
+class Cause(TypedDict, total=False):
+    """``CausePublic``."""
 
-    dims: list[str]  # The mesh's dimension names, e.g. ['dp', 'tp'].
-    dp: int  # Data-parallel replicas: the job's world_size.
-    label: str  # How people read it, e.g. 'DP 2 x TP 2'.
-    replica_size: int  # Ranks per replica (its tensor/context-parallel group).
-    shape: list[int]  # One size per name in dims.
+    cause: str  # One of slow_rank, placement, sample_cost_skew, data_wait, gc, host, checkpoint, communication.
+    cost_lost: float | None  # What it has cost so far at the job's hourly price (null without prices).
+    detail: str
+    gpu_hours_lost: float  # ms_per_step times the steps done times every device of the job, in GPU-hours.
+    ms_per_step: float  # Time it costs each step, ms: the replay's step without it subtracted from the replay's step.
+    predicted_step_ms_without: float  # The replay's mean step time with the cause removed, ms.
+    ranks: list[int]  # The ranks the cause sits on (all ranks for communication).
+    remedy: str  # What removes it: a placement, a setting, advice.
+    share_of_step: float  # ms_per_step over the replayed step time (0..1).
 
 
-class Replica(TypedDict, total=False):
-    """``ReplicaPublic``: One data-parallel replica of a mesh job (its row here;
-    docs/meshes.md)."""
+class Causes(TypedDict, total=False):
+    """``CausesPublic``."""
 
-    compute_ms: float | None  # The replica's compute time: its slowest member's (live only).
-    connected: bool
-    member_devices: list[str]  # Each member's host and device, in the order of members (live only; empty when unknown).
-    members: list[int]  # The global ranks of its members (its TP/CP group), leader first.
-    replica: int  # The replica index: its rank in this job's placements and overrides.
-    slowest_rank: int | None  # The member slowest in most of the newest steps (a global rank; live only).
-    step_ms: float | None
+    count: int
+    data: list[Cause]
+    gc_share: float  # GC pauses of the rank arriving last, as a share of the step.
+    hint: str | None  # A one-line hint when GC pauses cost more than 2% of the step.
+    replayed_step_ms: float | None  # The replay's with nothing removed (its gap to step_ms is the model's error).
+    step_ms: float | None  # Their measured mean step time, ms.
+    window_steps: int  # Steps replayed (the newest every rank sent).
 
 
 class CostModel(TypedDict, total=False):
@@ -83,45 +100,6 @@ class CostModel(TypedDict, total=False):
     ranks_fitted: int
     ranks_quadratic: int  # Ranks that count for the quadratic term: by a clear margin (slowest step left out) to adopt it, by its F test to keep a fitted k in force.
     split_shift: float | None  # How far the model's k would move a rank's share of a batch's work from the k in force (median relative change over recent steps); a new k is sent past 0.025. Null without lengths.
-
-
-class Job(TypedDict, total=False):
-    """``JobPublic``: A job; keys from the controller's job_control (policy, overrides, ...) are
-    merged in."""
-
-    batch_index: int | None
-    bound: Bound | None  # What bounds the step (live jobs only).
-    connected_ranks: int
-    cost_model: CostModel | None  # What a sample costs in the split, and how well that explains the step times.
-    cost_per_hour: float | None
-    created_at: float | None
-    eta_s: float | None  # Deprecated: the job's forecast says it, as eta_seconds (GET /api/v1/jobs/{job}/forecast); the same figure, kept here for existing readers.
-    global_batch_size: int
-    goodput: float | None  # Useful compute over paid device time, 0..1 (docs/causes.md).
-    hung_batch_index: int | None  # The batch it is stuck in (or before).
-    hung_phase: str | None  # data_wait, compute, sync_wait, optimizer; unknown: it sent no report.
-    hung_rank: int | None  # With status hung: the rank the job waits on (docs/causes.md).
-    hung_since: float | None  # Unix time of that rank's last step end.
-    hung_stack: str | None  # Its training thread's Python stack, innermost last (at most 16 KiB).
-    idle_cost_per_hour: float | None
-    idle_fraction: float | None
-    imbalance: float | None
-    job: str
-    last_seen: float | None
-    lost_cost_per_hour: float | None  # cost_per_hour * (1 - goodput): what the rest costs an hour.
-    mesh: Mesh | None  # A device-mesh job's shape; null for plain data parallel.
-    mode: str | None
-    pending_proposal_id: int | None
-    placement: PlacementBrief | None
-    replicas: list[Replica] | None  # A mesh job's replicas with their members, time and slowest member; null for plain data parallel.
-    share_unit: Literal["sample", "micro_batch"]  # What a share counts: samples, or fixed-shape micro-batches (RebalanceHook(micro_batches=M): global_batch_size is M; docs/streaming.md).
-    status: str
-    status_detail: str
-    step_ms: float | None
-    step_rate_hz: float | None
-    strategy: str | None
-    total_steps: int | None  # Steps the run takes in all, as its hooks reported.
-    world_size: int
 
 
 class Device(TypedDict, total=False):
@@ -150,84 +128,22 @@ class Device(TypedDict, total=False):
     util_pct: float | None
 
 
-class Rank(TypedDict, total=False):
-    """``RankPublic``."""
+class Effect(TypedDict):
+    """``EffectPublic``."""
 
-    batch_index: int | None
-    busbw_gbps: float | None  # Bus bandwidth, GB/s (nccl-tests definition).
-    ckpt_ms: float | None  # Of data_wait_ms, checkpoint writes.
-    comm_bytes_per_step: float | None  # Bytes handed to gradient collectives a step.
-    comm_ms: float | None  # Time a step with a gradient collective in flight.
-    compute_ms: float | None
-    connected: bool
-    data_wait_ms: float | None
-    device: Device | None  # The newest reading of its device (live only).
-    device_name: str
-    device_type: str
-    dropped: int
-    gc_ms: float | None  # Python GC pauses a step (within the other times).
-    hook_version: str
-    host: str
-    host_ms: float | None  # Of data_wait_ms, the loop's own host work (docs/causes.md).
-    last_seen: float | None
-    local_batch_size: float | None
-    n_steps: int
-    optimizer_ms: float | None
-    placement_version: int | None
-    price_per_hour: float | None
-    rank: int
-    share: int | None
-    step_ms: float | None
-    step_rate_hz: float | None
-    sync_wait_ms: float | None
-    wait_ms: float | None  # Of comm_ms, the wait for peers (the rest is transfer).
-    work_per_s: float | None
-    work_share: float | None
+    measured_gain: float | None
+    predicted_step_ms: float | None
+    rolled_back: bool
+    step_ms_after: float | None
+    step_ms_before: float | None
 
 
-class MetricPoint(TypedDict, total=False):
-    """``MetricPoint``: Live: one step (n_steps 1). History: the mean over
-    batch_index_start..batch_index."""
-
-    batch_index: int  # The step's batch (history: the window's last).
-    batch_index_start: int  # The window's first batch (live: batch_index).
-    comm_bytes: float | None
-    comm_ms: float | None
-    compute_ms: float  # Until the rank's gradients were ready, less the wait inside their sync.
-    data_wait_ms: float  # Waiting for the DataLoader.
-    local_batch_size: float  # Samples (or micro-batches) the rank trained: its share.
-    n_steps: int  # Steps in the point: 1 live, the window's in history.
-    optimizer_ms: float  # In the optimizer step.
-    placement_version: int  # The placement the step ran under.
-    rank: int
-    step_ms: float  # Wall time of the whole step.
-    sync_wait_ms: float  # Waiting inside gradient synchronisation.
-    t: float  # Unix time the step (the window) ended.
-
-
-class MetricsPage(TypedDict):
-    """``MetricsPublic``."""
+class Fleet(TypedDict):
+    """``FleetPublic``."""
 
     count: int
-    data: list[MetricPoint]
-    source: Literal["live", "history"]
-
-
-class Forecast(TypedDict):
-    """``ForecastPublic``: ETA and cost to finish (``backend.live.forecast``: the figures the
-    job resource, the fleet and the dashboard show)."""
-
-    batch_index: int | None  # The newest batch the job closed.
-    cost_per_hour: float | None  # The ranks' hourly prices summed (settings' prices).
-    cost_to_finish: float | None  # eta_seconds priced at cost_per_hour.
-    eta_s: float | None  # Deprecated name of eta_seconds (the same value).
-    eta_seconds: float | None  # Seconds to finish: remaining_steps x step_ms.
-    idle_cost_per_hour: float | None  # cost_per_hour x the job's idle fraction.
-    job: str
-    remaining_steps: int | None  # Steps left after the newest batch.
-    step_ms: float | None  # The recent step time the ETA assumes.
-    total_steps: int | None  # Steps in all: the query's, else what the hooks reported.
-    unpriced_ranks: int  # Ranks whose device has no price (left out of the cost).
+    data: list[FleetJob]
+    totals: FleetTotals
 
 
 class FleetDevice(TypedDict):
@@ -277,49 +193,81 @@ class FleetTotals(TypedDict, total=False):
     wasted_gpu_hours: float
 
 
-class Fleet(TypedDict):
-    """``FleetPublic``."""
+class Forecast(TypedDict):
+    """``ForecastPublic``: ETA and cost to finish (``backend.live.forecast``: the figures the
+    job resource, the fleet and the dashboard show)."""
 
-    count: int
-    data: list[FleetJob]
-    totals: FleetTotals
+    batch_index: int | None  # The newest batch the job closed.
+    cost_per_hour: float | None  # The ranks' hourly prices summed (settings' prices).
+    cost_to_finish: float | None  # eta_seconds priced at cost_per_hour.
+    eta_s: float | None  # Deprecated name of eta_seconds (the same value).
+    eta_seconds: float | None  # Seconds to finish: remaining_steps x step_ms.
+    idle_cost_per_hour: float | None  # cost_per_hour x the job's idle fraction.
+    job: str
+    remaining_steps: int | None  # Steps left after the newest batch.
+    step_ms: float | None  # The recent step time the ETA assumes.
+    total_steps: int | None  # Steps in all: the query's, else what the hooks reported.
+    unpriced_ranks: int  # Ranks whose device has no price (left out of the cost).
 
 
-class Summary(TypedDict, total=False):
-    """``SummaryPublic``: A run's summary: savings against the uniform split and its latest
-    figures. Live while the job is in memory, else the stored one (it survives a restart)."""
+class Health(TypedDict, total=False):
+    """``HealthPublic``."""
+
+    buffered_windows: int  # metric windows waiting in memory for the database
+    cluster: str  # "off" (one replica), "ok", or "paused: <why>" while Redis is unreachable (control pauses; ingest, dashboards and training go on)
+    database: str  # "ok", or why not (one sentence)
+    dropped_windows: int  # metric windows dropped since start (refused rows, full buffer)
+    hook_connections: int  # ranks with an open hook websocket
+    hook_sockets: int  # open hook websockets (a node connection carries the ranks of one node: it counts once)
+    jobs: int
+    open_mode: bool
+    status: str  # "ok", or "degraded" while the database does not take writes
+
+
+class Job(TypedDict, total=False):
+    """``JobPublic``: A job; keys from the controller's job_control (policy, overrides, ...) are
+    merged in."""
 
     batch_index: int | None
+    bound: Bound | None  # What bounds the step (live jobs only).
+    connected_ranks: int
+    cost_model: CostModel | None  # What a sample costs in the split, and how well that explains the step times.
     cost_per_hour: float | None
+    created_at: float | None
+    eta_s: float | None  # Deprecated: the job's forecast says it, as eta_seconds (GET /api/v1/jobs/{job}/forecast); the same figure, kept here for existing readers.
+    global_batch_size: int
+    goodput: float | None  # Useful compute over paid device time, 0..1 (docs/causes.md).
+    hung_batch_index: int | None  # The batch it is stuck in (or before).
+    hung_phase: str | None  # data_wait, compute, sync_wait, optimizer; unknown: it sent no report.
+    hung_rank: int | None  # With status hung: the rank the job waits on (docs/causes.md).
+    hung_since: float | None  # Unix time of that rank's last step end.
+    hung_stack: str | None  # Its training thread's Python stack, innermost last (at most 16 KiB).
+    idle_cost_per_hour: float | None
+    idle_fraction: float | None
     imbalance: float | None
     job: str
-    measured_s: float  # Wall time of the closed batches, seconds.
-    placement_version: int | None
-    saved_cost: float | None  # saved_s priced at the job's hourly cost.
-    saved_s: float  # uniform_s - measured_s.
+    last_seen: float | None
+    lost_cost_per_hour: float | None  # cost_per_hour * (1 - goodput): what the rest costs an hour.
+    mesh: Mesh | None  # A device-mesh job's shape; null for plain data parallel.
+    mode: str | None
+    pending_proposal_id: int | None
+    placement: PlacementBrief | None
+    replicas: list[Replica] | None  # A mesh job's replicas with their members, time and slowest member; null for plain data parallel.
+    share_unit: Literal["sample", "micro_batch"]  # What a share counts: samples, or fixed-shape micro-batches (RebalanceHook(micro_batches=M): global_batch_size is M; docs/streaming.md).
+    status: str
+    status_detail: str
     step_ms: float | None
-    total_steps: int | None
-    uniform_s: float  # What those batches would have taken under the uniform split.
-    updated_at: float
+    step_rate_hz: float | None
+    strategy: str | None
+    total_steps: int | None  # Steps the run takes in all, as its hooks reported.
+    world_size: int
 
 
-class RankMemory(TypedDict, total=False):
-    """``RankMemoryPublic``."""
+class Jobs(TypedDict):
+    """``JobsPublic``."""
 
-    batch_sizes: int
-    cap: int | None  # most samples the policy gives this rank
-    fixed_bytes: float | None  # m0 of the fit
-    last_peak_bytes: int | None
-    limit_bytes: float | None  # (1 - memory_headroom) * total
-    method: str | None  # linear (two or more batch sizes) | proportional (one) | flat (micro-batch shares: the peak does not grow with the count)
-    per_sample_bytes: float | None  # m of the fit
-    predicted_peak_bytes: float | None  # at the share in force
-    rank: int
-    readings: int
-    share: int | None
-    source: str  # what the hook reads memory with: cuda, rocm, xpu; empty: none (no cap)
-    status: str  # fitted | measuring (may only lose work) | unmeasured (no cap)
-    total_bytes: int | None
+    count: int
+    data: list[Job]
 
 
 class Memory(TypedDict):
@@ -330,30 +278,92 @@ class Memory(TypedDict):
     memory_headroom: float
 
 
-class Cause(TypedDict, total=False):
-    """``CausePublic``."""
+class Mesh(TypedDict):
+    """``MeshPublic``: A device-mesh job's shape, as its hooks said it (docs/meshes.md): its
+    ranks here are its data-parallel replicas."""
 
-    cause: str  # One of slow_rank, placement, sample_cost_skew, data_wait, gc, host, checkpoint, communication.
-    cost_lost: float | None  # What it has cost so far at the job's hourly price (null without prices).
-    detail: str
-    gpu_hours_lost: float  # ms_per_step times the steps done times every device of the job, in GPU-hours.
-    ms_per_step: float  # Time it costs each step, ms: the replay's step without it subtracted from the replay's step.
-    predicted_step_ms_without: float  # The replay's mean step time with the cause removed, ms.
-    ranks: list[int]  # The ranks the cause sits on (all ranks for communication).
-    remedy: str  # What removes it: a placement, a setting, advice.
-    share_of_step: float  # ms_per_step over the replayed step time (0..1).
+    dims: list[str]  # The mesh's dimension names, e.g. ['dp', 'tp'].
+    dp: int  # Data-parallel replicas: the job's world_size.
+    label: str  # How people read it, e.g. 'DP 2 x TP 2'.
+    replica_size: int  # Ranks per replica (its tensor/context-parallel group).
+    shape: list[int]  # One size per name in dims.
 
 
-class Causes(TypedDict, total=False):
-    """``CausesPublic``."""
+class MetricPoint(TypedDict, total=False):
+    """``MetricPoint``: Live: one step (n_steps 1). History: the mean over
+    batch_index_start..batch_index."""
+
+    batch_index: int  # The step's batch (history: the window's last).
+    batch_index_start: int  # The window's first batch (live: batch_index).
+    comm_bytes: float | None
+    comm_ms: float | None
+    compute_ms: float  # Until the rank's gradients were ready, less the wait inside their sync.
+    data_wait_ms: float  # Waiting for the DataLoader.
+    local_batch_size: float  # Samples (or micro-batches) the rank trained: its share.
+    n_steps: int  # Steps in the point: 1 live, the window's in history.
+    optimizer_ms: float  # In the optimizer step.
+    placement_version: int  # The placement the step ran under.
+    rank: int
+    step_ms: float  # Wall time of the whole step.
+    sync_wait_ms: float  # Waiting inside gradient synchronisation.
+    t: float  # Unix time the step (the window) ended.
+
+
+class MetricsPage(TypedDict):
+    """``MetricsPublic``."""
 
     count: int
-    data: list[Cause]
-    gc_share: float  # GC pauses of the rank arriving last, as a share of the step.
-    hint: str | None  # A one-line hint when GC pauses cost more than 2% of the step.
-    replayed_step_ms: float | None  # The replay's with nothing removed (its gap to step_ms is the model's error).
-    step_ms: float | None  # Their measured mean step time, ms.
-    window_steps: int  # Steps replayed (the newest every rank sent).
+    data: list[MetricPoint]
+    source: Literal["live", "history"]
+
+
+class Overrides(TypedDict, total=False):
+    """``OverridesIn`` without reason."""
+
+    caps: dict[str, int]  # rank -> most samples
+    drains: list[int]  # ranks that get no samples
+    floors: dict[str, int]  # rank -> fewest samples
+    granularity: int  # shares are multiples of this (one rank may carry the remainder)
+    pins: dict[str, int]  # rank -> exact share
+
+
+class OverridesSet(Overrides, total=False):
+    """``OverridesIn`` without reason, with proposal_id."""
+
+    proposal_id: int | None
+
+
+class Placement(TypedDict):
+    """``PlacementPublic``."""
+
+    acks: dict[str, int]
+    actor: str
+    applied_at: float | None
+    created_at: float
+    effect: Effect
+    effective_batch_index: int | None
+    error: str | None
+    failed: bool
+    previous_shares: list[int] | None
+    proposal_id: int | None
+    reason: str
+    shares: list[int]
+    source: str
+    version: int
+
+
+class PlacementBrief(TypedDict):
+    """``PlacementBrief``."""
+
+    shares: list[int]
+    version: int
+
+
+class Placements(TypedDict):
+    """``PlacementsPublic``."""
+
+    count: int
+    data: list[Placement]
 
 
 class Proposal(TypedDict):
@@ -382,63 +392,103 @@ class Proposal(TypedDict):
     strategy: str
 
 
-class Effect(TypedDict):
-    """``EffectPublic``."""
+class Proposals(TypedDict):
+    """``ProposalsPublic``."""
 
-    measured_gain: float | None
-    predicted_step_ms: float | None
-    rolled_back: bool
-    step_ms_after: float | None
-    step_ms_before: float | None
+    count: int
+    data: list[Proposal]
 
 
-class Placement(TypedDict):
-    """``PlacementPublic``."""
+class Rank(TypedDict, total=False):
+    """``RankPublic``."""
 
-    acks: dict[str, int]
-    actor: str
-    applied_at: float | None
-    created_at: float
-    effect: Effect
-    effective_batch_index: int | None
-    error: str | None
-    failed: bool
-    previous_shares: list[int] | None
-    proposal_id: int | None
-    reason: str
-    shares: list[int]
-    source: str
-    version: int
+    batch_index: int | None
+    busbw_gbps: float | None  # Bus bandwidth, GB/s (nccl-tests definition).
+    ckpt_ms: float | None  # Of data_wait_ms, checkpoint writes.
+    comm_bytes_per_step: float | None  # Bytes handed to gradient collectives a step.
+    comm_ms: float | None  # Time a step with a gradient collective in flight.
+    compute_ms: float | None
+    connected: bool
+    data_wait_ms: float | None
+    device: Device | None  # The newest reading of its device (live only).
+    device_name: str
+    device_type: str
+    dropped: int
+    gc_ms: float | None  # Python GC pauses a step (within the other times).
+    hook_version: str
+    host: str
+    host_ms: float | None  # Of data_wait_ms, the loop's own host work (docs/causes.md).
+    last_seen: float | None
+    local_batch_size: float | None
+    n_steps: int
+    optimizer_ms: float | None
+    placement_version: int | None
+    price_per_hour: float | None
+    rank: int
+    share: int | None
+    step_ms: float | None
+    step_rate_hz: float | None
+    sync_wait_ms: float | None
+    wait_ms: float | None  # Of comm_ms, the wait for peers (the rest is transfer).
+    work_per_s: float | None
+    work_share: float | None
 
 
-class Overrides(TypedDict, total=False):
-    """``OverridesIn`` without reason."""
+class RankMemory(TypedDict, total=False):
+    """``RankMemoryPublic``."""
 
-    caps: dict[str, int]  # rank -> most samples
-    drains: list[int]  # ranks that get no samples
-    floors: dict[str, int]  # rank -> fewest samples
-    granularity: int  # shares are multiples of this (one rank may carry the remainder)
-    pins: dict[str, int]  # rank -> exact share
+    batch_sizes: int
+    cap: int | None  # most samples the policy gives this rank
+    fixed_bytes: float | None  # m0 of the fit
+    last_peak_bytes: int | None
+    limit_bytes: float | None  # (1 - memory_headroom) * total
+    method: str | None  # linear (two or more batch sizes) | proportional (one) | flat (micro-batch shares: the peak does not grow with the count)
+    per_sample_bytes: float | None  # m of the fit
+    predicted_peak_bytes: float | None  # at the share in force
+    rank: int
+    readings: int
+    share: int | None
+    source: str  # what the hook reads memory with: cuda, rocm, xpu; empty: none (no cap)
+    status: str  # fitted | measuring (may only lose work) | unmeasured (no cap)
+    total_bytes: int | None
 
 
-class OverridesSet(Overrides, total=False):
-    """``OverridesIn`` without reason, with proposal_id."""
+class Ranks(TypedDict):
+    """``RanksPublic``."""
 
-    proposal_id: int | None
+    count: int
+    data: list[Rank]
 
 
-class AuditRecord(TypedDict):
-    """``AuditPublic``."""
+class Replica(TypedDict, total=False):
+    """``ReplicaPublic``: One data-parallel replica of a mesh job (its row here;
+    docs/meshes.md)."""
 
-    action: str
-    actor: str
-    address: str
-    id: int
-    job: str | None
-    params: dict[str, Any]
-    reason: str
-    role: str
-    time: float
+    compute_ms: float | None  # The replica's compute time: its slowest member's (live only).
+    connected: bool
+    member_devices: list[str]  # Each member's host and device, in the order of members (live only; empty when unknown).
+    members: list[int]  # The global ranks of its members (its TP/CP group), leader first.
+    replica: int  # The replica index: its rank in this job's placements and overrides.
+    slowest_rank: int | None  # The member slowest in most of the newest steps (a global rank; live only).
+    step_ms: float | None
+
+
+class Summary(TypedDict, total=False):
+    """``SummaryPublic``: A run's summary: savings against the uniform split and its latest
+    figures. Live while the job is in memory, else the stored one (it survives a restart)."""
+
+    batch_index: int | None
+    cost_per_hour: float | None
+    imbalance: float | None
+    job: str
+    measured_s: float  # Wall time of the closed batches, seconds.
+    placement_version: int | None
+    saved_cost: float | None  # saved_s priced at the job's hourly cost.
+    saved_s: float  # uniform_s - measured_s.
+    step_ms: float | None
+    total_steps: int | None
+    uniform_s: float  # What those batches would have taken under the uniform split.
+    updated_at: float
 
 
 class Token(TypedDict):
@@ -460,18 +510,11 @@ class TokenCreated(Token):
     secret: str
 
 
-class Health(TypedDict, total=False):
-    """``HealthPublic``."""
+class Tokens(TypedDict):
+    """``TokensPublic``."""
 
-    buffered_windows: int  # metric windows waiting in memory for the database
-    cluster: str  # "off" (one replica), "ok", or "paused: <why>" while Redis is unreachable (control pauses; ingest, dashboards and training go on)
-    database: str  # "ok", or why not (one sentence)
-    dropped_windows: int  # metric windows dropped since start (refused rows, full buffer)
-    hook_connections: int  # ranks with an open hook websocket
-    hook_sockets: int  # open hook websockets (a node connection carries the ranks of one node: it counts once)
-    jobs: int
-    open_mode: bool
-    status: str  # "ok", or "degraded" while the database does not take writes
+    count: int
+    data: list[Token]
 
 
 class WhoAmI(TypedDict):

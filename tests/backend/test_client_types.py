@@ -10,13 +10,16 @@ from fastapi import APIRouter
 
 from backend.api.routes import identity, jobs, pages
 from backend.client import resources
-from backend.client_types import CLIENT_TYPES, RESOURCES, openapi_document, render
+from backend.client_types import RESOURCES, client_types, openapi_document, render
 
 
 def test_the_client_types_are_rendered_from_the_openapi_document():
     doc = openapi_document()
     assert RESOURCES.read_text() == render(doc), "stale: run python -m backend.client_types"
-    for ours, (schema, left_out) in CLIENT_TYPES.items():  # every exported type, every field
+    types = client_types(doc)
+    assert {"Job", "Rank", "Device", "Forecast", "WhoAmI", "Fleet", "Proposal", "TokenCreated"} <= set(types)
+    assert "ErrorPublic" not in {schema for schema, _ in types.values()}  # error answers are not types
+    for ours, (schema, left_out) in types.items():  # every exported type, every field
         keys = set(typing.get_type_hints(getattr(resources, ours)))
         assert set(doc["components"]["schemas"][schema]["properties"]) - set(left_out) <= keys, ours
 
@@ -36,6 +39,12 @@ def test_a_changed_response_model_changes_the_client_types():
 
     assert fields(before, "MetricPoint")["step_ms"] == "float" and fields(after, "MetricPoint")["step_ms"] == "int"
     assert "gc_ms" in fields(before, "Rank") and "gc_ms" not in fields(after, "Rank")
+    # A new response model is a new client type, named without its Public suffix.
+    changed["components"]["schemas"]["GaugePublic"] = {"type": "object", "required": ["v"],
+                                                       "properties": {"v": {"type": "number"}}}
+    changed["paths"]["/api/v1/gauge"] = {"get": {"responses": {"200": {"content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/GaugePublic"}}}}}}}
+    assert fields(render(changed), "Gauge") == {"v": "float"}
 
 
 def test_forecast_and_whoami_live_with_their_resources():

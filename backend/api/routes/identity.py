@@ -22,7 +22,7 @@ class WhoAmIPublic(BaseModel):
 
 
 @router.get("/whoami", response_model=WhoAmIPublic, summary="Who the token belongs to")
-async def whoami(actor: ViewerDep, auth: AuthDep, sql: SqlDep) -> WhoAmIPublic:
+async def whoami_route(actor: ViewerDep, auth: AuthDep, sql: SqlDep) -> WhoAmIPublic:  # operationId kept
     """Who the bearer token belongs to; the page shows operator controls from ``role``."""
     open_mode = await sql.run(lambda _s: bool(auth.open_mode))
     return WhoAmIPublic(name=actor.name, role=actor.role, operator=allows(actor, "operator"), open_mode=open_mode)

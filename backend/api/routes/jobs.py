@@ -18,7 +18,8 @@ from sqlalchemy.orm import Session
 
 from backend.api.deps import LiveDep, PartsDep, SettingsDep, SqlDep, ViewerDep
 from backend.api.forwarding import from_owner
-from backend.live.forecast import forecast, goodput
+from backend.live.forecast import forecast as job_forecast
+from backend.live.forecast import goodput
 from backend.live.replicas import replica_rows, stored_replica_rows
 from backend.live.state import JobView, RankView
 from backend.parts import Parts
@@ -262,7 +263,7 @@ def _not_found(job: str) -> HTTPException:
 
 
 def _job_from_live(parts: Parts, view: JobView) -> dict[str, Any]:
-    fc = forecast(view, parts.settings.price_for)
+    fc = job_forecast(view, parts.settings.price_for)
     comm = parts.live.communication(view.job)
     return {
         "bound": comm.figures() if comm is not None else None,
@@ -359,7 +360,7 @@ async def get_summary(job: str, _actor: ViewerDep, parts: PartsDep, request: Req
 
 
 @router.get("/{job}/forecast", response_model=ForecastPublic, summary="ETA and cost to finish")
-def get_forecast(
+def forecast(  # the name keeps the operationId it had in routes/pages.py
     job: str, _actor: ViewerDep, live: LiveDep, settings: SettingsDep,
     total_steps: Annotated[int | None, Query(
         ge=1, le=MAX_BATCH_INDEX, description="Steps the run will take in all (default: what its hooks reported).")] = None,
@@ -368,7 +369,7 @@ def get_forecast(
     view = live.view(job)
     if view is None:
         raise _not_found(job)
-    fc = forecast(view, settings.price_for, total_steps)
+    fc = job_forecast(view, settings.price_for, total_steps)
     return ForecastPublic.model_validate({"job": job, "eta_seconds": fc.eta_s, **fc.as_dict()})
 
 
