@@ -3,7 +3,7 @@
 // steps with one cause removed at a time). Every figure is the server's; a GC hint shows
 // when the server gives one (GC pauses above 2% of the step). A hung job's rank, phase and
 // Python stack (GET /api/v1/jobs/{job}: hung_*) show in their own card above.
-import { el, fmt, pct, pollJob } from "./common.js";
+import { api, el, fmt, pct } from "./common.js";
 
 const POLL_MS = 3000;
 
@@ -19,10 +19,16 @@ export class CausesCard {
   }
 
   start() {
-    pollJob(this.job, ["/causes", ""], POLL_MS, (res, job) => this.show(res, job));
+    const tick = () => this.refresh().finally(() => setTimeout(tick, POLL_MS));
+    tick();
   }
 
-  show(res, job) {
+  async refresh() {
+    const path = `/jobs/${encodeURIComponent(this.job)}`;
+    let res, job;
+    try {
+      [res, job] = await Promise.all([api(`${path}/causes`), api(path)]);
+    } catch { return; }
     this.goodput = job.goodput;
     this.render(res);
     this.renderHang(job);

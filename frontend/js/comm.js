@@ -3,7 +3,7 @@
 // Polls the REST resources (GET /api/v1/jobs/{job} and /ranks); every figure is the
 // server's (backend/policy/comm.py), nothing is recomputed here. Absent counters show "–".
 /* global Plotly */
-import { fmt, pct, pollJob } from "./common.js";
+import { api, fmt, pct } from "./common.js";
 import { stat } from "./controls.js";
 
 const POLL_MS = 2000;
@@ -21,7 +21,17 @@ export class CommCard {
   }
 
   start() {
-    pollJob(this.job, ["", "/ranks"], POLL_MS, (job, ranks) => this.render(job.bound, ranks.data, job.step_ms));
+    const tick = () => this.refresh().finally(() => setTimeout(tick, POLL_MS));
+    tick();
+  }
+
+  async refresh() {
+    const path = `/jobs/${encodeURIComponent(this.job)}`;
+    let jobRes, ranks;
+    try {
+      [jobRes, ranks] = await Promise.all([api(path), api(`${path}/ranks`)]);
+    } catch { return; }
+    this.render(jobRes.bound, ranks.data, jobRes.step_ms);
   }
 
   render(bound, ranks, stepMs) {

@@ -45,18 +45,6 @@ export async function api(path, { method = "GET", body } = {}) {
   return data;
 }
 
-/**
- * Read the job's REST resources at `paths` ("" is the job itself, "/causes" one under it)
- * and hand them to `show`, again `everyMs` after each round ends; a failed read skips a round.
- */
-export function pollJob(job, paths, everyMs, show) {
-  const base = `/jobs/${encodeURIComponent(job)}`;
-  const tick = () => Promise.all(paths.map((p) => api(base + p)))
-    .then((got) => show(...got), () => {})
-    .finally(() => setTimeout(tick, everyMs));
-  tick();
-}
-
 /** Who the token belongs to: {name, role, operator, open_mode}, or null when refused. */
 export async function whoami() {
   try { return await api("/whoami"); } catch (e) { return { error: e.message, status: e.status }; }
