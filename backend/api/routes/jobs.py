@@ -18,8 +18,7 @@ from sqlalchemy.orm import Session
 
 from backend.api.deps import LiveDep, PartsDep, SettingsDep, SqlDep, ViewerDep
 from backend.api.forwarding import from_owner
-from backend.live.forecast import forecast as job_forecast
-from backend.live.forecast import goodput
+from backend.live.forecast import forecast, goodput
 from backend.live.replicas import replica_rows, stored_replica_rows
 from backend.live.state import JobView, RankView
 from backend.parts import Parts
@@ -263,7 +262,7 @@ def _not_found(job: str) -> HTTPException:
 
 
 def _job_from_live(parts: Parts, view: JobView) -> dict[str, Any]:
-    fc = job_forecast(view, parts.settings.price_for)
+    fc = forecast(view, parts.settings.price_for)
     comm = parts.live.communication(view.job)
     return {
         "bound": comm.figures() if comm is not None else None,
@@ -359,8 +358,9 @@ async def get_summary(job: str, _actor: ViewerDep, parts: PartsDep, request: Req
     return found
 
 
-@router.get("/{job}/forecast", response_model=ForecastPublic, summary="ETA and cost to finish")
-def forecast(  # the name keeps the operationId it had in routes/pages.py
+@router.get("/{job}/forecast", response_model=ForecastPublic, summary="ETA and cost to finish",
+            operation_id="forecast_api_v1_jobs__job__forecast_get")  # as it was in routes/pages.py
+def get_forecast(
     job: str, _actor: ViewerDep, live: LiveDep, settings: SettingsDep,
     total_steps: Annotated[int | None, Query(
         ge=1, le=MAX_BATCH_INDEX, description="Steps the run will take in all (default: what its hooks reported).")] = None,
@@ -369,7 +369,7 @@ def forecast(  # the name keeps the operationId it had in routes/pages.py
     view = live.view(job)
     if view is None:
         raise _not_found(job)
-    fc = job_forecast(view, settings.price_for, total_steps)
+    fc = forecast(view, settings.price_for, total_steps)
     return ForecastPublic.model_validate({"job": job, "eta_seconds": fc.eta_s, **fc.as_dict()})
 
 
