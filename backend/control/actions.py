@@ -1,5 +1,7 @@
-"""Operator actions (the REST routes call these): approve, reject, manual placements, rollback,
-mode, policy settings and overrides."""
+"""Operator actions (``OperatorActions``; the REST routes call these): approve, reject, manual
+placements, rollback, mode, policy settings and overrides. Each checks and records the
+operator's request; a placement it makes goes through ``Rollout`` (``apply``, ``issue``),
+and a change the policy should see marks the job for the scheduler."""
 
 from __future__ import annotations
 
@@ -10,16 +12,17 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from backend.control import inputs, records
-from backend.control.core import MODES, ActorLike, ControllerCore, JobState
+from backend.control.core import MODES, ActorLike, JobStore
 from backend.control.errors import (
     ConflictError,
-    ControlError,
     InvalidError,
     NotFoundError,
     StateError,
-    error_detail,
 )
 from backend.control.models import check_policy_changes
+from backend.control.read_model import ReadModel
+from backend.control.rollout import Rollout
+from backend.control.scheduling import PolicyScheduler
 from backend.storage import control as db
 from rebalancer_wire.protocol import ProtocolError, check_job_name, check_shares
 
@@ -28,88 +31,40 @@ __all__ = ["OperatorActions"]
 log = logging.getLogger("backend.control.controller")
 
 
-class OperatorActions(ControllerCore):
+class OperatorActions:
+    """What an operator may do to a job, checked, recorded and audited."""
 
-    async def _apply(self, st: JobState, proposal_id: int, *, actor: ActorLike, reason: str | None,
-                     auto: bool = False) -> dict[str, Any]:
-        job = st.job
-
-        def work(s: Session) -> tuple[dict[str, Any], float | None]:
-            prop = records.proposal_to_decide(s, job, proposal_id, "approved")
-            self._refuse_if_ended(job)
-            if st.mode == "observe":
-                raise ConflictError(f"Job '{job}' is in observe mode; set the mode to approve or auto to apply proposals.")
-            if prop.base_version != st.version:
-                records.decide(prop, "expired", f"placement version {st.version} came into force", self._wall())
-                self._fence(s, st)
-                s.commit()
-                self._read_facts(s, st)
-                raise ConflictError(
-                    f"Proposal {proposal_id} was computed against placement version {prop.base_version} "
-                    f"but version {st.version} is in force; refresh.")
-            if prop.expires_at is not None and self._wall() > prop.expires_at:
-                records.decide(prop, "expired", "older than its TTL", self._wall())
-                self._fence(s, st)
-                s.commit()
-                self._read_facts(s, st)
-                raise ConflictError(f"Proposal {proposal_id} expired; refresh.")
-            shares = list(prop.shares)
-            try:
-                check_shares(shares, world_size=st.world_size, global_batch_size=st.global_batch_size)
-                self._check_overrides(st, shares)
-            except (ValueError, InvalidError) as exc:
-                raise ConflictError(f"Proposal {proposal_id} no longer fits: {error_detail(exc)} Refresh.") from None
-            row = self._new_placement(
-                s, st, shares, source="auto" if auto else prop.source, actor=actor,
-                reason=reason or prop.reason, proposal_id=prop.id, auto=auto,
-                predicted_step_ms=prop.predicted_step_ms_after)
-            records.approve(s, prop, row, actor=actor, reason=reason, auto=auto, at=self._wall())
-            k = (prop.explanation or {}).get("length_sq_weight")
-            if k is not None:  # an operator's cost model
-                records.audit_cost_model(s, prop, row, length_sq_weight=k, previous=st.length_sq_weight,
-                                         actor=actor, reason=reason)
-            self._fence(s, st)
-            s.commit()
-            self._read_facts(s, st)
-            return prop.public(), k
-
-        try:
-            out, k = await self._sql(work)
-        except ControlError:
-            self._publish(st)
-            raise
-        if k is not None:
-            st.length_sq_weight = float(k)  # _placement_msg carries it
-        self._reset_applied(st)
-        st.status, st.status_detail = "proposal_pending", st.waiting_detail()
-        self._publish(st)
-        await self._send(job, self._placement_msg(st, proposal_id=proposal_id, reason=out["reason"]))
-        return out
+    def __init__(self, *, store: JobStore, rollout: Rollout, schedule: PolicyScheduler,
+                 reads: ReadModel):
+        self.store = store
+        self.rollout = rollout
+        self.schedule = schedule
+        self.reads = reads
 
     async def approve(self, job: str, proposal_id: int, *, actor: ActorLike,
                       reason: str | None = None) -> dict[str, Any]:
         """Send exactly the reviewed shares as the next placement version."""
-        await self._refuse_if_elsewhere(job)
-        st = await self._require(job)
+        await self.store.refuse_if_elsewhere(job)
+        st = await self.store.require(job)
         async with st.lock:
-            return await self._apply(st, proposal_id, actor=actor, reason=reason)
+            return await self.rollout.apply(st, proposal_id, actor=actor, reason=reason)
 
     async def reject(self, job: str, proposal_id: int, *, actor: ActorLike,
                      reason: str | None = None) -> dict[str, Any]:
-        await self._refuse_if_elsewhere(job)
-        st = await self._require(job)
+        await self.store.refuse_if_elsewhere(job)
+        st = await self.store.require(job)
         async with st.lock:
             def work(s: Session) -> dict[str, Any]:
                 prop = records.proposal_to_decide(s, job, proposal_id, "rejected")
-                records.reject(s, prop, actor=actor, reason=reason, at=self._wall())
-                self._fence(s, st)
+                records.reject(s, prop, actor=actor, reason=reason, at=self.store.wall())
+                self.store.fence(s, st)
                 s.commit()
-                self._read_facts(s, st)
+                self.store.read_facts(s, st)
                 return prop.public()
 
-            out = await self._sql(work)
+            out = await self.store.sql(work)
             st.status, st.status_detail = "imbalanced", f"proposal {proposal_id} was rejected"
-            self._publish(st)
+            self.store.publish(st)
             return out
 
     async def submit_manual(self, job: str, shares: Any, *, actor: ActorLike, reason: str | None = None,
@@ -122,8 +77,8 @@ class OperatorActions(ControllerCore):
         ``length_sq_weight`` (k of ``L + k*L^2``, checked by the route) goes with the shares
         (the proposal's ``explanation.length_sq_weight``); None keeps the k in force.
         """
-        await self._refuse_if_elsewhere(job)
-        st = await self._require(job)
+        await self.store.refuse_if_elsewhere(job)
+        st = await self.store.require(job)
         async with st.lock:
             if isinstance(shares, list):  # JSON Schema's integers include 12.0
                 shares = [int(x) if isinstance(x, float) and x.is_integer() and abs(x) < 2**53 else x
@@ -136,8 +91,8 @@ class OperatorActions(ControllerCore):
                 # integers that do not fit this job (count, sum, range) are the job's refusal
                 error = StateError if well_formed else InvalidError
                 raise error(f"Invalid placement: {exc}{st.replicas_sentence()}") from None
-            self._check_overrides(st, shares)
-            problems, expl = self._memory_problems(st, shares)
+            self.store.check_overrides(st, shares)
+            problems, expl = self.store.memory_problems(st, shares)
             if problems and not force:
                 raise StateError(f"Placement breaks memory caps: {'; '.join(problems)}. "
                                    "Send force=true to submit it anyway.")
@@ -145,31 +100,31 @@ class OperatorActions(ControllerCore):
                 expl["memory_forced"] = problems
             if length_sq_weight is not None:
                 expl["length_sq_weight"] = float(length_sq_weight)
-            costs = self._costs(st)
+            costs = self.store.costs(st)
 
             def work(s: Session) -> tuple[int, dict[str, Any]]:
-                self._refuse_if_ended(job)
-                self._close_pending(s, job, "superseded", "an operator submitted a placement")
-                prop = self._add_proposal(s, st, shares, source="manual", strategy="manual", actor=actor,
+                self.store.refuse_if_ended(job)
+                self.store.close_pending(s, job, "superseded", "an operator submitted a placement")
+                prop = self.store.add_proposal(s, st, shares, source="manual", strategy="manual", actor=actor,
                                           reason=reason or "manual placement", costs=costs,
                                           explanation=expl)
                 records.audit_manual(s, prop, apply=apply, force=force, problems=problems,
                                      actor=actor, reason=reason)
-                self._fence(s, st)
+                self.store.fence(s, st)
                 s.commit()
-                self._read_facts(s, st)
+                self.store.read_facts(s, st)
                 return prop.id, prop.public()
 
-            pid, out = await self._sql(work)
-            self._publish(st)
+            pid, out = await self.store.sql(work)
+            self.store.publish(st)
             if apply:
-                return await self._apply(st, pid, actor=actor, reason=reason)
+                return await self.rollout.apply(st, pid, actor=actor, reason=reason)
             return out
 
     async def rollback(self, job: str, *, actor: ActorLike, reason: str | None = None) -> dict[str, Any]:
         """Go back to exactly the shares in force before the current placement."""
-        await self._refuse_if_elsewhere(job)
-        st = await self._require(job)
+        await self.store.refuse_if_elsewhere(job)
+        st = await self.store.require(job)
         async with st.lock:
             def read(s: Session) -> tuple[list[int], int | None]:
                 cur = db.latest_placement(s, job)
@@ -177,36 +132,36 @@ class OperatorActions(ControllerCore):
                     raise ConflictError(f"Job '{job}' has no previous placement to roll back to.")
                 return list(cur.previous_shares), cur.previous_version
 
-            shares, prev_version = await self._sql(read)
+            shares, prev_version = await self.store.sql(read)
             if len(shares) != st.world_size:
                 raise ConflictError(f"The previous placement of job '{job}' has another world size; it cannot return.")
-            return await self._issue(st, shares, source="rollback", actor=actor,
+            return await self.rollout.issue(st, shares, source="rollback", actor=actor,
                                      reason=reason or f"rollback to the shares of version {prev_version}",
                                      action="placement.rollback", params={"to_version": prev_version})
 
     async def set_mode(self, job: str, mode: str, *, actor: ActorLike, reason: str | None = None) -> dict[str, Any]:
         """The job's mode; for a job not seen yet, a preset its first hello applies."""
-        await self._refuse_if_elsewhere(job)
+        await self.store.refuse_if_elsewhere(job)
         if mode not in MODES:
             raise InvalidError(f"Mode must be one of observe, approve, auto; got {mode!r}.")
         try:
-            st = await self._require(job)
+            st = await self.store.require(job)
         except NotFoundError:
             preset = await self._preset_mode(job, mode, actor=actor, reason=reason)
             if preset is not None:
                 return preset
-            st = await self._require(job)  # its first hello came in meanwhile
+            st = await self.store.require(job)  # its first hello came in meanwhile
         async with st.lock:
             def work(s: Session) -> None:
-                records.set_mode(s, job, mode, actor=actor, reason=reason, at=self._wall())
-                self._fence(s, st)
+                records.set_mode(s, job, mode, actor=actor, reason=reason, at=self.store.wall())
+                self.store.fence(s, st)
                 s.commit()
 
-            await self._sql(work)
+            await self.store.sql(work)
             st.mode, st.last_run = mode, -math.inf
-            self._dirty.add(job)
-            self._publish(st)
-        return self.job_control(job)
+            self.schedule.mark_dirty(job)
+            self.store.publish(st)
+        return self.reads.job_control(job)
 
     async def _preset_mode(self, job: str, mode: str, *, actor: ActorLike, reason: str | None) -> dict[str, Any] | None:
         """Store ``mode`` for a job not seen yet; None if the job exists by now."""
@@ -222,7 +177,7 @@ class OperatorActions(ControllerCore):
             s.commit()
             return True
 
-        if not await self._sql(work):
+        if not await self.store.sql(work):
             return None
         return {"job": job, "mode": mode, "preset": True,
                 "detail": f"Job '{job}' has not started yet: mode {mode} is stored as a preset and applies "
@@ -231,8 +186,8 @@ class OperatorActions(ControllerCore):
     async def set_policy(self, job: str, changes: dict[str, Any], *, actor: ActorLike,
                          reason: str | None = None) -> dict[str, Any]:
         """Merge ``changes`` into the job's policy settings (None removes a stored value)."""
-        await self._refuse_if_elsewhere(job)
-        st = await self._require(job)
+        await self.store.refuse_if_elsewhere(job)
+        st = await self.store.require(job)
         check_policy_changes(changes)
         async with st.lock:
             policy = dict(st.policy)
@@ -246,21 +201,21 @@ class OperatorActions(ControllerCore):
             from backend.policy.engine import check_config
 
             try:
-                check_config(inputs.policy_config(policy, st.mode, self.settings))
+                check_config(inputs.policy_config(policy, st.mode, self.store.settings))
             except ValueError as exc:
                 raise StateError(str(exc)) from None
 
             def work(s: Session) -> None:
                 records.set_policy(s, job, policy, changes=changes, actor=actor, reason=reason,
-                                   at=self._wall())
-                self._fence(s, st)
+                                   at=self.store.wall())
+                self.store.fence(s, st)
                 s.commit()
 
-            await self._sql(work)
+            await self.store.sql(work)
             st.policy, st.last_run, st.static_checked = policy, -math.inf, False
-            self._dirty.add(job)
-            self._publish(st)
-            return inputs.policy_settings(st.policy, st.mode, self.settings)
+            self.schedule.mark_dirty(job)
+            self.store.publish(st)
+            return inputs.policy_settings(st.policy, st.mode, self.store.settings)
 
     async def set_overrides(self, job: str, overrides: dict[str, Any], *, actor: ActorLike,
                             reason: str | None = None) -> dict[str, Any]:
@@ -268,8 +223,8 @@ class OperatorActions(ControllerCore):
         that respects them (applied right away in auto mode)."""
         from backend.policy import InfeasibleError, solve
 
-        await self._refuse_if_elsewhere(job)
-        st = await self._require(job)
+        await self.store.refuse_if_elsewhere(job)
+        st = await self.store.require(job)
         try:
             ov = inputs.validate_overrides(overrides, world_size=st.world_size,
                                            global_batch_size=st.global_batch_size)
@@ -278,11 +233,11 @@ class OperatorActions(ControllerCore):
                 raise
             raise type(exc)(f"{exc.detail}{st.replicas_sentence()}") from None
         async with st.lock:
-            costs = self._costs(st)
+            costs = self.store.costs(st)
             try:
                 # Memory caps too: the proposal that respects the overrides must fit the cards.
                 target = list(solve([0.0] * st.world_size, costs or [1.0] * st.world_size,
-                                    st.global_batch_size, self._memory_constraints(st, ov)))
+                                    st.global_batch_size, self.store.memory_constraints(st, ov)))
             except InfeasibleError as exc:
                 raise StateError(f"The overrides admit no placement: {exc}") from None
             broken: str | None = None
@@ -292,23 +247,23 @@ class OperatorActions(ControllerCore):
                 broken = exc.detail
 
             def work(s: Session) -> int | None:
-                records.store_overrides(s, job, ov, actor=actor, reason=reason, at=self._wall())
+                records.store_overrides(s, job, ov, actor=actor, reason=reason, at=self.store.wall())
                 pid = None
                 if broken is not None:
-                    self._close_pending(s, job, "superseded", "the overrides changed")
-                    prop = self._add_proposal(s, st, target, source="override", strategy="override",
+                    self.store.close_pending(s, job, "superseded", "the overrides changed")
+                    prop = self.store.add_proposal(s, st, target, source="override", strategy="override",
                                               actor=actor, reason=f"respect the new overrides: {broken}",
                                               costs=costs)
                     pid = prop.id
-                self._fence(s, st)
+                self.store.fence(s, st)
                 s.commit()
-                self._read_facts(s, st)
+                self.store.read_facts(s, st)
                 return pid
 
-            pid = await self._sql(work)
+            pid = await self.store.sql(work)
             st.overrides, st.last_run = ov, -math.inf
-            self._dirty.add(job)
-            self._publish(st)
+            self.schedule.mark_dirty(job)
+            self.store.publish(st)
             if pid is not None and st.mode == "auto":
-                await self._apply(st, pid, actor="auto", reason="auto mode: overrides changed", auto=True)
+                await self.rollout.apply(st, pid, actor="auto", reason="auto mode: overrides changed", auto=True)
             return {**ov, "proposal_id": pid}

@@ -1,8 +1,13 @@
-"""The controller's shared core: each job's in-memory control state (``JobState``), loading it
-from SQL, publishing its snapshot, and the placement and proposal writes every action uses.
+"""The controller's job store (``JobStore``), the one owner of each job's in-memory control
+state (``JobState``): loading it from SQL under this replica's lease epoch (the fence every
+control write checks), publishing its snapshot, and the proposal writes and checks the other
+parts share. The table writes themselves are records.py's; placements are rollout.py's (``Rollout``).
 
-One module, over 400 lines on purpose: each job's control state and the writes every
-action shares (placements, proposals); the table writes themselves are records.py's."""
+``RunQueue`` is the policy scheduler's: which jobs want a policy run and which have one
+running; the store reads it so that it never forgets a job a run holds.
+
+One module, over 400 lines on purpose: loading a job, fencing its writes and publishing its
+snapshot touch the same state, which has one owner."""
 
 from __future__ import annotations
 
@@ -25,20 +30,18 @@ from backend.control.errors import (
     FencedError,
     NotFoundError,
 )
-from backend.control.policy_runs import PolicyRunner
 from backend.live.state import LiveState
 from backend.modes import MODES
-from backend.peers.connections import HookConnections
 from backend.settings import Settings
 from backend.storage import control as db
 from backend.storage import owners
 from backend.storage.gateway import SqlGateway
 from backend.storage.metrics import job_mesh
 from backend.storage.writes import database_fault
-from rebalancer_wire.protocol import Hello, MeshShape, Placement, uniform_shares
+from rebalancer_wire.protocol import Hello, MeshShape, uniform_shares
 
-__all__ = ["ARRIVAL_WAIT_S", "LOCAL_REPLICA", "MODES", "SYSTEM", "ActorLike", "ControllerCore", "JobState",
-           "Ownership", "T", "fence_detail"]
+__all__ = ["ARRIVAL_WAIT_S", "LOCAL_REPLICA", "MODES", "SYSTEM", "ActorLike", "JobState", "JobStore",
+           "Ownership", "RunQueue", "T", "fence_detail"]
 
 log = logging.getLogger("backend.control.controller")
 
@@ -141,41 +144,49 @@ class JobState:
 
 
 
-class ControllerCore:
-    """The state and plumbing the controller's parts share (``Controller`` is all of them)."""
+class RunQueue:
+    """The jobs whose metrics changed since their last policy run (``dirty``) and the runs in
+    flight (``running``): the scheduler's, read by the store before it forgets a job."""
+
+    def __init__(self) -> None:
+        self.dirty: set[str] = set()
+        self.running: dict[str, asyncio.Task[None]] = {}
+
+    def mark(self, job: str) -> None:
+        self.dirty.add(job)
+
+    def busy(self, job: str) -> bool:
+        return job in self.running
+
+
+class JobStore:
+    """Each job's control state in memory, loaded from SQL and published as a snapshot; the
+    fence on every control write; the checks and proposal writes the other parts share."""
 
     def __init__(self, *, settings: Settings, sql: SqlGateway, live: LiveState,
-                 connections: HookConnections, notify: Callable[[str], None],
-                 policy: PolicyRunner, clock: Callable[[], float] = time.monotonic,
+                 notify: Callable[[str], None], queue: RunQueue,
                  wall: Callable[[], float] = time.time, ownership: Ownership | None = None):
         self.settings = settings
         # None: one replica, which controls every job (the default). Else policy runs and
         # operator actions happen only for the jobs whose lease this replica holds.
         self.ownership = ownership
-        self.sql = sql
+        self.gateway = sql
         self.live = live
-        self.connections = connections
         self._notify_hub = notify
-        self.policy = policy
-        self._clock = clock
-        self._wall = wall
+        self.queue = queue
+        self.wall = wall
         self._jobs: dict[str, JobState] = {}
-        self._dirty: set[str] = set()
-        self._running: dict[str, asyncio.Task[None]] = {}
         self._loading: dict[str, asyncio.Future[JobState | None]] = {}
-        self._creating: dict[str, asyncio.Future[None]] = {}
         # Jobs a rank said hello for whose control state is not made yet (``expect``):
         # actions on them wait up to ``arrival_wait_s`` for ``on_hello`` instead of a 404.
         self._arrivals: dict[str, asyncio.Event] = {}
         self.arrival_wait_s = ARRIVAL_WAIT_S
-        self._tasks: list[asyncio.Task[None]] = []
-        self._stale: set[str] = set()  # taken over while busy: reload once free (``_load``)
-        self._resends: set[asyncio.Task[None]] = set()  # placements sent after a take-over
-        self.policy_runs = 0
+        self._stale: set[str] = set()  # taken over while busy: reload once free (``load``)
 
-    async def _sql(self, fn: Callable[[Session], T]) -> T:
+    async def sql(self, fn: Callable[[Session], T]) -> T:
+        """``fn(session)`` on the SQL gateway; a write fenced off drops the job (``_lost_fence``)."""
         try:
-            return await self.sql.run(fn)
+            return await self.gateway.run(fn)
         except FencedError as exc:
             self._lost_fence(exc.job)
             raise
@@ -184,7 +195,15 @@ class ControllerCore:
     def replica_id(self) -> str:
         return self.ownership.replica_id if self.ownership is not None else LOCAL_REPLICA
 
-    def _fence(self, s: Session, st: JobState) -> None:
+    def get(self, job: str) -> JobState | None:
+        """The job's state in memory; None when it is not loaded (no SQL read)."""
+        return self._jobs.get(job)
+
+    def drop(self, job: str) -> None:
+        """Drop the job's state whatever holds it (its shape changed: the next use reloads it)."""
+        self._jobs.pop(job, None)
+
+    def fence(self, s: Session, st: JobState) -> None:
         """The last statement of every control write before its commit: the job's row in
         ``job_owners`` must still hold the epoch this replica loaded the job under."""
         if st.epoch is None and self.ownership is None:  # loaded while the database refused writes
@@ -214,11 +233,11 @@ class ControllerCore:
         epoch = self.ownership.epoch(job)
         return epoch is not None, epoch
 
-    def _publish(self, st: JobState) -> None:
+    def publish(self, st: JobState) -> None:
         """Refresh the job's snapshot (what job_control serves) and tell the dashboard."""
         st.snapshot = {
             "mode": st.mode,
-            "strategy": self._config(st).strategy,
+            "strategy": self.config(st).strategy,
             "policy": inputs.policy_settings(st.policy, st.mode, self.settings),
             "overrides": dict(st.overrides),
             "placement": {"version": st.version, "shares": list(st.shares)},
@@ -233,16 +252,7 @@ class ControllerCore:
         with contextlib.suppress(Exception):  # the dashboard is never worth a failed action
             self._notify_hub(st.job)
 
-    async def _send(self, job: str, msg: Placement) -> None:
-        if not self.controls(job):  # the lease went while we wrote: its owner sends (fenced)
-            log.warning("placement %s of job %s not sent: this replica no longer controls the job", msg.version, job)
-            return
-        try:
-            await self.connections.send(job, msg)
-        except Exception:  # a dead socket must not undo a recorded decision; hello resyncs
-            log.exception("sending placement %s of job %s failed", msg.version, job)
-
-    async def _load(self, job: str) -> JobState | None:
+    async def load(self, job: str) -> JobState | None:
         if job in self._stale and self.forget(job):
             self._stale.discard(job)
         st = self._jobs.get(job)
@@ -266,18 +276,18 @@ class ControllerCore:
             del self._loading[job]
 
     async def _load_from_sql(self, job: str) -> JobState | None:
-        loaded = await self._sql(self._reader(job))
+        loaded = await self.sql(self._reader(job))
         if loaded is None:
             return None
         if loaded.epoch is None and self.ownership is not None and self.ownership.epoch(job) is not None:
             # We hold the lease but the store has a higher epoch: Redis lost its counter, or
             # a replica paused past its lease installed its own. Raise ours past it, once.
-            held = await self._sql(lambda s: owners.epoch_of(s, job))
+            held = await self.sql(lambda s: owners.epoch_of(s, job))
             if held is not None and await self.ownership.raise_epoch(job, held[0]) is not None:
-                loaded = await self._sql(self._reader(job)) or loaded
+                loaded = await self.sql(self._reader(job)) or loaded
         st = self._jobs.setdefault(job, loaded)
         if st is loaded:
-            self._publish(st)
+            self.publish(st)
         return st
 
     def _reader(self, job: str) -> Callable[[Session], JobState | None]:
@@ -315,13 +325,13 @@ class ControllerCore:
             sent = db.list_audit(s, job, action="placement.cost_model", limit=1)
             if sent:
                 st.length_sq_weight = float((sent[0].params or {}).get("length_sq_weight", 0.0))
-            self._read_facts(s, st)
+            self.read_facts(s, st)
             s.commit()
             return st
 
         return read
 
-    def _read_facts(self, s: Session, st: JobState) -> None:
+    def read_facts(self, s: Session, st: JobState) -> None:
         """Pending proposal and counts by status, read after every change (gateway thread)."""
         pending = records.pending_proposal(s, st.job)
         st.pending = pending.public() if pending is not None else None
@@ -329,13 +339,13 @@ class ControllerCore:
         st.rollbacks = records.recent_rollbacks(s, st.job)
         st.activity = db.activity_counts(s, st.job)
 
-    async def _require(self, job: str) -> JobState:
-        st = await self._load(job)
+    async def require(self, job: str) -> JobState:
+        st = await self.load(job)
         if st is None and (arriving := self._arrivals.get(job)) is not None:
             # Live state lists the job already (GET /jobs shows it); its hello is being stored.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(arriving.wait(), self.arrival_wait_s)
-            st = await self._load(job)
+            st = await self.load(job)
         if st is None:
             raise NotFoundError(f"Job '{job}' not found.")
         return st
@@ -346,7 +356,7 @@ class ControllerCore:
         if job not in self._jobs:
             self._arrivals.setdefault(job, asyncio.Event())
 
-    def _arrived(self, job: str) -> None:
+    def arrived(self, job: str) -> None:
         if (arriving := self._arrivals.pop(job, None)) is not None:
             arriving.set()
 
@@ -354,7 +364,7 @@ class ControllerCore:
         """True where this replica runs ``job``'s control loop (always, with one replica)."""
         return self.ownership is None or self.ownership.owns(job)
 
-    async def _refuse_if_elsewhere(self, job: str) -> None:
+    async def refuse_if_elsewhere(self, job: str) -> None:
         """An operator action on a job another replica controls: say where to send it; while
         Redis is down (control paused), say so. A job nobody leases is taken here first (a
         new lease epoch), so that the action is applied under this replica's fence and the
@@ -374,29 +384,13 @@ class ControllerCore:
                 return
         raise ConflictError(f"Job '{job}' changed owner while this action started; nothing was applied. Send it again.")
 
-    def take_over(self, job: str) -> None:
+    def reload(self, job: str) -> None:
         """This replica just took ``job``'s lease: drop what memory holds of it (loaded at
         start-up, or from an earlier turn as owner), so that the next use reads the placement
         in force, the proposals and the settings from the store of record."""
         if not self.forget(job):
             log.warning("job %s was taken over while an action held it; its state reloads on the next", job)
             self._stale.add(job)
-        if self.connections.ranks(job):  # ranks connected here: send them what the store has in force
-            task = asyncio.get_running_loop().create_task(self._resend(job), name=f"rebalancer-resend-{job}")
-            self._resends.add(task)
-            task.add_done_callback(self._resends.discard)
-
-    async def _resend(self, job: str) -> None:
-        """After a take-over: the placement in force (read again from the store of record,
-        under our new epoch) to the ranks connected here; one they already run is a no-op."""
-        try:
-            st = await self._load(job)
-            if st is None or st.epoch is None:
-                return
-            async with st.lock:
-                await self._send(job, self._placement_msg(st))
-        except Exception as exc:  # the next hello answers it too
-            log.warning("sending job %s's placement in force after the take-over failed: %s", job, exc)
 
     def known(self, job: str) -> bool:
         """True when the job has control state in memory (it said hello at least once)."""
@@ -411,50 +405,33 @@ class ControllerCore:
         st = self._jobs.get(job)
         if st is None:
             return True
-        if st.lock.locked() or job in self._running:
+        if st.lock.locked() or self.queue.busy(job):
             return False
         del self._jobs[job]
-        self._dirty.discard(job)
+        self.queue.dirty.discard(job)
         self._arrivals.pop(job, None)
         return True
 
-    def _config(self, st: JobState) -> Any:
+    def config(self, st: JobState) -> Any:
         return inputs.policy_config(st.policy, st.mode, self.settings)
 
-    def _knob(self, st: JobState, name: str) -> Any:
+    def knob(self, st: JobState, name: str) -> Any:
         return inputs.knob(st.policy, self.settings, name)
 
-    def _check_overrides(self, st: JobState, shares: Sequence[int]) -> None:
+    def check_overrides(self, st: JobState, shares: Sequence[int]) -> None:
         inputs.check_overrides(st.overrides, shares, global_batch_size=st.global_batch_size)
 
-    def _memory_constraints(self, st: JobState, overrides: dict[str, Any]) -> Any:
+    def memory_constraints(self, st: JobState, overrides: dict[str, Any]) -> Any:
         return inputs.memory_constraints(self.live, st.job, overrides, st.shares, st.global_batch_size,
-                                         self._config(st).memory_headroom)
+                                         self.config(st).memory_headroom)
 
-    def _costs(self, st: JobState) -> list[float] | None:
+    def costs(self, st: JobState) -> list[float] | None:
         return inputs.step_costs(self.live, st.job, st.world_size)
 
-    def _placement_msg(self, st: JobState, *, proposal_id: int | None = None, reason: str = "") -> Placement:
-        return Placement(job=st.job, version=st.version, shares=list(st.shares),
-                         global_batch_size=st.global_batch_size, proposal_id=proposal_id,
-                         reason=reason, length_sq_weight=st.length_sq_weight, epoch=st.epoch or 0)
+    def close_pending(self, s: Session, job: str, status: str, why: str, keep: int | None = None) -> None:
+        records.close_pending(s, job, status, why, self.wall(), keep)
 
-    def _new_placement(self, s: Session, st: JobState, shares: Sequence[int], *, source: str,
-                       actor: ActorLike, reason: str, proposal_id: int | None = None,
-                       current: db.PlacementRow | None | bool = True,
-                       predicted_step_ms: float | None = None, auto: bool = False) -> db.PlacementRow:
-        """Add the next placement version and make it the one in force here (the caller
-        commits, then sends it)."""
-        row = records.new_placement(
-            s, st.job, shares, source=source, actor=actor, reason=reason, at=self._wall(),
-            proposal_id=proposal_id, current=current, predicted_step_ms=predicted_step_ms, auto=auto)
-        st.version, st.shares = row.version, list(shares)
-        return row
-
-    def _close_pending(self, s: Session, job: str, status: str, why: str, keep: int | None = None) -> None:
-        records.close_pending(s, job, status, why, self._wall(), keep)
-
-    def _add_proposal(self, s: Session, st: JobState, shares: list[int], *, source: str, strategy: str,
+    def add_proposal(self, s: Session, st: JobState, shares: list[int], *, source: str, strategy: str,
                       actor: ActorLike, reason: str, explanation: dict[str, Any] | None = None,
                       before: float | None = None, after: float | None = None,
                       gain: float | None = None, costs: list[float] | None = None) -> db.ProposalRow:
@@ -465,37 +442,11 @@ class ControllerCore:
                 gain = (before - after) / before
         return records.add_proposal(
             s, st.job, base_version=st.version, current_shares=st.shares, shares=shares,
-            source=source, strategy=strategy, actor=actor, reason=reason, at=self._wall(),
-            ttl_s=float(self._knob(st, "proposal_ttl_s")), explanation=explanation,
+            source=source, strategy=strategy, actor=actor, reason=reason, at=self.wall(),
+            ttl_s=float(self.knob(st, "proposal_ttl_s")), explanation=explanation,
             before=before, after=after, gain=gain)
 
-    async def _issue(self, st: JobState, shares: list[int], *, source: str, actor: ActorLike,
-                     reason: str, action: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Record and send a placement that no proposal stands behind (rollback)."""
-        # Pending proposals stay: approving one now answers 409 (computed against an older
-        # version), and the next policy run supersedes it.
-        def work(s: Session) -> dict[str, Any]:
-            self._refuse_if_ended(st.job)
-            old = db.latest_placement(s, st.job)
-            row = self._new_placement(s, st, shares, source=source, actor=actor, reason=reason,
-                                      current=old)
-            records.issued(s, row, old, source=source, actor=actor, action=action, params=params,
-                           reason=reason)
-            self._fence(s, st)
-            s.commit()
-            self._read_facts(s, st)
-            return row.public()
-
-        out = await self._sql(work)
-        self._reset_applied(st)
-        self._publish(st)
-        await self._send(st.job, self._placement_msg(st, reason=reason))
-        return out
-
-    def _reset_applied(self, st: JobState) -> None:
-        st.applied, st.effective, st.measured = False, None, False
-
-    def _refuse_if_ended(self, job: str) -> None:
+    def refuse_if_ended(self, job: str) -> None:
         """No placement for a job whose ranks have all said goodbye: none would receive it,
         and its report, stored at the goodbye, would not list it. Checked inside the SQL
         work that stores the placement, so a goodbye lands either before the check (refused)
@@ -503,13 +454,13 @@ class ControllerCore:
         if self.live.ended(job):
             raise ConflictError(f"Job '{job}' has ended (every rank said goodbye); a placement would never take effect.")
 
-    def _memory_problems(self, st: JobState, shares: Sequence[int]) -> tuple[list[str], dict[str, Any]]:
+    def memory_problems(self, st: JobState, shares: Sequence[int]) -> tuple[list[str], dict[str, Any]]:
         """Why ``shares`` breaks a memory cap (one sentence per rank, with the predicted peak
         and the cap), and the per-rank memory explanation of ``shares``."""
         from backend.policy import memory_violations
 
         memories = inputs.rank_memories(self.live, st.job, st.world_size)
-        headroom = self._config(st).memory_headroom
+        headroom = self.config(st).memory_headroom
         problems = memory_violations(memories, shares, headroom)
         problems += [
             f"rank {i} measures memory but has no fit yet, so it may not gain work "
@@ -518,22 +469,6 @@ class ControllerCore:
             if rm.source and rm.fit is None and shares[i] > st.shares[i]]
         expl: dict[str, Any] = {"memory": inputs.memory_explanation(memories, st.shares, shares, headroom)}
         return problems, expl
-
-    # --- what one part of the controller calls in another (``Controller`` has each) ------
-
-    async def _run_policy(self, st: JobState) -> None:
-        raise NotImplementedError  # policy_loop.PolicyLoop
-
-    async def _acks_from_metrics(self, st: JobState) -> None:
-        raise NotImplementedError  # hook_events.HookEvents
-
-    async def _apply(self, st: JobState, proposal_id: int, *, actor: ActorLike, reason: str | None,
-                     auto: bool = False) -> dict[str, Any]:
-        raise NotImplementedError  # actions.OperatorActions
-
-    def job_control(self, job: str) -> dict[str, Any]:
-        raise NotImplementedError  # read_model.ReadModel
-
 
 def fence_detail(replica: str, job: str, mine: int | None, held: int) -> str:
     """The 409 of a control write the store of record fenced off."""

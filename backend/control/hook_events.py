@@ -1,5 +1,7 @@
-"""What the hooks tell the controller: hello (the placement in force back), acks, OOMs,
-rejects and the end of a run."""
+"""What a rank's frames do to control state (``HookEvents``): hello (the placement in force
+back), acks, OOMs, rejects and the end of a run. It asks the scheduler for a policy run
+(``PolicyScheduler.mark_dirty``) and sends placements through ``Rollout``; the policy loop
+never calls back into it."""
 
 from __future__ import annotations
 
@@ -10,13 +12,16 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session
 
-from backend.control import effect, inputs, records
-from backend.control.core import SYSTEM, ControllerCore, JobState
+from backend.control import inputs, records
+from backend.control.core import SYSTEM, JobState, JobStore
 from backend.control.errors import (
     FencedError,
     InvalidError,
 )
-from backend.live.state import LiveState
+from backend.control.policy_loop import PolicyLoop
+from backend.control.rollout import Rollout
+from backend.control.scheduling import PolicyScheduler
+from backend.peers.connections import HookConnections
 from backend.storage import control as db
 from rebalancer_wire.protocol import Ack, Hello, Oom, Placement, Reject
 
@@ -25,29 +30,39 @@ __all__ = ["HookEvents"]
 log = logging.getLogger("backend.control.controller")
 
 
-class HookEvents(ControllerCore):
+class HookEvents:
+    """Turns the hooks' frames into control state changes."""
+
+    def __init__(self, *, store: JobStore, rollout: Rollout, policy: PolicyLoop,
+                 schedule: PolicyScheduler, connections: HookConnections):
+        self.store = store
+        self.rollout = rollout
+        self.policy = policy
+        self.schedule = schedule
+        self.connections = connections
+        self._creating: dict[str, asyncio.Future[None]] = {}
 
     async def on_hello(self, hello: Hello) -> Placement:
         """Return the placement in force; a new job gets version 0, the uniform split."""
         job = hello.job
-        self.policy.start()  # a job's first decisions are near: start the policy worker now
-        st = await self._load(job)
+        self.policy.warm()  # a job's first decisions are near: start the policy worker now
+        st = await self.store.load(job)
         if st is None:
-            mode = self.settings.default_mode
+            mode, wall = self.store.settings.default_mode, self.store.wall
 
             def create(s: Session) -> None:
                 if db.get_settings(s, job) is None:  # another rank's hello got there first
-                    records.create_job(s, hello, mode=mode, actor=SYSTEM, at=self._wall())
+                    records.create_job(s, hello, mode=mode, actor=SYSTEM, at=wall())
                     s.commit()
 
             if job not in self._creating:
-                self._creating[job] = asyncio.ensure_future(self._sql(create))
+                self._creating[job] = asyncio.ensure_future(self.store.sql(create))
             try:
                 await asyncio.shield(self._creating[job])
             finally:
                 self._creating.pop(job, None)
-            st = await self._require(job)
-        self._arrived(job)
+            st = await self.store.require(job)
+        self.store.arrived(job)
         async with st.lock:
             previous = st.restart_count
             if (hello.world_size, hello.global_batch_size) != (st.world_size, st.global_batch_size):
@@ -56,17 +71,17 @@ class HookEvents(ControllerCore):
             # only the first of them may see (and audit) the restart.
             self._follow_restarts(st, hello, previous)
         if previous is not None and hello.restart_count > previous:
-            await self._sql(_audit_restart(hello, previous))
+            await self.store.sql(_audit_restart(hello, previous))
         async with st.lock:
             st.devices[hello.rank] = hello
             st.mesh = hello.mesh  # its leaders say one mesh (the ingest refuses another)
-            st.last_metrics = self._wall()
+            st.last_metrics = self.store.wall()
             if st.status == "idle":
                 st.status, st.status_detail = "warming_up", "waiting for the first steps"
-            if self._config(st).strategy == "static" and not st.static_checked:
+            if self.store.config(st).strategy == "static" and not st.static_checked:
                 await self._static_now(st)
-            self._publish(st)
-            return self._placement_msg(st)
+            self.store.publish(st)
+            return self.rollout.message(st)
 
     def _follow_restarts(self, st: JobState, hello: Hello, previous: int | None) -> None:
         """Track the ranks' TorchElastic attempt: a higher count is a restart (audited by
@@ -85,95 +100,60 @@ class HookEvents(ControllerCore):
                   f"{hello.global_batch_size} (was {st.world_size} and {st.global_batch_size})")
 
         def work(s: Session) -> None:
-            records.reshape(s, hello, reason=reason, actor=SYSTEM, at=self._wall())
+            records.reshape(s, hello, reason=reason, actor=SYSTEM, at=self.store.wall())
             s.commit()
 
-        await self._sql(work)
-        self._jobs.pop(job, None)
-        return await self._require(job)
+        await self.store.sql(work)
+        self.store.drop(job)
+        return await self.store.require(job)
 
     async def _static_now(self, st: JobState) -> None:
         """The static strategy needs no measurement: propose its split as soon as every
         rank has said hello (auto mode applies it before the first steps)."""
-        if not inputs.all_said_hello(self.live, st.job, st.world_size):
+        if not inputs.all_said_hello(self.store.live, st.job, st.world_size):
             return
         st.static_checked = True
         try:
-            await self._run_policy(st)
+            await self.policy.run(st)
         except Exception:
             log.exception("static placement for job %s failed", st.job)
 
     async def on_ack(self, ack: Ack) -> None:
         """Record the batch index at which a rank applied a version; all acked -> applied."""
-        st = await self._load(ack.job)
+        st = await self.store.load(ack.job)
         if st is None:
             return
         async with st.lock:
-            live = self.live
-
             def work(s: Session) -> bool:
                 row = db.get_placement(s, ack.job, ack.version)
                 if row is None:
                     return False
-                self._record_acks(s, st, row, {ack.rank: ack.batch_index}, live)
+                self.rollout.record_acks(s, st, row, {ack.rank: ack.batch_index})
                 s.commit()
-                self._read_facts(s, st)
+                self.store.read_facts(s, st)
                 return True
 
-            if not await self._sql(work):
+            if not await self.store.sql(work):
                 log.warning("ack for unknown placement %s of job %s", ack.version, ack.job)
                 return
-            self._publish(st)
-
-    def _record_acks(self, s: Session, st: JobState, row: db.PlacementRow, new: dict[int, int],
-                     live: LiveState) -> None:
-        w = int(self._knob(st, "effect_window_steps"))
-
-        def step_ms_before(e: int) -> float | None:
-            lo, hi = effect.before_window(e, w)
-            return effect.window_step_ms(live, st.job, lo=lo, hi=hi)
-
-        records.record_acks(s, row, new, world_size=st.world_size, at=self._wall(),
-                            step_ms_before=step_ms_before)
-        if row.version == st.version and row.applied_at is not None:
-            st.follow(row)
+            self.store.publish(st)
 
     async def run_ended(self, job: str) -> None:
         """Every rank of ``job`` said goodbye: wait for a policy run or an operator's action
         in flight (the job's lock), then record the acks its last metrics carried, so that
         the report built next sees every placement and when each took effect."""
-        st = self._jobs.get(job)
+        st = self.store.get(job)
         if st is None:
             return
         async with st.lock:
-            await self._acks_from_metrics(st)
-
-    async def _acks_from_metrics(self, st: JobState) -> None:
-        """Acks lost on the way (say, sent while the backend restarted): every rank's steps
-        show the version in force, so take the first batch index each trained under it."""
-        if st.applied or st.version == 0:
-            return
-        first = effect.first_batches_under(self.live, st.job, st.world_size, st.version)
-        if first is None:
-            return  # not every rank shows it yet; or the switch fell out of the buffers
-        live = self.live
-
-        def work(s: Session) -> None:
-            row = db.get_placement(s, st.job, st.version)
-            if row is not None:
-                missing = {r: k for r, k in first.items() if str(r) not in (row.acks or {})}
-                self._record_acks(s, st, row, missing, live)
-                s.commit()
-                self._read_facts(s, st)
-
-        await self._sql(work)
+            await self.rollout.acks_from_metrics(st)
 
     async def on_oom(self, oom: Oom) -> None:
         """A rank ran out of memory: mark the placement it trained under unsafe, never give
         that rank as many samples again (a cap in the overrides, audited), and roll the job
         back to the previous placement, which its next run (a restart) receives."""
 
-        st = await self._load(oom.job)
+        st = await self.store.load(oom.job)
         if st is None or not 0 <= oom.rank < st.world_size:
             return
         ceiling = max(0, oom.local_batch_size - 1)
@@ -185,31 +165,31 @@ class HookEvents(ControllerCore):
 
             def work(s: Session) -> list[int] | None:
                 previous: list[int] | None = None
-                row = records.record_oom(s, oom, ov, cap=ceiling, why=why, actor=SYSTEM, at=self._wall())
+                row = records.record_oom(s, oom, ov, cap=ceiling, why=why, actor=SYSTEM, at=self.store.wall())
                 if row is not None and row.previous_shares is not None and len(row.previous_shares) == st.world_size:
                     previous = list(row.previous_shares)
-                self._fence(s, st)
+                self.store.fence(s, st)
                 s.commit()
-                self._read_facts(s, st)
+                self.store.read_facts(s, st)
                 return previous
 
             try:
-                previous = await self._sql(work)
+                previous = await self.store.sql(work)
             except FencedError as exc:  # another replica took the job: its hooks go there
                 log.warning("job %s: the out-of-memory cap of rank %d was not stored here: %s", oom.job, oom.rank,
                             exc.detail)
                 return
             st.overrides, st.last_run = ov, -math.inf
             st.status, st.status_detail = "imbalanced", why
-            self._dirty.add(oom.job)
+            self.schedule.mark_dirty(oom.job)
             target = self._oom_target(st, oom, previous)
             if isinstance(target, str):
                 st.status_detail = f"{why}; {target}"
             elif target is not None and target != st.shares:
-                await self._issue(st, target, source="rollback", actor=SYSTEM,
+                await self.rollout.issue(st, target, source="rollback", actor=SYSTEM,
                                   reason=f"{why}; rolled back for the next run",
                                   action="placement.oom_rollback", params={"from_version": oom.version})
-            self._publish(st)
+            self.store.publish(st)
 
     def _oom_target(self, st: JobState, oom: Oom, previous: list[int] | None) -> list[int] | str | None:
         """Where an out-of-memory error sends the job: the previous placement when it fits
@@ -219,20 +199,20 @@ class HookEvents(ControllerCore):
 
         for shares in ([previous] if oom.version == st.version and previous is not None else []) + [st.shares]:
             try:
-                self._check_overrides(st, shares)
+                self.store.check_overrides(st, shares)
                 return shares
             except InvalidError:
                 continue
         try:
-            costs = self._costs(st) or [1.0] * st.world_size
+            costs = self.store.costs(st) or [1.0] * st.world_size
             return list(solve([0.0] * st.world_size, costs, st.global_batch_size,
-                              self._memory_constraints(st, st.overrides)))
+                              self.store.memory_constraints(st, st.overrides)))
         except InfeasibleError as exc:
             return f"the overrides admit no placement: {exc}"
 
     async def on_reject(self, reject: Reject) -> None:
         """A rank refused a placement: mark it and its proposal failed, with the reason."""
-        st = await self._load(reject.job)
+        st = await self.store.load(reject.job)
         if st is None:
             return
         async with st.lock:
@@ -249,10 +229,10 @@ class HookEvents(ControllerCore):
                         st.version, st.shares = prev.version, list(prev.shares)
                         st.follow(prev)
                         st.measured = True  # do not re-measure (or roll back) the restored one
-                self._read_facts(s, st)
+                self.store.read_facts(s, st)
 
-            await self._sql(work)
-            self._publish(st)
+            await self.store.sql(work)
+            self.store.publish(st)
 
 
 def _audit_restart(hello: Hello, previous: int) -> Callable[[Session], None]:

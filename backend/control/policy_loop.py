@@ -1,5 +1,6 @@
-"""One policy run for a job (under its lock): hand the policy its inputs, record the proposal,
-apply it in auto mode, and measure the effect of the placement in force."""
+"""One policy run for a job (``PolicyLoop.run``, under the job's lock): hand the policy its
+inputs, record its proposal, apply it in auto mode (through ``Rollout``), and measure the
+effect of the placement in force. When runs happen is scheduling.py's."""
 
 from __future__ import annotations
 
@@ -21,44 +22,60 @@ from backend.storage import control as db
 if TYPE_CHECKING:
     from backend.policy.types import Decision, Explanation
 
-from backend.control.core import SYSTEM, ControllerCore, JobState
+from backend.control.core import SYSTEM, JobState, JobStore
+from backend.control.policy_runs import PolicyRunner
+from backend.control.rollout import Rollout
 
 __all__ = ["PolicyLoop"]
 
 log = logging.getLogger("backend.control.controller")
 
 
-class PolicyLoop(ControllerCore):
+class PolicyLoop:
+    """Runs the policy for one job at a time and acts on its decision."""
+
+    def __init__(self, *, store: JobStore, rollout: Rollout, runner: PolicyRunner):
+        self.store = store
+        self.rollout = rollout
+        self.runner = runner  # where decide() runs (a process of its own at scale)
+        self.runs = 0
+
+    def warm(self) -> None:
+        """A job's first decisions are near: start the policy worker now."""
+        self.runner.start()
+
+    def close(self) -> None:
+        self.runner.close()
 
     def _settled(self, st: JobState) -> bool:
         """True once every rank trains under the placement in force (acked or seen in metrics)."""
         if st.applied or st.version == 0:  # version 0 is every hook's starting split
             return True
-        view = self.live.view(st.job)
+        view = self.store.live.view(st.job)
         if view is None or len(view.ranks) < st.world_size:
             return False
         return all(r.placement_version is not None and r.placement_version >= st.version
                    for r in view.ranks)
 
-    async def _run_policy(self, st: JobState) -> None:
-        if self.live.ended(st.job):
+    async def run(self, st: JobState) -> None:
+        if self.store.live.ended(st.job):
             return  # the run ended: nothing it is sent would take effect (run_ended)
-        if not self.controls(st.job):
+        if not self.store.controls(st.job):
             return  # another replica holds the job's lease (or Redis is down): it decides
-        self.policy_runs += 1
-        await self._acks_from_metrics(st)
+        self.runs += 1
+        await self.rollout.acks_from_metrics(st)
         await self._measure_effect(st)
         from backend.policy import InfeasibleError, Rollback, replaces_pending
         from backend.policy.types import Proposal as PolicyProposal
 
         if not self._settled(st):
             st.status, st.status_detail = "proposal_pending", st.waiting_detail()
-            self._publish(st)
+            self.store.publish(st)
             return
         pending = st.pending
         if pending is not None and pending["source"] != "policy":
             return  # an operator's own proposal is not replaced by the policy
-        cfg = self._config(st)
+        cfg = self.store.config(st)
         constraints = inputs.constraints_from(st.overrides)
         version = st.version
         started = time.perf_counter()
@@ -66,7 +83,7 @@ class PolicyLoop(ControllerCore):
         # of ranks it takes long enough to delay every websocket); its objects are built and
         # the decision made in the runner (a process of its own at scale).
         obs = await asyncio.to_thread(
-            inputs.observation_rows, self.live, st.job, world_size=st.world_size,
+            inputs.observation_rows, self.store.live, st.job, world_size=st.world_size,
             global_batch_size=st.global_batch_size, shares=list(st.shares), version=st.version,
             effective=st.effective, window_steps=cfg.window_steps, length_sq_weight=st.length_sq_weight,
             # The policy does not retry a rolled-back direction until the cost changed.
@@ -77,11 +94,11 @@ class PolicyLoop(ControllerCore):
         # where it ran (not a policy worker's start-up, nor the wait for a busy one).
         rows_s = time.perf_counter() - started
         try:
-            decision, cost_s = await self.policy.decide_timed(obs, cfg, constraints)
+            decision, cost_s = await self.runner.decide_timed(obs, cfg, constraints)
         except InfeasibleError as exc:
             st.think_s = time.perf_counter() - started
             st.status, st.status_detail = "imbalanced", f"the overrides admit no placement: {exc}"
-            self._publish(st)
+            self.store.publish(st)
             return
         st.think_s = rows_s + cost_s
         expl = decision.explanation
@@ -98,13 +115,13 @@ class PolicyLoop(ControllerCore):
             st.status = ("warming_up" if decision.status in ("warming_up", "no_data")
                          else "imbalanced" if decision.status == "infeasible" else "balanced")
             st.status_detail = decision.detail
-            self._publish(st)
+            self.store.publish(st)
             return
         # The policy capped the move already (auto mode: max_move_fraction, memory caps).
         shares = list(decision.shares)
         if shares == st.shares:
             st.status, st.status_detail = "balanced", "the policy's split equals the placement in force"
-            self._publish(st)
+            self.store.publish(st)
             return
         if pending is not None and list(pending["shares"]) == shares and pending["base_version"] == st.version:
             # Already on the table (say, shown before the mode became auto).
@@ -116,35 +133,35 @@ class PolicyLoop(ControllerCore):
         if pending is not None and pending["status"] == "proposed" and pending["base_version"] == st.version:
             # The one on screen stays until a new one is clearly better and it has been up
             # long enough to be read: noise alone must not replace it (issue 39).
-            if not replaces_pending(expl, pending["shares"], age_s=self._wall() - pending["created_at"],
-                                    margin=float(self._knob(st, "proposal_margin")),
-                                    min_age_s=float(self._knob(st, "proposal_min_age_s"))):
+            if not replaces_pending(expl, pending["shares"], age_s=self.store.wall() - pending["created_at"],
+                                    margin=float(self.store.knob(st, "proposal_margin")),
+                                    min_age_s=float(self.store.knob(st, "proposal_min_age_s"))):
                 return
             why = "a clearly better split"
 
         def work(s: Session) -> int | str:
-            if self.live.ended(st.job):
+            if self.store.live.ended(st.job):
                 return "the job ended (every rank said goodbye) while the policy was deciding"
             blocked = records.refused_before(s, st.job, st.version, shares)
             if blocked:
                 return blocked
-            prop = self._add_proposal(
+            prop = self.store.add_proposal(
                 s, st, shares, source="policy", strategy=expl.strategy, actor=SYSTEM,
                 reason=decision.reason, explanation=_explanation_dict(expl),
                 before=expl.step_ms_before, after=expl.step_ms_after, gain=expl.gain)
             records.supersede(s, st.job, prop, why)
-            self._fence(s, st)
+            self.store.fence(s, st)
             s.commit()
-            self._read_facts(s, st)
+            self.store.read_facts(s, st)
             return prop.id
 
-        got = await self._sql(work)
+        got = await self.store.sql(work)
         if isinstance(got, str):
             st.status, st.status_detail = "imbalanced", got
-            self._publish(st)
+            self.store.publish(st)
             return
         st.status, st.status_detail = "proposal_pending", decision.reason
-        self._publish(st)
+        self.store.publish(st)
         if st.mode == "auto":
             await self._apply_auto(st, got)
 
@@ -168,12 +185,12 @@ class PolicyLoop(ControllerCore):
                   if k > 0 else f"cost model: {model.model} ({model.detail})")
         st.length_sq_weight = k  # _issue's message carries it
         try:
-            await self._issue(st, list(st.shares), source="cost_model", actor=SYSTEM, reason=reason,
+            await self.rollout.issue(st, list(st.shares), source="cost_model", actor=SYSTEM, reason=reason,
                               action="placement.cost_model",
                               params={"length_sq_weight": k, "previous_length_sq_weight": before})
         except Exception as exc:
             st.length_sq_weight = before
-            if isinstance(exc, ConflictError) and self.live.ended(st.job):
+            if isinstance(exc, ConflictError) and self.store.live.ended(st.job):
                 return False  # the job ended meanwhile: nothing to send it to
             raise
         return True
@@ -181,26 +198,26 @@ class PolicyLoop(ControllerCore):
     async def _apply_auto(self, st: JobState, proposal_id: int) -> None:
         """Auto mode applies the policy's proposal; a job that ended meanwhile keeps it unapplied."""
         try:
-            await self._apply(st, proposal_id, actor="auto", reason="auto mode", auto=True)
+            await self.rollout.apply(st, proposal_id, actor="auto", reason="auto mode", auto=True)
         except ConflictError as exc:
-            if not self.live.ended(st.job):
+            if not self.store.live.ended(st.job):
                 raise
             st.status, st.status_detail = "balanced", exc.detail
-            self._publish(st)
+            self.store.publish(st)
 
     async def _measure_effect(self, st: JobState) -> None:
         if not st.applied or st.effective is None or st.measured:
             return
-        w = int(self._knob(st, "effect_window_steps"))
+        w = int(self.store.knob(st, "effect_window_steps"))
         lo, hi = effect.after_window(st.effective, w)
-        view = self.live.view(st.job)
+        view = self.store.live.view(st.job)
         if view is None or view.batch_index is None or view.batch_index < hi:
             return
-        after = effect.window_step_ms(self.live, st.job, lo=lo, hi=hi, need=max(1, w // 2))
+        after = effect.window_step_ms(self.store.live, st.job, lo=lo, hi=hi, need=max(1, w // 2))
         if after is None:
             return
         may_auto = st.mode == "auto"
-        threshold = float(self._knob(st, "rollback_threshold"))
+        threshold = float(self.store.knob(st, "rollback_threshold"))
 
         def work(s: Session) -> tuple[list[int], str] | None:
             row = db.get_placement(s, st.job, st.version)
@@ -210,8 +227,8 @@ class PolicyLoop(ControllerCore):
             if row.previous_shares is not None and st.effective is not None:
                 was = effect.before_window(st.effective, w)
                 factor = effect.speed_factor(
-                    self.live, st.job, shares=row.previous_shares, before=was, after=(lo, hi))
-                factor *= effect.work_factor(self.live, st.job, world_size=st.world_size, before=was,
+                    self.store.live, st.job, shares=row.previous_shares, before=was, after=(lo, hi))
+                factor *= effect.work_factor(self.store.live, st.job, world_size=st.world_size, before=was,
                                              after=(lo, hi), length_sq_weight=st.length_sq_weight)
             verdict = effect.judge_effect(
                 version=row.version, step_ms_before=row.step_ms_before, step_ms_after=after,
@@ -219,17 +236,17 @@ class PolicyLoop(ControllerCore):
                 may_roll_back=row.auto and may_auto and row.previous_shares is not None,
                 speed_factor=factor)
             rollback = records.record_effect(row, verdict)
-            self._fence(s, st)
+            self.store.fence(s, st)
             st.measured = True
             st.last_effect = effect.effect_record(row)
             s.commit()
             return rollback
 
-        rollback = await self._sql(work)
+        rollback = await self.store.sql(work)
         if rollback is not None:
-            await self._issue(st, rollback[0], source="rollback", actor=SYSTEM, reason=rollback[1],
+            await self.rollout.issue(st, rollback[0], source="rollback", actor=SYSTEM, reason=rollback[1],
                               action="placement.auto_rollback")
-        self._publish(st)
+        self.store.publish(st)
 
 
 def _explanation_dict(expl: Explanation) -> dict[str, Any]:

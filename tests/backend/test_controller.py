@@ -251,7 +251,7 @@ def test_policy_runs_are_spaced_by_their_own_cost(env):
     run(join(svc, ctl))
     feed(svc, [16, 16, 16], 0, range(0, 20), step_ms=80.0)
     run(policy_tick(ctl, JOB))
-    st = ctl._jobs[JOB]
+    st = ctl.store.get(JOB)
     first = st.last_run
     st.think_s = 1.0  # as if one run took a second, as at thousands of ranks
     clock.t += 2.0  # past the 0.5 s floor, not past five times the run's cost
@@ -302,7 +302,7 @@ def test_an_action_on_a_job_whose_hello_never_lands_still_gets_404(env):
 
     async def scenario():
         ctl.expect("ghost")  # its hello could not be stored (say, the database is away)
-        ctl.arrival_wait_s = 0.2
+        ctl.store.arrival_wait_s = 0.2
         with pytest.raises(NotFoundError):  # (a mode for a job not seen is a preset: tests/backend/test_mode_preset.py)
             await ctl.rollback("ghost", actor=OPERATOR)
 

@@ -115,7 +115,7 @@ def test_the_policy_is_throttled_per_job(make):
     assert j.ctl.job_control(JOB)["pending_proposal"]["id"] == first["id"]
     # An urgent frame (a step far off its rank's median) is not held by the 0.5 s pacing,
     # only by five times the policy's own cost.
-    st = j.ctl._jobs[JOB]
+    st = j.ctl.store.get(JOB)
     st.think_s = 0.01
     j.clock.t += 0.1
     j.ctl.on_metrics(JOB)
@@ -131,7 +131,7 @@ def test_while_warming_up_every_frame_may_bring_the_first_proposal(make):
     j.steps(2)
     j.tick()
     assert j.ctl.job_control(JOB)["status"] == "warming_up"
-    j.ctl._jobs[JOB].think_s = 0.01  # runs stay spaced by five times their own cost
+    j.ctl.store.get(JOB).think_s = 0.01  # runs stay spaced by five times their own cost
     j.steps(3)
     j.clock.t += 0.1  # well inside the 0.5 s that spaces runs once warmed up
     asyncio.run(policy_tick(j.ctl, JOB))
@@ -158,11 +158,11 @@ def test_a_slow_first_start_of_the_policy_worker_does_not_hold_the_warm_up_back(
     Counted in, it spaced a short-step job's warm-up runs by seconds (bench.tokens --real,
     B=16: the first proposal 40 steps late)."""
     j = Job(tmp_path, "approve")
-    j.svc.controller.policy = _ColdRunner()
+    j.svc.controller.policy.runner = _ColdRunner()
     j.hello()
     j.steps(2)
     j.tick()
-    st = j.ctl._jobs[JOB]
+    st = j.ctl.store.get(JOB)
     assert j.ctl.job_control(JOB)["status"] == "warming_up"
     assert st.think_s < 0.25, st.think_s
     j.steps(3)

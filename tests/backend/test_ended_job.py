@@ -88,14 +88,14 @@ async def _auto_job(svc: Any, ctl: Any) -> list[Any]:
 
 def test_ranks_leaving_while_the_policy_decides_get_no_placement(env):
     svc, ctl = env
-    decide = ctl.policy.decide_timed  # what the controller calls: the decision and its cost
+    decide = ctl.policy.runner.decide_timed  # what the controller calls: the decision and its cost
 
     async def decide_then_everyone_leaves(*args: Any, **kw: Any) -> Any:
         got = await decide(*args, **kw)
         goodbye_all(svc)  # the goodbyes land while the policy is thinking
         return got
 
-    ctl.policy.decide_timed = decide_then_everyone_leaves
+    ctl.policy.runner.decide_timed = decide_then_everyone_leaves
 
     async def scenario() -> list[Any]:
         socks = await _auto_job(svc, ctl)
@@ -110,7 +110,7 @@ def test_ranks_leaving_while_the_policy_decides_get_no_placement(env):
 
 def test_ranks_leaving_between_the_proposal_and_auto_apply_get_no_placement(env):
     svc, ctl = env
-    publish = ctl._publish
+    publish = ctl.store.publish
 
     def publish_then_everyone_leaves(st: Any) -> None:
         publish(st)
@@ -119,7 +119,7 @@ def test_ranks_leaving_between_the_proposal_and_auto_apply_get_no_placement(env)
 
     async def scenario() -> list[Any]:
         socks = await _auto_job(svc, ctl)
-        ctl._publish = publish_then_everyone_leaves
+        ctl.store.publish = publish_then_everyone_leaves
         assert await policy_tick(ctl, JOB) == 1
         return socks
 

@@ -114,7 +114,7 @@ def test_a_run_never_rebalanced_saves_exactly_nothing(env):
     asyncio.run(join(svc, ctl))
     # The policy's fit of the job underestimates rank 2 (it often does, by noise): predicted
     # from it, the uniform split looked faster than the uniform split itself.
-    ctl._jobs[JOB].cost_fit = ((0.0, 0.0, 0.0), (1.0, 1.0, 0.8))
+    ctl.store.get(JOB).cost_fit = ((0.0, 0.0, 0.0), (1.0, 1.0, 0.8))
     _steps(svc.live, JOB, (16, 16, 16), (1.0, 1.0, 1.2), range(40))
     svc.hub.notify(JOB)
     svc.hub.tick()
