@@ -65,6 +65,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("backend.ingest",),
     ("backend.report",),
     ("backend.metrics_export",),
+    ("backend.loops",),
     ("backend.parts",),
     ("backend.api",),
     ("backend.main",),
