@@ -34,6 +34,7 @@ except ImportError:  # a hook-only install: the standard library's parser for ev
     _fast_loads = None
 
 __all__ = [
+    "next_placement_version",
     "MAX_NAME_CHARS",
     "check_job_name",
     "JOB_NAME_PATTERN",
@@ -297,6 +298,13 @@ def uniform_shares(world_size: int, global_batch_size: int) -> list[int]:
         )
     q, r = divmod(global_batch_size, world_size)
     return [q + (1 if i < r else 0) for i in range(world_size)]
+
+
+def next_placement_version(*seen: int | None) -> int:
+    """The one numbering rule of placements, on both sides: one past the newest version seen
+    (None: none), 0 when nothing was seen. A hook refuses a version not newer than its own."""
+    known = [v for v in seen if v is not None]
+    return max(known) + 1 if known else 0
 
 
 # --- messages ----------------------------------------------------------------------------

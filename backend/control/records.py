@@ -26,11 +26,11 @@ from backend.control.errors import ConflictError, NotFoundError
 from backend.control.inputs import OVERRIDE_KEYS
 from backend.storage import control as db
 from backend.storage import owners
-from rebalancer_wire.protocol import Hello, Oom, uniform_shares
+from rebalancer_wire.protocol import Hello, Oom, next_placement_version, uniform_shares
 
 __all__ = [
     "create_job", "fail_placement", "store_overrides", "actor_name", "pending_proposal", "proposal_to_decide", "decide", "close_pending", "supersede",
-    "expire_due", "new_placement", "add_proposal", "refused_before", "last_effect",
+    "expire_due", "next_version", "new_placement", "add_proposal", "refused_before", "last_effect",
     "recent_rollbacks", "approve", "reject", "audit_manual", "set_mode", "preset_mode", "mode_preset", "set_policy", "reshape",
     "record_acks", "record_oom", "audit_restart", "issued", "record_effect", "audit_token",
     "take_epoch", "check_epoch",
@@ -47,9 +47,7 @@ def create_job(s: Any, hello: Hello, *, mode: str, actor: str, at: float) -> Non
     chosen = mode_preset(s, hello.job) or hello.mode or mode
     job = hello.job
     shares = uniform_shares(hello.world_size, hello.global_batch_size)
-    # A job that already runs a version this backend never recorded (its database
-    # was replaced) must get a newer one, or the hook would refuse it as stale.
-    first = hello.placement_version + 1 if hello.placement_version > 0 else 0
+    first = next_version(s, job, running=hello.placement_version)
     row = s.scalar(select(db.JobRow).where(db.JobRow.name == job))
     if row is None:  # ingest stores the row on hello; a direct caller may come first
         row = db.JobRow(name=job, world_size=hello.world_size,
@@ -317,14 +315,23 @@ def expire_due(s: Any, now: float) -> list[str]:
     return [p.job for p in rows]
 
 
+def next_version(s: Any, job: str, *, running: int = 0) -> int:
+    """The backend's only numbering of placements (docs/design.md, "Who numbers placements"):
+    ``next_placement_version`` past the newest stored for ``job`` (failed ones included) and
+    past ``running``, a version the job's hooks already run that this backend never recorded
+    (its database was replaced), which they would otherwise refuse as stale."""
+    newest = db.latest_placement(s, job, include_failed=True)
+    return next_placement_version(newest.version if newest is not None else None,
+                                  running if running > 0 else None)
+
+
 def new_placement(s: Any, job: str, shares: Sequence[int], *, source: str, actor: Any, reason: str,
                   at: float, proposal_id: int | None = None,
                   current: db.PlacementRow | None | bool = True,
                   predicted_step_ms: float | None = None, auto: bool = False) -> db.PlacementRow:
     """Add the next placement version after ``current`` (True: the one in force; None: no
     previous shares to return to). Approved proposals it overtakes are superseded."""
-    newest = db.latest_placement(s, job, include_failed=True)
-    version = newest.version + 1 if newest is not None else 0
+    version = next_version(s, job)
     if current is True:
         current = db.latest_placement(s, job)
     prev = current if isinstance(current, db.PlacementRow) else None

@@ -80,6 +80,12 @@ def test_one_table_holds_the_ranges_of_the_policy_settings():
             if key in ("min_gain", "cooldown_steps", "min_steps", "horizon_steps", "max_move_fraction"):
                 with pytest.raises(ValueError, match=f"^policy.{key} must be "):
                     check_config(replace(PolicyConfig(), **{key: kind(bad)}))
+    # The REST schema (what /openapi.json and the client show) states the same bounds.
+    schema = PolicyChanges.model_json_schema()["properties"]
+    for key, (kind, lo, hi) in POLICY_LIMITS.items():
+        (bounds,) = [a for a in schema[key]["anyOf"] if a["type"] != "null"]
+        assert (bounds["type"], bounds["minimum"], bounds["maximum"]) == (
+            "integer" if kind is int else "number", lo, hi), key
 
 
 def test_overrides_validate_and_become_constraints():
