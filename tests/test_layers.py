@@ -442,3 +442,19 @@ def test_access_is_decided_in_auth_access():
             if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("role_allows"):
                 found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
     assert found == [], "access decisions outside backend/auth/access.py"
+
+
+def test_no_class_in_control_inherits_behaviour_from_another():
+    """Compose, do not stack (issue 37): the controller's parts are objects wired by
+    constructor, not mixins sharing one ``self``. A class in control/ (or the background
+    loops) may name only a typing or pydantic base; the errors form an exception hierarchy."""
+    allowed = {"Protocol", "NamedTuple", "BaseModel", "Exception"}
+    stacked = []
+    for path in [*_modules("backend/control"), ROOT / "backend/loops.py"]:
+        if path.name == "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                stacked += [f"{path.relative_to(ROOT).as_posix()}:{node.name}({ast.unparse(b)})"
+                            for b in node.bases if ast.unparse(b) not in allowed]
+    assert stacked == [], "classes that inherit behaviour: give the part to them as an argument"

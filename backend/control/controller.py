@@ -1,9 +1,9 @@
 """The control loop: modes, proposal lifecycle, guardrails, rollback and measured effect.
 
-The policy (``backend.policy``) only decides; this module acts on its decisions. The event
-loop owns each job's control state (``_JobState``); SQL (``backend.storage.control``) holds
-the truth, so a restarted backend resumes where it stopped, and is reached only through the
-``SqlGateway`` thread. Each change publishes a snapshot of the job's control state
+The policy (``backend.policy``) only decides; this package acts on its decisions. The event
+loop owns each job's control state (``JobState``, held by the ``JobStore``); SQL
+(``backend.storage.control``) holds the truth, so a restarted backend resumes where it
+stopped, and is reached only through the ``SqlGateway`` thread. Each change publishes a snapshot of the job's control state
 (``job_control``), which the jobs routes, the dashboard hub and ``/metrics`` read without
 touching SQL. One job's actions run one at a time (a lock per job).
 
@@ -12,8 +12,9 @@ and a ticker starts a run for each dirty job that is due (every frame while it w
 then at most every ``policy_min_interval_s`` and never faster than five times the last
 run's cost); the decision itself runs in the ``PolicyRunner`` (a process of its own).
 
-``Controller`` is the composition root: it builds one object per job and wires them by
-constructor, each holding only the collaborators it names (no part inherits from another)::
+``Controller`` is the composition root: it builds one object for each job of the control
+loop and wires them by constructor, each holding only the collaborators it names (no part
+inherits from another; ``tests/test_layers.py`` checks)::
 
     store       JobStore         each job's state, loaded, fenced, published  (core.py)
     rollout     Rollout          new versions in force, sent; acks followed  (rollout.py)
@@ -26,8 +27,8 @@ constructor, each holding only the collaborators it names (no part inherits from
 The arrows run one way: events -> schedule/policy -> rollout -> store; actions -> rollout,
 schedule, reads. An approval: ``actions.approve`` -> ``rollout.apply`` (records the version,
 fenced) -> ``rollout.send``. A policy placement: ``schedule`` tick -> ``policy.run`` ->
-``rollout.apply`` (auto mode) -> ``rollout.send``. The methods below
-the parts forward to them, so the routes, ingest and the reports keep one import path.
+``rollout.apply`` (auto mode) -> ``rollout.send``. The methods assigned after the parts
+forward to them, so the routes, ingest and the reports keep one import path.
 
 What the policy is handed and the checks on operator settings are in
 ``backend.control.inputs``; measured effect and the rollback decision in

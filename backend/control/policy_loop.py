@@ -183,7 +183,7 @@ class PolicyLoop:
         reason = (f"cost model: {model.model}, a sample of length L costs L + {k:.3g}*L^2 "
                   f"(R^2 {model.r2:.3f} against {model.r2_linear:.3f} for the length alone)"
                   if k > 0 else f"cost model: {model.model} ({model.detail})")
-        st.length_sq_weight = k  # _issue's message carries it
+        st.length_sq_weight = k  # the placement message Rollout.issue sends carries it
         try:
             await self.rollout.issue(st, list(st.shares), source="cost_model", actor=SYSTEM, reason=reason,
                               action="placement.cost_model",
