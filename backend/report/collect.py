@@ -3,8 +3,8 @@ windows and ranks through the SQL gateway, the controller's placements and propo
 run's summary for the savings, prices from settings), builds it (``backend.report.build``,
 on a worker thread: the policy's fits are CPU work) and stores it into the run's summary.
 
-``Parts.store_report`` persists what live state still holds first; it runs when every rank
-said goodbye (``Parts.run_ended``, from ingest) or when an operator asks
+``JobLifecycle.store_report`` (``backend.loops``) persists what live state still holds first;
+it runs when every rank said goodbye (``JobLifecycle.run_ended``, from ingest) or when an operator asks
 (``POST /api/v1/jobs/{job}/report``).
 """
 
