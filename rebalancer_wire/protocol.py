@@ -74,6 +74,11 @@ __all__ = [
     "Hello",
     "MeshShape",
     "MAX_MESH_DIMS",
+    "PipelineShape",
+    "PIPELINE_SCHEDULES",
+    "MAX_PP_STAGES",
+    "MAX_LAYERS",
+    "PIPELINE_STAGE_FIELDS",
     "StepRecord",
     "DeviceSample",
     "Metrics",
@@ -408,6 +413,146 @@ def _replica_devices(d: Mapping[str, Any], members: tuple[int, ...]) -> tuple[st
     return tuple(got)
 
 
+# --- pipelines (docs/pipelines.md) -----------------------------------------------------
+
+# The schedules of torch.distributed.pipelining a pipelined hook may name (Hello.pipeline).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+MAX_PP_STAGES = 4096  # pipeline ranks per pipeline; torchtitan's largest runs use 64
+MAX_STAGES_PER_RANK = 64  # virtual stages (model chunks) per pipeline rank
+MAX_LAYERS = 16384  # layers a model is split into, over all its stages
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineShape:
+    """A pipelined job's shape, as a pipeline's leader says it in ``hello.pipeline``.
+
+    The hook speaks for one data-parallel pipeline (a replica, docs/meshes.md): the hello's
+    ``rank`` is the pipeline's dp index (``dp_index``) and ``world_size`` the number of
+    pipelines; ``pp_size`` pipeline ranks (stages on ranks) of ``tp_size`` tensor-parallel
+    ranks each run it. ``pp_stage`` is the stage of the rank that speaks (the leader: 0).
+    ``n_stages`` counts model stages (chunks): ``pp_size`` for GPipe and 1F1B, a multiple of
+    it for interleaved 1F1B (stage ``k`` runs on pipeline rank ``k % pp_size``).
+    ``min_microbatches`` is the fewest micro-batches per step the hook's schedule accepts on
+    a pipeline (0: a pipeline may be drained). ``layers_per_stage`` (optional) counts the
+    layers of each model stage and ``layer_names`` (optional, with it) names them in model
+    order, torchtitan's module names ("tok_embeddings", "layers.0", ..., "output")."""
+
+    pp_size: int
+    pp_stage: int
+    dp_index: int
+    tp_size: int
+    schedule: str
+    n_stages: int
+    min_microbatches: int
+    layers_per_stage: tuple[int, ...] = ()
+    layer_names: tuple[str, ...] = ()
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.n_stages // self.pp_size
+
+    @property
+    def label(self) -> str:
+        tp = f" x TP {self.tp_size}" if self.tp_size > 1 else ""
+        virtual = f" ({self.stages_per_rank} stages per rank)" if self.stages_per_rank > 1 else ""
+        return f"PP {self.pp_size}{tp}, {self.schedule}{virtual}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"pp_size": self.pp_size, "pp_stage": self.pp_stage, "dp_index": self.dp_index,
+                             "tp_size": self.tp_size, "schedule": self.schedule, "n_stages": self.n_stages,
+                             "min_microbatches": self.min_microbatches}
+        if self.layers_per_stage:
+            d["layers_per_stage"] = list(self.layers_per_stage)
+        if self.layer_names:
+            d["layer_names"] = list(self.layer_names)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, *, rank: int, world_size: int, global_batch_size: int,
+                  mesh: MeshShape | None) -> PipelineShape:
+        m = _obj(d, "'pipeline'")
+        pp = _pipe_int(m, "pp_size", lo=1, hi=MAX_PP_STAGES)
+        stage = _pipe_int(m, "pp_stage", lo=0, hi=MAX_PP_STAGES - 1, default=0)
+        if stage >= pp:
+            raise ProtocolError(
+                f"'pipeline.pp_stage' ({stage}) must be below 'pipeline.pp_size' ({pp}): stages are "
+                f"numbered 0 to {pp - 1}.")
+        dp_index = _pipe_int(m, "dp_index", lo=0, hi=MAX_WORLD_SIZE - 1, default=rank)
+        if dp_index != rank:
+            raise ProtocolError(
+                f"'pipeline.dp_index' ({dp_index}) must equal 'rank' ({rank}): a pipelined hook speaks "
+                f"for one data-parallel pipeline, so its rank is the pipeline's dp index.")
+        tp = _pipe_int(m, "tp_size", lo=1, hi=MAX_WORLD_SIZE, default=1)
+        schedule = m.get("schedule")
+        if schedule not in PIPELINE_SCHEDULES:
+            raise ProtocolError(
+                f"'pipeline.schedule' must be one of {', '.join(PIPELINE_SCHEDULES)}, got {_short(schedule)}.")
+        n_stages = _pipe_int(m, "n_stages", lo=1, hi=MAX_PP_STAGES * MAX_STAGES_PER_RANK, default=pp)
+        if schedule == "interleaved1f1b":
+            if n_stages % pp or not 2 <= n_stages // pp <= MAX_STAGES_PER_RANK:
+                raise ProtocolError(
+                    f"'pipeline.n_stages' ({n_stages}) must be 2 to {MAX_STAGES_PER_RANK} times 'pipeline.pp_size' "
+                    f"({pp}) for interleaved1f1b: each pipeline rank runs that many model stages.")
+        elif n_stages != pp:
+            raise ProtocolError(
+                f"'pipeline.n_stages' ({n_stages}) must equal 'pipeline.pp_size' ({pp}) for {schedule}: one "
+                f"model stage per pipeline rank (interleaved1f1b runs several).")
+        if world_size * pp * tp > MAX_WORLD_SIZE:
+            raise ProtocolError(
+                f"'world_size' x 'pipeline.pp_size' x 'pipeline.tp_size' ({world_size} x {pp} x {tp}) must be "
+                f"at most {MAX_WORLD_SIZE} ranks.")
+        if mesh is not None and mesh.replica_size % (pp * tp):
+            raise ProtocolError(
+                f"'mesh.replica_size' ({mesh.replica_size}) must be a multiple of 'pipeline.pp_size' x "
+                f"'pipeline.tp_size' ({pp} x {tp}): a pipeline's ranks are its replica.")
+        floor = _pipe_int(m, "min_microbatches", lo=0, hi=MAX_GLOBAL_BATCH_SIZE, default=1)
+        if floor * world_size > global_batch_size:
+            raise ProtocolError(
+                f"'pipeline.min_microbatches' ({floor}) x 'world_size' ({world_size} pipelines) is more than "
+                f"'global_batch_size' ({global_batch_size} micro-batches): no placement could give every "
+                f"pipeline its minimum.")
+        layers = _pipe_ints(m, "layers_per_stage", n=n_stages)
+        names = _layer_names(m, layers)
+        return cls(pp_size=pp, pp_stage=stage, dp_index=dp_index, tp_size=tp, schedule=schedule,
+                   n_stages=n_stages, min_microbatches=floor, layers_per_stage=layers, layer_names=names)
+
+
+def _pipe_int(m: Mapping[str, Any], key: str, *, lo: int, hi: int, default: Any = ...) -> int:
+    val = m.get(key)
+    if val is None and default is not ...:
+        return int(default)
+    if isinstance(val, bool) or not isinstance(val, int) or not lo <= val <= hi:
+        raise ProtocolError(f"'pipeline.{key}' must be an integer between {lo} and {hi}, got {_short(val)}.")
+    return val
+
+
+def _pipe_ints(m: Mapping[str, Any], key: str, *, n: int) -> tuple[int, ...]:
+    got = m.get(key)
+    if got is None or got == []:
+        return ()
+    if (not isinstance(got, list) or len(got) != n
+            or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_LAYERS for x in got)
+            or sum(got) > MAX_LAYERS or not any(got)):
+        raise ProtocolError(
+            f"'pipeline.{key}' must list one layer count per model stage ({n}, 'pipeline.n_stages'), each "
+            f"0 to {MAX_LAYERS}, at most {MAX_LAYERS} in all and not all 0, got {_short(got)}.")
+    return tuple(got)
+
+
+def _layer_names(m: Mapping[str, Any], layers: tuple[int, ...]) -> tuple[str, ...]:
+    got = m.get("layer_names")
+    if got is None or got == []:
+        return ()
+    if not layers:
+        raise ProtocolError("'pipeline.layer_names' comes with 'pipeline.layers_per_stage' only: it names those layers.")
+    if (not isinstance(got, list) or len(got) != sum(layers)
+            or any(not isinstance(x, str) or not x or len(x) > MAX_NAME_CHARS or "\x00" in x for x in got)):
+        raise ProtocolError(
+            f"'pipeline.layer_names' must name every layer of 'pipeline.layers_per_stage' ({sum(layers)}) in "
+            f"model order, each 1 to {MAX_NAME_CHARS} characters without NUL, got {_short(got)}.")
+    return tuple(got)
+
+
 @dataclass(kw_only=True, slots=True)
 class Hello:
     """First frame of every hook connection: who is talking and what it holds."""
@@ -452,6 +597,9 @@ class Hello:
     # Micro-batch placements (``RebalanceHook(micro_batches=M)``, docs/streaming.md): shares
     # and local batch sizes count fixed-shape micro-batches, ``global_batch_size`` is M.
     micro_batches: bool = False
+    # A pipelined job (``RebalanceHook(dp_mesh=..., pp_mesh=...)``, docs/pipelines.md): its
+    # shape; None otherwise. It implies ``micro_batches``: shares count micro-batches.
+    pipeline: PipelineShape | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Hello:
@@ -462,6 +610,12 @@ class Hello:
             raise ProtocolError(
                 f"'global_batch_size' ({batch}) must be at least 'world_size' ({world}): every rank needs a sample.")
         mesh = MeshShape.from_dict(d["mesh"], world_size=world) if d.get("mesh") is not None else None
+        pipeline = (PipelineShape.from_dict(d["pipeline"], rank=rank, world_size=world, global_batch_size=batch,
+                                            mesh=mesh) if d.get("pipeline") is not None else None)
+        micro = _bool(d, "micro_batches", default=pipeline is not None)
+        if pipeline is not None and not micro:
+            raise ProtocolError(
+                "'micro_batches' must be true (or absent) with 'pipeline': a pipeline's share counts micro-batches.")
         return cls(
             job=_job(d),
             rank=rank,
@@ -486,7 +640,8 @@ class Hello:
             replica_ranks=(members := _replica_ranks(d, mesh)),
             replica_devices=_replica_devices(d, members),
             mode=_hello_mode(d),
-            micro_batches=_bool(d, "micro_batches", default=False),
+            micro_batches=micro,
+            pipeline=pipeline,
         )
 
 
@@ -559,6 +714,19 @@ class StepRecord:
     host_ms: float | None = None
     ckpt_ms: float | None = None
     gc_ms: tuple[float, float, float] | None = None
+    # A pipeline's leader (hello.pipeline; docs/pipelines.md): the micro-batches the schedule
+    # ran, the pipeline's bubble (the mean of its stages'), and per pipeline rank, in stage
+    # order, the mean forward and backward ms of one micro-batch (its model stages summed),
+    # the step's waits in sends and receives and its idle time. ``layer_ms``: per layer in
+    # model order (hello.pipeline.layers_per_stage), forward + backward ms of one micro-batch.
+    n_microbatches: int | None = None
+    bubble_ms: float | None = None
+    stage_fwd_ms: tuple[float, ...] | None = None
+    stage_bwd_ms: tuple[float, ...] | None = None
+    stage_send_wait_ms: tuple[float, ...] | None = None
+    stage_recv_wait_ms: tuple[float, ...] | None = None
+    stage_bubble_ms: tuple[float, ...] | None = None
+    layer_ms: tuple[float, ...] | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepRecord:
@@ -569,6 +737,10 @@ class StepRecord:
         if n_fields > 9 and _phase_count(d):  # the step's phases: checked apart (slow path)
             rec = cls.from_dict({k: v for k, v in d.items() if k not in _PHASE_KEYS})
             _set_phases(rec, d)
+            return rec
+        if n_fields > 9 and _pipeline_count(d):  # a pipeline's leader: its stages checked apart
+            rec = cls.from_dict({k: v for k, v in d.items() if k not in _PIPELINE_KEYS})
+            _set_pipeline(rec, d)
             return rec
         if n_fields == 9 or (n_fields == 11 and "comm_ms" in d):
             try:
@@ -651,6 +823,16 @@ class StepRecord:
             d["ckpt_ms"] = self.ckpt_ms
         if self.gc_ms is not None:
             d["gc_ms"] = list(self.gc_ms)
+        if self.n_microbatches is not None:
+            d["n_microbatches"] = self.n_microbatches
+        if self.bubble_ms is not None:
+            d["bubble_ms"] = self.bubble_ms
+        for key in PIPELINE_STAGE_FIELDS:
+            val = getattr(self, key)
+            if val is not None:
+                d[key] = list(val)
+        if self.layer_ms is not None:
+            d["layer_ms"] = list(self.layer_ms)
         return d
 
 
@@ -685,6 +867,51 @@ def _set_phases(rec: StepRecord, d: Mapping[str, Any]) -> None:
         raise ProtocolError(
             f"'gc_ms' sums to {sum(rec.gc_ms):g} ms, more than the step's 'step_ms' ({rec.step_ms:g}): "
             f"the pauses are parts of the step.")
+
+
+# A pipeline leader's per-stage lists (StepRecord), one number per pipeline rank each.
+PIPELINE_STAGE_FIELDS = ("stage_fwd_ms", "stage_bwd_ms", "stage_send_wait_ms", "stage_recv_wait_ms",
+                         "stage_bubble_ms")
+_PIPELINE_KEYS = frozenset(("n_microbatches", "bubble_ms", "layer_ms", *PIPELINE_STAGE_FIELDS))
+
+
+def _pipeline_count(d: Mapping[str, Any]) -> int:
+    return sum(1 for k in _PIPELINE_KEYS if k in d)
+
+
+def _ms_list(d: Mapping[str, Any], key: str, *, max_len: int) -> tuple[float, ...] | None:
+    got = d.get(key)
+    if got is None:
+        return None
+    if (not isinstance(got, list) or not 1 <= len(got) <= max_len
+            or any(type(x) not in _NUMBER_TYPES or not (0.0 <= x <= MAX_DURATION_MS) for x in got)):
+        raise ProtocolError(
+            f"'{key}' must be a list of 1 to {max_len} numbers (ms), each between 0 and "
+            f"{_num(MAX_DURATION_MS)}, got {_short(got)}.")
+    return tuple(float(x) for x in got)
+
+
+def _set_pipeline(rec: StepRecord, d: Mapping[str, Any]) -> None:
+    """Read and check a pipeline leader's fields: each in range, the stage lists one length."""
+    rec.n_microbatches = _int(d, "n_microbatches", hi=MAX_GLOBAL_BATCH_SIZE, default=None)
+    rec.bubble_ms = _float(d, "bubble_ms", hi=MAX_DURATION_MS, default=None)
+    lengths = {}
+    for key in PIPELINE_STAGE_FIELDS:
+        val = _ms_list(d, key, max_len=MAX_PP_STAGES)
+        setattr(rec, key, val)
+        if val is not None:
+            lengths[key] = len(val)
+    if len(set(lengths.values())) > 1:
+        raise ProtocolError(
+            f"The stage lists must have one entry per pipeline rank each, but their lengths differ: "
+            f"{', '.join(f'{k} {n}' for k, n in lengths.items())}.")
+    if (rec.stage_fwd_ms is None) != (rec.stage_bwd_ms is None):
+        raise ProtocolError("'stage_fwd_ms' and 'stage_bwd_ms' come together: a stage's time per micro-batch is both.")
+    rec.layer_ms = _ms_list(d, "layer_ms", max_len=MAX_LAYERS)
+    if rec.bubble_ms is not None and rec.bubble_ms > rec.step_ms * (1 + 1e-9) + _PHASE_SLACK_MS:
+        raise ProtocolError(
+            f"'bubble_ms' ({rec.bubble_ms:g}) must not exceed the step's 'step_ms' ({rec.step_ms:g}): the "
+            f"bubble is part of the step.")
 
 
 # DeviceSample's link rates (bytes per second), in order.
@@ -1023,7 +1250,7 @@ class Error:
 
 Message: TypeAlias = Hello | Metrics | Ack | Reject | Oom | Leave | Placement | Error
 _TYPES: dict[str, Any] = {c.TYPE: c for c in (Hello, Metrics, Ack, Reject, Oom, Leave, Placement, Error)}
-_V2_ONLY = {"memory_source", "gpu_index", "gpu_uuid", "mesh", "replica_ranks", "replica_devices", "micro_batches"}  # hello fields a version-1 peer does not know
+_V2_ONLY = {"memory_source", "gpu_index", "gpu_uuid", "mesh", "replica_ranks", "replica_devices", "micro_batches", "pipeline"}  # hello fields a version-1 peer does not know
 
 
 def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
@@ -1048,6 +1275,11 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
         del body["micro_batches"]  # likewise
     if isinstance(msg, Hello) and body["mode"] == "":
         del body["mode"]  # likewise: the backend's default
+    if "pipeline" in body:
+        if body["pipeline"] is None:
+            del body["pipeline"]  # absent for a job without pipeline parallelism
+        else:
+            body["pipeline"] = body["pipeline"].to_dict()
     if "mesh" in body:
         if body["mesh"] is None:
             del body["mesh"]  # absent for plain data parallel
