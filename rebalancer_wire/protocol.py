@@ -1083,11 +1083,32 @@ class Metrics:
                 raise ProtocolError(
                     f"'steps[{i}].slowest_rank' is {s.slowest_rank}, not a member of this replica "
                     f"(its hello's 'replica_ranks' {list(hello.replica_ranks)}).")
+            _check_stages(i, s, hello.pipeline)
         for i, d in enumerate(self.device):
             if not lo <= d.t <= hi:
                 raise ProtocolError(_clock_message(f"device[{i}].t", d.t, now))
         if self.hang is not None and not lo <= self.hang.since <= hi:
             raise ProtocolError(_clock_message("hang.since", self.hang.since, now))
+
+
+def _check_stages(i: int, s: StepRecord, pipe: PipelineShape | None) -> None:
+    """A pipeline leader's stage lists against its hello's shape (docs/protocol.md)."""
+    if pipe is None and any(getattr(s, k) is not None for k in _PIPELINE_KEYS):
+        raise ProtocolError(
+            f"'steps[{i}]' carries pipeline stage times, but this hook's hello said no 'pipeline': say the "
+            f"pipeline's shape in the hello first.")
+    if pipe is None:
+        return
+    for key in PIPELINE_STAGE_FIELDS:
+        val = getattr(s, key)
+        if val is not None and len(val) != pipe.pp_size:
+            raise ProtocolError(
+                f"'steps[{i}].{key}' has {len(val)} entries; this pipeline has {pipe.pp_size} stages "
+                f"('pipeline.pp_size'): give one per pipeline rank, in stage order.")
+    if s.layer_ms is not None and len(s.layer_ms) != sum(pipe.layers_per_stage):
+        raise ProtocolError(
+            f"'steps[{i}].layer_ms' has {len(s.layer_ms)} entries, but the hello's 'pipeline.layers_per_stage' "
+            f"counts {sum(pipe.layers_per_stage)} layers: give one per layer, in model order.")
 
 
 def _clock_message(key: str, t: float, now: float) -> str:

@@ -152,3 +152,24 @@ def test_a_64_stage_leaders_frame_fits() -> None:
     assert 2500 < one < 3000  # 64 stages x 5 lists x about 8 bytes
     frame = encode(Metrics(job="pp", rank=0, steps=[rec] * 256))
     assert len(frame) < MAX_MESSAGE_BYTES and 256 <= MAX_RECORDS_PER_MESSAGE
+
+
+@pytest.mark.parametrize(("fields", "pipeline", "expected"), [
+    ({}, None, "'steps[0]' carries pipeline stage times, but this hook's hello said no 'pipeline': say the "
+               "pipeline's shape in the hello first."),
+    ({k: [1.0, 2.0, 3.0] for k in ("stage_fwd_ms", "stage_bwd_ms", "stage_send_wait_ms", "stage_recv_wait_ms",
+                                   "stage_bubble_ms")}, PIPE,
+     "'steps[0].stage_fwd_ms' has 3 entries; this pipeline has 2 stages ('pipeline.pp_size'): give one per "
+     "pipeline rank, in stage order."),
+    ({"layer_ms": [1.0, 2.0]}, PIPE, "'steps[0].layer_ms' has 2 entries, but the hello's "
+                                     "'pipeline.layers_per_stage' counts 5 layers: give one per layer, in model order."),
+])
+def test_stage_lists_are_held_to_the_hellos_shape(fields: dict[str, object], pipeline: object, expected: str) -> None:
+    body = {**HELLO, "pipeline": pipeline} if pipeline is not None else HELLO
+    hello = decode(json.dumps(body))
+    assert isinstance(hello, Hello)
+    rec = StepRecord.from_dict({**STEP, **PIPE_STEP, **fields})
+    with pytest.raises(ProtocolError) as err:
+        Metrics(job="pp", rank=1, steps=[rec]).check_against(hello, now=1.7e9)
+    assert str(err.value) == expected
+    Metrics(job="pp", rank=1, steps=[StepRecord.from_dict({**STEP, **PIPE_STEP})]).check_against(_hello(), now=1.7e9)
