@@ -17,6 +17,7 @@ from .comm import Communication, comm_bound_text
 from .costfit import MODEL_SAMPLES
 from .limits import limit_problem
 from .memory import DEFAULT_HEADROOM, format_bytes, memory_bounds, memory_limit_bytes
+from .pipeline import pipeline_strategy, with_pipeline_floors
 from .solver import (
     NO_CONSTRAINTS,
     TIE_TOLERANCE,
@@ -464,7 +465,13 @@ def _decide(obs: JobObservation, config: PolicyConfig, constraints: Constraints,
     # With a per-sample cost, shares and fits are in work units, and the reason says so.
     unit = "unit of work" if mean_batch_work(obs) is not None else "sample"
     obs = in_work_units(obs, length_sq_weight)
-    strategy = get_strategy(config.strategy)
+    strategy: Strategy
+    if obs.pipeline is not None:  # a pipelined job: micro-batches by the stage model, never below its floor
+        config = replace(config, strategy="pipeline")
+        constraints = with_pipeline_floors(obs, constraints)
+        strategy = pipeline_strategy
+    else:
+        strategy = get_strategy(config.strategy)
     headroom = config.memory_headroom
     mem_caps, mem_why = memory_bounds([r.memory for r in obs.ranks], obs.shares, b_total,
                                       headroom)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._values import Compact
 from .comm import Communication
 from .costfit import CostModel
 from .memory import DEFAULT_HEADROOM, RankMemory
+
+if TYPE_CHECKING:
+    from .pipeline import PipelineObservation
 
 __all__ = [
     "StepSample",
@@ -128,6 +131,9 @@ class JobObservation(Compact):
     # k of ``L + k*L^2`` in force: the hooks split each batch's work by it, so shares are
     # read in its units (0: lengths as they are, or no lengths).
     length_sq_weight: float = 0.0
+    # A pipelined job (PP x DP): its shape and stage times; its ranks here are pipelines and
+    # the ``pipeline`` strategy splits micro-batches over them (backend.policy.pipeline).
+    pipeline: PipelineObservation | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +158,7 @@ class ObservationRows(Compact):
     rollbacks: tuple[Rollback, ...] = ()
     comm: Communication | None = None
     length_sq_weight: float = 0.0
+    pipeline: PipelineObservation | None = None
 
     def build(self) -> JobObservation:
         return JobObservation(
@@ -159,7 +166,7 @@ class ObservationRows(Compact):
             batch_index=self.batch_index, shares=self.shares, placement_version=self.placement_version,
             steps_since_change=self.steps_since_change,
             ranks=tuple(_rank_observation(*r) for r in self.ranks), rollbacks=self.rollbacks,
-            comm=self.comm, length_sq_weight=self.length_sq_weight)
+            comm=self.comm, length_sq_weight=self.length_sq_weight, pipeline=self.pipeline)
 
 
 @dataclass(frozen=True, slots=True)

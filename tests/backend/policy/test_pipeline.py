@@ -1,0 +1,191 @@
+"""The pipeline model, strategy and stage-split advice (backend.policy.pipeline) with real
+numbers worked by hand in each test."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from backend.policy import Constraints, JobObservation, NoProposal, PolicyConfig, Proposal, decide
+from backend.policy.pipeline import (
+    PipelineObservation,
+    PipelineTimes,
+    assess,
+    bubble_share,
+    linear_cost,
+    schedule_ms,
+    split_layers,
+    stage_split_advice,
+    theory_bubble,
+)
+from backend.policy.types import RankObservation, StepSample
+
+
+def _times(i: int, stage: list[float], m: int, *, residual: float = 0.0, rest: float = 2.0,
+           layer_ms: tuple[float, ...] = (), steps: int = 20) -> PipelineTimes:
+    """Pipeline ``i`` whose stages take ``stage`` ms per micro-batch (a third forward)."""
+    fwd = tuple(t / 3 for t in stage)
+    bwd = tuple(t - f for t, f in zip(stage, fwd, strict=True))
+    compute = schedule_ms(stage, m) + residual
+    idle = tuple(compute - m * t for t in stage)
+    return PipelineTimes(dp_index=i, n_steps=steps, n_microbatches=m, fwd_ms=fwd, bwd_ms=bwd,
+                         send_wait_ms=(0.0,) * len(stage), recv_wait_ms=(0.0,) * len(stage), bubble_ms=idle,
+                         compute_ms=compute, step_ms=compute + rest, layer_ms=layer_ms)
+
+
+def _observe(pipes: list[PipelineTimes], *, schedule: str = "1f1b", floor: int = 1,
+             layers: tuple[int, ...] = (), names: tuple[str, ...] = (), version: int = 1) -> JobObservation:
+    shares = tuple(t.n_microbatches for t in pipes)
+    ranks = tuple(RankObservation(rank=t.dp_index, steps=tuple(
+        StepSample(k, t.n_microbatches, t.compute_ms) for k in range(t.n_steps))) for t in pipes)
+    po = PipelineObservation(schedule=schedule, pp_size=len(pipes[0].fwd_ms), stages_per_rank=1, tp_size=1,
+                             min_microbatches=floor, pipelines=tuple(pipes), layers_per_stage=layers,
+                             layer_names=names)
+    return JobObservation(job="pp", world_size=len(pipes), global_batch_size=sum(shares), batch_index=40,
+                          shares=shares, placement_version=version, steps_since_change=40, ranks=ranks,
+                          pipeline=po)
+
+
+def test_the_schedule_model_is_the_textbook_bubble_for_equal_stages():
+    assert schedule_ms([10.0] * 4, 8) == 110.0  # (m + p - 1) * t
+    assert bubble_share([10.0] * 4, 8) == pytest.approx(3 / 11) == pytest.approx(theory_bubble(4, 8))
+    # a heavy last stage: the fill crosses every stage once, then the slowest sets the pace
+    assert schedule_ms([10.0, 10.0, 10.0, 20.0], 8) == 50.0 + 7 * 20.0
+    assert bubble_share([10.0, 10.0, 10.0, 20.0], 8) == pytest.approx(1 - 8 * 12.5 / 190)
+    # interleaved 1F1B, 2 model stages per rank: (m + (p-1)/v) * t
+    assert schedule_ms([10.0] * 4, 8, stages_per_rank=2) == pytest.approx(95.0)
+    assert theory_bubble(4, 8, 2) == pytest.approx(1.5 / 9.5)
+    assert schedule_ms([10.0] * 4, 0) == 0.0
+    a, c = linear_cost([5.0, 5.0, 5.0, 5.0])
+    assert (a, c) == (15.0, 5.0) and all(a + c * m == schedule_ms([5.0] * 4, m) for m in range(1, 9))
+
+
+def test_a_slow_pipeline_gets_fewer_micro_batches_and_its_larger_bubble_is_priced():
+    """PP4 x DP2, 16 micro-batches: pipeline 1's stages take 10 ms, pipeline 0's 5 ms.
+    T0(m) = 15 + 5m, T1(m) = 30 + 10m. Uniform (8, 8): 55 and 110. A split by speed alone
+    (2:1, ignoring the bubble) gives (11, 5): 70 and 80. The model's best is (12, 4): 75 and
+    70, a step of 75 ms, the slow pipeline's bubble share up from 3/11 to 3/7."""
+    obs = _observe([_times(0, [5.0] * 4, 8), _times(1, [10.0] * 4, 8)])
+    got = decide(obs, PolicyConfig(strategy="profiled", min_steps=10))
+    assert isinstance(got, Proposal), got
+    assert got.shares == (12, 4)
+    ex = got.explanation
+    assert ex.strategy == "pipeline"
+    assert ex.step_ms_before == pytest.approx(110.0) and ex.step_ms_after == pytest.approx(75.0)
+    assert [r.compute_ms_after for r in ex.ranks] == pytest.approx([75.0, 70.0])
+    assert bubble_share([10.0] * 4, 4) == pytest.approx(3 / 7)
+    assert ex.evidence["pipeline"]["pipelines"][1]["bottleneck_stage"] == 0
+
+
+def test_never_fewer_micro_batches_than_the_schedule_allows():
+    """The same job with min_microbatches 5: (11, 5), 80 ms, the best the floor admits."""
+    obs = _observe([_times(0, [5.0] * 4, 8), _times(1, [10.0] * 4, 8)], floor=5)
+    got = decide(obs, PolicyConfig(min_steps=10))
+    assert isinstance(got, Proposal) and got.shares == (11, 5)
+    assert got.explanation.step_ms_after == pytest.approx(80.0)
+    # an operator's drain of a pipeline the schedule cannot drain has no placement
+    drained = decide(obs, PolicyConfig(min_steps=10), Constraints(drains=frozenset({1})))
+    assert isinstance(drained, NoProposal) and drained.status == "infeasible"
+
+
+def test_what_the_model_leaves_out_is_measured_per_pipeline():
+    """Pipeline 1 measures 12 ms more than its model (sends and receives): T1(m) = 42 + 10m,
+    so it gets (13, 3): 80 and 72 ms, not the (12, 4) of the bare model (82 ms there)."""
+    obs = _observe([_times(0, [5.0] * 4, 8), _times(1, [10.0] * 4, 8, residual=12.0)])
+    got = decide(obs, PolicyConfig(min_steps=10))
+    assert isinstance(got, Proposal) and got.shares == (13, 3)
+    assert got.explanation.step_ms_before == pytest.approx(122.0)
+    assert got.explanation.step_ms_after == pytest.approx(80.0)
+
+
+def test_warming_up_until_every_pipeline_has_stage_times():
+    obs = _observe([_times(0, [5.0] * 4, 8, steps=4), _times(1, [10.0] * 4, 8)])
+    got = decide(obs, PolicyConfig(min_steps=10))
+    assert isinstance(got, NoProposal) and got.status == "warming_up"
+    assert got.detail == "warming up: 6 more steps with stage times needed on pipeline 0"
+
+
+def test_balanced_pipelines_get_no_proposal():
+    obs = _observe([_times(0, [5.0] * 4, 8), _times(1, [5.0] * 4, 8)])
+    got = decide(obs, PolicyConfig(min_steps=10))
+    assert isinstance(got, NoProposal) and got.status == "balanced"
+
+
+def test_the_observation_pickles_compactly_to_the_policy_process():
+    obs = _observe([_times(0, [5.0] * 4, 8), _times(1, [10.0] * 4, 8)])
+    assert pickle.loads(pickle.dumps(obs)) == obs
+
+
+def test_split_layers_minimises_the_largest_stage():
+    assert split_layers([3, 3, 3, 3, 3, 3, 3, 9], 4) == (3, 3, 1, 1)
+    assert split_layers([1, 1, 1, 1, 4], 2) == (4, 1)
+    assert split_layers([1.0] * 8, 4) == (2, 2, 2, 2)
+    assert split_layers([5, 1, 1, 1], 4) == (1, 1, 1, 1)
+    with pytest.raises(ValueError, match="cannot split 3 layers into 4 stages"):
+        split_layers([1, 1, 1], 4)
+
+
+NAMES = ("tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "output")
+
+
+def test_a_heavy_last_stage_in_every_pipeline_gets_a_new_layer_split():
+    """PP4, 2 layers a stage, 8 micro-batches; the output layer costs 9 ms, the others 3:
+    stages [6, 6, 6, 12], T = 30 + 7*12 = 114 ms (+2 ms of optimizer). Split (3, 3, 1, 1):
+    stages [9, 9, 3, 9], T = 30 + 7*9 = 93 ms: 95 vs 116, 18.1% faster."""
+    layer_ms = (3.0,) * 7 + (9.0,)
+    pipes = [_times(0, [6.0, 6.0, 6.0, 12.0], 8, layer_ms=layer_ms),
+             _times(1, [6.6, 6.6, 6.6, 13.2], 8, layer_ms=tuple(x * 1.1 for x in layer_ms))]
+    po = _observe(pipes, layers=(2, 2, 2, 2), names=NAMES).pipeline
+    assert po is not None
+    advice, note = stage_split_advice(po)
+    assert advice is not None, note
+    assert advice.bottleneck_stage == 3 and advice.source == "layer_ms"
+    assert advice.layers_per_stage == (3, 3, 1, 1)
+    assert advice.module_names_per_stage == (("tok_embeddings", "layers.0", "layers.1"),
+                                             ("layers.2", "layers.3", "layers.4"), ("layers.5",), ("output",))
+    # the slower pipeline (x1.1) sets the step: 30*1.1 + 7*13.2 + 2 before, 30*1.1 + 7*9.9 + 2 after
+    assert advice.step_ms_before == pytest.approx(33.0 + 92.4 + 2.0)
+    assert advice.step_ms_after == pytest.approx(33.0 + 69.3 + 2.0)
+    assert advice.gain == pytest.approx(1 - 104.3 / 127.4)
+    assert advice.stage_ms_after == pytest.approx((9.45, 9.45, 3.15, 9.45))
+    assert "layers [2, 2, 2, 2] -> [3, 3, 1, 1] per stage" in note
+
+
+def test_stage_times_alone_spread_over_a_stages_layers():
+    """Without layer_ms a stage's time is spread evenly over its layers: [6, 6, 6, 12] with
+    2 layers each is [3]*6 + [6, 6]: split (3, 2, 2, 1)? max 9 vs ... the best max is 9
+    (3+3+3 | 3+3 | 3+6 | 6), so (3, 2, 2, 1): T = 30 + 7*9 = 93."""
+    po = _observe([_times(0, [6.0, 6.0, 6.0, 12.0], 8)], layers=(2, 2, 2, 2)).pipeline
+    assert po is not None
+    advice, _ = stage_split_advice(po)
+    assert advice is not None and advice.source == "stage_ms" and advice.module_names_per_stage == ()
+    assert max(advice.stage_ms_after) == pytest.approx(9.0)
+    assert advice.step_ms_after == pytest.approx(93.0 + 2.0) and advice.step_ms_before == pytest.approx(116.0)
+
+
+@pytest.mark.parametrize(("pipes", "layers", "schedule", "note"), [
+    ([_times(0, [6.0, 12.0], 8), _times(1, [12.0, 6.0], 8)], (2, 2), "1f1b",
+     "no one stage bounds every pipeline (stages 0, 1 do): the micro-batch split over pipelines is the remedy"),
+    ([_times(0, [6.0, 12.0], 8)], (), "1f1b",
+     "stage 1 bounds every pipeline; say 'pipeline.layers_per_stage' in the hello (RebalanceHook) to get a "
+     "layer split"),
+    ([_times(0, [10.0, 10.5], 8)], (2, 2), "1f1b",
+     "stage 1 bounds every pipeline, but the best layer split ([2, 2]) gains 0.0%, below 5%"),
+])
+def test_no_advice_says_why(pipes: list[PipelineTimes], layers: tuple[int, ...], schedule: str, note: str):
+    po = _observe(pipes, layers=layers, schedule=schedule).pipeline
+    assert po is not None
+    assert stage_split_advice(po) == (None, note)
+
+
+def test_the_assessment_names_the_bottleneck_the_slowest_pipeline_and_the_bubble():
+    pipes = [_times(0, [5.0, 5.0, 5.0, 8.0], 8), _times(1, [10.0, 10.0, 10.0, 16.0], 4)]
+    a = assess(_observe(pipes).pipeline)  # type: ignore[arg-type]
+    assert a.bottleneck_stage == 3 and a.slowest_pipeline == 1
+    row = a.rows[1]
+    assert row is not None and row.compute_ms == pytest.approx(46.0 + 3 * 16.0)
+    # measured bubble: the stages' mean idle over the run, the model's at m = 4
+    assert row.bubble_share == pytest.approx(1 - 4 * 11.5 / 94.0)
+    assert row.model_bubble_share == pytest.approx(row.bubble_share)
+    assert a.bubble_share == pytest.approx((a.rows[0].bubble_share + row.bubble_share) / 2)  # type: ignore[union-attr]
