@@ -27,6 +27,7 @@ from backend.api.routes import (
     memory,
     metrics,
     pages,
+    pipeline,
     report,
     tokens,
 )
@@ -41,7 +42,8 @@ log = logging.getLogger("rebalancer")
 # Every router, listed: the hook websocket, then one per REST resource and the dashboard's pages.
 ROUTERS: tuple[APIRouter, ...] = (
     hook.router, metrics.router, audit.router, control.router, docs.router, fleet.router, health.router,
-    identity.router, jobs.router, causes.router, memory.router, pages.router, report.router, tokens.router,
+    identity.router, jobs.router, causes.router, memory.router, pipeline.router, pages.router, report.router,
+    tokens.router,
 )
 
 

@@ -144,6 +144,7 @@ def observation_rows(live: Any, job: str, *, world_size: int, global_batch_size:
         batch_index=view.batch_index or 0, shares=tuple(shares), placement_version=version,
         steps_since_change=max(0, (view.batch_index or 0) - (effective or 0)), ranks=tuple(ranks),
         rollbacks=tuple(rollbacks), comm=live.communication(job), length_sq_weight=length_sq_weight,
+        pipeline=live.pipelines.observation(job, window_steps),  # None unless pipelined (docs/pipelines.md)
     )
 
 

@@ -29,6 +29,7 @@ from backend.auth.sockets import TokenSockets
 from backend.auth.tokens import Actor
 from backend.control.controller import Controller
 from backend.dashboard.hub import DashboardHub
+from backend.live.pipeline import pipeline_conflict, same_pipeline
 from backend.live.state import LiveState
 from backend.peers.budget import (
     HOOK_BYTES_BURST,
@@ -387,7 +388,8 @@ def _reshape_refusal(parts: IngestParts, websocket: WebSocket, hello: Hello) -> 
     if shape is None:
         return None, False
     mesh = parts.live.mesh(hello.job)
-    if shape == new and mesh == hello.mesh:
+    pipe = parts.live.pipelines.shape(hello.job)
+    if shape == new and mesh == hello.mesh and same_pipeline(pipe, hello.pipeline):
         return None, False
     # Every connected rank but this one, on any connection: on a single-node job all of them
     # share the node connection this hello came on.
@@ -395,6 +397,8 @@ def _reshape_refusal(parts: IngestParts, websocket: WebSocket, hello: Hello) -> 
     counts = [h.restart_count for r in others if (h := parts.live.hello(hello.job, r)) is not None]
     if not others or hello.restart_count > max(counts, default=-1):
         return None, shape != new
+    if shape == new and mesh == hello.mesh:
+        return pipeline_conflict(hello, pipe, len(others)), False
     if shape == new:
         return (f"Job '{hello.job}' runs as {_mesh_words(mesh)} on {len(others)} connected replica "
                 f"leader{'s' if len(others) != 1 else ''}; this hello says {_mesh_words(hello.mesh)}. Every "

@@ -36,6 +36,7 @@ from typing import Any
 from backend.live.hangs import HungRank, hung_rank
 from backend.live.histogram import StepHistogram, cumulative
 from backend.live.memory_fit import MemoryFitCache
+from backend.live.pipeline import PipelineBook
 from backend.live.rows import (
     STEP_BATCH,
     STEP_COMPUTE,
@@ -256,6 +257,7 @@ class LiveState:
         self.window_steps = window_steps
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
+        self.pipelines = PipelineBook(window_steps)  # pipelined jobs' shapes and stage times
         self.messages_total = 0
         self.records_total = 0
         self.dropped_total = 0
@@ -277,6 +279,7 @@ class LiveState:
                 job = _Job(hello.job, hello.world_size, hello.global_batch_size, now, now)
                 self._jobs[hello.job] = job
             assert job is not None
+            self.pipelines.register(hello, new_run)
             job.last_seen = now
             if hello.total_steps is not None:
                 job.total_steps = hello.total_steps
@@ -328,6 +331,7 @@ class LiveState:
                 r.device.extend(dev)
                 r.device_obj = None
                 r.pending_device.extend(dev)
+            self.pipelines.add(msg, r.hello)
             r.dropped += msg.dropped
             r.pending_dropped += msg.dropped
             if msg.total_steps is not None:
@@ -397,6 +401,7 @@ class LiveState:
     def forget(self, job: str) -> None:
         with self._lock:
             self._jobs.pop(job, None)
+        self.pipelines.forget(job)
 
     # --- reads ----------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from backend.api.deps import LiveDep, PartsDep, SettingsDep, SqlDep, ViewerDep
 from backend.api.forwarding import from_owner
+from backend.api.routes.pipeline import PipelineBrief, pipeline_brief
 from backend.live.forecast import forecast, goodput
 from backend.live.replicas import replica_rows, stored_replica_rows
 from backend.live.state import JobView, RankView
@@ -104,6 +105,9 @@ class JobPublic(BaseModel):
         None, description="A mesh job's replicas with their members, time and slowest member; null for plain data parallel.")
     cost_model: CostModelPublic | None = Field(
         None, description="What a sample costs in the split, and how well that explains the step times.")
+    pipeline: PipelineBrief | None = Field(
+        None, description="A pipelined job's shape, bottleneck stage, bubble share and slowest pipeline "
+                          "(GET /api/v1/jobs/{job}/pipeline has the grid); null without pipelines.")
     share_unit: Literal["sample", "micro_batch"] = Field(
         "sample", description="What a share counts: samples, or fixed-shape micro-batches "
                               "(RebalanceHook(micro_batches=M): global_batch_size is M; docs/streaming.md).")
@@ -188,6 +192,11 @@ class RankPublic(BaseModel):
     host_ms: float | None = Field(default=None, description="Of data_wait_ms, the loop's own host work (docs/causes.md).")
     ckpt_ms: float | None = Field(default=None, description="Of data_wait_ms, checkpoint writes.")
     gc_ms: float | None = Field(default=None, description="Python GC pauses a step (within the other times).")
+    # A pipelined job (docs/pipelines.md): each row is a pipeline, spoken for by its leader.
+    pp_stage: int | None = Field(default=None, description="The pipeline stage of the rank that speaks for this row.")
+    pp_size: int | None = Field(default=None, description="Stages of this pipeline; null without pipelines.")
+    bubble_ms: float | None = Field(default=None, description="The pipeline's idle time a step (mean of its stages').")
+    bottleneck_stage: int | None = Field(default=None, description="Its stage slowest per micro-batch.")
 
 
 class RanksPublic(BaseModel):
@@ -276,6 +285,7 @@ def _job_from_live(parts: Parts, view: JobView) -> dict[str, Any]:
         "replicas": replica_rows(view), **_hung(view), "goodput": (good := goodput(view)),
         "lost_cost_per_hour": fc.cost_per_hour * (1.0 - good) if fc.cost_per_hour is not None and good is not None else None,
         "share_unit": view.share_unit,  # "micro_batch": shares count micro-batches (docs/streaming.md)
+        "pipeline": pipeline_brief(parts.live.pipelines, view.job),
     }
 
 
@@ -394,7 +404,7 @@ def _rank_live(parts: Parts, job: str, r: RankView, shares: list[int] | None,
         price_per_hour=parts.settings.price_for(r.device_type, r.device_name),
         work_per_s=r.work_per_s, work_share=r.work_share,
         hook_version=hello.hook_version if hello is not None else "",
-        host_ms=r.host_ms, ckpt_ms=r.ckpt_ms, gc_ms=r.gc_ms,
+        host_ms=r.host_ms, ckpt_ms=r.ckpt_ms, gc_ms=r.gc_ms, **parts.live.pipelines.rank_fields(job, r.rank),
     )
 
 

@@ -1,5 +1,5 @@
-"""The pipeline model, strategy and stage-split advice (backend.policy.pipeline) with real
-numbers worked by hand in each test."""
+"""The pipeline model, strategy (backend.policy.pipeline), views and stage-split advice
+(backend.policy.pipeline_advice), with real numbers worked by hand in each test."""
 
 from __future__ import annotations
 
@@ -11,14 +11,12 @@ from backend.policy import Constraints, JobObservation, NoProposal, PolicyConfig
 from backend.policy.pipeline import (
     PipelineObservation,
     PipelineTimes,
-    assess,
     bubble_share,
     linear_cost,
     schedule_ms,
-    split_layers,
-    stage_split_advice,
     theory_bubble,
 )
+from backend.policy.pipeline_advice import assess, split_layers, stage_split_advice
 from backend.policy.types import RankObservation, StepSample
 
 

@@ -1,0 +1,144 @@
+"""``GET /api/v1/jobs/{job}/pipeline``: a pipelined job's shape, its grid of stages x
+pipelines, the bottleneck stage, the bubble share, the slowest pipeline and stage-split
+advice (viewer role; docs/pipelines.md). The job view carries the brief (``PipelineBrief``).
+
+The figures are live state's (``LiveState.pipelines``), assessed by the one rule in
+``backend.policy.pipeline.assess``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request, Response
+from pydantic import BaseModel, Field
+
+from backend.api.deps import PartsDep, ViewerDep
+from backend.api.forwarding import from_owner
+from backend.live.pipeline import PipelineBook
+from backend.policy.pipeline_advice import PipelineAssessment, PipelineRow, StageSplitAdvice
+from rebalancer_wire.protocol import PipelineShape
+
+__all__ = ["router", "PipelineBrief", "PipelinePublic", "PipelineRowPublic", "StageCellPublic",
+           "StageSplitAdvicePublic", "pipeline_brief"]
+
+router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
+
+
+class PipelineBrief(BaseModel):
+    """A pipelined job's shape and what bounds it (the job view's ``pipeline``)."""
+
+    pp_size: int = Field(description="Pipeline ranks (stages on ranks) per pipeline.")
+    pp_stage: int = Field(default=0, description="The stage of the rank that speaks for each pipeline (its leader's).")
+    tp_size: int = 1
+    schedule: str = Field(description="gpipe, 1f1b or interleaved1f1b.")
+    n_stages: int = Field(description="Model stages over a pipeline (pp_size x stages per rank).")
+    stages_per_rank: int = 1
+    min_microbatches: int = Field(description="The fewest micro-batches a pipeline may run (0: it may be drained).")
+    layers_per_stage: list[int] = Field(default_factory=list, description="Layers per model stage, as the hooks said.")
+    label: str = Field(description="How people read it, e.g. 'PP 4, 1f1b'.")
+    pipelines: int = Field(description="Data-parallel pipelines: the job's world_size; shares count micro-batches per pipeline.")
+    bottleneck_stage: int | None = Field(default=None, description="The stage slowest per micro-batch in every measured pipeline; null when they differ.")
+    slowest_pipeline: int | None = Field(default=None, description="The pipeline (dp index) with the longest measured schedule run.")
+    bubble_share: float | None = Field(default=None, description="Mean over pipelines of the stages' idle share of the run, 0..1.")
+    advice_gain: float | None = Field(default=None, description="The stage-split advice's predicted step gain; null without advice.")
+    advice_note: str = Field(default="", description="What the advice says, or why there is none.")
+
+
+class StageCellPublic(BaseModel):
+    """One cell of the grid: a stage of a pipeline, means over its newest steps."""
+
+    stage: int
+    stage_ms: float = Field(description="fwd_ms + bwd_ms: the stage's time per micro-batch.")
+    fwd_ms: float
+    bwd_ms: float
+    send_wait_ms: float = Field(description="Per step.")
+    recv_wait_ms: float = Field(description="Per step.")
+    bubble_ms: float = Field(description="Per step: the stage's idle time.")
+
+
+class PipelineRowPublic(BaseModel):
+    pipeline: int = Field(description="The dp index: the pipeline's rank in placements.")
+    n_microbatches: int | None = None
+    compute_ms: float | None = Field(default=None, description="The schedule's run, measured.")
+    model_ms: float | None = Field(default=None, description="The model's run at this count: sum(t) + (m-1) max(t) (docs/pipelines.md).")
+    bubble_share: float | None = Field(default=None, description="Measured: the stages' mean idle time over the run.")
+    model_bubble_share: float | None = Field(default=None, description="The model's at this count ((p-1)/(m+p-1) for equal stages).")
+    bottleneck_stage: int | None = None
+    stages: list[StageCellPublic] = Field(default_factory=list, description="Empty until it sends stage times.")
+
+
+class StageSplitAdvicePublic(BaseModel):
+    bottleneck_stage: int
+    current_layers_per_stage: list[int]
+    layers_per_stage: list[int] = Field(description="The proposed layer count of each stage.")
+    module_names_per_stage: list[list[str]] = Field(
+        default_factory=list, description="torchtitan's module names per stage, when the hooks named the layers.")
+    stage_ms_before: list[float]
+    stage_ms_after: list[float]
+    step_ms_before: float
+    step_ms_after: float
+    gain: float = Field(description="(before - after) / before.")
+    source: str = Field(description="layer_ms (measured per layer) or stage_ms (a stage's time spread over its layers).")
+
+
+class PipelinePublic(PipelineBrief):
+    """The brief, the grid (one row per pipeline, one cell per stage) and the advice."""
+
+    rows: list[PipelineRowPublic]
+    advice: StageSplitAdvicePublic | None = None
+
+
+def _row(i: int, r: PipelineRow | None) -> PipelineRowPublic:
+    if r is None:
+        return PipelineRowPublic(pipeline=i)
+    cells = [StageCellPublic(stage=s, stage_ms=r.stage_ms[s], fwd_ms=r.fwd_ms[s], bwd_ms=r.bwd_ms[s],
+                             send_wait_ms=r.send_wait_ms[s], recv_wait_ms=r.recv_wait_ms[s],
+                             bubble_ms=r.stage_bubble_ms[s]) for s in range(len(r.stage_ms))]
+    return PipelineRowPublic(pipeline=i, n_microbatches=r.n_microbatches, compute_ms=r.compute_ms,
+                             model_ms=r.model_ms, bubble_share=r.bubble_share,
+                             model_bubble_share=r.model_bubble_share, bottleneck_stage=r.bottleneck_stage,
+                             stages=cells)
+
+
+def _advice(a: StageSplitAdvice | None) -> StageSplitAdvicePublic | None:
+    if a is None:
+        return None
+    return StageSplitAdvicePublic(
+        bottleneck_stage=a.bottleneck_stage, current_layers_per_stage=list(a.current_layers_per_stage),
+        layers_per_stage=list(a.layers_per_stage), module_names_per_stage=[list(g) for g in a.module_names_per_stage],
+        stage_ms_before=list(a.stage_ms_before), stage_ms_after=list(a.stage_ms_after),
+        step_ms_before=a.step_ms_before, step_ms_after=a.step_ms_after, gain=a.gain, source=a.source)
+
+
+def _brief(shape: PipelineShape, a: PipelineAssessment) -> dict[str, Any]:
+    return {"pp_size": shape.pp_size, "pp_stage": shape.pp_stage, "tp_size": shape.tp_size,
+            "schedule": shape.schedule, "n_stages": shape.n_stages, "stages_per_rank": shape.stages_per_rank,
+            "min_microbatches": shape.min_microbatches, "layers_per_stage": list(shape.layers_per_stage),
+            "label": shape.label, "pipelines": len(a.rows), "bottleneck_stage": a.bottleneck_stage,
+            "slowest_pipeline": a.slowest_pipeline, "bubble_share": a.bubble_share,
+            "advice_gain": a.advice.gain if a.advice is not None else None, "advice_note": a.advice_note}
+
+
+def pipeline_brief(book: PipelineBook, job: str) -> PipelineBrief | None:
+    """The job view's ``pipeline``; None for a job without pipelines."""
+    shape, a = book.shape(job), book.assessment(job)
+    if shape is None or a is None:
+        return None
+    return PipelineBrief(**_brief(shape, a))
+
+
+@router.get("/{job}/pipeline", response_model=PipelinePublic, summary="A pipelined job's stages x pipelines")
+async def get_pipeline(job: str, _actor: ViewerDep, parts: PartsDep, request: Request) -> PipelinePublic | Response:
+    """The grid of stages x pipelines with each cell's time, the bottleneck stage, the bubble
+    share, the slowest pipeline and stage-split advice (live jobs; from the job's owner with
+    several replicas). 404 for an unknown job or one whose hooks said no pipeline."""
+    if (owners := await from_owner(request, parts, job)) is not None:
+        return owners
+    book = parts.live.pipelines
+    shape, a = book.shape(job), book.assessment(job)
+    if shape is None or a is None:
+        if job in parts.live:
+            raise HTTPException(404, f"Job '{job}' is not pipelined: its hooks said no pipeline.")
+        raise HTTPException(404, f"Job '{job}' not found.")
+    return PipelinePublic(**_brief(shape, a), rows=[_row(i, r) for i, r in enumerate(a.rows)],
+                          advice=_advice(a.advice))

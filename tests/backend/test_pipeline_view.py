@@ -1,0 +1,220 @@
+"""A pipelined job (PP x DP, issue 40 items 2-4) on a real backend (uvicorn), fed real
+frames through the hook websocket: the shape reaches live state, ``/ranks`` and the job view
+carry ``pp_stage``, ``pp_size`` and ``bubble_ms``; ``/pipeline`` gives the grid, the
+bottleneck stage, the bubble share, the slowest pipeline and the stage-split advice; the
+policy proposes micro-batches per pipeline from the stage model, and after the placement
+the measured step is on record beside the predicted one. Bad shapes and stage lists get
+one sentence; another pipeline shape for a live job is a conflict.
+
+The job: PP2 x DP2 (two pipelines of two stages), 16 micro-batches a step, 1F1B, each
+stage's layers [2, 2]. Pipeline 0's stages take 4 and 8 ms a micro-batch, pipeline 1's
+twice that (a slow pipeline); stage 1 holds the heavy output layer (layers cost 2, 2, 2, 6
+ms in pipeline 0). The frames carry exactly the model's schedule time
+``sum(t) + (m-1) max(t)``, so every figure below is worked by hand."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from websockets.sync.client import ClientConnection, connect
+
+from rebalancer_wire.protocol import (
+    CLOSE_CONFLICT,
+    CLOSE_MALFORMED,
+    Ack,
+    Hello,
+    MeshShape,
+    Metrics,
+    PipelineShape,
+    StepRecord,
+    encode,
+)
+from tests.backend._app import closed
+from tests.helpers.server import Server, running_server
+from tests.helpers.waiting import wait_until
+
+pytestmark = pytest.mark.multiproc
+
+JOB = "pp2x2"
+MESH = MeshShape(dp=2, replica_size=2, dims=("dp", "pp"), shape=(2, 2))
+NAMES = ("tok_embeddings", "layers.0", "layers.1", "output")
+STAGES = {0: [4.0, 8.0], 1: [8.0, 16.0]}  # ms per micro-batch, per stage
+LAYERS = {0: [2.0, 2.0, 2.0, 6.0], 1: [4.0, 4.0, 4.0, 12.0]}
+REST_MS = 1.5  # data wait 0.5 + optimizer 1.0
+
+
+def _shape(dp_index: int, **kw: Any) -> PipelineShape:
+    base: dict[str, Any] = dict(pp_size=2, pp_stage=0, dp_index=dp_index, tp_size=1, schedule="1f1b", n_stages=2,
+                                min_microbatches=2, layers_per_stage=(2, 2), layer_names=NAMES)
+    return PipelineShape(**{**base, **kw})
+
+
+def _hello(rank: int, job: str = JOB, **kw: Any) -> str:
+    return encode(Hello(job=job, rank=rank, world_size=2, global_batch_size=16, host="h", mesh=MESH,
+                        micro_batches=True, pipeline=_shape(rank, **kw)))
+
+
+def _schedule(stage: list[float], m: int) -> float:
+    return sum(stage) + (m - 1) * max(stage)
+
+
+def _steps(rank: int, first: int, n: int, shares: list[int], version: int) -> list[StepRecord]:
+    """Pipeline ``rank``'s steps under ``shares``: every pipeline's step is the slowest's."""
+    m = shares[rank]
+    stage = STAGES[rank]
+    compute = _schedule(stage, m)
+    step = max(_schedule(STAGES[i], shares[i]) for i in STAGES) + REST_MS
+    idle = [compute - m * t for t in stage]
+    t0 = time.time()
+    return [StepRecord(
+        batch_index=b, local_batch_size=m, placement_version=version, data_wait_ms=0.5, compute_ms=compute,
+        sync_wait_ms=step - compute - REST_MS, optimizer_ms=1.0, step_ms=step, t=t0 + (b - first) * 0.01,
+        n_microbatches=m, bubble_ms=sum(idle) / 2, stage_fwd_ms=tuple(t / 4 for t in stage),
+        stage_bwd_ms=tuple(3 * t / 4 for t in stage), stage_send_wait_ms=(0.25, 0.0), stage_recv_wait_ms=(0.0, 0.5),
+        stage_bubble_ms=tuple(idle), layer_ms=tuple(LAYERS[rank])) for b in range(first, first + n)]
+
+
+def _feed(ws: ClientConnection, rank: int, first: int, n: int, shares: list[int], version: int) -> None:
+    for start in range(first, first + n, 8):
+        ws.send(encode(Metrics(job=JOB, rank=rank, steps=_steps(rank, start, min(8, first + n - start), shares,
+                                                                  version))))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    env = {"REBALANCER_MIN_STEPS": "6", "REBALANCER_EFFECT_WINDOW_STEPS": "8", "REBALANCER_DEFAULT_MODE": "approve"}
+    with running_server(tmp_path_factory.mktemp("pipeline"), env=env) as s:
+        yield s
+
+
+def _get(server: Server, path: str) -> Any:
+    status, body = server.call("GET", path)
+    assert status == 200, (path, status, body)
+    return body
+
+
+def test_a_pipelined_job_is_shown_advised_and_balanced(server: Server) -> None:
+    with connect(server.ws_url + "/ws/hook") as p0, connect(server.ws_url + "/ws/hook") as p1:
+        pipes = (p0, p1)
+        for rank, ws in enumerate(pipes):
+            ws.send(_hello(rank))
+            reply = json.loads(ws.recv(timeout=10))
+            assert reply["type"] == "placement" and reply["shares"] == [8, 8]
+        for rank, ws in enumerate(pipes):
+            _feed(ws, rank, 0, 24, [8, 8], 0)
+        ranks = wait_until(lambda: (r := _get(server, f"/api/v1/jobs/{JOB}/ranks"))["count"] == 2
+                           and all(x["n_steps"] >= 24 for x in r["data"]) and r["data"], "24 steps of both pipelines",
+                           log=server.log)
+        # /ranks: one row per pipeline, its leader's stage, the stage count, the bubble a step
+        # (pipeline 1 at m=8: stages idle 136 - 64 = 72 and 136 - 128 = 8 ms: 40 on average)
+        assert [(r["pp_stage"], r["pp_size"], r["bottleneck_stage"]) for r in ranks] == [(0, 2, 1), (0, 2, 1)]
+        assert [r["bubble_ms"] for r in ranks] == pytest.approx([(68 - 32 + 68 - 64) / 2, (136 - 64 + 136 - 128) / 2])
+
+        job = _get(server, f"/api/v1/jobs/{JOB}")
+        brief = job["pipeline"]
+        assert (brief["pp_size"], brief["schedule"], brief["label"], brief["pipelines"]) == (2, "1f1b", "PP 2, 1f1b", 2)
+        assert (brief["bottleneck_stage"], brief["slowest_pipeline"]) == (1, 1)
+        assert job["share_unit"] == "micro_batch"
+
+        grid = _get(server, f"/api/v1/jobs/{JOB}/pipeline")
+        row1 = grid["rows"][1]
+        assert [c["stage_ms"] for c in row1["stages"]] == pytest.approx([8.0, 16.0])
+        assert [c["recv_wait_ms"] for c in row1["stages"]] == pytest.approx([0.0, 0.5])
+        assert row1["compute_ms"] == pytest.approx(136.0) and row1["model_ms"] == pytest.approx(136.0)
+        assert row1["bubble_share"] == pytest.approx(40.0 / 136.0)
+        assert grid["bubble_share"] == pytest.approx((20.0 / 68.0 + 40.0 / 136.0) / 2)
+        # the heavy output layer: [2, 2] -> [3, 1] per stage, stages 6 | 6 ms (pipeline 0) and
+        # 12 | 12 (pipeline 1): pipeline 1's run 24 + 7*12 = 108 instead of 136 (+1.5 ms of data
+        # wait and optimizer, the slowest pipeline's rest of the step)
+        advice = grid["advice"]
+        assert advice["layers_per_stage"] == [3, 1] and advice["bottleneck_stage"] == 1
+        assert advice["module_names_per_stage"] == [["tok_embeddings", "layers.0", "layers.1"], ["output"]]
+        assert advice["step_ms_before"] == pytest.approx(137.5) and advice["step_ms_after"] == pytest.approx(109.5)
+        assert brief["advice_gain"] == pytest.approx(28.0 / 137.5)
+
+        # The policy: T0(m) = 4 + 8m, T1(m) = 8 + 16m; (11, 5) gives 92 and 88 ms.
+        prop = wait_until(lambda: (r := _get(server, f"/api/v1/jobs/{JOB}/proposals?status=proposed"))["count"]
+                          and r["data"][0], "a proposal", log=server.log)
+        assert prop["shares"] == [11, 5], prop
+        ex = prop["explanation"]
+        assert ex["strategy"] == "pipeline"
+        assert ex["step_ms_before"] == pytest.approx(137.0) and ex["step_ms_after"] == pytest.approx(93.0)
+        status, _ = server.call("POST", f"/api/v1/jobs/{JOB}/proposals/{prop['id']}/approve", body={})
+        assert status == 200
+        for rank, ws in enumerate(pipes):
+            placement = json.loads(ws.recv(timeout=10))
+            assert placement["type"] == "placement" and placement["shares"] == [11, 5]
+            ws.send(encode(Ack(job=JOB, rank=rank, version=placement["version"], batch_index=24)))
+        for rank, ws in enumerate(pipes):
+            _feed(ws, rank, 24, 16, [11, 5], placement["version"])
+        row = wait_until(lambda: next((p for p in _get(server, f"/api/v1/jobs/{JOB}/placements")["data"]
+                                       if p["version"] == placement["version"] and p["effect"]["step_ms_after"]),
+                                      None), "the measured effect", log=server.log)
+        eff = row["effect"]
+        # predicted 93 (92 + the 1 ms of optimizer), measured 93.5 (92 + data wait and optimizer)
+        assert eff["predicted_step_ms"] == pytest.approx(93.0)
+        assert eff["step_ms_after"] == pytest.approx(93.5)
+        assert abs(eff["step_ms_after"] / eff["predicted_step_ms"] - 1) < 0.10
+        assert _get(server, f"/api/v1/jobs/{JOB}/pipeline")["rows"][1]["n_microbatches"] == 5
+
+
+def test_bad_pipeline_shapes_and_stage_lists_get_one_sentence(server: Server) -> None:
+    frame = json.loads(_hello(0, job="pp-bad"))
+    frame["pipeline"]["pp_stage"] = 2
+    with connect(server.ws_url + "/ws/hook") as bad:
+        bad.send(json.dumps(frame))
+        code, _, replies = closed(bad)
+    assert code == CLOSE_MALFORMED and replies[0]["message"] == (
+        "'pipeline.pp_stage' (2) must be below 'pipeline.pp_size' (2): stages are numbered 0 to 1.")
+    frame["pipeline"].update(pp_stage=0, schedule="zerobubble")
+    with connect(server.ws_url + "/ws/hook") as bad:
+        bad.send(json.dumps(frame))
+        code, _, replies = closed(bad)
+    assert code == CLOSE_MALFORMED and replies[0]["message"] == (
+        "'pipeline.schedule' must be one of gpipe, 1f1b, interleaved1f1b, got 'zerobubble'.")
+    assert server.call("GET", "/api/v1/jobs/pp-bad")[0] == 404
+
+    with connect(server.ws_url + "/ws/hook") as ws:
+        ws.send(_hello(0, job="pp-lists"))
+        assert json.loads(ws.recv(timeout=10))["type"] == "placement"
+        steps = json.loads(encode(Metrics(job="pp-lists", rank=0, steps=_steps(0, 0, 1, [8, 8], 0))))
+        steps["steps"][0]["stage_fwd_ms"] = [1.0, 2.0, 3.0]
+        steps["steps"][0]["stage_bwd_ms"] = [1.0, 2.0, 3.0]
+        for key in ("stage_send_wait_ms", "stage_recv_wait_ms", "stage_bubble_ms"):
+            steps["steps"][0][key] = [0.0, 0.0, 0.0]
+        ws.send(json.dumps(steps))
+        code, _, replies = closed(ws)
+    assert code == CLOSE_MALFORMED and replies[0]["message"] == (
+        "'steps[0].stage_fwd_ms' has 3 entries; this pipeline has 2 stages ('pipeline.pp_size'): give one per "
+        "pipeline rank, in stage order.")
+
+
+def test_another_pipeline_shape_for_a_live_job_is_a_conflict(server: Server) -> None:
+    with connect(server.ws_url + "/ws/hook") as first:
+        first.send(_hello(0, job="pp-conflict"))
+        assert json.loads(first.recv(timeout=10))["type"] == "placement"
+        with connect(server.ws_url + "/ws/hook") as other:
+            other.send(_hello(1, job="pp-conflict", schedule="gpipe"))
+            code, _, replies = closed(other)
+        assert code == CLOSE_CONFLICT
+        assert replies[0]["message"] == (
+            "Job 'pp-conflict' runs as pipeline PP 2, 1f1b, at least 2 micro-batches, layers [2, 2] on 1 connected "
+            "pipeline leader; this hello says pipeline PP 2, gpipe, at least 2 micro-batches, layers [2, 2]. Every "
+            "pipeline leader of one job must say the same pipeline shape, or use another job name.")
+
+
+def test_a_job_without_pipelines_has_none(server: Server) -> None:
+    with connect(server.ws_url + "/ws/hook") as ws:
+        ws.send(encode(Hello(job="pp-none", rank=0, world_size=1, global_batch_size=8, host="h")))
+        assert json.loads(ws.recv(timeout=10))["type"] == "placement"
+        assert _get(server, "/api/v1/jobs/pp-none")["pipeline"] is None
+        status, body = server.call("GET", "/api/v1/jobs/pp-none/pipeline")
+        assert (status, body["detail"]) == (404, "Job 'pp-none' is not pipelined: its hooks said no pipeline.")
+        ranks = _get(server, "/api/v1/jobs/pp-none/ranks")["data"]
+        assert ranks[0]["pp_size"] is None and ranks[0]["bubble_ms"] is None
+    status, body = server.call("GET", "/api/v1/jobs/pp-missing/pipeline")
+    assert (status, body["detail"]) == (404, "Job 'pp-missing' not found.")
