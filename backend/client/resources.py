@@ -12,9 +12,10 @@ from typing import Any, Literal, TypedDict
 __all__ = [
     "AuditRecord", "Audits", "Bound", "Cause", "Causes", "CostModel", "Device", "Effect",
     "Fleet", "FleetDevice", "FleetJob", "FleetTotals", "Forecast", "Health", "Job", "Jobs",
-    "Memory", "Mesh", "MetricPoint", "MetricsPage", "Overrides", "OverridesSet", "Placement",
-    "PlacementBrief", "Placements", "Proposal", "Proposals", "Rank", "RankMemory", "Ranks",
-    "Replica", "Summary", "Token", "TokenCreated", "Tokens", "WhoAmI",
+    "Memory", "Mesh", "MetricPoint", "MetricsPage", "Overrides", "OverridesSet", "Pipeline",
+    "PipelineBrief", "PipelineRow", "Placement", "PlacementBrief", "Placements", "Proposal",
+    "Proposals", "Rank", "RankMemory", "Ranks", "Replica", "StageCell", "StageSplitAdvice",
+    "Summary", "Token", "TokenCreated", "Tokens", "WhoAmI",
 ]
 
 
@@ -251,6 +252,7 @@ class Job(TypedDict, total=False):
     mesh: Mesh | None  # A device-mesh job's shape; null for plain data parallel.
     mode: str | None
     pending_proposal_id: int | None
+    pipeline: PipelineBrief | None  # A pipelined job's shape, bottleneck stage, bubble share and slowest pipeline (GET /api/v1/jobs/{job}/pipeline has the grid); null without pipelines.
     placement: PlacementBrief | None
     replicas: list[Replica] | None  # A mesh job's replicas with their members, time and slowest member; null for plain data parallel.
     share_unit: Literal["sample", "micro_batch"]  # What a share counts: samples, or fixed-shape micro-batches (RebalanceHook(micro_batches=M): global_batch_size is M; docs/streaming.md).
@@ -333,6 +335,48 @@ class OverridesSet(Overrides, total=False):
     proposal_id: int | None
 
 
+class PipelineBrief(TypedDict, total=False):
+    """``PipelineBrief``: A pipelined job's shape and what bounds it (the job view's
+    ``pipeline``)."""
+
+    advice_gain: float | None  # The stage-split advice's predicted step gain; null without advice.
+    advice_note: str  # What the advice says, or why there is none.
+    bottleneck_stage: int | None  # The stage slowest per micro-batch in every measured pipeline; null when they differ.
+    bubble_share: float | None  # Mean over pipelines of the stages' idle share of the run, 0..1.
+    label: str  # How people read it, e.g. 'PP 4, 1f1b'.
+    layers_per_stage: list[int]  # Layers per model stage, as the hooks said.
+    min_microbatches: int  # The fewest micro-batches a pipeline may run (0: it may be drained).
+    n_stages: int  # Model stages over a pipeline (pp_size x stages per rank).
+    pipelines: int  # Data-parallel pipelines: the job's world_size; shares count micro-batches per pipeline.
+    pp_size: int  # Pipeline ranks (stages on ranks) per pipeline.
+    pp_stage: int  # The stage of the rank that speaks for each pipeline (its leader's).
+    schedule: str  # gpipe, 1f1b or interleaved1f1b.
+    slowest_pipeline: int | None  # The pipeline (dp index) with the longest measured schedule run.
+    stages_per_rank: int
+    tp_size: int
+
+
+class Pipeline(PipelineBrief, total=False):
+    """``PipelinePublic``: The brief, the grid (one row per pipeline, one cell per stage) and
+    the advice."""
+
+    advice: StageSplitAdvice | None
+    rows: list[PipelineRow]
+
+
+class PipelineRow(TypedDict, total=False):
+    """``PipelineRowPublic``."""
+
+    bottleneck_stage: int | None
+    bubble_share: float | None  # Measured: the stages' mean idle time over the run.
+    compute_ms: float | None  # The schedule's run, measured.
+    model_bubble_share: float | None  # The model's at this count ((p-1)/(m+p-1) for equal stages).
+    model_ms: float | None  # The model's run at this count: sum(t) + (m-1) max(t) (docs/pipelines.md).
+    n_microbatches: int | None
+    pipeline: int  # The dp index: the pipeline's rank in placements.
+    stages: list[StageCell]  # Empty until it sends stage times.
+
+
 class Placement(TypedDict):
     """``PlacementPublic``."""
 
@@ -403,6 +447,8 @@ class Rank(TypedDict, total=False):
     """``RankPublic``."""
 
     batch_index: int | None
+    bottleneck_stage: int | None  # Its stage slowest per micro-batch.
+    bubble_ms: float | None  # The pipeline's idle time a step (mean of its stages').
     busbw_gbps: float | None  # Bus bandwidth, GB/s (nccl-tests definition).
     ckpt_ms: float | None  # Of data_wait_ms, checkpoint writes.
     comm_bytes_per_step: float | None  # Bytes handed to gradient collectives a step.
@@ -423,6 +469,8 @@ class Rank(TypedDict, total=False):
     n_steps: int
     optimizer_ms: float | None
     placement_version: int | None
+    pp_size: int | None  # Stages of this pipeline; null without pipelines.
+    pp_stage: int | None  # The pipeline stage of the rank that speaks for this row.
     price_per_hour: float | None
     rank: int
     share: int | None
@@ -471,6 +519,34 @@ class Replica(TypedDict, total=False):
     replica: int  # The replica index: its rank in this job's placements and overrides.
     slowest_rank: int | None  # The member slowest in most of the newest steps (a global rank; live only).
     step_ms: float | None
+
+
+class StageCell(TypedDict):
+    """``StageCellPublic``: One cell of the grid: a stage of a pipeline, means over its newest
+    steps."""
+
+    bubble_ms: float  # Per step: the stage's idle time.
+    bwd_ms: float
+    fwd_ms: float
+    recv_wait_ms: float  # Per step.
+    send_wait_ms: float  # Per step.
+    stage: int
+    stage_ms: float  # fwd_ms + bwd_ms: the stage's time per micro-batch.
+
+
+class StageSplitAdvice(TypedDict, total=False):
+    """``StageSplitAdvicePublic``."""
+
+    bottleneck_stage: int
+    current_layers_per_stage: list[int]
+    gain: float  # (before - after) / before.
+    layers_per_stage: list[int]  # The proposed layer count of each stage.
+    module_names_per_stage: list[list[str]]  # torchtitan's module names per stage, when the hooks named the layers.
+    source: str  # layer_ms (measured per layer) or stage_ms (a stage's time spread over its layers).
+    stage_ms_after: list[float]
+    stage_ms_before: list[float]
+    step_ms_after: float
+    step_ms_before: float
 
 
 class Summary(TypedDict, total=False):

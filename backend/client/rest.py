@@ -22,6 +22,7 @@ from backend.client.resources import (
     MetricsPage,
     Overrides,
     OverridesSet,
+    Pipeline,
     Placement,
     Proposal,
     Rank,
@@ -194,6 +195,11 @@ class Client:
     def memory(self, job: str) -> Memory:
         """Each rank's peak-memory fit and the cap it gives, with the job's headroom."""
         return cast(Memory, self.request("GET", self._job(job) + "/memory"))
+
+    def pipeline(self, job: str) -> Pipeline:
+        """A pipelined job's stages x pipelines grid, bottleneck stage, bubble share, slowest
+        pipeline and stage-split advice (docs/pipelines.md)."""
+        return cast(Pipeline, self.request("GET", self._job(job) + "/pipeline"))
 
     def causes(self, job: str) -> Causes:
         """Why the job is slow: each cause's cost per step and in GPU-hours, largest first."""

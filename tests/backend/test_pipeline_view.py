@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import time
+import typing
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from websockets.sync.client import ClientConnection, connect
 
+from backend import client as client_mod
 from rebalancer_wire.protocol import (
     CLOSE_CONFLICT,
     CLOSE_MALFORMED,
@@ -160,6 +162,18 @@ def test_a_pipelined_job_is_shown_advised_and_balanced(server: Server) -> None:
         assert eff["step_ms_after"] == pytest.approx(93.5)
         assert abs(eff["step_ms_after"] / eff["predicted_step_ms"] - 1) < 0.10
         assert _get(server, f"/api/v1/jobs/{JOB}/pipeline")["rows"][1]["n_microbatches"] == 5
+    _the_client_reads_it_with_the_servers_field_names(server)
+
+
+def _the_client_reads_it_with_the_servers_field_names(server: Server) -> None:
+    schemas = _get(server, "/openapi.json")["components"]["schemas"]
+    pairs = {"Pipeline": "PipelinePublic", "PipelineBrief": "PipelineBrief", "PipelineRow": "PipelineRowPublic",
+             "StageCell": "StageCellPublic", "StageSplitAdvice": "StageSplitAdvicePublic"}
+    for ours, theirs in pairs.items():
+        assert set(typing.get_type_hints(getattr(client_mod, ours))) == set(schemas[theirs]["properties"]), ours
+    got = client_mod.Client(server.url).pipeline(JOB)
+    assert got["pp_size"] == 2 and len(got["rows"]) == 2 and got["rows"][1]["n_microbatches"] == 5
+    assert got["advice"] is not None and got["advice"]["layers_per_stage"] == [3, 1]
 
 
 def test_bad_pipeline_shapes_and_stage_lists_get_one_sentence(server: Server) -> None:
@@ -218,3 +232,4 @@ def test_a_job_without_pipelines_has_none(server: Server) -> None:
         assert ranks[0]["pp_size"] is None and ranks[0]["bubble_ms"] is None
     status, body = server.call("GET", "/api/v1/jobs/pp-missing/pipeline")
     assert (status, body["detail"]) == (404, "Job 'pp-missing' not found.")
+
