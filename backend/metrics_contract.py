@@ -26,6 +26,7 @@ Kind = Literal["gauge", "counter", "histogram"]
 GPU_LABELS: tuple[str, ...] = ("Hostname", "gpu", "UUID", "modelName")
 _RANK = ("job", "rank")
 _DEVICE = (*_RANK, *GPU_LABELS)
+_PIPELINED = "pipelined jobs"
 
 # Every clock-event (throttle) reason NVML reports, one series each; the one list is the
 # hook's (rebalancer_wire.devices.CLOCK_EVENT_NAMES).
@@ -48,6 +49,7 @@ class MetricSpec:
     unit: str  # base unit ("seconds", "bytes", ...) or "1" for ratios and counts
     help: str
     exported: bool  # True once the backend's /metrics carries it
+    scope: str = ""  # the jobs it exists for when not every job ("pipelined jobs")
 
 
 CONTRACT: tuple[MetricSpec, ...] = (
@@ -68,6 +70,22 @@ CONTRACT: tuple[MetricSpec, ...] = (
     MetricSpec("rebalancer_rank_lost", "gauge", _RANK, "1",
                "1 while the rank's hook connection is gone without a close (its process died?) and it has "
                "not said hello again; 0 otherwise (a clean close, the job finished, is not a loss).", True),
+    # --- pipelined jobs (docs/pipelines.md): a rank is a pipeline (its dp index) ------
+    MetricSpec("rebalancer_rank_bubble_seconds", "gauge", _RANK, "seconds",
+               "A pipeline's idle time per step (the mean of its stages' bubbles), mean of recent steps.", True,
+               _PIPELINED),
+    MetricSpec("rebalancer_pipeline_stage_seconds", "gauge", (*_RANK, "stage"), "seconds",
+               "A stage's time per micro-batch (forward + backward) in the pipeline this rank is, mean of "
+               "recent steps.", True, _PIPELINED),
+    MetricSpec("rebalancer_pipeline_bubble_ratio", "gauge", _RANK, "1",
+               "The pipeline's bubble: its stages' mean idle time over the schedule's run (0 to 1).", True,
+               _PIPELINED),
+    MetricSpec("rebalancer_pipeline_bottleneck_stage", "gauge", ("job",), "1",
+               "The stage slowest per micro-batch in every pipeline; absent when the pipelines disagree.", True,
+               _PIPELINED),
+    MetricSpec("rebalancer_pipeline_stage_split_gain_ratio", "gauge", ("job",), "1",
+               "The step gain the stage-split advice predicts for a new layer split (0 without advice).", True,
+               _PIPELINED),
     # --- per rank: communication (absent where the hook does not measure it) ---------
     MetricSpec("rebalancer_rank_comm_bytes", "gauge", _RANK, "bytes",
                "Bytes the rank hands to gradient collectives per step (DDP: its buckets; FSDP: its reduce-scatters, and FSDP2's parameter all-gathers), mean of recent steps.",
@@ -222,6 +240,7 @@ def markdown_table() -> str:
             "|---|---|---|---|---|---|"]
     for m in CONTRACT:
         labels = ", ".join(f"`{label}`" for label in m.labels) or "-"
+        scope = f" ({m.scope})" if m.scope else ""
         rows.append(f"| `{m.name}` | {m.kind} | {labels} | {m.unit} | {m.help} | "
-                    f"{'yes' if m.exported else 'planned'} |")
+                    f"{'yes' if m.exported else 'planned'}{scope} |")
     return "\n".join(rows) + "\n"

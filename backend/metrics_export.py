@@ -124,6 +124,7 @@ class MetricsExporter:
             self._ranks(fams, view, control)
             self._job(fams, view, control)
             self._control(fams, job, control)
+            self._pipeline(fams, view)
         fams["rebalancer_ingest_messages_total"].add("", self.live.messages_total)
         fams["rebalancer_ingest_records_total"].add("", self.live.records_total)
         fams["rebalancer_dropped_records_total"].add("", self.live.dropped_total)
@@ -286,6 +287,32 @@ class MetricsExporter:
         version = (control.get("placement") or {}).get("version")
         if version is not None:
             fams["rebalancer_placement_version"].add(labels, version)
+
+    def _pipeline(self, fams: dict[str, _Family], view: JobView) -> None:
+        """A pipelined job's series (docs/pipelines.md): the grid for the ranks (pipelines)
+        with per-rank series, the job's bottleneck stage and the advice's gain."""
+        book = self.live.pipelines
+        a = book.assessment(view.job) if book.shape(view.job) is not None else None
+        if a is None:
+            return
+        job, labels = _esc(view.job), _labels(job=view.job)
+        if a.bottleneck_stage is not None:
+            fams["rebalancer_pipeline_bottleneck_stage"].add(labels, a.bottleneck_stage)
+        fams["rebalancer_pipeline_stage_split_gain_ratio"].add(labels, a.advice.gain if a.advice else 0.0)
+        stage, bubble, idle = (fams["rebalancer_pipeline_stage_seconds"], fams["rebalancer_pipeline_bubble_ratio"],
+                               fams["rebalancer_rank_bubble_seconds"])
+        for r in self._exported_ranks(view):
+            row = a.rows[r.rank] if r.rank < len(a.rows) else None
+            if row is None:
+                continue
+            rank = f'job="{job}",rank="{r.rank}"'
+            for s, ms in enumerate(row.stage_ms):
+                stage.add(f'{rank},stage="{s}"', ms / 1000.0)
+            if row.bubble_share is not None:
+                bubble.add(rank, row.bubble_share)
+            bubble_ms = book.rank_fields(view.job, r.rank).get("bubble_ms")
+            if bubble_ms is not None:
+                idle.add(rank, bubble_ms / 1000.0)
 
     def _control(self, fams: dict[str, _Family], job: str, control: dict[str, Any]) -> None:
         if not control:

@@ -74,10 +74,37 @@ def _feed_a_hung_job(client: TestClient) -> None:
         sync(ws, h)
 
 
+def _feed_a_pipelined_job(client: TestClient) -> None:
+    """A third job, PP2 x DP2 (docs/pipelines.md): stages of 4 and 8 ms a micro-batch in
+    pipeline 0, 8 and 16 in pipeline 1, 8 micro-batches each, layers [2, 2] whose last is
+    heavy (2, 2, 2, 6 ms): the pipeline series and the stage-split advice's gain."""
+    from rebalancer_wire.protocol import Hello, MeshShape, PipelineShape
+
+    stages = {0: (4.0, 8.0), 1: (8.0, 16.0)}
+    for rank in (0, 1):
+        shape = PipelineShape(pp_size=2, pp_stage=0, dp_index=rank, tp_size=1, schedule="1f1b", n_stages=2,
+                              min_microbatches=1, layers_per_stage=(2, 2))
+        h = encode(Hello(job="pp", rank=rank, world_size=2, global_batch_size=16, host="h", micro_batches=True,
+                         mesh=MeshShape(dp=2, replica_size=2, dims=("dp", "pp"), shape=(2, 2)), pipeline=shape))
+        t = stages[rank]
+        compute = sum(t) + 7 * max(t)
+        idle = tuple(compute - 8 * x for x in t)
+        recs = [replace(s, compute_ms=compute, step_ms=137.5, sync_wait_ms=137.5 - compute - 1.5, n_microbatches=8,
+                        local_batch_size=8, stage_fwd_ms=tuple(x / 4 for x in t), stage_bwd_ms=tuple(3 * x / 4 for x in t),
+                        stage_bubble_ms=idle, bubble_ms=sum(idle) / 2, layer_ms=tuple(x * t[0] / 4 for x in (2, 2, 2, 6)))
+                for s in steps(0, 4)]
+        with client.websocket_connect("/ws/hook") as ws:
+            ws.send_text(h)
+            ws.receive_json()
+            ws.send_text(encode(Metrics(job="pp", rank=rank, steps=recs)))
+            sync(ws, h)
+
+
 def test_every_contract_metric_with_its_labels_and_dcgm_gpu_labels(tmp_path: Path):
     with TestClient(make_app(tmp_path)) as client:
         _feed_two_gpus(client)
         _feed_a_hung_job(client)
+        _feed_a_pipelined_job(client)
         # Savings come from the dashboard hub's feed, built on its next tick.
         def with_savings() -> str | None:
             text = client.get("/metrics").text
@@ -120,6 +147,14 @@ def test_every_contract_metric_with_its_labels_and_dcgm_gpu_labels(tmp_path: Pat
     assert _value(samples, "rebalancer_hourly_cost_dollars", job="j") == pytest.approx(6.0)
     assert _value(samples, "rebalancer_eta_seconds", job="j") == pytest.approx(996 * 0.02)
     assert _value(samples, "rebalancer_cost_to_finish_dollars", job="j") == pytest.approx(996 * 0.02 / 3600 * 6)
+    # The pipelined job: pipeline 1's stages, its bubble (idle 72 and 8 of a 136 ms run), the
+    # stage both pipelines wait on, and the advice's gain ([2, 2] -> [3, 1]: 137.5 -> 109.5 ms).
+    assert _value(samples, "rebalancer_pipeline_stage_seconds", job="pp", rank="1", stage="1") == pytest.approx(0.016)
+    assert _value(samples, "rebalancer_pipeline_bubble_ratio", job="pp", rank="1") == pytest.approx(40 / 136)
+    assert _value(samples, "rebalancer_rank_bubble_seconds", job="pp", rank="1") == pytest.approx(0.040)
+    assert _value(samples, "rebalancer_pipeline_bottleneck_stage", job="pp") == 1
+    assert _value(samples, "rebalancer_pipeline_stage_split_gain_ratio", job="pp") == pytest.approx(28 / 137.5)
+    assert not [n for n, ls in samples if n.startswith("rebalancer_pipeline_") and ("job", "j") in ls]
 
 
 def test_cpu_ranks_have_no_device_series(tmp_path: Path):
