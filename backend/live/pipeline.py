@@ -15,13 +15,13 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from backend.policy.pipeline import PipelineObservation, PipelineTimes
-from backend.policy.pipeline_advice import PipelineAssessment, assess
+from backend.policy.pipeline_advice import PipelineAssessment, PipelineRow, StageSplitAdvice, assess
 from rebalancer_wire.protocol import Hello, Metrics, PipelineShape, StepRecord
 
-__all__ = ["PipelineBook", "RankFields", "STAGE_STEPS", "same_pipeline", "pipeline_conflict"]
+__all__ = ["PipelineBook", "RankFields", "STAGE_STEPS", "pipeline_view", "same_pipeline", "pipeline_conflict"]
 
 STAGE_STEPS = 256  # steps with stage times kept per pipeline: more than a policy window
 
@@ -172,6 +172,44 @@ class PipelineBook:
     def assessment(self, job: str) -> PipelineAssessment | None:
         po = self.observation(job)
         return assess(po) if po is not None else None
+
+
+def pipeline_view(book: PipelineBook, job: str) -> dict[str, Any] | None:
+    """The one JSON shape of a pipelined job's assessment (REST ``/pipeline`` and the job
+    view's brief validate it; the end-of-run report carries it): the shape, the grid of
+    stages x pipelines, bottleneck, bubble share, slowest pipeline, advice. None without
+    pipelines."""
+    shape, a = book.shape(job), book.assessment(job)
+    if shape is None or a is None:
+        return None
+    return {"pp_size": shape.pp_size, "pp_stage": shape.pp_stage, "tp_size": shape.tp_size,
+            "schedule": shape.schedule, "n_stages": shape.n_stages, "stages_per_rank": shape.stages_per_rank,
+            "min_microbatches": shape.min_microbatches, "layers_per_stage": list(shape.layers_per_stage),
+            "label": shape.label, "pipelines": len(a.rows), "bottleneck_stage": a.bottleneck_stage,
+            "slowest_pipeline": a.slowest_pipeline, "bubble_share": a.bubble_share,
+            "advice_gain": a.advice.gain if a.advice is not None else None, "advice_note": a.advice_note,
+            "rows": [_row_view(i, r) for i, r in enumerate(a.rows)], "advice": _advice_view(a.advice)}
+
+
+def _row_view(i: int, r: PipelineRow | None) -> dict[str, Any]:
+    if r is None:
+        return {"pipeline": i, "stages": []}
+    cells = [{"stage": s, "stage_ms": r.stage_ms[s], "fwd_ms": r.fwd_ms[s], "bwd_ms": r.bwd_ms[s],
+              "send_wait_ms": r.send_wait_ms[s], "recv_wait_ms": r.recv_wait_ms[s], "bubble_ms": r.stage_bubble_ms[s]}
+             for s in range(len(r.stage_ms))]
+    return {"pipeline": i, "n_microbatches": r.n_microbatches, "compute_ms": r.compute_ms, "model_ms": r.model_ms,
+            "bubble_share": r.bubble_share, "model_bubble_share": r.model_bubble_share,
+            "bottleneck_stage": r.bottleneck_stage, "stages": cells}
+
+
+def _advice_view(a: StageSplitAdvice | None) -> dict[str, Any] | None:
+    if a is None:
+        return None
+    return {"bottleneck_stage": a.bottleneck_stage, "current_layers_per_stage": list(a.current_layers_per_stage),
+            "layers_per_stage": list(a.layers_per_stage),
+            "module_names_per_stage": [list(g) for g in a.module_names_per_stage],
+            "stage_ms_before": list(a.stage_ms_before), "stage_ms_after": list(a.stage_ms_after),
+            "step_ms_before": a.step_ms_before, "step_ms_after": a.step_ms_after, "gain": a.gain, "source": a.source}
 
 
 def same_pipeline(a: PipelineShape | None, b: PipelineShape | None) -> bool:

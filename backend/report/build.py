@@ -64,6 +64,10 @@ class ReportInputs:
     # REST ``/causes`` item, largest first); None: unknown (live state no longer held them).
     causes: list[dict[str, Any]] | None = None
     goodput: float | None = None  # useful compute / paid device time over the last steps
+    # A pipelined job over its last steps (``backend.live.pipeline.pipeline_view``: the REST
+    # ``/pipeline`` object: grid, bottleneck stage, bubble share, stage-split advice); None:
+    # not pipelined, or live state no longer held it.
+    pipeline: dict[str, Any] | None = None
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -186,5 +190,6 @@ def build_report(inp: ReportInputs) -> dict[str, Any]:
         "communication": inp.communication,
         "causes": inp.causes,
         "goodput": _r(inp.goodput),
+        "pipeline": inp.pipeline,
         "series": list(inp.series),
     }

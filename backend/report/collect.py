@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from backend.control.errors import NotFoundError
 from backend.live.causes import job_causes
 from backend.live.forecast import goodput, hourly_cost
+from backend.live.pipeline import pipeline_view
 from backend.policy.causes import CauseReport
 from backend.report.build import RankInfo, ReportInputs, build_report
 from backend.storage import metrics as store
@@ -103,7 +104,8 @@ class RunReports:
             fit_window_steps=self._settings.policy_window_steps,
             communication=_communication(self._live.communication(job)),
             causes=_causes(job_causes(self._live, job)),
-            goodput=goodput(view) if (view := self._live.view(job)) is not None else None)
+            goodput=goodput(view) if (view := self._live.view(job)) is not None else None,
+            pipeline=pipeline_view(self._live.pipelines, job))
         return await asyncio.to_thread(build_report, inputs)
 
     async def store(self, job: str, *, reason: str, finished: bool) -> dict[str, Any] | None:

@@ -48,6 +48,10 @@ def _pct(x: Any) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
 
+def _share(x: Any) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 def _when(t: Any) -> str:
     return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
@@ -166,7 +170,33 @@ def _details(r: dict[str, Any]) -> str:
         parts.append("<p>No cause cost more than 0.2% of the step over the run's last steps.</p>")
     else:
         parts.append("<p>Not measured (the backend no longer held the run's last steps).</p>")
+    if r.get("pipeline"):
+        parts.append(_pipeline(r["pipeline"]))
     return "".join(parts)
+
+
+def _pipeline(p: dict[str, Any]) -> str:
+    """A pipelined job's last steps: ms per micro-batch of each stage in each pipeline, what
+    bounds them, and the stage-split advice (docs/pipelines.md)."""
+    stages = max((len(row["stages"]) for row in p["rows"]), default=0)
+    neck = "none (the pipelines disagree)" if p["bottleneck_stage"] is None else f"stage {p['bottleneck_stage']}"
+    out = [f"<h2>Pipeline</h2><p>{_e(p['label'])}, {p['pipelines']} pipelines; bottleneck {_e(neck)}; slowest "
+           f"pipeline {_e(p['slowest_pipeline'])}; bubble {_share(p['bubble_share'])} of the schedule's run.</p>",
+           _table(["pipeline", "micro-batches", *(f"stage {s} ms/micro-batch" for s in range(stages)), "run ms",
+                   "bubble"],
+                  [[row["pipeline"], _num(row.get("n_microbatches"), 0),
+                    *(_num(c["stage_ms"]) for c in row["stages"]), *([""] * (stages - len(row["stages"]))),
+                    _num(row.get("compute_ms")), _share(row.get("bubble_share"))] for row in p["rows"]])]
+    a = p.get("advice")
+    if a:
+        names = "".join(f"<li>stage {i}: {_e(', '.join(g))}</li>" for i, g in enumerate(a["module_names_per_stage"]))
+        out.append(f"<p class=advice><b>Stage-split advice</b>: layers {_e(a['current_layers_per_stage'])} -> "
+                   f"{_e(a['layers_per_stage'])} per stage; predicted step {_num(a['step_ms_after'])} ms instead of "
+                   f"{_num(a['step_ms_before'])} ms ({_share(a['gain'])} faster). Apply it by restarting from a "
+                   f"checkpoint with the new split.</p>" + (f"<ul>{names}</ul>" if names else ""))
+    else:
+        out.append(f"<p>{_e(p.get('advice_note') or '')}</p>")
+    return "".join(out)
 
 
 # The report's only inline code besides plotly.js: static, so a Content-Security-Policy can

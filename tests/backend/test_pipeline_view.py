@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 import typing
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -163,6 +164,19 @@ def test_a_pipelined_job_is_shown_advised_and_balanced(server: Server) -> None:
         assert abs(eff["step_ms_after"] / eff["predicted_step_ms"] - 1) < 0.10
         assert _get(server, f"/api/v1/jobs/{JOB}/pipeline")["rows"][1]["n_microbatches"] == 5
     _the_client_reads_it_with_the_servers_field_names(server)
+    _the_report_carries_the_grid_and_the_advice(server)
+
+
+def _the_report_carries_the_grid_and_the_advice(server: Server) -> None:
+    report = _get(server, f"/api/v1/jobs/{JOB}/report")
+    assert report["pipeline"] == _get(server, f"/api/v1/jobs/{JOB}/pipeline")
+    assert report["pipeline"]["advice"]["layers_per_stage"] == [3, 1]
+    req = urllib.request.Request(f"{server.url}/api/v1/jobs/{JOB}/report?format=html")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        page = r.read().decode()
+    assert "<h2>Pipeline</h2><p>PP 2, 1f1b, 2 pipelines; bottleneck stage 1; slowest pipeline 0" in page, page
+    assert "<b>Stage-split advice</b>: layers [2, 2] -> [3, 1] per stage" in page
+    assert "<li>stage 0: tok_embeddings, layers.0, layers.1</li><li>stage 1: output</li>" in page
 
 
 def _the_client_reads_it_with_the_servers_field_names(server: Server) -> None:

@@ -3,20 +3,17 @@ pipelines, the bottleneck stage, the bubble share, the slowest pipeline and stag
 advice (viewer role; docs/pipelines.md). The job view carries the brief (``PipelineBrief``).
 
 The figures are live state's (``LiveState.pipelines``), assessed by the one rule in
-``backend.policy.pipeline.assess``."""
+``backend.policy.pipeline_advice.assess``, in the one JSON shape of
+``backend.live.pipeline.pipeline_view``, which these models validate."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
 from pydantic import BaseModel, Field
 
 from backend.api.deps import PartsDep, ViewerDep
 from backend.api.forwarding import from_owner
-from backend.live.pipeline import PipelineBook
-from backend.policy.pipeline_advice import PipelineAssessment, PipelineRow, StageSplitAdvice
-from rebalancer_wire.protocol import PipelineShape
+from backend.live.pipeline import PipelineBook, pipeline_view
 
 __all__ = ["router", "PipelineBrief", "PipelinePublic", "PipelineRowPublic", "StageCellPublic",
            "StageSplitAdvicePublic", "pipeline_brief"]
@@ -88,43 +85,12 @@ class PipelinePublic(PipelineBrief):
     advice: StageSplitAdvicePublic | None = None
 
 
-def _row(i: int, r: PipelineRow | None) -> PipelineRowPublic:
-    if r is None:
-        return PipelineRowPublic(pipeline=i)
-    cells = [StageCellPublic(stage=s, stage_ms=r.stage_ms[s], fwd_ms=r.fwd_ms[s], bwd_ms=r.bwd_ms[s],
-                             send_wait_ms=r.send_wait_ms[s], recv_wait_ms=r.recv_wait_ms[s],
-                             bubble_ms=r.stage_bubble_ms[s]) for s in range(len(r.stage_ms))]
-    return PipelineRowPublic(pipeline=i, n_microbatches=r.n_microbatches, compute_ms=r.compute_ms,
-                             model_ms=r.model_ms, bubble_share=r.bubble_share,
-                             model_bubble_share=r.model_bubble_share, bottleneck_stage=r.bottleneck_stage,
-                             stages=cells)
-
-
-def _advice(a: StageSplitAdvice | None) -> StageSplitAdvicePublic | None:
-    if a is None:
-        return None
-    return StageSplitAdvicePublic(
-        bottleneck_stage=a.bottleneck_stage, current_layers_per_stage=list(a.current_layers_per_stage),
-        layers_per_stage=list(a.layers_per_stage), module_names_per_stage=[list(g) for g in a.module_names_per_stage],
-        stage_ms_before=list(a.stage_ms_before), stage_ms_after=list(a.stage_ms_after),
-        step_ms_before=a.step_ms_before, step_ms_after=a.step_ms_after, gain=a.gain, source=a.source)
-
-
-def _brief(shape: PipelineShape, a: PipelineAssessment) -> dict[str, Any]:
-    return {"pp_size": shape.pp_size, "pp_stage": shape.pp_stage, "tp_size": shape.tp_size,
-            "schedule": shape.schedule, "n_stages": shape.n_stages, "stages_per_rank": shape.stages_per_rank,
-            "min_microbatches": shape.min_microbatches, "layers_per_stage": list(shape.layers_per_stage),
-            "label": shape.label, "pipelines": len(a.rows), "bottleneck_stage": a.bottleneck_stage,
-            "slowest_pipeline": a.slowest_pipeline, "bubble_share": a.bubble_share,
-            "advice_gain": a.advice.gain if a.advice is not None else None, "advice_note": a.advice_note}
-
-
 def pipeline_brief(book: PipelineBook, job: str) -> PipelineBrief | None:
     """The job view's ``pipeline``; None for a job without pipelines."""
-    shape, a = book.shape(job), book.assessment(job)
-    if shape is None or a is None:
+    view = pipeline_view(book, job)
+    if view is None:
         return None
-    return PipelineBrief(**_brief(shape, a))
+    return PipelineBrief(**{k: v for k, v in view.items() if k in PipelineBrief.model_fields})
 
 
 @router.get("/{job}/pipeline", response_model=PipelinePublic, summary="A pipelined job's stages x pipelines")
@@ -134,11 +100,9 @@ async def get_pipeline(job: str, _actor: ViewerDep, parts: PartsDep, request: Re
     several replicas). 404 for an unknown job or one whose hooks said no pipeline."""
     if (owners := await from_owner(request, parts, job)) is not None:
         return owners
-    book = parts.live.pipelines
-    shape, a = book.shape(job), book.assessment(job)
-    if shape is None or a is None:
+    view = pipeline_view(parts.live.pipelines, job)
+    if view is None:
         if job in parts.live:
             raise HTTPException(404, f"Job '{job}' is not pipelined: its hooks said no pipeline.")
         raise HTTPException(404, f"Job '{job}' not found.")
-    return PipelinePublic(**_brief(shape, a), rows=[_row(i, r) for i, r in enumerate(a.rows)],
-                          advice=_advice(a.advice))
+    return PipelinePublic(**view)
