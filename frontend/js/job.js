@@ -3,6 +3,7 @@
 import { Charts } from "./charts.js";
 import { CausesCard } from "./causes.js";
 import { CommCard } from "./comm.js";
+import { PipelineCard } from "./pipeline.js";
 import {
   STATUS_LABEL, api, bytes, duration, el, forecastFor, fmt, liveSocket, money,
   mountTokenBox, pct, setTotalSteps, totalSteps,
@@ -333,3 +334,6 @@ comm.start();
 const causes = new CausesCard(job);
 window.rebalancer.causes = causes;
 causes.start();
+const pipeline = new PipelineCard(job);
+window.rebalancer.pipeline = pipeline;
+pipeline.start();

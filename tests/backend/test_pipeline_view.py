@@ -6,23 +6,22 @@ policy proposes micro-batches per pipeline from the stage model, and after the p
 the measured step is on record beside the predicted one. Bad shapes and stage lists get
 one sentence; another pipeline shape for a live job is a conflict.
 
-The job: PP2 x DP2 (two pipelines of two stages), 16 micro-batches a step, 1F1B, each
-stage's layers [2, 2]. Pipeline 0's stages take 4 and 8 ms a micro-batch, pipeline 1's
-twice that (a slow pipeline); stage 1 holds the heavy output layer (layers cost 2, 2, 2, 6
-ms in pipeline 0). The frames carry exactly the model's schedule time
-``sum(t) + (m-1) max(t)``, so every figure below is worked by hand."""
+The job (tests/helpers/pipeline.py): PP2 x DP2 (two pipelines of two stages), 16
+micro-batches a step, 1F1B, each stage's layers [2, 2]. Pipeline 0's stages take 4 and 8 ms
+a micro-batch, pipeline 1's twice that (a slow pipeline); stage 1 holds the heavy output
+layer (layers cost 2, 2, 2, 6 ms in pipeline 0). The frames carry exactly the model's
+schedule time ``sum(t) + (m-1) max(t)``, so every figure below is worked by hand."""
 
 from __future__ import annotations
 
 import json
-import time
 import typing
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from websockets.sync.client import ClientConnection, connect
+from websockets.sync.client import connect
 
 from backend import client as client_mod
 from rebalancer_wire.protocol import (
@@ -30,62 +29,15 @@ from rebalancer_wire.protocol import (
     CLOSE_MALFORMED,
     Ack,
     Hello,
-    MeshShape,
     Metrics,
-    PipelineShape,
-    StepRecord,
     encode,
 )
 from tests.backend._app import closed
+from tests.helpers.pipeline import JOB, feed, hello_frame, steps
 from tests.helpers.server import Server, running_server
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.multiproc
-
-JOB = "pp2x2"
-MESH = MeshShape(dp=2, replica_size=2, dims=("dp", "pp"), shape=(2, 2))
-NAMES = ("tok_embeddings", "layers.0", "layers.1", "output")
-STAGES = {0: [4.0, 8.0], 1: [8.0, 16.0]}  # ms per micro-batch, per stage
-LAYERS = {0: [2.0, 2.0, 2.0, 6.0], 1: [4.0, 4.0, 4.0, 12.0]}
-REST_MS = 1.5  # data wait 0.5 + optimizer 1.0
-
-
-def _shape(dp_index: int, **kw: Any) -> PipelineShape:
-    base: dict[str, Any] = dict(pp_size=2, pp_stage=0, dp_index=dp_index, tp_size=1, schedule="1f1b", n_stages=2,
-                                min_microbatches=2, layers_per_stage=(2, 2), layer_names=NAMES)
-    return PipelineShape(**{**base, **kw})
-
-
-def _hello(rank: int, job: str = JOB, **kw: Any) -> str:
-    return encode(Hello(job=job, rank=rank, world_size=2, global_batch_size=16, host="h", mesh=MESH,
-                        micro_batches=True, pipeline=_shape(rank, **kw)))
-
-
-def _schedule(stage: list[float], m: int) -> float:
-    return sum(stage) + (m - 1) * max(stage)
-
-
-def _steps(rank: int, first: int, n: int, shares: list[int], version: int) -> list[StepRecord]:
-    """Pipeline ``rank``'s steps under ``shares``: every pipeline's step is the slowest's."""
-    m = shares[rank]
-    stage = STAGES[rank]
-    compute = _schedule(stage, m)
-    step = max(_schedule(STAGES[i], shares[i]) for i in STAGES) + REST_MS
-    idle = [compute - m * t for t in stage]
-    t0 = time.time()
-    return [StepRecord(
-        batch_index=b, local_batch_size=m, placement_version=version, data_wait_ms=0.5, compute_ms=compute,
-        sync_wait_ms=step - compute - REST_MS, optimizer_ms=1.0, step_ms=step, t=t0 + (b - first) * 0.01,
-        n_microbatches=m, bubble_ms=sum(idle) / 2, stage_fwd_ms=tuple(t / 4 for t in stage),
-        stage_bwd_ms=tuple(3 * t / 4 for t in stage), stage_send_wait_ms=(0.25, 0.0), stage_recv_wait_ms=(0.0, 0.5),
-        stage_bubble_ms=tuple(idle), layer_ms=tuple(LAYERS[rank])) for b in range(first, first + n)]
-
-
-def _feed(ws: ClientConnection, rank: int, first: int, n: int, shares: list[int], version: int) -> None:
-    for start in range(first, first + n, 8):
-        ws.send(encode(Metrics(job=JOB, rank=rank, steps=_steps(rank, start, min(8, first + n - start), shares,
-                                                                  version))))
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
@@ -104,11 +56,11 @@ def test_a_pipelined_job_is_shown_advised_and_balanced(server: Server) -> None:
     with connect(server.ws_url + "/ws/hook") as p0, connect(server.ws_url + "/ws/hook") as p1:
         pipes = (p0, p1)
         for rank, ws in enumerate(pipes):
-            ws.send(_hello(rank))
+            ws.send(hello_frame(rank))
             reply = json.loads(ws.recv(timeout=10))
             assert reply["type"] == "placement" and reply["shares"] == [8, 8]
         for rank, ws in enumerate(pipes):
-            _feed(ws, rank, 0, 24, [8, 8], 0)
+            feed(ws, rank, 0, 24, [8, 8], 0)
         ranks = wait_until(lambda: (r := _get(server, f"/api/v1/jobs/{JOB}/ranks"))["count"] == 2
                            and all(x["n_steps"] >= 24 for x in r["data"]) and r["data"], "24 steps of both pipelines",
                            log=server.log)
@@ -153,7 +105,7 @@ def test_a_pipelined_job_is_shown_advised_and_balanced(server: Server) -> None:
             assert placement["type"] == "placement" and placement["shares"] == [11, 5]
             ws.send(encode(Ack(job=JOB, rank=rank, version=placement["version"], batch_index=24)))
         for rank, ws in enumerate(pipes):
-            _feed(ws, rank, 24, 16, [11, 5], placement["version"])
+            feed(ws, rank, 24, 16, [11, 5], placement["version"])
         row = wait_until(lambda: next((p for p in _get(server, f"/api/v1/jobs/{JOB}/placements")["data"]
                                        if p["version"] == placement["version"] and p["effect"]["step_ms_after"]),
                                       None), "the measured effect", log=server.log)
@@ -191,7 +143,7 @@ def _the_client_reads_it_with_the_servers_field_names(server: Server) -> None:
 
 
 def test_bad_pipeline_shapes_and_stage_lists_get_one_sentence(server: Server) -> None:
-    frame = json.loads(_hello(0, job="pp-bad"))
+    frame = json.loads(hello_frame(0, job="pp-bad"))
     frame["pipeline"]["pp_stage"] = 2
     with connect(server.ws_url + "/ws/hook") as bad:
         bad.send(json.dumps(frame))
@@ -207,14 +159,14 @@ def test_bad_pipeline_shapes_and_stage_lists_get_one_sentence(server: Server) ->
     assert server.call("GET", "/api/v1/jobs/pp-bad")[0] == 404
 
     with connect(server.ws_url + "/ws/hook") as ws:
-        ws.send(_hello(0, job="pp-lists"))
+        ws.send(hello_frame(0, job="pp-lists"))
         assert json.loads(ws.recv(timeout=10))["type"] == "placement"
-        steps = json.loads(encode(Metrics(job="pp-lists", rank=0, steps=_steps(0, 0, 1, [8, 8], 0))))
-        steps["steps"][0]["stage_fwd_ms"] = [1.0, 2.0, 3.0]
-        steps["steps"][0]["stage_bwd_ms"] = [1.0, 2.0, 3.0]
+        frame = json.loads(encode(Metrics(job="pp-lists", rank=0, steps=steps(0, 0, 1, [8, 8], 0))))
+        frame["steps"][0]["stage_fwd_ms"] = [1.0, 2.0, 3.0]
+        frame["steps"][0]["stage_bwd_ms"] = [1.0, 2.0, 3.0]
         for key in ("stage_send_wait_ms", "stage_recv_wait_ms", "stage_bubble_ms"):
-            steps["steps"][0][key] = [0.0, 0.0, 0.0]
-        ws.send(json.dumps(steps))
+            frame["steps"][0][key] = [0.0, 0.0, 0.0]
+        ws.send(json.dumps(frame))
         code, _, replies = closed(ws)
     assert code == CLOSE_MALFORMED and replies[0]["message"] == (
         "'steps[0].stage_fwd_ms' has 3 entries; this pipeline has 2 stages ('pipeline.pp_size'): give one per "
@@ -223,10 +175,10 @@ def test_bad_pipeline_shapes_and_stage_lists_get_one_sentence(server: Server) ->
 
 def test_another_pipeline_shape_for_a_live_job_is_a_conflict(server: Server) -> None:
     with connect(server.ws_url + "/ws/hook") as first:
-        first.send(_hello(0, job="pp-conflict"))
+        first.send(hello_frame(0, job="pp-conflict"))
         assert json.loads(first.recv(timeout=10))["type"] == "placement"
         with connect(server.ws_url + "/ws/hook") as other:
-            other.send(_hello(1, job="pp-conflict", schedule="gpipe"))
+            other.send(hello_frame(1, job="pp-conflict", schedule="gpipe"))
             code, _, replies = closed(other)
         assert code == CLOSE_CONFLICT
         assert replies[0]["message"] == (

@@ -1,0 +1,80 @@
+// Pipeline card of the job view (a PP x DP job, docs/pipelines.md): the grid of stages x
+// pipelines with each cell's time per micro-batch, the bottleneck stage, the bubble share,
+// the slowest pipeline and the stage-split advice, as GET /api/v1/jobs/{job}/pipeline gives
+// them (backend/policy/pipeline_advice.py). Every figure is the server's. The card stays
+// hidden for a job without pipelines: the job view's `pipeline` is null, and the grid is
+// not asked for (its 404 would be a console error on every poll).
+/* global Plotly */
+import { api, el, fmt, pct } from "./common.js";
+import { stat } from "./controls.js";
+
+const POLL_MS = 2000;
+const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
+const FONT = { family: "system-ui, sans-serif", size: 11, color: "#1d2330" };
+
+export class PipelineCard {
+  constructor(job) {
+    this.job = job;
+    this.card = document.getElementById("pipeline-card");
+    this.label = document.getElementById("pipeline-label");
+    this.stats = document.getElementById("pipeline-stats");
+    this.grid = document.getElementById("pipeline-grid");
+    this.advice = document.getElementById("pipeline-advice");
+    this.last = null;
+  }
+
+  start() {
+    const tick = () => this.refresh().finally(() => setTimeout(tick, POLL_MS));
+    tick();
+  }
+
+  async refresh() {
+    const path = `/jobs/${encodeURIComponent(this.job)}`;
+    let p;
+    try {
+      const job = await api(path);
+      if (!job.pipeline) { this.card.hidden = true; return; }
+      p = await api(`${path}/pipeline`);
+    } catch { return; }
+    this.render(p);
+  }
+
+  render(p) {
+    this.last = p;
+    this.card.hidden = false;
+    this.label.textContent = `${p.label}, ${p.pipelines} pipelines`;
+    const neck = p.bottleneck_stage === null ? "differs" : `stage ${p.bottleneck_stage}`;
+    this.stats.replaceChildren(
+      stat("bottleneck", neck, p.bottleneck_stage === null ? "" : "bad"),
+      stat("slowest pipeline", p.slowest_pipeline === null ? "–" : `pipeline ${p.slowest_pipeline}`),
+      stat("bubble", pct(p.bubble_share), p.bubble_share > 0.3 ? "bad" : ""),
+      stat("micro-batches ≥", String(p.min_microbatches)),
+    );
+    const stages = Math.max(0, ...p.rows.map((r) => r.stages.length));
+    const x = Array.from({ length: stages }, (_, s) => `stage ${s}`);
+    const y = p.rows.map((r) => `pipeline ${r.pipeline} (${r.n_microbatches ?? "–"} mb)`);
+    const z = p.rows.map((r) => x.map((_, s) => (r.stages[s] ? r.stages[s].stage_ms : null)));
+    const text = z.map((row) => row.map((v) => (v === null ? "" : `${fmt(v, 2)} ms`)));
+    Plotly.react(this.grid, [{
+      type: "heatmap", x, y, z, text, texttemplate: "%{text}", hovertemplate: "%{y}, %{x}: %{text}<extra></extra>",
+      colorscale: "YlOrRd", colorbar: { title: { text: "ms / micro-batch" } },
+    }], {
+      margin: { l: 140, r: 20, t: 8, b: 36 }, font: FONT, paper_bgcolor: "#fff", plot_bgcolor: "#fff",
+      uirevision: "keep", yaxis: { autorange: "reversed" },
+    }, CONFIG);
+    const a = p.advice;
+    if (!a) {
+      this.advice.replaceChildren(el("p", { class: "hint" }, p.advice_note || ""));
+      return;
+    }
+    const names = a.module_names_per_stage.map((g, i) => el("li", {}, `stage ${i}: ${g.join(", ")}`));
+    this.advice.replaceChildren(
+      el("p", { class: "notice" },
+        `Stage-split advice: layers [${a.current_layers_per_stage.join(", ")}] → ` +
+        `[${a.layers_per_stage.join(", ")}] per stage; predicted step ${fmt(a.step_ms_after, 1)} ms ` +
+        `instead of ${fmt(a.step_ms_before, 1)} ms (${pct(a.gain)} faster). Apply it by restarting ` +
+        "from a checkpoint with the new split."),
+      names.length ? el("ul", { class: "stage-modules" }, names) : null,
+    );
+  }
+}
