@@ -465,13 +465,12 @@ def _decide(obs: JobObservation, config: PolicyConfig, constraints: Constraints,
     # With a per-sample cost, shares and fits are in work units, and the reason says so.
     unit = "unit of work" if mean_batch_work(obs) is not None else "sample"
     obs = in_work_units(obs, length_sq_weight)
-    strategy: Strategy
-    if obs.pipeline is not None:  # a pipelined job: micro-batches by the stage model, never below its floor
-        config = replace(config, strategy="pipeline")
+    strategy: Strategy = get_strategy(config.strategy)
+    if obs.pipeline is not None:  # a pipelined job: never below the schedule's floor, and ...
         constraints = with_pipeline_floors(obs, constraints)
-        strategy = pipeline_strategy
-    else:
-        strategy = get_strategy(config.strategy)
+        if any(t is not None for t in obs.pipeline.pipelines):  # ... by the stage model once stages report
+            config = replace(config, strategy="pipeline")
+            strategy = pipeline_strategy
     headroom = config.memory_headroom
     mem_caps, mem_why = memory_bounds([r.memory for r in obs.ranks], obs.shares, b_total,
                                       headroom)

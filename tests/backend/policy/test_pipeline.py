@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -187,3 +188,15 @@ def test_the_assessment_names_the_bottleneck_the_slowest_pipeline_and_the_bubble
     assert row.bubble_share == pytest.approx(1 - 4 * 11.5 / 94.0)
     assert row.model_bubble_share == pytest.approx(row.bubble_share)
     assert a.bubble_share == pytest.approx((a.rows[0].bubble_share + row.bubble_share) / 2)  # type: ignore[union-attr]
+
+
+def test_a_pipelined_job_whose_hooks_send_no_stage_times_is_split_by_its_measured_runs():
+    """No stage lists (an older hook): the configured strategy fits each pipeline's run
+    against its micro-batch count, and the schedule's floor still holds."""
+    obs = _observe([_times(0, [5.0] * 4, 8), _times(1, [10.0] * 4, 8)], floor=6)
+    po = obs.pipeline
+    assert po is not None
+    blind = dataclasses.replace(obs, pipeline=dataclasses.replace(po, pipelines=(None, None)))
+    got = decide(blind, PolicyConfig(strategy="profiled", min_steps=10))
+    assert isinstance(got, Proposal) and got.explanation.strategy == "profiled"
+    assert got.shares == (10, 6)  # (11, 5) by speed, held at the floor of 6
