@@ -92,6 +92,11 @@ class OperatorActions:
                 error = StateError if well_formed else InvalidError
                 raise error(f"Invalid placement: {exc}{st.replicas_sentence()}") from None
             self.store.check_overrides(st, shares)
+            if (pipe := self.store.live.pipelines.shape(job)) is not None:
+                from backend.policy.pipeline import floor_problem  # numpy: imported where used
+
+                if low := floor_problem(pipe.min_microbatches, pipe.schedule, shares):
+                    raise StateError(f"Invalid placement: {low}")
             problems, expl = self.store.memory_problems(st, shares)
             if problems and not force:
                 raise StateError(f"Placement breaks memory caps: {'; '.join(problems)}. "

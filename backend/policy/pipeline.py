@@ -43,6 +43,7 @@ __all__ = [
     "residual_ms",
     "pipeline_strategy",
     "with_pipeline_floors",
+    "floor_problem",
 ]
 
 
@@ -179,6 +180,17 @@ def pipeline_strategy(obs: JobObservation, config: PolicyConfig, constraints: Co
         "min_microbatches": po.min_microbatches,
         "model": "T(m) = sum(t)/v + (m - 1/v) * max(t) + residual", "pipelines": rows}}
     return Estimate(tuple(a), tuple(c), "ms", (), tuple(n), tuple(err), evidence, tuple(hold))
+
+
+def floor_problem(min_microbatches: int, schedule: str, shares: Sequence[int]) -> str | None:
+    """Why a placement gives a pipeline fewer micro-batches than its schedule runs (None: it
+    does not): the sentence an operator's placement is refused with."""
+    low = [i for i, m in enumerate(shares) if m < min_microbatches]
+    if not low:
+        return None
+    which = ", ".join(f"pipeline {i} ({shares[i]})" for i in low)
+    return (f"this job's {schedule} schedule runs at least {min_microbatches} micro-batches per pipeline "
+            f"(its hooks' min_microbatches), but the placement gives {which} fewer.")
 
 
 def with_pipeline_floors(obs: JobObservation, constraints: Constraints) -> Constraints:

@@ -91,6 +91,11 @@ def test_a_pipelined_job_is_shown_advised_and_balanced(server: Server) -> None:
         assert advice["step_ms_before"] == pytest.approx(137.5) and advice["step_ms_after"] == pytest.approx(109.5)
         assert brief["advice_gain"] == pytest.approx(28.0 / 137.5)
 
+        # An operator's placement below the schedule's floor (2) is refused with one sentence.
+        status, body = server.call("POST", f"/api/v1/jobs/{JOB}/proposals", body={"shares": [15, 1]})
+        assert (status, body["detail"]) == (400, "Invalid placement: this job's 1f1b schedule runs at least 2 "
+                                                 "micro-batches per pipeline (its hooks' min_microbatches), but the "
+                                                 "placement gives pipeline 1 (1) fewer.")
         # The policy: T0(m) = 4 + 8m, T1(m) = 8 + 16m; (11, 5) gives 92 and 88 ms.
         prop = wait_until(lambda: (r := _get(server, f"/api/v1/jobs/{JOB}/proposals?status=proposed"))["count"]
                           and r["data"][0], "a proposal", log=server.log)
