@@ -342,6 +342,7 @@ class PipelineBrief(TypedDict, total=False):
     advice_gain: float | None  # The stage-split advice's predicted step gain; null without advice.
     advice_note: str  # What the advice says, or why there is none.
     bottleneck_stage: int | None  # The stage slowest per micro-batch in every measured pipeline; null when they differ.
+    bubble_ms: float | None  # Mean over pipelines of their idle time a step (each the mean of its stages').
     bubble_share: float | None  # Mean over pipelines of the stages' idle share of the run, 0..1.
     label: str  # How people read it, e.g. 'PP 4, 1f1b'.
     layers_per_stage: list[int]  # Layers per model stage, as the hooks said.

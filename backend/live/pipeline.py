@@ -187,8 +187,15 @@ def pipeline_view(book: PipelineBook, job: str) -> dict[str, Any] | None:
             "min_microbatches": shape.min_microbatches, "layers_per_stage": list(shape.layers_per_stage),
             "label": shape.label, "pipelines": len(a.rows), "bottleneck_stage": a.bottleneck_stage,
             "slowest_pipeline": a.slowest_pipeline, "bubble_share": a.bubble_share,
+            "bubble_ms": _mean_bubble_ms(a.rows),
             "advice_gain": a.advice.gain if a.advice is not None else None, "advice_note": a.advice_note,
             "rows": [_row_view(i, r) for i, r in enumerate(a.rows)], "advice": _advice_view(a.advice)}
+
+
+def _mean_bubble_ms(rows: tuple[PipelineRow | None, ...]) -> float | None:
+    """The pipelines' mean idle time a step (each the mean of its stages')."""
+    per = [sum(r.stage_bubble_ms) / len(r.stage_bubble_ms) for r in rows if r is not None and r.stage_bubble_ms]
+    return sum(per) / len(per) if per else None
 
 
 def _row_view(i: int, r: PipelineRow | None) -> dict[str, Any]:

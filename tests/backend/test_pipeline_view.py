@@ -73,6 +73,7 @@ def test_a_pipelined_job_is_shown_advised_and_balanced(server: Server) -> None:
         brief = job["pipeline"]
         assert (brief["pp_size"], brief["schedule"], brief["label"], brief["pipelines"]) == (2, "1f1b", "PP 2, 1f1b", 2)
         assert (brief["bottleneck_stage"], brief["slowest_pipeline"]) == (1, 1)
+        assert (brief["pp_stage"], brief["bubble_ms"]) == (0, pytest.approx((20.0 + 40.0) / 2))
         assert job["share_unit"] == "micro_batch"
 
         grid = _get(server, f"/api/v1/jobs/{JOB}/pipeline")

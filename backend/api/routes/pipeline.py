@@ -37,6 +37,7 @@ class PipelineBrief(BaseModel):
     bottleneck_stage: int | None = Field(default=None, description="The stage slowest per micro-batch in every measured pipeline; null when they differ.")
     slowest_pipeline: int | None = Field(default=None, description="The pipeline (dp index) with the longest measured schedule run.")
     bubble_share: float | None = Field(default=None, description="Mean over pipelines of the stages' idle share of the run, 0..1.")
+    bubble_ms: float | None = Field(default=None, description="Mean over pipelines of their idle time a step (each the mean of its stages').")
     advice_gain: float | None = Field(default=None, description="The stage-split advice's predicted step gain; null without advice.")
     advice_note: str = Field(default="", description="What the advice says, or why there is none.")
 
