@@ -43,6 +43,7 @@ class _Job:
     shape: PipelineShape
     world_size: int
     pipelines: dict[int, _Pipeline] = field(default_factory=dict)
+    speakers: dict[int, int] = field(default_factory=dict)  # dp index -> the stage of the rank that speaks for it
 
 
 class RankFields(TypedDict, total=False):
@@ -92,9 +93,10 @@ class PipelineBook:
                     del self._jobs[hello.job]
                 return
             if old is None or new_run or not same_pipeline(old.shape, hello.pipeline):
-                self._jobs[hello.job] = _Job(hello.pipeline, hello.world_size)
+                old = self._jobs[hello.job] = _Job(hello.pipeline, hello.world_size)
             else:
                 old.shape = hello.pipeline
+            old.speakers[hello.rank] = hello.pipeline.pp_stage
 
     def add(self, msg: Metrics, hello: Hello) -> None:
         """A pipeline leader's records (others are ignored: one test per message)."""
@@ -141,12 +143,12 @@ class PipelineBook:
             pipe = j.pipelines.get(rank)
             bubbles = list(islice(reversed(pipe.bubbles), self.window_steps)) if pipe else []
             rows = list(islice(reversed(pipe.rows), self.window_steps)) if pipe else []
-            shape = j.shape
+            shape, speaker = j.shape, j.speakers.get(rank, j.shape.pp_stage)
         neck = None
         if rows:
             stage = [f + b for f, b in zip(_mean_cols(rows, 2), _mean_cols(rows, 3), strict=True)]
             neck = stage.index(max(stage))
-        return {"pp_stage": shape.pp_stage, "pp_size": shape.pp_size,
+        return {"pp_stage": speaker, "pp_size": shape.pp_size,
                 "bubble_ms": sum(bubbles) / len(bubbles) if bubbles else None, "bottleneck_stage": neck}
 
     def observation(self, job: str, n: int | None = None) -> PipelineObservation | None:
