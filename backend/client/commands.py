@@ -128,6 +128,11 @@ def _job_text(j: dict[str, Any]) -> str:
         ("eta", duration(j.get("eta_s"))),
         ("cost", f"{num(j.get('cost_per_hour'), '${:.2f}')}/h, idle {num(j.get('idle_cost_per_hour'), '${:.2f}')}/h"),
     ]
+    if p := j.get("pipeline"):  # a pipelined job (docs/pipelines.md); `GET .../pipeline` has the grid
+        neck = "differs" if p.get("bottleneck_stage") is None else f"stage {p['bottleneck_stage']}"
+        lines.append(("pipeline", f"{p['label']}, {p['pipelines']} pipelines; bottleneck {neck}, slowest pipeline "
+                                  f"{num(p.get('slowest_pipeline'), '{}')}, bubble {num(p.get('bubble_share'), '{:.1%}')}"))
+        lines.append(("advice", p.get("advice_note") or "-"))
     return "\n".join(f"{k + ':':<11}{v}" for k, v in lines)
 
 

@@ -123,6 +123,16 @@ def test_a_pipelined_job_is_shown_advised_and_balanced(server: Server) -> None:
         assert _get(server, f"/api/v1/jobs/{JOB}/pipeline")["rows"][1]["n_microbatches"] == 5
     _the_client_reads_it_with_the_servers_field_names(server)
     _the_report_carries_the_grid_and_the_advice(server)
+    _the_cli_says_it(server)
+
+
+def _the_cli_says_it(server: Server) -> None:
+    from tests.backend.test_client import cli
+
+    got = cli("job", JOB, "--server", server.url)
+    assert got.returncode == 0, got.stderr
+    assert "pipeline:  PP 2, 1f1b, 2 pipelines; bottleneck stage 1, slowest pipeline 0, bubble " in got.stdout, got.stdout
+    assert "advice:    stage 1 bounds every pipeline: layers [2, 2] -> [3, 1] per stage" in got.stdout
 
 
 def _the_report_carries_the_grid_and_the_advice(server: Server) -> None:
