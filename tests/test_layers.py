@@ -458,3 +458,52 @@ def test_no_class_in_control_inherits_behaviour_from_another():
                 stacked += [f"{path.relative_to(ROOT).as_posix()}:{node.name}({ast.unparse(b)})"
                             for b in node.bases if ast.unparse(b) not in allowed]
     assert stacked == [], "classes that inherit behaviour: give the part to them as an argument"
+
+
+# The hook is composed, not stacked (issue 37): no class in trainer_hook inherits behaviour
+# from another class of trainer_hook (a Protocol is a type, not behaviour). Each exception
+# says why it stays a subclass.
+HOOK_SUBCLASSES = {
+    ("trainer_hook/integrations/lightning.py", "_LightningEpochView", "EpochView"):
+        "Lightning leaves a loader alone only when its sampler is a DistributedSampler: a view "
+        "of the hook's sampler that is one",
+    ("trainer_hook/integrations/lightning.py", "_ResumableLoader", "HookDataLoader"):
+        "the hook's loader with the state_dict Lightning asks of a loader that resumes by itself",
+}
+
+
+def _hook_class_bases(root: Path = ROOT) -> dict[tuple[str, str, str], bool]:
+    """(file, class, base) for each base that is a class of trainer_hook -> whether it is a Protocol."""
+    classes: dict[str, list[str]] = {}
+    trees = {}
+    for path in sorted((root / "trainer_hook").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        trees[path.relative_to(root).as_posix()] = tree
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = [ast.unparse(b).rpartition(".")[2] for b in node.bases]
+    found = {}
+    for rel, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for base in node.bases:
+                    name = ast.unparse(base).rpartition(".")[2]
+                    if name in classes:
+                        found[(rel, node.name, name)] = "Protocol" in classes[name]
+    return found
+
+
+def test_no_hook_class_inherits_behaviour_from_another():
+    stacked = {k for k, protocol in _hook_class_bases().items() if not protocol}
+    assert stacked - set(HOOK_SUBCLASSES) == set(), "compose instead: hold the other object, take it as an argument"
+    assert set(HOOK_SUBCLASSES) - stacked == set(), "gone: remove them from HOOK_SUBCLASSES"
+
+
+def test_the_composition_rule_sees_a_mixin(tmp_path: Path):
+    (tmp_path / "trainer_hook").mkdir()
+    (tmp_path / "trainer_hook" / "a.py").write_text(
+        "from typing import Protocol\nclass Base:\n    pass\nclass Typed(Protocol):\n    pass\n")
+    (tmp_path / "trainer_hook" / "b.py").write_text(
+        "from trainer_hook.a import Base, Typed\nclass Hook(Base):\n    pass\nclass Impl(Typed):\n    pass\n")
+    assert _hook_class_bases(tmp_path) == {("trainer_hook/b.py", "Hook", "Base"): False,
+                                           ("trainer_hook/b.py", "Impl", "Typed"): True}

@@ -1,5 +1,6 @@
-"""Checkpoint state: where the run stands (``state_dict``) and resuming there; timing a
-checkpoint write (``checkpointing``, the step record's ``ckpt_ms``)."""
+"""Checkpoints: where the run stands (``state_dict``) and resuming there, read from and
+handed back to the step loop (batch index), the placements (in force and pending) and
+the micro-batch stream; timing a checkpoint write (``checkpointing``, ``ckpt_ms``)."""
 
 from __future__ import annotations
 
@@ -12,55 +13,57 @@ import torch
 import torch.distributed as dist
 
 from rebalancer_wire.protocol import check_shares
-from trainer_hook._hook_base import HookBase
-from trainer_hook.channel import PendingPlacement
+from trainer_hook._connection import Connection
+from trainer_hook._micro_steps import MicroSteps
+from trainer_hook._placements import Placements
+from trainer_hook._ranks import Ranks
+from trainer_hook._steps import StepLoop
+from trainer_hook.channel import ControlChannel
+from trainer_hook.config import HookConfig
+from trainer_hook.phases import PhaseClock
+from trainer_hook.placement import PlacementSchedule
 
 log = logging.getLogger("trainer_hook")
 
 
-class Checkpoints(HookBase):
-    """``state_dict``, ``load_state_dict`` and ``checkpointing`` of a RebalanceHook."""
+@contextlib.contextmanager
+def checkpointing(phases: PhaseClock) -> Iterator[None]:
+    """Times a checkpoint write between steps as the next record's ``ckpt_ms``."""
+    clock = phases._clock
+    t0 = clock()
+    try:
+        yield
+    finally:
+        phases.add_checkpoint(clock() - t0)
 
-    @contextlib.contextmanager
-    def checkpointing(self) -> Iterator[None]:
-        """Context manager around a checkpoint write between steps: its time is reported
-        as the step's ``ckpt_ms`` (a part of the wait before the next step), so the job's
-        causes (docs/causes.md) tell checkpoints from data loading. Example::
 
-            if k % 1000 == 0:
-                with hook.checkpointing():
-                    torch.save({"model": model.state_dict(), "hook": hook.state_dict()}, path)
-        """
-        clock = self._phases._clock
-        t0 = clock()
-        try:
-            yield
-        finally:
-            self._phases.add_checkpoint(clock() - t0)
+class Checkpoints:
+    """``state_dict`` and ``load_state_dict`` of a RebalanceHook."""
+
+    def __init__(self, *, config: HookConfig, ranks: Ranks, schedule: PlacementSchedule, channel: ControlChannel,
+                 placements: Placements, loop: StepLoop, micro: MicroSteps, connection: Connection) -> None:
+        self._config = config
+        self._ranks = ranks
+        self._schedule = schedule
+        self._channel = channel
+        self._placements = placements
+        self._loop = loop
+        self._micro = micro
+        self._conn = connection
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the run stands, for a checkpoint: plain ints and lists (JSON-safe).
-
-        ``batch_index`` (the next untrained global batch), the placement in force for it
-        and its version, a newer placement already agreed or pending (``next_placement``),
-        and the epoch position. Save it with the model and optimizer; every rank holds
-        the same. Example::
-
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                        "rebalancer": hook.state_dict()}, path)
-        """
-        self._init_distributed("hook.state_dict()")
-        k = self._next_batch
+        """``hook.state_dict``: where the run stands."""
+        k = self._loop.next_batch
         current = self._schedule.at(k)
         nxt = self._schedule.latest
-        pending = self._channel.undelivered if self._root else None
+        pending = self._channel.undelivered if self._ranks.root else None
         upcoming = pending if pending is not None and pending.version > nxt.version else nxt
-        sampler = self._sampler
+        sampler = self._loop.sampler
         state: dict[str, Any] = {
             "format": _STATE_FORMAT,
             "batch_index": k,
-            "global_batch_size": self.config.global_batch_size,
-            "world_size": self._world_size,
+            "global_batch_size": self._config.global_batch_size,
+            "world_size": self._ranks.world_size,
             "placement": {"version": current.version, "shares": list(current.shares)},
             "next_placement": (
                 {"version": upcoming.version, "shares": list(upcoming.shares)}
@@ -69,37 +72,29 @@ class Checkpoints(HookBase):
             "epoch": k // len(sampler) if sampler is not None else None,
             "batches_per_epoch": len(sampler) if sampler is not None else None,
         }
-        if self.config.micro_batches is not None:
+        if self._config.micro_batches is not None:
             # This rank's stream (what it consumed, the source's own state, what it
             # peeked): per rank, unlike the rest.
-            state["stream"] = self._stream.state_dict() if self._stream is not None else self._stream_resume
+            micro = self._micro
+            state["stream"] = micro.stream.state_dict() if micro.stream is not None else micro.stream_resume
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state_dict()``: the next step trains ``batch_index`` under the
-        placement it had (or a newer one the backend holds), and the loader's sampler
-        starts there, in the right epoch of the seeded order.
-
-        Call it on every rank (rank 0's copy is used; with micro-batch placements each
-        rank's own ``stream`` entry resumes its stream: save every rank's state), after ``attach`` and before the
-        loader is first iterated. Raises ValueError for a state of another job shape
-        (global batch size) or out-of-range numbers; a different world size keeps the
-        batch index and starts from the uniform split.
-        """
-        self._init_distributed("hook.load_state_dict()")
-        sampler = self._sampler
-        if self._next_batch != 0 or self.history or (sampler is not None and sampler.furthest >= 0):
+        """``hook.load_state_dict``: resume where a state_dict stood (rank 0's copy decides)."""
+        loop = self._loop
+        sampler = loop.sampler
+        if loop.next_batch != 0 or self._conn.history or (sampler is not None and sampler.furthest >= 0):
             raise RuntimeError(
                 "load_state_dict() must come before the first batch is drawn: call it right "
                 "after building the model, optimizer and loader, before iterating the loader."
             )
-        k, version, shares, nxt = _check_state(state, self.config.global_batch_size, self._world_size)
-        self._stream_resume = _check_stream(state.get("stream"))
+        k, version, shares, nxt = _check_state(state, self._config.global_batch_size, self._ranks.world_size)
+        self._micro.stream_resume = _check_stream(state.get("stream"))
         group = self._channel.group
         if group is not None:  # rank 0's copy decides, so ranks cannot disagree
-            w = self._world_size
+            w = self._ranks.world_size
             buf = torch.full((2 + w,), -1, dtype=torch.int64)
-            if self._root:
+            if self._ranks.root:
                 buf[0], buf[1] = k, version if shares is not None else -1
                 if shares is not None:
                     buf[2:] = torch.tensor(shares, dtype=torch.int64)
@@ -107,15 +102,10 @@ class Checkpoints(HookBase):
             values = buf.tolist()
             k, version = values[0], values[1]
             shares = values[2:] if version >= 0 else None
-        if self._lookahead is not None:  # given: settle from the resumed batch on
-            self._channel.set_lookahead(k, self._lookahead)
-        with self._lock:
-            if shares is not None and version > self._schedule.latest.version:
-                self._schedule.replace_initial(version, shares)
-            self._next_batch = k
-            self._trained = self._schedule.at(k)
-        if nxt is not None and self._root and nxt[0] > self._schedule.latest.version:
-            self._channel.offer(PendingPlacement(nxt[0], tuple(nxt[1]), "resumed from a checkpoint"))
+        if loop.lookahead is not None:  # given: settle from the resumed batch on
+            self._channel.set_lookahead(k, loop.lookahead)
+        loop.next_batch = k
+        self._placements.resume(k, version, shares, nxt)
 
 
 _STATE_FORMAT = 1

@@ -1,6 +1,7 @@
-"""``hook.micro_batches(source)``: a step's micro-batches under micro-batch placements
-(trainer_hook.microbatch holds the stream; this wires it to the step, the gradient
-synchronisation and the checkpoint)."""
+"""MicroSteps: ``hook.micro_batches(source)``, a step's micro-batches under micro-batch
+placements. Owns this rank's stream (trainer_hook.microbatch), the step's micro-batches
+and token factor, and the model's gradient-sync switch; the step loop tells it where a
+step begins and ends, the checkpoint reads and restores its stream."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from typing import Any
 
 import torch
 
-from trainer_hook._hook_base import HookBase
+from trainer_hook._weights import Weighting
 from trainer_hook._wrappers import _compiled_inner, _fsdp2_modules, _is_ddp
+from trainer_hook.config import HookConfig
 from trainer_hook.microbatch import MicroBatches, MicroBatchStream
+from trainer_hook.placement import ScheduledPlacement
 
 ValidTokens = Callable[[Any], "int | torch.Tensor"]
 
@@ -77,37 +80,31 @@ def _post_forward_settings(root: Any) -> list[tuple[Any, Any, Any]]:
     return out
 
 
-class MicroBatchSteps(HookBase):
+class MicroSteps:
     """``micro_batches`` of a RebalanceHook and the step's check that it ran through."""
 
+    def __init__(self, *, config: HookConfig, rank: int, weighting: Weighting) -> None:
+        self._config = config
+        self._rank = rank
+        self._weighting = weighting
+        self.stream: MicroBatchStream | None = None
+        self.stream_resume: dict[str, Any] | None = None  # a checkpoint's stream state, until the stream exists
+        self._switch: Callable[[bool], None] | None = None
+        self._mb: MicroBatches | None = None
+        self._mb_tokens: Any = None
+        self._in_step = False
+        self._k = 0
+        self._count = 0
+
+    def step_begins(self, k: int, p: ScheduledPlacement) -> None:
+        self._in_step, self._mb, self._k, self._count = True, None, k, p.shares[self._rank]
+
+    def step_ends(self) -> None:
+        self._in_step = False
+
     def micro_batches(self, source: Iterable[Any], *, valid_tokens: ValidTokens | None = None) -> MicroBatches:
-        """This rank's micro-batches for the step being trained (``micro_batches=M`` hooks).
-
-        Call it inside ``with hook.step():`` with the same source every step (a DataLoader
-        over an IterableDataset, a ``StatefulDataLoader``, any iterator of fixed-shape
-        micro-batches; the hook keeps its iterator). It takes this rank's share of the
-        step's M micro-batches from the source, checks they all have the first one's
-        shapes, and yields them; gradient synchronisation is off for all but the last
-        (DDP, FSDP2), and each micro-batch's gradient counts ``1 / M`` of the step, so a
-        per-micro-batch mean loss trains on the mean over the step's samples. A drained
-        rank yields one micro-batch with weight 0 (it still joins the collective).
-        ``valid_tokens`` (``micro-batch -> count``) counts the valid tokens of this rank's
-        micro-batches once per step; ``hook.token_loss_weight()`` then turns each
-        micro-batch's summed token loss into its part of the global token mean. Example::
-
-            hook = RebalanceHook(micro_batches=16)
-            hook.attach(model)                       # DDP(torch.compile(m)), fully_shard(m), ...
-            for step in range(steps):
-                with hook.step():
-                    for x, y in hook.micro_batches(stream):
-                        loss_fn(model(x), y).backward()
-                    opt.step(); opt.zero_grad()
-
-        A stream that ends before this rank's share raises ``StreamEnded`` (a RuntimeError)
-        before any of the step's micro-batches is used; a micro-batch of another shape
-        raises ValueError.
-        """
-        if self.config.micro_batches is None:
+        """``hook.micro_batches``: this rank's share of the step's micro-batches."""
+        if self._config.micro_batches is None:
             raise RuntimeError(
                 "hook.micro_batches() needs micro-batch placements: create the hook with "
                 "RebalanceHook(micro_batches=M), M the micro-batches of one optimizer step over all ranks.")
@@ -115,31 +112,32 @@ class MicroBatchSteps(HookBase):
             raise RuntimeError("hook.micro_batches() is called inside `with hook.step():`, once per step.")
         if self._mb is not None:
             raise RuntimeError("hook.micro_batches() was called twice in one step: call it once per step.")
-        if self._gradients_mode is None:
+        weighting = self._weighting
+        if weighting.mode is None:
             raise RuntimeError(
                 "hook.micro_batches() needs hook.attach(model) first: the hook weights each micro-batch "
                 "1/M of the step and turns gradient synchronisation off for all but the last.")
-        stream = self._stream
+        stream = self.stream
         if stream is None:
-            stream = self._stream = MicroBatchStream(source, rank=self._rank, resume=self._stream_resume)
-            self._stream_resume = None
+            stream = self.stream = MicroBatchStream(source, rank=self._rank, resume=self.stream_resume)
+            self.stream_resume = None
         elif stream.source is not source:
             raise ValueError(
                 "hook.micro_batches() was given another source than in earlier steps: pass the same "
                 "iterable every step (the hook keeps its iterator and counts what it consumed).")
-        k = self._next_batch
-        count = self._trained.shares[self._rank]
+        k, count = self._k, self._count
         items = stream.take(count, step=k) if count else [stream.dummy(step=k)]
         self._mb_tokens = None
         if valid_tokens is not None:
             n: Any = 0
             for mb in items:
                 n = n + valid_tokens(mb)
-            self._mb_tokens = self.token_loss_weight(n)  # type: ignore[attr-defined]
-        model = self._model
-        local = self._gradients_mode == "local" and model is not None
-
-        switch = self._sync_switch
+            self._mb_tokens = weighting.token_loss_weight(n)
+        model = weighting.model
+        local = weighting.mode == "local" and model is not None
+        switch = self._switch
+        if switch is None:
+            switch = self._switch = gradient_sync_switch(model)
 
         def step_over() -> None:  # the last backward ran, or the loop left early
             if isinstance(switch, _Fsdp2Sync):
@@ -149,7 +147,7 @@ class MicroBatchSteps(HookBase):
 
         def after_last() -> None:
             step_over()
-            w = self._grads.weight
+            w = weighting.weight
             if local and w != 1.0:  # one process: what the comm hook's bucket *= weight does
                 with torch.no_grad():
                     for p in model.parameters():  # type: ignore[union-attr]
@@ -159,20 +157,21 @@ class MicroBatchSteps(HookBase):
         self._mb = MicroBatches(items, count, switch, after_last, step_over)
         return self._mb
 
-    def _step_token_weight(self) -> Any:
+    def step_token_weight(self) -> Any:
         if self._mb is None or self._mb_tokens is None:
             raise ValueError(
                 "token_loss_weight() without a count needs hook.micro_batches(source, valid_tokens=fn) "
                 "earlier in the same step; otherwise pass this rank's count of valid tokens.")
         return self._mb_tokens
 
-    def _check_micro_step(self) -> None:
+    def check_step(self) -> None:
+        """At the end of a step that did not fail: its micro-batches were all trained."""
         mb = self._mb
         if mb is None:
             raise RuntimeError(
-                f"step {self._next_batch} ended without hook.micro_batches(source): with micro-batch "
+                f"step {self._k} ended without hook.micro_batches(source): with micro-batch "
                 "placements every step trains its micro-batches through it.")
         if not mb.finished:
             raise RuntimeError(
-                f"step {self._next_batch} ended before its {len(mb)} micro-batches were all trained: "
+                f"step {self._k} ended before its {len(mb)} micro-batches were all trained: "
                 "iterate hook.micro_batches(...) to its end inside the step (no break).")

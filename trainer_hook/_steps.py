@@ -1,19 +1,72 @@
-"""The hot path of ``hook.step()``: the batch's gradient weight and timers on entry, its
-record on exit, the lookahead agreed at the first step, an out-of-memory report."""
+"""StepLoop: the hot path of ``hook.step()``. Owns where training stands (the next batch
+index), the lookahead agreed at the first step, and each step's entry (the exchange when
+due, the batch's gradient weight, the timers) and exit (its record, to the Connection or
+the replica's pace); also where the watchdog finds training, and the out-of-memory report.
+No network or file I/O and no device sync here."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from rebalancer_wire.protocol import Oom
-from trainer_hook._placements import PlacementSwitch
+from trainer_hook._connection import Connection
+from trainer_hook._micro_steps import MicroSteps
+from trainer_hook._placements import Placements
+from trainer_hook._weights import Weighting
+from trainer_hook.channel import ControlChannel
+from trainer_hook.config import HookConfig
+from trainer_hook.gradients import GradientState
+from trainer_hook.memory import MemoryMeter, MemoryReading, is_out_of_memory
+from trainer_hook.mesh import ReplicaPace
+from trainer_hook.phases import GcSchedule
+from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
+from trainer_hook.sampler import RebalanceBatchSampler
+from trainer_hook.timing import StepTimer
 
 log = logging.getLogger("trainer_hook")
 _OOM_FLUSH_S = 2.0  # how long an out-of-memory report may hold the failing step
+
+
+class Steps(Protocol):
+    """What a step's context calls: a StepLoop (or, before the process group, the hook's
+    stand-in that builds the components first)."""
+
+    def begin(self) -> int: ...
+
+    def end(self, *, failed: bool) -> None: ...
+
+    def report_oom(self, exc: BaseException) -> None: ...
+
+
+class StepContext:
+    """The object ``hook.step()`` returns; reused every step to keep the hot path small."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self, steps: Steps) -> None:
+        self.steps = steps
+
+    def __enter__(self) -> int:
+        return self.steps.begin()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        steps = self.steps
+        if exc_type is not None and is_out_of_memory(exc):
+            steps.report_oom(exc)  # before the exception reaches the training loop
+        steps.end(failed=exc_type is not None)
+
+
+def refuse_closed(forked: bool) -> RuntimeError:
+    if forked:
+        return RuntimeError(
+            "This RebalanceHook belongs to the parent process; a forked child (a DataLoader "
+            "worker) must not train with it. Create hooks in the training process only."
+        )
+    return RuntimeError("This RebalanceHook is closed; create a new one to train further.")
 
 
 class _NoExchange:
@@ -28,30 +81,58 @@ class _NoExchange:
 _NO_EXCHANGE: Any = _NoExchange()
 
 
-class StepLoop(PlacementSwitch):
+class StepLoop:
     """Entry and exit of ``hook.step()`` for a RebalanceHook."""
 
-    def _begin_step(self) -> int:
-        if self._closed:
-            if self._forked:
-                raise RuntimeError(
-                    "This RebalanceHook belongs to the parent process; a forked child (a DataLoader "
-                    "worker) must not train with it. Create hooks in the training process only."
-                )
-            raise RuntimeError("This RebalanceHook is closed; create a new one to train further.")
+    def __init__(self, *, config: HookConfig, rank: int, schedule: PlacementSchedule, channel: ControlChannel,
+                 placements: Placements, weighting: Weighting, micro: MicroSteps | None,
+                 connection: Connection, grads: GradientState, timer: StepTimer,
+                 memory: MemoryMeter | None, gc_schedule: GcSchedule | None, pace: ReplicaPace | None) -> None:
+        self._config = config
+        self._rank = rank
+        self._schedule = schedule
+        self._channel = channel
+        self._placements = placements
+        self._weighting = weighting
+        self._micro = micro
+        self._conn = connection
+        self._grads = grads
+        self._timer = timer
+        self._memory = memory
+        self._gc_schedule = gc_schedule
+        self._pace = pace
+        self.next_batch = 0  # the global batch index the next step trains
+        self.sampler: RebalanceBatchSampler | None = None  # the sampler created last (hook.batch_sampler)
+        # The lookahead in force: given, or measured at the first step (None until then).
+        self.lookahead: int | None = config.lookahead if isinstance(config.lookahead, int) else None
+        self.known_lookahead = 0  # what hook.data_loader() knows its loader needs
+        self._agree_at = 0  # the batch index at which to measure and agree on it
+        self.closed = False
+        self.forked = False
+        self._started = False
+        self._entry_wait = 0.0  # seconds the pace check after the last step waited (sync wait)
+        self._full_for: ScheduledPlacement | None = None  # placement self._full was computed for
+        self._full: tuple[int, float] = (0, 0.0)  # (local samples, weight) of a full batch under it
+        self._frozen: list[torch.nn.Module] = []
+        self._mem_pending: MemoryReading | None = None
+
+    def begin(self) -> int:
+        if self.closed:
+            raise refuse_closed(self.forked)
         if not self._started:
-            self._ensure_started()
-        k = self._next_batch
+            self._placements.ensure_started(self.next_batch)
+            self._started = True
+        k = self.next_batch
         channel = self._channel
         # In the hook's own collectives: sync wait, not data wait (invariant 11); a replica's
         # pace check at the end of the previous step included.
         waited, self._entry_wait = self._entry_wait, 0.0
-        if self._lookahead is None:
+        if self.lookahead is None:
             clock = self._timer.clock
             t = clock()
             self._agree_lookahead(k)
             waited = clock() - t
-            if self._lookahead is None:  # postponed: no exchange may start a placement yet
+            if self.lookahead is None:  # postponed: no exchange may start a placement yet
                 channel = _NO_EXCHANGE
         if k >= channel.due:  # an exchange to collect or launch; otherwise nothing to do
             clock = self._timer.clock
@@ -59,8 +140,8 @@ class StepLoop(PlacementSwitch):
             channel.on_step(k)
             waited += clock() - t
         p = self._schedule.at(k)
-        sampler = self._sampler
-        b = self.config.global_batch_size
+        sampler = self.sampler
+        b = self._config.global_batch_size
         if sampler is not None and sampler.has_cost:  # a cost partition: the count varies per batch
             local = sampler.local_size(k)
             weight = local / sampler.batch_length(k)
@@ -69,7 +150,7 @@ class StepLoop(PlacementSwitch):
             if p is not self._full_for:
                 local = p.shares[self._rank]
                 # Micro-batch shares: each micro-batch's gradient is 1/M of the step's.
-                micro = self.config.micro_batches is not None
+                micro = self._micro is not None
                 self._full = (local, (1.0 / b if local else 0.0) if micro else local / b)
                 self._full_for = p
             local, weight = self._full
@@ -81,17 +162,18 @@ class StepLoop(PlacementSwitch):
         grads = self._grads
         grads.reset()
         grads.weight = weight
-        if local == 0 and self._norms:
-            self._freeze_norms()
-        if p.version != self._trained_version:
-            self._on_new_version(p, k)
-        self._trained = p
+        if local == 0 and self._weighting.norms:
+            self._freeze_norms(self._weighting.norms)
+        placements = self._placements
+        if p is not placements.trained or p.version != placements.trained_version:
+            placements.enter(p, k)  # a new version: acked
         if self._memory is not None:
             self._memory.begin(local)
         if self._gc_schedule is not None:  # HookConfig gc_freeze / gc_collect_every
             self._gc_schedule.on_step(k)
         self._timer.start(k, local, p.version, events=grads.events, waited=waited)
-        self._in_step, self._mb = True, None
+        if self._micro is not None:
+            self._micro.step_begins(k, p)
         return k
 
     def _agree_lookahead(self, k: int) -> None:
@@ -107,14 +189,14 @@ class StepLoop(PlacementSwitch):
         """
         if k < self._agree_at:
             return
-        sampler = self._sampler
+        sampler = self.sampler
         ahead, truncated = 0, 0
         if sampler is not None:
             ahead = sampler.furthest - k
             per_epoch = len(sampler)
             epoch_end = (k // per_epoch + 1) * per_epoch - 1
             truncated = int(sampler.furthest >= epoch_end and k % per_epoch != 0 and self._agree_at == 0)
-        lookahead = max(1, ahead + 1, self._known_lookahead)
+        lookahead = max(1, ahead + 1, self.known_lookahead)
         group = self._channel.group
         if group is not None:
             buf = torch.tensor([lookahead, truncated], dtype=torch.int64)
@@ -123,19 +205,21 @@ class StepLoop(PlacementSwitch):
         if truncated and sampler is not None:
             self._agree_at = (k // len(sampler) + 1) * len(sampler)
             return
-        self._lookahead = lookahead
+        self.lookahead = lookahead
         self._channel.set_lookahead(k, lookahead)
 
-    def _freeze_norms(self) -> None:
+    def _freeze_norms(self, norms: list[torch.nn.Module]) -> None:
         # Eval mode for the dummy step: normalise with the running statistics, update none.
-        self._frozen = [m for m in self._norms if m.training]
+        self._frozen = [m for m in norms if m.training]
         for m in self._frozen:
             m.train(False)
 
-    def _end_step(self, *, failed: bool) -> None:
-        self._in_step = False
-        if not failed and self.config.micro_batches is not None:
-            self._check_micro_step()  # type: ignore[attr-defined]
+    def end(self, *, failed: bool) -> None:
+        micro = self._micro
+        if micro is not None:
+            micro.step_ends()
+            if not failed:
+                micro.check_step()
         if self._frozen:
             for m in self._frozen:
                 m.train(True)
@@ -144,7 +228,7 @@ class StepLoop(PlacementSwitch):
         rec = self._timer.finish(self._grads)
         if failed:
             return
-        self._next_batch += 1
+        self.next_batch += 1
         if self._memory is not None:
             reading = self._memory.end()
             if reading is not None:
@@ -155,7 +239,7 @@ class StepLoop(PlacementSwitch):
             if pending is not None and rec is not None and rec.local_batch_size == pending.local_batch_size:
                 rec.mem_peak_bytes, rec.mem_reserved_bytes, rec.mem_total_bytes = pending[1:]
                 self._mem_pending = None
-        sampler = self._sampler
+        sampler = self.sampler
         if rec is not None and sampler is not None and sampler.has_cost:
             rec.work = sampler.local_work(rec.batch_index) if rec.local_batch_size else 0.0
             rec.batch_work = sampler.batch_work(rec.batch_index)
@@ -167,18 +251,18 @@ class StepLoop(PlacementSwitch):
         if pace is not None:  # the leader reports its replica's pace (the slowest member's times)
             if rec is not None:
                 if not pace.leader:
-                    self.history.append(rec)  # a member keeps its own; the leader sends
+                    self._conn.history.append(rec)  # a member keeps its own; the leader sends
                 # Which samples it trained: the replica's members must agree (checked a window on).
                 fp = (sampler.samples_fingerprint(rec.batch_index) if sampler is not None
                       else hash((rec.placement_version, rec.local_batch_size)))
                 for r in pace.add(rec, fp):  # only a record whose window left already
-                    self._report(r)
+                    self._conn.report(r)
             clock = self._timer.clock
             t = clock()
-            pace.on_step_end(self._next_batch, self._grads.events is not None)  # may wait for the last window
+            pace.on_step_end(self.next_batch, self._grads.events is not None)  # may wait for the last window
             self._entry_wait = clock() - t
         elif rec is not None:
-            self._report(rec)
+            self._conn.report(rec)
         if self._grads.repeated_bucket:
             raise RuntimeError(
                 "Gradients were all-reduced more than once in one hook.step(): gradient "
@@ -186,21 +270,36 @@ class StepLoop(PlacementSwitch):
                 "otherwise each micro-batch is weighted as a whole batch and the math changes."
             )
 
-    def _report_oom(self, exc: BaseException) -> None:
+    def where(self) -> tuple[int, str, float, float] | None:
+        """The watchdog's thread: where training is (``trainer_hook.watchdog.Where``)."""
+        t = self._timer
+        prev = t._prev_end
+        if prev is None:
+            return None
+        history = self._conn.history
+        last = history[-1] if history else None
+        step_s = last.step_ms / 1e3 if last is not None else 0.0
+        if t._t0 > prev:  # inside hook.step()
+            g = self._grads
+            phase = "compute" if g.last_bucket_t is None else "sync_wait" if g.last_done_t is None else "optimizer"
+            return t._meta[0], phase, prev, step_s
+        return self.next_batch, "data_wait", prev, step_s
+
+    def report_oom(self, exc: BaseException) -> None:
         """Tell the backend this rank ran out of memory, and wait (up to 2 s) until the
         message left: the process is about to die with the job."""
         try:
             k, local, version = self._timer._meta
             meter = self._memory
-            oom = Oom(job=self.config.job_name, rank=self._rank, version=version, batch_index=k,
+            oom = Oom(job=self._config.job_name, rank=self._rank, version=version, batch_index=k,
                       local_batch_size=local, mem_peak_bytes=meter.peak_now() if meter else None,
                       mem_total_bytes=meter.source.total_bytes() if meter else None,
                       message=str(exc)[:2000])
             log.error("rank %d ran out of memory at batch %d with %d samples (placement %d); "
                       "reporting it to the backend", self._rank, k, local, version)
-            if self._transport is not None:
-                self._transport.send_control(oom)
-                if not self._transport.flush_control(_OOM_FLUSH_S):
+            if self._conn.transport is not None:
+                self._conn.send_control(oom)
+                if not self._conn.flush_control(_OOM_FLUSH_S):
                     log.warning("the out-of-memory report could not be sent within %.0f s", _OOM_FLUSH_S)
         except Exception:  # noqa: BLE001 - never mask the out-of-memory error itself
             log.exception("reporting the out-of-memory error failed")

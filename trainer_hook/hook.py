@@ -1,4 +1,4 @@
-"""RebalanceHook: the public API that wires sampler, gradients, control and metrics.
+"""RebalanceHook: the public API, a thin facade over the hook's components.
 
 Example (torchrun, one process per rank)::
 
@@ -16,55 +16,57 @@ Example (torchrun, one process per rank)::
             loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
     hook.close()
 
+The hook holds what exists from its constructor on (config, Connection, gradient state,
+timers) and, once the process group is there, the Components that trainer_hook._wiring
+builds: StepLoop, Placements, Weighting, Loading, Checkpoints, MicroSteps. Each method
+here forwards to one of them; its lifecycle (close, at exit, in a forked child) calls
+each in turn.
+
 One module, over 400 lines on purpose: the whole public API in one place, each method a
-short forward to the private parts beside its full docstring and example.
+short forward to a component beside its full docstring and example.
 """
 
 from __future__ import annotations
 
-import logging
-import math
+import threading
+from collections import deque
+from collections.abc import Iterable, Sized
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch.utils.data import DataLoader
 
-from rebalancer_wire.protocol import MAX_LENGTH_SQ_WEIGHT, StepRecord
-from trainer_hook._checkpoint import Checkpoints
-from trainer_hook._hook_base import _COMM_KIND, _StepContext
-from trainer_hook._hook_base import HOOK_VERSION as HOOK_VERSION  # re-exported: zero_code reads it
-from trainer_hook._loading import LoaderWiring
-from trainer_hook._micro_steps import MicroBatchSteps, gradient_sync_switch
-from trainer_hook._steps import StepLoop
-from trainer_hook.config import check_total_steps
-from trainer_hook.gradients import (
-    check_data_parallel,
-    register_grad_timer,
-    register_gradient_weighting,
-    register_unshard_timer,
-    timing_event,
-)
+from rebalancer_wire.protocol import Error, Hello, Message, StepRecord
+from trainer_hook import _lifecycle
+from trainer_hook._checkpoint import checkpointing
+from trainer_hook._connection import HOOK_VERSION as HOOK_VERSION  # re-exported: zero_code reads it
+from trainer_hook._connection import Connection
+from trainer_hook._loading import check_loader_args
+from trainer_hook._micro_steps import ValidTokens
+from trainer_hook._placements import check_length_sq_weight as check_length_sq_weight
+from trainer_hook._ranks import env_world_size
+from trainer_hook._steps import StepContext, refuse_closed
+from trainer_hook._weights import GRADIENT_MODES
+from trainer_hook._wiring import Before, Components, build, close_groups
+from trainer_hook.config import HookConfig, check_total_steps
+from trainer_hook.gradients import GradientState
+from trainer_hook.memory import MemoryMeter, MemorySource, default_memory_source
+from trainer_hook.microbatch import MicroBatches
+from trainer_hook.phases import GcSchedule, PhaseClock
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
+from trainer_hook.sampler import RebalanceBatchSampler, SampleCost
+from trainer_hook.timing import StepTimer
 
 __all__ = ["RebalanceHook"]
 
-log = logging.getLogger("trainer_hook")
-_GRADIENT_MODES = ("auto", "comm_hook", "loss_scale")
+# How long close() at interpreter exit waits for the exchange in flight: every rank
+# launched it, so it is normally complete; a peer stuck elsewhere must not hold the exit.
+_EXIT_WAIT_S = 30.0
+_AUTO: Any = object()
 
 
-def check_length_sq_weight(value: object) -> float:
-    """A cost model's k (of ``L + k*L^2``) as a float, or ValueError naming the range."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"length_sq_weight must be a number in [0, {MAX_LENGTH_SQ_WEIGHT:g}] (k of L + k*L^2), "
-                         f"got {value!r}.")
-    k = float(value)
-    if not (math.isfinite(k) and 0.0 <= k <= MAX_LENGTH_SQ_WEIGHT):
-        raise ValueError(f"length_sq_weight must be a number in [0, {MAX_LENGTH_SQ_WEIGHT:g}] (k of L + k*L^2), "
-                         f"got {k}.")
-    return k
-
-
-class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
+class RebalanceHook:
     """Measures this rank and applies placements of the global batch in lockstep.
 
     ``RebalanceHook(server=None, job=None, global_batch_size=..., token=None, **config)``;
@@ -101,25 +103,71 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
         hook.attach(model)
     """
 
-    @property
-    def schedule(self) -> PlacementSchedule:
-        """Which placement is in force for each batch index (shared by sampler and step)."""
-        self._init_distributed("hook.schedule")
-        return self._schedule
+    def __init__(
+        self,
+        server: str | None = None,
+        job: str | None = None,
+        global_batch_size: int | None = None,
+        token: str | None = None,
+        *,
+        memory_source: MemorySource | None = _AUTO,
+        dp_mesh: Any = None,
+        **config: Any,
+    ) -> None:
+        self.config = HookConfig.from_env(
+            server=server, job=job, global_batch_size=global_batch_size, token=token, **config
+        )
+        cfg = self.config
+        self._grads = GradientState()
+        self._phases = PhaseClock()  # GC pauses, loader and checkpoint time of each step
+        self._phases.install()
+        self._timer = StepTimer(phases=self._phases)
+        gcs = GcSchedule(freeze=cfg.gc_freeze, every=cfg.gc_collect_every)
+        source = default_memory_source() if memory_source is _AUTO else memory_source
+        self._conn = Connection(cfg)
+        self._before = Before(
+            config=cfg, dp_mesh=dp_mesh, connection=self._conn, grads=self._grads, phases=self._phases,
+            timer=self._timer, gc_schedule=gcs if gcs.active else None,  # None: Python's own
+            memory=MemoryMeter(source, every=cfg.memory_every) if source is not None else None,
+            training_thread=threading.get_ident(),  # whose stack a hang report carries
+        )
+        self._c: Components | None = None  # built once the process group is there
+        self._ctx = StepContext(_Unwired(self))
+        self._closed = False
+        self._forked = False
+        # Created before the process group (HF TrainingArguments and Accelerate's
+        # Accelerator make it): the rest waits for the first use.
+        if (torch.distributed.is_available() and torch.distributed.is_initialized()) or env_world_size() <= 1:
+            self._init_distributed("RebalanceHook()")
+
+    def _init_distributed(self, where: str) -> Components:
+        """Once: the components (trainer_hook._wiring), on the process group."""
+        c = self._c
+        if c is None:
+            c = self._c = build(self._before, where)
+            self._ctx.steps = c.loop
+            _lifecycle.track(self)  # after init_process_group: its atexit runs before torch's
+        return c
+
+    def _ensure_started(self) -> None:
+        self._init_distributed("the first batch").ensure_started()
 
     # --- public read-only state ------------------------------------------------------
 
     @property
+    def schedule(self) -> PlacementSchedule:
+        """Which placement is in force for each batch index (shared by sampler and step)."""
+        return self._init_distributed("hook.schedule").schedule
+
+    @property
     def rank(self) -> int:
         """This process's rank (0 without a process group)."""
-        self._init_distributed("hook.rank")
-        return self._rank
+        return self._init_distributed("hook.rank").ranks.rank
 
     @property
     def world_size(self) -> int:
         """Number of ranks (1 without a process group)."""
-        self._init_distributed("hook.world_size")
-        return self._world_size
+        return self._init_distributed("hook.world_size").ranks.world_size
 
     @property
     def lookahead(self) -> int | None:
@@ -129,9 +177,13 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
         largest over ranks of how far the loader had asked the sampler ahead, plus one);
         before that, what ``hook.data_loader`` knows its loader needs, else None.
         """
-        if self._lookahead is not None:
-            return self._lookahead
-        return self._known_lookahead or None
+        c = self._c
+        if c is None:
+            la = self.config.lookahead
+            return la if isinstance(la, int) else None
+        if c.loop.lookahead is not None:
+            return c.loop.lookahead
+        return c.loop.known_lookahead or None
 
     @property
     def global_batch_size(self) -> int:
@@ -140,13 +192,12 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
     @property
     def batch_index(self) -> int:
         """The global batch index the next ``step()`` trains (counts across epochs)."""
-        return self._next_batch
+        return self._c.loop.next_batch if self._c is not None else 0
 
     @property
     def placement(self) -> ScheduledPlacement:
         """The placement of the batch trained last (version 0 before the first step)."""
-        self._init_distributed("hook.placement")
-        return self._trained
+        return self._init_distributed("hook.placement").placements.trained
 
     @property
     def placement_version(self) -> int:
@@ -157,11 +208,32 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
         return list(self.placement.shares)
 
     @property
+    def history(self) -> deque[StepRecord]:
+        """This rank's newest StepRecords (``history`` of them, oldest first)."""
+        return self._conn.history
+
+    @property
+    def acks(self) -> list[tuple[int, int]]:
+        """(version, batch index) of each placement this rank switched to."""
+        return self._c.placements.acks if self._c is not None else []
+
+    @property
+    def rejections(self) -> list[tuple[int, str]]:
+        """(version, reason) of each placement this rank refused."""
+        return self._c.placements.rejections if self._c is not None else []
+
+    @property
+    def last_error(self) -> Error | None:
+        """The backend's newest ``error`` message, if any."""
+        return self._c.placements.last_error if self._c is not None else None
+
+    @property
     def last_step(self) -> StepRecord | None:
         """The newest StepRecord of this rank, or None before the first step ends. With
         ``dp_mesh``, a replica leader's records are its replica's (the slowest member's
         times), which arrive up to two windows of 8 steps late (docs/meshes.md)."""
-        return self.history[-1] if self.history else None
+        history = self._conn.history
+        return history[-1] if history else None
 
     @property
     def total_steps(self) -> int | None:
@@ -172,18 +244,17 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
         """Tell the backend how many steps the run will take (None: unknown); any time."""
         check_total_steps(total_steps)
         self.config.total_steps = total_steps
-        if self._transport is not None:
-            self._transport.total_steps = total_steps
+        self._conn.set_total_steps(total_steps)
 
     @property
     def connected(self) -> bool:
         """True while the transport holds a live websocket (always False offline)."""
-        return bool(self._transport is not None and self._transport.connected)
+        return self._conn.connected
 
     @property
     def dropped(self) -> int:
         """Metric records the transport could not buffer (0 offline)."""
-        return int(self._transport.dropped) if self._transport is not None else 0
+        return self._conn.dropped
 
     # --- set-up ----------------------------------------------------------------------
 
@@ -227,45 +298,100 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
                 with hook.step():
                     loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
         """
-        if gradients not in _GRADIENT_MODES:
-            raise ValueError(f"gradients must be one of {_GRADIENT_MODES}, got {gradients!r}.")
-        self._init_distributed("hook.attach()")
-        if self._gradients_mode is not None:
-            raise RuntimeError("attach() was already called on this hook; call it once per model.")
-        if gradients == "loss_scale":
-            check_data_parallel(model, self._world_size, dp_mesh=self._dp_mesh)
-            self._grad_handles = register_grad_timer(model, self._grads)
-            mode = "loss_scale"
-        else:
-            mode = register_gradient_weighting(model, self._grads, self._world_size, dp_mesh=self._dp_mesh)
-            if mode == "local":
-                self._grad_handles = register_grad_timer(model, self._grads)
-        # FSDP's parameter all-gathers are waits for peers on either path.
-        self._grad_handles += register_unshard_timer(model, self._grads)
-        self._gradients_mode = mode
-        self._model, self._sync_switch = model, gradient_sync_switch(model)
-        if self._transport is not None and mode in _COMM_KIND:
-            # The hello sent on connecting (at the top of attach) could not name the collective yet.
-            self._transport.send_control(self._hello())
-        # A drained rank trains a one-sample dummy batch (weight 0); batch norm would fold
-        # it into its running statistics (and BatchNorm1d refuses one sample in training).
-        # SyncBatchNorm is left alone: in eval it would skip its collective and hang peers.
-        self._norms = [
-            m for m in model.modules()
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-            and not isinstance(m, torch.nn.SyncBatchNorm)
-        ]
-        self._ensure_started()
+        if gradients not in GRADIENT_MODES:
+            raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}.")
+        c = self._init_distributed("hook.attach()")
+        c.weighting.attach(model, gradients)
+        c.ensure_started()
         return model
 
     @property
     def gradients(self) -> str | None:
         """The gradient mechanism ``attach`` chose (None before ``attach``)."""
-        return self._gradients_mode
+        return self._c.weighting.mode if self._c is not None else None
+
+    def data_loader(
+        self,
+        dataset: Sized,
+        *,
+        batch_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        sample_cost: SampleCost | None = None,
+        sample_length: SampleCost | None = None,
+        **loader_kwargs: Any,
+    ) -> DataLoader[Any]:
+        """A ``DataLoader`` over ``batch_sampler(dataset, shuffle, seed, drop_last,
+        sample_cost, sample_length)``.
+
+        Every other ``DataLoader`` argument passes through (``num_workers``,
+        ``prefetch_factor``, ``persistent_workers``, ``pin_memory``, ``collate_fn``, ...).
+        The hook knows how far this loader prefetches, so ``hook.lookahead`` is right
+        before the first step, and ``loader.sampler.set_epoch(epoch)`` works as in the DDP
+        tutorial (the epoch follows the batch index; the call changes nothing). Example::
+
+            loader = hook.data_loader(ds, shuffle=True, seed=0, num_workers=4, pin_memory=True)
+            for epoch in range(epochs):
+                loader.sampler.set_epoch(epoch)
+                for x, y in loader:
+                    with hook.step():
+                        ...
+
+        ``batch_size`` may only repeat the hook's ``global_batch_size`` (each rank's batch
+        is its share of it); ``sampler`` and ``batch_sampler`` are the hook's.
+        """
+        check_loader_args(self.config, batch_size, loader_kwargs)  # before the process group is needed
+        return self._init_distributed("hook.batch_sampler()").loading.data_loader(
+            dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, sample_cost=sample_cost,
+            sample_length=sample_length, **loader_kwargs)
+
+    def batch_sampler(
+        self,
+        dataset: Sized | int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        sample_cost: SampleCost | None = None,
+        sample_length: SampleCost | None = None,
+    ) -> RebalanceBatchSampler:
+        """This rank's batch sampler: pass it to ``DataLoader(batch_sampler=...)``.
+
+        Global batch k is the same samples on every rank and under every placement; the
+        sampler yields this rank's contiguous slice of it. Works with ``num_workers > 0``
+        as long as the loader prefetches at most ``lookahead`` batches. A drained rank
+        (share 0) gets a one-sample dummy batch whose gradient weight is 0. Each
+        ``iter()`` starts at ``hook.batch_index``, so breaking out of an epoch and looping
+        again continues with the next untrained batch. The hook takes the batch sizes of
+        an epoch's short last batch from the sampler created last.
+
+        ``sample_cost`` makes the split balance work instead of samples when samples differ
+        in cost (variable-length sequences): a sequence with one number >= 0 per dataset
+        index (token counts, say) or a callable ``index -> number``. The placement's shares
+        are then shares of each batch's work; the samples of batch k go to ranks by a
+        longest-processing-time-first partition every rank computes alike, so batch k is
+        still the same samples, each trained once. Every rank must pass the same costs::
+
+            lengths = [len(ex["input_ids"]) for ex in ds]
+            loader = hook.data_loader(ds, shuffle=True, seed=0, sample_cost=lengths)
+
+        ``sample_length`` (instead of ``sample_cost``, in the same forms) gives each sample's
+        length where its cost grows faster than its length (attention): the backend fits
+        ``time = c + a*sum(L) + b*sum(L^2)`` per rank from the step times and, where that
+        explains them better than the length alone, the split weighs a sample as ``L +
+        (b/a)*L^2`` (the placement's ``length_sq_weight``); until then, as its length. The
+        job view says which cost model is in use and how well it fits::
+
+            loader = hook.data_loader(ds, shuffle=True, seed=0, sample_length=lengths)
+        """
+        return self._init_distributed("hook.batch_sampler()").loading.batch_sampler(
+            dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, sample_cost=sample_cost,
+            sample_length=sample_length)
 
     # --- the step --------------------------------------------------------------------
 
-    def step(self) -> _StepContext:
+    def step(self) -> StepContext:
         """Context manager around one global batch's forward, backward and optimizer step.
 
         On entry it runs the placement exchange when due, sets this rank's gradient
@@ -282,9 +408,7 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
         trained, so an all-reduce that averages over ranks yields the global-batch mean.
         Call it inside ``with hook.step():``.
         """
-        if self._gradients_mode == "loss_scale":
-            return self._world_size * self._grads.weight
-        return 1.0
+        return self._c.weighting.loss_weight() if self._c is not None else 1.0
 
     def token_loss_weight(self, n_valid: int | torch.Tensor | None = None) -> float | torch.Tensor:
         """Factor that turns this rank's summed token loss into its part of the global token mean.
@@ -313,61 +437,39 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
                 (loss_sum * weight).backward()
                 opt.step(); opt.zero_grad()
         """
+        c = self._init_distributed("hook.token_loss_weight()")
         if n_valid is None:  # micro-batch placements: counted by micro_batches(valid_tokens=)
-            return self._step_token_weight()
-        scale = self._token_scale()
-        if isinstance(n_valid, torch.Tensor):
-            if n_valid.numel() != 1 or n_valid.is_floating_point() and not torch.isfinite(n_valid).all():
-                raise ValueError(
-                    f"token_loss_weight expects this rank's count of valid tokens (one number), got a "
-                    f"tensor of shape {tuple(n_valid.shape)}; pass (labels != ignore_index).sum()."
-                )
-            total = n_valid.detach().reshape(()).to(torch.float64)
-            if self._grads.weight == 0:  # a dummy batch: its tokens are not the global batch's
-                total = torch.zeros_like(total)
-            if self._world_size > 1:
-                cpu = total.device.type == "cpu"
-                # A wait for peers, not compute (invariant 11): a fast rank waits here for
-                # the slowest one's forward. On a device, events bracket the compute
-                # stream's wait for the collective.
-                events = None if cpu else timing_event(total.device.type)
-                grads = self._grads
-                grads.begin_wait(events)
-                try:
-                    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._channel.group if cpu else None)
-                finally:
-                    grads.end_wait(events)
-                if self._members > 1:  # every member of a replica counted the same tokens
-                    total = total / self._members
-            # 0 valid tokens in the whole batch: nothing to learn, and no division by zero.
-            return torch.where(total > 0, scale / total.clamp_min(1.0), torch.zeros_like(total))
-        if isinstance(n_valid, bool) or not isinstance(n_valid, int) or n_valid < 0:
-            raise ValueError(
-                f"token_loss_weight expects this rank's count of valid tokens, an integer >= 0 (or a "
-                f"one-element tensor), got {n_valid!r}."
-            )
-        count = float(n_valid) if self._grads.weight > 0 else 0.0  # a dummy batch counts nothing
-        if self._world_size > 1:
-            buf = torch.tensor([count], dtype=torch.float64)
-            grads = self._grads
-            grads.begin_wait(None)  # a wait for peers, not compute (invariant 11)
-            try:
-                dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._channel.group)
-            finally:
-                grads.end_wait(None)
-            count = float(buf[0]) / self._members  # every member of a replica counted the same tokens
-        return scale / count if count > 0 else 0.0
+            return c.micro.step_token_weight()
+        return c.weighting.token_loss_weight(n_valid)
 
-    def _token_scale(self) -> float:
-        """1 over the gradient scale attach() applies to this rank's loss after backward."""
-        mode, w = self._gradients_mode, self._grads.weight
-        if w <= 0:  # a dummy batch: its loss must not reach the gradients on any path
-            return 0.0
-        if mode in ("ddp_comm_hook", "fsdp2_reduce_scatter", "fsdp1_comm_hook"):
-            return 1.0 / w
-        if mode == "local":  # micro-batch placements scale the accumulated gradients by w
-            return 1.0 / w if self.config.micro_batches is not None else 1.0
-        return float(self._world_size)  # the wrapper averages over ranks (loss_scale, or no attach)
+    def micro_batches(self, source: Iterable[Any], *, valid_tokens: ValidTokens | None = None) -> MicroBatches:
+        """This rank's micro-batches for the step being trained (``micro_batches=M`` hooks).
+
+        Call it inside ``with hook.step():`` with the same source every step (a DataLoader
+        over an IterableDataset, a ``StatefulDataLoader``, any iterator of fixed-shape
+        micro-batches; the hook keeps its iterator). It takes this rank's share of the
+        step's M micro-batches from the source, checks they all have the first one's
+        shapes, and yields them; gradient synchronisation is off for all but the last
+        (DDP, FSDP2), and each micro-batch's gradient counts ``1 / M`` of the step, so a
+        per-micro-batch mean loss trains on the mean over the step's samples. A drained
+        rank yields one micro-batch with weight 0 (it still joins the collective).
+        ``valid_tokens`` (``micro-batch -> count``) counts the valid tokens of this rank's
+        micro-batches once per step; ``hook.token_loss_weight()`` then turns each
+        micro-batch's summed token loss into its part of the global token mean. Example::
+
+            hook = RebalanceHook(micro_batches=16)
+            hook.attach(model)                       # DDP(torch.compile(m)), fully_shard(m), ...
+            for step in range(steps):
+                with hook.step():
+                    for x, y in hook.micro_batches(stream):
+                        loss_fn(model(x), y).backward()
+                    opt.step(); opt.zero_grad()
+
+        A stream that ends before this rank's share raises ``StreamEnded`` (a RuntimeError)
+        before any of the step's micro-batches is used; a micro-batch of another shape
+        raises ValueError.
+        """
+        return self._init_distributed("hook.micro_batches()").micro.micro_batches(source, valid_tokens=valid_tokens)
 
     # --- placements ------------------------------------------------------------------
 
@@ -388,25 +490,47 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
 
             hook.request_placement(hook.shares, length_sq_weight=5e-4, reason="attention")
         """
-        self._init_distributed("hook.request_placement()")
-        if not self._root:
-            raise RuntimeError(
-                f"request_placement() was called on rank {self._rank}; only rank 0 decides "
-                "placements. Call it on rank 0 (the others learn it at the next exchange)."
-            )
-        if length_sq_weight is not None:
-            length_sq_weight = check_length_sq_weight(length_sq_weight)
-        with self._lock:
-            pending = self._channel.undelivered
-            if version is None:
-                version = 1 + max(self._schedule.latest.version, pending.version if pending else 0)
-            if length_sq_weight is None:
-                newest = pending if pending is not None else self._schedule.latest
-                length_sq_weight = newest.length_sq_weight
-        error = self._offer(version, shares, reason, self.config.global_batch_size, length_sq_weight)
-        if error is not None:
-            raise ValueError(error)
-        return version
+        c = self._init_distributed("hook.request_placement()")
+        return c.placements.request(shares, reason, version, length_sq_weight)
+
+    # --- checkpoints -----------------------------------------------------------------
+
+    def checkpointing(self) -> AbstractContextManager[None]:
+        """Context manager around a checkpoint write between steps: its time is reported
+        as the step's ``ckpt_ms`` (a part of the wait before the next step), so the job's
+        causes (docs/causes.md) tell checkpoints from data loading. Example::
+
+            if k % 1000 == 0:
+                with hook.checkpointing():
+                    torch.save({"model": model.state_dict(), "hook": hook.state_dict()}, path)
+        """
+        return checkpointing(self._phases)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the run stands, for a checkpoint: plain ints and lists (JSON-safe).
+
+        ``batch_index`` (the next untrained global batch), the placement in force for it
+        and its version, a newer placement already agreed or pending (``next_placement``),
+        and the epoch position. Save it with the model and optimizer; every rank holds
+        the same. Example::
+
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "rebalancer": hook.state_dict()}, path)
+        """
+        return self._init_distributed("hook.state_dict()").checkpoints.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: the next step trains ``batch_index`` under the
+        placement it had (or a newer one the backend holds), and the loader's sampler
+        starts there, in the right epoch of the seeded order.
+
+        Call it on every rank (rank 0's copy is used; with micro-batch placements each
+        rank's own ``stream`` entry resumes its stream: save every rank's state), after ``attach`` and before the
+        loader is first iterated. Raises ValueError for a state of another job shape
+        (global batch size) or out-of-range numbers; a different world size keeps the
+        batch index and starts from the uniform split.
+        """
+        self._init_distributed("hook.load_state_dict()").checkpoints.load_state_dict(state)
 
     # --- the end --------------------------------------------------------------------
 
@@ -426,3 +550,77 @@ class RebalanceHook(StepLoop, LoaderWiring, Checkpoints, MicroBatchSteps):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    # --- the lifecycle: each component in turn ---------------------------------------
+
+    def _on_message(self, msg: Message) -> None:
+        """A backend message, as the transport thread hands it to the placements."""
+        self._init_distributed("a backend message").placements.on_message(msg)
+
+    def _hello(self) -> Hello:
+        return self._init_distributed("the hello").hello(self._before)
+
+    def _close(self, *, wait_for_peers: bool, wait_timeout_s: float | None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _lifecycle.forget(self)  # nothing left for the exit handler
+        self._phases.uninstall()
+        if self._before.gc_schedule is not None:
+            self._before.gc_schedule.restore()
+        c = self._c
+        if c is None:
+            return  # never used: no group, no threads
+        c.loop.closed = True
+        try:
+            if wait_for_peers:
+                c.channel.close(timeout_s=wait_timeout_s)
+            if c.pace is not None:  # the records of the last window(s), combined if peers wait
+                pace = c.pace
+                recs = pace.flush(c.loop.next_batch, wait_timeout_s) if wait_for_peers else pace.release()
+                for r in recs:
+                    self._conn.report(r)  # held by the leader only
+        finally:
+            close_groups(c, self._grads)
+            self._conn.close()
+            c.weighting.close()
+
+    def _close_at_exit(self) -> None:
+        """The atexit path (trainer_hook._lifecycle): close with a bounded wait for peers."""
+        self._close(wait_for_peers=True, wait_timeout_s=_EXIT_WAIT_S)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: inert, touching nothing the parent still uses (see _lifecycle)."""
+        self._closed = True
+        self._forked = True
+        self._phases.uninstall()
+        self._grads._pg = None
+        self._grads._opts = None
+        c = self._c
+        if c is None:
+            return
+        c.loop.closed = c.loop.forked = True
+        c.placements.after_fork_in_child()
+        c.channel.after_fork_in_child()
+        if c.pace is not None:
+            c.pace.after_fork_in_child()
+        self._conn.after_fork_in_child()
+
+
+class _Unwired:
+    """The step's target until the process group is there: builds the components first."""
+
+    def __init__(self, hook: RebalanceHook) -> None:
+        self._hook = hook
+
+    def begin(self) -> int:
+        hook = self._hook
+        if hook._closed:
+            raise refuse_closed(hook._forked)
+        return hook._init_distributed("the first batch").loop.begin()
+
+    def end(self, *, failed: bool) -> None:  # never reached: begin() hands the step over
+        pass
+
+    def report_oom(self, exc: BaseException) -> None:
+        pass

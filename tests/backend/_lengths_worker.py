@@ -59,7 +59,7 @@ def main() -> None:
     lengths = [length(i) for i in range(N_SAMPLES)]
     hook = RebalanceHook(server=args.server, job=args.job, global_batch_size=8)
     clock, rng = StepClock(), random.Random(int(os.environ.get("RANK", "0")))
-    hook._timer = StepTimer(clock=clock)  # the step's cost exactly, not what a sleep took
+    hook._c.loop._timer = StepTimer(clock=clock)  # the step's cost exactly, not what a sleep took
     sampler = hook.batch_sampler(N_SAMPLES, shuffle=True, seed=3, sample_length=lengths)
     while hook.batch_index < args.steps:
         for indices in sampler:

@@ -34,7 +34,7 @@ def main() -> int:
     hook.attach(model)
     loader = DataLoader(data, batch_sampler=hook.batch_sampler(data, shuffle=True, seed=0))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    transport = hook._transport
+    transport = hook._conn.transport
     agent = transport.relay if transport is not None else None
     stopped_at = None
     while hook.batch_index < steps:

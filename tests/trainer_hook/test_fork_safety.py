@@ -115,8 +115,8 @@ def test_fork_while_the_hooks_locks_are_held_child_neither_deadlocks_nor_touches
     try:
         wait_until(lambda: hook.connected and rec.connections and "hello" in rec.connections[0],
                    "the hook to connect", 30)
-        transport = hook._transport
-        locks = [hook._lock, hook._channel._lock, transport._lock, hook._probe._lock]
+        transport = hook._conn.transport
+        locks = [hook._c.placements._lock, hook._c.channel._lock, transport._lock, hook._conn.probe._lock]
         held, release = threading.Event(), threading.Event()
 
         def hold() -> None:  # another thread holds every lock across the fork, as the I/O threads may
@@ -136,7 +136,7 @@ def test_fork_while_the_hooks_locks_are_held_child_neither_deadlocks_nor_touches
 
             out: dict[str, Any] = {"connected": hook.connected}
             try:
-                hook.request_placement([8], reason="from a child")  # takes hook._lock
+                hook.request_placement([8], reason="from a child")  # takes hook._c.placements._lock
             except RuntimeError as exc:
                 out["request"] = str(exc)
             except ValueError as exc:
@@ -148,8 +148,8 @@ def test_fork_while_the_hooks_locks_are_held_child_neither_deadlocks_nor_touches
                 out["step"] = str(exc)
             hook.set_total_steps(10)
             hook.close()  # the transport's and the control channel's locks
-            hook._transport.close()
-            hook._probe.stop()
+            hook._conn.transport.close()
+            hook._conn.probe.stop()
             _lifecycle.close_all()  # what the child's exit would run
             out["closed"] = True
             return out
@@ -165,7 +165,7 @@ def test_fork_while_the_hooks_locks_are_held_child_neither_deadlocks_nor_touches
 
         # The parent's connection is the same one and still carries frames.
         time.sleep(0.5)  # let a wrongly woken reader in the parent act, if it would
-        hook._transport.put_step(_record(0))
+        hook._conn.transport.put_step(_record(0))
         wait_until(lambda: "metrics" in rec.connections[0], "metrics on the parent's connection", 30)
         assert hook.connected and transport.connects == 1
         assert len(rec.connections) == 1 and rec.closed == [], (rec.connections, rec.closed)

@@ -286,14 +286,14 @@ def test_the_token_counts_all_reduce_is_sync_wait_not_compute(monkeypatch: pytes
     # Issue 39: under the README's loop (count after the forward) a fast rank waits inside
     # token_loss_weight's all-reduce for the slow rank's forward; that wait is not compute.
     from trainer_hook import RebalanceHook, gradients
-    from trainer_hook import hook as hook_module
+    from trainer_hook import _weights as weights_module
 
     clock = SteppedClock(10.0)
     monkeypatch.setattr(gradients, "_now", clock)
     hook = RebalanceHook(job="t", global_batch_size=4)
     hook._init_distributed("test")
     hook._timer._clock = clock
-    hook._world_size = 2  # as if a peer took part: the fake collective below stands in for it
+    hook._c.weighting._world_size = 2  # as if a peer took part: the fake collective below stands in for it
     calls: list[object] = []
 
     def all_reduce(t: torch.Tensor, op: Any = None, group: Any = None) -> None:
@@ -301,7 +301,7 @@ def test_the_token_counts_all_reduce_is_sync_wait_not_compute(monkeypatch: pytes
         clock.now += 0.030  # waiting for the slow peer's forward
         t.mul_(2)
 
-    monkeypatch.setattr(hook_module.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(weights_module.dist, "all_reduce", all_reduce)
     with hook.step():
         clock.now += 0.010  # this rank's forward
         weight = hook.token_loss_weight(count)
@@ -328,7 +328,7 @@ def test_the_hooks_exchange_on_entry_is_sync_wait_not_data_wait(monkeypatch: pyt
     with hook.step():
         clock.now += 0.010
     clock.now += 0.005  # the loader's turn
-    channel = hook._channel
+    channel = hook._c.channel
     monkeypatch.setattr(channel, "due", 0)
 
     def on_step(k: int) -> None:
@@ -377,12 +377,12 @@ def test_a_replicas_pace_check_after_a_step_is_the_next_steps_sync_wait(monkeypa
         def on_step_end(self, trained: int, late: bool) -> None:
             clock.now += 0.012
 
-    hook._pace = Pace()  # type: ignore[assignment]
+    hook._c.loop._pace = Pace()  # type: ignore[assignment]
     for _ in range(2):
         with hook.step():
             clock.now += 0.010
         clock.now += 0.003  # the loader
-    hook._pace = None
+    hook._c.loop._pace = None
     hook.close()
     rec = hook.last_step
     assert rec is not None and rec.batch_index == 1
