@@ -21,6 +21,7 @@ from rebalancer_wire.protocol import (
     Placement,
     Reject,
     check_shares,
+    next_placement_version,
 )
 from trainer_hook._connection import Connection
 from trainer_hook._ranks import Ranks
@@ -103,7 +104,8 @@ class Placements:
         with self._lock:
             pending = self._channel.undelivered
             if version is None:
-                version = 1 + max(self._schedule.latest.version, pending.version if pending else 0)
+                version = next_placement_version(self._schedule.latest.version,
+                                                 pending.version if pending else None)
             if length_sq_weight is None:
                 newest = pending if pending is not None else self._schedule.latest
                 length_sq_weight = newest.length_sq_weight

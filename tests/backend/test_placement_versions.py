@@ -59,3 +59,14 @@ def test_one_function_numbers_and_one_part_adds_placements_in_the_backend():
     adding = {p.relative_to(ROOT).as_posix() for p in (ROOT / "backend").rglob("*.py")
               if _calls(p, "new_placement")}
     assert adding == {"backend/control/records.py", "backend/control/rollout.py"}
+
+
+def test_the_hook_numbers_its_own_request_with_the_same_rule():
+    """``request_placement`` (a program placing its own ranks) is the hook's one numbering:
+    it calls the wire's rule, and no hook file adds one to a version by hand."""
+    numbering = {p.relative_to(ROOT).as_posix() for p in (ROOT / "trainer_hook").rglob("*.py")
+                 if _calls(p, "next_placement_version")}
+    assert numbering == {"trainer_hook/_placements.py"}
+    by_hand = [p.relative_to(ROOT).as_posix() for p in (ROOT / "trainer_hook").rglob("*.py")
+               if "1 + max(" in p.read_text() and "version" in p.read_text()]
+    assert by_hand == []
