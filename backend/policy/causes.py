@@ -12,10 +12,14 @@ last waits only for the transfer, so the step's transfer is ``x_k = min_i s_ik``
 what it would be without a cause). Each cause rewrites the parts it owns and the step is
 computed again; the gain is the mean of ``T_k`` minus the mean of the rewritten ``T_k``:
 
-- ``slow_rank``: the rank slowest per unit of work computes at the median speed.
-- ``placement``: the best split of the global batch (``solver.solve`` on each rank's fit).
-- ``sample_cost_skew``: every rank's work per step is its mean over the window (with a
-  per-sample cost only: the steps' ``work``).
+- ``slow_rank``: the rank slowest per unit of work computes at the median speed (a rank's
+  speed is its compute without its GC pauses, which the ``gc`` cause owns).
+- ``placement``: the best split of the global batch (``solver.solve`` on each rank's fit);
+  not replayed for steps split by work (``sample_cost=``): there a share is a share of
+  work and a long sample cannot be split, which the count-based fit cannot price.
+- ``sample_cost_skew``: every rank's work per step is an even share of the step's work
+  (each rank at its own speed; with a per-sample cost only: the steps' ``work``), what
+  packing sequences to even lengths gives.
 - ``data_wait``: the loader's wait is zero.
 - ``gc``: every garbage-collection pause is gone (taken out of the rank's arrival).
 - ``host``: the training loop's own host work between steps is zero.
@@ -119,9 +123,15 @@ def _transfer(rows: Mapping[int, CauseStep]) -> float:
     return min(s.sync_wait_ms for s in rows.values())
 
 
+def _device_ms(s: CauseStep) -> float:
+    """The step's compute without its GC pauses: a rank the collector holds is not a slow
+    device (the ``gc`` cause owns the pauses)."""
+    return max(0.0, s.compute_ms - s.gc_ms)
+
+
 def _unit_cost(s: CauseStep) -> float | None:
     units = s.work if s.work is not None else float(s.local_batch_size)
-    return s.compute_ms / units if units > 0 else None
+    return _device_ms(s) / units if units > 0 else None
 
 
 def _rank_speeds(aligned: _Steps) -> dict[int, float]:
@@ -210,7 +220,7 @@ def attribute(steps: Mapping[int, Sequence[CauseStep]], *, global_batch_size: in
 
             def slow_arrivals(k: int, rows: Mapping[int, CauseStep]) -> dict[int, float]:
                 arr = _arrivals(rows)
-                arr[slow] -= rows[slow].compute_ms * (1.0 - ratio)
+                arr[slow] -= _device_ms(rows[slow]) * (1.0 - ratio)
                 return arr
 
             add("slow_rank", (slow,), replay(slow_arrivals),
@@ -221,7 +231,8 @@ def attribute(steps: Mapping[int, Sequence[CauseStep]], *, global_batch_size: in
     # The best placement for the ranks' measured speeds.
     order = sorted(aligned[ks[0]])
     fitted = [f for r in order if (f := _fit(aligned, r)) is not None]
-    if len(order) >= 2 and len(fitted) == len(order):
+    by_work = all(s.work is not None for rows in aligned.values() for s in rows.values())
+    if len(order) >= 2 and len(fitted) == len(order) and not by_work:
         a = dict(zip(order, (f[0] for f in fitted), strict=True))
         slope = dict(zip(order, (f[1] for f in fitted), strict=True))
         try:
@@ -243,18 +254,18 @@ def attribute(steps: Mapping[int, Sequence[CauseStep]], *, global_batch_size: in
                 f"The split {[best[r] for r in order]} balances the measured speeds: approve the policy's "
                 "proposal (or set mode auto).")
 
-    # Sample costs balanced: each rank's work per step at its mean over the window.
-    if all(s.work is not None for rows in aligned.values() for s in rows.values()):
-        mean_work = {r: _mean([aligned[k][r].work or 0.0 for k in ks]) for r in aligned[ks[0]]}
+    # Sample costs balanced: each rank's work per step an even share of the step's work.
+    if by_work:
+        even = {k: sum(s.work or 0.0 for s in aligned[k].values()) / len(aligned[k]) for k in ks}
 
         def balanced(k: int, rows: Mapping[int, CauseStep]) -> dict[int, float]:
             arr = _arrivals(rows)
             for r, s in rows.items():
                 if s.work and s.work > 0:
-                    arr[r] += s.compute_ms * (mean_work[r] / s.work - 1.0)
+                    arr[r] += s.compute_ms * (even[k] / s.work - 1.0)
             return arr
 
-        skew = {r: _mean([max(0.0, (aligned[k][r].work or 0.0) - mean_work[r]) for k in ks]) for r in mean_work}
+        skew = {r: _mean([max(0.0, (aligned[k][r].work or 0.0) - even[k]) for k in ks]) for r in aligned[ks[0]]}
         add("sample_cost_skew", _top(skew), replay(balanced),
             "Steps differ in work (sequence lengths): give the loader sample_length= (or sample_cost=) so each "
             "batch is split by work, or pack sequences to even lengths.")
