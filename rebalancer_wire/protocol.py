@@ -85,6 +85,7 @@ __all__ = [
     "Hang",
     "HANG_PHASES",
     "MAX_STACK_CHARS",
+    "MAX_PATH_CHARS",
     "Ack",
     "Reject",
     "Oom",
@@ -995,6 +996,7 @@ class DeviceSample:
 
 HANG_PHASES = ("data_wait", "compute", "sync_wait", "optimizer")  # where a stalled rank is
 MAX_STACK_CHARS = 16384  # a hang report's stack: its innermost frames, cut to this
+MAX_PATH_CHARS = 4096  # a file path in a report (Linux's PATH_MAX)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -1004,13 +1006,16 @@ class Hang:
     Its hook's watchdog saw no step end for ``stalled_s`` seconds: the rank is in ``phase``
     (HANG_PHASES: before the step, computing, inside the gradient collective, in the
     optimizer) of batch ``batch_index`` since Unix time ``since``, and ``stack`` is its
-    training thread's Python stack (innermost last, at most MAX_STACK_CHARS)."""
+    training thread's Python stack (innermost last, at most MAX_STACK_CHARS). On CUDA,
+    ``nccl_dump`` is where PyTorch's NCCL flight recorder writes its dump of this rank when
+    the collective times out (at most MAX_PATH_CHARS; absent where no dump is made)."""
 
     batch_index: int
     phase: str
     since: float
     stalled_s: float
     stack: str = ""
+    nccl_dump: str | None = None
 
     @classmethod
     def from_dict(cls, d: Any) -> Hang:
@@ -1020,7 +1025,8 @@ class Hang:
             raise ProtocolError(f"'hang.phase' must be one of {', '.join(HANG_PHASES)}, got {phase!r}.")
         return cls(batch_index=_int(h, "batch_index", hi=MAX_BATCH_INDEX), phase=phase,
                    since=_float(h, "since", hi=_MAX_UNIX_TIME), stalled_s=_float(h, "stalled_s", hi=MAX_DURATION_MS / 1e3),
-                   stack=_str(h, "stack", max_len=MAX_STACK_CHARS, default=""))
+                   stack=_str(h, "stack", max_len=MAX_STACK_CHARS, default=""),
+                   nccl_dump=_str(h, "nccl_dump", max_len=MAX_PATH_CHARS, default=None, nonempty=True))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -1290,6 +1296,8 @@ def encode(msg: Message, version: int = PROTOCOL_VERSION) -> str:
             del body["hang"]  # likewise
         else:
             body["hang"] = asdict(body["hang"])
+            if body["hang"]["nccl_dump"] is None:
+                del body["hang"]["nccl_dump"]  # likewise: no flight recorder dump
     if body.get("comm_kind", None) == "":
         del body["comm_kind"]  # likewise
     if body.get("micro_batches", True) is False:

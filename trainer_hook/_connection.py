@@ -15,7 +15,7 @@ import torch
 
 from rebalancer_wire.protocol import Hello, Message, StepRecord
 from trainer_hook.config import HookConfig
-from trainer_hook.watchdog import Watchdog, Where
+from trainer_hook.watchdog import Watchdog, Where, nccl_dump_here
 
 log = logging.getLogger("trainer_hook")
 HOOK_VERSION = "0.1.0"
@@ -56,7 +56,8 @@ class Connection:
         self.probe.start()
         if cfg.hang_after_s > 0:
             self.watchdog = Watchdog(where=where, report=self.transport.put_hang,
-                                     after_s=cfg.hang_after_s, thread_id=training_thread)
+                                     after_s=cfg.hang_after_s, thread_id=training_thread,
+                                     nccl_dump=nccl_dump_here)
             self.watchdog.start()
 
     @property

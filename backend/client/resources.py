@@ -239,6 +239,7 @@ class Job(TypedDict, total=False):
     global_batch_size: int
     goodput: float | None  # Useful compute over paid device time, 0..1 (docs/causes.md).
     hung_batch_index: int | None  # The batch it is stuck in (or before).
+    hung_nccl_dump: str | None  # On CUDA, where its NCCL flight recorder dump is written when the collective times out.
     hung_phase: str | None  # data_wait, compute, sync_wait, optimizer; unknown: it sent no report.
     hung_rank: int | None  # With status hung: the rank the job waits on (docs/causes.md).
     hung_since: float | None  # Unix time of that rank's last step end.

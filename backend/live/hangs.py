@@ -26,6 +26,7 @@ class HungRank:
     since: float  # Unix time of the rank's last step end
     stack: str
     reported_by: tuple[int, ...]  # the ranks whose watchdogs reported a stall
+    nccl_dump: str | None = None  # on CUDA, its NCCL flight recorder's dump path (docs/causes.md)
 
 
 def hung_rank(reports: Sequence[tuple[int, Hang]], silent: Sequence[tuple[int, int | None, float]]) -> HungRank | None:
@@ -37,9 +38,9 @@ def hung_rank(reports: Sequence[tuple[int, Hang]], silent: Sequence[tuple[int, i
     outside = [(h.batch_index, h.since, r, h) for r, h in reports if h.phase != "sync_wait"]
     if outside:
         _, _, rank, h = min(outside, key=lambda x: x[:3])
-        return HungRank(rank, h.batch_index, h.phase, h.since, h.stack, by)
+        return HungRank(rank, h.batch_index, h.phase, h.since, h.stack, by, h.nccl_dump)
     if silent:
         rank, batch, t = min(silent, key=lambda s: (s[1] if s[1] is not None else -1, s[2], s[0]))
         return HungRank(rank, batch + 1 if batch is not None else None, "unknown", t, "", by)
     _, _, rank, h = min(((h.batch_index, h.since, r, h) for r, h in reports), key=lambda x: x[:3])
-    return HungRank(rank, h.batch_index, h.phase, h.since, h.stack, by)
+    return HungRank(rank, h.batch_index, h.phase, h.since, h.stack, by, h.nccl_dump)

@@ -45,6 +45,10 @@ export class CausesCard {
       (job.hung_batch_index !== null ? ` at batch ${job.hung_batch_index}` : "") +
       ` (${job.hung_phase})` + (since !== null ? `, ${since.toFixed(0)} s ago` : "") + ".";
     document.getElementById("hang-stack").textContent = job.hung_stack || "(no stack: its hook sent no report)";
+    const nccl = document.getElementById("hang-nccl");
+    nccl.hidden = !job.hung_nccl_dump;
+    nccl.textContent = job.hung_nccl_dump
+      ? `NCCL flight recorder dump (written when the collective times out): ${job.hung_nccl_dump}` : "";
   }
 
   render(res) {

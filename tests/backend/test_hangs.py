@@ -14,8 +14,8 @@ from rebalancer_wire.protocol import Hang, Metrics, StepRecord, encode
 from tests.backend._app import hello, make_app, sync
 
 
-def H(batch: int, phase: str, since: float = 100.0, stack: str = "") -> Hang:
-    return Hang(batch_index=batch, phase=phase, since=since, stalled_s=6.0, stack=stack)
+def H(batch: int, phase: str, since: float = 100.0, stack: str = "", nccl_dump: str | None = None) -> Hang:
+    return Hang(batch_index=batch, phase=phase, since=since, stalled_s=6.0, stack=stack, nccl_dump=nccl_dump)
 
 
 def test_the_rank_stalled_outside_the_collective_is_named() -> None:
@@ -58,13 +58,15 @@ def test_hung_then_recovered(client):
         b.send_text(_steps("stuck", 1, 0, 10, t0))
         since = t0 + 0.3
         a.send_text(encode(Metrics(job="stuck", rank=0, hang=H(10, "sync_wait", since))))
-        b.send_text(encode(Metrics(job="stuck", rank=1, hang=H(10, "data_wait", since, stack='File "train.py", line 12'))))
+        b.send_text(encode(Metrics(job="stuck", rank=1, hang=H(10, "data_wait", since, stack='File "train.py", line 12',
+                                                               nccl_dump="/scratch/fr/comm_lib_trace_rank_1"))))
         for ws, h in ((a, ha), (b, hb)):
             sync(ws, h)
         job = client.get("/api/v1/jobs/stuck").json()
         assert job["status"] == "hung"
         assert (job["hung_rank"], job["hung_batch_index"], job["hung_phase"]) == (1, 10, "data_wait")
         assert job["hung_since"] == pytest.approx(since) and job["hung_stack"] == 'File "train.py", line 12'
+        assert job["hung_nccl_dump"] == "/scratch/fr/comm_lib_trace_rank_1"  # the named rank's own dump
         assert job["status_detail"].startswith("rank 1 stopped stepping at batch 10 (data_wait) ")
         assert job["status_detail"].endswith(" s ago; 2 rank(s) report a stall")
         text = client.get("/metrics").text
@@ -76,7 +78,7 @@ def test_hung_then_recovered(client):
         for ws, h in ((a, ha), (b, hb)):
             sync(ws, h)
         job = client.get("/api/v1/jobs/stuck").json()
-        assert job["status"] != "hung" and job.get("hung_rank") is None
+        assert job["status"] != "hung" and job.get("hung_rank") is None and job.get("hung_nccl_dump") is None
         text = client.get("/metrics").text
         assert 'rebalancer_job_hung{job="stuck",rank="1"} 0.0' in text and " 1.0" not in [
             line[line.rindex(" "):] for line in text.splitlines() if line.startswith("rebalancer_job_hung{")]

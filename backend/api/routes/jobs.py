@@ -83,6 +83,8 @@ class JobPublic(BaseModel):
     hung_batch_index: int | None = Field(None, description="The batch it is stuck in (or before).")
     hung_phase: str | None = Field(None, description="data_wait, compute, sync_wait, optimizer; unknown: it sent no report.")
     hung_stack: str | None = Field(None, description="Its training thread's Python stack, innermost last (at most 16 KiB).")
+    hung_nccl_dump: str | None = Field(
+        None, description="On CUDA, where its NCCL flight recorder dump is written when the collective times out.")
     batch_index: int | None = None
     step_rate_hz: float | None = None
     step_ms: float | None = None
@@ -294,7 +296,7 @@ def _hung(view: JobView) -> dict[str, Any]:
     if h is None:
         return {}
     return {"hung_rank": h.rank, "hung_since": h.since, "hung_batch_index": h.batch_index,
-            "hung_phase": h.phase, "hung_stack": h.stack}
+            "hung_phase": h.phase, "hung_stack": h.stack, "hung_nccl_dump": h.nccl_dump}
 
 
 def _job_from_row(row: store.JobRow, ranks: list[store.RankRow] | None = None) -> dict[str, Any]:
