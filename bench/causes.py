@@ -4,10 +4,12 @@ cause is removed for real; and the gain of the hook's GC settings on a job that 
 
 One torchrun/gloo job of 3 ranks (tests/backend/_causes_worker.py) trains in phases of
 ``--phase-steps`` steps: each cause phase injects one cause for real (rank 1's loader
-sleeping 40 ms; rank 2 computing twice as long per unit of work; rank 1 collecting its
-young generation inside every step, over a cycle whose finalizer takes 35 ms; one sample of 8 units of
-work in every batch of 12 units; the gradient all-reduce finishing 60 ms late every other
-step), and the ``clean`` phases (one after each pair of cause phases) inject none. Each
+sleeping 40 ms; rank 2 computing twice as long per unit of work, 8 ms a unit; rank 1
+collecting its young generation inside every step, over a cycle whose finalizer takes
+35 ms; one sample of 8 units of work in every batch of 12 units; the gradient all-reduce
+finishing 60 ms late every other step; all of them times ``--scale``, 2 by default: a loaded
+machine's late wake-ups, a few ms a step, then weigh half as much against the gain), and
+the ``clean`` phases (one after each pair of cause phases) inject none. Each
 cause phase's steps (after ``WARMUP``) are replayed by ``backend.policy.causes.attribute``
 (the function the backend's ``GET /api/v1/jobs/{job}/causes`` calls); the measured gain is
 the phase's mean step minus the clean phases' mean step, from the same run.
@@ -19,7 +21,7 @@ collections pause ranks at different steps): without the GC settings, then with
 gain, and the replay's ``gc`` cause on the first run (every pause gone: the most the
 settings could gain).
 
-    python -m bench.causes [--phase-steps 40] [--gc-steps 120] [--gc-every 50]
+    python -m bench.causes [--phase-steps 40] [--scale 2] [--gc-steps 120] [--gc-every 50]
 """
 
 from __future__ import annotations
@@ -98,9 +100,10 @@ def whatif(by_phase: dict[str, dict[int, list[CauseStep]]], phase: str, steps_do
     return report, mean_step_ms(by_phase[phase]) - mean_step_ms(by_phase["clean"])
 
 
-def _cause_rows(tmp: Path, phase_steps: int) -> list[dict[str, Any]]:
+def _cause_rows(tmp: Path, phase_steps: int, scale: float) -> list[dict[str, Any]]:
     out = tmp / "causes"
-    run_job(out, PHASE_ORDER, phase_steps)
+    run_job(out, PHASE_ORDER, phase_steps, "--loader-ms", str(40 * scale), "--sample-ms", str(8 * scale),
+            "--gc-ms", str(35 * scale), "--comm-ms", str(60 * scale))
     by_phase = load_phases(out, phase_steps)
     rows = []
     for phase, (cause, ranks) in EXPECTED.items():
@@ -142,11 +145,12 @@ def _gc_row(tmp: Path, steps: int, every: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--phase-steps", type=int, default=40)
+    p.add_argument("--scale", type=float, default=2.0, help="every injected cause's size, times the test's")
     p.add_argument("--gc-steps", type=int, default=120)
     p.add_argument("--gc-every", type=int, default=50)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = _cause_rows(Path(tmp), args.phase_steps)
+        rows = _cause_rows(Path(tmp), args.phase_steps, args.scale)
         gc_row = _gc_row(Path(tmp), args.gc_steps, args.gc_every)
     print_table("What-if against removing the cause for real (3 gloo ranks)",
                 ["injected", "named first", "predicted gain", "measured gain", "error"],
@@ -158,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 [[f"{gc_row['step_ms_off']} ms", f"{gc_row['step_ms_on']} ms",
                   f"{gc_row['measured_gain_ms']} ms ({gc_row['measured_gain_share']:.1%})",
                   f"{gc_row['predicted_gain_all_pauses_gone_ms']} ms"]])
-    write_json(RESULTS_DIR / "causes.json", {"phase_steps": args.phase_steps, "rows": rows, "gc": gc_row})
+    write_json(RESULTS_DIR / "causes.json", {"phase_steps": args.phase_steps, "scale": args.scale, "rows": rows,
+                                             "gc": gc_row})
     return 0
 
 

@@ -29,7 +29,7 @@ from backend.control.status import status_of
 from backend.live.fleet import FleetJob, balance_gap_ms
 from backend.live.forecast import forecast, goodput, savings
 from backend.live.replicas import replica_rows
-from backend.live.rows import STEP_BATCH, STEP_COMPUTE, STEP_MS, STEP_VERSION, StepRow
+from backend.live.rows import STEP_BATCH, STEP_COMPUTE, STEP_FIELDS, STEP_MS, STEP_VERSION, StepRow
 from backend.live.state import JobView
 from backend.policy.comm import Communication
 from backend.policy.memory import DEFAULT_HEADROOM, memory_cap
@@ -37,7 +37,7 @@ from rebalancer_wire.protocol import STEP_TIMES, uniform_shares
 
 __all__ = ["Feed", "CostFit", "PriceRead", "SERIES_MAX", "SERIES_FIELDS", "RANK_COLUMNS",
            "steps_wanted", "fold_steps", "fold_heat", "ranks_due", "fold_ranks", "set_control",
-           "summary", "fleet_job", "refill", "feed_savings", "summary_values"]
+           "summary", "fleet_job", "refill", "feed_savings", "summary_values", "HEAT_ROW_PHASES", "HEAT_VIEW_PHASES"]
 
 # Per-rank (a_ms, c_ms) of compute_ms = a + c * local_batch_size: the policy's own fit, from
 # its last decision (the controller keeps it); None before the policy has fitted the job.
@@ -49,11 +49,17 @@ log = logging.getLogger(__name__)
 SERIES_MAX = 3000  # per-batch points kept per job (the page's sliding window is smaller)
 _HEAT_MAX = 240  # heatmap columns kept per job (one per tick with new data)
 _LAG_LIMIT = 256  # a batch a connected rank never sent closes once the newest is this far on
+# The heatmap's phases (docs/dashboard.md): from each batch's step rows, and from the rank's
+# view (its window's mean: the hook sends these beside the step, not in the row).
+HEAT_ROW_PHASES = ("compute", "data_wait", "sync_wait", "optimizer", "step")
+_HEAT_ROW_COLS = (STEP_COMPUTE, STEP_FIELDS.index("data_wait_ms"), STEP_FIELDS.index("sync_wait_ms"),
+                  STEP_FIELDS.index("optimizer_ms"), STEP_MS)
+HEAT_VIEW_PHASES = ("host", "ckpt", "gc")
 RANKS_FULL_RATE_MAX = 128  # up to this many ranks, per-rank columns go out every tick
 RANKS_EVERY_S = 1.0  # above it, at most this often
 _RANK_FIELDS = (*STEP_TIMES,
                 "batch_index", "local_batch_size", "placement_version", "step_rate_hz",
-                "work_per_s", "work_share")
+                "work_per_s", "work_share", "host_ms", "ckpt_ms", "gc_ms")
 _DEVICE_FIELDS = ("util_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "temp_c",
                   "sm_clock_mhz", "sm_clock_max_mhz", "cpu_pct", "rss_bytes", "source")
 # Peak-memory fit per rank (backend.policy.memory): newest peak, m0, m per sample, the cap.
@@ -103,7 +109,8 @@ class Feed:
     markers: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=200))
     heat: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_HEAT_MAX))
     heat_seq: int = 0
-    heat_acc: dict[int, list[Any]] = field(default_factory=dict)  # rank -> [compute sum, steps]
+    # rank -> [steps, then the sum of each HEAT_ROW_PHASES column]
+    heat_acc: dict[int, list[Any]] = field(default_factory=dict)
     heat_b: int = -1  # newest batch index read into heat_acc
     heat_at: float = float("-inf")  # when the last column was made
     closed: int = -1  # highest batch index folded into the series
@@ -198,38 +205,53 @@ def fold_steps(feed: Feed, view: JobView, new_rows: dict[int, list[StepRow]], fi
         if point["uniform_step_ms"] is not None:
             feed.uniform_ms += point["uniform_step_ms"]
             feed.saved_ms += point["uniform_step_ms"] - point["step_ms"]
-    # Every rank's compute over the batches read since the last heat column.
+    # Every rank's phases over the batches read since the last heat column.
     acc = feed.heat_acc
     for got in pending.values():
         for r, row in got.items():
             a = acc.get(r)
             if a is None:
-                acc[r] = [row[STEP_COMPUTE], 1]
+                acc[r] = [1, *(row[i] for i in _HEAT_ROW_COLS)]
             else:
-                a[0] += row[STEP_COMPUTE]
-                a[1] += 1
+                a[0] += 1
+                for j, i in enumerate(_HEAT_ROW_COLS, 1):
+                    a[j] += row[i]
     feed.heat_b = max(feed.heat_b, max(pending))
 
 
 def fold_heat(feed: Feed, view: JobView, now: float) -> None:
-    """One heatmap column: every rank's mean compute over the batches read since the
-    previous one, and its device utilisation. One per tick with new data; above
+    """One heatmap column: every rank's mean of each step phase over the batches read since
+    the previous one (``HEAT_ROW_PHASES``), the window's mean host work, checkpoint writes
+    and GC pauses (``HEAT_VIEW_PHASES``, from the rank's view; absent where no rank sends
+    them), and its device utilisation. One per tick with new data; above
     ``RANKS_FULL_RATE_MAX`` ranks at most one every ``RANKS_EVERY_S`` (the page keeps
     120 columns: two minutes of a big job instead of 12 s, and a tenth of the bytes)."""
     world = view.world_size
     if not feed.heat_acc or (world > RANKS_FULL_RATE_MAX and now - feed.heat_at < RANKS_EVERY_S):
         return
     acc, feed.heat_acc, feed.heat_at = feed.heat_acc, {}, now
-    # A rank whose metrics batch has not arrived keeps its previous value.
-    prev = feed.heat[-1]["compute"] if feed.heat else [None] * world
-    col = [round(a[0] / a[1], 3) if (a := acc.get(r)) else prev[r] for r in range(world)]
+    last = feed.heat[-1] if feed.heat else {}
+    column: dict[str, Any] = {"seq": feed.heat_seq + 1, "b": feed.heat_b}
+    for j, name in enumerate(HEAT_ROW_PHASES, 1):
+        # A rank whose metrics batch has not arrived keeps its previous value.
+        prev = last.get(name) or [None] * world
+        column[name] = [round(a[j] / a[0], 3) if (a := acc.get(r)) else prev[r] for r in range(world)]
+    for name in HEAT_VIEW_PHASES:
+        vals: list[float | None] = [None] * world
+        for rv in view.ranks:
+            v = getattr(rv, name + "_ms")
+            if v is not None and rv.rank < world:
+                vals[rv.rank] = round(v, 3)
+        if any(v is not None for v in vals):
+            column[name] = vals
     util: list[float | None] = [None] * world
     for rv in view.ranks:
         if rv.device is not None and rv.rank < world:
             d = rv.device  # CPU ranks (psutil) have no device utilisation: use CPU %
             util[rv.rank] = d.util_pct if d.util_pct is not None else d.cpu_pct
+    column["util"] = util
     feed.heat_seq += 1
-    feed.heat.append({"seq": feed.heat_seq, "b": feed.heat_b, "compute": col, "util": util})
+    feed.heat.append(column)
 
 
 def _point(b: int, recs: list[Any], gbs: int, pred: float | None) -> dict[str, Any]:

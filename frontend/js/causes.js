@@ -1,15 +1,17 @@
 // "Why is this job slow" card of the job view: the causes of lost step time, largest first,
 // as GET /api/v1/jobs/{job}/causes gives them (backend/policy/causes.py replays the recent
 // steps with one cause removed at a time). Every figure is the server's; a GC hint shows
-// when the server gives one (GC pauses above 2% of the step). A hung job's rank, phase and
-// Python stack (GET /api/v1/jobs/{job}: hung_*) show in their own card above.
+// when the server gives one (GC pauses above 2% of the step). A hung job's rank, phase,
+// Python stack and NCCL flight recorder dump (GET /api/v1/jobs/{job}: hung_*, from the
+// page's one poller, poller.js) show in their own card above.
 import { api, el, fmt, pct } from "./common.js";
 
 const POLL_MS = 3000;
 
 export class CausesCard {
-  constructor(job) {
+  constructor(job, poller) {
     this.job = job;
+    this.poller = poller;
     this.body = document.querySelector("#causes-table tbody");
     this.summary = document.getElementById("causes-summary");
     this.hint = document.getElementById("gc-hint");
@@ -19,19 +21,18 @@ export class CausesCard {
   }
 
   start() {
+    this.poller.subscribe((job) => {
+      this.goodput = job.goodput;
+      this.renderHang(job);
+    });
     const tick = () => this.refresh().finally(() => setTimeout(tick, POLL_MS));
     tick();
   }
 
   async refresh() {
-    const path = `/jobs/${encodeURIComponent(this.job)}`;
-    let res, job;
-    try {
-      [res, job] = await Promise.all([api(`${path}/causes`), api(path)]);
-    } catch { return; }
-    this.goodput = job.goodput;
+    let res;
+    try { res = await api(`/jobs/${encodeURIComponent(this.job)}/causes`); } catch { return; }
     this.render(res);
-    this.renderHang(job);
   }
 
   // A hung job (status "hung"): the rank it waits on, where, since when, and its stack.

@@ -8,7 +8,10 @@ const HEAT_EVERY_MS = 500; // the heatmap is the heaviest redraw: at most twice 
 const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
 const FONT = { family: "system-ui, sans-serif", size: 11, color: "#1d2330" };
 const COLORS = { compute: "#2f6fde", straggler: "#c2372b", sync: "#b8c0cc", data: "#e3c27a",
-  step: "#1d2330", uniform: "#c2372b", throughput: "#1f8a4c", proposal: "#7a4fd6" };
+  step: "#1d2330", uniform: "#c2372b", throughput: "#1f8a4c", proposal: "#7a4fd6",
+  gc: "#d6457a", host: "#8a6d3b", ckpt: "#5a8f8c", optimizer: "#6b7a99" };
+// The heatmap's phases (backend/dashboard/fold.py HEAT_ROW_PHASES, HEAT_VIEW_PHASES) and util.
+export const HEAT_METRICS = ["compute", "data_wait", "sync_wait", "optimizer", "step", "host", "ckpt", "gc", "util"];
 
 function hardwareWebGL() {
   try {
@@ -40,7 +43,7 @@ export class Charts {
     this.heatmap = document.getElementById("heatmap");
     this.series = document.getElementById("series");
     this.placement = document.getElementById("placement-bars");
-    this.heat = []; // [{b, compute: [...], util: [...]}]
+    this.heat = []; // [{b, compute: [...], data_wait: [...], ..., util: [...]}]: HEAT_METRICS
     this.heatMetric = "compute";
     this.heatDirty = false;
     this.lastHeat = 0;
@@ -53,22 +56,33 @@ export class Charts {
     return ranks.rank.map((r) => `r${r}`);
   }
 
+  // Each rank's step stacked by phase (docs/causes.md): compute (its GC pauses drawn apart:
+  // most fall in it), sync wait, the loader's data wait, the loop's host work, checkpoint
+  // writes, optimizer. Compute stays the first trace (the straggler in red).
   updateRanks(ranks) {
     if (!ranks || !ranks.rank || !ranks.rank.length) return;
     const x = this.rankLabels(ranks);
-    const compute = ranks.compute_ms.map((v) => v ?? 0);
-    const worst = Math.max(...compute);
-    const colors = compute.map((v) => (v === worst && worst > 0 && compute.length > 1 ? COLORS.straggler : COLORS.compute));
+    const col = (name) => (ranks[name] || []).map((v) => v ?? 0);
+    const [gc, host, ckpt] = [col("gc_ms"), col("host_ms"), col("ckpt_ms")];
+    const computeAll = col("compute_ms");
+    const compute = computeAll.map((v, i) => Math.max(0, v - gc[i]));
+    const loader = col("data_wait_ms").map((v, i) => Math.max(0, v - host[i] - ckpt[i]));
+    const worst = Math.max(...computeAll);
+    const colors = computeAll.map((v) => (v === worst && worst > 0 && computeAll.length > 1 ? COLORS.straggler : COLORS.compute));
     const many = x.length > 64;
-    Plotly.react(this.rankBars, [
-      { type: "bar", name: "compute", x, y: compute, marker: { color: colors },
-        hovertemplate: "%{x}: compute %{y:.1f} ms<extra></extra>" },
-      { type: "bar", name: "sync wait", x, y: ranks.sync_wait_ms.map((v) => v ?? 0), marker: { color: COLORS.sync },
-        hovertemplate: "%{x}: sync wait %{y:.1f} ms<extra></extra>" },
-      { type: "bar", name: "data wait", x, y: ranks.data_wait_ms.map((v) => v ?? 0), marker: { color: COLORS.data },
-        hovertemplate: "%{x}: data wait %{y:.1f} ms<extra></extra>" },
-    ], base({ barmode: "stack", bargap: many ? 0 : 0.25, yaxis: { title: { text: "ms per step" } },
-      xaxis: { showticklabels: !many, type: "category" } }), CONFIG);
+    const bar = (name, y, color) => ({ type: "bar", name, x, y, marker: { color },
+      hovertemplate: `%{x}: ${name} %{y:.1f} ms<extra></extra>` });
+    const traces = [
+      { ...bar("compute", compute, COLORS.compute), marker: { color: colors } },
+      bar("GC pauses", gc, COLORS.gc),
+      bar("sync wait", col("sync_wait_ms"), COLORS.sync),
+      bar("data wait", loader, COLORS.data),
+      bar("host work", host, COLORS.host),
+      bar("checkpoint", ckpt, COLORS.ckpt),
+      bar("optimizer", col("optimizer_ms"), COLORS.optimizer),
+    ].filter((t, i) => i === 0 || t.y.some((v) => v > 0)); // phases no rank has stay out of the legend
+    Plotly.react(this.rankBars, traces, base({ barmode: "stack", bargap: many ? 0 : 0.25,
+      yaxis: { title: { text: "ms per step" } }, xaxis: { showticklabels: !many, type: "category" } }), CONFIG);
   }
 
   addHeat(columns, full) {
@@ -80,6 +94,7 @@ export class Charts {
   }
 
   setHeatMetric(m) {
+    if (!HEAT_METRICS.includes(m)) return;
     this.heatMetric = m;
     this.heatDirty = true;
     this.drawHeat(true);
@@ -96,8 +111,9 @@ export class Charts {
     this.lastHeat = now;
     this.heatDirty = false;
     const m = this.heatMetric;
-    const nRanks = Math.max(...this.heat.map((c) => c[m].length));
-    const z = Array.from({ length: nRanks }, (_, r) => this.heat.map((c) => c[m][r] ?? null));
+    // Older columns (or a rank that sends no phases) lack a phase: blank cells, not an error.
+    const nRanks = Math.max(...this.heat.map((c) => (c.compute || []).length));
+    const z = Array.from({ length: nRanks }, (_, r) => this.heat.map((c) => (c[m] || [])[r] ?? null));
     Plotly.react(this.heatmap, [{
       type: "heatmap", z, x: this.heat.map((c) => c.b), y: Array.from({ length: nRanks }, (_, r) => r),
       // Dark means slow (long compute) or busy: the straggler's row stands out on light ground.

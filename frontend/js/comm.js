@@ -1,18 +1,19 @@
 // Communication card of the job view: what bounds the step (a badge with its figures) and,
 // per rank, the bus bandwidth and the share of the step spent waiting inside collectives.
-// Polls the REST resources (GET /api/v1/jobs/{job} and /ranks); every figure is the
-// server's (backend/policy/comm.py), nothing is recomputed here. Absent counters show "–".
+// Reads the job resource from the page's one poller (poller.js) and, with each answer,
+// GET /api/v1/jobs/{job}/ranks; every figure is the server's (backend/policy/comm.py),
+// nothing is recomputed here. Absent counters show "–".
 /* global Plotly */
 import { api, fmt, pct } from "./common.js";
 import { stat } from "./controls.js";
 
-const POLL_MS = 2000;
 const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
 const FONT = { family: "system-ui, sans-serif", size: 11, color: "#1d2330" };
 
 export class CommCard {
-  constructor(job) {
+  constructor(job, poller) {
     this.job = job;
+    this.poller = poller;
     this.badge = document.getElementById("bound-badge");
     this.stats = document.getElementById("comm-stats");
     this.detail = document.getElementById("bound-detail");
@@ -21,16 +22,12 @@ export class CommCard {
   }
 
   start() {
-    const tick = () => this.refresh().finally(() => setTimeout(tick, POLL_MS));
-    tick();
+    this.poller.subscribe((jobRes) => this.refresh(jobRes));
   }
 
-  async refresh() {
-    const path = `/jobs/${encodeURIComponent(this.job)}`;
-    let jobRes, ranks;
-    try {
-      [jobRes, ranks] = await Promise.all([api(path), api(`${path}/ranks`)]);
-    } catch { return; }
+  async refresh(jobRes) {
+    let ranks;
+    try { ranks = await api(`/jobs/${encodeURIComponent(this.job)}/ranks`); } catch { return; }
     this.render(jobRes.bound, ranks.data, jobRes.step_ms);
   }
 

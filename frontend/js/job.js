@@ -4,6 +4,7 @@ import { Charts } from "./charts.js";
 import { CausesCard } from "./causes.js";
 import { CommCard } from "./comm.js";
 import { PipelineCard } from "./pipeline.js";
+import { jobPoller } from "./poller.js";
 import {
   STATUS_LABEL, api, bytes, duration, el, forecastFor, fmt, liveSocket, money,
   mountTokenBox, pct, setTotalSteps, totalSteps,
@@ -328,12 +329,14 @@ mountTokenBox($("token-box")).then((me) => {
   if (charts.placement.data) Plotly.Plots.resize(charts.placement);
 });
 liveSocket(job, onFrame, setConn);
-const comm = new CommCard(job);
+const poller = jobPoller(job); // one GET /jobs/{job} stream for the cards below and report.js
+window.rebalancer.poller = poller;
+const comm = new CommCard(job, poller);
 window.rebalancer.comm = comm;
 comm.start();
-const causes = new CausesCard(job);
+const causes = new CausesCard(job, poller);
 window.rebalancer.causes = causes;
 causes.start();
-const pipeline = new PipelineCard(job);
+const pipeline = new PipelineCard(job, poller);
 window.rebalancer.pipeline = pipeline;
 pipeline.start();

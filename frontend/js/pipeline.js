@@ -3,18 +3,19 @@
 // the slowest pipeline and the stage-split advice, as GET /api/v1/jobs/{job}/pipeline gives
 // them (backend/policy/pipeline_advice.py). Every figure is the server's. The card stays
 // hidden for a job without pipelines: the job view's `pipeline` is null, and the grid is
-// not asked for (its 404 would be a console error on every poll).
+// not asked for (its 404 would be a console error on every poll). The job resource comes
+// from the page's one poller (poller.js).
 /* global Plotly */
 import { api, el, fmt, pct } from "./common.js";
 import { stat } from "./controls.js";
 
-const POLL_MS = 2000;
 const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
 const FONT = { family: "system-ui, sans-serif", size: 11, color: "#1d2330" };
 
 export class PipelineCard {
-  constructor(job) {
+  constructor(job, poller) {
     this.job = job;
+    this.poller = poller;
     this.card = document.getElementById("pipeline-card");
     this.label = document.getElementById("pipeline-label");
     this.stats = document.getElementById("pipeline-stats");
@@ -24,18 +25,13 @@ export class PipelineCard {
   }
 
   start() {
-    const tick = () => this.refresh().finally(() => setTimeout(tick, POLL_MS));
-    tick();
+    this.poller.subscribe((job) => this.refresh(job));
   }
 
-  async refresh() {
-    const path = `/jobs/${encodeURIComponent(this.job)}`;
+  async refresh(job) {
+    if (!job.pipeline) { this.card.hidden = true; return; }
     let p;
-    try {
-      const job = await api(path);
-      if (!job.pipeline) { this.card.hidden = true; return; }
-      p = await api(`${path}/pipeline`);
-    } catch { return; }
+    try { p = await api(`/jobs/${encodeURIComponent(this.job)}/pipeline`); } catch { return; }
     this.render(p);
   }
 

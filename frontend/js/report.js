@@ -4,10 +4,10 @@
 // `rebalancer report NAME --out` writes) in a frame, with a download link.
 import { api, getToken, duration, fmt, money } from "./common.js";
 import { stat } from "./controls.js";
+import { jobPoller } from "./poller.js";
 
 const $ = (id) => document.getElementById(id);
 const job = decodeURIComponent(location.pathname.replace(/^\/job\//, "").replace(/\/$/, ""));
-const POLL_MS = 3000;
 const state = { report: null, shown: false };
 window.rebalancerReport = state;
 
@@ -43,21 +43,23 @@ async function show(r) {
   state.shown = true;
 }
 
-async function poll() {
+// The job resource comes from the page's one poller (poller.js); the report is asked for
+// only once no rank is connected, and a finished run's report does not change.
+let asking = false;
+async function onJob(j) {
+  if (state.shown || asking || j.connected_ranks !== 0) return;
+  asking = true;
   try {
-    const j = await api(`/jobs/${encodeURIComponent(job)}`);
-    if (j.connected_ranks === 0) {
-      const r = await api(`/jobs/${encodeURIComponent(job)}/report`);
-      if (r.finished) {
-        state.report = r;
-        await show(r);
-        return; // a finished run's report does not change
-      }
+    const r = await api(`/jobs/${encodeURIComponent(job)}/report`);
+    if (r.finished) {
+      state.report = r;
+      await show(r);
     }
   } catch (e) {
-    // the job may not exist yet, or the backend restarts: try again later
+    // the backend may restart: the next answer tries again
+  } finally {
+    asking = false;
   }
-  setTimeout(poll, POLL_MS);
 }
 
-poll();
+jobPoller(job).subscribe(onJob);
