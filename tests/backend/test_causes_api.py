@@ -15,12 +15,12 @@ N = 10
 
 
 def _frame(job: str, rank: int, *, data_wait: float, host: float | None, gc: tuple[float, float, float] | None,
-           sync_wait: float) -> str:
-    t0 = time.time()
+           sync_wait: float, clock_off_s: float = 0.0, step_ms: float | None = None) -> str:
+    t0 = time.time() + clock_off_s
     steps = [StepRecord(batch_index=k, local_batch_size=4, placement_version=0, data_wait_ms=data_wait,
                         compute_ms=40.0, sync_wait_ms=sync_wait, optimizer_ms=5.0,
-                        step_ms=data_wait + 40.0 + sync_wait + 5.0, t=t0 + k * 0.08,
-                        host_ms=host, gc_ms=gc) for k in range(N)]
+                        step_ms=step_ms if step_ms is not None else data_wait + 40.0 + sync_wait + 5.0,
+                        t=t0 + k * 0.08, host_ms=host, gc_ms=gc) for k in range(N)]
     return encode(Metrics(job=job, rank=rank, steps=steps, dropped=0))
 
 
@@ -38,7 +38,52 @@ def client(tmp_path_factory):
             b.send_text(_frame("slow-input", 1, data_wait=32.0, host=2.0, gc=(1.0, 0.0, 3.0), sync_wait=3.0))
             for ws, h in ((a, ha), (b, hb)):
                 sync(ws, h)
+        # The same steps from hosts whose clocks disagree (rank 0's 2 days behind, rank 1's
+        # 40 minutes ahead: both within what the edge accepts) ...
+        with c.websocket_connect("/ws/hook") as a, c.websocket_connect("/ws/hook") as b:
+            ha, hb = hello(job="skewed-clocks", rank=0), hello(job="skewed-clocks", rank=1)
+            for ws, h in ((a, ha), (b, hb)):
+                ws.send_text(h)
+                ws.receive_json()
+            a.send_text(_frame("skewed-clocks", 0, data_wait=2.0, host=0.0, gc=None, sync_wait=33.0,
+                               clock_off_s=-2 * 86400))
+            b.send_text(_frame("skewed-clocks", 1, data_wait=32.0, host=2.0, gc=(1.0, 0.0, 3.0), sync_wait=3.0,
+                               clock_off_s=40 * 60))
+            for ws, h in ((a, ha), (b, hb)):
+                sync(ws, h)
+        # ... and from a hook whose parts add up to twice its step (the main parts are not
+        # checked against the step at the edge: device timers may overlap them).
+        with c.websocket_connect("/ws/hook") as a, c.websocket_connect("/ws/hook") as b:
+            ha, hb = hello(job="parts-off", rank=0), hello(job="parts-off", rank=1)
+            for ws, h in ((a, ha), (b, hb)):
+                ws.send_text(h)
+                ws.receive_json()
+            a.send_text(_frame("parts-off", 0, data_wait=2.0, host=0.0, gc=None, sync_wait=33.0, step_ms=40.0))
+            b.send_text(_frame("parts-off", 1, data_wait=32.0, host=2.0, gc=(1.0, 0.0, 3.0), sync_wait=3.0,
+                               step_ms=40.0))
+            for ws, h in ((a, ha), (b, hb)):
+                sync(ws, h)
         yield c
+
+
+def test_clock_skew_between_hosts_does_not_move_the_causes(client):
+    # The replay aligns ranks by batch index, never by their clocks.
+    skewed = client.get("/api/v1/jobs/skewed-clocks/causes").json()
+    plain = client.get("/api/v1/jobs/slow-input/causes").json()
+    assert [(c["cause"], c["ranks"]) for c in skewed["data"]] == [(c["cause"], c["ranks"]) for c in plain["data"]]
+    for got, want in zip(skewed["data"], plain["data"], strict=True):
+        assert got["ms_per_step"] == pytest.approx(want["ms_per_step"])
+    assert skewed["window_steps"] == N
+
+
+def test_parts_that_do_not_add_up_stay_bounded_and_show_as_the_replays_error(client):
+    body = client.get("/api/v1/jobs/parts-off/causes").json()
+    assert body["step_ms"] == pytest.approx(40.0)  # what the hooks measured
+    assert body["replayed_step_ms"] == pytest.approx(80.0)  # what their parts add up to: the gap is visible
+    for c in body["data"]:
+        assert 0.0 <= c["share_of_step"] <= 1.0
+        assert 0.0 <= c["predicted_step_ms_without"] <= body["replayed_step_ms"]
+    assert body["data"][0]["cause"] == "data_wait" and body["data"][0]["ms_per_step"] == pytest.approx(30.0)
 
 
 def test_causes_come_largest_first_with_the_named_fields(client):
