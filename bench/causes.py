@@ -38,7 +38,7 @@ from bench._report import RESULTS_DIR, print_table, write_json
 from rebalancer_wire.protocol import StepRecord
 from tests.helpers.torchrun import run_torchrun
 
-__all__ = ["main", "run_job", "load_phases", "mean_step_ms", "whatif", "EXPECTED", "NPROC", "GLOBAL_BATCH"]
+__all__ = ["main", "run_job", "cause_sizes", "load_phases", "mean_step_ms", "whatif", "EXPECTED", "NPROC", "GLOBAL_BATCH"]
 
 NPROC = 3
 GLOBAL_BATCH = 12
@@ -100,10 +100,15 @@ def whatif(by_phase: dict[str, dict[int, list[CauseStep]]], phase: str, steps_do
     return report, mean_step_ms(by_phase[phase]) - mean_step_ms(by_phase["clean"])
 
 
+def cause_sizes(scale: float) -> tuple[str, ...]:
+    """The worker's arguments for causes ``scale`` times the worker's defaults."""
+    return ("--loader-ms", str(40 * scale), "--sample-ms", str(8 * scale), "--gc-ms", str(35 * scale),
+            "--comm-ms", str(60 * scale))
+
+
 def _cause_rows(tmp: Path, phase_steps: int, scale: float) -> list[dict[str, Any]]:
     out = tmp / "causes"
-    run_job(out, PHASE_ORDER, phase_steps, "--loader-ms", str(40 * scale), "--sample-ms", str(8 * scale),
-            "--gc-ms", str(35 * scale), "--comm-ms", str(60 * scale))
+    run_job(out, PHASE_ORDER, phase_steps, *cause_sizes(scale))
     by_phase = load_phases(out, phase_steps)
     rows = []
     for phase, (cause, ranks) in EXPECTED.items():
@@ -145,7 +150,7 @@ def _gc_row(tmp: Path, steps: int, every: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--phase-steps", type=int, default=40)
-    p.add_argument("--scale", type=float, default=2.0, help="every injected cause's size, times the test's")
+    p.add_argument("--scale", type=float, default=2.0, help="every injected cause's size, times the worker's defaults")
     p.add_argument("--gc-steps", type=int, default=120)
     p.add_argument("--gc-every", type=int, default=50)
     args = p.parse_args(argv)
