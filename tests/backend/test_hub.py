@@ -186,6 +186,12 @@ async def test_job_frame_content_and_uniform_counterfactual():
     assert f["summary"]["cost_per_hour"] == pytest.approx(7.6)
     assert len(f["heat"]) == 1 and len(f["heat"][0]["compute"]) == WORLD
     assert f["heat"][0]["util"] == [50.0, 51.0, 52.0]
+    # Every phase has its heatmap row (the page's picker): each rank's mean over the batches read.
+    col = f["heat"][0]
+    assert col["data_wait"] == [pytest.approx(0.1)] * WORLD and col["optimizer"] == [pytest.approx(0.5)] * WORLD
+    assert col["step"] == [pytest.approx(23.0)] * WORLD  # 10 steps of 33 ms, 10 of 13
+    assert col["compute"] == [pytest.approx(10.0), pytest.approx(8.5), pytest.approx(22.0)]
+    assert "gc" not in col and "host" not in col and "ckpt" not in col  # no rank sends those phases
 
 
 @_run_async
