@@ -21,6 +21,8 @@ from bench.causes import (
     whatif,
 )
 
+pytestmark = pytest.mark.multiproc  # a torchrun job (make test-unit starts none)
+
 PHASE_STEPS = 20
 PHASES = ("data_wait", "slow_rank", "clean", "gc", "sample_cost_skew", "communication", "clean")
 
