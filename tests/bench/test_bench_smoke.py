@@ -199,3 +199,21 @@ def test_busy_loops_spin_while_the_block_runs_and_leave_no_process() -> None:
     for p in spinning:
         with pytest.raises(ProcessLookupError):
             os.kill(p.pid, 0)  # reaped, not a zombie
+
+
+def test_the_causes_bench_measures_a_phase_by_its_interquartile_mean() -> None:
+    from backend.policy.causes import CauseStep
+    from bench.causes import mean_step_ms
+
+    def steps(times: list[float]) -> dict[int, list[CauseStep]]:
+        return {r: [CauseStep(batch_index=k, local_batch_size=4, data_wait_ms=0.0, compute_ms=t, sync_wait_ms=0.0,
+                              optimizer_ms=0.0, step_ms=t) for k, t in enumerate(times)] for r in range(3)}
+
+    # A phase that alternates slow and fast steps keeps its mean; one late wake-up is cut.
+    assert mean_step_ms(steps([40.0, 100.0] * 8)) == pytest.approx(70.0)
+    assert mean_step_ms(steps([40.0] * 15 + [400.0])) == pytest.approx(40.0)
+    # The ranks' median step of each batch: one rank's outlier does not move it.
+    odd = steps([40.0] * 16)
+    odd[2] = [CauseStep(batch_index=k, local_batch_size=4, data_wait_ms=0.0, compute_ms=90.0, sync_wait_ms=0.0,
+                        optimizer_ms=0.0, step_ms=90.0) for k in range(16)]
+    assert mean_step_ms(odd) == pytest.approx(40.0)
