@@ -77,10 +77,10 @@ def _kib(v: list[int] | None) -> list[float | None]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--per-split", type=int, default=7)
+    p.add_argument("--per-split", type=int, default=9)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--fwd-ms", type=float, default=5.0)
-    p.add_argument("--bwd-ms", type=float, default=10.0)
+    p.add_argument("--fwd-ms", type=float, default=10.0)
+    p.add_argument("--bwd-ms", type=float, default=20.0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "pipeline.json")
     args = p.parse_args()
     stop_on_sigterm()
