@@ -102,6 +102,10 @@ class RebalanceHook:
         parallelize_module(model, mesh["tp"], plan); fully_shard(model, mesh=mesh["dp"])
         hook = RebalanceHook(global_batch_size=64, dp_mesh=mesh["dp"])
         hook.attach(model)
+
+    ``pp_mesh`` (with ``dp_mesh`` and ``micro_batches=M``): a PP x DP job; each data-parallel
+    replica is a pipeline, its share a number of micro-batches, and every step runs
+    ``hook.pipeline_schedule(...)`` (docs/pipelines.md).
     """
 
     def __init__(
