@@ -507,3 +507,15 @@ def test_the_composition_rule_sees_a_mixin(tmp_path: Path):
         "from trainer_hook.a import Base, Typed\nclass Hook(Base):\n    pass\nclass Impl(Typed):\n    pass\n")
     assert _hook_class_bases(tmp_path) == {("trainer_hook/b.py", "Hook", "Base"): False,
                                            ("trainer_hook/b.py", "Impl", "Typed"): True}
+
+
+def test_the_pipeline_component_stands_alone():
+    """trainer_hook.pipeline (PP x DP, docs/pipelines.md) and its clock are components the hook
+    holds, not parts of it: they import torch, the wire and the hook's leaf modules
+    (gradients, mesh), never the facade or the step loop, so the hook can be rebuilt around them."""
+    allowed = {"rebalancer_wire.protocol", "trainer_hook.gradients", "trainer_hook.mesh",
+               "trainer_hook._stage_clock"}
+    for rel in ("trainer_hook/pipeline.py", "trainer_hook/_stage_clock.py"):
+        bad = [n for n in _imports(ROOT / rel) if n.split(".")[0] not in sys.stdlib_module_names
+               and n.split(".")[0] != "torch" and n not in allowed]
+        assert not bad, f"{rel} imports {bad}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rebalancer_wire.protocol import (
@@ -49,13 +50,15 @@ class Placements:
     """Offers, the start-up placement, the placement in force, acks and rejects."""
 
     def __init__(self, *, config: HookConfig, ranks: Ranks, schedule: PlacementSchedule,
-                 channel: ControlChannel, connection: Connection, weighting: Weighting) -> None:
+                 channel: ControlChannel, connection: Connection, weighting: Weighting,
+                 share_rule: Callable[[Sequence[int]], str | None] | None = None) -> None:
         self._config = config
         self._ranks = ranks
         self._schedule = schedule
         self._channel = channel
         self._conn = connection
         self._weighting = weighting
+        self._share_rule = share_rule  # a pipeline schedule's counts (trainer_hook.pipeline)
         self._lock = threading.Lock()
         self.acks: list[tuple[int, int]] = []
         self.rejections: list[tuple[int, str]] = []
@@ -142,6 +145,10 @@ class Placements:
                             f"this job has {ranks.world_size} replicas of {ranks.members} ranks each; "
                             f"give {ranks.world_size} shares."
                         )
+            if error is None and self._share_rule is not None:
+                why = self._share_rule(checked)
+                if why is not None:
+                    error = f"placement version {version} is invalid: {why}"
             if error is None and version <= newest:
                 known = pending if pending is not None and pending.version == version else None
                 if version == latest.version and tuple(checked) == latest.shares:

@@ -23,6 +23,7 @@ from trainer_hook.gradients import GradientState
 from trainer_hook.memory import MemoryMeter, MemoryReading, is_out_of_memory
 from trainer_hook.mesh import ReplicaPace
 from trainer_hook.phases import GcSchedule
+from trainer_hook.pipeline import PipelineSchedules
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.sampler import RebalanceBatchSampler
 from trainer_hook.timing import StepTimer
@@ -87,7 +88,8 @@ class StepLoop:
     def __init__(self, *, config: HookConfig, rank: int, schedule: PlacementSchedule, channel: ControlChannel,
                  placements: Placements, weighting: Weighting, micro: MicroSteps | None,
                  connection: Connection, grads: GradientState, timer: StepTimer,
-                 memory: MemoryMeter | None, gc_schedule: GcSchedule | None, pace: ReplicaPace | None) -> None:
+                 memory: MemoryMeter | None, gc_schedule: GcSchedule | None, pace: ReplicaPace | None,
+                 pipeline: PipelineSchedules | None = None) -> None:
         self._config = config
         self._rank = rank
         self._schedule = schedule
@@ -101,6 +103,7 @@ class StepLoop:
         self._memory = memory
         self._gc_schedule = gc_schedule
         self._pace = pace
+        self._pipeline = pipeline  # PP x DP: the step's schedule and its stage times (trainer_hook.pipeline)
         self.next_batch = 0  # the global batch index the next step trains
         self.sampler: RebalanceBatchSampler | None = None  # the sampler created last (hook.batch_sampler)
         # The lookahead in force: given, or measured at the first step (None until then).
@@ -172,6 +175,8 @@ class StepLoop:
         if self._gc_schedule is not None:  # HookConfig gc_freeze / gc_collect_every
             self._gc_schedule.on_step(k)
         self._timer.start(k, local, p.version, events=grads.events, waited=waited)
+        if self._pipeline is not None:
+            self._pipeline.step_begins(k, p.shares)
         if self._micro is not None:
             self._micro.step_begins(k, p)
         return k
@@ -215,8 +220,12 @@ class StepLoop:
             m.train(False)
 
     def end(self, *, failed: bool) -> None:
-        micro = self._micro
-        if micro is not None:
+        micro, pipeline = self._micro, self._pipeline
+        if pipeline is not None:  # the step ran its pipeline schedule, not hook.micro_batches()
+            pipeline.step_ends()
+            if not failed:
+                pipeline.check_step()
+        elif micro is not None:
             micro.step_ends()
             if not failed:
                 micro.check_step()
@@ -247,6 +256,9 @@ class StepLoop:
             if sq is not None:
                 rec.work_sq = sq[0] if rec.local_batch_size else 0.0
                 rec.batch_work_sq = sq[1]
+        stage_ms: tuple[float, ...] | None = None
+        if pipeline is not None and rec is not None:  # this stage's times, for its pipeline's leader
+            stage_ms = pipeline.stage_columns(self._grads, rec.batch_index, rec.compute_ms)
         pace = self._pace
         if pace is not None:  # the leader reports its replica's pace (the slowest member's times)
             if rec is not None:
@@ -255,7 +267,7 @@ class StepLoop:
                 # Which samples it trained: the replica's members must agree (checked a window on).
                 fp = (sampler.samples_fingerprint(rec.batch_index) if sampler is not None
                       else hash((rec.placement_version, rec.local_batch_size)))
-                for r in pace.add(rec, fp):  # only a record whose window left already
+                for r in pace.add(rec, fp, stage_ms):  # only a record whose window left already
                     self._conn.report(r)
             clock = self._timer.clock
             t = clock()

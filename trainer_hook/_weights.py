@@ -36,7 +36,7 @@ class Weighting:
     """``attach``, ``loss_weight`` and ``token_loss_weight`` of a RebalanceHook."""
 
     def __init__(self, *, config: HookConfig, ranks: Ranks, grads: GradientState, channel: ControlChannel,
-                 connection: Connection, dp_mesh: Any) -> None:
+                 connection: Connection, dp_mesh: Any, pipelined: bool = False) -> None:
         self._config = config
         self._world_size = ranks.world_size
         self._members = ranks.members
@@ -44,6 +44,7 @@ class Weighting:
         self._channel = channel
         self._conn = connection
         self._dp_mesh = dp_mesh
+        self._pipelined = pipelined  # pp_mesh given: a pipeline stage's module is what attach weights
         self.mode: str | None = None
         self.model: torch.nn.Module | None = None
         self.norms: list[torch.nn.Module] = []  # batch norms kept out of dummy steps
@@ -63,11 +64,16 @@ class Weighting:
             raise RuntimeError("attach() was already called on this hook; call it once per model.")
         grads, world = self._grads, self._world_size
         if gradients == "loss_scale":
+            if self._pipelined:
+                raise ValueError(
+                    "gradients='loss_scale' does not apply to pipelines: the schedule runs the backward. "
+                    "Attach with the default gradients='auto' (DDP or FSDP2 over dp_mesh); the hook then "
+                    "weights each pipeline's gradient by its share (docs/pipelines.md).")
             check_data_parallel(model, world, dp_mesh=self._dp_mesh)
             self._handles = register_grad_timer(model, grads)
             mode = "loss_scale"
         else:
-            mode = register_gradient_weighting(model, grads, world, dp_mesh=self._dp_mesh)
+            mode = register_gradient_weighting(model, grads, world, dp_mesh=self._dp_mesh, pipelined=self._pipelined)
             if mode == "local":
                 self._handles = register_grad_timer(model, grads)
         # FSDP's parameter all-gathers are waits for peers on either path.

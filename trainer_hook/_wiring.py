@@ -13,6 +13,7 @@ The Connection is built before the process group (it keeps the history) and star
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +33,9 @@ from trainer_hook.channel import ControlChannel
 from trainer_hook.config import HookConfig
 from trainer_hook.gradients import GradientState
 from trainer_hook.memory import MemoryMeter
-from trainer_hook.mesh import ReplicaPace
+from trainer_hook.mesh import PACE_WINDOW, ReplicaPace
 from trainer_hook.phases import GcSchedule, PhaseClock
+from trainer_hook.pipeline import PIPELINE_PACE_WINDOW, PipelineSchedules
 from trainer_hook.placement import PlacementSchedule
 from trainer_hook.timing import StepTimer
 
@@ -54,6 +56,7 @@ class Before:
     memory: MemoryMeter | None
     gc_schedule: GcSchedule | None
     training_thread: int
+    pipeline: PipelineSchedules | None = None  # pp_mesh given (trainer_hook.pipeline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,7 @@ class Components:
     loop: StepLoop
     loading: Loading
     checkpoints: Checkpoints
+    connect: Callable[[], None]  # start talking to the backend (a pipeline's: at its first step)
 
     def ensure_started(self) -> None:
         """Once, on every rank: the placement in force agreed before the first batch."""
@@ -90,6 +94,7 @@ class Components:
             replica_ranks=ranks.replica_ranks if mesh is not None else (),
             replica_devices=ranks.replica_devices if mesh is not None else (),
             mode=cfg.mode or "", micro_batches=cfg.micro_batches is not None,
+            pipeline=before.pipeline.shape(ranks.rank) if before.pipeline is not None else None,
         )
 
 
@@ -97,6 +102,9 @@ def build(before: Before, where: str) -> Components:
     """Join the process group (a gloo control group, a replica's own group) and wire the parts."""
     cfg = before.config
     ranks = read_ranks(cfg, before.dp_mesh, where)
+    pipeline = before.pipeline
+    if pipeline is not None:  # every pipeline is a replica of dp_mesh; shares count micro-batches
+        pipeline.bind(ranks.rank, ranks.replica_ranks, ranks.world_size, cfg.micro_batches)
     schedule = PlacementSchedule(ranks.world_size, cfg.global_batch_size)
     group = dist.new_group(backend="gloo") if ranks.global_world > 1 else None
     # Measured: settle nothing in particular until the first step agrees on it; no
@@ -115,16 +123,20 @@ def build(before: Before, where: str) -> Components:
         members = ranks.replicas.members
         mine = dist.new_group(list(members), backend="gloo", use_local_synchronization=True)
         pace = ReplicaPace(mine, leader=ranks.leader, report=conn.report_many, members=members,
-                           position=members.index(dist.get_rank()))
+                           position=members.index(dist.get_rank()),
+                           # A pipeline's leader reports its stages' times too, every 4 steps.
+                           stages=pipeline.pp_size if pipeline is not None else 0,
+                           stage=pipeline.pp_rank if pipeline is not None else 0,
+                           window=PIPELINE_PACE_WINDOW if pipeline is not None else PACE_WINDOW)
     weighting = Weighting(config=cfg, ranks=ranks, grads=before.grads, channel=channel, connection=conn,
-                          dp_mesh=before.dp_mesh)
+                          dp_mesh=before.dp_mesh, pipelined=pipeline is not None)
     placements = Placements(config=cfg, ranks=ranks, schedule=schedule, channel=channel, connection=conn,
-                            weighting=weighting)
+                            weighting=weighting, share_rule=pipeline.check_shares if pipeline is not None else None)
     micro = MicroSteps(config=cfg, rank=ranks.rank, weighting=weighting)
     loop = StepLoop(config=cfg, rank=ranks.rank, schedule=schedule, channel=channel, placements=placements,
                     weighting=weighting, micro=micro if cfg.micro_batches is not None else None,
                     connection=conn, grads=before.grads, timer=before.timer, memory=before.memory,
-                    gc_schedule=before.gc_schedule, pace=pace)
+                    gc_schedule=before.gc_schedule, pace=pace, pipeline=pipeline)
     parts: Components
 
     def start() -> None:
@@ -133,14 +145,19 @@ def build(before: Before, where: str) -> Components:
     loading = Loading(config=cfg, rank=ranks.rank, schedule=schedule, phases=before.phases, loop=loop, start=start)
     checkpoints = Checkpoints(config=cfg, ranks=ranks, schedule=schedule, channel=channel, placements=placements,
                               loop=loop, micro=micro, connection=conn)
+    def connect() -> None:
+        if not cfg.offline and ranks.leader and conn.transport is None:  # only a replica's leader talks to the backend
+            conn.start(hello=lambda: parts.hello(before), on_message=placements.on_message, where=loop.where,
+                       training_thread=before.training_thread)
+
     parts = Components(ranks=ranks, schedule=schedule, channel=channel, pace=pace, weighting=weighting,
-                       placements=placements, micro=micro, loop=loop, loading=loading, checkpoints=checkpoints)
+                       placements=placements, micro=micro, loop=loop, loading=loading, checkpoints=checkpoints,
+                       connect=connect)
     if ranks.global_world == 1 or (dist.is_available() and dist.is_initialized() and dist.get_rank() == 0):
         unit = "ranks" if before.dp_mesh is None else "data-parallel replicas"
         say_start(start_line(cfg, ranks.world_size, unit))  # one line for the job, from rank 0
-    if not cfg.offline and ranks.leader:  # only a replica's leader talks to the backend
-        conn.start(hello=lambda: parts.hello(before), on_message=placements.on_message, where=loop.where,
-                   training_thread=before.training_thread)
+    if pipeline is None:  # a pipeline's leader connects once its first step names the schedule
+        connect()
     return parts
 
 

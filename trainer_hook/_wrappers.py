@@ -168,10 +168,12 @@ def check_mesh(model: Any, world_size: int | None = None) -> None:
         )
 
 
-def check_data_parallel(model: Any, world_size: int | None = None, *, dp_mesh: Any = None) -> None:
+def check_data_parallel(model: Any, world_size: int | None = None, *, dp_mesh: Any = None,
+                        pipelined: bool = False) -> None:
     """Refuse, naming what is supported, set-ups whose ranks are not all data-parallel
     replicas of one model (their gradients cannot be weighted by batch share alone); with
-    ``dp_mesh``, a model whose mesh disagrees with it."""
+    ``dp_mesh``, a model whose mesh disagrees with it. ``pipelined``: the hook was given
+    ``pp_mesh`` (trainer_hook.pipeline), so a pipeline stage's module is what it balances."""
     cls = type(model)
     name, module = cls.__name__, cls.__module__
     if module.startswith("deepspeed") or "DeepSpeedEngine" in name:
@@ -179,14 +181,16 @@ def check_data_parallel(model: Any, world_size: int | None = None, *, dp_mesh: A
             f"DeepSpeed ({name}) is not supported by the rebalancer: its engine reduces and "
             f"partitions gradients inside engine.backward()/step(), out of the hook's reach. {_SUPPORTED}"
         )
-    stage = _pipeline_stage_of(model)
-    if module.startswith("torch.distributed.pipelining") or "Pipe" in name or stage is not None:
+    stage = None if pipelined else _pipeline_stage_of(model)
+    if not pipelined and (module.startswith("torch.distributed.pipelining") or "Pipe" in name or stage is not None):
         what = name if stage is None else f"the module of {type(stage).__name__} {getattr(stage, 'stage_index', '?')}"
         raise ValueError(
             f"pipeline parallelism ({what}) is not supported by the rebalancer: every stage of a "
             f"pipeline must see the same micro-batches, so no stage can take a different share, and "
-            f"no gradient mechanism makes it right (gradients='loss_scale' included). {_SUPPORTED_WRAPPERS} "
-            f"Train the model with data parallelism only."
+            f"no gradient mechanism makes it right (gradients='loss_scale' included) unless the hook "
+            f"knows the pipeline: create it with RebalanceHook(dp_mesh=mesh['dp'], pp_mesh=mesh['pp'], "
+            f"micro_batches=M) and train through hook.pipeline_schedule(...) (docs/pipelines.md), "
+            f"or train the model with data parallelism only. {_SUPPORTED_WRAPPERS}"
         )
     if dp_mesh is not None:
         check_dp_mesh(_compiled_inner(model), dp_mesh)

@@ -282,13 +282,13 @@ def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
 
 
 def register_gradient_weighting(
-    model: torch.nn.Module, state: GradientState, world_size: int, *, dp_mesh: Any = None
+    model: torch.nn.Module, state: GradientState, world_size: int, *, dp_mesh: Any = None, pipelined: bool = False
 ) -> str:
     """Weight each rank's gradient by its share of the global batch, the way the wrapper
     allows; returns the mechanism: ``"ddp_comm_hook"``, ``"fsdp2_reduce_scatter"``,
     ``"fsdp1_comm_hook"`` or ``"local"`` (one process, nothing to weight)."""
     model = _compiled_inner(model)
-    check_data_parallel(model, world_size, dp_mesh=dp_mesh)
+    check_data_parallel(model, world_size, dp_mesh=dp_mesh, pipelined=pipelined)
     if _is_ddp(model):
         if dp_mesh is not None:  # DDP over the dp sub-group: reduce over it, not the world
             state.process_group = model.process_group

@@ -54,6 +54,7 @@ from trainer_hook.gradients import GradientState
 from trainer_hook.memory import MemoryMeter, MemorySource, default_memory_source
 from trainer_hook.microbatch import MicroBatches
 from trainer_hook.phases import GcSchedule, PhaseClock
+from trainer_hook.pipeline import PipelineRun, PipelineSchedules
 from trainer_hook.placement import PlacementSchedule, ScheduledPlacement
 from trainer_hook.sampler import RebalanceBatchSampler, SampleCost
 from trainer_hook.timing import StepTimer
@@ -101,6 +102,10 @@ class RebalanceHook:
         parallelize_module(model, mesh["tp"], plan); fully_shard(model, mesh=mesh["dp"])
         hook = RebalanceHook(global_batch_size=64, dp_mesh=mesh["dp"])
         hook.attach(model)
+
+    ``pp_mesh`` (with ``dp_mesh`` and ``micro_batches=M``): a PP x DP job; each data-parallel
+    replica is a pipeline, its share a number of micro-batches, and every step runs
+    ``hook.pipeline_schedule(...)`` (docs/pipelines.md).
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class RebalanceHook:
         *,
         memory_source: MemorySource | None = _AUTO,
         dp_mesh: Any = None,
+        pp_mesh: Any = None,
         **config: Any,
     ) -> None:
         self.config = HookConfig.from_env(
@@ -125,11 +131,14 @@ class RebalanceHook:
         gcs = GcSchedule(freeze=cfg.gc_freeze, every=cfg.gc_collect_every)
         source = default_memory_source() if memory_source is _AUTO else memory_source
         self._conn = Connection(cfg)
+        # pp_mesh: each data-parallel replica is a pipeline; shares count its micro-batches.
+        self._pipeline = PipelineSchedules(pp_mesh, self._grads) if pp_mesh is not None else None
         self._before = Before(
             config=cfg, dp_mesh=dp_mesh, connection=self._conn, grads=self._grads, phases=self._phases,
             timer=self._timer, gc_schedule=gcs if gcs.active else None,  # None: Python's own
             memory=MemoryMeter(source, every=cfg.memory_every) if source is not None else None,
             training_thread=threading.get_ident(),  # whose stack a hang report carries
+            pipeline=self._pipeline,
         )
         self._c: Components | None = None  # built once the process group is there
         self._ctx = StepContext(_Unwired(self))
@@ -304,6 +313,53 @@ class RebalanceHook:
         c.weighting.attach(model, gradients)
         c.ensure_started()
         return model
+
+    def pipeline_schedule(self, stages: Any, schedule_cls: Any, *, loss_fn: Any,
+                          **schedule_kwargs: Any) -> PipelineRun:
+        """This step's pipeline schedule, built for the micro-batch count in force (``pp_mesh`` hooks).
+
+        Call it inside ``with hook.step():`` every step with the same stage(s) and schedule:
+        this rank's ``PipelineStage`` and the schedule class (``ScheduleGPipe`` or
+        ``Schedule1F1B``), ``loss_fn`` the per-micro-batch mean loss; other keyword arguments go
+        to the schedule. The schedule is built with this pipeline's share of the placement in
+        force as ``n_microbatches`` and ``scale_grads=False`` (each micro-batch counts 1/M of
+        the step in the data-parallel reduction), and built again at the step where a new
+        placement changes the shares: every stage of every pipeline switches at the same batch
+        index. The returned run says which of the step's M micro-batches to feed
+        (``run.micro_batches``, positions 0..M-1 in one global order, so the global batch is the
+        same whatever the split) and trains them with ``run.step(x, target=y)``. A drained
+        pipeline (share 0) runs the fewest micro-batches its schedule takes with weight 0.
+        Example (PP2 x DP2 on 4 ranks; docs/pipelines.md)::
+
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+            model = DDP(part, process_group=mesh["dp"].get_group())
+            stage = PipelineStage(model, mesh["pp"].get_local_rank(), 2, device, group=mesh["pp"].get_group())
+            hook = RebalanceHook(micro_batches=8, dp_mesh=mesh["dp"], pp_mesh=mesh["pp"])
+            hook.attach(model)
+            for k in range(steps):
+                with hook.step():
+                    run = hook.pipeline_schedule(stage, Schedule1F1B, loss_fn=mean_loss)
+                    x, y = batch(k, run.micro_batches)          # those micro-batches, concatenated
+                    run.step(x) if stage.is_first else run.step(target=y)
+                    opt.step(); opt.zero_grad()
+
+        A count the schedule refuses (``Schedule1F1B``: 0 or at least as many as stages) raises
+        ValueError naming what it takes; rank 0 rejects such a placement when it is offered.
+        """
+        pipeline = self._pipeline
+        if pipeline is None:
+            raise RuntimeError("hook.pipeline_schedule() needs a pipeline hook: create it with "
+                               "RebalanceHook(dp_mesh=mesh['dp'], pp_mesh=mesh['pp'], micro_batches=M).")
+        c = self._init_distributed("hook.pipeline_schedule()")
+        if c.weighting.mode is None:
+            raise RuntimeError("hook.pipeline_schedule() needs hook.attach(stage.submod) first: the hook weights "
+                               "each pipeline's gradient by its share.")
+        known = pipeline.name is not None
+        run = pipeline.schedule_for(stages, schedule_cls, loss_fn, schedule_kwargs,
+                                    scale_locally=c.weighting.mode == "local")
+        if not known:
+            c.connect()  # now the hello can say the pipeline's shape
+        return run
 
     @property
     def gradients(self) -> str | None:

@@ -143,11 +143,34 @@ _CHECK_WAIT_S = 600.0  # the longest a member waits for a window's check (a peer
 _NOTHING: tuple[StepRecord, ...] = ()
 
 
-def _apply(rec: StepRecord, buf: array, i: int, members: Sequence[int]) -> None:
+# A pipeline rank's fwd, bwd, send wait, recv wait, bubble (PIPELINE_STAGE_FIELDS), then its
+# data-parallel gradient wait and its compute_ms (not sent: they correct the pipeline's compute).
+_STAGE_COLUMNS = 7
+
+
+def _apply(rec: StepRecord, buf: array, i: int, members: Sequence[int], stages: int = 0) -> None:
     if buf[i] == _NONE:
         return
+    if stages:  # a pipeline: each rank's stage columns, in stage order, after the members'
+        j = i + _WIDTH + len(members)
+        cols = [max(0.0, v) for v in buf[j:j + _STAGE_COLUMNS * stages]]  # a rank that filed nothing: 0
+        fields = [tuple(cols[s * _STAGE_COLUMNS + c] for s in range(stages)) for c in range(_STAGE_COLUMNS)]
+        rec.stage_fwd_ms, rec.stage_bwd_ms, rec.stage_send_wait_ms, rec.stage_recv_wait_ms, rec.stage_bubble_ms = \
+            fields[:5]
+        rec.n_microbatches = rec.local_batch_size
+        dp_wait, compute = fields[5], fields[6]
     rec.compute_ms, rec.data_wait_ms, rec.optimizer_ms, rec.step_ms = buf[i], buf[i + 1], buf[i + 2], buf[i + 3]
     rec.sync_wait_ms = -buf[i + 4]
+    if stages and all(compute):
+        # A stage's last backward waits for the data-parallel reduction; the stages before it
+        # then wait for its gradients, in their receives: that wait is the reduction's, not
+        # the pipeline's. The pipeline's compute: the slowest stage without it.
+        own = max(max(0.0, compute[s] - sum(dp_wait[s + 1:])) for s in range(stages))
+        if own < rec.compute_ms:
+            rec.sync_wait_ms += rec.compute_ms - own
+            rec.compute_ms = own
+    if stages and rec.stage_bubble_ms:
+        rec.bubble_ms = min(sum(rec.stage_bubble_ms) / stages, rec.step_ms)
     if rec.mem_peak_bytes is not None:
         rec.mem_peak_bytes = int(buf[i + 5])
         if buf[i + 6] != _NONE:
@@ -175,11 +198,15 @@ class ReplicaPace:
     replica's gloo group, one window after another in the same order on every member,
     and calls ``report`` with the leader's records, combined. A record that comes after
     its window left (device timing events read late) is returned by ``add`` to be reported
-    as measured; ``behind`` windows are left for such records (1 with device events)."""
+    as measured; ``behind`` windows are left for such records (1 with device events).
+
+    A pipeline (``stages`` ranks, this one at stage ``stage``): each member also files its
+    stage's five numbers (``add(..., stage_ms=)``) in columns of its own, and the leader's
+    records carry them as a pipeline leader's lists (docs/protocol.md)."""
 
     def __init__(self, group: Any, *, leader: bool, report: Callable[[Sequence[StepRecord]], None],
                  window: int = PACE_WINDOW, behind: int = 0, members: Sequence[int] = (),
-                 position: int = 0) -> None:
+                 position: int = 0, stages: int = 0, stage: int = 0) -> None:
         if members and not 0 <= position < len(members):
             raise ValueError(f"position must index members ({len(members)} of them), got {position}.")
         self.group = group
@@ -188,8 +215,10 @@ class ReplicaPace:
         self.behind = behind
         self.members = tuple(members)
         self._report = report
-        self._width = _WIDTH + len(self.members)  # values per batch in a window
+        self.stages = stages
+        self._width = _WIDTH + len(self.members) + _STAGE_COLUMNS * stages  # values per batch in a window
         self._own = _WIDTH + position  # this member's compute column
+        self._stage_col = _WIDTH + len(self.members) + _STAGE_COLUMNS * stage  # its stage's columns
         self._blank = array("d", [_NONE]) * (window * self._width)
         self._open: dict[int, tuple[array[float], list[StepRecord]]] = {}  # windows being filled
         self._next: int | None = None  # the first window not handed over (set at the first step)
@@ -208,7 +237,8 @@ class ReplicaPace:
         self._checked = 0
         self.mismatch: str | None = None  # why the members trained different samples
 
-    def add(self, rec: StepRecord, fingerprint: int = 0) -> Sequence[StepRecord]:
+    def add(self, rec: StepRecord, fingerprint: int = 0,
+            stage_ms: Sequence[float] | None = None) -> Sequence[StepRecord]:
         """Training thread: file this member's record and the fingerprint of the samples it
         trained (``samples_fingerprint``). Returns what to report now (the leader's record
         whose window already left), else nothing."""
@@ -230,6 +260,9 @@ class ReplicaPace:
         buf[i + 8], buf[i + 9] = fp, -fp
         if self.members:
             buf[i + self._own] = rec.compute_ms
+        if self.stages and stage_ms is not None:
+            j = i + self._stage_col
+            buf[j:j + _STAGE_COLUMNS] = array("d", stage_ms)
         if rec.mem_peak_bytes is not None:
             buf[i + 5] = rec.mem_peak_bytes
             if rec.mem_reserved_bytes is not None:
@@ -331,7 +364,7 @@ class ReplicaPace:
             for rec in held:
                 w = rec.batch_index // self.window
                 _apply(rec, buf, ((w - first) * self.window + rec.batch_index - w * self.window) * self._width,
-                       self.members)
+                       self.members, self.stages)
             self.combined += len(held)
             if held:
                 self._report(held)

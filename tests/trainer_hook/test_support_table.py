@@ -161,8 +161,8 @@ IN_PROCESS: dict[str, Callable[[], str]] = {
     "HSDP: FSDP2 on a 2-D mesh without `dp_mesh`": lambda: _hsdp(dp_mesh=False),
     'FSDP2 + TP (`fully_shard(mesh=mesh["dp"])` over `parallelize_module(mesh["tp"])`), with `dp_mesh`': _fsdp2_tp,
     "tensor / context parallelism (DTensor parameters) or FSDP2 + TP without `dp_mesh`": _tensor_parallel,
-    "pipeline parallelism (`torch.distributed.pipelining`: a `Pipe`, a stage, or a stage's module, "
-    '`gradients="loss_scale"` included)': _pipeline,
+    "pipeline parallelism without `pp_mesh` (`torch.distributed.pipelining`: a `Pipe`, a stage, or a stage's "
+    'module, `gradients="loss_scale"` included)': _pipeline,
     "DeepSpeed (engine, Accelerate or Trainer)": _deepspeed,
     "`IterableDataset` with sample shares (`hook.batch_sampler`)": _iterable,
 }
@@ -188,6 +188,11 @@ ELSEWHERE = {
         "tests/trainer_hook/test_mesh_refusals.py::test_ddp_over_a_sub_group_is_refused",
     "streams: `IterableDataset`, `split_dataset_by_node`, `StatefulDataLoader`, any iterator; compiled fixed shapes":
         "tests/trainer_hook/test_micro_batches.py::test_parameters_equal_a_one_process_replay_under_changing_counts_and_a_drain",
+    'PP x DP (`torch.distributed.pipelining`: `ScheduleGPipe`, `Schedule1F1B`; DDP or FSDP2 over `mesh["dp"]`), '
+    "with `pp_mesh`": "tests/trainer_hook/test_pipelines.py::"
+                      "test_parameters_equal_a_one_process_replay_under_changing_counts_and_a_drain",
+    "PP x DP with `ScheduleInterleaved1F1B`, or TP inside a stage":
+        "tests/trainer_hook/test_pipelines.py::test_interleaved_and_tp_are_refused_naming_what_is_supported",
     "HF Trainer, Accelerate's `prepare_with_rebalancer`, Lightning with a `micro_batches=M` hook":
         "tests/trainer_hook/test_micro_batches.py::test_the_framework_adapters_refuse_a_micro_batch_hook_naming_the_loop",
 }

@@ -1,0 +1,134 @@
+"""Pipelines: a PP2 x DP2 job on 4 CPU ranks whose pipeline 1 runs 2x slower.
+
+Real parts only: ``torch.distributed.pipelining`` (``Schedule1F1B``) on gloo, DDP over the
+dp dim, the hook (``RebalanceHook(dp_mesh=, pp_mesh=, micro_batches=12)``) and, for the
+achieved run, a real backend in ``auto`` mode deciding the micro-batch split from the
+stages' measured times (bench/_pipeline_worker.py; slowness injected as the other benches
+do: a delay per micro-batch in forward and backward, divided by the pipeline's speed).
+
+1. Sweep (offline, rank 0 requests each split): every valid split (a, 12 - a) with both
+   counts at least 2 (Schedule1F1B's floor for 2 stages) for ``--per-split`` steps; a split's
+   time is the median of its steps after the first two (the schedule is rebuilt at a
+   change). The oracle is the best split measured; uniform is (6, 6).
+2. Achieved: the job from the uniform split with the backend in ``auto`` mode for
+   ``--steps`` steps: its steady step time (median of the last 10 steps) against the
+   oracle's and uniform's, and the step from which the rolling median of 5 steps stays
+   within 5% of the oracle's.
+3. Memory: every stage's peak saved-activation bytes (what autograd keeps for the backward,
+   ``saved_tensors_hooks``) at each micro-batch count of the sweep under 1F1B, and under
+   GPipe for contrast (a short offline run at counts 4, 8 and 10 on pipeline 0).
+
+    python -m bench.pipeline [--per-split N] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench._backend import running_backend, stop_on_sigterm
+from bench._launch import launch, torchrun_cmd
+from bench._report import RESULTS_DIR, print_table, write_json
+
+M = 12
+SPEEDS = "1,0.5"
+WORKER = "bench/_pipeline_worker.py"
+
+
+def _run(tmp: Path, name: str, args: list[str], timeout: float = 300.0) -> dict[str, Any]:
+    result = tmp / f"{name}.json"
+    res = launch(torchrun_cmd(4, [WORKER, "--result", str(result), "--micro-batches", str(M), "--speeds", SPEEDS,
+                                  *args]), timeout=timeout, log_path=tmp / f"{name}.log")
+    if res.returncode != 0 or not result.exists():
+        raise RuntimeError(f"{name}: the job failed (exit {res.returncode}, hung {res.hung}):\n{res.output[-4000:]}")
+    return json.loads(result.read_text())  # type: ignore[no-any-return]
+
+
+def _by_split(steps: list[dict[str, Any]], skip: int = 2) -> dict[tuple[int, ...], list[float]]:
+    """Each split's step times, the first ``skip`` steps after each change left out."""
+    out: dict[tuple[int, ...], list[float]] = {}
+    prev, run = None, 0
+    for s in steps:
+        split = tuple(s["shares"])
+        run = run + 1 if split == prev else 1
+        prev = split
+        if run > skip:
+            out.setdefault(split, []).append(s["step_ms"])
+    return out
+
+
+def _peaks(steps: list[dict[str, Any]], ranks: tuple[int, ...]) -> dict[int, list[int]]:
+    """Per micro-batch count of pipeline 0: the peak saved bytes of each of ``ranks``."""
+    out: dict[int, list[int]] = {}
+    for s in steps:
+        n = s["shares"][0]
+        prev = out.get(n, [0] * len(ranks))
+        out[n] = [max(p, s["peak_saved_bytes"][r]) for p, r in zip(prev, ranks, strict=True)]
+    return dict(sorted(out.items()))
+
+
+def _kib(v: list[int] | None) -> list[float | None]:
+    return [None, None] if v is None else [x / 1024 for x in v]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--per-split", type=int, default=9)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--fwd-ms", type=float, default=10.0)
+    p.add_argument("--bwd-ms", type=float, default=20.0)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "pipeline.json")
+    args = p.parse_args()
+    stop_on_sigterm()
+    delays = ["--fwd-ms", str(args.fwd_ms), "--bwd-ms", str(args.bwd_ms)]
+    splits = [(a, M - a) for a in range(2, M - 1)]
+    order = [(M // 2, M // 2)] + [s for s in splits if s != (M // 2, M // 2)]
+    plan = ";".join(f"{i * args.per_split + 1}={a},{b}" for i, (a, b) in enumerate(order))
+    with tempfile.TemporaryDirectory(prefix="rb-pipeline-") as t:
+        tmp = Path(t)
+        sweep = _run(tmp, "sweep", ["--schedule", "1f1b", "--plan", plan, "--steps",
+                                    str(len(order) * args.per_split + 3), *delays])
+        measured = {k: statistics.median(v) for k, v in _by_split(sweep["steps"]).items() if v}
+        oracle_split, oracle_ms = min(measured.items(), key=lambda kv: kv[1])
+        uniform_ms = measured[(M // 2, M // 2)]
+        gpipe_plan = "1=4,8;6=8,4;11=10,2"
+        gpipe = _run(tmp, "gpipe", ["--schedule", "gpipe", "--plan", gpipe_plan, "--steps", "16", *delays])
+        with running_backend(tmp) as backend:
+            achieved = _run(tmp, "achieved", ["--schedule", "1f1b", "--steps", str(args.steps), "--server",
+                                              backend.url, *delays])
+    times = [s["step_ms"] for s in achieved["steps"]]
+    steady = statistics.median(times[-10:])
+    settled = next((i for i in range(5, len(times) + 1)
+                    if all(statistics.median(times[j - 5:j]) <= 1.05 * oracle_ms for j in range(i, len(times) + 1))),
+                   None)
+    final = achieved["steps"][-1]["shares"]
+    mem_1f1b = _peaks(sweep["steps"], (0, 2))
+    mem_gpipe = _peaks(gpipe["steps"], (0, 2))
+    rows = [[f"{a},{b}", ms, ms / oracle_ms] for (a, b), ms in sorted(measured.items())]
+    print_table("sweep (1F1B, pipeline 1 at 0.5x): median step ms per split", ["split", "step_ms", "/ oracle"], rows)
+    print_table("achieved (backend auto mode)", ["steady_ms", "oracle_ms", "achieved/oracle", "uniform/achieved",
+                                                  "settled_at_step", "final_split"],
+                [[steady, oracle_ms, steady / oracle_ms, uniform_ms / steady, settled, ",".join(map(str, final))]])
+    print_table("peak saved-activation KiB of stage 0 / stage 1 of pipeline 0, by its micro-batch count",
+                ["count", "1F1B s0", "1F1B s1", "GPipe s0", "GPipe s1"],
+                [[n, *_kib(mem_1f1b.get(n)), *_kib(mem_gpipe.get(n))] for n in sorted(set(mem_1f1b) | set(mem_gpipe))])
+    write_json(args.out, {
+        "command": "python -m bench.pipeline", "micro_batches": M, "speeds": SPEEDS,
+        "fwd_ms": args.fwd_ms, "bwd_ms": args.bwd_ms, "schedule": "1f1b",
+        "sweep_ms": {f"{a},{b}": ms for (a, b), ms in sorted(measured.items())},
+        "oracle_split": list(oracle_split), "oracle_ms": oracle_ms, "uniform_ms": uniform_ms,
+        "achieved_steady_ms": steady, "achieved_over_oracle": steady / oracle_ms,
+        "uniform_over_achieved": uniform_ms / steady, "settled_at_step": settled, "final_split": final,
+        "achieved_step_ms": times, "achieved_shares": [s["shares"] for s in achieved["steps"]],
+        "peak_saved_bytes_1f1b": {str(k): v for k, v in mem_1f1b.items()},
+        "peak_saved_bytes_gpipe": {str(k): v for k, v in mem_gpipe.items()},
+    })
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Pipelines (issue 40): each data-parallel pipeline of a PP2 x DP2 job trains its own
+number of micro-batches; parameters equal a one-process float64 replay of the global batch
+under GPipe and 1F1B, DDP or FSDP2 over the dp dim, with placements changed mid-run and a
+pipeline drained."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+
+from tests.helpers.configs import run_configs
+from tests.trainer_hook import _pipeline_worker as pw
+from trainer_hook.pipeline import check_count, fewest_micro_batches, schedule_name
+
+M = 6
+STEPS = 14
+# Asked at an exchange's step + 1 (every 3 steps, lag 1): uneven from step 4-ish, one
+# pipeline drained from the next switch, uneven again after.
+PLANS = {"gpipe": "1=2,4;5=6,0;9=1,5", "1f1b": "1=2,4;5=0,6;9=4,2"}
+CONFIGS = [["--schedule", "gpipe", "--plan", PLANS["gpipe"]], ["--schedule", "1f1b", "--plan", PLANS["1f1b"]],
+           ["--bad"], ["--schedule", "1f1b", "--plan", PLANS["1f1b"], "--wrap", "fsdp2"],
+           ["--schedule", "gpipe", "--plan", PLANS["gpipe"], "--wrap", "fsdp2"]]
+TRAINED = {0: "gpipe", 1: "1f1b", 3: "1f1b-fsdp2", 4: "gpipe-fsdp2"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
+    """Every configuration one after the other in one torchrun job of 4 ranks."""
+    out = tmp_path_factory.mktemp("pipelines")
+    return run_configs(4, ["tests/trainer_hook/_pipeline_worker.py", "--steps", str(STEPS),
+                           "--micro-batches", str(M)], out, CONFIGS, timeout=280)
+
+
+def replay(steps: int) -> list[torch.Tensor]:
+    """One process, the whole model: step k trains micro-batches k*M .. k*M+M-1, the mean of
+    their per-micro-batch mean losses."""
+    model = pw.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=pw.LR, momentum=0.9)
+    for k in range(steps):
+        loss = sum(pw.mean_loss(model(x), y) for x, y in (pw.make(k * M + j) for j in range(M)))
+        (loss / M).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("cfg", list(TRAINED), ids=list(TRAINED.values()))
+def test_parameters_equal_a_one_process_replay_under_changing_counts_and_a_drain(
+        runs: list[list[dict[str, Any]]], cfg: int) -> None:
+    ranks = runs[cfg]  # rank r: stage r // 2 of pipeline r % 2
+    shares = [tuple(s) for s in ranks[0]["shares"]]
+    assert all(d["shares"] == ranks[0]["shares"] for d in ranks), "stages or pipelines switched at different steps"
+    plan = [tuple(v) for v in pw.w.parse_plan(CONFIGS[cfg][3]).values()]
+    assert all(p in shares for p in plan), (shares, plan)
+    drained = [k for k, s in enumerate(shares) if 0 in s]
+    assert drained, "no step drained a pipeline"
+    for k in range(STEPS):
+        # Both stages of a pipeline trained the same micro-batches; the pipelines, the global batch.
+        for j in (0, 1):
+            assert ranks[j]["ids"][k] == ranks[j + 2]["ids"][k]
+        trained = sorted(i for j in (0, 1) for i in ranks[j]["ids"][k] if i >= 0)
+        assert trained == list(range(k * M, k * M + M)), (k, trained)
+    for k in drained:
+        idle = shares[k].index(0)
+        want = fewest_micro_batches("Schedule1F1B" if "1f1b" in TRAINED[cfg] else "ScheduleGPipe", 2)
+        assert ranks[idle]["ids"][k] == [-1] * want
+    want = replay(STEPS)
+    got = [torch.tensor(p, dtype=torch.float64) for r in (0, 2) for p in ranks[r]["params"]]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-9)
+    for r in (1, 3):  # the other pipeline's replicas of each stage agree
+        assert ranks[r]["params"] == ranks[r - 1]["params"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("cfg", list(TRAINED), ids=list(TRAINED.values()))
+def test_each_pipeline_leader_reports_its_stages(runs: list[list[dict[str, Any]]], cfg: int) -> None:
+    ranks = runs[cfg]
+    for r, d in enumerate(ranks):
+        assert d["hello"]["pp_stage"] == r // 2 and d["hello"]["dp_index"] == r % 2
+        one_f = "1f1b" in TRAINED[cfg]
+        assert d["hello"]["schedule"] == ("1f1b" if one_f else "gpipe")
+        assert d["hello"]["min_microbatches"] == (2 if one_f else 0)
+    for leader in (0, 1):  # stage 0 of each pipeline speaks for it
+        recs = ranks[leader]["records"]
+        assert len(recs) == STEPS
+        for rec in recs:
+            shares = ranks[0]["shares"][rec["batch"]]
+            assert rec["n_microbatches"] == rec["local"] == shares[leader]
+            for key in ("stage_fwd_ms", "stage_bwd_ms", "stage_send_wait_ms", "stage_recv_wait_ms", "stage_bubble_ms"):
+                assert len(rec[key]) == 2 and all(v >= 0 for v in rec[key]), (key, rec)
+            assert all(v > 0 for v in rec["stage_fwd_ms"] + rec["stage_bwd_ms"])
+            assert 0 <= rec["bubble_ms"] <= rec["step_ms"]
+            # Each stage's entry is what that stage measured itself.
+            for stage in (0, 1):
+                own = ranks[leader + 2 * stage]["times"][rec["batch"]]
+                assert rec["stage_fwd_ms"][stage] == pytest.approx(own[0])
+                assert rec["stage_bubble_ms"][stage] == pytest.approx(own[4])
+    for d in ranks:  # a stage's idle time is part of its schedule call, its waits part of that
+        for t in d["times"]:
+            fwd, bwd, send, recv, bubble, wall, n = t
+            assert send + recv <= bubble + 1e-6 <= wall + 1e-6
+
+
+@pytest.mark.multiproc
+def test_a_placement_1f1b_cannot_run_is_rejected_naming_what_it_takes(runs: list[list[dict[str, Any]]]) -> None:
+    refused = runs[1][0]["refused"]
+    assert refused == ["placement version 2 is invalid: pipeline 0: Schedule1F1B needs at least as many "
+                       "micro-batches as stages (2) per pipeline, got 1: give every pipeline 0 (drained) or at "
+                       "least 2, or use ScheduleGPipe."]
+    assert (1, M - 1) not in [tuple(s) for s in runs[1][0]["shares"]]
+
+
+@pytest.mark.multiproc
+def test_bad_input_gets_clear_errors(runs: list[list[dict[str, Any]]]) -> None:
+    got = runs[2][0]["refused"]
+    assert "needs micro-batch placements: pass micro_batches=M" in got["no_micro_batches"]
+    assert "needs dp_mesh too" in got["no_dp_mesh"]
+    assert got["looped_bfs"].startswith("hook.pipeline_schedule() cannot balance the pipeline schedule "
+                                        "ScheduleLoopedBFS. Supported: ScheduleGPipe and Schedule1F1B")
+    assert "builds the schedule with scale_grads=False" in got["scale_grads"]
+    assert got["wrong_group"] == ("stage 0 sends over ranks [0, 1], but pp_mesh holds ranks [0, 2]: build "
+                                  "PipelineStage(..., group=mesh['pp'].get_group()) (the stage's group and "
+                                  "pp_mesh must agree).")
+    for d in runs[2]:  # every rank refused every one (none trains on, none hangs)
+        assert set(d["refused"]) == set(got) and "accepted" not in d["refused"].values()
+
+
+@pytest.mark.multiproc
+def test_interleaved_and_tp_are_refused_naming_what_is_supported(runs: list[list[dict[str, Any]]]) -> None:
+    got = runs[2][0]["refused"]
+    assert got["interleaved"].startswith("hook.pipeline_schedule() does not balance ScheduleInterleaved1F1B yet")
+    assert "Use ScheduleGPipe or Schedule1F1B with one PipelineStage per rank." in got["interleaved"]
+    assert got["tp"] == ("the data-parallel replica of this rank (ranks [0, 1, 2, 3], from dp_mesh) is not its "
+                         "pipeline (ranks [0, 2], from pp_mesh): the hook balances PP x DP meshes whose dims are "
+                         "exactly 'pp' and 'dp' (tensor parallelism inside a stage is not supported here).")
+
+
+def test_which_counts_each_schedule_takes() -> None:
+    assert schedule_name(ScheduleGPipe) == "ScheduleGPipe"
+    assert schedule_name(type("MyOneFOneB", (Schedule1F1B,), {})) == "Schedule1F1B"
+    assert schedule_name(ScheduleInterleaved1F1B) == "ScheduleInterleaved1F1B"
+    with pytest.raises(ValueError, match="cannot balance the pipeline schedule ScheduleLoopedBFS"):
+        schedule_name(ScheduleLoopedBFS)
+    assert [fewest_micro_batches(n, 4) for n in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B")] \
+        == [1, 4, 1]
+    assert check_count("ScheduleGPipe", 1, 4) is None and check_count("ScheduleGPipe", 0, 4) is None
+    assert check_count("Schedule1F1B", 0, 4) is None and check_count("Schedule1F1B", 4, 4) is None
+    assert "at least as many micro-batches as stages (4)" in str(check_count("Schedule1F1B", 3, 4))
+    # Interleaved 1F1B: a multiple of its rounds (count // pp); torch refuses the others too.
+    assert check_count("ScheduleInterleaved1F1B", 3, 2) is None and check_count("ScheduleInterleaved1F1B", 6, 2) is None
+    why = check_count("ScheduleInterleaved1F1B", 5, 2)
+    assert why is not None and "got 5; nearby counts it takes: [3, 4, 6]" in why
