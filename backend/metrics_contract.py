@@ -200,6 +200,9 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "Hook messages ingested.", True),
     MetricSpec("rebalancer_ingest_records_total", "counter", (), "1",
                "Step and device records ingested.", True),
+    MetricSpec("rebalancer_ingest_refused_frames_total", "counter", ("frame", "reason"), "1",
+               "Hook frames refused at the edge, by kind (node_metrics, metrics, other) and error code "
+               "(malformed, too_big, ...); a node frame's rank refused alone counts once.", True),
     MetricSpec("rebalancer_dropped_records_total", "counter", (), "1",
                "Records the hooks reported as dropped.", True),
     MetricSpec("rebalancer_hook_connections", "gauge", (), "1",

@@ -127,6 +127,9 @@ class MetricsExporter:
             self._pipeline(fams, view)
         fams["rebalancer_ingest_messages_total"].add("", self.live.messages_total)
         fams["rebalancer_ingest_records_total"].add("", self.live.records_total)
+        refused = {(f, r): 0 for f in ("metrics", "node_metrics") for r in ("malformed", "too_big")}
+        for (frame, reason), n in sorted({**refused, **self.live.refused()}.items()):
+            fams["rebalancer_ingest_refused_frames_total"].add(_labels(frame=frame, reason=reason), n)
         fams["rebalancer_dropped_records_total"].add("", self.live.dropped_total)
         fams["rebalancer_hook_connections"].add("", self.connections.count())
         fams["rebalancer_persist_dropped_windows_total"].add("", self.writes.dropped_total)

@@ -97,6 +97,7 @@ __all__ = [
     "encode",
     "decode",
     "decode_versioned",
+    "parse",
     "check_shares",
     "uniform_shares",
 ]
@@ -1351,12 +1352,7 @@ def decode(raw: str | bytes) -> Message:
 
 def decode_versioned(raw: str | bytes) -> tuple[Message, int]:
     """``decode``, and the protocol version the frame spoke."""
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(
-            f"Message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit; send smaller batches.",
-            code="too_big",
-            close_code=CLOSE_TOO_BIG,
-        )
+    _check_size(raw)
     if _fast_loads is not None:
         # orjson (the backend's extra) on the way frames usually go. Anything that fails on
         # it (NaN, nesting deeper than 1,024, a bad field: integers beyond 64 bits reach the
@@ -1366,13 +1362,37 @@ def decode_versioned(raw: str | bytes) -> tuple[Message, int]:
             return _decode_object(_fast_loads(raw))
         except ValueError:  # orjson's JSONDecodeError and ProtocolError are ValueErrors
             pass
+    return _decode_object(_std_loads(raw))
+
+
+def parse(raw: str | bytes) -> Any:
+    """The frame's JSON, size-checked (``ProtocolError`` when too big or not JSON); not yet
+    validated. Node frames (``rebalancer_wire.node``) are read from it."""
+    _check_size(raw)
+    if _fast_loads is not None:
+        try:
+            return _fast_loads(raw)
+        except ValueError:  # worded by the standard library's parser below
+            pass
+    return _std_loads(raw)
+
+
+def _check_size(raw: str | bytes) -> None:
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(
+            f"Message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit; send smaller batches.",
+            code="too_big",
+            close_code=CLOSE_TOO_BIG,
+        )
+
+
+def _std_loads(raw: str | bytes) -> Any:
     try:
-        obj = json.loads(raw)
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"Message is not valid JSON: {exc}.") from None
     except RecursionError:  # JSON nested thousands deep
         raise ProtocolError("Message is nested too deeply; messages are flat JSON objects.") from None
-    return _decode_object(obj)
 
 
 def _decode_object(obj: Any) -> tuple[Message, int]:

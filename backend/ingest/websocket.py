@@ -45,6 +45,7 @@ from backend.storage.gateway import SqlGateway
 from backend.storage.health import report_fault
 from backend.storage.metrics import upsert_hello
 from backend.storage.writes import database_fault
+from rebalancer_wire.node import NodeMetrics, decode_frame
 from rebalancer_wire.protocol import (
     CLOSE_CONFLICT,
     CLOSE_FORBIDDEN,
@@ -65,7 +66,6 @@ from rebalancer_wire.protocol import (
     Oom,
     ProtocolError,
     Reject,
-    decode_versioned,
     encode,
 )
 
@@ -204,8 +204,9 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                 await refuse(websocket, "rate_limited", over, CLOSE_RATE_LIMITED)
                 return
             try:
-                msg, version = decode_versioned(raw)
+                msg, version = decode_frame(raw)
             except ProtocolError as exc:
+                parts.live.count_refused(_kind_of(raw), exc.code)
                 sender = _rank_of(raw) if len(ranks) > 1 else None
                 if sender is not None and sender in ranks:  # one rank's bad frame on a node connection
                     if await refuse_rank(sender, exc.code, str(exc), exc.close_code):
@@ -265,6 +266,10 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                 dropped.discard(msg.rank)
                 ranks[msg.rank] = _Rank(msg, version, stored, time.monotonic() + HELLO_RETRY_S, msg.batch_index)
                 continue
+            if isinstance(msg, NodeMetrics):
+                if job is None or not await _node_frame(parts, websocket, msg, job, ranks, dropped, refuse_rank):
+                    return
+                continue
             if not isinstance(msg, (Metrics, Ack, Reject, Oom, Leave)):
                 await refuse(websocket, "malformed",
                               f"Hooks may not send '{msg.TYPE}' messages; expected metrics, ack, reject, oom or leave.",
@@ -274,6 +279,7 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
             if msg.job == job and state is None and msg.rank in dropped:
                 continue  # sent before its node's agent dropped it: ignored, as after a close
             if msg.job != job or state is None:
+                parts.live.count_refused(msg.TYPE, "malformed")
                 await refuse(websocket, "malformed",
                               f"This connection speaks for {_speaks_for(job, ranks)}; "
                               f"got a '{msg.TYPE}' for job '{msg.job}' rank {msg.rank}.",
@@ -295,6 +301,7 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                 try:
                     msg.check_against(hello, time.time(), state.last_batch_index)
                 except ProtocolError as exc:
+                    parts.live.count_refused(msg.TYPE, exc.code)
                     log.info("refusing a frame of job %s rank %d: %s", hello.job, hello.rank, exc)
                     if await refuse_rank(msg.rank, exc.code, str(exc), exc.close_code):
                         return
@@ -333,6 +340,58 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
             gone.append(pending)
         for hello in gone:
             _rank_gone(parts, websocket, hello, lost=lost, goodbye=goodbye)
+
+
+async def _node_frame(parts: IngestParts, websocket: WebSocket, msg: NodeMetrics, job: str,
+                      ranks: dict[int, _Rank], dropped: set[int],
+                      refuse_rank: Callable[[int, str, str, int], Awaitable[bool]]) -> bool:
+    """Fold one node frame (docs/protocol.md, ``node_metrics``) into live state in one pass.
+    A frame of another job or naming a rank that said no hello on this connection is
+    refused whole (4002: nothing of it is kept); a rank whose records fail the checks that
+    need its hello is refused alone, the others' records are kept. False: closed."""
+    unknown = sorted(r for r in msg.ranks if r not in ranks and r not in dropped)
+    if msg.job != job or unknown:
+        parts.live.count_refused(msg.TYPE, "malformed")
+        what = f"job '{msg.job}'" if msg.job != job else \
+            f"rank{'s' if len(unknown) > 1 else ''} {', '.join(map(str, unknown[:8]))}" \
+            f"{f' and {len(unknown) - 8} more' if len(unknown) > 8 else ''} without a hello on it"
+        await refuse(websocket, "malformed", f"This connection speaks for {_speaks_for(job, ranks)}; got a "
+                     f"'node_metrics' frame with {what}. Say hello for each rank first.", CLOSE_MALFORMED)
+        return False
+    skip = {r for r in msg.ranks if r not in ranks}  # sent before the agent dropped them: ignored
+    for r in msg.ranks:
+        if r in ranks and parts.connections.current(job, r) is not websocket:
+            del ranks[r]  # replaced by a newer connection of this rank, or its job restarted
+            skip.add(r)
+    if not ranks:
+        return False  # nothing left to speak for: being closed
+    bad = msg.check_against({r: st.hello for r, st in ranks.items() if r not in skip}, time.time(),
+                            {r: st.last_batch_index for r, st in ranks.items()})
+    for r, exc in sorted(bad.items()):
+        parts.live.count_refused(msg.TYPE, exc.code)
+        log.info("refusing rank %d of a node frame of job %s: %s", r, job, exc)
+        if await refuse_rank(r, exc.code, str(exc), exc.close_code):
+            return False
+        skip.add(r)
+    for rank, s0, s1, _, _ in msg.spans():
+        if s1 > s0 and rank not in skip:
+            state = ranks[rank]
+            state.last_batch_index = max(state.last_batch_index, msg.newest_batch(s0, s1))
+    parts.live.add_node_metrics(msg, skip)
+    for rank in msg.ranks:
+        held = ranks.get(rank) if rank not in skip else None
+        if held is not None and not held.stored and time.monotonic() >= held.retry_at:
+            held.stored = await _hello_to_sql(parts, websocket, held.hello, version=held.version)
+            held.retry_at = time.monotonic() + HELLO_RETRY_S
+    parts.controller.on_metrics(job, urgent=any(r not in skip for r in msg.urgent))
+    parts.hub.notify(job)
+    return True
+
+
+def _kind_of(raw: str | bytes) -> str:
+    """What a refused frame was, for the refusal count (its head, not parsed again)."""
+    head = raw[:64] if isinstance(raw, str) else raw[:64].decode("utf-8", "replace")
+    return "node_metrics" if '"node_metrics"' in head else "metrics" if '"metrics"' in head else "other"
 
 
 def _rank_of(raw: str | bytes) -> int | None:

@@ -16,11 +16,12 @@ from operator import attrgetter
 from typing import Any, Final
 
 from backend.policy.comm import CommStep
+from rebalancer_wire.node import NodeMetrics
 from rebalancer_wire.protocol import LINK_FIELDS, STEP_FIELDS, STEP_TIMES, DeviceSample, StepRecord
 
 __all__ = ["STEP_FIELDS", "DEVICE_FIELDS", "STEP_BATCH", "STEP_LOCAL_BATCH", "STEP_VERSION",
            "STEP_COMPUTE", "STEP_MS", "STEP_T", "TIME_COLUMNS", "StepRow", "DeviceRow",
-           "step_row", "device_row", "step_record", "device_sample", "comm_steps"]
+           "step_row", "device_row", "node_device_rows", "step_record", "device_sample", "comm_steps"]
 
 # A buffered step is a plain tuple in the protocol's ``STEP_FIELDS`` order; these index it
 # (literals, so that type checkers know each column's type; tests/test_record_shape.py
@@ -44,6 +45,20 @@ _device_attrs = attrgetter(*DEVICE_FIELDS)
 def device_row(d: DeviceSample) -> DeviceRow:
     row = _device_attrs(d)
     return (*row[:9], tuple(row[9]), *row[10:])
+
+
+def node_device_rows(frame: NodeMetrics) -> list[DeviceRow]:
+    """A node frame's device samples as rows (``DEVICE_FIELDS`` order), zipped from its
+    columns; a column the frame leaves out is None (throttle reasons: empty)."""
+    n = sum(frame.n_device)
+    if not n:
+        return []
+    cols = frame.device
+    none = [None] * n
+    reasons = cols.get("throttle_reasons")
+    ordered = [cols.get(f, none) for f in DEVICE_FIELDS]
+    ordered[9] = [tuple(x) if x else () for x in reasons] if reasons is not None else [()] * n
+    return list(zip(*ordered, strict=True))
 
 
 def step_record(row: StepRow) -> StepRecord:

@@ -28,18 +28,17 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any
 
-from backend.live.hangs import HungRank, hung_rank
+from backend.live.hangs import hung_rank
 from backend.live.histogram import StepHistogram, cumulative
 from backend.live.memory_fit import MemoryFitCache
 from backend.live.pipeline import PipelineBook
 from backend.live.rows import (
     STEP_BATCH,
-    STEP_COMPUTE,
     STEP_LOCAL_BATCH,
     STEP_MS,
     STEP_T,
@@ -50,12 +49,15 @@ from backend.live.rows import (
     comm_steps,
     device_row,
     device_sample,
+    node_device_rows,
     step_record,
     step_row,
 )
-from backend.live.windows import Pending, Window, aggregate_windows
+from backend.live.views import JobView, RankView, eta_seconds
+from backend.live.windows import Pending, Window, aggregate_windows, work_rates
 from backend.policy.comm import Communication, assess
 from backend.policy.memory import MemoryReading, RankMemory
+from rebalancer_wire.node import NodeMetrics
 from rebalancer_wire.protocol import (
     STEP_TIMES,
     DeviceSample,
@@ -122,100 +124,9 @@ class _Job:
     comm_cached: tuple[tuple[int, ...], Communication, float, float] | None = None
 
 
-@dataclass(slots=True)
-class RankView:
-    """A snapshot of one rank with its derived numbers (None until it has sent a step).
-
-    Read-only by contract (views are cached and shared between readers); not ``frozen``
-    because a frozen dataclass's ``__init__`` sets each of its 26 fields through
-    ``object.__setattr__``: 4x the cost, paid ~4,000 times a second at 2,048 ranks."""
-
-    rank: int
-    host: str
-    device_type: str
-    device_name: str
-    mem_total_bytes: int | None
-    connected: bool
-    first_seen: float
-    last_seen: float
-    batch_index: int | None
-    placement_version: int | None
-    local_batch_size: int | None
-    compute_ms: float | None
-    sync_wait_ms: float | None
-    data_wait_ms: float | None
-    optimizer_ms: float | None
-    step_ms: float | None
-    step_rate_hz: float | None
-    n_steps: int
-    dropped: int
-    device: DeviceSample | None
-    lost: bool = False  # its socket dropped without a close and it has not come back
-    # Peak device memory: how the rank measures it, the fit of its readings and the
-    # newest reading (None where the rank sends none).
-    memory: RankMemory | None = None
-    mem_peak_bytes: int | None = None
-    gpu_index: int | None = None
-    gpu_uuid: str = ""
-    # With a per-sample cost (tokens, say): work per second of compute over the recent
-    # steps, and the mean fraction of each global batch's work the rank trained.
-    work_per_s: float | None = None
-    work_share: float | None = None
-    # A mesh job (its ranks here are replicas): the replica's global ranks, and the member
-    # slowest in most of its newest steps (None until its leader names one).
-    members: tuple[int, ...] = ()
-    member_devices: tuple[str, ...] = ()  # each member's host and device, as its hello said
-    slowest_rank: int | None = None
-    # The window's mean host work, checkpoint writes and GC pauses per step (parts of the
-    # times above; docs/causes.md); None where the rank's hook sends no phases.
-    host_ms: float | None = None
-    ckpt_ms: float | None = None
-    gc_ms: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class JobView:
-    job: str
-    world_size: int
-    global_batch_size: int
-    created_at: float
-    last_seen: float
-    connected_ranks: int
-    batch_index: int | None
-    step_ms: float | None
-    step_rate_hz: float | None
-    imbalance: float | None
-    idle_fraction: float | None
-    ranks: tuple[RankView, ...]
-    total_steps: int | None = None
-    lost_ranks: tuple[int, ...] = ()  # ranks whose socket dropped without a close
-    mesh: MeshShape | None = None  # a mesh job's shape: its ranks here are replicas
-    ended: bool = False  # every rank said goodbye since its hello: the run ended (``LiveState.ended``)
-    hung: HungRank | None = None  # the rank a stalled job waits on (backend.live.hangs)
-    micro_batches: bool = False  # shares and local batch sizes count micro-batches
-
-    @property
-    def share_unit(self) -> str:
-        """What a share counts: ``"micro_batch"`` or ``"sample"`` (the job view says it)."""
-        return "micro_batch" if self.micro_batches else "sample"
-
-    @property
-    def eta_s(self) -> float | None:
-        """Seconds to finish: steps left times the recent step time (None if unknown)."""
-        return eta_seconds(self.total_steps, self.batch_index, self.step_ms)
-
-
 def _run_ended(j: _Job) -> bool:
     """Every rank of job ``j`` said goodbye since its hello (under the live-state lock)."""
     return len(j.ranks) == j.world_size and all(x.goodbye for x in j.ranks.values())
-
-
-def eta_seconds(total_steps: int | None, batch_index: int | None, step_ms: float | None) -> float | None:
-    """Steps left after ``batch_index`` (0-based, trained) times ``step_ms``, in seconds."""
-    if total_steps is None or not step_ms:
-        return None
-    done = batch_index + 1 if batch_index is not None else 0
-    return max(total_steps - done, 0) * step_ms / 1000.0
 
 
 _WORK_ROWS = 512  # work rows kept per rank: more than a policy window
@@ -224,22 +135,28 @@ _COMM_READINGS = 256  # steps with communication counters kept per rank
 _COMM_REUSE = 10.0  # a communication answer is reused until this many times its cost old
 
 
-def _work_rates(work: deque[tuple[int, float, float, float | None, float | None]], win: list[StepRow]) -> tuple[float | None, float | None]:
-    """(work per second of compute, mean work share) over the window's steps that carry work."""
-    compute = {row[STEP_BATCH]: row[STEP_COMPUTE] for row in win}
-    done = ms = share = 0.0
-    n = 0
-    for k, w, bw, *_ in work:
-        c = compute.get(k)
-        if c is None:
-            continue
-        done += w
-        ms += c
-        share += w / bw if bw > 0 else 0.0
-        n += 1
-    if n == 0:
-        return None, None
-    return (done / (ms / 1000.0) if ms > 0 else None), share / n
+# The optional step fields live state keeps beside the rows, in ``_step_extras``'s order.
+_EXTRA_COLUMNS = ("work", "batch_work", "work_sq", "batch_work_sq", "comm_bytes", "comm_ms", "slowest_rank",
+                  "host_ms", "ckpt_ms", "gc_ms", "mem_peak_bytes", "mem_total_bytes", "mem_reserved_bytes")
+
+
+def _step_extras(r: _Rank, k: int, local: int, work: float | None, batch_work: float | None,
+                 work_sq: float | None, batch_work_sq: float | None, comm_bytes: int | None,
+                 comm_ms: float | None, slowest: int | None, host_ms: float | None, ckpt_ms: float | None,
+                 gc_ms: list[float] | None, mem_peak: int | None, mem_total: int | None,
+                 mem_reserved: int | None) -> None:
+    """A step's optional fields into the rank's side buffers (lock held)."""
+    if work is not None and batch_work is not None:
+        r.work.append((k, work, batch_work, work_sq, batch_work_sq))
+    if comm_bytes is not None:
+        r.comm.append((k, comm_bytes, comm_ms))
+        r.pending_comm.append((comm_bytes, comm_ms))
+    if slowest is not None:
+        r.slowest.append(slowest)
+    if host_ms is not None or ckpt_ms is not None or gc_ms is not None:
+        r.phases.append((k, host_ms or 0.0, ckpt_ms or 0.0, sum(gc_ms) if gc_ms else 0.0))
+    if mem_peak is not None:
+        r.memory.add(MemoryReading(local, mem_peak, mem_total, mem_reserved))
 
 
 def _mean(vals: list[float]) -> float:
@@ -261,6 +178,16 @@ class LiveState:
         self.messages_total = 0
         self.records_total = 0
         self.dropped_total = 0
+        self.refused_frames: dict[tuple[str, str], int] = {}  # (frame kind, error code) -> frames refused
+
+    def count_refused(self, frame: str, reason: str) -> None:
+        """A hook frame refused at the edge (the ingest's count; /metrics exports it)."""
+        with self._lock:
+            self.refused_frames[(frame, reason)] = self.refused_frames.get((frame, reason), 0) + 1
+
+    def refused(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self.refused_frames)
 
     # --- writes (ingest) ----------------------------------------------------------------
 
@@ -306,42 +233,64 @@ class LiveState:
             r = job.ranks[msg.rank]
             rows = list(map(step_row, msg.steps))
             for s in msg.steps:
-                if s.work is not None and s.batch_work is not None:
-                    r.work.append((s.batch_index, s.work, s.batch_work, s.work_sq, s.batch_work_sq))
-                if s.comm_bytes is not None:
-                    r.comm.append((s.batch_index, s.comm_bytes, s.comm_ms))
-                    r.pending_comm.append((s.comm_bytes, s.comm_ms))
-                if s.slowest_rank is not None:
-                    r.slowest.append(s.slowest_rank)
-                if s.host_ms is not None or s.ckpt_ms is not None or s.gc_ms is not None:
-                    r.phases.append((s.batch_index, s.host_ms or 0.0, s.ckpt_ms or 0.0, sum(s.gc_ms) if s.gc_ms else 0.0))
-                if s.mem_peak_bytes is not None:
-                    r.memory.add(MemoryReading(s.local_batch_size, s.mem_peak_bytes,
-                                               s.mem_total_bytes, s.mem_reserved_bytes))
-            if r.hang is not None and rows and max(row[STEP_T] for row in rows) > r.hang.since:
-                r.hang = None  # steps resumed
+                _step_extras(r, s.batch_index, s.local_batch_size, s.work, s.batch_work, s.work_sq,
+                             s.batch_work_sq, s.comm_bytes, s.comm_ms, s.slowest_rank, s.host_ms, s.ckpt_ms,
+                             list(s.gc_ms) if s.gc_ms else None, s.mem_peak_bytes, s.mem_total_bytes,
+                             s.mem_reserved_bytes)
+            self._fold(job, msg.rank, r, rows, list(map(device_row, msg.device)), msg.dropped, msg.total_steps, now)
             if msg.hang is not None:
                 r.hang = msg.hang
-            if msg.rank == 0:
-                job.step_hist.observe_ms(row[STEP_MS] for row in rows)
-            r.steps.extend(rows)
-            r.pending.extend(rows)
-            if msg.device:
-                dev = list(map(device_row, msg.device))
-                r.device.extend(dev)
-                r.device_obj = None
-                r.pending_device.extend(dev)
             self.pipelines.add(msg, r.hello)
-            r.dropped += msg.dropped
-            r.pending_dropped += msg.dropped
-            if msg.total_steps is not None:
-                job.total_steps = msg.total_steps
-            r.messages += 1
-            r.rev += 1
-            r.last_seen = job.last_seen = now
             self.messages_total += 1
-            self.records_total += len(msg.steps) + len(msg.device)
-            self.dropped_total += msg.dropped
+
+    def add_node_metrics(self, frame: NodeMetrics, skip: Collection[int] = (), now: float | None = None) -> int:
+        """Fold a node frame (``rebalancer_wire.node``) in one pass under one lock: the rows
+        are zipped from its columns (no record object per step), each rank takes its slice;
+        the ranks in ``skip`` (refused alone) are left out. Returns the records folded."""
+        now = time.time() if now is None else now
+        rows, dev = frame.step_rows(), node_device_rows(frame)
+        c = frame.steps
+        extras = [c.get(f) for f in _EXTRA_COLUMNS]
+        has_extras = any(col is not None for col in extras)
+        folded = 0
+        with self._lock:
+            job = self._jobs[frame.job]
+            for i, (rank, s0, s1, d0, d1) in enumerate(frame.spans()):
+                if rank in skip:
+                    continue
+                r = job.ranks[rank]
+                if has_extras:
+                    for j in range(s0, s1):
+                        _step_extras(r, c["batch_index"][j], c["local_batch_size"][j],
+                                     *(col[j] if col is not None else None for col in extras))
+                self._fold(job, rank, r, rows[s0:s1], dev[d0:d1], frame.dropped[i],
+                           frame.total_steps[i] if frame.total_steps else None, now)
+                folded += s1 - s0 + d1 - d0
+            self.messages_total += 1
+        return folded
+
+    def _fold(self, job: _Job, rank: int, r: _Rank, rows: list[StepRow], dev: list[DeviceRow], dropped: int,
+              total_steps: int | None, now: float) -> None:
+        """One rank's rows into its rings and pending lists (lock held)."""
+        if r.hang is not None and rows and max(row[STEP_T] for row in rows) > r.hang.since:
+            r.hang = None  # steps resumed
+        if rank == 0:
+            job.step_hist.observe_ms(row[STEP_MS] for row in rows)
+        r.steps.extend(rows)
+        r.pending.extend(rows)
+        if dev:
+            r.device.extend(dev)
+            r.device_obj = None
+            r.pending_device.extend(dev)
+        r.dropped += dropped
+        r.pending_dropped += dropped
+        if total_steps is not None:
+            job.total_steps = total_steps
+        r.messages += 1
+        r.rev += 1
+        r.last_seen = job.last_seen = now
+        self.records_total += len(rows) + len(dev)
+        self.dropped_total += dropped
 
     def set_connected(self, job: str, rank: int, connected: bool, *, lost: bool = False) -> None:
         """Mark a rank (dis)connected; ``lost`` when its connection dropped without a close."""
@@ -550,7 +499,7 @@ class LiveState:
             gpu_index=h.gpu_index, gpu_uuid=h.gpu_uuid,
         )
         if r.work and win:
-            work_per_s, work_share = _work_rates(r.work, win)
+            work_per_s, work_share = work_rates(r.work, win)
             view = replace(view, work_per_s=work_per_s, work_share=work_share)
         if r.phases and win:
             ph = {p[0]: p for p in r.phases}

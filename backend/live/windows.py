@@ -6,10 +6,12 @@ Owns no state: ``LiveState.take_pending`` hands over the rows (``Pending``) and
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from backend.live.rows import (
     STEP_BATCH,
+    STEP_COMPUTE,
     STEP_LOCAL_BATCH,
     STEP_T,
     STEP_VERSION,
@@ -20,7 +22,7 @@ from backend.live.rows import (
 )
 from rebalancer_wire.protocol import STEP_TIMES, DeviceSample
 
-__all__ = ["Window", "Pending", "aggregate_windows"]
+__all__ = ["Window", "Pending", "aggregate_windows", "work_rates"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,3 +81,21 @@ def aggregate_windows(taken: list[Pending]) -> list[Window]:
             comm_bytes=comm_bytes, comm_ms=comm_ms,
         ))
     return out
+
+
+def work_rates(work: Iterable[tuple[int, float, float, float | None, float | None]], win: list[StepRow]) -> tuple[float | None, float | None]:
+    """(work per second of compute, mean work share) over the window's steps that carry work."""
+    compute = {row[STEP_BATCH]: row[STEP_COMPUTE] for row in win}
+    done = ms = share = 0.0
+    n = 0
+    for k, w, bw, *_ in work:
+        c = compute.get(k)
+        if c is None:
+            continue
+        done += w
+        ms += c
+        share += w / bw if bw > 0 else 0.0
+        n += 1
+    if n == 0:
+        return None, None
+    return (done / (ms / 1000.0) if ms > 0 else None), share / n
