@@ -106,6 +106,7 @@ class CapacityResult:
     scrape_series: int | None = None  # samples (lines) in it
     errors: list[str] = field(default_factory=list)
     node_size: int = 1  # ranks per hook websocket (1: a websocket per rank)
+    frames: str = "rank"  # "node": one node_metrics frame per node per flush; "rank": a frame per rank
     steps_per_s: float = STEPS_PER_S  # per rank
     hook_sockets: int | None = None  # open hook websockets at the backends under load (/healthz)
     replicas: int = 1  # backend processes (more than one: PostgreSQL and Redis shared)
@@ -150,8 +151,37 @@ class _Load:
         self.lags.clear()
 
 
-async def _hook_client(load: _Load, base: str, ranks: list[int], t0: float, ready: asyncio.Event) -> None:
-    """One hook websocket: one rank's, or a node connection carrying ``ranks``."""
+def _rep(value: str, n: int) -> str:
+    return ",".join([value] * n)
+
+
+def _node_text(job: str, ranks: list[int], ks: list[int], per_msg: int, steps_per_s: float, now: float,
+               computes: list[str], local: int, dev: bool) -> str:
+    """One ``node_metrics`` frame (rebalancer_wire/node.py) of ``ranks``, as a node agent packs
+    it: ``per_msg`` steps each, ending at ``now``, and an NVML-like sample each when ``dev``."""
+    n = len(ranks)
+    m = n * per_msg
+    ts = ",".join(f"{now - (per_msg - 1 - j) / steps_per_s:.6f}" for j in range(per_msg))
+    steps = (f'"batch_index":[{",".join(str(k + j) for k in ks for j in range(per_msg))}],'
+             f'"local_batch_size":[{_rep(str(local), m)}],"placement_version":[{_rep("0", m)}],'
+             f'"data_wait_ms":[{_rep("0.2", m)}],"compute_ms":[{",".join(c for c in computes for _ in range(per_msg))}],'
+             f'"sync_wait_ms":[{_rep("1.5", m)}],"optimizer_ms":[{_rep("0.8", m)}],"step_ms":[{_rep("100.0", m)}],'
+             f'"t":[{_rep(ts, n)}]')
+    body = (f'{{"type":"node_metrics","v":3,"job":"{job}","ranks":[{",".join(map(str, ranks))}],'
+            f'"n_steps":[{_rep(str(per_msg), n)}],"steps":{{{steps}}}')
+    if dev:
+        body += (f',"n_device":[{_rep("1", n)}],"device":{{"t":[{_rep(f"{now:.6f}", n)}],'
+                 f'"source":[{_rep(chr(34) + "nvml" + chr(34), n)}],"util_pct":[{_rep("97.0", n)}],'
+                 f'"mem_used_bytes":[{_rep("32212254720", n)}],"mem_total_bytes":[{_rep("85899345920", n)}],'
+                 f'"power_w":[{_rep("612.5", n)}],"temp_c":[{_rep("71.0", n)}],"sm_clock_mhz":[{_rep("1755.0", n)}],'
+                 f'"sm_clock_max_mhz":[{_rep("1980.0", n)}],"throttle_reasons":[{_rep(chr(91) + chr(34) + "sw_power_cap" + chr(34) + chr(93), n)}]}}')
+    return body + "}"
+
+
+async def _hook_client(load: _Load, base: str, ranks: list[int], t0: float, ready: asyncio.Event,
+                       packed: bool = False) -> None:
+    """One hook websocket: one rank's, or a node connection carrying ``ranks`` (``packed``:
+    one node frame per flush for all of them, as the node agent sends; else a frame each)."""
     world = load.ranks
     gbs = max(world, 1) * 8
     hellos = [json.dumps({
@@ -168,6 +198,7 @@ async def _hook_client(load: _Load, base: str, ranks: list[int], t0: float, read
     steps_per_s = per_msg / interval
     local = gbs // world
     computes = [20.0 + 30.0 * (rank % 4) for rank in ranks]
+    texts = [f"{c:.3f}" for c in computes]
     async with websockets.connect(base + "/ws/hook", max_size=None, open_timeout=60,
                                   ping_interval=None) as ws:
         for hello in hellos:
@@ -195,6 +226,22 @@ async def _hook_client(load: _Load, base: str, ranks: list[int], t0: float, read
                 now = time.time()
                 dev_due = sent_msgs % device_every == 0
                 sent_msgs += 1
+                if packed:
+                    ks = [load.batch[rank] for rank in ranks]
+                    await ws.send(_node_text(load.job, ranks, ks, per_msg, steps_per_s, now, texts, local, dev_due))
+                    if dev_due:
+                        load.devices_total += len(ranks)
+                    for rank, k0 in zip(ranks, ks, strict=True):
+                        load.batch[rank] = k0 + per_msg
+                        load.sent_at[rank].append((k0 + per_msg - 1, now))
+                    if load.measuring:
+                        load.messages += 1
+                        load.records += per_msg * len(ranks)
+                        load.lags.append(max(0.0, now - next_at))
+                    next_at += interval
+                    if now - next_at > 5 * interval:
+                        next_at = now
+                    continue
                 for rank, head, compute in zip(ranks, heads, computes, strict=True):
                     k0 = load.batch[rank]
                     # Steps end 1/rate apart; the newest ends now (its `t` is the send time).
@@ -375,7 +422,7 @@ def _sum_counters(backends: list[Backend]) -> dict[str, float]:
 
 
 async def _run_one(backends: list[Backend], ranks: int, seconds: float, warmup: float, node_size: int = 1,
-                   steps_per_s: float = STEPS_PER_S, jobs: int = 1) -> CapacityResult:
+                   steps_per_s: float = STEPS_PER_S, jobs: int = 1, frames: str = "node") -> CapacityResult:
     """``ranks`` simulated ranks in ``jobs`` jobs of (nearly) equal size; job j's hooks
     connect to ``backends[j % len(backends)]``, which therefore owns it. The dashboard
     client watches job 0 on its owner; the scraper scrapes the first backend."""
@@ -402,6 +449,7 @@ async def _run_one(backends: list[Backend], ranks: int, seconds: float, warmup: 
     scraper = ctx.Process(target=_scrape_process, daemon=True,
                           args=(backend.url, min(SCRAPE_EVERY_S, seconds / 2), scrape_stop, scrape_child))
     scraper.start()
+    packed = frames == "node" and node_size > 1
     groups = [(job, backends[j % len(backends)].ws_url, list(range(r, min(r + node_size, job.ranks))))
               for j, job in enumerate(loads) for r in range(0, job.ranks, node_size)]
     readies = [asyncio.Event() for _ in groups]
@@ -412,7 +460,7 @@ async def _run_one(backends: list[Backend], ranks: int, seconds: float, warmup: 
     async def start(i: int) -> None:
         async with sem:
             job, base, members = groups[i]
-            task = asyncio.create_task(_hook_client(job, base, members, t0, readies[i]))
+            task = asyncio.create_task(_hook_client(job, base, members, t0, readies[i], packed))
             tasks.append(task)
             waiter = asyncio.create_task(readies[i].wait())
             await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
@@ -522,6 +570,7 @@ async def _run_one(backends: list[Backend], ranks: int, seconds: float, warmup: 
         scrape_series=quiet[-1][2],
         errors=errors,
         node_size=node_size,
+        frames="node" if packed else "rank",
         steps_per_s=load.per_msg / load.interval,
         hook_sockets=sockets,
         replicas=len(backends),
@@ -551,7 +600,7 @@ def run_capacity(
     ranks_list: list[int], *, seconds: float = 15.0, warmup: float = 3.0,
     out_dir: Path = RESULTS_DIR, name: str = "capacity", backend: Backend | None = None,
     plot: bool = True, node_size: int = 1, steps_per_s: float = STEPS_PER_S, replicas: int = 1,
-    jobs: int | None = None,
+    jobs: int | None = None, frames: str = "node",
 ) -> list[CapacityResult]:
     """Run the load for each world size against fresh backends per size (or against
     ``backend`` for all); write ``<name>.json``. ``node_size`` ranks share a websocket.
@@ -572,14 +621,14 @@ def run_capacity(
     results: list[CapacityResult] = []
     for n in ranks_list:
         if backend is not None:
-            results.append(asyncio.run(_run_one([backend], n, seconds, warmup, node_size, steps_per_s, jobs)))
+            results.append(asyncio.run(_run_one([backend], n, seconds, warmup, node_size, steps_per_s, jobs, frames)))
             continue
         if replicas > 1:
             with running_cluster(replicas) as fresh:
-                results.append(asyncio.run(_run_one(fresh, n, seconds, warmup, node_size, steps_per_s, jobs)))
+                results.append(asyncio.run(_run_one(fresh, n, seconds, warmup, node_size, steps_per_s, jobs, frames)))
             continue
         with running_backend() as one:
-            results.append(asyncio.run(_run_one([one], n, seconds, warmup, node_size, steps_per_s, jobs)))
+            results.append(asyncio.run(_run_one([one], n, seconds, warmup, node_size, steps_per_s, jobs, frames)))
     rows = [[
         r.ranks, r.node_size, r.hook_sockets if r.hook_sockets is not None else "-", r.sent_messages_per_s, r.sent_rank_steps_per_s,
         "-" if r.counted_records_per_s is None else r.counted_records_per_s,
@@ -689,6 +738,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     ap.add_argument("--node-size", type=int, default=1,
                     help="ranks per hook websocket (8: node connections of 8-GPU nodes); 1: one per rank")
+    ap.add_argument("--frames", choices=("node", "rank"), default="node",
+                    help="with --node-size > 1: one node_metrics frame per node per flush (node, as the node "
+                         "agent sends), or one metrics frame per rank on the node's socket (rank, older agents)")
     ap.add_argument("--steps-per-s", type=float, default=STEPS_PER_S, help="steps a second per rank")
     ap.add_argument("--name", default=None, help="result file name (default capacity, or capacity-nodeN)")
     ap.add_argument("--replicas", type=int, default=1,
@@ -719,9 +771,11 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or ("capacity" if args.node_size == 1 else f"capacity-node{args.node_size}")
     if args.replicas > 1 and not args.name:
         name += f"-r{args.replicas}"
+    if args.frames == "rank" and args.node_size > 1 and not args.name:
+        name += "-rankframes"
     try:
         run_capacity(ranks, seconds=secs, warmup=warm, out_dir=args.out, name=name, node_size=args.node_size,
-                     steps_per_s=args.steps_per_s, replicas=args.replicas, jobs=args.jobs)
+                     steps_per_s=args.steps_per_s, replicas=args.replicas, jobs=args.jobs, frames=args.frames)
     except ValueError as exc:
         ap.error(str(exc))
     return 0

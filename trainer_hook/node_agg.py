@@ -41,6 +41,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.sync.server import Server, ServerConnection, unix_serve
 
+from rebalancer_wire.node import MAX_NODE_RECORDS, NodeMetrics, encode_node
 from rebalancer_wire.protocol import (
     CLOSE_CONFLICT,
     CLOSE_FORBIDDEN,
@@ -82,6 +83,7 @@ _MAX_WAITING = 4096  # frames held while rank 0's connection is down (~5 min of 
 _DRAIN_S = 1.0  # how long stop() lets rank 0's connection take what the agent holds
 _LAST_S = 1.5  # how long a closing rank 0 waits for the other local ranks to close first
 _CLOSE_OF = {"conflict": CLOSE_CONFLICT, "forbidden": CLOSE_FORBIDDEN}  # an error's code -> a guest's close
+_PACK_BYTES = MAX_MESSAGE_BYTES // 2  # a node frame packs per-rank frames of at most this many bytes in all
 
 
 def node_aggregation(env: Mapping[str, str]) -> bool:
@@ -138,7 +140,8 @@ def make_transport(*, job: str, url: str, token: str | None, hello: Callable[[],
         return Transport(url=url, token=token, hello=hello, on_message=on_message, **options)
     if env.get("LOCAL_RANK", "0").strip() != "0":
         return Transport(url=url, token=token, hello=hello, on_message=on_message, local_agent=path, **options)
-    agent = NodeAgent(job=job, path=path, local_world_size=_int_env(env, "LOCAL_WORLD_SIZE"))
+    agent = NodeAgent(job=job, path=path, local_world_size=_int_env(env, "LOCAL_WORLD_SIZE"),
+                      flush_s=float(options.get("flush_interval_s", 0.5)))
     transport = Transport(url=url, token=token, hello=hello, on_message=on_message, relay=agent, **options)
     agent.upstream = transport
     try:
@@ -165,7 +168,7 @@ class NodeAgent:
     """
 
     def __init__(self, *, job: str, path: str, max_waiting: int = _MAX_WAITING,
-                 local_world_size: int | None = None) -> None:
+                 local_world_size: int | None = None, flush_s: float = 0.5, pack: bool = True) -> None:
         self.job = job
         self.path = path
         self.local_world_size = local_world_size
@@ -175,7 +178,15 @@ class NodeAgent:
         self._claims: dict[int, tuple[int, int]] = {}
         self.upstream: Transport | None = None  # set by make_transport, for stop()'s drain
         self._max_waiting = max_waiting
-        self._waiting: deque[tuple[int, str]] = deque()  # (rank, frame) in arrival order
+        # (rank, frame, its metrics when the frame may be packed into a node frame) in arrival order
+        self._waiting: deque[tuple[int, str, Metrics | None]] = deque()
+        # Node frames (rebalancer_wire/node.py): the ranks' metrics waiting at the head go out
+        # as one node_metrics frame, once per flush (``flush_s``, or when rank 0 flushes its own).
+        self.pack = pack
+        self.flush_s = flush_s
+        self._packed: tuple[str, list[tuple[int, str, Metrics | None]]] | None = None  # peek()'s, until pop()
+        self._metrics_since: float | None = None  # when the oldest waiting metrics frame arrived
+        self._flush_due = False  # rank 0 flushed, or a frame is urgent: pack what waits now
         self._hellos: dict[int, str] = {}  # rank -> its latest hello, until its leave went up
         self._latest: dict[int, int] = {}  # rank -> the batch after the last step it sent
         self._guests: dict[int, ServerConnection] = {}
@@ -185,6 +196,7 @@ class NodeAgent:
         self._server: Server | None = None
         self._stopping = False
         self.relayed = 0  # frames sent upstream (diagnostics and tests)
+        self.node_frames = 0  # of them, node_metrics frames
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -316,7 +328,7 @@ class NodeAgent:
                     top = max(st.batch_index for st in msg.steps) + 1
                     with self._lock:
                         self._latest[rank] = max(self._latest.get(rank, 0), top)
-                self._put(rank, text)
+                self._put(rank, text, msg if isinstance(msg, Metrics) and msg.hang is None else None)
             rcvd = conn.protocol.close_rcvd
             code = rcvd.code if rcvd is not None else 1006
         except ProtocolError as exc:
@@ -387,17 +399,38 @@ class NodeAgent:
                 code = CLOSE_GOING_AWAY  # we closed it: it moves to its own connection
         self._put(rank, encode(Leave(job=self.job, rank=rank, code=code)))
 
-    def _put(self, rank: int, text: str) -> None:
+    def _put(self, rank: int, text: str, metrics: Metrics | None = None) -> None:
         with self._lock:
-            self._waiting.append((rank, text))
+            self._waiting.append((rank, text, metrics))
+            if metrics is not None:
+                if self._metrics_since is None:
+                    self._metrics_since = time.monotonic()
+                if metrics.urgent:
+                    self._flush_due = True
             if len(self._waiting) > self._max_waiting:
                 self._overflow()
+
+    def carry(self, text: str) -> bool:
+        """Rank 0's own metrics frame, handed over at its flush: it goes out in the node frame
+        with what the other local ranks sent since (then at once). False: send it yourself
+        (node frames off, or a frame that is not plain metrics)."""
+        if not self.pack or not text.startswith('{"type":"metrics"'):
+            return False
+        msg = decode(text)
+        if not isinstance(msg, Metrics) or msg.hang is not None or msg.job != self.job:
+            return False
+        with self._lock:
+            self._flush_due = True
+        self._put(msg.rank, text, msg)
+        return True
 
     def _overflow(self) -> None:
         """Drop the oldest metrics frame (acks, rejects, hellos and leaves stay) and count
         its records; the count goes upstream in a metrics frame of that rank. Lock held."""
-        for i, (rank, text) in enumerate(self._waiting):
-            if text.startswith('{"type":"metrics"'):
+        packed = {id(item) for item in self._packed[1]} if self._packed is not None else set()
+        for i, item in enumerate(self._waiting):
+            rank, text, _ = item
+            if text.startswith('{"type":"metrics"') and id(item) not in packed:  # peek()'s stay until pop()
                 del self._waiting[i]
                 body = json.loads(text)
                 n = len(body.get("steps", ())) + len(body.get("device", ())) + int(body.get("dropped", 0))
@@ -405,7 +438,10 @@ class NodeAgent:
                 return
         log.error("More than %d control frames wait for the node connection; dropping the oldest.",
                   self._max_waiting)
-        self._waiting.popleft()
+        for i, item in enumerate(self._waiting):
+            if id(item) not in packed:
+                del self._waiting[i]
+                return
 
     # --- transport.Relay: rank 0's transport thread ----------------------------------------
 
@@ -427,17 +463,60 @@ class NodeAgent:
 
     def peek(self) -> str | None:
         with self._lock:
+            if self._packed is not None:
+                return self._packed[0]
             if self._dropped:
                 dropped, self._dropped = self._dropped, {}
                 for rank, n in dropped.items():
-                    self._waiting.appendleft((rank, encode(Metrics(job=self.job, rank=rank, steps=[], device=[],
-                                                                   dropped=n))))
-            return self._waiting[0][1] if self._waiting else None
+                    report = Metrics(job=self.job, rank=rank, steps=[], device=[], dropped=n)
+                    self._waiting.appendleft((rank, encode(report), report))
+            if not self._waiting:
+                return None
+            rank, text, msg = self._waiting[0]
+            if msg is None or not self.pack:
+                return text
+            since = self._metrics_since
+            due = (self._flush_due or self._stopping or since is None or time.monotonic() - since >= self.flush_s
+                   or len(self._waiting) >= self._max_waiting // 2)
+            if not due:
+                return None  # the ranks' metrics wait for the node's flush (control frames behind them too)
+            run = self._run()
+            if len(run) == 1:
+                self._packed = (text, run)
+            else:
+                self._packed = (encode_node(NodeMetrics.pack(self.job, [m for _, _, m in run if m is not None])), run)
+            return self._packed[0]
+
+    def _run(self) -> list[tuple[int, str, Metrics | None]]:
+        """The metrics frames at the head of the queue that one node frame takes (lock held)."""
+        run: list[tuple[int, str, Metrics | None]] = []
+        ranks: set[int] = set()
+        size = steps = device = 0
+        for item in self._waiting:
+            rank, text, msg = item
+            if msg is None:
+                break
+            size, steps, device = size + len(text), steps + len(msg.steps), device + len(msg.device)
+            if run and (size > _PACK_BYTES or steps > MAX_NODE_RECORDS or device > MAX_NODE_RECORDS
+                        or (rank not in ranks and len(ranks) >= MAX_RANKS_PER_CONNECTION)):
+                break
+            ranks.add(rank)
+            run.append(item)
+        return run
 
     def pop(self) -> None:
         with self._lock:
-            rank, text = self._waiting.popleft()
+            packed, self._packed = self._packed, None
             self.relayed += 1
+            if packed is not None:
+                sent = {id(item) for item in packed[1]}
+                self._waiting = deque(item for item in self._waiting if id(item) not in sent)
+                if len(packed[1]) > 1:
+                    self.node_frames += 1
+                self._flush_due = False
+                self._metrics_since = next((time.monotonic() for _, _, m in self._waiting if m is not None), None)
+                return
+            rank, text, _ = self._waiting.popleft()
             if text.startswith('{"type":"leave"') and rank not in self._guests:
                 self._hellos.pop(rank, None)
 
@@ -447,7 +526,8 @@ class NodeAgent:
         reconnects, and the others go on."""
         with self._lock:
             conn = self._guests.get(rank)
-            self._waiting = deque((r, t) for r, t in self._waiting if r != rank)
+            self._waiting = deque(item for item in self._waiting if item[0] != rank)
+            self._packed = None  # built again without it
             self._hellos.pop(rank, None)
             self._latest.pop(rank, None)
         log.warning("The backend refused local rank %s's frame (%s: %s); closing that rank's connection to the "

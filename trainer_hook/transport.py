@@ -91,6 +91,10 @@ class Relay(Protocol):
         """The frame ``peek`` gave was sent."""
         ...
 
+    def carry(self, frame: str) -> bool:
+        """This rank's own metrics frame, for the relay's next node frame; False: send it."""
+        ...
+
     def deliver(self, raw: str) -> None:
         """A ``placement`` or ``error`` frame from the backend, for the other ranks."""
         ...
@@ -569,10 +573,13 @@ class Transport:
         while True:
             frame = self._build_frame()
             if frame is None:
-                return
+                break
+            if self.relay is not None and self.relay.carry(frame):
+                continue  # one node frame carries it with the other local ranks' (node_agg.py)
             self._unsent.append(frame)
             ws.send(frame)
             self._sent(self._unsent.pop())
+        self._send_relay(ws)
 
     def _sent(self, frame: str) -> None:
         if not self._answered and len(self._unanswered) < _MAX_UNANSWERED:

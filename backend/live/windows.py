@@ -71,6 +71,15 @@ def aggregate_windows(taken: list[Pending]) -> list[Window]:
     for job, rank, steps, device, dropped, comm in taken:
         n = len(steps)
         comm_bytes, comm_ms = _comm_means(comm)
+        if n == 1:  # one step a flush (large jobs' slow steps): the window is the step
+            s = steps[0]
+            out.append(Window(
+                job=job, rank=rank, t_start=s[STEP_T], t_end=s[STEP_T], batch_index_start=s[STEP_BATCH],
+                batch_index_end=s[STEP_BATCH], n_steps=1, placement_version=s[STEP_VERSION],
+                local_batch_size=float(s[STEP_LOCAL_BATCH]), compute_ms=s[4], sync_wait_ms=s[5], data_wait_ms=s[3],
+                optimizer_ms=s[6], step_ms=s[7], dropped=dropped, device=device_sample(device[-1]) if device else None,
+                comm_bytes=comm_bytes, comm_ms=comm_ms))
+            continue
         cols = list(zip(*steps, strict=True))
         out.append(Window(
             job=job, rank=rank, t_start=steps[0][STEP_T], t_end=steps[-1][STEP_T],
