@@ -118,7 +118,9 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
         policy=policy if policy is not None else PolicyRunner(process=settings.policy_process),
         clock=clock, wall=wall, ownership=cluster)
     hub = DashboardHub(settings=settings, live=live, control=controller.job_control,
-                       cost_fit=controller.cost_fit, changes=changes)
+                       cost_fit=controller.cost_fit, changes=changes,
+                       owner=None if cluster is None else {"replica_id": cluster.replica_id,
+                                                           "url": cluster.advertise_url})
     writes = WriteBuffer(write_rows=insert_windows, job_of=lambda w: w.job,
                          max_windows=settings.persist_buffer_windows)
     storage = StorageHealth(engine, probe_table=RankMetricRow.__tablename__)

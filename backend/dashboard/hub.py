@@ -105,9 +105,13 @@ class DashboardHub:
     """Feeds dashboard websockets from live state and the controller's control snapshots."""
 
     def __init__(self, *, settings: Settings, live: LiveState, control: ControlRead,
-                 cost_fit: CostFitRead, changes: JobChanges,
+                 cost_fit: CostFitRead, changes: JobChanges, owner: dict[str, str] | None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self.settings = settings
+        # With several replicas: this replica's id and advertised URL, put in the summary of
+        # every job it folds (it owns them), so that the job and fleet views say who controls
+        # each job; None: one replica.
+        self.owner = owner
         self.live = live
         self.control = control
         self.cost_fit = cost_fit
@@ -240,8 +244,11 @@ class DashboardHub:
         return self._prices[key]
 
     def _summary(self, feed: Feed, view: JobView) -> dict[str, Any]:
-        return fold.summary(feed, view, wall=self._wall, stale_after_s=self.settings.stale_after_s,
-                            price=self._price, comm=self.live.communication(feed.job))
+        out = fold.summary(feed, view, wall=self._wall, stale_after_s=self.settings.stale_after_s,
+                           price=self._price, comm=self.live.communication(feed.job))
+        if self.owner is not None:
+            out["owner"] = self.owner
+        return out
 
     # --- the fleet: every job's row and the totals (backend.live.fleet) -----------------------
 

@@ -45,6 +45,8 @@ function renderSummary(s, savings) {
     stat("idle", pct(s.idle_fraction)),
     stat("placement", s.placement_version === null || s.placement_version === undefined ? "–" : `v${s.placement_version}`),
     stat("cost/h", money(s.cost_per_hour)),
+    // With several backend replicas: the one that controls this job (docs/scale-out.md).
+    ...(s.owner ? [stat("controlled by", s.owner.url ? `${s.owner.replica_id} (${s.owner.url})` : s.owner.replica_id)] : []),
   );
   renderReplicas(s.replicas);
   renderForecast(s, savings);

@@ -29,6 +29,14 @@ function signedDuration(s) {
   return (s < 0 ? "−" : "") + duration(Math.abs(s));
 }
 
+// With several backend replicas: the one that controls the job (its summary says; docs/scale-out.md).
+function ownerTag(summary) {
+  const o = summary && summary.owner;
+  if (!o) return null;
+  return el("span", { class: "owner", "data-owner": o.replica_id, title: `controlled by replica ${o.replica_id}${o.url ? ` at ${o.url}` : ""}` },
+    ` @ ${o.replica_id}`);
+}
+
 function row(j, summary) {
   const f = forecastFor(j.job, summary || j, () => render());  // the server's ETA (a local total: its /forecast)
   const eta = f ? f.eta_s : null;
@@ -38,7 +46,7 @@ function row(j, summary) {
   const saved = j.saved_cost !== null && j.saved_cost !== undefined
     ? `${signedDuration(j.saved_s)} · ${money(j.saved_cost)}` : signedDuration(j.saved_s);
   return el("tr", { "data-job": j.job, "data-status": j.status },
-    el("td", {}, el("a", { href: jobUrl, class: "job-link" }, j.job)),
+    el("td", {}, el("a", { href: jobUrl, class: "job-link" }, j.job), ownerTag(summary)),
     el("td", {}, el("span", { class: `pill ${j.status}`, title: j.status_detail || "" },
       STATUS_LABEL[j.status] || j.status), stale ? el("span", { class: "pill stale" }, "stale") : null),
     el("td", { class: "devices" }, devicesText(j) || "–"),

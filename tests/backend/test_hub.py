@@ -33,7 +33,7 @@ def _services(hz: float = 10.0) -> SimpleNamespace:
 def _hub(svc: SimpleNamespace, **kw) -> DashboardHub:
     """A hub over ``svc.live`` whose control snapshot is ``svc.control`` (every job)."""
     return DashboardHub(settings=svc.settings, live=svc.live, control=lambda job: svc.control,
-                        cost_fit=lambda job: svc.fit, changes=JobChanges(), **kw)
+                        cost_fit=lambda job: svc.fit, changes=JobChanges(), **{"owner": None, **kw})
 
 
 def _register(live: LiveState, job: str = "j", world: int = WORLD) -> None:

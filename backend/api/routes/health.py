@@ -24,6 +24,9 @@ class HealthPublic(BaseModel):
                               "the ranks of one node: it counts once)")
     buffered_windows: int = Field(description="metric windows waiting in memory for the database")
     dropped_windows: int = Field(description="metric windows dropped since start (refused rows, full buffer)")
+    jobs_owned: int = Field(default=0, description="jobs this replica controls: with several replicas, the "
+                            "jobs whose lease it holds (0 while Redis is down); with one, every live job")
+    replica_id: str = Field(default="", description='this replica\'s id with several replicas; "" with one')
     cluster: str = Field(default="off", description='"off" (one replica), "ok", or "paused: <why>" '
                          "while Redis is unreachable (control pauses; ingest, dashboards and training go on)")
 
@@ -46,6 +49,8 @@ async def healthz(parts: PartsDep) -> JSONResponse:
         hook_sockets=parts.connections.sockets(),
         buffered_windows=len(parts.writes), dropped_windows=parts.writes.dropped_total,
         cluster=_cluster_state(parts),
+        jobs_owned=len(parts.live.jobs()) if parts.cluster is None else parts.cluster.status().owned_jobs,
+        replica_id="" if parts.cluster is None else parts.cluster.replica_id,
     )
     return JSONResponse(body.model_dump(), status_code=503 if problem else 200)
 

@@ -28,7 +28,7 @@ from backend.policy.costfit import SPLIT_SHIFT
 from backend.storage import metrics as store
 from rebalancer_wire.protocol import MAX_BATCH_INDEX, MAX_WORLD_SIZE, DeviceSample
 
-__all__ = ["router", "MeshPublic", "ReplicaPublic", "SummaryPublic", "BoundPublic", "CostModelPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic", "ForecastPublic"]
+__all__ = ["router", "OwnerPublic", "MeshPublic", "ReplicaPublic", "SummaryPublic", "BoundPublic", "CostModelPublic", "JobPublic", "JobsPublic", "RankPublic", "RanksPublic", "MetricPoint", "MetricsPublic", "ForecastPublic"]
 
 log = logging.getLogger("rebalancer.api")
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
@@ -62,6 +62,14 @@ class ReplicaPublic(BaseModel):
     step_ms: float | None = None
     slowest_rank: int | None = Field(
         None, description="The member slowest in most of the newest steps (a global rank; live only).")
+
+
+class OwnerPublic(BaseModel):
+    """The backend replica that controls a job (docs/scale-out.md): its id and the URL it
+    advertises to hooks (REBALANCER_ADVERTISE_URL; "" when it advertises none)."""
+
+    replica_id: str
+    url: str = ""
 
 
 class JobPublic(BaseModel):
@@ -110,6 +118,9 @@ class JobPublic(BaseModel):
     pipeline: PipelineBrief | None = Field(
         None, description="A pipelined job's shape, bottleneck stage, bubble share and slowest pipeline "
                           "(GET /api/v1/jobs/{job}/pipeline has the grid); null without pipelines.")
+    owner: OwnerPublic | None = Field(
+        None, description="With several replicas: the replica that controls the job (its lease holder); null with "
+                          "one replica, or while no replica holds the job.")
     share_unit: Literal["sample", "micro_batch"] = Field(
         "sample", description="What a share counts: samples, or fixed-shape micro-batches "
                               "(RebalanceHook(micro_batches=M): global_batch_size is M; docs/streaming.md).")
@@ -356,7 +367,20 @@ async def get_job(job: str, _actor: ViewerDep, parts: PartsDep, request: Request
     found = _build(parts, job, row)
     if found is None:
         raise _not_found(job)
+    found.owner = await _owner(parts, job)
     return found
+
+
+async def _owner(parts: Parts, job: str) -> OwnerPublic | None:
+    """Which replica controls ``job``: this one while it holds the lease, else whoever Redis
+    says (None with one replica, or when nobody holds it)."""
+    cluster = parts.cluster
+    if cluster is None:
+        return None
+    if cluster.owns(job):
+        return OwnerPublic(replica_id=cluster.replica_id, url=cluster.advertise_url)
+    rid, url = await cluster.owner(job)
+    return None if rid is None else OwnerPublic(replica_id=rid, url=url or "")
 
 
 @router.get("/{job}/summary", response_model=SummaryPublic, summary="Savings and summary of a run")

@@ -404,3 +404,22 @@ def test_a_bad_or_stale_fleet_entry_on_redis_costs_only_its_own_job() -> None:
         for k in client.scan_iter(f"{prefix}:*"):
             client.delete(k)
         client.close()
+
+
+def test_every_replica_says_which_replica_owns_the_job(pair: Pair) -> None:
+    # Operators see which replica controls a job: REST (either replica, one answer), /healthz
+    # (the jobs each holds) and the dashboards' summaries (job view and fleet view).
+    health_a, health_b = pair.get(pair.a, "/healthz"), pair.get(pair.b, "/healthz")
+    assert health_a["replica_id"] and health_b["replica_id"] and health_a["replica_id"] != health_b["replica_id"]
+    owner = {"replica_id": health_a["replica_id"], "url": f"ws://127.0.0.1:{pair.a.port}"}
+    assert pair.get(pair.a, BASE)["owner"] == owner
+    assert pair.get(pair.b, BASE)["owner"] == owner
+    assert health_a["jobs_owned"] >= 1 and health_b["jobs_owned"] == 0  # every hook of this module is at A
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    for server in (pair.a, pair.b):
+        with connect(f"{server.ws_url}/ws/dashboard?job={JOB}", additional_headers=headers) as ws:
+            view = _frames(ws, lambda v: v["summary"] is not None, "the job's summary")
+            assert view["summary"]["owner"] == owner
+        with connect(f"{server.ws_url}/ws/dashboard", additional_headers=headers) as ws:
+            frame = json.loads(ws.recv(timeout=20))
+            assert {s["job"]: s.get("owner") for s in frame["jobs"]}[JOB] == owner
