@@ -20,6 +20,7 @@ unpacking in one place, so that both ends read it with the same code."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -117,6 +118,8 @@ DEVICE_COLUMNS: dict[str, _Spec] = {
     **{f: ("float", 0.0, MAX_LINK_BYTES_PER_S, False) for f in LINK_FIELDS},
 }
 _SOURCES = frozenset(("nvml", "psutil"))
+_INT = frozenset((int,))
+_STR = frozenset((str,))
 
 
 def _bad(where: str, i: int, val: Any, expected: str) -> ProtocolError:
@@ -135,8 +138,11 @@ def _check_column(where: str, col: Any, n: int, spec: _Spec) -> list[Any]:
     if not n:
         return col
     values = col if required else [x for x in col if x is not None]
+    # Whole-column checks in C: the types present (a set of them), then min and max. A float
+    # column's sum is finite only when every value is (NaN and infinities spread through it;
+    # the bounds keep a sum of 16,384 values far from overflow).
     if kind == "int":
-        if all(type(x) is int for x in values) and (not values or (lo <= min(values) and max(values) <= hi)):
+        if not values or (set(map(type, values)) <= _INT and lo <= min(values) and max(values) <= hi):
             return col
         for i, x in enumerate(col):
             if x is None and not required:
@@ -144,7 +150,8 @@ def _check_column(where: str, col: Any, n: int, spec: _Spec) -> list[Any]:
             if type(x) is not int or not lo <= x <= hi:
                 raise _bad(where, i, x, f"an integer between {lo:.0f} and {hi:.0f}" + ("" if required else " or null"))
     elif kind == "float":
-        if all(type(x) in _NUMBER_TYPES for x in values) and all(lo <= x <= hi for x in values):
+        if not values or (set(map(type, values)) <= _NUMBER_TYPES and math.isfinite(sum(values))
+                          and lo <= min(values) and max(values) <= hi):
             return [x if x is None else float(x) for x in col] if not required else list(map(float, col))
         for i, x in enumerate(col):
             if x is None and not required:
@@ -152,8 +159,10 @@ def _check_column(where: str, col: Any, n: int, spec: _Spec) -> list[Any]:
             if type(x) not in _NUMBER_TYPES or not lo <= x <= hi:
                 raise _bad(where, i, x, f"a number between {lo:g} and {hi:g}" + ("" if required else " or null"))
     elif kind == "str":
+        if set(map(type, col)) <= _STR and set(col) <= _SOURCES:
+            return col
         for i, x in enumerate(col):
-            if x not in _SOURCES:
+            if type(x) is not str or x not in _SOURCES:
                 raise _bad(where, i, x, "'nvml' or 'psutil'")
     elif kind == "reasons":
         for i, x in enumerate(col):

@@ -84,6 +84,7 @@ _DRAIN_S = 1.0  # how long stop() lets rank 0's connection take what the agent h
 _LAST_S = 1.5  # how long a closing rank 0 waits for the other local ranks to close first
 _CLOSE_OF = {"conflict": CLOSE_CONFLICT, "forbidden": CLOSE_FORBIDDEN}  # an error's code -> a guest's close
 _PACK_BYTES = MAX_MESSAGE_BYTES // 2  # a node frame packs per-rank frames of at most this many bytes in all
+_TRIAL_FRAMES = 8  # node frames a backend reads before the agent trusts it speaks version 3
 
 
 def node_aggregation(env: Mapping[str, str]) -> bool:
@@ -187,6 +188,11 @@ class NodeAgent:
         self._packed: tuple[str, list[tuple[int, str, Metrics | None]]] | None = None  # peek()'s, until pop()
         self._metrics_since: float | None = None  # when the oldest waiting metrics frame arrived
         self._flush_due = False  # rank 0 flushed, or a frame is urgent: pack what waits now
+        # Until a connection's backend has read _TRIAL_FRAMES node frames without refusing their
+        # version (a backend older than node frames closes 4001 on the first), what they held is
+        # kept, to be sent again per rank (``unpack``); None once one has.
+        self._trial: list[tuple[int, str, Metrics | None]] | None = []
+        self._trial_frames = 0
         self._hellos: dict[int, str] = {}  # rank -> its latest hello, until its leave went up
         self._latest: dict[int, int] = {}  # rank -> the batch after the last step it sent
         self._guests: dict[int, ServerConnection] = {}
@@ -445,10 +451,24 @@ class NodeAgent:
 
     # --- transport.Relay: rank 0's transport thread ----------------------------------------
 
+    def unpack(self) -> bool:
+        """A backend older than node frames refused one (4001): send each rank's frames as they
+        are from now on, the node frames it refused first (transport.Relay). False: no node
+        frame was sent to take back, or a backend read them before."""
+        with self._lock:
+            if not self.pack or not self._trial:
+                return False
+            self.pack, trial, self._trial, self._packed = False, self._trial, None, None
+            self._waiting.extendleft(reversed(trial))
+        log.warning("The backend does not read node frames; the node agent relays each rank's frames as they are.")
+        return True
+
     def hellos(self) -> list[str]:
         """Each guest's hello, its batch index brought up to what the guest has sent since (the
         backend bounds a step's distance from its rank's hello: MAX_BATCH_JUMP)."""
         with self._lock:
+            if self._trial is not None:  # a new connection: its backend proves itself anew
+                self._trial, self._trial_frames = [], 0
             held = list(self._hellos.items())
             latest = dict(self._latest)
         out = []
@@ -513,6 +533,11 @@ class NodeAgent:
                 self._waiting = deque(item for item in self._waiting if id(item) not in sent)
                 if len(packed[1]) > 1:
                     self.node_frames += 1
+                    if self._trial is not None:
+                        self._trial.extend(packed[1])
+                        self._trial_frames += 1
+                        if self._trial_frames > _TRIAL_FRAMES:
+                            self._trial = None  # the backend reads them
                 self._flush_due = False
                 self._metrics_since = next((time.monotonic() for _, _, m in self._waiting if m is not None), None)
                 return

@@ -81,35 +81,31 @@ class Relay(Protocol):
 
     def hellos(self) -> list[str]:
         """The hellos to send after this rank's own on every (re)connect."""
-        ...
 
     def peek(self) -> str | None:
         """The oldest frame waiting to go upstream, left in place until ``pop``."""
-        ...
 
     def pop(self) -> None:
         """The frame ``peek`` gave was sent."""
-        ...
 
     def carry(self, frame: str) -> bool:
-        """This rank's own metrics frame, for the relay's next node frame; False: send it."""
-        ...
+        """This rank's own metrics frame, for the relay's next node frame (False: send it yourself)."""
+
+    def unpack(self) -> bool:
+        """The backend refused a node frame's version: per-rank frames from now on, the refused
+        ones again (False: the relay sent no node frame it could take back)."""
 
     def deliver(self, raw: str) -> None:
         """A ``placement`` or ``error`` frame from the backend, for the other ranks."""
-        ...
 
     def drop(self, rank: int, code: str, message: str) -> None:
         """The backend refused a frame of ``rank`` (another local rank) and dropped it alone."""
-        ...
 
     def stop(self, reason: str) -> None:
         """Stop relaying: the other ranks go to their own connections."""
-        ...
 
     def close(self) -> None:
         """This rank is closing: let the other ranks finish first (briefly), then stop."""
-        ...
 
 
 class _Stop(Exception):
@@ -500,6 +496,9 @@ class Transport:
             self.relay.stop(f"the backend closed the node connection with {code}: {reason}")
         if code in _AUTH_CODES:
             raise _AuthRefused(f"close code {code}: {reason}") from None
+        if code == CLOSE_UNSUPPORTED_VERSION and self.relay is not None and self.relay.unpack():
+            log.warning("The backend does not read node frames (close %d: %s); per-rank frames now.", code, reason)
+            raise ConnectionError(f"connection closed (code {code}): node frames turned off")
         if code == CLOSE_UNSUPPORTED_VERSION:
             log.error(
                 "The backend does not speak this hook's protocol version (close %d: %s). Upgrade "

@@ -135,3 +135,22 @@ def test_the_agent_packs_what_waits_into_one_node_frame_per_flush(tmp_path) -> N
     assert json.loads(agent.peek() or "{}")["type"] == "hello"
     agent.pop()
     assert agent.peek() is None
+
+
+def test_against_a_backend_older_than_node_frames_the_agent_resends_per_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    agent = NodeAgent(job="j", path=str(tmp_path / "a.sock"), flush_s=0.0)
+    t = time.time()
+    frames = [Metrics(job="j", rank=r, steps=[_rec(1, t)]) for r in (1, 2)]
+    agent.hellos()  # a connection opens
+    for m in frames:
+        agent._put(m.rank, encode(m), m)
+    packed = agent.peek()
+    assert packed is not None and packed.startswith('{"type":"node_metrics"')
+    agent.pop()  # sent; the old backend answers it with 4001
+    assert agent.unpack()
+    sent = []
+    while (text := agent.peek()) is not None:
+        sent.append(text)
+        agent.pop()
+    assert sent == [encode(m) for m in frames]  # the same records, each rank's frame as it was
+    assert not agent.unpack()  # once only
