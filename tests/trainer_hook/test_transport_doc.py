@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rebalancer_wire import protocol
+from rebalancer_wire.node import NODE_FRAME_VERSION, NodeMetrics, decode_frame, encode_node
 from rebalancer_wire.protocol import (
     Ack,
     DeviceSample,
@@ -26,19 +27,33 @@ from rebalancer_wire.protocol import (
 )
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
-FRAMES = re.findall(r"```json\n(.*?)\n```", DOC, flags=re.S)
+ALL_FRAMES = re.findall(r"```json\n(.*?)\n```", DOC, flags=re.S)
+FRAMES = [f for f in ALL_FRAMES if '"type":"node_metrics"' not in f]  # per-rank messages
+NODE_FRAMES = [f for f in ALL_FRAMES if '"type":"node_metrics"' in f]
 
 
 def test_doc_has_an_example_of_every_message_kind() -> None:
     kinds = {type(decode(f)).TYPE for f in FRAMES}
     assert kinds == {"hello", "metrics", "ack", "reject", "oom", "leave", "placement", "error"}
     assert {decode_versioned(f)[1] for f in FRAMES} == set(protocol.SUPPORTED_VERSIONS)
+    assert NODE_FRAMES, "docs/protocol.md shows a node_metrics frame"
 
 
 @pytest.mark.parametrize("frame", FRAMES)
 def test_every_example_frame_decodes_and_reencodes_identically(frame: str) -> None:
     msg, version = decode_versioned(frame)
     assert encode(msg, version) == frame
+
+
+@pytest.mark.parametrize("frame", NODE_FRAMES)
+def test_every_example_node_frame_decodes_and_reencodes_identically(frame: str) -> None:
+    msg, version = decode_frame(frame)
+    assert version == NODE_FRAME_VERSION and isinstance(msg, NodeMetrics) and encode_node(msg) == frame
+
+
+@pytest.mark.parametrize("field", [f.name for f in fields(NodeMetrics)])
+def test_every_node_frame_field_is_documented(field: str) -> None:
+    assert f"| `{field}` |" in DOC
 
 
 @pytest.mark.parametrize("cls", [Hello, Metrics, StepRecord, DeviceSample, Ack, Reject, Oom, Leave, Placement, Error])
