@@ -8,7 +8,13 @@ from dataclasses import fields
 
 import pytest
 
-from rebalancer_wire.node import DEVICE_COLUMNS, STEP_COLUMNS, NodeMetrics, decode_frame, encode_node
+from rebalancer_wire.node import (
+    DEVICE_COLUMNS,
+    STEP_COLUMNS,
+    NodeMetrics,
+    decode_frame,
+    encode_node,
+)
 from rebalancer_wire.protocol import (
     MAX_DURATION_MS,
     DeviceSample,
