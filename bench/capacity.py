@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -450,8 +451,11 @@ async def _run_one(backends: list[Backend], ranks: int, seconds: float, warmup: 
                           args=(backend.url, min(SCRAPE_EVERY_S, seconds / 2), scrape_stop, scrape_child))
     scraper.start()
     packed = frames == "node" and node_size > 1
-    groups = [(job, backends[j % len(backends)].ws_url, list(range(r, min(r + node_size, job.ranks))))
-              for j, job in enumerate(loads) for r in range(0, job.ranks, node_size)]
+    by_job = [[(job, backends[j % len(backends)].ws_url, list(range(r, min(r + node_size, job.ranks))))
+               for r in range(0, job.ranks, node_size)] for j, job in enumerate(loads)]
+    # The jobs' node connections interleaved: every replica answers its jobs' hellos at once,
+    # not one replica after the other.
+    groups = [g for wave in itertools.zip_longest(*by_job) for g in wave if g is not None]
     readies = [asyncio.Event() for _ in groups]
     tasks: list[asyncio.Task[None]] = []
     t0 = time.time() + 1.0
