@@ -146,6 +146,7 @@ def test_capacity_over_two_replicas_splits_the_jobs_and_loses_nothing(tmp_path: 
                          name="cluster")
     assert res.errors == [] and res.records_sent > 0 and res.records_lost == 0, res
     assert (res.replicas, res.jobs, res.replica_sockets) == (2, 2, [2, 2]), res  # 4 ranks a job, 2 a socket
+    assert res.frames == "node", res  # one node_metrics frame per socket per flush, as the node agent sends
     assert len(res.replica_cpu_pct) == 2 and all(c > 0 for c in res.replica_cpu_pct), res
     assert res.redis_cpu_pct is not None and res.postgres_cpu_pct is not None
     assert res.latency_samples > 0
