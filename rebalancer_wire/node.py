@@ -34,6 +34,7 @@ from rebalancer_wire.protocol import (
     _MAX_UNIX_TIME,
     _NUMBER_TYPES,
     _PHASE_SLACK_MS,
+    _PIPELINE_KEYS,
     LINK_FIELDS,
     MAX_AGE_S,
     MAX_AHEAD_S,
@@ -66,8 +67,8 @@ from rebalancer_wire.protocol import (
     parse,
 )
 
-__all__ = ["NODE_FRAME_VERSION", "MAX_NODE_RECORDS", "STEP_COLUMNS", "DEVICE_COLUMNS", "NodeMetrics",
-           "decode_frame", "encode_node"]
+__all__ = ["NODE_FRAME_VERSION", "MAX_NODE_RECORDS", "STEP_COLUMNS", "DEVICE_COLUMNS", "PER_RANK_STEP_FIELDS",
+           "NodeMetrics", "packable", "decode_frame", "encode_node"]
 
 NODE_FRAME_VERSION = 3  # the version that added node_metrics; per-rank frames speak 1 or 2
 # Records (steps, device samples) of one node frame: each rank's own frame may hold 2,048;
@@ -117,6 +118,9 @@ DEVICE_COLUMNS: dict[str, _Spec] = {
     "rss_bytes": ("int", 0, MAX_BYTES, False),
     **{f: ("float", 0.0, MAX_LINK_BYTES_PER_S, False) for f in LINK_FIELDS},
 }
+# Step fields a node frame does not carry: a pipeline leader's stage times (their checks need
+# its hello's pipeline shape). A frame with any of them goes per rank (``packable``).
+PER_RANK_STEP_FIELDS = frozenset(_PIPELINE_KEYS)
 _SOURCES = frozenset(("nvml", "psutil"))
 _INT = frozenset((int,))
 _STR = frozenset((str,))
@@ -366,8 +370,8 @@ class NodeMetrics:
         for m in frames:
             if m.job != job:
                 raise ValueError(f"a node frame holds one job ('{job}'), got a frame of job '{m.job}'.")
-            if m.hang is not None:
-                raise ValueError("a metrics frame with a hang report is sent alone, not packed.")
+            if not packable(m):
+                raise ValueError("a metrics frame with a hang report or pipeline stage times is sent alone, not packed.")
             by_rank.setdefault(m.rank, []).append(m)
         steps = [s for ms in by_rank.values() for m in ms for s in m.steps]
         device = [x for ms in by_rank.values() for m in ms for x in m.device]
@@ -406,6 +410,11 @@ class NodeMetrics:
                                total_steps=self.total_steps[i] if self.total_steps else None,
                                urgent=rank in self.urgent))
         return out
+
+
+def packable(msg: Metrics) -> bool:
+    """Whether ``msg`` may travel in a node frame: no hang report, no pipeline stage times."""
+    return msg.hang is None and not any(getattr(s, f) is not None for s in msg.steps for f in PER_RANK_STEP_FIELDS)
 
 
 def _counts_or_zero(d: Mapping[str, Any], key: str, k: int, hi: int) -> list[int]:

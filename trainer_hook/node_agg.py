@@ -41,7 +41,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.sync.server import Server, ServerConnection, unix_serve
 
-from rebalancer_wire.node import MAX_NODE_RECORDS, NodeMetrics, encode_node
+from rebalancer_wire.node import MAX_NODE_RECORDS, NodeMetrics, encode_node, packable
 from rebalancer_wire.protocol import (
     CLOSE_CONFLICT,
     CLOSE_FORBIDDEN,
@@ -334,7 +334,7 @@ class NodeAgent:
                     top = max(st.batch_index for st in msg.steps) + 1
                     with self._lock:
                         self._latest[rank] = max(self._latest.get(rank, 0), top)
-                self._put(rank, text, msg if isinstance(msg, Metrics) and msg.hang is None else None)
+                self._put(rank, text, msg if isinstance(msg, Metrics) and packable(msg) else None)
             rcvd = conn.protocol.close_rcvd
             code = rcvd.code if rcvd is not None else 1006
         except ProtocolError as exc:
@@ -423,7 +423,7 @@ class NodeAgent:
         if not self.pack or not text.startswith('{"type":"metrics"'):
             return False
         msg = decode(text)
-        if not isinstance(msg, Metrics) or msg.hang is not None or msg.job != self.job:
+        if not isinstance(msg, Metrics) or not packable(msg) or msg.job != self.job:
             return False
         with self._lock:
             self._flush_due = True

@@ -10,10 +10,12 @@ import pytest
 
 from rebalancer_wire.node import (
     DEVICE_COLUMNS,
+    PER_RANK_STEP_FIELDS,
     STEP_COLUMNS,
     NodeMetrics,
     decode_frame,
     encode_node,
+    packable,
 )
 from rebalancer_wire.protocol import (
     MAX_DURATION_MS,
@@ -49,8 +51,10 @@ def _frames(t: float) -> list[Metrics]:
 
 
 def test_every_record_field_has_a_column() -> None:
-    # A field added to StepRecord or DeviceSample must say how a node frame carries it.
-    assert set(STEP_COLUMNS) == {f.name for f in fields(StepRecord)}
+    # A field added to StepRecord or DeviceSample must say how a node frame carries it, or
+    # that frames with it go per rank (a pipeline leader's stage times).
+    assert set(STEP_COLUMNS) | PER_RANK_STEP_FIELDS == {f.name for f in fields(StepRecord)}
+    assert not set(STEP_COLUMNS) & PER_RANK_STEP_FIELDS
     assert set(DEVICE_COLUMNS) == {f.name for f in fields(DeviceSample)}
 
 
@@ -128,6 +132,8 @@ def test_the_agent_packs_what_waits_into_one_node_frame_per_flush(tmp_path) -> N
     assert agent.peek() is None  # not due: the node's flush has not come
     hang = Metrics(job="j", rank=0, steps=[_rec(1, t)], hang=Hang(batch_index=2, phase="compute", since=t, stalled_s=6))
     assert not agent.carry(encode(hang))  # sent alone by rank 0 itself
+    staged = Metrics(job="j", rank=0, steps=[_rec(1, t, bubble_ms=1.0)])
+    assert not packable(staged) and not agent.carry(encode(staged))  # a pipeline leader's: per rank
     assert agent.carry(encode(Metrics(job="j", rank=0, steps=[_rec(1, t)])))  # rank 0's flush: due now
     text = agent.peek()
     assert text is not None and agent.peek() == text
