@@ -12,10 +12,10 @@ from typing import Any, Literal, TypedDict
 __all__ = [
     "AuditRecord", "Audits", "Bound", "Cause", "Causes", "CostModel", "Device", "Effect",
     "Fleet", "FleetDevice", "FleetJob", "FleetTotals", "Forecast", "Health", "Job", "Jobs",
-    "Memory", "Mesh", "MetricPoint", "MetricsPage", "Overrides", "OverridesSet", "Pipeline",
-    "PipelineBrief", "PipelineRow", "Placement", "PlacementBrief", "Placements", "Proposal",
-    "Proposals", "Rank", "RankMemory", "Ranks", "Replica", "StageCell", "StageSplitAdvice",
-    "Summary", "Token", "TokenCreated", "Tokens", "WhoAmI",
+    "Memory", "Mesh", "MetricPoint", "MetricsPage", "Overrides", "OverridesSet", "Owner",
+    "Pipeline", "PipelineBrief", "PipelineRow", "Placement", "PlacementBrief", "Placements",
+    "Proposal", "Proposals", "Rank", "RankMemory", "Ranks", "Replica", "StageCell",
+    "StageSplitAdvice", "Summary", "Token", "TokenCreated", "Tokens", "WhoAmI",
 ]
 
 
@@ -221,7 +221,9 @@ class Health(TypedDict, total=False):
     hook_connections: int  # ranks with an open hook websocket
     hook_sockets: int  # open hook websockets (a node connection carries the ranks of one node: it counts once)
     jobs: int
+    jobs_owned: int  # jobs this replica controls: with several replicas, the jobs whose lease it holds (0 while Redis is down); with one, every live job
     open_mode: bool
+    replica_id: str  # this replica's id with several replicas; "" with one
     status: str  # "ok", or "degraded" while the database does not take writes
 
 
@@ -252,6 +254,7 @@ class Job(TypedDict, total=False):
     lost_cost_per_hour: float | None  # cost_per_hour * (1 - goodput): what the rest costs an hour.
     mesh: Mesh | None  # A device-mesh job's shape; null for plain data parallel.
     mode: str | None
+    owner: Owner | None  # With several replicas: the replica that controls the job (its lease holder); null with one replica, or while no replica holds the job.
     pending_proposal_id: int | None
     pipeline: PipelineBrief | None  # A pipelined job's shape, bottleneck stage, bubble share and slowest pipeline (GET /api/v1/jobs/{job}/pipeline has the grid); null without pipelines.
     placement: PlacementBrief | None
@@ -334,6 +337,14 @@ class OverridesSet(Overrides, total=False):
     """``OverridesIn`` without reason, with proposal_id."""
 
     proposal_id: int | None
+
+
+class Owner(TypedDict, total=False):
+    """``OwnerPublic``: The backend replica that controls a job (docs/scale-out.md): its id and
+    the URL it advertises to hooks (REBALANCER_ADVERTISE_URL; "" when it advertises none)."""
+
+    replica_id: str
+    url: str
 
 
 class PipelineBrief(TypedDict, total=False):
