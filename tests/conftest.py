@@ -89,11 +89,12 @@ def _unit_lane_spawns_nothing(request: pytest.FixtureRequest, monkeypatch: pytes
 
 
 # The test files known to be slow, roughly slowest first; re-measure with --durations (or the
-# CPU time a file's processes take, run alone: the suite is CPU-bound on 2 cores). Issue 38:
-# the short soak, the clean exits and the OpenAPI fuzz, then the files whose torchrun jobs
-# cannot share a process (hook_backend's restarts and resumes, zero_code's unchanged scripts,
-# the compiled models in test_sharded); the Accelerate and HF Trainer files now run 2 and 1
-# jobs. Under `--dist loadfile` a file runs whole on one worker, and xdist hands files out
+# CPU time each file's processes take: scripts/test-cpu; the suite is CPU-bound on 2 cores).
+# Issue 38: the short soak, the clean exits and the OpenAPI fuzz, then the files whose torchrun
+# jobs cannot share a process (hook_backend's restarts and resumes, zero_code's unchanged
+# scripts); test_sharded and test_exactness run one shared job each (compiled models and the
+# Python comm hook included) besides their sync-wait and resume jobs; the Accelerate and HF
+# Trainer files run 2 and 1 jobs. Under `--dist loadfile` a file runs whole on one worker, and xdist hands files out
 # in order; by default it orders them by how many tests they hold, which leaves the long
 # files with few tests to the end, where a worker may wait on one alone. Longest first
 # instead (then the files with the most process-starting tests), so short files fill the end.

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from rebalancer_wire.protocol import Placement
 from tests.helpers.configs import worker_main
-from trainer_hook import RebalanceHook
+from trainer_hook import RebalanceHook, _native_comm_hook
 
 N_SAMPLES = 100
 GLOBAL_BATCH = 12
@@ -112,6 +113,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--side-channel", action="store_true",
                    help="SideChannel model: loss terms that bypass the model's output")
+    p.add_argument("--python-comm-hook", action="store_true",
+                   help="DDP's Python comm hook, not the C++ one (REBALANCER_NATIVE_COMM_HOOK=0 while it attaches)")
     return p
 
 
@@ -126,7 +129,9 @@ def train(args: argparse.Namespace, out_dir: str) -> None:
     hook = RebalanceHook(job="exact", global_batch_size=GLOBAL_BATCH, exchange_every=3, exchange_lag=1, **extra)
     inner = SideChannel(build_model()) if args.side_channel else build_model()
     model = DDP(inner)
-    hook.attach(model)
+    # The hook reads the switch as it attaches: this configuration alone, in a shared job.
+    with mock.patch.dict(os.environ, {_native_comm_hook.ENV_VAR: "0"} if args.python_comm_hook else {}):
+        hook.attach(model)
     opt = make_optimizer(model)
     ds = IndexedData()
     persistent = {"persistent_workers": True} if args.persistent else {}

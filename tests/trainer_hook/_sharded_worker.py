@@ -6,8 +6,9 @@ and rank 0 writes the full final parameters, the BatchNorm running statistics (w
 ``--batchnorm``) and, for compiled models, how many graphs dynamo compiled.
 
 ``--configs '[[args...], ...]'`` runs several configurations in one job
-(``tests/helpers/configs.py``). Not for compiled models: dynamo's graph counters are per
-process.
+(``tests/helpers/configs.py``). A compiled model's configuration starts from dynamo's state
+of a fresh process (``torch._dynamo.reset()``, the graph counters cleared); inductor's
+compiled code stays cached, so the configurations after the first reuse what it compiled.
 """
 
 from __future__ import annotations
@@ -137,6 +138,11 @@ def main() -> None:
 
 def train(args: argparse.Namespace, out_dir: str) -> None:
     rank = dist.get_rank()
+    if "compiled" in args.wrap:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()  # as a fresh process: the graph counts below are this configuration's
+        counters.clear()
     hook = RebalanceHook(job="sharded", global_batch_size=GLOBAL_BATCH, exchange_every=2, exchange_lag=1)
     model = wrap(build_model(args.batchnorm), args.wrap)
     hook.attach(model, gradients=args.gradients)

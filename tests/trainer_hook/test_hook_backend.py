@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,77 +36,88 @@ def _training(server: Server, job: str, n: int) -> bool:
     return bool(body.get("connected_ranks") == n and (body.get("batch_index") or 0) >= 5)
 
 
-def test_placement_from_the_backend_is_acked_by_every_rank_at_one_batch_and_resumed(tmp_path: Path) -> None:
-    with running_server(tmp_path) as server:
-        args = ["-m", "trainer_hook.demo_worker", "--server", server.url, "--job", "lock",
-                "--global-batch-size", "16", "--speeds", "1,0.5", "--per-sample-ms", "1", "--fixed-ms", "0"]
-        proc = start_torchrun(2, [*args, "--steps", "0"])
-        try:
-            wait_until(lambda: _training(server, "lock", 2), "both ranks to connect and train", 60, interval=0.3)
-            _post(server, "/api/v1/jobs/lock/proposals", {"shares": [11, 5], "reason": "test", "apply": True})
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One backend for the tests that need no settings of their own, each with a job of its own."""
+    with running_server(tmp_path_factory.mktemp("hook-backend")) as srv:
+        yield srv
 
-            def acked() -> Any:
-                rows: Any = server.get("/api/v1/jobs/lock/placements")
-                done = [p for p in rows["data"] if p["version"] >= 1 and len(p["acks"]) == 2]
-                return done[0] if done else None
 
-            placement = wait_until(acked, "acks from both ranks", 60, interval=0.3)
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        acks = {int(r): k for r, k in placement["acks"].items()}
-        assert acks[0] == acks[1] > 0, f"ranks switched at different batches: {acks}"
-        assert placement["shares"] == [11, 5]
+def _job_names(server: Server) -> set[str]:
+    rows: Any = server.get("/api/v1/jobs")
+    return {j["job"] for j in rows["data"]}
 
-        # A restarted job resumes the placement in force from its first batch.
-        out = tmp_path / "second.json"
-        run_torchrun(2, [*args, "--steps", "6", "--result", str(out)], timeout=120)
-        result = json.loads(out.read_text())
-        assert result["placements"][0] == {"version": placement["version"], "start_batch": 0, "shares": [11, 5]}
-        assert result["acks"] == [[placement["version"], 0]]
-        assert [r["local_batch_size"] for r in result["records"][1]] == [5] * 6
+
+def test_placement_from_the_backend_is_acked_by_every_rank_at_one_batch_and_resumed(server: Server,
+                                                                                   tmp_path: Path) -> None:
+    args = ["-m", "trainer_hook.demo_worker", "--server", server.url, "--job", "lock",
+            "--global-batch-size", "16", "--speeds", "1,0.5", "--per-sample-ms", "1", "--fixed-ms", "0"]
+    proc = start_torchrun(2, [*args, "--steps", "0"])
+    try:
+        wait_until(lambda: _training(server, "lock", 2), "both ranks to connect and train", 60, interval=0.3)
+        _post(server, "/api/v1/jobs/lock/proposals", {"shares": [11, 5], "reason": "test", "apply": True})
+
+        def acked() -> Any:
+            rows: Any = server.get("/api/v1/jobs/lock/placements")
+            done = [p for p in rows["data"] if p["version"] >= 1 and len(p["acks"]) == 2]
+            return done[0] if done else None
+
+        placement = wait_until(acked, "acks from both ranks", 60, interval=0.3)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    acks = {int(r): k for r, k in placement["acks"].items()}
+    assert acks[0] == acks[1] > 0, f"ranks switched at different batches: {acks}"
+    assert placement["shares"] == [11, 5]
+
+    # A restarted job resumes the placement in force from its first batch.
+    out = tmp_path / "second.json"
+    run_torchrun(2, [*args, "--steps", "6", "--result", str(out)], timeout=120)
+    result = json.loads(out.read_text())
+    assert result["placements"][0] == {"version": placement["version"], "start_batch": 0, "shares": [11, 5]}
+    assert result["acks"] == [[placement["version"], 0]]
+    assert [r["local_batch_size"] for r in result["records"][1]] == [5] * 6
 
 
 @pytest.mark.parametrize("workers", [0, 4])
-def test_readme_example_streams_every_rank_to_the_backend(tmp_path: Path, workers: int) -> None:
+def test_readme_example_streams_every_rank_to_the_backend(server: Server, workers: int) -> None:
     # The README's loop uses num_workers=4 (issue 10: the DDP tutorial's habit crashed at batch 10).
-    with running_server(tmp_path) as server:
-        proc = run_torchrun(2, ["examples/ddp_train.py", "--server", server.url, "--job", "readme",
-                                "--epochs", "1", "--global-batch-size", "256",
-                                "--num-workers", str(workers)], timeout=120)
-        assert "epoch 0: batch 16" in proc.stdout
-        ranks: Any = wait_until(lambda: server.get("/api/v1/jobs/readme/ranks"), "ranks", 10, interval=0.3)
-        assert sorted(r["rank"] for r in ranks["data"]) == [0, 1]
-        assert all(r["batch_index"] == 15 for r in ranks["data"])
+    job = f"readme-w{workers}"
+    proc = run_torchrun(2, ["examples/ddp_train.py", "--server", server.url, "--job", job,
+                            "--epochs", "1", "--global-batch-size", "256",
+                            "--num-workers", str(workers)], timeout=120)
+    assert "epoch 0: batch 16" in proc.stdout
+    ranks: Any = wait_until(lambda: server.get(f"/api/v1/jobs/{job}/ranks"), "ranks", 10, interval=0.3)
+    assert sorted(r["rank"] for r in ranks["data"]) == [0, 1]
+    assert all(r["batch_index"] == 15 for r in ranks["data"])
 
 
-def test_torchelastic_restart_resumes_the_placement_in_force(tmp_path: Path) -> None:
+def test_torchelastic_restart_resumes_the_placement_in_force(server: Server, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    with running_server(tmp_path) as server:
-        proc = start_torchrun(2, ["tests/trainer_hook/_elastic_worker.py", "--server", server.url, "--out", str(out)],
-                              max_restarts=1)
+    proc = start_torchrun(2, ["tests/trainer_hook/_elastic_worker.py", "--server", server.url, "--out", str(out)],
+                          max_restarts=1)
+    try:
+        wait_until(lambda: _training(server, "elastic", 2), "both ranks to connect and train", 60, interval=0.3)
+        _post(server, "/api/v1/jobs/elastic/proposals", {"shares": [9, 3], "apply": True})
+
+        def acked() -> Any:
+            rows: Any = server.get("/api/v1/jobs/elastic/placements")
+            done = [p for p in rows["data"] if p["version"] >= 1 and len(p["acks"]) == 2]
+            return done[0] if done else None
+
+        placement = wait_until(acked, "acks from both ranks", 60, interval=0.3)
+        (out / "crash").touch()  # rank 1 dies; torchrun restarts both workers
         try:
-            wait_until(lambda: _training(server, "elastic", 2), "both ranks to connect and train", 60, interval=0.3)
-            _post(server, "/api/v1/jobs/elastic/proposals", {"shares": [9, 3], "apply": True})
-
-            def acked() -> Any:
-                rows: Any = server.get("/api/v1/jobs/elastic/placements")
-                done = [p for p in rows["data"] if p["version"] >= 1 and len(p["acks"]) == 2]
-                return done[0] if done else None
-
-            placement = wait_until(acked, "acks from both ranks", 60, interval=0.3)
-            (out / "crash").touch()  # rank 1 dies; torchrun restarts both workers
-            try:
-                rc = proc.wait(timeout=150)
-            except subprocess.TimeoutExpired:
-                rc = None
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=30)
-        log = proc.stdout.read() if proc.stdout else ""
-        assert rc == 0, f"rc={rc}\n{log[-6000:]}"
+            rc = proc.wait(timeout=150)
+        except subprocess.TimeoutExpired:
+            rc = None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+    log = proc.stdout.read() if proc.stdout else ""
+    assert rc == 0, f"rc={rc}\n{log[-6000:]}"
     for rank, share in ((0, 9), (1, 3)):
         got = json.loads((out / f"restart{rank}.json").read_text())
         assert got["restart"] == 1
@@ -114,41 +126,40 @@ def test_torchelastic_restart_resumes_the_placement_in_force(tmp_path: Path) -> 
         assert got["local"] == [share] * 6
 
 
-def test_a_run_resumed_from_a_checkpoint_is_one_continuous_job_on_the_backend(tmp_path: Path) -> None:
+def test_a_run_resumed_from_a_checkpoint_is_one_continuous_job_on_the_backend(server: Server, tmp_path: Path) -> None:
     # Issue 10: train to batch 16 with a checkpoint at 14 (hook.state_dict() in it), die,
     # resume to batch 20. The backend files both runs under one job, and the resumed ranks
     # report batches 14 onwards: none restarts at 0.
     ckpt = str(tmp_path / "ckpt.pt")
     plan = "1=2,4,6;5=6,6,0;9=1,10,1;12=5,3,4"
     worker = ["tests/trainer_hook/_exact_worker.py", "--steps", "20", "--plan", plan, "--ckpt", ckpt]
-    with running_server(tmp_path) as server:
-        env = {"REBALANCER_SERVER": server.url, "REBALANCER_JOB": "exact"}  # the worker's job name
-        for run, extra in (("first", ["--save-at", "14", "--save-s", "2"]), ("second", ["--resume"])):
-            (tmp_path / run).mkdir()
-            # The first run dies two batches after its checkpoint, as a crashed job would.
-            run_torchrun(3, [*worker, "--out", str(tmp_path / run), *extra], env=env, timeout=120,
-                         check=run == "second")
+    env = {"REBALANCER_SERVER": server.url, "REBALANCER_JOB": "exact"}  # the worker's job name
+    jobs_before = _job_names(server)
+    for run, extra in (("first", ["--save-at", "14", "--save-s", "2"]), ("second", ["--resume"])):
+        (tmp_path / run).mkdir()
+        # The first run dies two batches after its checkpoint, as a crashed job would.
+        run_torchrun(3, [*worker, "--out", str(tmp_path / run), *extra], env=env, timeout=120,
+                     check=run == "second")
 
-        def reported(rank: int) -> list[int] | None:
-            rows: Any = server.get(f"/api/v1/jobs/exact/metrics?source=live&rank={rank}")
-            got = sorted(p["batch_index"] for p in rows["data"])
-            return got if got and got[-1] == 19 else None
+    def reported(rank: int) -> list[int] | None:
+        rows: Any = server.get(f"/api/v1/jobs/exact/metrics?source=live&rank={rank}")
+        got = sorted(p["batch_index"] for p in rows["data"])
+        return got if got and got[-1] == 19 else None
 
-        for rank in range(3):
-            got = wait_until(lambda rank=rank: reported(rank), f"rank {rank}'s batches up to 19", 30, interval=0.3)
-            # The checkpoint write took 2 s: everything the first run trained before it has
-            # been reported (through the node agent for ranks 1 and 2), once. Batches 14 and
-            # 15 were trained after the checkpoint by the run that died, and again after the
-            # resume (if the first run's reports left before it died).
-            before = [k for k in got if k < 14]
-            assert before == list(range(14)), f"rank {rank}: the first run's batches, each once: {got}"
-            assert all(got.count(k) <= (2 if k in (14, 15) else 1) for k in got), got
-            assert sorted({k for k in got if k >= 14}) == list(range(14, 20)), got
-        ranks: Any = server.get("/api/v1/jobs/exact/ranks")
-        assert [(r["rank"], r["batch_index"], r["placement_version"]) for r in ranks["data"]] == [
-            (0, 19, 2), (1, 19, 2), (2, 19, 2)]
-        jobs: Any = server.get("/api/v1/jobs")
-        assert jobs["count"] == 1, jobs
+    for rank in range(3):
+        got = wait_until(lambda rank=rank: reported(rank), f"rank {rank}'s batches up to 19", 30, interval=0.3)
+        # The checkpoint write took 2 s: everything the first run trained before it has
+        # been reported (through the node agent for ranks 1 and 2), once. Batches 14 and
+        # 15 were trained after the checkpoint by the run that died, and again after the
+        # resume (if the first run's reports left before it died).
+        before = [k for k in got if k < 14]
+        assert before == list(range(14)), f"rank {rank}: the first run's batches, each once: {got}"
+        assert all(got.count(k) <= (2 if k in (14, 15) else 1) for k in got), got
+        assert sorted({k for k in got if k >= 14}) == list(range(14, 20)), got
+    ranks: Any = server.get("/api/v1/jobs/exact/ranks")
+    assert [(r["rank"], r["batch_index"], r["placement_version"]) for r in ranks["data"]] == [
+        (0, 19, 2), (1, 19, 2), (2, 19, 2)]
+    assert _job_names(server) - jobs_before == {"exact"}  # both runs, one job
 
 
 def _median(values: list[float]) -> float:

@@ -5,12 +5,10 @@ from __future__ import annotations
 import copy
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -23,15 +21,6 @@ from trainer_hook.gradients import GradientState, register_comm_hook
 def _offline_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("REBALANCER_SERVER", "REBALANCER_JOB", "REBALANCER_TOKEN", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _data(n: int = 32) -> TensorDataset:

@@ -304,6 +304,19 @@ def test_another_uid_is_refused_by_the_agent(agent: NodeAgent) -> None:
     assert agent.guests == [] and _frames(agent) == []
 
 
+def _rank_gives_up_on_the_agent(job: str, env: dict[str, str]) -> None:
+    """Rank 1 of ``job`` under ``env`` drops the node agent there and dials its own backend
+    itself (a closed port: nothing is sent anywhere)."""
+    own = free_port()
+    t = make_transport(job=job, url=f"http://127.0.0.1:{own}", token="rb_hook_secret_token", hello=_hello(job, 1),
+                       on_message=lambda m: None, env=env, backoff_initial_s=0.05)
+    t.start()
+    try:
+        wait_until(lambda: t.urls == [f"ws://127.0.0.1:{own}/ws/hook"], "the rank gave up on that agent", 10)
+    finally:
+        t.close(timeout=0.5)
+
+
 @root_only
 def test_a_rank_checks_who_listens_before_it_sends_the_secret(shared: Path, spy: Spy,
                                                               caplog: pytest.LogCaptureFixture) -> None:
@@ -323,14 +336,7 @@ def test_a_rank_checks_who_listens_before_it_sends_the_secret(shared: Path, spy:
         Path(path).parent.chmod(0o700)
         run.chmod(0o700)
         caplog.set_level(logging.WARNING)
-        own = free_port()
-        t = make_transport(job="peer", url=f"http://127.0.0.1:{own}", token="rb_hook_secret_token",
-                           hello=_hello("peer", 1), on_message=lambda m: None, env=env, backoff_initial_s=0.05)
-        t.start()
-        try:
-            wait_until(lambda: t.urls == [f"ws://127.0.0.1:{own}/ws/hook"], "the rank gave up on that agent", 10)
-        finally:
-            t.close(timeout=0.5)
+        _rank_gives_up_on_the_agent("peer", env)
     finally:
         out = attacker.kill()
         del os.environ["SPY_URL"]
@@ -358,15 +364,10 @@ def test_a_redirect_from_the_agent_is_never_followed(shared: Path, spy: Spy,
 
     server = unix_serve(serve, path)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    own = free_port()
     caplog.set_level(logging.WARNING)
-    t = make_transport(job="redir", url=f"http://127.0.0.1:{own}", token="rb_hook_secret_token",
-                       hello=_hello("redir", 1), on_message=lambda m: None, env=env, backoff_initial_s=0.05)
-    t.start()
     try:
-        wait_until(lambda: t.urls == [f"ws://127.0.0.1:{own}/ws/hook"], "the rank gave up on that agent", 10)
+        _rank_gives_up_on_the_agent("redir", env)
     finally:
-        t.close(timeout=0.5)
         server.shutdown()
     assert len(seen) == 1 and spy.got == []
     said = [r.getMessage() for r in caplog.records if r.name == "trainer_hook.transport"]

@@ -4,27 +4,15 @@ wrappers on a one-rank gloo group."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.helpers.torchrun import run_torchrun
 from trainer_hook import RebalanceHook
 
 SUPPORTED = "Supported: DistributedDataParallel, FSDP2 (fully_shard) and FSDP1"
-
-
-@pytest.fixture
-def one_rank_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for var in ("REBALANCER_SERVER", "REBALANCER_JOB", "REBALANCER_TOKEN", "WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _tensor_parallel() -> torch.nn.Module:

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.configs import read_ranks, run_configs
-from tests.helpers.torchrun import run_torchrun
+from tests.helpers.configs import run_configs
 from tests.trainer_hook import _sharded_worker as sw
 from tests.trainer_hook._exact_worker import IndexedData, make_optimizer
 from trainer_hook.placement import PlacementSchedule
@@ -21,15 +20,6 @@ WORKER = ["tests/trainer_hook/_sharded_worker.py"]
 STEPS = 14
 # Requested at steps 1, 4 and 7 (one drains rank 1); measured lookahead 1, lag 1, every 2.
 PLAN = "1=3,9;4=12,0;7=7,5"
-
-
-def _run(tmp_path: Path, *extra: str, timeout: float = 150) -> list[dict]:
-    run_torchrun(2, [*WORKER, "--out", str(tmp_path), "--steps", str(STEPS), "--plan", PLAN, *extra], timeout=timeout)
-    return _read(tmp_path)
-
-
-def _read(out: Path) -> list[dict]:
-    return read_ranks(out, 2)
 
 
 def _shared_job(out: Path, configs: list[list[str]], timeout: float) -> list[list[dict]]:
@@ -64,14 +54,25 @@ EXACT_CASES = [("fsdp2", 1, "fsdp2_reduce_scatter"), ("fsdp2", 2, "fsdp2_reduce_
 BATCHNORM = ["--wrap", "ddp", "--batchnorm"]
 
 
+# The three ways to combine torch.compile with DDP (each configuration's extra arguments).
+COMPILED = {"compiled-ddp": [], "ddp-then-compiled": ["--accum", "2"], "ddp-compiled": []}
+
+
 @pytest.fixture(scope="module")
 def exact_runs(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
-    """The exactness cases and the BatchNorm case, in one job."""
+    """The exactness cases, the BatchNorm case and the compiled models, in one job (a job's
+    start imports torch in three processes; the compiled models share what inductor compiled
+    for the first, and each compiles from dynamo's fresh state: ``_sharded_worker.train``)."""
     configs = [["--wrap", wrap, "--accum", str(accum)] for wrap, accum, _ in EXACT_CASES] + [BATCHNORM]
-    return _shared_job(tmp_path_factory.mktemp("sharded-exact"), configs, timeout=250)
+    configs += [["--wrap", wrap, *extra] for wrap, extra in COMPILED.items()]
+    return _shared_job(tmp_path_factory.mktemp("sharded-exact"), configs, timeout=420)
 
 
-@pytest.mark.timeout(300)
+def _compiled(runs: list[list[dict]], wrap: str) -> list[dict]:
+    return runs[len(EXACT_CASES) + 1 + list(COMPILED).index(wrap)]
+
+
+@pytest.mark.timeout(480)  # the first test sets up exact_runs
 @pytest.mark.parametrize(("wrap", "accum", "mechanism"), EXACT_CASES)
 def test_sharded_models_are_exact_under_changing_placements(exact_runs: list[list[dict]], wrap: str, accum: int,
                                                             mechanism: str) -> None:
@@ -94,7 +95,7 @@ def test_sharded_models_are_exact_under_changing_placements(exact_runs: list[lis
                     (r["comm_ms"], r["sync_wait_ms"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_a_drained_rank_leaves_batch_norm_statistics_alone(exact_runs: list[list[dict]]) -> None:
     # A drained rank trains a one-sample dummy batch (weight 0): BatchNorm1d refused it
     # in training mode, and any norm would fold it into its running statistics. The hook
@@ -108,34 +109,34 @@ def test_a_drained_rank_leaves_batch_norm_statistics_alone(exact_runs: list[list
     assert ranks[0]["bn"]["tracked"] == STEPS
 
 
-@pytest.mark.timeout(400)
-def test_compiled_ddp_recompiles_once_per_new_shape_kind_and_stays_exact(tmp_path: Path) -> None:
+@pytest.mark.timeout(480)
+def test_compiled_ddp_recompiles_once_per_new_shape_kind_and_stays_exact(exact_runs: list[list[dict]]) -> None:
     # DDP(torch.compile(model)), CPU inductor. Dynamo compiles for the first batch size,
     # recompiles once with a dynamic batch dimension at the first new split, and reuses
     # that graph for every later split; a drained rank's one-sample dummy batch is one
     # more graph (dynamo specialises size 1). Measured: rank 0 2 graphs, rank 1 3.
-    ranks = _run(tmp_path, "--wrap", "compiled-ddp", timeout=360)
+    ranks = _compiled(exact_runs, "compiled-ddp")
     assert [r["graphs"] for r in ranks] == [2, 3]
     assert ranks[0]["shares"] == [[6, 6], [3, 9], [12, 0], [7, 5]]
     _check_params(ranks[0], _replay(STEPS))
 
 
-@pytest.mark.timeout(400)
-def test_a_ddp_model_compiled_after_attach_is_exact_with_accumulation(tmp_path: Path) -> None:
+@pytest.mark.timeout(480)
+def test_a_ddp_model_compiled_after_attach_is_exact_with_accumulation(exact_runs: list[list[dict]]) -> None:
     # torch.compile(DDP(model)) with hook.attach(ddp_model) first, two micro-batches per
     # step under no_sync(). Placement changes must not recompile per split: at most as many
     # graphs as DDP(torch.compile(model)) above (here dynamo breaks at DDP's forward and
     # compiles none of it; measured 0 graphs on each rank, torch 2.13 CPU).
-    ranks = _run(tmp_path, "--wrap", "ddp-then-compiled", "--accum", "2", timeout=360)
+    ranks = _compiled(exact_runs, "ddp-then-compiled")
     assert [r["gradients"] for r in ranks] == ["ddp_comm_hook"] * 2
     assert ranks[0]["graphs"] <= 2 and ranks[1]["graphs"] <= 3
     assert ranks[0]["shares"] == [[6, 6], [3, 9], [12, 0], [7, 5]]
     _check_params(ranks[0], _replay(STEPS))
 
 
-@pytest.mark.timeout(200)
-def test_attach_takes_a_ddp_model_already_compiled(tmp_path: Path) -> None:
-    ranks = _run(tmp_path, "--wrap", "ddp-compiled")
+@pytest.mark.timeout(480)
+def test_attach_takes_a_ddp_model_already_compiled(exact_runs: list[list[dict]]) -> None:
+    ranks = _compiled(exact_runs, "ddp-compiled")
     assert [r["gradients"] for r in ranks] == ["ddp_comm_hook"] * 2
     _check_params(ranks[0], _replay(STEPS))
 

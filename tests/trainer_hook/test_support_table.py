@@ -6,7 +6,7 @@ and attached; a row that needs several ranks or a framework names the test that 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,17 +33,6 @@ def table_rows() -> list[list[str]]:
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
         rows.append(cells)
     return rows
-
-
-@pytest.fixture
-def one_rank_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for var in ("REBALANCER_SERVER", "REBALANCER_JOB", "REBALANCER_TOKEN", "WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _attach(model: torch.nn.Module, *, gradients: str = "auto", **hook_kwargs: object) -> str:

@@ -7,31 +7,26 @@ operator actions sent to it to A, which applies and audits each once."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.helpers.require import unavailable
+from tests.helpers.cluster import (
+    REDIS_URL,
+    Replicas,
+    redis_or_skip,
+    redis_under_prefix,
+    running_replicas,
+)
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
-
-try:
-    import redis
-except ImportError:
-    unavailable("the redis package is not installed (pip install 'torch-rebalancer[cluster]')", module=True)
-try:
-    redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
-except (redis.RedisError, OSError) as exc:
-    unavailable(f"Redis at {REDIS_URL} is unreachable: {exc}", module=True)
+redis = redis_or_skip()
 
 from websockets.sync.client import connect  # noqa: E402
 
 from tests.helpers.fake_fleet import FakeFleet, FakeJob  # noqa: E402
 from tests.helpers.ports import free_port  # noqa: E402
-from tests.helpers.postgres import pg_schema  # noqa: E402
-from tests.helpers.server import Server, running_server  # noqa: E402
+from tests.helpers.server import Server  # noqa: E402
 from tests.helpers.waiting import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
@@ -42,8 +37,9 @@ BASE = f"/api/v1/jobs/{JOB}"
 
 
 class Pair:
-    def __init__(self, a: Server, b: Server, fleet: FakeFleet, prefix: str, client: redis.Redis):
-        self.a, self.b, self.fleet, self.prefix, self.redis = a, b, fleet, prefix, client
+    def __init__(self, replicas: Replicas, fleet: FakeFleet):
+        self.a, self.b, self.fleet, self.prefix, self.redis = replicas.a, replicas.b, fleet, replicas.prefix, replicas.redis
+        self.log = replicas.log
 
     def get(self, server: Server, path: str) -> Any:
         status, body = server.call("GET", path, ADMIN)
@@ -59,46 +55,18 @@ class Pair:
         [line] = [x for x in text.splitlines() if x.startswith(f'{name}{{outcome="{outcome}"}} ')]
         return float(line.split()[-1])
 
-    def log(self) -> str:
-        return f"--- A ---\n{self.a.log()[-3000:]}\n--- B ---\n{self.b.log()[-3000:]}"
-
-
-def _env(prefix: str, port: int) -> dict[str, str]:
-    return {
-        "REBALANCER_ADMIN_TOKEN": ADMIN,
-        "REBALANCER_REDIS_URL": REDIS_URL,
-        "REBALANCER_REDIS_PREFIX": prefix,
-        "REBALANCER_LEASE_TTL_S": "3",
-        "REBALANCER_ADVERTISE_URL": f"ws://127.0.0.1:{port}",
-        "REBALANCER_FANOUT_INTERVAL_S": "0.2",
-        "REBALANCER_DEFAULT_MODE": "approve",
-    }
-
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    tmp = tmp_path_factory.mktemp("fanout")
-    prefix = f"rebalancer-test-{uuid.uuid4().hex[:10]}"
-    client = redis.Redis.from_url(REDIS_URL)
-    port_a, port_b = free_port(), free_port()
-    try:
-        with pg_schema() as db_url, \
-                running_server(tmp, db_url=db_url, port=port_a, env=_env(prefix, port_a)) as a, \
-                running_server(tmp, db_url=db_url, port=port_b, env=_env(prefix, port_b)) as b:
-            fleet = FakeFleet(a.ws_url, ADMIN)
-            try:
-                fleet.add(FakeJob(JOB, ["cpu", "cpu"], [1.0, 2.0], 32), 20)
-                p = Pair(a, b, fleet, prefix, client)
-                assert client.get(f"{prefix}:lease:{JOB}") is not None
-                yield p
-            finally:
-                fleet.close()
-            for server in (a, b):
-                assert "Traceback" not in server.log(), server.log()[-5000:]
-    finally:
-        for key in client.scan_iter(f"{prefix}:*"):
-            client.delete(key)
-        client.close()
+    env = {"REBALANCER_ADMIN_TOKEN": ADMIN, "REBALANCER_FANOUT_INTERVAL_S": "0.2", "REBALANCER_DEFAULT_MODE": "approve"}
+    with running_replicas(tmp_path_factory.mktemp("fanout"), env, ttl_s=3) as replicas:
+        fleet = FakeFleet(replicas.a.ws_url, ADMIN)
+        try:
+            fleet.add(FakeJob(JOB, ["cpu", "cpu"], [1.0, 2.0], 32), 20)
+            assert replicas.lease(JOB) is not None
+            yield Pair(replicas, fleet)
+        finally:
+            fleet.close()
 
 
 def _frames(ws: Any, until: Any, what: str, limit: int = 200) -> dict[str, Any]:
@@ -289,10 +257,8 @@ def test_a_bad_snapshot_on_redis_costs_only_its_own_job_one_update() -> None:
 
     from backend.cluster import LiveFanout
 
-    prefix = f"rebalancer-test-{uuid.uuid4().hex[:10]}"
-    client = redis.Redis.from_url(REDIS_URL)
     watcher = _watcher_with_a_copy()  # holds a good copy of job 'j'
-    try:
+    with redis_under_prefix() as (prefix, client):
         client.set(f"{prefix}:live:bad", "[" * 100_000 + "]" * 100_000, px=60_000)  # nested past recursion
         client.set(f"{prefix}:live:worse", json.dumps({"job": "worse", "seq": "1"}), px=60_000)
 
@@ -306,10 +272,6 @@ def test_a_bad_snapshot_on_redis_costs_only_its_own_job_one_update() -> None:
             await fanout.stop()
         asyncio.run(run())
         assert watcher.remote_jobs() == {"j"} and watcher.savings("j") is not None
-    finally:
-        for key in client.scan_iter(f"{prefix}:*"):
-            client.delete(key)
-        client.close()
 
 
 def test_every_replica_lists_every_job_of_the_cluster_in_its_fleet(pair: Pair) -> None:
@@ -352,17 +314,15 @@ def test_a_bad_or_stale_fleet_entry_on_redis_costs_only_its_own_job() -> None:
     from backend.cluster import LiveFanout
     from tests.backend.test_hub import _feed, _hub, _register, _services
 
-    prefix = f"rebalancer-test-{uuid.uuid4().hex[:10]}"
-    client = redis.Redis.from_url(REDIS_URL)
-    svc = _services()
-    _register(svc.live)
-    for b in range(5):
-        _feed(svc.live, b)
-    owner, watcher = _hub(svc), _hub(_services())
-    owner.notify("j")
-    owner.tick()
-    key = f"{prefix}:fleet"
-    try:
+    with redis_under_prefix() as (prefix, client):
+        svc = _services()
+        _register(svc.live)
+        for b in range(5):
+            _feed(svc.live, b)
+        owner, watcher = _hub(svc), _hub(_services())
+        owner.notify("j")
+        owner.tick()
+        key = f"{prefix}:fleet"
         good = {"replica": "c", "t": time.time(), "summary": {"job": "k"}, "row": {
             "job": "k", "status": "running", "status_detail": "", "mode": "auto", "world_size": 4,
             "connected_ranks": 4, "devices": [["H100", 4]], "wasted_ms": 0.0, "step_ms": 100.0,
@@ -400,10 +360,6 @@ def test_a_bad_or_stale_fleet_entry_on_redis_costs_only_its_own_job() -> None:
         # /metrics' fleet series stay each replica's own jobs (summed over replicas: once each).
         assert [r["job"] for r in owner.fleet(own=True)["data"]] == ["j"]
         assert watcher.fleet(own=True)["totals"]["jobs"] == 0
-    finally:
-        for k in client.scan_iter(f"{prefix}:*"):
-            client.delete(k)
-        client.close()
 
 
 def test_every_replica_says_which_replica_owns_the_job(pair: Pair) -> None:

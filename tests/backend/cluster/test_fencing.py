@@ -17,32 +17,20 @@ import signal
 import threading
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.helpers.require import unavailable
+from tests.helpers.cluster import Replicas, redis_or_skip, running_replicas
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
-
-try:
-    import redis
-except ImportError:
-    unavailable("the redis package is not installed (pip install 'torch-rebalancer[cluster]')", module=True)
-try:
-    redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
-except (redis.RedisError, OSError) as exc:
-    unavailable(f"Redis at {REDIS_URL} is unreachable: {exc}", module=True)
+redis_or_skip()
 
 from sqlalchemy import create_engine, text  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
 from tests.backend._app import hello  # noqa: E402
-from tests.helpers.ports import free_port  # noqa: E402
-from tests.helpers.postgres import pg_schema  # noqa: E402
-from tests.helpers.server import Server, running_server  # noqa: E402
+from tests.helpers.server import Server  # noqa: E402
 from tests.helpers.waiting import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
@@ -51,14 +39,7 @@ ADMIN = "fencing-admin-secret-0123456789ab"
 TTL_S = 2.0
 
 
-class Pair:
-    def __init__(self, a: Server, b: Server, prefix: str, client: redis.Redis, db_url: str):
-        self.a, self.b, self.prefix, self.redis, self.db_url = a, b, prefix, client, db_url
-
-    def lease(self, job: str) -> str | None:
-        rid = self.redis.get(f"{self.prefix}:lease:{job}")
-        return rid.decode() if rid is not None else None
-
+class Pair(Replicas):
     def epoch(self, job: str) -> int:
         return int(self.redis.get(f"{self.prefix}:epoch:{job}") or 0)
 
@@ -67,44 +48,12 @@ class Pair:
                  if self.redis.get(k) == server.ws_url.encode()]
         return key.rsplit(":", 1)[1]
 
-    def log(self) -> str:
-        return f"--- A ---\n{self.a.log()[-3000:]}\n--- B ---\n{self.b.log()[-3000:]}"
-
-
-def _env(prefix: str, port: int) -> dict[str, str]:
-    return {
-        "REBALANCER_ADMIN_TOKEN": ADMIN,
-        "REBALANCER_REDIS_URL": REDIS_URL,
-        "REBALANCER_REDIS_PREFIX": prefix,
-        "REBALANCER_LEASE_TTL_S": str(TTL_S),
-        "REBALANCER_ADVERTISE_URL": f"ws://127.0.0.1:{port}",
-        "REBALANCER_DEFAULT_MODE": "approve",
-        "REBALANCER_PERSIST_INTERVAL_S": "0.5",
-    }
-
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    tmp = tmp_path_factory.mktemp("fencing")
-    prefix = f"rebalancer-test-{uuid.uuid4().hex[:10]}"
-    client = redis.Redis.from_url(REDIS_URL)
-    port_a, port_b = free_port(), free_port()
-    try:
-        with pg_schema() as db_url, \
-                running_server(tmp, db_url=db_url, port=port_a, env=_env(prefix, port_a)) as a, \
-                running_server(tmp, db_url=db_url, port=port_b, env=_env(prefix, port_b)) as b:
-            try:
-                yield Pair(a, b, prefix, client, db_url)
-            finally:
-                for server in (a, b):  # never leave a replica stopped: it could not shut down
-                    if server.proc.poll() is None:
-                        os.kill(server.proc.pid, signal.SIGCONT)
-            for server in (a, b):
-                assert "Traceback" not in server.log(), server.log()[-5000:]
-    finally:
-        for key in client.scan_iter(f"{prefix}:*"):
-            client.delete(key)
-        client.close()
+    env = {"REBALANCER_ADMIN_TOKEN": ADMIN, "REBALANCER_DEFAULT_MODE": "approve", "REBALANCER_PERSIST_INTERVAL_S": "0.5"}
+    with running_replicas(tmp_path_factory.mktemp("fencing"), env, ttl_s=TTL_S) as replicas:
+        yield Pair(**vars(replicas))
 
 
 def _call(server: Server, method: str, path: str, body: object = None, timeout: float = 60.0) -> tuple[int, Any]:

@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 
+from tests.helpers.cluster import REDIS_URL, key_prefix, redis_or_skip
 from tests.helpers.ports import free_port
-from tests.helpers.require import unavailable
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
-
-try:
-    import redis
-except ImportError:
-    unavailable("the redis package is not installed (pip install 'torch-rebalancer[cluster]')", module=True)
-try:
-    redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
-except (redis.RedisError, OSError) as exc:
-    unavailable(f"Redis at {REDIS_URL} is unreachable: {exc}", module=True)
+redis = redis_or_skip()
 
 from backend.cluster import JobLeases  # noqa: E402
-
-
-def _prefix() -> str:
-    return f"rebalancer-test-{uuid.uuid4().hex[:10]}"
 
 
 def _replica(prefix: str, name: str, *, url: str = REDIS_URL, ttl_s: float = 1.0) -> JobLeases:
@@ -33,7 +19,7 @@ def _replica(prefix: str, name: str, *, url: str = REDIS_URL, ttl_s: float = 1.0
 
 def test_one_owner_at_a_time_and_the_others_find_its_url() -> None:
     async def run() -> None:
-        prefix = _prefix()
+        prefix = key_prefix()
         a, b = _replica(prefix, "a"), _replica(prefix, "b")
         await a.start()
         await b.start()
@@ -54,7 +40,7 @@ def test_one_owner_at_a_time_and_the_others_find_its_url() -> None:
 
 def test_a_dead_owner_loses_the_job_within_its_ttl() -> None:
     async def run() -> None:
-        prefix = _prefix()
+        prefix = key_prefix()
         a, b = _replica(prefix, "a"), _replica(prefix, "b")
         assert await a.acquire("bert")  # a never starts its renew loop: as if SIGKILLed
         loop = asyncio.get_running_loop()
@@ -72,7 +58,7 @@ def test_a_dead_owner_loses_the_job_within_its_ttl() -> None:
 
 def test_redis_down_pauses_control_with_a_reason() -> None:
     async def run() -> None:
-        dead = _replica(_prefix(), "c", url=f"redis://127.0.0.1:{free_port()}/0")
+        dead = _replica(key_prefix(), "c", url=f"redis://127.0.0.1:{free_port()}/0")
         await dead.start()
         assert not await dead.acquire("gpt")
         status = dead.status()
@@ -87,10 +73,10 @@ def test_bad_settings_and_job_names_are_refused() -> None:
     import pytest
 
     with pytest.raises(ValueError, match="REBALANCER_LEASE_TTL_S must be between 1 and 300 seconds, got 0.1."):
-        _replica(_prefix(), "d", ttl_s=0.1)
+        _replica(key_prefix(), "d", ttl_s=0.1)
 
     async def run() -> None:
-        leases = _replica(_prefix(), "e")
+        leases = _replica(key_prefix(), "e")
         with pytest.raises(ValueError, match="job name must be 1 to 256 characters, got 0."):
             await leases.acquire("")
         await leases.stop()
@@ -106,11 +92,11 @@ def test_healthz_says_whether_the_cluster_controls(tmp_path) -> None:  # type: i
 
     with TestClient(make_app(tmp_path / "one")) as client:  # the default: one replica, no Redis
         assert client.get("/healthz").json()["cluster"] == "off"
-    with TestClient(make_app(tmp_path, redis_url=REDIS_URL, redis_prefix=_prefix())) as client:
+    with TestClient(make_app(tmp_path, redis_url=REDIS_URL, redis_prefix=key_prefix())) as client:
         body = client.get("/healthz").json()
         assert body["cluster"] == "ok" and body["status"] == "ok"
     dead = f"redis://127.0.0.1:{free_port()}/0"
-    with TestClient(make_app(tmp_path, redis_url=dead, redis_prefix=_prefix())) as client:
+    with TestClient(make_app(tmp_path, redis_url=dead, redis_prefix=key_prefix())) as client:
         reply = client.get("/healthz")
         assert reply.status_code == 200  # ingest and dashboards go on; only control pauses
         assert reply.json()["cluster"].startswith("paused: Redis unreachable (")
@@ -126,7 +112,7 @@ def test_stop_ends_the_renewals_even_when_a_cancel_lands_mid_command() -> None:
     import random
 
     async def run() -> None:
-        prefix = _prefix()
+        prefix = key_prefix()
         client = redis.asyncio.Redis.from_url(REDIS_URL)
         for i in range(30):
             a = _replica(prefix, f"r{i}")
@@ -147,7 +133,7 @@ def test_stop_ends_the_renewals_even_when_a_cancel_lands_mid_command() -> None:
 
 def test_each_take_over_gets_a_higher_epoch_and_only_the_holder_raises_it() -> None:
     async def run() -> None:
-        prefix = _prefix()
+        prefix = key_prefix()
         client = redis.asyncio.Redis.from_url(REDIS_URL)
         a, b = _replica(prefix, "a"), _replica(prefix, "b")
         assert await a.acquire("opt") and a.epoch("opt") == 1

@@ -4,20 +4,10 @@ hooks and its control; the other sends hooks to the owner and refuses operator a
 from __future__ import annotations
 
 import json
-import uuid
 
-from tests.helpers.require import unavailable
+from tests.helpers.cluster import REDIS_URL, key_prefix, redis_or_skip
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
-
-try:
-    import redis
-except ImportError:
-    unavailable("the redis package is not installed (pip install 'torch-rebalancer[cluster]')", module=True)
-try:
-    redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
-except (redis.RedisError, OSError) as exc:
-    unavailable(f"Redis at {REDIS_URL} is unreachable: {exc}", module=True)
+redis = redis_or_skip()
 
 import pytest  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
@@ -28,7 +18,7 @@ from tests.backend._app import hello, make_app  # noqa: E402
 
 
 def test_a_hello_at_the_non_owner_is_sent_to_the_owner(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    prefix = f"rebalancer-test-{uuid.uuid4().hex[:10]}"
+    prefix = key_prefix()
     common = {"redis_url": REDIS_URL, "redis_prefix": prefix, "lease_ttl_s": 5.0}
     a = make_app(tmp_path, advertise_url="ws://a.example:8001", **common)
     b = make_app(tmp_path, advertise_url="ws://b.example:8002", **common)
@@ -66,7 +56,7 @@ def test_a_bad_advertise_url_is_refused_at_start_up() -> None:
 
 
 def test_the_replica_that_takes_a_job_over_reads_it_from_the_store_of_record(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    prefix = f"rebalancer-test-{uuid.uuid4().hex[:10]}"
+    prefix = key_prefix()
     common = {"redis_url": REDIS_URL, "redis_prefix": prefix, "lease_ttl_s": 5.0}
     b = make_app(tmp_path, advertise_url="ws://b.example:8002", **common)
     with TestClient(b) as cb:
@@ -89,7 +79,7 @@ def test_the_replica_that_takes_a_job_over_reads_it_from_the_store_of_record(tmp
 
 
 def test_hooks_of_a_job_another_replica_took_are_sent_there(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    prefix = f"rebalancer-test-{uuid.uuid4().hex[:10]}"
+    prefix = key_prefix()
     a = make_app(tmp_path, advertise_url="ws://a.example:8001", redis_url=REDIS_URL, redis_prefix=prefix,
                  lease_ttl_s=1.0)
     client = redis.Redis.from_url(REDIS_URL)
@@ -117,7 +107,7 @@ def test_with_redis_down_a_hello_is_taken_and_control_pauses(tmp_path) -> None: 
     from tests.helpers.ports import free_port
 
     app = make_app(tmp_path, redis_url=f"redis://127.0.0.1:{free_port()}/0",
-                   redis_prefix=f"rebalancer-test-{uuid.uuid4().hex[:10]}")
+                   redis_prefix=key_prefix())
     with TestClient(app) as c, c.websocket_connect("/ws/hook") as ws:
         ws.send_text(hello("t5", rank=0))
         assert json.loads(ws.receive_text())["type"] == "placement"  # training goes on
