@@ -36,6 +36,7 @@ from backend.storage.summaries import (
     save_summary,
 )
 from backend.storage.writes import WriteBuffer, database_fault
+from backend.tasks import cancel_and_wait
 from rebalancer_wire.protocol import CLOSE_TRY_AGAIN_LATER
 
 if TYPE_CHECKING:
@@ -71,10 +72,7 @@ class Every:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
 
 class Persistence:
@@ -266,9 +264,7 @@ class JobLifecycle:
         if self._report_tasks:
             await asyncio.wait(set(self._report_tasks), timeout=10)
             for t in list(self._report_tasks):  # still waiting for the database: give up
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+                await cancel_and_wait(t)
 
     def forget_job(self, job: str) -> bool:
         """Drop a job without connected ranks from memory (live state, control state, its

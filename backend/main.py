@@ -33,6 +33,7 @@ from backend.api.routes import (
 )
 from backend.parts import Parts, build_parts
 from backend.settings import Settings
+from backend.tasks import cancel_and_wait
 
 __all__ = ["create_app"]
 
@@ -78,10 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
-            if collector is not None:
-                collector.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await collector
+            await cancel_and_wait(collector)
             if thresholds is not None:
                 gc.set_threshold(*thresholds)
             await parts.stop()

@@ -52,7 +52,7 @@ def test_nothing_below_the_routes_and_the_wiring_imports_them():
 # replicas; ingest, the hooks' conversation, drives all of them.
 LAYERS: list[tuple[str, ...]] = [
     ("backend", "backend.modes", "backend.assets", "backend.heap", "backend.redact",
-     "backend.metrics_contract", "backend.process"),
+     "backend.metrics_contract", "backend.process", "backend.tasks"),
     ("backend.policy",),
     ("backend.settings",),
     ("backend.live",),

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from backend.tasks import cancel_and_wait
+
 __all__ = ["pause", "end"]
 
 
@@ -21,7 +23,4 @@ async def pause(stopping: asyncio.Event, seconds: float) -> None:
 async def end(stopping: asyncio.Event, task: asyncio.Task[None] | None) -> None:
     """Set ``stopping``, cancel ``task`` and wait until it is done."""
     stopping.set()
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    await cancel_and_wait(task)

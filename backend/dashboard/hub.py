@@ -53,6 +53,7 @@ from backend.peers.budget import (
     FrameBudget,
 )
 from backend.settings import Settings
+from backend.tasks import cancel_and_wait
 from rebalancer_wire.protocol import CLOSE_RATE_LIMITED
 
 __all__ = ["DashboardHub", "JobChanges", "ControlRead", "CostFitRead"]
@@ -160,10 +161,7 @@ class DashboardHub:
     async def stop(self) -> None:
         """Stop the ticker; connected clients are closed by the server's shutdown."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _run(self) -> None:
         while True:
