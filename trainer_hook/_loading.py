@@ -28,38 +28,18 @@ class Loading:
         self._loop = loop
         self._start = start  # the placement agreed at start-up, before the sampler's first batch
 
-    def data_loader(
-        self,
-        dataset: Sized,
-        *,
-        batch_size: int | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-        sample_cost: SampleCost | None = None,
-        sample_length: SampleCost | None = None,
-        **loader_kwargs: Any,
-    ) -> DataLoader[Any]:
-        """``hook.data_loader``: a HookDataLoader over a new batch sampler."""
+    def data_loader(self, dataset: Sized, sampler: RebalanceBatchSampler, depth: int,
+                    loader_kwargs: dict[str, Any]) -> DataLoader[Any]:
+        """``hook.data_loader``: a HookDataLoader over ``sampler`` (from ``batch_sampler``) that
+        prefetches ``depth`` batches (``check_loader_args``)."""
         from trainer_hook.loader import HookDataLoader
 
-        depth = check_loader_args(self._config, batch_size, loader_kwargs)
-        sampler = self.batch_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                     sample_cost=sample_cost, sample_length=sample_length)
         loader = HookDataLoader(dataset, sampler, phases=self._phases, **loader_kwargs)
         self._loop.known_lookahead = max(self._loop.known_lookahead, depth + 1)
         return loader
 
-    def batch_sampler(
-        self,
-        dataset: Sized | int,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-        *,
-        sample_cost: SampleCost | None = None,
-        sample_length: SampleCost | None = None,
-    ) -> RebalanceBatchSampler:
+    def batch_sampler(self, dataset: Sized | int, *, shuffle: bool, seed: int, drop_last: bool,
+                      sample_cost: SampleCost | None, sample_length: SampleCost | None) -> RebalanceBatchSampler:
         """``hook.batch_sampler``: this rank's sampler, handed to the step loop."""
         if self._config.micro_batches is not None:
             raise ValueError(

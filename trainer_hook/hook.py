@@ -397,10 +397,11 @@ class RebalanceHook:
         ``batch_size`` may only repeat the hook's ``global_batch_size`` (each rank's batch
         is its share of it); ``sampler`` and ``batch_sampler`` are the hook's.
         """
-        check_loader_args(self.config, batch_size, loader_kwargs)  # before the process group is needed
-        return self._init_distributed("hook.batch_sampler()").loading.data_loader(
-            dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, sample_cost=sample_cost,
-            sample_length=sample_length, **loader_kwargs)
+        depth = check_loader_args(self.config, batch_size, loader_kwargs)  # before the process group is needed
+        loading = self._init_distributed("hook.batch_sampler()").loading
+        sampler = loading.batch_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                        sample_cost=sample_cost, sample_length=sample_length)
+        return loading.data_loader(dataset, sampler, depth, loader_kwargs)
 
     def batch_sampler(
         self,
