@@ -13,12 +13,7 @@ from sqlalchemy.orm import Session
 
 from backend.control import inputs, records
 from backend.control.core import MODES, ActorLike, JobStore
-from backend.control.errors import (
-    ConflictError,
-    InvalidError,
-    NotFoundError,
-    StateError,
-)
+from backend.control.errors import ConflictError, InvalidError, NotFoundError, StateError
 from backend.control.models import check_policy_changes
 from backend.control.read_model import ReadModel
 from backend.control.rollout import Rollout

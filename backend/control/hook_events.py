@@ -14,10 +14,7 @@ from sqlalchemy.orm import Session
 
 from backend.control import inputs, records
 from backend.control.core import SYSTEM, JobState, JobStore
-from backend.control.errors import (
-    FencedError,
-    InvalidError,
-)
+from backend.control.errors import FencedError, InvalidError
 from backend.control.policy_loop import PolicyLoop
 from backend.control.rollout import Rollout
 from backend.control.scheduling import PolicyScheduler
@@ -120,23 +117,12 @@ class HookEvents:
 
     async def on_ack(self, ack: Ack) -> None:
         """Record the batch index at which a rank applied a version; all acked -> applied."""
-        st = await self.store.load(ack.job)
-        if st is None:
-            return
-        async with st.lock:
-            def work(s: Session) -> bool:
-                row = db.get_placement(s, ack.job, ack.version)
-                if row is None:
-                    return False
-                self.rollout.record_acks(s, st, row, {ack.rank: ack.batch_index})
-                s.commit()
-                self.store.read_facts(s, st)
-                return True
+        def change(s: Session, st: JobState, row: db.PlacementRow) -> None:
+            self.rollout.record_acks(s, st, row, {ack.rank: ack.batch_index})
+            s.commit()
 
-            if not await self.store.sql(work):
-                log.warning("ack for unknown placement %s of job %s", ack.version, ack.job)
-                return
-            self.store.publish(st)
+        if await self._on_placement(ack.job, ack.version, change) is False:
+            log.warning("ack for unknown placement %s of job %s", ack.version, ack.job)
 
     async def run_ended(self, job: str) -> None:
         """Every rank of ``job`` said goodbye: wait for a policy run or an operator's action
@@ -212,27 +198,40 @@ class HookEvents:
 
     async def on_reject(self, reject: Reject) -> None:
         """A rank refused a placement: mark it and its proposal failed, with the reason."""
-        st = await self.store.load(reject.job)
-        if st is None:
-            return
-        async with st.lock:
-            def work(s: Session) -> None:
-                row = db.get_placement(s, reject.job, reject.version)
-                if row is None:
-                    return
-                if not row.failed:
-                    records.fail_placement(s, row, rank=reject.rank, reason=reject.reason, actor=SYSTEM)
-                s.commit()
-                if st.version == reject.version:
-                    prev = db.latest_placement(s, reject.job)
-                    if prev is not None:
-                        st.version, st.shares = prev.version, list(prev.shares)
-                        st.follow(prev)
-                        st.measured = True  # do not re-measure (or roll back) the restored one
-                self.store.read_facts(s, st)
+        def change(s: Session, st: JobState, row: db.PlacementRow) -> None:
+            if not row.failed:
+                records.fail_placement(s, row, rank=reject.rank, reason=reject.reason, actor=SYSTEM)
+            s.commit()
+            if st.version == reject.version:
+                prev = db.latest_placement(s, reject.job)
+                if prev is not None:
+                    st.version, st.shares = prev.version, list(prev.shares)
+                    st.follow(prev)
+                    st.measured = True  # do not re-measure (or roll back) the restored one
 
-            await self.store.sql(work)
-            self.store.publish(st)
+        await self._on_placement(reject.job, reject.version, change)
+
+    async def _on_placement(self, job: str, version: int,
+                            change: Callable[[Session, JobState, db.PlacementRow], None]) -> bool | None:
+        """A hook's answer to placement ``version`` of ``job``: under the job's lock, ``change``
+        on its row (which commits), then the job's facts re-read and published. None: the job
+        is unknown; False: the placement is (nothing changes)."""
+        st = await self.store.load(job)
+        if st is None:
+            return None
+        async with st.lock:
+            def work(s: Session) -> bool:
+                row = db.get_placement(s, job, version)
+                if row is None:
+                    return False
+                change(s, st, row)
+                self.store.read_facts(s, st)
+                return True
+
+            found: bool = await self.store.sql(work)
+            if found:
+                self.store.publish(st)
+            return found
 
 
 def _audit_restart(hello: Hello, previous: int) -> Callable[[Session], None]:
