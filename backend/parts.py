@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
@@ -50,50 +51,46 @@ def init_db(engine: Engine) -> None:
     upgrade(engine)
 
 
+@dataclass(kw_only=True, eq=False)
 class Parts:
     """Everything one app's requests and background tasks use. The methods forward to the
     background jobs (``backend.loops``) that the routes and ingest call."""
 
-    def __init__(self, *, settings: Settings, engine: Engine, sql: SqlGateway, live: LiveState,
-                 connections: HookConnections, auth: AuthService, sockets: TokenSockets,
-                 controller: Controller, hub: DashboardHub, reports: RunReports,
-                 exporter: MetricsExporter, writes: WriteBuffer, storage: StorageHealth,
-                 persistence: Persistence, lifecycle: JobLifecycle, revocations: Revocations,
-                 background: Background, cluster: JobLeases | None = None,
-                 fanout: LiveFanout | None = None, forwarder: Forwarder | None = None,
-                 hand_over: HandOver | None = None):
-        self.settings = settings
-        self.engine = engine
-        self.sql = sql
-        self.live = live
-        self.connections = connections
-        self.auth = auth
-        self.sockets = sockets
-        self.controller = controller
-        self.hub = hub
-        self.writes = writes  # metric windows on their way to SQL, kept through faults
-        self.storage = storage  # whether the database takes writes (/healthz)
-        self.cluster = cluster  # job leases on Redis; None: one replica (the default)
-        self.fanout = fanout  # other owners' dashboards shown here, ours stored for them
-        self.forwarder = forwarder  # operator actions sent on to a job's owner; None: 409
-        self.hand_over = hand_over  # a job another replica took: its hooks sent there
-        self.reports = reports
-        self.exporter = exporter
-        self.persistence = persistence
-        self.lifecycle = lifecycle
-        self.background = background
+    settings: Settings
+    engine: Engine
+    sql: SqlGateway
+    live: LiveState
+    connections: HookConnections
+    auth: AuthService
+    sockets: TokenSockets
+    controller: Controller
+    hub: DashboardHub
+    reports: RunReports
+    exporter: MetricsExporter
+    writes: WriteBuffer  # metric windows on their way to SQL, kept through faults
+    storage: StorageHealth  # whether the database takes writes (/healthz)
+    persistence: Persistence
+    lifecycle: JobLifecycle
+    revocations: Revocations
+    background: Background
+    cluster: JobLeases | None = None  # job leases on Redis; None: one replica (the default)
+    fanout: LiveFanout | None = None  # other owners' dashboards shown here, ours stored for them
+    forwarder: Forwarder | None = None  # operator actions sent on to a job's owner; None: 409
+    hand_over: HandOver | None = None  # a job another replica took: its hooks sent there
+
+    def __post_init__(self) -> None:
         # What the routes, ingest and the tests call, forwarded (written once, here).
-        self.flush_metrics = persistence.flush_metrics
-        self.persist_now = persistence.persist_now
-        self.close_revoked = revocations.close_revoked
-        self.summary = lifecycle.summary
-        self.store_report = lifecycle.store_report
-        self.run_ended = lifecycle.run_ended
-        self.make_room = lifecycle.make_room
-        self.forget_job = lifecycle.forget_job
-        self.forget_idle_jobs = lifecycle.forget_idle_jobs
-        self.start = background.start
-        self.stop = background.stop
+        self.flush_metrics = self.persistence.flush_metrics
+        self.persist_now = self.persistence.persist_now
+        self.close_revoked = self.revocations.close_revoked
+        self.summary = self.lifecycle.summary
+        self.store_report = self.lifecycle.store_report
+        self.run_ended = self.lifecycle.run_ended
+        self.make_room = self.lifecycle.make_room
+        self.forget_job = self.lifecycle.forget_job
+        self.forget_idle_jobs = self.lifecycle.forget_idle_jobs
+        self.start = self.background.start
+        self.stop = self.background.stop
 
 
 def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
