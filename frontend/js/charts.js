@@ -5,8 +5,9 @@
 export const WINDOW_POINTS = 1500; // per-batch points kept on the time series
 const HEAT_COLUMNS = 120; // heatmap columns kept (one per push with new data)
 const HEAT_EVERY_MS = 500; // the heatmap is the heaviest redraw: at most twice a second
-const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
-const FONT = { family: "system-ui, sans-serif", size: 11, color: "#1d2330" };
+// The Plotly options every chart of the dashboard shares.
+export const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
+export const FONT = { family: "system-ui, sans-serif", size: 11, color: "#1d2330" };
 const COLORS = { compute: "#2f6fde", straggler: "#c2372b", sync: "#b8c0cc", data: "#e3c27a",
   step: "#1d2330", uniform: "#c2372b", throughput: "#1f8a4c", proposal: "#7a4fd6",
   gc: "#d6457a", host: "#8a6d3b", ckpt: "#5a8f8c", optimizer: "#6b7a99" };

@@ -6,11 +6,9 @@
 // not asked for (its 404 would be a console error on every poll). The job resource comes
 // from the page's one poller (poller.js).
 /* global Plotly */
+import { CONFIG, FONT } from "./charts.js";
 import { api, el, fmt, pct } from "./common.js";
 import { stat } from "./controls.js";
-
-const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
-const FONT = { family: "system-ui, sans-serif", size: 11, color: "#1d2330" };
 
 export class PipelineCard {
   constructor(job, poller) {
