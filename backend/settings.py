@@ -36,6 +36,11 @@ _POLICY_FIELDS = {
     "memory_headroom": "memory_headroom",
 }
 
+# The cluster's periods (seconds) and their ranges: the fan-out's copy interval, how long a
+# forwarded operator action may take, and a job lease's time to live.
+_CLUSTER_SECONDS = {"fanout_interval_s": (0.1, 60.0), "forward_timeout_s": (1.0, 120.0),
+                    "lease_ttl_s": (1.0, 300.0)}
+
 # On-demand cloud list prices, USD per accelerator-hour (rounded, 2025). Override with
 # REBALANCER_DEVICE_PRICES='{"H100": 2.5}'. Keys are matched case-insensitively against the
 # device's key (rebalancer_wire.devices.device_key) and its family, then the rank's device_type,
@@ -204,25 +209,13 @@ class Settings(BaseSettings):
                              f"wss, http or https and a host) that the training hosts can reach, got {v!r}.")
         return v
 
-    @field_validator("fanout_interval_s")
+    @field_validator(*_CLUSTER_SECONDS)
     @classmethod
-    def _fanout_interval(cls, v: float) -> float:
-        if not 0.1 <= v <= 60.0:
-            raise ValueError(f"REBALANCER_FANOUT_INTERVAL_S must be between 0.1 and 60 seconds, got {v}.")
-        return v
-
-    @field_validator("forward_timeout_s")
-    @classmethod
-    def _forward_timeout(cls, v: float) -> float:
-        if not 1.0 <= v <= 120.0:
-            raise ValueError(f"REBALANCER_FORWARD_TIMEOUT_S must be between 1 and 120 seconds, got {v}.")
-        return v
-
-    @field_validator("lease_ttl_s")
-    @classmethod
-    def _lease_ttl(cls, v: float) -> float:
-        if not 1.0 <= v <= 300.0:
-            raise ValueError(f"REBALANCER_LEASE_TTL_S must be between 1 and 300 seconds, got {v}.")
+    def _cluster_seconds(cls, v: float, info) -> float:  # type: ignore[no-untyped-def]
+        low, high = _CLUSTER_SECONDS[info.field_name]
+        if not low <= v <= high:
+            raise ValueError(f"REBALANCER_{info.field_name.upper()} must be between {low:g} and {high:g} "
+                             f"seconds, got {v}.")
         return v
 
     @field_validator("host")
