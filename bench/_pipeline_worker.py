@@ -8,6 +8,16 @@ the backend in ``auto`` mode and the backend decides. Every step each stage reco
 peak saved-activation bytes (``torch.autograd.graph.saved_tensors_hooks``: what autograd
 keeps for the backward) and rank 0 writes ``--result``: per step its time, the shares in
 force and every stage's peak.
+
+Layered (``--layer-ms``, the heavy-last-stage case): the model is a stack of layers, layer
+``i`` a Linear plus ``--layer-ms[i]`` forward (twice that backward) per micro-batch, split
+``--split`` over the two stages; each stage module keeps its layers in a ``layers``
+ModuleDict keyed by the layer's index in the whole model, as torchtitan does, so the hook
+reports ``layers.0``, ... and the backend can advise a split. ``--head-ms`` adds a layer-less
+head to the last stage. ``--save DIR`` writes each layer's parameters at the end and
+``--load DIR`` starts from them whatever the split (a restart from a checkpoint with a new
+split); with ``--server``, rank 0 reads the job's stage-split advice over REST
+(``GET /api/v1/jobs/{job}/pipeline``) before closing and writes it into ``--result``.
 """
 
 from __future__ import annotations
@@ -94,6 +104,49 @@ class _Held:
         self.t = t
 
 
+class Layer(torch.nn.Module):
+    def __init__(self, fwd_s: float) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+        self.fwd_s = fwd_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Delay.apply(torch.tanh(self.lin(x)), self.fwd_s, 2 * self.fwd_s)
+
+
+class LayeredStage(torch.nn.Module):
+    """Layers ``first .. first + len(costs) - 1`` of the model (torchtitan's layout), and on
+    the last stage a head of ``head_s`` forward (twice that backward)."""
+
+    def __init__(self, first: int, costs_s: list[float], head_s: float) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({str(first + i): Layer(c) for i, c in enumerate(costs_s)})
+        self.head_s = head_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return _Delay.apply(x, self.head_s, 2 * self.head_s) if self.head_s else x
+
+
+def read_advice(server: str, job: str, timeout: float = 20.0) -> dict[str, Any]:
+    """The job's pipeline view over REST, once it carries advice (or the last one read)."""
+    import urllib.request
+
+    view: dict[str, Any] = {}
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(f"{server}/api/v1/jobs/{job}/pipeline", timeout=5) as r:
+                view = json.loads(r.read())
+        except OSError:
+            pass
+        if view.get("advice"):
+            break
+        time.sleep(0.3)
+    return view
+
+
 def parse_plan(text: str) -> dict[int, list[int]]:
     plan: dict[int, list[int]] = {}
     for item in filter(None, text.split(";")):
@@ -114,6 +167,11 @@ def main() -> None:
     p.add_argument("--plan", default="")
     p.add_argument("--server", default=None)
     p.add_argument("--job", default="pipeline-bench")
+    p.add_argument("--layer-ms", default="", help="per layer forward ms: a layered model (torchtitan layout)")
+    p.add_argument("--split", default="", help="layers per stage, e.g. 2,2")
+    p.add_argument("--head-ms", type=float, default=0.0)
+    p.add_argument("--save", default="")
+    p.add_argument("--load", default="")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -121,7 +179,19 @@ def main() -> None:
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     speed = [float(s) for s in args.speeds.split(",")][dp_rank]
     torch.manual_seed(3)
-    part = Stage(args.fwd_ms / 1e3 / speed, args.bwd_ms / 1e3 / speed)
+    part: torch.nn.Module
+    if args.layer_ms:
+        costs = [float(c) / 1e3 / speed for c in args.layer_ms.split(",")]
+        split = [int(n) for n in args.split.split(",")]
+        if len(split) != 2 or sum(split) != len(costs) or min(split) < 1:
+            raise SystemExit(f"--split {args.split} must give both stages at least one of {len(costs)} layers")
+        first = sum(split[:pp_rank])
+        part = LayeredStage(first, costs[first:first + split[pp_rank]], args.head_ms / 1e3 / speed * pp_rank)
+        if args.load:
+            state = torch.load(os.path.join(args.load, "layers.pt"))
+            part.layers.load_state_dict({k: v for k, v in state.items() if k.split(".")[0] in part.layers})
+    else:
+        part = Stage(args.fwd_ms / 1e3 / speed, args.bwd_ms / 1e3 / speed)
     model = DDP(part, process_group=mesh["dp"].get_group())
     stage = PipelineStage(model, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
     online = args.server is not None
@@ -160,10 +230,18 @@ def main() -> None:
                       "peak_saved_bytes": buf.tolist()[:4], "held_before_bytes": buf.tolist()[4:],
                       "count": run.n_microbatches})
         prev = time.perf_counter()
+    view = read_advice(args.server, args.job) if online and rank == 0 and args.layer_ms else None
+    if args.save and isinstance(part, LayeredStage):  # one file of every layer's parameters
+        mine = {k: v.detach().clone() for k, v in part.layers.state_dict().items()}
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        if rank == 0:
+            os.makedirs(args.save, exist_ok=True)
+            torch.save({k: v for d in every for k, v in d.items()}, os.path.join(args.save, "layers.pt"))
     hook.close()
     if rank == 0:
         with open(args.result, "w") as f:
-            json.dump({"steps": steps, "placements": [list(a) for a in hook.acks]}, f)
+            json.dump({"steps": steps, "placements": [list(a) for a in hook.acks], "pipeline_view": view}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Sized
+from collections.abc import Iterable, Sequence, Sized
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -315,7 +315,7 @@ class RebalanceHook:
         return model
 
     def pipeline_schedule(self, stages: Any, schedule_cls: Any, *, loss_fn: Any,
-                          **schedule_kwargs: Any) -> PipelineRun:
+                          layers: Sequence[str] | None = None, **schedule_kwargs: Any) -> PipelineRun:
         """This step's pipeline schedule, built for the micro-batch count in force (``pp_mesh`` hooks).
 
         Call it inside ``with hook.step():`` every step with the same stage(s) and schedule:
@@ -343,6 +343,11 @@ class RebalanceHook:
                     run.step(x) if stage.is_first else run.step(target=y)
                     opt.step(); opt.zero_grad()
 
+        ``layers``: this stage's layer module names, in model order (torchtitan's ``layers.4``,
+        ...); without it, the entries of the stage module's ``layers`` container
+        (``ModuleDict`` or ``ModuleList``) when it has one. The hello reports every stage's,
+        for stage-split advice (docs/pipelines.md).
+
         A count the schedule refuses (``Schedule1F1B``: 0 or at least as many as stages) raises
         ValueError naming what it takes; rank 0 rejects such a placement when it is offered.
         """
@@ -356,7 +361,7 @@ class RebalanceHook:
                                "each pipeline's gradient by its share.")
         known = pipeline.name is not None
         run = pipeline.schedule_for(stages, schedule_cls, loss_fn, schedule_kwargs,
-                                    scale_locally=c.weighting.mode == "local")
+                                    scale_locally=c.weighting.mode == "local", layers=layers)
         if not known:
             c.connect()  # now the hello can say the pipeline's shape
         return run

@@ -19,6 +19,14 @@ per micro-batch, send and receive waits, the bubble); the pipeline's leader repo
 stages' (``ReplicaPace``). A stage's ``compute_ms`` is the schedule's run without the
 data-parallel gradient wait, p2p waits included: a stage waiting on its neighbours is the
 pipeline's pace, not a peer's.
+
+Layers (stage-split advice, docs/pipelines.md): at the first step every stage of a pipeline
+says which layers it holds, and the hello carries ``layers_per_stage`` and ``layer_names``
+for the whole pipeline. A stage's layers are the ``layers=`` names given to
+``hook.pipeline_schedule`` or else, torchtitan style, the entries of its module's ``layers``
+container (a ``ModuleDict``: ``layers.<key>``; a ``ModuleList``: numbered in model order).
+Per-layer times are not measured: the advice spreads a stage's measured time evenly over
+its layers.
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ from trainer_hook._stage_clock import StageClock, StageTimes
 from trainer_hook.gradients import GradientState
 from trainer_hook.mesh import mesh_ranks
 
-__all__ = ["SCHEDULES", "PipelineRun", "PipelineSchedules", "StageTimes", "check_count", "fewest_micro_batches"]
+__all__ = ["SCHEDULES", "PipelineRun", "PipelineSchedules", "StageTimes", "check_count", "fewest_micro_batches",
+           "stage_layers"]
 
 SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B")
 PIPELINE_PACE_WINDOW = 4  # steps per combination of a pipeline's stage times (ReplicaPace)
@@ -130,6 +139,7 @@ class PipelineSchedules:
         self.replica = 0  # this rank's pipeline (its dp index), set by bind()
         self._k = 0  # the batch index of the step in progress (or the last)
         self._shares: tuple[int, ...] | None = None  # the placement in force, inside a step only
+        self.layers: tuple[tuple[str, ...], ...] = ()  # every stage's layer names (empty: none said)
 
     # --- checks ---------------------------------------------------------------------
 
@@ -158,8 +168,11 @@ class PipelineSchedules:
             return None
         n_stages = self.pp_size * max(1, len(self._stages))
         floor = self.pp_size if self.name == "Schedule1F1B" else 0  # 0: a pipeline may be drained
+        counts = tuple(len(names) for names in self.layers) if any(self.layers) else ()
+        names = tuple(n for names in self.layers for n in names) if counts else ()
         return PipelineShape(pp_size=self.pp_size, pp_stage=self.pp_rank, dp_index=dp_index, tp_size=1,
-                             schedule=_WIRE_NAMES[self.name], n_stages=n_stages, min_microbatches=floor)
+                             schedule=_WIRE_NAMES[self.name], n_stages=n_stages, min_microbatches=floor,
+                             layers_per_stage=counts, layer_names=names)
 
     def check_shares(self, shares: Sequence[int]) -> str | None:
         """Why the schedule refuses a placement (once the schedule is known), else None."""
@@ -194,7 +207,8 @@ class PipelineSchedules:
         return (*t.columns(), t.dp_wait_ms, compute_ms)
 
     def schedule_for(self, stages: Any, schedule_cls: Any, loss_fn: Callable[..., Any] | None,
-                     kwargs: dict[str, Any], *, scale_locally: bool) -> PipelineRun:
+                     kwargs: dict[str, Any], *, scale_locally: bool,
+                     layers: Sequence[str] | None = None) -> PipelineRun:
         name = schedule_name(schedule_cls)
         if name == "ScheduleInterleaved1F1B":
             raise ValueError(
@@ -216,6 +230,8 @@ class PipelineSchedules:
         if self._key is not None and key != self._key:
             raise ValueError("hook.pipeline_schedule() was given other stages, schedule class or options than "
                              "in earlier steps: pass the same ones every step.")
+        if self._key is None:  # the first step, on every stage of the pipeline at once
+            self.layers = self._gather_layers(stage_layers(stage_list[0], layers))
         self._key, self.name, self._stages = key, name, stage_list
         shares, replica = self._shares, self.replica
         if shares is None:
@@ -292,6 +308,22 @@ class PipelineSchedules:
 
     # --- internals ------------------------------------------------------------------
 
+    def _gather_layers(self, mine: tuple[tuple[str, ...], bool]) -> tuple[tuple[str, ...], ...]:
+        """Every stage's layer names, in stage order (one gather over the pipeline's ranks).
+        A ``ModuleList``'s local indices are renumbered in model order across the stages."""
+        got: list[Any] = [None] * self.pp_size
+        if self.pp_size > 1:
+            dist.all_gather_object(got, mine, group=self.pp_mesh.get_group())
+        else:
+            got = [mine]
+        if any(numbered for _, numbered in got):
+            at, out = 0, []
+            for names, numbered in got:
+                out.append(tuple(f"layers.{at + i}" for i in range(len(names))) if numbered else names)
+                at += len(names)
+            return tuple(out)
+        return tuple(names for names, _ in got)
+
     def _check_stages(self, stages: Any, name: str) -> list[Any]:
         from torch.distributed.pipelining.stage import _PipelineStageBase
 
@@ -316,6 +348,27 @@ class PipelineSchedules:
                 f"{name} with {len(stage_list)} stage(s) per rank over pp_mesh of {self.pp_size} ranks needs "
                 f"{want} stages in all, but the stages say num_stages={stage_list[0].num_stages}.")
         return stage_list
+
+
+def stage_layers(stage: Any, given: Sequence[str] | None) -> tuple[tuple[str, ...], bool]:
+    """This stage's layer names, and whether they are a ``ModuleList``'s local numbers:
+    ``given`` (``hook.pipeline_schedule(..., layers=[...])``), else the entries of the stage
+    module's ``layers`` (torchtitan: a ``ModuleDict`` keyed by the layer's index in the whole
+    model), else none."""
+    if given is not None:
+        if isinstance(given, str) or not all(isinstance(n, str) and n for n in given):
+            raise ValueError(f"hook.pipeline_schedule(layers=...) takes this stage's layer module names, a list of "
+                             f"non-empty strings (torchtitan's 'layers.0', ...), got {given!r}.")
+        return tuple(given), False
+    mod = stage.submod
+    while isinstance(mod, DistributedDataParallel):
+        mod = mod.module
+    found = getattr(mod, "layers", None)
+    if isinstance(found, torch.nn.ModuleDict):
+        return tuple(f"layers.{k}" for k in found.keys()), False
+    if isinstance(found, (torch.nn.ModuleList, torch.nn.Sequential)):
+        return tuple(f"layers.{i}" for i in range(len(found))), True
+    return (), False
 
 
 def _keep_unsharded(stages: Sequence[Any]) -> list[tuple[Any, Any, Any]]:
