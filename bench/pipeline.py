@@ -18,7 +18,14 @@ do: a delay per micro-batch in forward and backward, divided by the pipeline's s
    ``saved_tensors_hooks``) at each micro-batch count of the sweep under 1F1B, and under
    GPipe for contrast (a short offline run at counts 4, 8 and 10 on pipeline 0).
 
-    python -m bench.pipeline [--per-split N] [--steps N]
+4. Heavy last stage (``--part advice``; ``all`` runs it after 1-3): a 4-layer model split
+   2/2 whose layers 2 and 3 cost three times layers 0 and 1 (forward ``--layer-ms``,
+   backward twice that), both pipelines alike. It runs with the backend, reads the
+   stage-split advice over REST (``GET /api/v1/jobs/{job}/pipeline``), saves a checkpoint,
+   restarts from it with the advised split, and compares the advice's predicted gain with
+   the measured one (steady step: median after the first ``SKIP`` steps of each run).
+
+    python -m bench.pipeline [--per-split N] [--steps N] [--part all|split|advice]
 """
 
 from __future__ import annotations
@@ -46,6 +53,40 @@ def _run(tmp: Path, name: str, args: list[str], timeout: float = 300.0) -> dict[
     if res.returncode != 0 or not result.exists():
         raise RuntimeError(f"{name}: the job failed (exit {res.returncode}, hung {res.hung}):\n{res.output[-4000:]}")
     return json.loads(result.read_text())  # type: ignore[no-any-return]
+
+
+SKIP = 4  # steps of a run left out of its steady time (schedule builds, first placements)
+
+
+def heavy_last(tmp: Path, layer_ms: str, steps: int) -> dict[str, Any]:
+    """Run the heavy-last-stage model on 2,2 with the backend, apply its advice by a restart
+    from a checkpoint, measure both; the figures of the advice's check."""
+    ckpt = tmp / "ckpt"
+    common = ["--speeds", "1,1", "--layer-ms", layer_ms, "--steps", str(steps)]
+    with running_backend(tmp) as backend:
+        before = _run(tmp, "heavy-before", [*common, "--split", "2,2", "--server", backend.url, "--job",
+                                            "pp-heavy-last", "--save", str(ckpt)])
+    view = before["pipeline_view"] or {}
+    advice = view.get("advice")
+    if not advice:
+        raise RuntimeError(f"no stage-split advice for the heavy-last-stage job: {view.get('advice_note')!r}")
+    split = advice["layers_per_stage"]
+    after = _run(tmp, "heavy-after", [*common, "--split", ",".join(map(str, split)), "--load", str(ckpt)])
+    before_ms = statistics.median(s["step_ms"] for s in before["steps"][SKIP:])
+    after_ms = statistics.median(s["step_ms"] for s in after["steps"][SKIP:])
+    measured_gain = (before_ms - after_ms) / before_ms
+    return {
+        "layer_ms": layer_ms, "current_split": advice["current_layers_per_stage"], "advised_split": split,
+        "module_names_per_stage": advice["module_names_per_stage"], "source": advice["source"],
+        "advice_note": view.get("advice_note"), "stage_ms_before": advice["stage_ms_before"],
+        "stage_ms_after": advice["stage_ms_after"],
+        "rows": [{k: r.get(k) for k in ("n_microbatches", "compute_ms", "model_ms")} for r in view.get("rows", [])],
+        "predicted_step_ms_before": advice["step_ms_before"], "predicted_step_ms_after": advice["step_ms_after"],
+        "predicted_gain": advice["gain"], "measured_step_ms_before": before_ms, "measured_step_ms_after": after_ms,
+        "measured_gain": measured_gain, "predicted_after_over_measured": advice["step_ms_after"] / after_ms,
+        "step_ms_before": [s["step_ms"] for s in before["steps"]],
+        "step_ms_after": [s["step_ms"] for s in after["steps"]],
+    }
 
 
 def _by_split(steps: list[dict[str, Any]], skip: int = 2) -> dict[tuple[int, ...], list[float]]:
@@ -82,8 +123,25 @@ def main() -> None:
     p.add_argument("--fwd-ms", type=float, default=10.0)
     p.add_argument("--bwd-ms", type=float, default=20.0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "pipeline.json")
+    p.add_argument("--part", choices=("all", "split", "advice"), default="all")
+    p.add_argument("--layer-ms", default="3,3,9,9", help="heavy-last-stage model: forward ms of each layer")
+    p.add_argument("--advice-steps", type=int, default=24)
+    p.add_argument("--advice-out", type=Path, default=RESULTS_DIR / "pipeline_advice.json")
     args = p.parse_args()
     stop_on_sigterm()
+    if args.part != "split":
+        with tempfile.TemporaryDirectory(prefix="rb-pipeline-") as t:
+            got = heavy_last(Path(t), args.layer_ms, args.advice_steps)
+        print_table("heavy last stage (layers " + args.layer_ms + " ms forward, 2x backward): advice applied by a "
+                    "restart from a checkpoint", ["split", "advised", "pred_gain", "meas_gain", "pred_after_ms",
+                                                  "meas_after_ms", "pred/meas after"],
+                    [[",".join(map(str, got["current_split"])), ",".join(map(str, got["advised_split"])),
+                      got["predicted_gain"], got["measured_gain"], got["predicted_step_ms_after"],
+                      got["measured_step_ms_after"], got["predicted_after_over_measured"]]])
+        write_json(args.advice_out, {"command": f"python -m bench.pipeline --part {args.part}", **got})
+        print(f"\nwrote {args.advice_out}")
+        if args.part == "advice":
+            return
     delays = ["--fwd-ms", str(args.fwd_ms), "--bwd-ms", str(args.bwd_ms)]
     splits = [(a, M - a) for a in range(2, M - 1)]
     order = [(M // 2, M // 2)] + [s for s in splits if s != (M // 2, M // 2)]

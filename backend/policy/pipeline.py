@@ -36,9 +36,10 @@ __all__ = [
     "PIPELINE_SCHEDULES",
     "PipelineTimes",
     "PipelineObservation",
+    "replay_ms",
     "schedule_ms",
     "linear_cost",
-    "bubble_share",
+    "bubble_share", "replay_ms",
     "theory_bubble",
     "residual_ms",
     "pipeline_strategy",
@@ -97,6 +98,55 @@ def schedule_ms(stage_ms: Sequence[float], m: int, stages_per_rank: int = 1) -> 
         return 0.0
     v = max(1, stages_per_rank)
     return sum(stage_ms) / v + (m - 1.0 / v) * max(stage_ms)
+
+
+def replay_ms(fwd_ms: Sequence[float], bwd_ms: Sequence[float], m: int, schedule: str) -> float:
+    """The run of ``m`` micro-batches replayed op by op in the schedule's order (``gpipe``:
+    every forward, then every backward; ``1f1b``: stage ``s`` of ``p`` runs ``min(m, p - s)``
+    forwards, then alternates backward and forward, torch's ``Schedule1F1B``), each op
+    starting when its stage is free and its input is there (p2p taken as instant).
+
+    Unlike ``schedule_ms`` it sees 1F1B's limited warm-up: an upstream stage slower than the
+    ones below it waits a round trip for each backward, so a split whose heavy stage is
+    upstream runs shorter or longer than ``T(m)`` says (docs/pipelines.md).
+
+    >>> replay_ms([15, 9], [30, 18], 6, "1f1b")   # T(m) says 297
+    282.0
+    """
+    p = len(fwd_ms)
+    if m <= 0 or p == 0:
+        return 0.0
+    orders: list[list[tuple[bool, int]]] = []
+    for s in range(p):
+        if schedule == "gpipe":
+            orders.append([(True, i) for i in range(m)] + [(False, i) for i in range(m)])
+            continue
+        warm = min(m, p - s)
+        order = [(True, i) for i in range(warm)]
+        for i in range(m - warm):
+            order += [(False, i), (True, warm + i)]
+        order += [(False, i) for i in range(m - warm, m)]
+        orders.append(order)
+    done: dict[tuple[bool, int, int], float] = {}
+    free = [0.0] * p
+    at = [0] * p
+    left = 2 * m * p
+    while left:
+        moved = False
+        for s in range(p):
+            while at[s] < len(orders[s]):
+                fwd, i = orders[s][at[s]]
+                dep = ((True, s - 1, i) if s else None) if fwd else ((False, s + 1, i) if s < p - 1 else (True, s, i))
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[s], done[dep] if dep is not None else 0.0)
+                free[s] = done[(fwd, s, i)] = start + (fwd_ms[s] if fwd else bwd_ms[s])
+                at[s] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            raise ValueError(f"the {schedule} order deadlocked: not a schedule replay_ms knows")
+    return max(free)
 
 
 def linear_cost(stage_ms: Sequence[float], stages_per_rank: int = 1) -> tuple[float, float]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .pipeline import PipelineObservation, PipelineTimes, bubble_share, residual_ms, schedule_ms
+from .pipeline import PipelineObservation, PipelineTimes, bubble_share, replay_ms, schedule_ms
 
 __all__ = ["ADVICE_MIN_GAIN", "PipelineRow", "PipelineAssessment", "StageSplitAdvice", "assess", "split_layers",
            "stage_split_advice"]
@@ -166,6 +166,13 @@ def _layer_costs(t: PipelineTimes, layers: Sequence[int]) -> tuple[list[float], 
     return out, source
 
 
+def _run_ms(fwd: Sequence[float], total: Sequence[float], m: int, schedule: str) -> float:
+    """A pipeline's run: replayed op by op for gpipe and 1f1b, else ``T(m)``."""
+    if schedule in ("gpipe", "1f1b"):
+        return replay_ms(fwd, [max(0.0, a - f) for f, a in zip(fwd, total, strict=True)], m, schedule)
+    return schedule_ms(total, m)
+
+
 def stage_split_advice(po: PipelineObservation, min_gain: float = ADVICE_MIN_GAIN) -> tuple[StageSplitAdvice | None, str]:
     """(advice, note): a new layer split when one stage is the bottleneck in every pipeline
     and moving layers gains at least ``min_gain`` of the step; else None and why not."""
@@ -190,13 +197,12 @@ def stage_split_advice(po: PipelineObservation, min_gain: float = ADVICE_MIN_GAI
     source = "layer_ms" if all(s == "layer_ms" for _, s in per) else "stage_ms"
     mean_cost = [sum(col) / len(col) for col in zip(*(c for c, _ in per), strict=True)]
     counts = split_layers(mean_cost, po.pp_size)
-    v = po.stages_per_rank
 
-    def regroup(costs: Sequence[float], counts: Sequence[int], t: PipelineTimes) -> list[float]:
+    def regroup(costs: Sequence[float], counts: Sequence[int], keep: Sequence[float]) -> list[float]:
         # A stage with no layers keeps its measured time (its embedding or loss, say).
         out, at = [], 0
         for s, k in enumerate(counts):
-            out.append(sum(costs[at:at + k]) if k else t.stage_ms[s])
+            out.append(sum(costs[at:at + k]) if k else keep[s])
             at += k
         return out
 
@@ -204,11 +210,17 @@ def stage_split_advice(po: PipelineObservation, min_gain: float = ADVICE_MIN_GAI
     before_steps, after_steps, before_st, after_st = [], [], [], []
     for t, (costs, _) in zip(measured, per, strict=True):
         m = t.n_microbatches
-        res = residual_ms(t, v)
-        old = regroup(costs, layers, t)
-        new = regroup(costs, counts, t)
-        before_steps.append(schedule_ms(old, m, v) + res)
-        after_steps.append(schedule_ms(new, m, v) + res)
+        # Each layer keeps its stage's forward share of its time; the run is replayed in the
+        # schedule's order (1F1B's warm-up makes a heavy upstream stage wait: replay_ms).
+        fwd_share = [f / (f + b) if f + b > 0 else 0.5 for f, b in zip(t.fwd_ms, t.bwd_ms, strict=True)]
+        share = [fwd_share[s] for s, k in enumerate(layers) for _ in range(k)]
+        old = regroup(costs, layers, t.stage_ms)
+        new = regroup(costs, counts, t.stage_ms)
+        fwd_costs = [c * f for c, f in zip(costs, share, strict=True)]
+        old_f, new_f = regroup(fwd_costs, layers, t.fwd_ms), regroup(fwd_costs, counts, t.fwd_ms)
+        res = t.compute_ms - _run_ms(old_f, old, m, po.schedule) if m > 0 and t.compute_ms > 0 else 0.0
+        before_steps.append(_run_ms(old_f, old, m, po.schedule) + res)
+        after_steps.append(_run_ms(new_f, new, m, po.schedule) + res)
         before_st.append(old)
         after_st.append(new)
     before = max(before_steps) + max(rest, 0.0)

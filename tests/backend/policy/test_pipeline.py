@@ -14,6 +14,7 @@ from backend.policy.pipeline import (
     PipelineTimes,
     bubble_share,
     linear_cost,
+    replay_ms,
     schedule_ms,
     theory_bubble,
 )
@@ -153,14 +154,16 @@ def test_a_heavy_last_stage_in_every_pipeline_gets_a_new_layer_split():
 
 def test_stage_times_alone_spread_over_a_stages_layers():
     """Without layer_ms a stage's time is spread evenly over its layers: [6, 6, 6, 12] with
-    2 layers each is [3]*6 + [6, 6]: split (3, 2, 2, 1)? max 9 vs ... the best max is 9
-    (3+3+3 | 3+3 | 3+6 | 6), so (3, 2, 2, 1): T = 30 + 7*9 = 93."""
+    2 layers each is [3]*6 + [6, 6]: the best max is 9 (3+3+3 | 3+3 | 3+6 | 6), so
+    (3, 2, 2, 1), stages [9, 6, 9, 6]. Replayed in 1F1B's order the third stage never idles:
+    5 ms to reach it (forwards of 3 and 2), 8 x 9, 10 ms back (backwards of 4 and 6) = 87 ms,
+    where T(m) = 30 + 7*9 = 93 would overstate it."""
     po = _observe([_times(0, [6.0, 6.0, 6.0, 12.0], 8)], layers=(2, 2, 2, 2)).pipeline
     assert po is not None
     advice, _ = stage_split_advice(po)
     assert advice is not None and advice.source == "stage_ms" and advice.module_names_per_stage == ()
     assert max(advice.stage_ms_after) == pytest.approx(9.0)
-    assert advice.step_ms_after == pytest.approx(93.0 + 2.0) and advice.step_ms_before == pytest.approx(116.0)
+    assert advice.step_ms_after == pytest.approx(87.0 + 2.0) and advice.step_ms_before == pytest.approx(116.0)
 
 
 @pytest.mark.parametrize(("pipes", "layers", "schedule", "note"), [
@@ -200,3 +203,23 @@ def test_a_pipelined_job_whose_hooks_send_no_stage_times_is_split_by_its_measure
     got = decide(blind, PolicyConfig(strategy="profiled", min_steps=10))
     assert isinstance(got, Proposal) and got.explanation.strategy == "profiled"
     assert got.shares == (10, 6)  # (11, 5) by speed, held at the floor of 6
+
+
+def test_1f1b_replay_predicts_a_heavy_upstream_stage_from_the_bench_s_measured_times():
+    """bench.pipeline --part advice (bench/results/pipeline_advice.json): a 2-stage 1F1B
+    pipeline of 6 micro-batches measured stages of 22.0 / 58.7 ms per micro-batch (a third
+    forward) on split 2,2, 393 ms a step; on the advised 3,1 the stages are 51.3 / 29.3 ms
+    and the step measured 327 ms, 0.832 of before. T(m) rates the new split 0.902 of before:
+    with only 2 forwards in flight the heavy first stage waits a round trip for its first
+    backward, but then never idles, which the op-by-op replay sees (0.856)."""
+    before, after = [21.99, 58.67], [51.32, 29.34]
+
+    def replay(stage: list[float]) -> float:
+        return replay_ms([t / 3 for t in stage], [2 * t / 3 for t in stage], 6, "1f1b")
+
+    measured = 327.2 / 393.1
+    assert replay(before) == pytest.approx(schedule_ms(before, 6))  # the last stage bounds it: T(m) is exact
+    assert abs(replay(after) / replay(before) - measured) / measured < 0.05
+    assert abs(schedule_ms(after, 6) / schedule_ms(before, 6) - measured) / measured > 0.05
+    # GPipe runs every forward first: the same replay, another order.
+    assert replay_ms([1.0, 1.0], [2.0, 2.0], 4, "gpipe") == pytest.approx(schedule_ms([3.0, 3.0], 4))
