@@ -15,7 +15,11 @@ which is ``(m + p - 1) * t`` for equal stages, a bubble of ``(p-1)/(m+p-1)``. In
 t_s) / v``, so a pipeline given fewer micro-batches is predicted with its larger bubble
 share, and the engine's exact min-max solver splits micro-batches over pipelines. What the
 model leaves out (send/recv latency, the schedule's own overhead) is measured: each
-pipeline's ``a`` carries its residual, measured compute less ``T`` at the count in force.
+pipeline's residual, measured compute less ``T`` at the count ``m0`` in force, is spread
+over the run's ``m0 + (p-1)/v`` slots (a hop's latency comes once per micro-batch on the
+critical path), so ``a`` carries ``(p-1)/v`` slots of it and ``c`` one: measured in
+bench.pipeline's sweep, a pipeline's unmodelled time grew with its count (22 ms at 4
+micro-batches, 40 at 10), and a constant residual overrates a pipeline given more.
 What the views show and the stage-split advice are in ``backend.policy.pipeline_advice``.
 
 Pure: data in, data out (no I/O)."""
@@ -217,18 +221,20 @@ def pipeline_strategy(obs: JobObservation, config: PolicyConfig, constraints: Co
             continue
         ai, ci = linear_cost(t.stage_ms, v)
         res = residual_ms(t, v)
-        a.append(ai + res)
-        c.append(ci)
+        per_slot = res / (t.n_microbatches + (po.pp_size - 1) / v)  # see residual_slots
+        a.append(ai + per_slot * (po.pp_size - 1) / v)
+        c.append(ci + per_slot)
         n.append(t.n_steps)
         err.append(t.rel_noise)
         stage = t.stage_ms
         rows.append({"pipeline": i, "stage_ms": [round(x, 4) for x in stage],
                      "bottleneck_stage": stage.index(max(stage)), "model_a_ms": round(ai, 4),
-                     "residual_ms": round(res, 4), "c_ms": round(ci, 4)})
+                     "residual_ms": round(res, 4), "residual_per_slot_ms": round(per_slot, 4),
+                     "c_ms": round(ci, 4)})
     evidence: dict[str, object] = {"steps_used": n, "pipeline": {
         "schedule": po.schedule, "pp_size": po.pp_size, "stages_per_rank": v,
         "min_microbatches": po.min_microbatches,
-        "model": "T(m) = sum(t)/v + (m - 1/v) * max(t) + residual", "pipelines": rows}}
+        "model": "T(m) = sum(t)/v + (m - 1/v) * max(t) + residual * (m + (p-1)/v) / (m0 + (p-1)/v)", "pipelines": rows}}
     return Estimate(tuple(a), tuple(c), "ms", (), tuple(n), tuple(err), evidence, tuple(hold))
 
 

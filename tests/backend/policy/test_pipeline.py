@@ -90,13 +90,29 @@ def test_never_fewer_micro_batches_than_the_schedule_allows():
 
 
 def test_what_the_model_leaves_out_is_measured_per_pipeline():
-    """Pipeline 1 measures 12 ms more than its model (sends and receives): T1(m) = 42 + 10m,
-    so it gets (13, 3): 80 and 72 ms, not the (12, 4) of the bare model (82 ms there)."""
+    """Pipeline 1 measures 12 ms more than its model at 8 micro-batches (sends and receives):
+    12/11 ms for each of its run's 11 slots, T1(m) = 30 + 10m + 12/11 (m + 3). (12, 4): 75
+    and 77.6 ms; (13, 3): 80 ms. The bare model would predict 75 ms for (12, 4)."""
     obs = _observe([_times(0, [5.0] * 4, 8), _times(1, [10.0] * 4, 8, residual=12.0)])
     got = decide(obs, PolicyConfig(min_steps=10))
-    assert isinstance(got, Proposal) and got.shares == (13, 3)
+    assert isinstance(got, Proposal) and got.shares == (12, 4)
     assert got.explanation.step_ms_before == pytest.approx(122.0)
-    assert got.explanation.step_ms_after == pytest.approx(80.0)
+    assert got.explanation.step_ms_after == pytest.approx(70.0 + 12.0 / 11 * 7)
+
+
+def test_a_residual_measured_at_one_count_predicts_another_per_slot():
+    """bench.pipeline's sweep (bench/results/pipeline.json; PP2 1F1B, pipeline 1's stages 60
+    ms a micro-batch, the step bound by it): 700 ms at 10 micro-batches, 322 ms at 4. The
+    residual at 10 (40 ms over T = 660) predicts 4 as 300 + 40 = 340 ms if constant (5.6%
+    high), 300 + 40 * 5/11 = 318 ms spread per slot (1.2% low)."""
+    at10 = _times(1, [60.0, 60.0], 10, residual=699.7 - 660.0, rest=0.0)
+    obs = _observe([_times(0, [30.0, 30.0], 2), at10])
+    got = decide(obs, PolicyConfig(min_steps=10))
+    ev = got.evidence if not isinstance(got, Proposal) else got.explanation.evidence
+    row = ev["pipeline"]["pipelines"][1]
+    predicted = row["model_a_ms"] + row["residual_per_slot_ms"] * 1 + (row["c_ms"] + row["residual_per_slot_ms"]) * 4
+    assert abs(predicted - 321.9) / 321.9 < 0.02
+    assert abs(60.0 + 60.0 * 4 + 699.7 - 660.0 - 321.9) / 321.9 > 0.05  # a constant residual
 
 
 def test_warming_up_until_every_pipeline_has_stage_times():
