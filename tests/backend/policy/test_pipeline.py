@@ -101,7 +101,7 @@ def test_what_the_model_leaves_out_is_measured_per_pipeline():
 
 
 def test_a_residual_measured_at_one_count_predicts_another_per_slot():
-    """bench.pipeline's sweep (bench/results/pipeline.json; PP2 1F1B, pipeline 1's stages 60
+    """One run of bench.pipeline's sweep (numbers copied here; PP2 1F1B, pipeline 1's stages 60
     ms a micro-batch, the step bound by it): 700 ms at 10 micro-batches, 322 ms at 4. The
     residual at 10 (40 ms over T = 660) predicts 4 as 300 + 40 = 340 ms if constant (5.6%
     high), 300 + 40 * 5/11 = 318 ms spread per slot (1.2% low)."""
@@ -222,7 +222,7 @@ def test_a_pipelined_job_whose_hooks_send_no_stage_times_is_split_by_its_measure
 
 
 def test_1f1b_replay_predicts_a_heavy_upstream_stage_from_the_bench_s_measured_times():
-    """bench.pipeline --part advice (bench/results/pipeline_advice.json): a 2-stage 1F1B
+    """One run of bench.pipeline --part advice (its numbers copied here): a 2-stage 1F1B
     pipeline of 6 micro-batches measured stages of 22.0 / 58.7 ms per micro-batch (a third
     forward) on split 2,2, 393 ms a step; on the advised 3,1 the stages are 51.3 / 29.3 ms
     and the step measured 327 ms, 0.832 of before. T(m) rates the new split 0.902 of before:
