@@ -160,3 +160,24 @@ def test_which_counts_each_schedule_takes() -> None:
     assert check_count("ScheduleInterleaved1F1B", 3, 2) is None and check_count("ScheduleInterleaved1F1B", 6, 2) is None
     why = check_count("ScheduleInterleaved1F1B", 5, 2)
     assert why is not None and "got 5; nearby counts it takes: [3, 4, 6]" in why
+
+
+def test_a_stage_s_layers_come_from_layers_or_its_torchtitan_layers_container() -> None:
+    from types import SimpleNamespace
+
+    from trainer_hook.pipeline import stage_layers
+
+    class Part(torch.nn.Module):  # torchtitan keeps a stage's blocks keyed by their index in the model
+        def __init__(self, container: torch.nn.Module) -> None:
+            super().__init__()
+            self.layers = container
+
+    blocks = torch.nn.ModuleDict({"4": torch.nn.Linear(2, 2), "5": torch.nn.Linear(2, 2)})
+    assert stage_layers(SimpleNamespace(submod=Part(blocks)), None) == (("layers.4", "layers.5"), False)
+    listed = Part(torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 3))
+    assert stage_layers(SimpleNamespace(submod=listed), None) == (("layers.0", "layers.1", "layers.2"), True)
+    assert stage_layers(SimpleNamespace(submod=torch.nn.Linear(2, 2)), None) == ((), False)
+    given = ["layers.7", "norm", "output"]
+    assert stage_layers(SimpleNamespace(submod=Part(blocks)), given) == (tuple(given), False)
+    with pytest.raises(ValueError, match="takes this stage's layer module names"):
+        stage_layers(SimpleNamespace(submod=Part(blocks)), "layers.0")
