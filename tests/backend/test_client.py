@@ -135,7 +135,7 @@ def test_every_rest_operation_has_a_client_method(live: Server):
     made = rb.create_token("viewer", name="route-probe")
     calls: list[typing.Callable[[], object]] = [
         rb.health, rb.whoami, rb.jobs, rb.fleet, lambda: rb.job(job), lambda: rb.ranks(job), lambda: rb.metrics(job),
-        lambda: rb.forecast(job), lambda: rb.summary(job), lambda: rb.memory(job), lambda: rb.causes(job), lambda: rb.policy(job),
+        lambda: rb.forecast(job), lambda: rb.summary(job), lambda: rb.memory(job), lambda: rb.causes(job), lambda: rb.pipeline(job), lambda: rb.policy(job),
         lambda: rb.proposals(job), lambda: rb.proposal(job, 1), lambda: rb.overrides(job),
         lambda: rb.report(job), lambda: rb.report_html(job), lambda: rb.store_report(job),
         lambda: rb.placements(job), lambda: rb.audit(job), rb.audit_log, rb.tokens,

@@ -133,13 +133,17 @@ def _substitute(expr: str) -> str:
 def test_every_grafana_query_returns_the_jobs_data(scraped: Scraped):
     """Each panel's PromQL parses, runs and returns the job's series. A query that filters
     (``rebalancer_rank_connected == 0``: no rank is lost in this job) is checked without its
-    filter: the series it filters exist."""
+    filter: the series it filters exist. A panel for some jobs only (pipelined ones) is
+    parsed and run; this job has none of its series."""
     exported = {n for m in CONTRACT if m.exported for n in exposed_names(m)}
+    scoped = {n for m in CONTRACT if m.scope for n in exposed_names(m)}
     names = re.compile(r"\b(rebalancer_[a-z_]+)\b")
     for expr in _grafana_exprs():
         assert set(names.findall(expr)) <= exported, expr
         query = _substitute(expr)
         scraped.prom.query(query)  # raises on invalid PromQL
+        if set(names.findall(expr)) & scoped:
+            continue
         unfiltered = re.sub(r"\s*[<>=!]=?\s*\d+(\.\d+)?\s*$", "", query)
         # rate() and increase() need two samples of a series inside their window: a query
         # made right after the first scrape of a new series is empty, so wait for data.

@@ -225,7 +225,7 @@ def agent(shared: Path) -> Iterator[NodeAgent]:
 
 def _frames(agent: NodeAgent) -> list[dict[str, Any]]:
     with agent._lock:  # noqa: SLF001 - what waits to go upstream
-        return [json.loads(text) for _, text in agent._waiting]  # noqa: SLF001
+        return [json.loads(text) for _, text, _ in agent._waiting]  # noqa: SLF001
 
 
 def test_the_agent_admits_its_launchs_guests_only_each_as_itself(agent: NodeAgent, tmp_path: Path) -> None:

@@ -371,7 +371,7 @@ def test_a_replicas_pace_check_after_a_step_is_the_next_steps_sync_wait(monkeypa
     class Pace:
         leader = False
 
-        def add(self, rec: Any, fingerprint: int = 0) -> tuple[()]:
+        def add(self, rec: Any, fingerprint: int = 0, stage_ms: Any = None) -> tuple[()]:
             return ()
 
         def on_step_end(self, trained: int, late: bool) -> None:
