@@ -28,13 +28,18 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from rebalancer_wire.protocol import PIPELINE_SCHEDULES
 
-from ._values import Compact
 from .strategies import Estimate
-from .types import Constraints, JobObservation, NoProposal, PolicyConfig
+from .types import (
+    Constraints,
+    JobObservation,
+    NoProposal,
+    PipelineObservation,
+    PipelineTimes,
+    PolicyConfig,
+)
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -43,51 +48,13 @@ __all__ = [
     "replay_ms",
     "schedule_ms",
     "linear_cost",
-    "bubble_share", "replay_ms",
+    "bubble_share",
     "theory_bubble",
     "residual_ms",
     "pipeline_strategy",
     "with_pipeline_floors",
     "floor_problem",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineTimes(Compact):
-    """One pipeline's recent measurements: means over its newest steps at the micro-batch
-    count in force (per pipeline rank, in stage order)."""
-
-    dp_index: int
-    n_steps: int
-    n_microbatches: int
-    fwd_ms: tuple[float, ...]  # per micro-batch
-    bwd_ms: tuple[float, ...]  # per micro-batch
-    send_wait_ms: tuple[float, ...]  # per step
-    recv_wait_ms: tuple[float, ...]  # per step
-    bubble_ms: tuple[float, ...]  # per step: each stage's idle time
-    compute_ms: float  # the schedule's run, measured (the record's compute_ms)
-    step_ms: float
-    rel_noise: float = 0.0  # relative standard error of the bottleneck stage's time
-    layer_ms: tuple[float, ...] = ()  # the newest per-layer times (fwd + bwd per micro-batch)
-
-    @property
-    def stage_ms(self) -> tuple[float, ...]:
-        return tuple(f + b for f, b in zip(self.fwd_ms, self.bwd_ms, strict=True))
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineObservation(Compact):
-    """A pipelined job as the policy reads it: its shape and each pipeline's times (None for
-    a pipeline without stage times yet), by dp index."""
-
-    schedule: str
-    pp_size: int
-    stages_per_rank: int
-    tp_size: int
-    min_microbatches: int
-    pipelines: tuple[PipelineTimes | None, ...]
-    layers_per_stage: tuple[int, ...] = ()  # per model stage (n_stages = pp_size * stages_per_rank)
-    layer_names: tuple[str, ...] = ()
 
 
 # --- the model ----------------------------------------------------------------------------

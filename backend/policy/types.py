@@ -4,20 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from ._values import Compact
 from .comm import Communication
 from .costfit import CostModel
 from .memory import DEFAULT_HEADROOM, RankMemory
 
-if TYPE_CHECKING:
-    from .pipeline import PipelineObservation
-
 __all__ = [
     "StepSample",
     "DeviceSignals",
     "RankObservation",
+    "PipelineTimes",
+    "PipelineObservation",
     "JobObservation",
     "ObservationRows",
     "Rollback",
@@ -111,6 +110,44 @@ class Rollback(Compact):
     batch_index: int
     shares_before: tuple[int, ...]
     shares_after: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineTimes(Compact):
+    """One pipeline's recent measurements: means over its newest steps at the micro-batch
+    count in force (per pipeline rank, in stage order)."""
+
+    dp_index: int
+    n_steps: int
+    n_microbatches: int
+    fwd_ms: tuple[float, ...]  # per micro-batch
+    bwd_ms: tuple[float, ...]  # per micro-batch
+    send_wait_ms: tuple[float, ...]  # per step
+    recv_wait_ms: tuple[float, ...]  # per step
+    bubble_ms: tuple[float, ...]  # per step: each stage's idle time
+    compute_ms: float  # the schedule's run, measured (the record's compute_ms)
+    step_ms: float
+    rel_noise: float = 0.0  # relative standard error of the bottleneck stage's time
+    layer_ms: tuple[float, ...] = ()  # the newest per-layer times (fwd + bwd per micro-batch)
+
+    @property
+    def stage_ms(self) -> tuple[float, ...]:
+        return tuple(f + b for f, b in zip(self.fwd_ms, self.bwd_ms, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineObservation(Compact):
+    """A pipelined job as the policy reads it: its shape and each pipeline's times (None for
+    a pipeline without stage times yet), by dp index."""
+
+    schedule: str
+    pp_size: int
+    stages_per_rank: int
+    tp_size: int
+    min_microbatches: int
+    pipelines: tuple[PipelineTimes | None, ...]
+    layers_per_stage: tuple[int, ...] = ()  # per model stage (n_stages = pp_size * stages_per_rank)
+    layer_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
