@@ -4,6 +4,7 @@ the phases through ingest to the ranks' view."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -24,45 +25,35 @@ def _frame(job: str, rank: int, *, data_wait: float, host: float | None, gc: tup
     return encode(Metrics(job=job, rank=rank, steps=steps, dropped=0))
 
 
+def _two_ranks(c: TestClient, job: str, rank0: dict[str, Any], rank1: dict[str, Any]) -> None:
+    """Ranks 0 and 1 of ``job`` say hello, send one frame each (``_frame``'s keywords in
+    ``rank0`` and ``rank1``) and wait until the backend has folded them."""
+    with c.websocket_connect("/ws/hook") as a, c.websocket_connect("/ws/hook") as b:
+        ha, hb = hello(job=job, rank=0), hello(job=job, rank=1)
+        for ws, h in ((a, ha), (b, hb)):
+            ws.send_text(h)
+            ws.receive_json()
+        a.send_text(_frame(job, 0, **rank0))
+        b.send_text(_frame(job, 1, **rank1))
+        for ws, h in ((a, ha), (b, hb)):
+            sync(ws, h)
+
+
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     with TestClient(make_app(tmp_path_factory.mktemp("causes_api"))) as c:
-        with c.websocket_connect("/ws/hook") as a, c.websocket_connect("/ws/hook") as b:
-            ha, hb = hello(job="slow-input", rank=0), hello(job="slow-input", rank=1)
-            for ws, h in ((a, ha), (b, hb)):
-                ws.send_text(h)
-                ws.receive_json()
-            # Rank 1 waits 30 ms for its loader (32 ms before the step, 2 of them its own host
-            # work) and pauses 4 ms for GC; rank 0 arrives 30 ms early and waits.
-            a.send_text(_frame("slow-input", 0, data_wait=2.0, host=0.0, gc=None, sync_wait=33.0))
-            b.send_text(_frame("slow-input", 1, data_wait=32.0, host=2.0, gc=(1.0, 0.0, 3.0), sync_wait=3.0))
-            for ws, h in ((a, ha), (b, hb)):
-                sync(ws, h)
+        # Rank 1 waits 30 ms for its loader (32 ms before the step, 2 of them its own host
+        # work) and pauses 4 ms for GC; rank 0 arrives 30 ms early and waits.
+        rank0 = {"data_wait": 2.0, "host": 0.0, "gc": None, "sync_wait": 33.0}
+        rank1 = {"data_wait": 32.0, "host": 2.0, "gc": (1.0, 0.0, 3.0), "sync_wait": 3.0}
+        _two_ranks(c, "slow-input", rank0=rank0, rank1=rank1)
         # The same steps from hosts whose clocks disagree (rank 0's 2 days behind, rank 1's
         # 40 minutes ahead: both within what the edge accepts) ...
-        with c.websocket_connect("/ws/hook") as a, c.websocket_connect("/ws/hook") as b:
-            ha, hb = hello(job="skewed-clocks", rank=0), hello(job="skewed-clocks", rank=1)
-            for ws, h in ((a, ha), (b, hb)):
-                ws.send_text(h)
-                ws.receive_json()
-            a.send_text(_frame("skewed-clocks", 0, data_wait=2.0, host=0.0, gc=None, sync_wait=33.0,
-                               clock_off_s=-2 * 86400))
-            b.send_text(_frame("skewed-clocks", 1, data_wait=32.0, host=2.0, gc=(1.0, 0.0, 3.0), sync_wait=3.0,
-                               clock_off_s=40 * 60))
-            for ws, h in ((a, ha), (b, hb)):
-                sync(ws, h)
+        _two_ranks(c, "skewed-clocks", rank0={**rank0, "clock_off_s": -2 * 86400},
+                   rank1={**rank1, "clock_off_s": 40 * 60})
         # ... and from a hook whose parts add up to twice its step (the main parts are not
         # checked against the step at the edge: device timers may overlap them).
-        with c.websocket_connect("/ws/hook") as a, c.websocket_connect("/ws/hook") as b:
-            ha, hb = hello(job="parts-off", rank=0), hello(job="parts-off", rank=1)
-            for ws, h in ((a, ha), (b, hb)):
-                ws.send_text(h)
-                ws.receive_json()
-            a.send_text(_frame("parts-off", 0, data_wait=2.0, host=0.0, gc=None, sync_wait=33.0, step_ms=40.0))
-            b.send_text(_frame("parts-off", 1, data_wait=32.0, host=2.0, gc=(1.0, 0.0, 3.0), sync_wait=3.0,
-                               step_ms=40.0))
-            for ws, h in ((a, ha), (b, hb)):
-                sync(ws, h)
+        _two_ranks(c, "parts-off", rank0={**rank0, "step_ms": 40.0}, rank1={**rank1, "step_ms": 40.0})
         yield c
 
 
