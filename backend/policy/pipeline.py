@@ -51,6 +51,7 @@ __all__ = [
     "bubble_share",
     "theory_bubble",
     "residual_ms",
+    "fitted_cost",
     "pipeline_strategy",
     "with_pipeline_floors",
     "floor_problem",
@@ -148,6 +149,16 @@ def residual_ms(t: PipelineTimes, v: int) -> float:
     return t.compute_ms - schedule_ms(t.stage_ms, t.n_microbatches, v)
 
 
+def fitted_cost(t: PipelineTimes, pp_size: int, v: int) -> tuple[float, float, float]:
+    """``(a, c, residual)``: the pipeline's ``T(m) = a + c*m`` with its measured residual
+    spread over the run's ``m0 + (p-1)/v`` slots (module docstring). The one rule the
+    strategy splits by and a placement's prediction (``pipeline_check``) is made with."""
+    ai, ci = linear_cost(t.stage_ms, v)
+    res = residual_ms(t, v)
+    per_slot = res / (t.n_microbatches + (pp_size - 1) / v) if t.n_microbatches > 0 else 0.0
+    return ai + per_slot * (pp_size - 1) / v, ci + per_slot, res
+
+
 # --- the strategy -------------------------------------------------------------------------
 
 def pipeline_strategy(obs: JobObservation, config: PolicyConfig, constraints: Constraints) -> Estimate | NoProposal:
@@ -187,10 +198,10 @@ def pipeline_strategy(obs: JobObservation, config: PolicyConfig, constraints: Co
             hold.append(i)
             continue
         ai, ci = linear_cost(t.stage_ms, v)
-        res = residual_ms(t, v)
-        per_slot = res / (t.n_microbatches + (po.pp_size - 1) / v)  # see residual_slots
-        a.append(ai + per_slot * (po.pp_size - 1) / v)
-        c.append(ci + per_slot)
+        fa, fc, res = fitted_cost(t, po.pp_size, v)
+        per_slot = fc - ci
+        a.append(fa)
+        c.append(fc)
         n.append(t.n_steps)
         err.append(t.rel_noise)
         stage = t.stage_ms
