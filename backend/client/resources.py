@@ -13,9 +13,10 @@ __all__ = [
     "AuditRecord", "Audits", "Bound", "Cause", "Causes", "CostModel", "Device", "Effect",
     "Fleet", "FleetDevice", "FleetJob", "FleetTotals", "Forecast", "Health", "Job", "Jobs",
     "Memory", "Mesh", "MetricPoint", "MetricsPage", "Overrides", "OverridesSet", "Owner",
-    "Pipeline", "PipelineBrief", "PipelineRow", "Placement", "PlacementBrief", "Placements",
-    "Proposal", "Proposals", "Rank", "RankMemory", "Ranks", "Replica", "StageCell",
-    "StageSplitAdvice", "Summary", "Token", "TokenCreated", "Tokens", "WhoAmI",
+    "Pipeline", "PipelineBrief", "PipelinePrediction", "PipelineRow", "Placement",
+    "PlacementBrief", "Placements", "PredictionCheck", "Proposal", "Proposals", "Rank",
+    "RankMemory", "Ranks", "Replica", "StageCell", "StageSplitAdvice", "Summary", "Token",
+    "TokenCreated", "Tokens", "WhoAmI",
 ]
 
 
@@ -129,11 +130,12 @@ class Device(TypedDict, total=False):
     util_pct: float | None
 
 
-class Effect(TypedDict):
+class Effect(TypedDict, total=False):
     """``EffectPublic``."""
 
     measured_gain: float | None
     predicted_step_ms: float | None
+    prediction: PredictionCheck | None  # A pipelined job: the stage model's predicted step per pipeline and for the job, and the measured ones once the placement settled; null otherwise.
     rolled_back: bool
     step_ms_after: float | None
     step_ms_before: float | None
@@ -370,11 +372,23 @@ class PipelineBrief(TypedDict, total=False):
 
 
 class Pipeline(PipelineBrief, total=False):
-    """``PipelinePublic``: The brief, the grid (one row per pipeline, one cell per stage) and
-    the advice."""
+    """``PipelinePublic``: The brief, the grid (one row per pipeline, one cell per stage), the
+    advice and the placement in force's prediction check."""
 
     advice: StageSplitAdvice | None
+    prediction: PredictionCheck | None  # The placement in force's stage-model prediction and, once it settled, the measured step beside it; null before any placement was made with stage times.
     rows: list[PipelineRow]
+
+
+class PipelinePrediction(TypedDict):
+    """``PipelinePredictionPublic``: One pipeline's line of a prediction check: its schedule run
+    at the placement's count."""
+
+    error: float | None  # measured_ms / predicted_ms - 1.
+    measured_ms: float | None  # The measured run at that count over the effect window; null until measured.
+    n_microbatches: int  # Its micro-batches under the placement.
+    pipeline: int  # The dp index.
+    predicted_ms: float | None  # The stage model's run (a + c*m); null: no stage times when predicted.
 
 
 class PipelineRow(TypedDict, total=False):
@@ -421,6 +435,21 @@ class Placements(TypedDict):
 
     count: int
     data: list[Placement]
+
+
+class PredictionCheck(TypedDict):
+    """``PredictionCheckPublic``: A pipelined job's placement: the stage model's predicted step,
+    made when the placement was, and the step measured once it settled
+    (``backend.policy.pipeline_check``)."""
+
+    error: float | None  # measured_step_ms / predicted_step_ms - 1.
+    measured_step_ms: float | None  # The mean step over the effect window after the settle steps; null until measured.
+    missed: bool  # The step or a pipeline's run missed by more than the tolerance (audited as placement.prediction_missed).
+    note: str  # What the check found, and what the policy does about a miss.
+    pipelines: list[PipelinePrediction]
+    predicted_step_ms: float | None  # The slowest pipeline's predicted run plus rest_ms.
+    rest_ms: float  # What a step holds beyond the slowest pipeline's run (data wait, optimizer, exposed communication), measured when predicted.
+    tolerance: float  # A miss beyond it (relative) is flagged.
 
 
 class Proposal(TypedDict):

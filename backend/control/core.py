@@ -99,6 +99,8 @@ class JobState:
     last_metrics: float | None = None  # wall time of the newest metrics or hello
     devices: dict[int, Hello] = field(default_factory=dict)
     last_effect: dict[str, Any] | None = None
+    # The placement in force's stage-model prediction and, once measured, its check (pipelined jobs).
+    pipeline_prediction: dict[str, Any] | None = None
     static_checked: bool = False
     applied: bool = False  # every rank acked the placement in force
     effective: int | None = None  # the batch index it took effect at
@@ -246,6 +248,7 @@ class JobStore:
             "verdict": st.status,
             "verdict_detail": st.status_detail,
             "last_effect": st.last_effect,
+            "pipeline_prediction": st.pipeline_prediction,
             "last_metrics": st.last_metrics,
             "cost_model": cost_model_public(st.cost_model, st.length_sq_weight, st.mode),
         }
@@ -321,6 +324,7 @@ class JobStore:
             st.last_effect = records.last_effect(s, job)
             if pl is not None:
                 st.follow(pl)
+                st.pipeline_prediction = pl.prediction
             # The k the hooks split by: the newest cost-model placement's (its audit record).
             sent = db.list_audit(s, job, action="placement.cost_model", limit=1)
             if sent:

@@ -14,7 +14,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from backend.control.errors import InvalidError, StateError
 from backend.live.rows import STEP_BATCH as _BATCH
@@ -180,6 +180,29 @@ def step_costs(live: Any, job: str, world_size: int) -> list[float] | None:
 def predict_step_ms(costs: Sequence[float] | None, shares: Sequence[int]) -> float | None:
     """Slowest rank's compute time under ``shares``; None without costs."""
     return max(c * b for c, b in zip(costs, shares, strict=True)) if costs else None
+
+
+def pipeline_prediction(live: Any, job: str, shares: Sequence[int]) -> dict[str, Any] | None:
+    """The stage model's prediction for ``shares`` of a pipelined job, from its pipelines'
+    times in force (``policy.pipeline_check.predict``); None for a job without pipelines or
+    before any pipeline sent stage times."""
+    po = live.pipelines.observation(job) if live is not None else None
+    if po is None:
+        return None
+    from backend.policy.pipeline_check import predict
+
+    got = predict(po, shares)
+    return dict(got) if got is not None else None
+
+
+def pipeline_check(live: Any, job: str, prediction: Mapping[str, Any], *, batches: tuple[int, int],
+                   step_ms: float | None) -> dict[str, Any]:
+    """``prediction`` with what was measured over ``batches`` (the effect window after its
+    placement): each pipeline's run at its count and the job's step ``step_ms``."""
+    from backend.policy.pipeline_check import PredictionRecord, check
+
+    measured = live.pipelines.observation(job, batches=batches) if live is not None else None
+    return dict(check(cast(PredictionRecord, dict(prediction)), measured, step_ms))
 
 
 def rank_memories(live: Any, job: str, world_size: int) -> list[Any]:

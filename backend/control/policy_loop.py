@@ -223,6 +223,14 @@ class PolicyLoop:
             row = db.get_placement(s, st.job, st.version)
             if row is None:
                 return None
+            if row.prediction is not None:  # a pipelined job: its stage model's prediction, checked
+                checked = inputs.pipeline_check(self.store.live, st.job, row.prediction, batches=(lo, hi),
+                                                step_ms=after)
+                records.record_prediction(s, row, checked, actor=SYSTEM)
+                st.pipeline_prediction = checked
+                if checked["missed"]:
+                    log.warning("job %s placement %d: the stage model's prediction %s", st.job, row.version,
+                                checked["note"])
             factor = 1.0
             if row.previous_shares is not None and st.effective is not None:
                 was = effect.before_window(st.effective, w)

@@ -33,7 +33,7 @@ __all__ = [
     "expire_due", "next_version", "new_placement", "add_proposal", "refused_before", "last_effect",
     "recent_rollbacks", "approve", "reject", "audit_manual", "set_mode", "preset_mode", "mode_preset", "set_policy", "reshape",
     "record_acks", "record_oom", "audit_restart", "issued", "record_effect", "audit_token",
-    "take_epoch", "check_epoch",
+    "take_epoch", "check_epoch", "record_prediction",
 ]
 
 
@@ -328,9 +328,11 @@ def next_version(s: Any, job: str, *, running: int = 0) -> int:
 def new_placement(s: Any, job: str, shares: Sequence[int], *, source: str, actor: Any, reason: str,
                   at: float, proposal_id: int | None = None,
                   current: db.PlacementRow | None | bool = True,
-                  predicted_step_ms: float | None = None, auto: bool = False) -> db.PlacementRow:
+                  predicted_step_ms: float | None = None, auto: bool = False,
+                  prediction: dict[str, Any] | None = None) -> db.PlacementRow:
     """Add the next placement version after ``current`` (True: the one in force; None: no
-    previous shares to return to). Approved proposals it overtakes are superseded."""
+    previous shares to return to). Approved proposals it overtakes are superseded.
+    ``prediction``: a pipelined job's stage-model prediction (``policy.pipeline_check``)."""
     version = next_version(s, job)
     if current is True:
         current = db.latest_placement(s, job)
@@ -340,7 +342,7 @@ def new_placement(s: Any, job: str, shares: Sequence[int], *, source: str, actor
         previous_shares=list(prev.shares) if prev else None,
         previous_version=prev.version if prev else None,
         source=source, proposal_id=proposal_id, actor=actor_name(actor), reason=reason,
-        created_at=at, acks={}, auto=auto, predicted_step_ms=predicted_step_ms,
+        created_at=at, acks={}, auto=auto, predicted_step_ms=predicted_step_ms, prediction=prediction,
     )
     s.add(row)
     # Older proposals approved but not yet applied will never be: the hook takes the newest.
@@ -360,6 +362,17 @@ def issued(s: Any, row: db.PlacementRow, old: db.PlacementRow | None, *, source:
     db.record_audit(s, actor=actor, action=action, job=row.job,
                     params={**(params or {}), "version": row.version, "shares": list(row.shares)},
                     reason=reason)
+
+
+def record_prediction(s: Any, row: db.PlacementRow, checked: dict[str, Any], *, actor: Any) -> None:
+    """A pipelined placement's prediction with its check (``policy.pipeline_check.check``);
+    one that ran more than the tolerance off is audited (``placement.prediction_missed``)."""
+    row.prediction = checked
+    if checked.get("missed"):
+        db.record_audit(s, actor=actor, action="placement.prediction_missed", job=row.job,
+                        params={"version": row.version, "predicted_step_ms": checked.get("predicted_step_ms"),
+                                "measured_step_ms": checked.get("measured_step_ms"), "error": checked.get("error")},
+                        reason=str(checked.get("note", "")))
 
 
 def add_proposal(s: Any, job: str, *, base_version: int, current_shares: Sequence[int],

@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from backend.control import effect, records
+from backend.control import effect, inputs, records
 from backend.control.core import ActorLike, JobState, JobStore
 from backend.control.errors import ConflictError, ControlError, InvalidError, error_detail
 from backend.peers.connections import HookConnections
@@ -55,11 +55,18 @@ class Rollout:
               current: db.PlacementRow | None | bool = True,
               predicted_step_ms: float | None = None, auto: bool = False) -> db.PlacementRow:
         """Add the next placement version and make it the one in force here (the caller
-        commits, then sends it)."""
+        commits, then sends it). A pipelined job's placement carries the stage model's
+        prediction made now, from the pipelines' times in force, whatever proposed it; its
+        step is the placement's ``predicted_step_ms`` (the one the effect is measured against)."""
+        prediction = inputs.pipeline_prediction(self.store.live, st.job, shares)
+        if prediction is not None and prediction["predicted_step_ms"] is not None:
+            predicted_step_ms = prediction["predicted_step_ms"]
         row = records.new_placement(
             s, st.job, shares, source=source, actor=actor, reason=reason, at=self.store.wall(),
-            proposal_id=proposal_id, current=current, predicted_step_ms=predicted_step_ms, auto=auto)
+            proposal_id=proposal_id, current=current, predicted_step_ms=predicted_step_ms, auto=auto,
+            prediction=prediction)
         st.version, st.shares = row.version, list(shares)
+        st.pipeline_prediction = prediction
         return row
 
     @staticmethod

@@ -151,17 +151,24 @@ class PipelineBook:
         return {"pp_stage": speaker, "pp_size": shape.pp_size,
                 "bubble_ms": sum(bubbles) / len(bubbles) if bubbles else None, "bottleneck_stage": neck}
 
-    def observation(self, job: str, n: int | None = None) -> PipelineObservation | None:
+    def observation(self, job: str, n: int | None = None, *,
+                    batches: tuple[int, int] | None = None) -> PipelineObservation | None:
         """The policy's view of the job: per pipeline the means of its newest ``n`` (default
-        ``window_steps``) steps run at the micro-batch count in force; None for a job
-        without pipelines."""
+        ``window_steps``) steps run at the micro-batch count in force, or of its steps with
+        batch indices in ``batches`` (lo, hi; a placement's effect window) at the newest
+        count among them; None for a job without pipelines."""
         n = self.window_steps if n is None else n
         with self._lock:
             j = self._jobs.get(job)
             if j is None:
                 return None
             shape, world = j.shape, j.world_size
-            taken = {i: (list(islice(reversed(p.rows), n)), p.layer_ms) for i, p in j.pipelines.items()}
+            if batches is None:
+                taken = {i: (list(islice(reversed(p.rows), n)), p.layer_ms) for i, p in j.pipelines.items()}
+            else:
+                lo, hi = batches
+                taken = {i: ([r for r in reversed(p.rows) if lo <= r[0] <= hi], p.layer_ms)
+                         for i, p in j.pipelines.items()}
         pipes: list[PipelineTimes | None] = []
         for i in range(world):
             rows, layer_ms = taken.get(i, ([], ()))
@@ -176,11 +183,12 @@ class PipelineBook:
         return assess(po) if po is not None else None
 
 
-def pipeline_view(book: PipelineBook, job: str) -> dict[str, Any] | None:
+def pipeline_view(book: PipelineBook, job: str, prediction: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The one JSON shape of a pipelined job's assessment (REST ``/pipeline`` and the job
     view's brief validate it; the end-of-run report carries it): the shape, the grid of
-    stages x pipelines, bottleneck, bubble share, slowest pipeline, advice. None without
-    pipelines."""
+    stages x pipelines, bottleneck, bubble share, slowest pipeline, advice, and
+    ``prediction``, the placement in force's stage-model prediction and its check (the
+    controller's; ``policy.pipeline_check``). None without pipelines."""
     shape, a = book.shape(job), book.assessment(job)
     if shape is None or a is None:
         return None
@@ -191,7 +199,8 @@ def pipeline_view(book: PipelineBook, job: str) -> dict[str, Any] | None:
             "slowest_pipeline": a.slowest_pipeline, "bubble_share": a.bubble_share,
             "bubble_ms": _mean_bubble_ms(a.rows),
             "advice_gain": a.advice.gain if a.advice is not None else None, "advice_note": a.advice_note,
-            "rows": [_row_view(i, r) for i, r in enumerate(a.rows)], "advice": _advice_view(a.advice)}
+            "rows": [_row_view(i, r) for i, r in enumerate(a.rows)], "advice": _advice_view(a.advice),
+            "prediction": prediction}
 
 
 def _mean_bubble_ms(rows: tuple[PipelineRow | None, ...]) -> float | None:

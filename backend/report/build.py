@@ -104,7 +104,7 @@ def _placements(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "effective_batch_index": p.get("effective_batch_index"), "failed": bool(p.get("failed")),
             "step_ms_before": eff.get("step_ms_before"), "step_ms_after": eff.get("step_ms_after"),
             "predicted_step_ms": eff.get("predicted_step_ms"), "measured_gain": eff.get("measured_gain"),
-            "rolled_back": bool(eff.get("rolled_back")),
+            "rolled_back": bool(eff.get("rolled_back")), "prediction": eff.get("prediction"),
         })
     return out
 

@@ -105,7 +105,8 @@ class RunReports:
             communication=_communication(self._live.communication(job)),
             causes=_causes(job_causes(self._live, job)),
             goodput=goodput(view) if (view := self._live.view(job)) is not None else None,
-            pipeline=pipeline_view(self._live.pipelines, job))
+            pipeline=pipeline_view(self._live.pipelines, job,
+                                   self._controller.job_control(job).get("pipeline_prediction")))
         return await asyncio.to_thread(build_report, inputs)
 
     async def store(self, job: str, *, reason: str, finished: bool) -> dict[str, Any] | None:

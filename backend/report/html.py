@@ -172,7 +172,26 @@ def _details(r: dict[str, Any]) -> str:
         parts.append("<p>Not measured (the backend no longer held the run's last steps).</p>")
     if r.get("pipeline"):
         parts.append(_pipeline(r["pipeline"]))
+    parts.append(_predictions(r.get("placements", [])))
     return "".join(parts)
+
+
+def _predictions(placements: list[dict[str, Any]]) -> str:
+    """A pipelined job's placements: the stage model's predicted step beside the measured
+    one, per pipeline and for the job (``backend.policy.pipeline_check``); "" without any."""
+    rows = [(p, p["prediction"]) for p in placements if p.get("prediction")]
+    if not rows:
+        return ""
+
+    def runs(c: dict[str, Any], key: str) -> str:
+        return " | ".join(_num(x[key]) for x in c["pipelines"])
+
+    return "<h3>Pipeline predictions checked</h3>" + _table(
+        ["version", "micro-batches", "predicted run ms", "measured run ms", "predicted step ms",
+         "measured step ms", "error", "check"],
+        [[p["version"], ",".join(map(str, p["shares"])), runs(c, "predicted_ms"), runs(c, "measured_ms"),
+          _num(c["predicted_step_ms"]), _num(c["measured_step_ms"]), _pct(c["error"]),
+          ("MISSED: " if c["missed"] else "") + c["note"]] for p, c in rows], left=2)
 
 
 def _pipeline(p: dict[str, Any]) -> str:

@@ -88,6 +88,8 @@ class PlacementRow(Base):
     step_ms_after: Mapped[float | None] = mapped_column(Float, nullable=True)
     measured_gain: Mapped[float | None] = mapped_column(Float, nullable=True)
     rolled_back: Mapped[bool] = mapped_column(Boolean, default=False)
+    # A pipelined job's stage-model prediction and its check (policy.pipeline_check.PredictionRecord).
+    prediction: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
     def public(self) -> dict[str, Any]:
         """The Placement resource of docs/architecture.md."""
@@ -111,6 +113,7 @@ class PlacementRow(Base):
                 "predicted_step_ms": self.predicted_step_ms,
                 "measured_gain": self.measured_gain,
                 "rolled_back": self.rolled_back,
+                "prediction": self.prediction,
             },
         }
 

@@ -1,6 +1,7 @@
 // Pipeline card of the job view (a PP x DP job, docs/pipelines.md): the grid of stages x
 // pipelines with each cell's time per micro-batch, the bottleneck stage, the bubble share,
-// the slowest pipeline and the stage-split advice, as GET /api/v1/jobs/{job}/pipeline gives
+// the slowest pipeline, the placement in force's predicted step beside the measured one (a
+// miss beyond the tolerance flagged) and the stage-split advice, as GET /api/v1/jobs/{job}/pipeline gives
 // them (backend/policy/pipeline_advice.py). Every figure is the server's. The card stays
 // hidden for a job without pipelines: the job view's `pipeline` is null, and the grid is
 // not asked for (its 404 would be a console error on every poll). The job resource comes
@@ -19,6 +20,7 @@ export class PipelineCard {
     this.stats = document.getElementById("pipeline-stats");
     this.grid = document.getElementById("pipeline-grid");
     this.advice = document.getElementById("pipeline-advice");
+    this.prediction = document.getElementById("pipeline-prediction");
     this.last = null;
   }
 
@@ -56,6 +58,7 @@ export class PipelineCard {
       margin: { l: 140, r: 20, t: 8, b: 36 }, font: FONT, paper_bgcolor: "#fff", plot_bgcolor: "#fff",
       uirevision: "keep", yaxis: { autorange: "reversed" },
     }, CONFIG);
+    this.renderPrediction(p.prediction);
     const a = p.advice;
     if (!a) {
       this.advice.replaceChildren(el("p", { class: "hint" }, p.advice_note || ""));
@@ -69,6 +72,23 @@ export class PipelineCard {
         `instead of ${fmt(a.step_ms_before, 1)} ms (${pct(a.gain)} faster). Apply it by restarting ` +
         "from a checkpoint with the new split."),
       names.length ? el("ul", { class: "stage-modules" }, names) : null,
+    );
+  }
+
+  // The stage model's prediction for the placement in force and, once it settled, the
+  // measured step: per pipeline its run, for the job its step; a miss is a warning.
+  renderPrediction(c) {
+    if (!c) { this.prediction.replaceChildren(); return; }
+    const runs = c.pipelines.map((r) => `pipeline ${r.pipeline} (${r.n_microbatches} mb): predicted ` +
+      `${fmt(r.predicted_ms, 1)} ms` + (r.measured_ms === null ? "" : `, measured ${fmt(r.measured_ms, 1)} ms ` +
+      `(${r.error === null ? "–" : `${r.error >= 0 ? "+" : ""}${pct(r.error)}`})`));
+    const head = c.measured_step_ms === null
+      ? `Placement in force: predicted step ${fmt(c.predicted_step_ms, 1)} ms; ${c.note}.`
+      : `Placement in force: predicted step ${fmt(c.predicted_step_ms, 1)} ms, measured ` +
+        `${fmt(c.measured_step_ms, 1)} ms (${c.error >= 0 ? "+" : ""}${pct(c.error)}): ${c.note}`;
+    this.prediction.replaceChildren(
+      el("p", { class: c.missed ? "notice bad" : "hint", id: "pipeline-prediction-head" }, head),
+      el("ul", { class: "stage-modules" }, runs.map((t) => el("li", {}, t))),
     );
   }
 }

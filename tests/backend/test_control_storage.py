@@ -55,7 +55,7 @@ def test_rows_round_trip_and_read_back_newest_first(sessions):
         pub = db.get_placement(s, job, 1).public()
         assert pub["acks"] == {0: 7, 1: 7, 2: 7}
         assert pub["effect"] == {"step_ms_before": 80.0, "step_ms_after": 40.0, "predicted_step_ms": None,
-                                 "measured_gain": 0.5, "rolled_back": False}
+                                 "measured_gain": 0.5, "rolled_back": False, "prediction": None}
         assert [p.version for p in db.list_placements(s, job)] == [2, 1, 0]
         props = db.list_proposals(s, job)
         assert [p.status for p in props] == ["proposed", "rejected", "applied"]

@@ -69,6 +69,7 @@ def test_a_database_of_the_first_schema_upgrades_and_keeps_its_rows(db_url):
         assert store.get_job(s, "old").mesh is None and store.list_ranks(s, "old")[0].replica_ranks is None  # 0005
         assert latest_placement(s, "old").shares == [16, 16]
         assert epoch_of(s, "old") is None  # 0006: no replica has fenced the job yet
+        assert latest_placement(s, "old").prediction is None  # 0007: no stage-model prediction
         assert [a.action for a in list_audit(s, "old")] == ["job.create"]
         token_time = s.execute(text("SELECT created_at FROM auth_tokens")).scalar_one()
         assert token_time == pytest.approx(T0.timestamp())

@@ -2,7 +2,9 @@
 the real hook websocket of a real backend) shows on its job page as a grid of stages x
 pipelines with each cell's time per micro-batch, the bottleneck stage, the bubble share,
 the slowest pipeline and the stage-split advice with its module names, all as REST's
-``/pipeline`` gives them; a job without pipelines keeps the card hidden."""
+``/pipeline`` gives them; once an operator's placement ran, the card puts the stage model's
+predicted step beside the measured one and flags a miss beyond 10%; a job without pipelines
+keeps the card hidden."""
 
 from __future__ import annotations
 
@@ -13,18 +15,36 @@ from typing import Any
 import pytest
 from websockets.sync.client import connect
 
-from rebalancer_wire.protocol import Hello, encode
+from rebalancer_wire.protocol import Ack, Hello, encode
 from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
 from tests.helpers.pipeline import JOB, feed, hello_frame
-from tests.helpers.server import running_server
+from tests.helpers.server import Server, running_server
+from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
 sync_api = playwright_sync_api()
 
 
+def _an_operators_placement_runs_slower_than_predicted(server: Server, pipes: tuple[Any, Any]) -> None:
+    """(11, 5) applied by hand: predicted 92 and 88 ms (step 93.5); pipeline 0 then runs
+    1.25x slower than its stages said, 115 ms, the step 116.5."""
+    assert server.call("PUT", f"/api/v1/jobs/{JOB}/mode", body={"mode": "approve"})[0] == 200
+    status, body = server.call("POST", f"/api/v1/jobs/{JOB}/proposals", body={"shares": [11, 5], "apply": True})
+    assert status == 201 and body["status"] == "approved", body
+    for rank, ws in enumerate(pipes):
+        placement = wait_until(lambda ws=ws: (m := json.loads(ws.recv(timeout=10)))["type"] == "placement"
+                               and m["shares"] == [11, 5] and m, "the placement")
+        ws.send(encode(Ack(job=JOB, rank=rank, version=placement["version"], batch_index=16)))
+    for rank, ws in enumerate(pipes):
+        feed(ws, rank, 16, 16, [11, 5], placement["version"], slower={0: 1.25})
+    wait_until(lambda: (p := server.get(f"/api/v1/jobs/{JOB}/pipeline")["prediction"])  # type: ignore[index]
+               and p["measured_step_ms"] is not None, "the checked prediction", log=server.log)
+
+
 def test_the_job_page_shows_the_pipeline_grid_and_the_advice(tmp_path: Path) -> None:
-    with running_server(tmp_path, env={"REBALANCER_DEFAULT_MODE": "observe"}) as server:
+    with running_server(tmp_path, env={"REBALANCER_DEFAULT_MODE": "observe",
+                                       "REBALANCER_EFFECT_WINDOW_STEPS": "8"}) as server:
         with connect(server.ws_url + "/ws/hook") as p0, connect(server.ws_url + "/ws/hook") as p1, \
                 connect(server.ws_url + "/ws/hook") as plain:
             for rank, ws in enumerate((p0, p1)):
@@ -64,6 +84,19 @@ def test_the_job_page_shows_the_pipeline_grid_and_the_advice(tmp_path: Path) -> 
                     advice = page.locator("#pipeline-advice").inner_text()
                     assert "layers [2, 2] → [3, 1] per stage; predicted step 109.5 ms instead of 137.5 ms" in advice
                     assert "stage 0: tok_embeddings, layers.0, layers.1" in advice and "stage 1: output" in advice
+                    assert page.locator("#pipeline-prediction").inner_text() == ""  # no placement yet
+                    _an_operators_placement_runs_slower_than_predicted(server, (p0, p1))
+                    page.reload()
+                    page.wait_for_function("() => (document.querySelector('#pipeline-prediction-head') || {})"
+                                           ".textContent?.includes('measured')")
+                    head = page.locator("#pipeline-prediction-head")
+                    assert "bad" in (head.get_attribute("class") or "")
+                    assert head.inner_text().startswith(
+                        "Placement in force: predicted step 93.5 ms, measured 116.5 ms (+24.6%): missed by more "
+                        "than 10%: the step took 116.5 ms against 93.5 predicted (+25%)")
+                    runs = page.locator("#pipeline-prediction li").all_inner_texts()
+                    assert runs == ["pipeline 0 (11 mb): predicted 92.0 ms, measured 115.0 ms (+25.0%)",
+                                    "pipeline 1 (5 mb): predicted 88.0 ms, measured 88.0 ms (+0.0%)"]
                     # a job without pipelines: the card stays hidden, and its grid is never asked
                     # for (a 404 is a console error)
                     page.goto(f"{server.url}/job/plain")

@@ -39,12 +39,16 @@ def schedule(stage: list[float], m: int) -> float:
     return sum(stage) + (m - 1) * max(stage)
 
 
-def steps(rank: int, first: int, n: int, shares: list[int], version: int) -> list[StepRecord]:
-    """Pipeline ``rank``'s steps under ``shares``: every pipeline's step is the slowest's."""
+def steps(rank: int, first: int, n: int, shares: list[int], version: int, *,
+          slower: dict[int, float] | None = None) -> list[StepRecord]:
+    """Pipeline ``rank``'s steps under ``shares``: every pipeline's step is the slowest's.
+    ``slower``: pipelines whose stages run that many times their usual time."""
+    slower = slower or {}
+    stages = {i: [t * slower.get(i, 1.0) for t in STAGES[i]] for i in STAGES}
     m = shares[rank]
-    stage = STAGES[rank]
+    stage = stages[rank]
     compute = schedule(stage, m)
-    step = max(schedule(STAGES[i], shares[i]) for i in STAGES) + REST_MS
+    step = max(schedule(stages[i], shares[i]) for i in stages) + REST_MS
     idle = [compute - m * t for t in stage]
     t0 = time.time()
     return [StepRecord(
@@ -56,7 +60,7 @@ def steps(rank: int, first: int, n: int, shares: list[int], version: int) -> lis
 
 
 def feed(ws: ClientConnection, rank: int, first: int, n: int, shares: list[int], version: int, *,
-         job: str = JOB) -> None:
+         job: str = JOB, slower: dict[int, float] | None = None) -> None:
     for start in range(first, first + n, 8):
         ws.send(encode(Metrics(job=job, rank=rank, steps=steps(rank, start, min(8, first + n - start), shares,
-                                                                  version))))
+                                                                  version, slower=slower))))

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import AdminDep, ControllerDep, OperatorDep, RowId, ViewerDep
+from backend.api.routes.pipeline import PredictionCheckPublic
 from backend.control.models import Overrides, PolicyChanges
 from backend.modes import MODES
 from backend.storage.control import PROPOSAL_STATUSES
@@ -116,6 +117,9 @@ class EffectPublic(BaseModel):
     predicted_step_ms: float | None
     measured_gain: float | None
     rolled_back: bool
+    prediction: PredictionCheckPublic | None = Field(
+        default=None, description="A pipelined job: the stage model's predicted step per pipeline and for the job, "
+                                  "and the measured ones once the placement settled; null otherwise.")
 
 
 class PlacementPublic(BaseModel):

@@ -16,7 +16,7 @@ from backend.api.forwarding import from_owner
 from backend.live.pipeline import PipelineBook, pipeline_view
 
 __all__ = ["router", "PipelineBrief", "PipelinePublic", "PipelineRowPublic", "StageCellPublic",
-           "StageSplitAdvicePublic", "pipeline_brief"]
+           "StageSplitAdvicePublic", "PipelinePredictionPublic", "PredictionCheckPublic", "pipeline_brief"]
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
 
@@ -79,11 +79,39 @@ class StageSplitAdvicePublic(BaseModel):
     source: str = Field(description="layer_ms (measured per layer) or stage_ms (a stage's time spread over its layers).")
 
 
+class PipelinePredictionPublic(BaseModel):
+    """One pipeline's line of a prediction check: its schedule run at the placement's count."""
+
+    pipeline: int = Field(description="The dp index.")
+    n_microbatches: int = Field(description="Its micro-batches under the placement.")
+    predicted_ms: float | None = Field(description="The stage model's run (a + c*m); null: no stage times when predicted.")
+    measured_ms: float | None = Field(description="The measured run at that count over the effect window; null until measured.")
+    error: float | None = Field(description="measured_ms / predicted_ms - 1.")
+
+
+class PredictionCheckPublic(BaseModel):
+    """A pipelined job's placement: the stage model's predicted step, made when the placement
+    was, and the step measured once it settled (``backend.policy.pipeline_check``)."""
+
+    predicted_step_ms: float | None = Field(description="The slowest pipeline's predicted run plus rest_ms.")
+    measured_step_ms: float | None = Field(description="The mean step over the effect window after the settle steps; null until measured.")
+    error: float | None = Field(description="measured_step_ms / predicted_step_ms - 1.")
+    rest_ms: float = Field(description="What a step holds beyond the slowest pipeline's run (data wait, optimizer, exposed communication), measured when predicted.")
+    tolerance: float = Field(description="A miss beyond it (relative) is flagged.")
+    missed: bool = Field(description="The step or a pipeline's run missed by more than the tolerance (audited as placement.prediction_missed).")
+    note: str = Field(description="What the check found, and what the policy does about a miss.")
+    pipelines: list[PipelinePredictionPublic]
+
+
 class PipelinePublic(PipelineBrief):
-    """The brief, the grid (one row per pipeline, one cell per stage) and the advice."""
+    """The brief, the grid (one row per pipeline, one cell per stage), the advice and the
+    placement in force's prediction check."""
 
     rows: list[PipelineRowPublic]
     advice: StageSplitAdvicePublic | None = None
+    prediction: PredictionCheckPublic | None = Field(
+        default=None, description="The placement in force's stage-model prediction and, once it settled, the "
+                                  "measured step beside it; null before any placement was made with stage times.")
 
 
 def pipeline_brief(book: PipelineBook, job: str) -> PipelineBrief | None:
@@ -101,7 +129,7 @@ async def get_pipeline(job: str, _actor: ViewerDep, parts: PartsDep, request: Re
     several replicas). 404 for an unknown job or one whose hooks said no pipeline."""
     if (owners := await from_owner(request, parts, job)) is not None:
         return owners
-    view = pipeline_view(parts.live.pipelines, job)
+    view = pipeline_view(parts.live.pipelines, job, parts.controller.job_control(job).get("pipeline_prediction"))
     if view is None:
         if job in parts.live:
             raise HTTPException(404, f"Job '{job}' is not pipelined: its hooks said no pipeline.")

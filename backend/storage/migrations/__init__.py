@@ -17,7 +17,7 @@ from sqlalchemy import Engine, inspect
 
 __all__ = ["upgrade", "create_head", "current", "HEAD", "FIRST"]
 
-HEAD = "0006"
+HEAD = "0007"
 FIRST = "0001"
 
 
