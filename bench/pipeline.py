@@ -13,7 +13,11 @@ do: a delay per micro-batch in forward and backward, divided by the pipeline's s
 2. Achieved: the job from the uniform split with the backend in ``auto`` mode for
    ``--steps`` steps: its steady step time (median of the last 10 steps) against the
    oracle's and uniform's, and the step from which the rolling median of 5 steps stays
-   within 5% of the oracle's.
+   within 5% of the oracle's. For each placement the backend applied, the stage model's
+   prediction on record with it (``effect.prediction`` over REST: per pipeline and the step)
+   beside the step measured: the backend's own check once the placement ran its effect
+   window, the job's steady step under that split here (median of its steps after the first
+   two) and the sweep's for the same split; each error is measured / predicted - 1.
 3. Memory: every stage's peak saved-activation bytes (what autograd keeps for the backward,
    ``saved_tensors_hooks``) at each micro-batch count of the sweep under 1F1B, and under
    GPipe for contrast (a short offline run at counts 4, 8 and 10 on pipeline 0).
@@ -102,6 +106,34 @@ def _by_split(steps: list[dict[str, Any]], skip: int = 2) -> dict[tuple[int, ...
     return out
 
 
+def _checked(placements: list[dict[str, Any]], steps: list[dict[str, Any]],
+             sweep: dict[tuple[int, ...], float]) -> list[dict[str, Any]]:
+    """Each placement the backend applied with a stage-model prediction: predicted per
+    pipeline and for the step, measured by the backend's check, by this run (its steps under
+    the split after the first two) and by the sweep (the same split)."""
+    out = []
+    for p in sorted(placements, key=lambda p: p["version"]):
+        c = (p.get("effect") or {}).get("prediction")
+        if not c or c["predicted_step_ms"] is None:
+            continue
+        split = tuple(p["shares"])
+        here = _by_split(steps).get(split, [])
+        run_ms = statistics.median(here) if here else None
+        pred = c["predicted_step_ms"]
+        out.append({
+            "version": p["version"], "split": list(split), "source": p["source"],
+            "predicted_pipeline_ms": [r["predicted_ms"] for r in c["pipelines"]],
+            "measured_pipeline_ms": [r["measured_ms"] for r in c["pipelines"]],
+            "predicted_step_ms": pred, "rest_ms": c["rest_ms"],
+            "backend_measured_step_ms": c["measured_step_ms"], "backend_error": c["error"],
+            "backend_missed": c["missed"], "backend_note": c["note"],
+            "run_measured_step_ms": run_ms, "run_error": run_ms / pred - 1 if run_ms is not None else None,
+            "sweep_step_ms": sweep.get(split),
+            "sweep_error": sweep[split] / pred - 1 if split in sweep else None,
+        })
+    return out
+
+
 def _peaks(steps: list[dict[str, Any]], ranks: tuple[int, ...]) -> dict[int, list[int]]:
     """Per micro-batch count of pipeline 0: the peak saved bytes of each of ``ranks``."""
     out: dict[int, list[int]] = {}
@@ -158,6 +190,8 @@ def main() -> None:
         with running_backend(tmp) as backend:
             achieved = _run(tmp, "achieved", ["--schedule", "1f1b", "--steps", str(args.steps), "--server",
                                               backend.url, *delays])
+            placements = backend.get("/api/v1/jobs/pipeline-bench/placements?limit=100")["data"]
+    checked = _checked(placements, achieved["steps"], measured)
     times = [s["step_ms"] for s in achieved["steps"]]
     steady = statistics.median(times[-10:])
     settled = next((i for i in range(5, len(times) + 1)
@@ -171,6 +205,14 @@ def main() -> None:
     print_table("achieved (backend auto mode)", ["steady_ms", "oracle_ms", "achieved/oracle", "uniform/achieved",
                                                   "settled_at_step", "final_split"],
                 [[steady, oracle_ms, steady / oracle_ms, uniform_ms / steady, settled, ",".join(map(str, final))]])
+    print_table("stage-model prediction of each placement applied vs measured (error = measured / predicted - 1)",
+                ["version", "split", "pred ms p0|p1", "pred step", "backend meas", "err", "run meas", "err",
+                 "sweep", "err"],
+                [[c["version"], ",".join(map(str, c["split"])),
+                  " | ".join("-" if x is None else f"{x:.1f}" for x in c["predicted_pipeline_ms"]),
+                  c["predicted_step_ms"], c["backend_measured_step_ms"], c["backend_error"],
+                  c["run_measured_step_ms"], c["run_error"], c["sweep_step_ms"], c["sweep_error"]]
+                 for c in checked])
     print_table("peak saved-activation KiB of stage 0 / stage 1 of pipeline 0, by its micro-batch count",
                 ["count", "1F1B s0", "1F1B s1", "GPipe s0", "GPipe s1"],
                 [[n, *_kib(mem_1f1b.get(n)), *_kib(mem_gpipe.get(n))] for n in sorted(set(mem_1f1b) | set(mem_gpipe))])
@@ -182,6 +224,7 @@ def main() -> None:
         "achieved_steady_ms": steady, "achieved_over_oracle": steady / oracle_ms,
         "uniform_over_achieved": uniform_ms / steady, "settled_at_step": settled, "final_split": final,
         "achieved_step_ms": times, "achieved_shares": [s["shares"] for s in achieved["steps"]],
+        "predictions_checked": checked,
         "peak_saved_bytes_1f1b": {str(k): v for k, v in mem_1f1b.items()},
         "peak_saved_bytes_gpipe": {str(k): v for k, v in mem_gpipe.items()},
     })
