@@ -33,8 +33,9 @@ def _an_operators_placement_runs_slower_than_predicted(server: Server, pipes: tu
     status, body = server.call("POST", f"/api/v1/jobs/{JOB}/proposals", body={"shares": [11, 5], "apply": True})
     assert status == 201 and body["status"] == "approved", body
     for rank, ws in enumerate(pipes):
-        placement = wait_until(lambda ws=ws: (m := json.loads(ws.recv(timeout=10)))["type"] == "placement"
-                               and m["shares"] == [11, 5] and m, "the placement")
+        placement = json.loads(ws.recv(timeout=10))
+        while placement["type"] != "placement" or placement["shares"] != [11, 5]:
+            placement = json.loads(ws.recv(timeout=10))
         ws.send(encode(Ack(job=JOB, rank=rank, version=placement["version"], batch_index=16)))
     for rank, ws in enumerate(pipes):
         feed(ws, rank, 16, 16, [11, 5], placement["version"], slower={0: 1.25})
