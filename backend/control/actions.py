@@ -101,13 +101,19 @@ class OperatorActions:
             if length_sq_weight is not None:
                 expl["length_sq_weight"] = float(length_sq_weight)
             costs = self.store.costs(st)
+            # A pipelined job's step is no per-sample cost times a share: the stage model's.
+            steps = [(p or {}).get("predicted_step_ms") for p in (
+                inputs.pipeline_prediction(self.store.live, job, st.shares),
+                inputs.pipeline_prediction(self.store.live, job, shares))]
+            before, after = (steps[0], steps[1]) if None not in steps else (None, None)
+            gain = (before - after) / before if before and after is not None else None
 
             def work(s: Session) -> tuple[int, dict[str, Any]]:
                 self.store.refuse_if_ended(job)
                 self.store.close_pending(s, job, "superseded", "an operator submitted a placement")
                 prop = self.store.add_proposal(s, st, shares, source="manual", strategy="manual", actor=actor,
                                           reason=reason or "manual placement", costs=costs,
-                                          explanation=expl)
+                                          explanation=expl, before=before, after=after, gain=gain)
                 records.audit_manual(s, prop, apply=apply, force=force, problems=problems,
                                      actor=actor, reason=reason)
                 self.store.fence(s, st)

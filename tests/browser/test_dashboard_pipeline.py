@@ -32,6 +32,9 @@ def _an_operators_placement_runs_slower_than_predicted(server: Server, pipes: tu
     assert server.call("PUT", f"/api/v1/jobs/{JOB}/mode", body={"mode": "approve"})[0] == 200
     status, body = server.call("POST", f"/api/v1/jobs/{JOB}/proposals", body={"shares": [11, 5], "apply": True})
     assert status == 201 and body["status"] == "approved", body
+    # the operator's proposal is predicted by the stage model too: 136 + 1.5 before, 92 + 1.5 after
+    assert (body["predicted_step_ms_before"], body["predicted_step_ms_after"]) == (pytest.approx(137.5),
+                                                                                  pytest.approx(93.5))
     for rank, ws in enumerate(pipes):
         placement = json.loads(ws.recv(timeout=10))
         while placement["type"] != "placement" or placement["shares"] != [11, 5]:
