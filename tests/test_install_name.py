@@ -55,11 +55,19 @@ def test_make_demo_installs_the_hook_and_the_server_only() -> None:
     demo, serve = _recipe(makefile, "demo"), _recipe(makefile, "serve")
     assert demo.startswith("demo: $(DEMO_STAMP)") and serve.startswith("serve: $(DEMO_STAMP)")
     demo_setup = _recipe(makefile, "$(DEMO_STAMP)")
-    assert "pip install -q -e '.[hook,server]'" in demo_setup and "dev" not in demo_setup
-    assert demo_setup.startswith("$(DEMO_STAMP): pyproject.toml | $(TORCH_STAMP)\n")  # torch first
+    assert "$(call PKG_INSTALL,-e '.[hook,server]')" in demo_setup and "dev" not in demo_setup
+    assert demo_setup.startswith("$(DEMO_STAMP): pyproject.toml | $(CONSTRAINTS)\n")  # torch first
     test_setup = _recipe(makefile, "$(STAMP)")
-    assert "pip install -q -e '.[dev]'" in test_setup
-    assert test_setup.startswith("$(STAMP): pyproject.toml | $(TORCH_STAMP)\n")
+    assert "$(call PKG_INSTALL,-e '.[dev]')" in test_setup
+    assert test_setup.startswith("$(STAMP): pyproject.toml | $(CONSTRAINTS)\n")
+    # The constraints come after torch and pin the torch installed: neither uv nor pip may
+    # swap it for another build while installing the extras.
+    constraints = _recipe(makefile, "$(CONSTRAINTS)")
+    assert constraints.startswith("$(CONSTRAINTS): | $(TORCH_STAMP)\n")
+    assert "print('torch==' + torch.__version__)\" > $@" in constraints
+    install = re.search(r"^PKG_INSTALL = (.*\n(?:\t.*\n)*)", makefile, re.M)
+    assert install and install.group(1).count("-c $(CONSTRAINTS) $(1)") == 2  # uv, else pip
+    assert "$(BIN)/pip install -q -c $(CONSTRAINTS) $(1)" in install.group(1)
     assert "touch $@ $(DEMO_STAMP)" in test_setup  # .[dev] holds the demo's extras
     assert 'python -c "import torch" 2>/dev/null ||' in _recipe(makefile, "$(TORCH_STAMP)")  # an importable torch is reused
     assert re.search(r"^setup: \$\(STAMP\)$", makefile, re.M)
