@@ -59,9 +59,13 @@ class Weighting:
     def comm_kind(self) -> str:
         return COMM_KIND.get(self.mode or "", "")
 
-    def attach(self, model: torch.nn.Module, gradients: str) -> None:
+    def attach(self, model: Any, gradients: str) -> None:
         if self.mode is not None:
-            raise RuntimeError("attach() was already called on this hook; call it once per model.")
+            raise RuntimeError("attach() was already called on this hook; call it once per model "
+                               "(an interleaved pipeline rank: once, with the list of its stage modules).")
+        if isinstance(model, (list, tuple)):
+            self._attach_stages(list(model), gradients)
+            return
         grads, world = self._grads, self._world_size
         if gradients == "loss_scale":
             if self._pipelined:
@@ -89,6 +93,42 @@ class Weighting:
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
             and not isinstance(m, torch.nn.SyncBatchNorm)
         ]
+
+    def _attach_stages(self, models: list[Any], gradients: str) -> None:
+        """An interleaved pipeline rank's stage modules, each wrapped over ``dp_mesh`` on its
+        own: every one weighted with this rank's gradient weight, by one mechanism."""
+        if not self._pipelined:
+            raise ValueError(
+                f"attach() takes one model, got a {type(models).__name__} of {len(models)}: a list of modules "
+                "is for an interleaved pipeline rank's stage modules (RebalanceHook(pp_mesh=..., dp_mesh=...)).")
+        if not models or not all(isinstance(m, torch.nn.Module) for m in models):
+            raise ValueError("attach() takes this rank's stage modules, a non-empty list of torch.nn.Module "
+                             f"(each wrapped in DDP or fully_shard over dp_mesh), got {models!r:.120}.")
+        if len({id(m) for m in models}) != len(models):
+            raise ValueError("attach() was given the same stage module twice: pass each of this rank's stage "
+                             "modules once.")
+        if gradients == "loss_scale":
+            raise ValueError(
+                "gradients='loss_scale' does not apply to pipelines: the schedule runs the backward. "
+                "Attach with the default gradients='auto' (DDP or FSDP2 over dp_mesh); the hook then "
+                "weights each pipeline's gradient by its share (docs/pipelines.md).")
+        grads, world = self._grads, self._world_size
+        modes = []
+        for i, m in enumerate(models):
+            modes.append(register_gradient_weighting(m, grads, world, dp_mesh=self._dp_mesh, pipelined=True,
+                                                     index=i))
+            if modes[-1] == "local":
+                self._handles += register_grad_timer(m, grads)
+            self._handles += register_unshard_timer(m, grads)
+        if len(set(modes)) != 1:
+            raise ValueError(f"attach() needs every stage module wrapped alike (all DDP or all fully_shard over "
+                             f"dp_mesh), got {', '.join(modes)}.")
+        self.mode, self.model = modes[0], models[0]
+        if self.mode in COMM_KIND:
+            self._conn.resend_hello()
+        self.norms = [n for m in models for n in m.modules()
+                      if isinstance(n, torch.nn.modules.batchnorm._BatchNorm)
+                      and not isinstance(n, torch.nn.SyncBatchNorm)]
 
     def loss_weight(self) -> float:
         if self.mode == "loss_scale":

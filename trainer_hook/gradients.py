@@ -72,7 +72,7 @@ class GradientState:
     """
 
     __slots__ = (
-        "process_group", "_weight", "_native", "_pg", "_opts", "last_bucket_t", "last_done_t", "buckets_seen",
+        "process_group", "_weight", "_natives", "_pg", "_opts", "last_bucket_t", "last_done_t", "buckets_seen",
         "repeated_bucket", "grad_event", "done_event", "events", "_done_cb", "_cb_refs", "_futs", "_prev_futs",
         "wait_s", "wait_events", "_wait_t0", "_wait_ev0", "comm_bytes", "comm_s", "_ready", "_n_done",
     )
@@ -81,7 +81,9 @@ class GradientState:
         self.process_group = process_group
         self._pg: Any = None
         self._opts: Any = None
-        self._native: Any = None  # the C++ hook's state (_native_comm_hook), when it runs
+        # The C++ hook's state (_native_comm_hook), one per DDP module it runs on (an
+        # interleaved pipeline rank attaches one module per model stage).
+        self._natives: list[Any] = []
         self._weight = 1.0
         self.events: Any = None  # the device's timing event class (timing_event), once seen
         self._done_cb = self._mark_done  # bound once, not per bucket
@@ -108,8 +110,8 @@ class GradientState:
         self.comm_s: float | None = 0.0
         self._ready.clear()
         self._n_done = 0
-        if self._native is not None:
-            self._native.reset()
+        for native in self._natives:
+            native.reset()
         futs = self._futs
         if futs:  # the Python hook ran: its futures are kept one step more, the older ones dropped
             prev = self._prev_futs
@@ -124,20 +126,30 @@ class GradientState:
     @weight.setter
     def weight(self, value: float) -> None:
         self._weight = value
-        if self._native is not None:
-            self._native.weight = value
+        for native in self._natives:
+            native.weight = value
 
     @property
     def native(self) -> bool:
         """Whether DDP's buckets go through the C++ comm hook (else the Python one)."""
-        return self._native is not None
+        return bool(self._natives)
 
     def collect(self) -> None:
         """Copy what the C++ hook recorded this step into the attributes the step reads."""
-        if self._native is not None:
-            t_bucket, t_done, self.repeated_bucket, self.comm_bytes, self.comm_s = self._native.times()
+        natives = self._natives
+        if len(natives) == 1:
+            t_bucket, t_done, self.repeated_bucket, self.comm_bytes, self.comm_s = natives[0].times()
             self.last_bucket_t = None if t_bucket != t_bucket else t_bucket  # NaN: no bucket
             self.last_done_t = None if t_done != t_done else t_done
+        elif natives:  # several modules: the newest bucket and reduction, the sums of the rest
+            got = [n.times() for n in natives]
+            buckets = [t[0] for t in got if t[0] == t[0]]
+            dones = [t[1] for t in got if t[1] == t[1]]
+            self.last_bucket_t = max(buckets) if buckets else None
+            self.last_done_t = max(dones) if dones else None
+            self.repeated_bucket = any(t[2] for t in got)
+            self.comm_bytes = sum(t[3] for t in got)
+            self.comm_s = sum(t[4] for t in got)
 
     def begin_wait(self, events: Any) -> None:
         """A wait for peers starts (with ``events``, the device's ``timing_event`` class:
@@ -257,7 +269,20 @@ def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     ``state`` is a GradientState, ``bucket`` a ``dist.GradBucket``; returns a
     ``torch.futures.Future[torch.Tensor]``.
     """
-    bit = 1 << bucket.index()
+    return _weighted_allreduce(state, bucket, 1 << bucket.index())
+
+
+def _module_hook(index: int) -> Any:
+    """``weighted_allreduce_hook`` for the ``index``-th DDP module of a rank (an interleaved
+    pipeline's model stages): its buckets get bits of their own in ``buckets_seen``."""
+    shift = 1024 * index
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        return _weighted_allreduce(state, bucket, 1 << (bucket.index() + shift))
+    return hook
+
+
+def _weighted_allreduce(state, bucket, bit):  # type: ignore[no-untyped-def]
     seen = state.buckets_seen
     if seen & bit:
         # A second all-reduce of the same bucket inside one step means gradient
@@ -282,17 +307,20 @@ def weighted_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
 
 
 def register_gradient_weighting(
-    model: torch.nn.Module, state: GradientState, world_size: int, *, dp_mesh: Any = None, pipelined: bool = False
+    model: torch.nn.Module, state: GradientState, world_size: int, *, dp_mesh: Any = None, pipelined: bool = False,
+    index: int = 0,
 ) -> str:
     """Weight each rank's gradient by its share of the global batch, the way the wrapper
     allows; returns the mechanism: ``"ddp_comm_hook"``, ``"fsdp2_reduce_scatter"``,
-    ``"fsdp1_comm_hook"`` or ``"local"`` (one process, nothing to weight)."""
+    ``"fsdp1_comm_hook"`` or ``"local"`` (one process, nothing to weight). ``index``: which
+    of this rank's modules ``model`` is (an interleaved pipeline rank weights one per model
+    stage, all with the same ``state``)."""
     model = _compiled_inner(model)
     check_data_parallel(model, world_size, dp_mesh=dp_mesh, pipelined=pipelined)
     if _is_ddp(model):
         if dp_mesh is not None:  # DDP over the dp sub-group: reduce over it, not the world
             state.process_group = model.process_group
-        register_comm_hook(model, state)
+        register_comm_hook(model, state, index=index)
         return "ddp_comm_hook"
     fsdp2 = _fsdp2_modules(model)
     if fsdp2:
@@ -401,7 +429,7 @@ def _fsdp1_weighted_hook(state, grad, output=None):  # type: ignore[no-untyped-d
         _mark_reduced_blocking(state, output)
 
 
-def register_comm_hook(model: Any, state: GradientState) -> None:
+def register_comm_hook(model: Any, state: GradientState, *, index: int = 0) -> None:
     """Install the weighted hook on a DDP model; clear errors for setups it cannot keep exact."""
     name = type(model).__name__
     if not _is_ddp(model):
@@ -412,7 +440,7 @@ def register_comm_hook(model: Any, state: GradientState) -> None:
         )
     try:
         if not _register_native(model, state):
-            model.register_comm_hook(state, weighted_allreduce_hook)
+            model.register_comm_hook(state, weighted_allreduce_hook if index == 0 else _module_hook(index))
     except RuntimeError as exc:
         raise RuntimeError(
             "This DDP model already has a communication hook registered, and DDP allows only one. "
@@ -439,7 +467,7 @@ def _register_native(model: Any, state: GradientState) -> bool:
     ext.register_hook(model.reducer, group, native)
     if model.logger is not None:  # DDP's usage log names the hook, as its register_comm_hook does
         model.logger._set_comm_hook_name("rebalancer_native_weighted_allreduce")
-    state._native = native
+    state._natives.append(native)
     return True
 
 

@@ -32,7 +32,7 @@ import threading
 from collections import deque
 from collections.abc import Iterable, Sequence, Sized
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import DataLoader
@@ -65,6 +65,8 @@ __all__ = ["RebalanceHook"]
 # launched it, so it is normally complete; a peer stuck elsewhere must not hold the exit.
 _EXIT_WAIT_S = 30.0
 _AUTO: Any = object()
+# attach()'s argument: a model, or an interleaved pipeline rank's stage modules.
+_Attached = TypeVar("_Attached", torch.nn.Module, Sequence[torch.nn.Module])
 
 
 class RebalanceHook:
@@ -267,8 +269,12 @@ class RebalanceHook:
 
     # --- set-up ----------------------------------------------------------------------
 
-    def attach(self, model: torch.nn.Module, *, gradients: str = "auto") -> torch.nn.Module:
+    def attach(self, model: _Attached, *, gradients: str = "auto") -> _Attached:
         """Make gradients the global-batch mean whatever the split; returns ``model``.
+
+        A pipelined hook (``pp_mesh``) whose rank holds several stages
+        (``ScheduleInterleaved1F1B``) attaches the list of its stage modules, each wrapped over
+        ``dp_mesh`` on its own: ``hook.attach([stage.submod for stage in stages])``.
 
         ``gradients="auto"`` (default; ``"comm_hook"`` means the same) picks the
         mechanism from the wrapper, and ``hook.gradients`` says which:
@@ -315,7 +321,8 @@ class RebalanceHook:
         return model
 
     def pipeline_schedule(self, stages: Any, schedule_cls: Any, *, loss_fn: Any,
-                          layers: Sequence[str] | None = None, **schedule_kwargs: Any) -> PipelineRun:
+                          layers: Sequence[str] | Sequence[Sequence[str]] | None = None,
+                          **schedule_kwargs: Any) -> PipelineRun:
         """This step's pipeline schedule, built for the micro-batch count in force (``pp_mesh`` hooks).
 
         Call it inside ``with hook.step():`` every step with the same stage(s) and schedule:

@@ -51,6 +51,15 @@ PIPELINE_PACE_WINDOW = 4  # steps per combination of a pipeline's stage times (R
 _WIRE_NAMES = dict(zip(SCHEDULES, PIPELINE_SCHEDULES, strict=True))  # hello.pipeline.schedule
 _SUPPORTED = ("Supported: ScheduleGPipe and Schedule1F1B (one PipelineStage per rank) and "
               "ScheduleInterleaved1F1B (a list of stages per rank) from torch.distributed.pipelining.")
+# Schedules torch has that the hook does not balance, and why (a refusal names it).
+_WHY_NOT = {
+    "ScheduleLoopedBFS": "its count rules and its bubble are not modelled (every forward of a model stage "
+                         "before the next, so activations grow with the count)",
+    "ScheduleInterleavedZeroBubble": "it splits backward into input and weight parts whose times the hook "
+                                     "does not measure apart, so its bubble cannot be modelled",
+    "ScheduleZBVZeroBubble": "the same as ScheduleInterleavedZeroBubble (V-shaped stage placement)",
+    "ScheduleDualPipeV": "the same as ScheduleInterleavedZeroBubble (V-shaped stage placement)",
+}
 
 
 def schedule_name(schedule_cls: Any) -> str:
@@ -62,7 +71,9 @@ def schedule_name(schedule_cls: Any) -> str:
             if issubclass(schedule_cls, getattr(s, name)):
                 return name
     shown = schedule_cls.__name__ if isinstance(schedule_cls, type) else repr(schedule_cls)
-    raise ValueError(f"hook.pipeline_schedule() cannot balance the pipeline schedule {shown}. {_SUPPORTED}")
+    why = next((f" ({text})" for base, text in _WHY_NOT.items() if isinstance(schedule_cls, type)
+                and any(k.__name__ == base for k in schedule_cls.__mro__)), "")
+    raise ValueError(f"hook.pipeline_schedule() cannot balance the pipeline schedule {shown}{why}. {_SUPPORTED}")
 
 
 def fewest_micro_batches(name: str, pp_size: int) -> int:
@@ -208,13 +219,8 @@ class PipelineSchedules:
 
     def schedule_for(self, stages: Any, schedule_cls: Any, loss_fn: Callable[..., Any] | None,
                      kwargs: dict[str, Any], *, scale_locally: bool,
-                     layers: Sequence[str] | None = None) -> PipelineRun:
+                     layers: Sequence[str] | Sequence[Sequence[str]] | None = None) -> PipelineRun:
         name = schedule_name(schedule_cls)
-        if name == "ScheduleInterleaved1F1B":
-            raise ValueError(
-                "hook.pipeline_schedule() does not balance ScheduleInterleaved1F1B yet: several stages per rank "
-                "mean several data-parallel modules per rank, and hook.attach() weights one. Use ScheduleGPipe "
-                "or Schedule1F1B with one PipelineStage per rank.")
         stage_list = self._check_stages(stages, name)
         if kwargs.get("scale_grads", False):
             raise ValueError(
@@ -231,7 +237,7 @@ class PipelineSchedules:
             raise ValueError("hook.pipeline_schedule() was given other stages, schedule class or options than "
                              "in earlier steps: pass the same ones every step.")
         if self._key is None:  # the first step, on every stage of the pipeline at once
-            self.layers = self._gather_layers(stage_layers(stage_list[0], layers))
+            self.layers = self._gather_layers(_local_layers(stage_list, layers))
         self._key, self.name, self._stages = key, name, stage_list
         shares, replica = self._shares, self.replica
         if shares is None:
@@ -308,21 +314,23 @@ class PipelineSchedules:
 
     # --- internals ------------------------------------------------------------------
 
-    def _gather_layers(self, mine: tuple[tuple[str, ...], bool]) -> tuple[tuple[str, ...], ...]:
-        """Every stage's layer names, in stage order (one gather over the pipeline's ranks).
-        A ``ModuleList``'s local indices are renumbered in model order across the stages."""
+    def _gather_layers(self, mine: list[tuple[int, tuple[str, ...], bool]]) -> tuple[tuple[str, ...], ...]:
+        """Every model stage's layer names, in stage order (one gather over the pipeline's
+        ranks; an interleaved rank says one entry per stage it holds). A ``ModuleList``'s
+        local indices are renumbered in model order across the stages."""
         got: list[Any] = [None] * self.pp_size
         if self.pp_size > 1:
             dist.all_gather_object(got, mine, group=self.pp_mesh.get_group())
         else:
             got = [mine]
-        if any(numbered for _, numbered in got):
+        stages = sorted((entry for rank in got for entry in rank), key=lambda e: e[0])
+        if any(numbered for _, _, numbered in stages):
             at, out = 0, []
-            for names, numbered in got:
+            for _, names, numbered in stages:
                 out.append(tuple(f"layers.{at + i}" for i in range(len(names))) if numbered else names)
                 at += len(names)
             return tuple(out)
-        return tuple(names for names, _ in got)
+        return tuple(names for _, names, _ in stages)
 
     def _check_stages(self, stages: Any, name: str) -> list[Any]:
         from torch.distributed.pipelining.stage import _PipelineStageBase
@@ -347,7 +355,27 @@ class PipelineSchedules:
             raise ValueError(
                 f"{name} with {len(stage_list)} stage(s) per rank over pp_mesh of {self.pp_size} ranks needs "
                 f"{want} stages in all, but the stages say num_stages={stage_list[0].num_stages}.")
+        if len(stage_list) > 1:
+            loop = [self.pp_rank + i * self.pp_size for i in range(len(stage_list))]
+            got = [int(st.stage_index) for st in stage_list]
+            if got != loop:
+                raise ValueError(
+                    f"{name} places model stage i on pipeline rank i % {self.pp_size} (loop order): pipeline rank "
+                    f"{self.pp_rank} holds stages {loop}, in that order, but was given stages {got}.")
         return stage_list
+
+
+def _local_layers(stages: Sequence[Any], given: Any) -> list[tuple[int, tuple[str, ...], bool]]:
+    """This rank's stages' layers, each with its stage index: ``given`` is one stage's list
+    of names, or (several stages per rank) one such list per stage, in the order given."""
+    if len(stages) == 1:
+        return [(int(stages[0].stage_index), *stage_layers(stages[0], given))]
+    if given is not None and (isinstance(given, str) or len(given) != len(stages)
+                              or any(isinstance(g, str) for g in given)):
+        raise ValueError(f"hook.pipeline_schedule(layers=...) with {len(stages)} stages on this rank takes one list "
+                         f"of layer module names per stage, in the order of the stages given, got {given!r:.120}.")
+    return [(int(st.stage_index), *stage_layers(st, None if given is None else given[i]))
+            for i, st in enumerate(stages)]
 
 
 def stage_layers(stage: Any, given: Sequence[str] | None) -> tuple[tuple[str, ...], bool]:

@@ -26,6 +26,7 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -38,7 +39,8 @@ from trainer_hook import RebalanceHook
 MB_ROWS = 3
 DIMS = (5, 7, 6, 4, 1)
 LR = 0.05
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+V = 2  # model stages per rank under --schedule interleaved
 
 
 def make(i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,8 +57,11 @@ def build_model() -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers[:-1]).to(torch.float64)  # 4 linear layers
 
 
-def stage_part(model: torch.nn.Sequential, stage: int) -> torch.nn.Sequential:
-    """Stage 0: the first two linear layers (and their Tanh), stage 1 the rest."""
+def stage_part(model: torch.nn.Sequential, stage: int, n_stages: int = 2) -> torch.nn.Sequential:
+    """2 stages: the first two linear layers (and their Tanh), then the rest; 4 stages
+    (interleaved, stage s on rank s % 2): one linear layer (and its Tanh) each."""
+    if n_stages == 4:
+        return model[2 * stage:2 * stage + 2]
     return model[:4] if stage == 0 else model[4:]
 
 
@@ -70,21 +75,20 @@ def train(args: argparse.Namespace, out: str) -> None:
     pp_rank = mesh["pp"].get_local_rank()
     if args.bad:
         return refusals(mesh, out)
-    part = stage_part(build_model(), pp_rank)
-    if args.wrap == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in part:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh["dp"])
-        model: torch.nn.Module = fully_shard(part, mesh=mesh["dp"])
-    else:
-        model = DDP(part, process_group=mesh["dp"].get_group())
-    stage = PipelineStage(model, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    interleaved = args.schedule == "interleaved"
+    n_stages = 2 * V if interleaved else 2
+    indices = [pp_rank + 2 * i for i in range(V)] if interleaved else [pp_rank]
+    full = build_model()
+    parts = [stage_part(full, s, n_stages) for s in indices]
+    models = [wrap(part, args.wrap, mesh) for part in parts]
+    stages = [PipelineStage(m, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
+              for m, s in zip(models, indices, strict=True)]
     hook = RebalanceHook(job=f"pipe-{args.schedule}", micro_batches=args.micro_batches, exchange_every=3,
                          exchange_lag=1, dp_mesh=mesh["dp"], pp_mesh=mesh["pp"])
-    hook.attach(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    hook.attach(models if interleaved else models[0])
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=LR, momentum=0.9)
+    stage: object = stages if interleaved else stages[0]
+    first, last = stages[0].is_first, stages[-1].is_last
     plan = w.parse_plan(args.plan)
     m = args.micro_batches
     shares, ids, times, refused = [], [], [], []
@@ -92,17 +96,17 @@ def train(args: argparse.Namespace, out: str) -> None:
         k = hook.batch_index
         if rank == 0 and k in plan:
             hook.request_placement(plan[k], reason=f"plan@{k}")
-        if rank == 0 and k == 2 and args.schedule == "1f1b":
-            try:  # fewer micro-batches than stages: Schedule1F1B cannot run it
-                hook.request_placement([1, m - 1], reason="too few")
+        if rank == 0 and k == 2 and args.schedule in ("1f1b", "interleaved"):
+            try:  # 1F1B: fewer micro-batches than stages; interleaved: not a multiple of its rounds
+                hook.request_placement([1, m - 1] if args.schedule == "1f1b" else [m - 5, 5], reason="refused")
             except ValueError as exc:
                 refused.append(str(exc))
         with hook.step():
             run = hook.pipeline_schedule(stage, SCHEDULES[args.schedule], loss_fn=mean_loss)
             batch = [make(k * m + j) for j in run.micro_batches]
-            x = torch.cat([b[0] for b in batch]) if stage.is_first else None
-            y = torch.cat([b[1] for b in batch]) if stage.is_last else None
-            if stage.is_first:
+            x = torch.cat([b[0] for b in batch]) if first else None
+            y = torch.cat([b[1] for b in batch]) if last else None
+            if first:
                 run.step(x)
             else:
                 run.step(target=y)
@@ -121,9 +125,22 @@ def train(args: argparse.Namespace, out: str) -> None:
                 "stage_bubble_ms": r.stage_bubble_ms} for r in hook.history]
     result = {"rank": rank, "stage": pp_rank, "shares": shares, "ids": ids, "times": times, "refused": refused,
               "records": records, "hello": hook._hello().pipeline.to_dict() if hook._hello().pipeline else None,
-              "params": sw.full_params(part, args.wrap)}
+              "params": [p for part in parts for p in sw.full_params(part, args.wrap)],
+              "stage_params": {str(s): sw.full_params(part, args.wrap) for s, part in zip(indices, parts, strict=True)}}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def wrap(part: torch.nn.Sequential, how: str, mesh: object) -> torch.nn.Module:
+    """``part`` in DDP or FSDP2 over the dp dim."""
+    if how == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in part:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh["dp"])  # type: ignore[index]
+        return fully_shard(part, mesh=mesh["dp"])  # type: ignore[index]
+    return DDP(part, process_group=mesh["dp"].get_group())  # type: ignore[index]
 
 
 def refusals(mesh: object, out: str) -> None:
@@ -154,7 +171,12 @@ def refusals(mesh: object, out: str) -> None:
         expect("scale_grads", lambda: hook.pipeline_schedule(stage, ScheduleGPipe, loss_fn=mean_loss,
                                                              scale_grads=True))
         expect("wrong_group", lambda: hook.pipeline_schedule(wrong_group, ScheduleGPipe, loss_fn=mean_loss))
-        expect("interleaved", lambda: hook.pipeline_schedule([stage], ScheduleInterleaved1F1B, loss_fn=mean_loss))
+        expect("zero_bubble", lambda: hook.pipeline_schedule([stage], ScheduleInterleavedZeroBubble,
+                                                             loss_fn=mean_loss))
+        pp = mesh["pp"].get_group()  # type: ignore[index]
+        swapped = [PipelineStage(model, pp_rank + 2 * i, 4, torch.device("cpu"), group=pp) for i in (1, 0)]
+        expect("interleaved_order", lambda: hook.pipeline_schedule(swapped, ScheduleInterleaved1F1B,
+                                                                   loss_fn=mean_loss))
         run = hook.pipeline_schedule(stage, ScheduleGPipe, loss_fn=mean_loss)
         x, y = make(0)
         xs = torch.cat([x] * run.n_microbatches)
