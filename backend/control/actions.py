@@ -90,7 +90,7 @@ class OperatorActions:
             if (pipe := self.store.live.pipelines.shape(job)) is not None:
                 from backend.policy.pipeline import floor_problem  # numpy: imported where used
 
-                if low := floor_problem(pipe.min_microbatches, pipe.schedule, shares):
+                if low := floor_problem(pipe.min_microbatches, pipe.schedule, shares, pipe.pp_size):
                     raise StateError(f"Invalid placement: {low}")
             problems, expl = self.store.memory_problems(st, shares)
             if problems and not force:

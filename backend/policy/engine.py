@@ -17,7 +17,7 @@ from .comm import Communication, comm_bound_text
 from .costfit import MODEL_SAMPLES
 from .limits import limit_problem
 from .memory import DEFAULT_HEADROOM, format_bytes, memory_bounds, memory_limit_bytes
-from .pipeline import pipeline_strategy, with_pipeline_floors
+from .pipeline import pipeline_strategy, quantize_counts, with_pipeline_floors
 from .solver import (
     NO_CONSTRAINTS,
     TIE_TOLERANCE,
@@ -548,6 +548,16 @@ def _decide(obs: JobObservation, config: PolicyConfig, constraints: Constraints,
         if limited != target:
             extra["limited_by_max_move"] = max_move
             target = limited
+    if obs.pipeline is not None:  # only counts the schedule takes (interleaved 1F1B: multiples of its rounds)
+        try:
+            bnd = rank_bounds(n, b_total, plan_cons)
+            counts = quantize_counts(target, tie_a, plan_c, bnd.lo, bnd.hi, bnd.fixed, obs.pipeline.schedule,
+                                     obs.pipeline.pp_size)
+        except InfeasibleError as exc:
+            return NoProposal("infeasible", str(exc))
+        if counts != tuple(target):
+            extra["quantized_to_schedule_counts"] = list(counts)
+            target = counts
     noisy = [i for i in held if i not in est.hold]
     if noisy:
         extra["held_noisy_ranks"] = noisy

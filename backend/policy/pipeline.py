@@ -34,6 +34,7 @@ from rebalancer_wire.protocol import PIPELINE_SCHEDULES
 from .strategies import Estimate
 from .types import (
     Constraints,
+    InfeasibleError,
     JobObservation,
     NoProposal,
     PipelineObservation,
@@ -55,6 +56,10 @@ __all__ = [
     "pipeline_strategy",
     "with_pipeline_floors",
     "floor_problem",
+    "takes_count",
+    "count_problem",
+    "allowed_counts",
+    "quantize_counts",
 ]
 
 
@@ -216,15 +221,88 @@ def pipeline_strategy(obs: JobObservation, config: PolicyConfig, constraints: Co
     return Estimate(tuple(a), tuple(c), "ms", (), tuple(n), tuple(err), evidence, tuple(hold))
 
 
-def floor_problem(min_microbatches: int, schedule: str, shares: Sequence[int]) -> str | None:
-    """Why a placement gives a pipeline fewer micro-batches than its schedule runs (None: it
-    does not): the sentence an operator's placement is refused with."""
+def floor_problem(min_microbatches: int, schedule: str, shares: Sequence[int], pp_size: int = 0) -> str | None:
+    """Why a placement gives a pipeline fewer micro-batches than its schedule runs, or a
+    count it does not take (None: neither): the sentence an operator's placement is refused
+    with. ``pp_size`` (0: not known) lets the interleaved count rule be checked."""
     low = [i for i, m in enumerate(shares) if m < min_microbatches]
-    if not low:
+    if low:
+        which = ", ".join(f"pipeline {i} ({shares[i]})" for i in low)
+        return (f"this job's {schedule} schedule runs at least {min_microbatches} micro-batches per pipeline "
+                f"(its hooks' min_microbatches), but the placement gives {which} fewer.")
+    return count_problem(schedule, pp_size, shares) if pp_size > 0 else None
+
+
+# --- the counts a schedule takes -----------------------------------------------------------
+
+def takes_count(schedule: str, pp_size: int, n: int) -> bool:
+    """Whether ``schedule`` runs ``n`` micro-batches per pipeline of ``pp_size`` ranks (0: a
+    drained pipeline, which runs the fewest it takes with weight 0). torch 2.13's
+    ``ScheduleInterleaved1F1B`` plays ``max(1, n // pp_size)`` rounds of equal size, so ``n``
+    must be a multiple of that (with 4 ranks: 1-8, 10, 12, 15, 16, 20, 24, ...; from
+    ``2 * pp_size`` on, about every multiple of it); the hook's ``check_count`` is the same rule."""
+    if n < 0:
+        return False
+    if n == 0:
+        return True
+    if schedule == "1f1b":
+        return n >= pp_size
+    if schedule == "interleaved1f1b":
+        return n % max(1, n // max(1, pp_size)) == 0
+    return True
+
+
+def allowed_counts(schedule: str, pp_size: int, lo: int, hi: int) -> list[int]:
+    """The counts in ``lo..hi`` that ``schedule`` takes, ascending."""
+    return [n for n in range(max(0, lo), hi + 1) if takes_count(schedule, pp_size, n)]
+
+
+def count_problem(schedule: str, pp_size: int, shares: Sequence[int]) -> str | None:
+    """Why a placement gives a pipeline a count its schedule does not take (None: it does not)."""
+    bad = [i for i, m in enumerate(shares) if not takes_count(schedule, pp_size, int(m))]
+    if not bad:
         return None
-    which = ", ".join(f"pipeline {i} ({shares[i]})" for i in low)
-    return (f"this job's {schedule} schedule runs at least {min_microbatches} micro-batches per pipeline "
-            f"(its hooks' min_microbatches), but the placement gives {which} fewer.")
+    which = ", ".join(f"pipeline {i} ({shares[i]}; nearby: {_nearby(schedule, pp_size, int(shares[i]))})"
+                      for i in bad)
+    return (f"this job's {schedule} schedule with {pp_size} ranks per pipeline runs a count that is a multiple of "
+            f"its rounds (count // {pp_size}), but the placement gives {which}.")
+
+
+def _nearby(schedule: str, pp_size: int, n: int) -> list[int]:
+    return [m for m in allowed_counts(schedule, pp_size, n - pp_size, n + pp_size) if m > 0]
+
+
+def quantize_counts(target: Sequence[int], a_ms: Sequence[float], c_ms: Sequence[float], lo: Sequence[int],
+                    hi: Sequence[int], fixed: frozenset[int], schedule: str, pp_size: int) -> tuple[int, ...]:
+    """``target`` (the solver's split, which ignores count rules) moved to counts the
+    schedule takes, the sum kept: of the counts near each pipeline's target within its
+    bounds, the combination with the smallest predicted slowest pipeline (``a + c*m``), then
+    the least moved. Fixed (pinned, drained) pipelines keep theirs. A dynamic programme
+    over the running sum, a few candidates per pipeline: milliseconds at 64 pipelines.
+    Raises InfeasibleError when no combination sums to the global count."""
+    if all(takes_count(schedule, pp_size, int(m)) for m in target):
+        return tuple(int(m) for m in target)
+    total = sum(int(m) for m in target)
+    width = 3 * max(1, pp_size) + 3
+    best: dict[int, tuple[float, int, tuple[int, ...]]] = {0: (0.0, 0, ())}
+    for i, t in enumerate(target):
+        t = int(t)
+        cands = [t] if i in fixed else allowed_counts(schedule, pp_size, max(lo[i], t - width), min(hi[i], t + width))
+        nxt: dict[int, tuple[float, int, tuple[int, ...]]] = {}
+        for acc, (worst, moved, picks) in best.items():
+            for m in cands:
+                s = acc + m
+                if s > total:
+                    break
+                key = (max(worst, a_ms[i] + c_ms[i] * m if m > 0 else 0.0), moved + abs(m - t), picks + (m,))
+                if s not in nxt or key[:2] < nxt[s][:2]:
+                    nxt[s] = key
+        best = nxt
+    if total not in best:
+        raise InfeasibleError(
+            f"no split of {total} micro-batches over {len(target)} pipelines gives each a count the {schedule} "
+            f"schedule takes with {pp_size} ranks per pipeline (a multiple of count // {pp_size}) within its bounds.")
+    return best[total][2]
 
 
 def with_pipeline_floors(obs: JobObservation, constraints: Constraints) -> Constraints:

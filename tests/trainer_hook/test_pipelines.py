@@ -1,7 +1,7 @@
 """Pipelines (issue 40): each data-parallel pipeline of a PP2 x DP2 job trains its own
 number of micro-batches; parameters equal a one-process float64 replay of the global batch
-under GPipe and 1F1B, DDP or FSDP2 over the dp dim, with placements changed mid-run and a
-pipeline drained."""
+under GPipe, 1F1B and interleaved 1F1B (2 model stages per rank), DDP or FSDP2 over the dp
+dim, with placements changed mid-run and a pipeline drained."""
 
 from __future__ import annotations
 
@@ -24,11 +24,19 @@ M = 6
 STEPS = 14
 # Asked at an exchange's step + 1 (every 3 steps, lag 1): uneven from step 4-ish, one
 # pipeline drained from the next switch, uneven again after.
-PLANS = {"gpipe": "1=2,4;5=6,0;9=1,5", "1f1b": "1=2,4;5=0,6;9=4,2"}
+# Interleaved with 2 ranks per pipeline takes 0-4 and 6 of 6 (a multiple of count // 2).
+PLANS = {"gpipe": "1=2,4;5=6,0;9=1,5", "1f1b": "1=2,4;5=0,6;9=4,2", "interleaved": "1=2,4;5=6,0;9=4,2"}
 CONFIGS = [["--schedule", "gpipe", "--plan", PLANS["gpipe"]], ["--schedule", "1f1b", "--plan", PLANS["1f1b"]],
            ["--bad"], ["--schedule", "1f1b", "--plan", PLANS["1f1b"], "--wrap", "fsdp2"],
-           ["--schedule", "gpipe", "--plan", PLANS["gpipe"], "--wrap", "fsdp2"]]
-TRAINED = {0: "gpipe", 1: "1f1b", 3: "1f1b-fsdp2", 4: "gpipe-fsdp2"}
+           ["--schedule", "gpipe", "--plan", PLANS["gpipe"], "--wrap", "fsdp2"],
+           ["--schedule", "interleaved", "--plan", PLANS["interleaved"]],
+           ["--schedule", "interleaved", "--plan", PLANS["interleaved"], "--wrap", "fsdp2"]]
+TRAINED = {0: "gpipe", 1: "1f1b", 3: "1f1b-fsdp2", 4: "gpipe-fsdp2", 5: "interleaved", 6: "interleaved-fsdp2"}
+NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+
+
+def schedule_of(cfg: int) -> str:
+    return CONFIGS[cfg][1]
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +79,13 @@ def test_parameters_equal_a_one_process_replay_under_changing_counts_and_a_drain
         assert trained == list(range(k * M, k * M + M)), (k, trained)
     for k in drained:
         idle = shares[k].index(0)
-        want = fewest_micro_batches("Schedule1F1B" if "1f1b" in TRAINED[cfg] else "ScheduleGPipe", 2)
+        want = fewest_micro_batches(NAMES[schedule_of(cfg)], 2)
         assert ranks[idle]["ids"][k] == [-1] * want
     want = replay(STEPS)
-    got = [torch.tensor(p, dtype=torch.float64) for r in (0, 2) for p in ranks[r]["params"]]
+    # Model stage s lives on pipeline rank s % 2 (interleaved: stages 0 and 2 on ranks 0-1, 1 and 3 on 2-3).
+    by_stage = {int(s): ps for r in (0, 2) for s, ps in ranks[r]["stage_params"].items()}
+    assert sorted(by_stage) == list(range(4 if schedule_of(cfg) == "interleaved" else 2))
+    got = [torch.tensor(p, dtype=torch.float64) for s in sorted(by_stage) for p in by_stage[s]]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-9)
     for r in (1, 3):  # the other pipeline's replicas of each stage agree
@@ -85,11 +96,12 @@ def test_parameters_equal_a_one_process_replay_under_changing_counts_and_a_drain
 @pytest.mark.parametrize("cfg", list(TRAINED), ids=list(TRAINED.values()))
 def test_each_pipeline_leader_reports_its_stages(runs: list[list[dict[str, Any]]], cfg: int) -> None:
     ranks = runs[cfg]
+    name = schedule_of(cfg)
     for r, d in enumerate(ranks):
         assert d["hello"]["pp_stage"] == r // 2 and d["hello"]["dp_index"] == r % 2
-        one_f = "1f1b" in TRAINED[cfg]
-        assert d["hello"]["schedule"] == ("1f1b" if one_f else "gpipe")
-        assert d["hello"]["min_microbatches"] == (2 if one_f else 0)
+        assert d["hello"]["schedule"] == {"interleaved": "interleaved1f1b"}.get(name, name)
+        assert d["hello"]["min_microbatches"] == (2 if name == "1f1b" else 0)
+        assert d["hello"]["n_stages"] == (4 if name == "interleaved" else 2)  # model stages
     for leader in (0, 1):  # stage 0 of each pipeline speaks for it
         recs = ranks[leader]["records"]
         assert len(recs) == STEPS
@@ -121,12 +133,23 @@ def test_a_placement_1f1b_cannot_run_is_rejected_naming_what_it_takes(runs: list
 
 
 @pytest.mark.multiproc
+def test_a_count_interleaved_cannot_run_is_rejected_naming_the_counts_it_takes(
+        runs: list[list[dict[str, Any]]]) -> None:
+    refused = runs[5][0]["refused"]
+    assert refused == ["placement version 2 is invalid: pipeline 1: ScheduleInterleaved1F1B with 2 ranks per "
+                       "pipeline needs a count that is a multiple of its rounds (count // 2), got 5; nearby "
+                       "counts it takes: [3, 4, 6]."]
+    assert (1, M - 1) not in [tuple(s) for s in runs[5][0]["shares"]]
+
+
+@pytest.mark.multiproc
 def test_bad_input_gets_clear_errors(runs: list[list[dict[str, Any]]]) -> None:
     got = runs[2][0]["refused"]
     assert "needs micro-batch placements: pass micro_batches=M" in got["no_micro_batches"]
     assert "needs dp_mesh too" in got["no_dp_mesh"]
     assert got["looped_bfs"].startswith("hook.pipeline_schedule() cannot balance the pipeline schedule "
-                                        "ScheduleLoopedBFS. Supported: ScheduleGPipe and Schedule1F1B")
+                                        "ScheduleLoopedBFS (its count rules and its bubble are not modelled")
+    assert "Supported: ScheduleGPipe and Schedule1F1B" in got["looped_bfs"]
     assert "builds the schedule with scale_grads=False" in got["scale_grads"]
     assert got["wrong_group"] == ("stage 0 sends over ranks [0, 1], but pp_mesh holds ranks [0, 2]: build "
                                   "PipelineStage(..., group=mesh['pp'].get_group()) (the stage's group and "
@@ -136,10 +159,19 @@ def test_bad_input_gets_clear_errors(runs: list[list[dict[str, Any]]]) -> None:
 
 
 @pytest.mark.multiproc
-def test_interleaved_and_tp_are_refused_naming_what_is_supported(runs: list[list[dict[str, Any]]]) -> None:
+def test_zero_bubble_misplaced_stages_and_tp_are_refused_naming_what_is_supported(
+        runs: list[list[dict[str, Any]]]) -> None:
     got = runs[2][0]["refused"]
-    assert got["interleaved"].startswith("hook.pipeline_schedule() does not balance ScheduleInterleaved1F1B yet")
-    assert "Use ScheduleGPipe or Schedule1F1B with one PipelineStage per rank." in got["interleaved"]
+    assert got["zero_bubble"].startswith(
+        "hook.pipeline_schedule() cannot balance the pipeline schedule ScheduleInterleavedZeroBubble (it splits "
+        "backward into input and weight parts")
+    assert got["zero_bubble"].endswith("Supported: ScheduleGPipe and Schedule1F1B (one PipelineStage per rank) and "
+                                       "ScheduleInterleaved1F1B (a list of stages per rank) from "
+                                       "torch.distributed.pipelining.")
+    pp_rank = 0  # rank 0's message
+    assert got["interleaved_order"] == (
+        f"ScheduleInterleaved1F1B places model stage i on pipeline rank i % 2 (loop order): pipeline rank {pp_rank} "
+        "holds stages [0, 2], in that order, but was given stages [2, 0].")
     assert got["tp"] == ("the data-parallel replica of this rank (ranks [0, 1, 2, 3], from dp_mesh) is not its "
                          "pipeline (ranks [0, 2], from pp_mesh): the hook balances PP x DP meshes whose dims are "
                          "exactly 'pp' and 'dp' (tensor parallelism inside a stage is not supported here).")

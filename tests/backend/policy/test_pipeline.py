@@ -12,8 +12,11 @@ from backend.policy import Constraints, JobObservation, NoProposal, PolicyConfig
 from backend.policy.pipeline import (
     PipelineObservation,
     PipelineTimes,
+    allowed_counts,
     bubble_share,
+    floor_problem,
     linear_cost,
+    quantize_counts,
     replay_ms,
     schedule_ms,
     theory_bubble,
@@ -35,11 +38,12 @@ def _times(i: int, stage: list[float], m: int, *, residual: float = 0.0, rest: f
 
 
 def _observe(pipes: list[PipelineTimes], *, schedule: str = "1f1b", floor: int = 1,
-             layers: tuple[int, ...] = (), names: tuple[str, ...] = (), version: int = 1) -> JobObservation:
+             layers: tuple[int, ...] = (), names: tuple[str, ...] = (), version: int = 1,
+             v: int = 1) -> JobObservation:
     shares = tuple(t.n_microbatches for t in pipes)
     ranks = tuple(RankObservation(rank=t.dp_index, steps=tuple(
         StepSample(k, t.n_microbatches, t.compute_ms) for k in range(t.n_steps))) for t in pipes)
-    po = PipelineObservation(schedule=schedule, pp_size=len(pipes[0].fwd_ms), stages_per_rank=1, tp_size=1,
+    po = PipelineObservation(schedule=schedule, pp_size=len(pipes[0].fwd_ms), stages_per_rank=v, tp_size=1,
                              min_microbatches=floor, pipelines=tuple(pipes), layers_per_stage=layers,
                              layer_names=names)
     return JobObservation(job="pp", world_size=len(pipes), global_batch_size=sum(shares), batch_index=40,
@@ -87,6 +91,46 @@ def test_never_fewer_micro_batches_than_the_schedule_allows():
     # an operator's drain of a pipeline the schedule cannot drain has no placement
     drained = decide(obs, PolicyConfig(min_steps=10), Constraints(drains=frozenset({1})))
     assert isinstance(drained, NoProposal) and drained.status == "infeasible"
+
+
+def test_interleaved_counts_are_multiples_of_their_rounds():
+    """torch 2.13's ScheduleInterleaved1F1B plays max(1, m // p) rounds of equal size."""
+    assert allowed_counts("interleaved1f1b", 4, 0, 30) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 15, 16, 20, 24, 28]
+    assert allowed_counts("interleaved1f1b", 2, 0, 12) == [0, 1, 2, 3, 4, 6, 8, 10, 12]
+    assert allowed_counts("1f1b", 4, 0, 6) == [0, 4, 5, 6] and allowed_counts("gpipe", 4, 0, 3) == [0, 1, 2, 3]
+    assert floor_problem(0, "interleaved1f1b", [17, 7], 4) == (
+        "this job's interleaved1f1b schedule with 4 ranks per pipeline runs a count that is a multiple of its "
+        "rounds (count // 4), but the placement gives pipeline 0 (17; nearby: [15, 16, 20]).")
+    assert floor_problem(0, "interleaved1f1b", [16, 8], 4) is None
+    assert floor_problem(0, "interleaved1f1b", [17, 7]) is None  # no pp_size: the floor only
+
+
+def test_an_interleaved_split_is_quantized_to_counts_the_schedule_takes_keeping_the_global_count():
+    """PP4 x DP2, interleaved with 2 model stages per rank, 24 micro-batches: pipeline 0's ranks
+    take 5 ms a micro-batch (its two model stages), pipeline 1's 10 ms. With v = 2 the fill is
+    half as long: T0 = 15/2 + 5m, T1 = 30/2 + 10m. The continuous best is (17, 7): 92.5 and
+    85 ms, but 17 is no multiple of its rounds (4); of the counts it takes, (16, 8) is best:
+    87.5 and 95 ms (uniform (12, 12): 67.5 and 135)."""
+    pipes = []
+    for i, t in enumerate((5.0, 10.0)):
+        base = _times(i, [t] * 4, 12)
+        compute = schedule_ms([t] * 4, 12, stages_per_rank=2)
+        pipes.append(dataclasses.replace(base, compute_ms=compute, step_ms=compute + 2.0))
+    obs = _observe(pipes, schedule="interleaved1f1b", floor=0, v=2)
+    got = decide(obs, PolicyConfig(min_steps=10))
+    assert isinstance(got, Proposal), got
+    assert got.shares == (16, 8)
+    ex = got.explanation
+    assert ex.step_ms_before == pytest.approx(135.0) and ex.step_ms_after == pytest.approx(95.0)
+    assert ex.evidence["quantized_to_schedule_counts"] == [16, 8]
+    # by hand: pins stay, the sum is kept, and no split at all is an error naming the rule
+    assert quantize_counts([17, 7], [7.5, 15.0], [5.0, 10.0], [0, 0], [24, 24], frozenset(), "interleaved1f1b",
+                           4) == (16, 8)
+    # equal pipelines, pipeline 1 pinned at 4: the most even split of the other 20 the rule takes
+    assert quantize_counts([17, 4, 3], [0.0] * 3, [1.0] * 3, [0] * 3, [24] * 3, frozenset({1}),
+                           "interleaved1f1b", 4) == (10, 4, 10)
+    with pytest.raises(ValueError, match="no split of 35 micro-batches over 2 pipelines"):
+        quantize_counts([17, 18], [0.0] * 2, [1.0] * 2, [17, 17], [18, 18], frozenset(), "interleaved1f1b", 4)
 
 
 def test_what_the_model_leaves_out_is_measured_per_pipeline():
