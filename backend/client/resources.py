@@ -398,7 +398,7 @@ class PipelineRow(TypedDict, total=False):
     bubble_share: float | None  # Measured: the stages' mean idle time over the run.
     compute_ms: float | None  # The schedule's run, measured.
     model_bubble_share: float | None  # The model's at this count ((p-1)/(m+p-1) for equal stages).
-    model_ms: float | None  # The model's run at this count: sum(t) + (m-1) max(t) (docs/pipelines.md).
+    model_ms: float | None  # The model's run at this count: sum(t) + (m-1) max(t); interleaved, v stages per rank: sum(t)/v + (m - 1/v) max(t) (docs/pipelines.md).
     n_microbatches: int | None
     pipeline: int  # The dp index: the pipeline's rank in placements.
     stages: list[StageCell]  # Empty until it sends stage times.

@@ -39,7 +39,11 @@ export class PipelineCard {
     this.last = p;
     this.card.hidden = false;
     this.label.textContent = `${p.label}, ${p.pipelines} pipelines`;
-    const neck = p.bottleneck_stage === null ? "differs" : `stage ${p.bottleneck_stage}`;
+    // Interleaved: a column is a pipeline rank, holding model stages s, s + pp, ... (loop order).
+    const v = p.stages_per_rank || 1;
+    const col = (s) => (v > 1 ? `rank ${s} (stages ${Array.from({ length: v }, (_, i) => s + i * p.pp_size).join(", ")})`
+      : `stage ${s}`);
+    const neck = p.bottleneck_stage === null ? "differs" : col(p.bottleneck_stage);
     this.stats.replaceChildren(
       stat("bottleneck", neck, p.bottleneck_stage === null ? "" : "bad"),
       stat("slowest pipeline", p.slowest_pipeline === null ? "–" : `pipeline ${p.slowest_pipeline}`),
@@ -47,7 +51,7 @@ export class PipelineCard {
       stat("micro-batches ≥", String(p.min_microbatches)),
     );
     const stages = Math.max(0, ...p.rows.map((r) => r.stages.length));
-    const x = Array.from({ length: stages }, (_, s) => `stage ${s}`);
+    const x = Array.from({ length: stages }, (_, s) => col(s));
     const y = p.rows.map((r) => `pipeline ${r.pipeline} (${r.n_microbatches ?? "–"} mb)`);
     const z = p.rows.map((r) => x.map((_, s) => (r.stages[s] ? r.stages[s].stage_ms : null)));
     const text = z.map((row) => row.map((v) => (v === null ? "" : `${fmt(v, 2)} ms`)));

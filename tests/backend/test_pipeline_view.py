@@ -219,6 +219,38 @@ def _the_client_reads_it_with_the_servers_field_names(server: Server) -> None:
     assert got["prediction"] is not None and got["prediction"]["measured_step_ms"] == pytest.approx(93.5)
 
 
+def test_an_interleaved_job_is_balanced_in_counts_its_schedule_takes(server: Server) -> None:
+    """The same stage times under interleaved 1F1B, 2 model stages per rank (stages 0 and 2 on
+    pipeline rank 0): the fill is half as long, T0(m) = (12 - 8)/2 + 8m and T1(m) = 4 + 16m
+    plus the measured residual per slot (2 and 4 ms at m = 8, over 8.5 slots). The solver's
+    (11, 5) (about 92.7 and 86.6 ms) gives counts torch's schedule refuses with 2 ranks per
+    pipeline (a multiple of count // 2): of those it takes, (12, 4) (100.9 and 70.1) beats
+    (10, 6) (84.5 and 103.1)."""
+    job, il = "pp-il", dict(schedule="interleaved1f1b", n_stages=4, min_microbatches=0, layers_per_stage=(1, 1, 1, 1))
+    with connect(server.ws_url + "/ws/hook") as p0, connect(server.ws_url + "/ws/hook") as p1:
+        for rank, ws in enumerate((p0, p1)):
+            ws.send(hello_frame(rank, job=job, **il))
+            assert json.loads(ws.recv(timeout=10))["shares"] == [8, 8]
+        for rank, ws in enumerate((p0, p1)):
+            feed(ws, rank, 0, 24, [8, 8], 0, job=job)
+        wait_until(lambda: (r := _get(server, f"/api/v1/jobs/{job}/ranks"))["count"] == 2
+                   and all(x["n_steps"] >= 24 for x in r["data"]), "24 steps of both pipelines", log=server.log)
+        grid = _get(server, f"/api/v1/jobs/{job}/pipeline")
+        assert (grid["stages_per_rank"], grid["n_stages"]) == (2, 4)
+        assert grid["label"] == "PP 2, interleaved1f1b (2 stages per rank)"
+        assert [len(r["stages"]) for r in grid["rows"]] == [2, 2]  # one cell per pipeline rank
+        assert grid["rows"][1]["model_ms"] == pytest.approx(4 + 16 * 8)
+        status, body = server.call("POST", f"/api/v1/jobs/{job}/proposals", body={"shares": [9, 7]})
+        assert (status, body["detail"]) == (
+            400, "Invalid placement: this job's interleaved1f1b schedule with 2 ranks per pipeline runs a count that "
+                 "is a multiple of its rounds (count // 2), but the placement gives pipeline 0 (9; nearby: [8, 10]), "
+                 "pipeline 1 (7; nearby: [6, 8]).")
+        prop = wait_until(lambda: (r := _get(server, f"/api/v1/jobs/{job}/proposals?status=proposed"))["count"]
+                          and r["data"][0], "a proposal", log=server.log)
+        assert prop["shares"] == [12, 4], prop
+        assert prop["explanation"]["evidence"]["quantized_to_schedule_counts"] == [12, 4]
+
+
 def test_bad_pipeline_shapes_and_stage_lists_get_one_sentence(server: Server) -> None:
     frame = json.loads(hello_frame(0, job="pp-bad"))
     frame["pipeline"]["pp_stage"] = 2

@@ -58,7 +58,7 @@ class PipelineRowPublic(BaseModel):
     pipeline: int = Field(description="The dp index: the pipeline's rank in placements.")
     n_microbatches: int | None = None
     compute_ms: float | None = Field(default=None, description="The schedule's run, measured.")
-    model_ms: float | None = Field(default=None, description="The model's run at this count: sum(t) + (m-1) max(t) (docs/pipelines.md).")
+    model_ms: float | None = Field(default=None, description="The model's run at this count: sum(t) + (m-1) max(t); interleaved, v stages per rank: sum(t)/v + (m - 1/v) max(t) (docs/pipelines.md).")
     bubble_share: float | None = Field(default=None, description="Measured: the stages' mean idle time over the run.")
     model_bubble_share: float | None = Field(default=None, description="The model's at this count ((p-1)/(m+p-1) for equal stages).")
     bottleneck_stage: int | None = None
