@@ -192,6 +192,13 @@ def test_which_counts_each_schedule_takes() -> None:
     assert check_count("ScheduleInterleaved1F1B", 3, 2) is None and check_count("ScheduleInterleaved1F1B", 6, 2) is None
     why = check_count("ScheduleInterleaved1F1B", 5, 2)
     assert why is not None and "got 5; nearby counts it takes: [3, 4, 6]" in why
+    # the hook's rule and the backend policy's are one rule (the hook never imports the backend)
+    from backend.policy.pipeline import takes_count
+
+    for name, wire in (("ScheduleGPipe", "gpipe"), ("Schedule1F1B", "1f1b"), ("ScheduleInterleaved1F1B",
+                                                                               "interleaved1f1b")):
+        for p in (1, 2, 3, 4, 8):
+            assert [check_count(name, n, p) is None for n in range(70)] == [takes_count(wire, p, n) for n in range(70)]
 
 
 def test_a_stage_s_layers_come_from_layers_or_its_torchtitan_layers_container() -> None:
@@ -213,3 +220,44 @@ def test_a_stage_s_layers_come_from_layers_or_its_torchtitan_layers_container() 
     assert stage_layers(SimpleNamespace(submod=Part(blocks)), given) == (tuple(given), False)
     with pytest.raises(ValueError, match="takes this stage's layer module names"):
         stage_layers(SimpleNamespace(submod=Part(blocks)), "layers.0")
+
+
+def _torch_interleaved_run(p: int, v: int, m: int, fwd: float, bwd: float) -> float:
+    """torch's own ScheduleInterleaved1F1B order for each rank (its order builder, no stages
+    needed), replayed with each op starting when its rank is free and its input is there."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    sched: Any = object.__new__(ScheduleInterleaved1F1B)
+    sched.n_local_stages, sched.pp_group_size, sched._n_microbatches = v, p, m
+    sched.number_of_rounds = max(1, m // p)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    orders = [[a for a in sched._calculate_single_rank_operations(r) if a is not None] for r in range(p)]
+    done: dict[tuple[bool, int, int], float] = {}
+    free, at, last = [0.0] * p, [0] * p, p * v - 1
+    while any(at[r] < len(orders[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while at[r] < len(orders[r]):
+                a = orders[r][at[r]]
+                s, i, f = a.stage_index, a.microbatch_index, a.computation_type == _ComputationType.FORWARD
+                dep = ((True, s - 1, i) if s else None) if f else ((False, s + 1, i) if s < last else (True, s, i))
+                if dep is not None and dep not in done:
+                    break
+                free[r] = done[(f, s, i)] = max(free[r], done[dep] if dep else 0.0) + (fwd if f else bwd)
+                at[r] += 1
+                moved = True
+        assert moved, "deadlock"
+    return max(free)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (4, 12), (4, 16)])
+def test_the_interleaved_model_is_torchs_own_order_replayed(p: int, m: int) -> None:
+    """T(m) = sum(t)/v + (m - 1/v) max(t) (backend/policy/pipeline.py) is exactly the run of
+    torch 2.13's ScheduleInterleaved1F1B order with equal stages and instant p2p, m >= p; with
+    fewer micro-batches than ranks the schedule waits longer than the model says."""
+    from backend.policy.pipeline import schedule_ms
+
+    v, t = 2, 12.0  # per rank and micro-batch: v model stages of fwd 2 + bwd 4 ms
+    assert _torch_interleaved_run(p, v, m, t / v / 3, 2 * t / v / 3) == pytest.approx(schedule_ms([t] * p, m, v))
+    if p == 4 and m == 4:
+        assert _torch_interleaved_run(4, 2, 2, 2.0, 4.0) == pytest.approx(1.286 * schedule_ms([t] * 4, 2, 2), rel=1e-3)
