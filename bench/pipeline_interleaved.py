@@ -65,7 +65,8 @@ def _worker(args: argparse.Namespace) -> None:
                 mods = [Layer() for _ in idx]
                 stages: Any = [PipelineStage(mod, s, p * v, torch.device("cpu"), group=mesh["pp"].get_group())
                                for mod, s in zip(mods, idx, strict=True)]
-                first, last, cls = stages[0].is_first, stages[-1].is_last, ScheduleInterleaved1F1B
+                first, last = stages[0].is_first, stages[-1].is_last
+                cls: Any = ScheduleInterleaved1F1B
                 attached: Any = mods
             else:  # the same layers, one stage per rank
                 mod = torch.nn.Sequential(*[Layer() for _ in range(v)])

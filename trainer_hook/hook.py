@@ -327,7 +327,9 @@ class RebalanceHook:
 
         Call it inside ``with hook.step():`` every step with the same stage(s) and schedule:
         this rank's ``PipelineStage`` and the schedule class (``ScheduleGPipe`` or
-        ``Schedule1F1B``), ``loss_fn`` the per-micro-batch mean loss; other keyword arguments go
+        ``Schedule1F1B``; or the list of this rank's stages, model stages ``rank, rank + PP, ...``,
+        with ``ScheduleInterleaved1F1B``, after ``hook.attach([stage.submod for stage in
+        stages])``), ``loss_fn`` the per-micro-batch mean loss; other keyword arguments go
         to the schedule. The schedule is built with this pipeline's share of the placement in
         force as ``n_microbatches`` and ``scale_grads=False`` (each micro-batch counts 1/M of
         the step in the data-parallel reduction), and built again at the step where a new
@@ -355,8 +357,10 @@ class RebalanceHook:
         (``ModuleDict`` or ``ModuleList``) when it has one. The hello reports every stage's,
         for stage-split advice (docs/pipelines.md).
 
-        A count the schedule refuses (``Schedule1F1B``: 0 or at least as many as stages) raises
-        ValueError naming what it takes; rank 0 rejects such a placement when it is offered.
+        A count the schedule refuses (``Schedule1F1B``: 0 or at least as many as stages;
+        ``ScheduleInterleaved1F1B``: a multiple of ``max(1, count // PP)``) raises ValueError
+        naming what it takes; rank 0 rejects such a placement when it is offered. ``layers``
+        with several stages per rank: one list per stage given.
         """
         pipeline = self._pipeline
         if pipeline is None:
