@@ -27,6 +27,14 @@ for the whole pipeline. A stage's layers are the ``layers=`` names given to
 container (a ``ModuleDict``: ``layers.<key>``; a ``ModuleList``: numbered in model order).
 Per-layer times are not measured: the advice spreads a stage's measured time evenly over
 its layers.
+
+Interleaved (``ScheduleInterleaved1F1B``): a rank passes the list of its stages (model stages
+``rank, rank + PP, ...``) and ``hook.attach`` took the list of their modules; the count must
+be a multiple of the schedule's rounds (``check_count``, the backend's ``takes_count``).
+
+One module, over 400 lines on purpose: the schedule's checks, build at the step boundary,
+run and layer gathering share one state (the stages, the count built, the run in progress);
+cut apart, each piece would reach into the others' fields.
 """
 
 from __future__ import annotations

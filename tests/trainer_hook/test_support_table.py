@@ -177,11 +177,13 @@ ELSEWHERE = {
         "tests/trainer_hook/test_mesh_refusals.py::test_ddp_over_a_sub_group_is_refused",
     "streams: `IterableDataset`, `split_dataset_by_node`, `StatefulDataLoader`, any iterator; compiled fixed shapes":
         "tests/trainer_hook/test_micro_batches.py::test_parameters_equal_a_one_process_replay_under_changing_counts_and_a_drain",
-    'PP x DP (`torch.distributed.pipelining`: `ScheduleGPipe`, `Schedule1F1B`; DDP or FSDP2 over `mesh["dp"]`), '
-    "with `pp_mesh`": "tests/trainer_hook/test_pipelines.py::"
-                      "test_parameters_equal_a_one_process_replay_under_changing_counts_and_a_drain",
-    "PP x DP with `ScheduleInterleaved1F1B`, or TP inside a stage":
-        "tests/trainer_hook/test_pipelines.py::test_interleaved_and_tp_are_refused_naming_what_is_supported",
+    'PP x DP (`torch.distributed.pipelining`: `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B` with a '
+    'list of stages per rank; DDP or FSDP2 over `mesh["dp"]`), with `pp_mesh`':
+        "tests/trainer_hook/test_pipelines.py::"
+        "test_parameters_equal_a_one_process_replay_under_changing_counts_and_a_drain",
+    "PP x DP with `ScheduleLoopedBFS` or a zero-bubble schedule, or TP inside a stage":
+        "tests/trainer_hook/test_pipelines.py::"
+        "test_zero_bubble_misplaced_stages_and_tp_are_refused_naming_what_is_supported",
     "HF Trainer, Accelerate's `prepare_with_rebalancer`, Lightning with a `micro_batches=M` hook":
         "tests/trainer_hook/test_micro_batches.py::test_the_framework_adapters_refuse_a_micro_batch_hook_naming_the_loop",
 }
