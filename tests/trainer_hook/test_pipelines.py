@@ -261,3 +261,15 @@ def test_the_interleaved_model_is_torchs_own_order_replayed(p: int, m: int) -> N
     assert _torch_interleaved_run(p, v, m, t / v / 3, 2 * t / v / 3) == pytest.approx(schedule_ms([t] * p, m, v))
     if p == 4 and m == 4:
         assert _torch_interleaved_run(4, 2, 2, 2.0, 4.0) == pytest.approx(1.286 * schedule_ms([t] * 4, 2, 2), rel=1e-3)
+
+
+def test_a_list_of_modules_is_attached_only_by_a_pipelined_hook() -> None:
+    from trainer_hook import RebalanceHook
+
+    hook = RebalanceHook(global_batch_size=4)
+    try:
+        with pytest.raises(ValueError, match=r"attach\(\) takes one model, got a list of 2: a list of modules is for "
+                                             r"an interleaved pipeline rank's stage modules"):
+            hook.attach([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    finally:
+        hook.close()
