@@ -72,6 +72,7 @@ def _worker(args: argparse.Namespace) -> None:
                 mod = torch.nn.Sequential(*[Layer() for _ in range(v)])
                 stages = PipelineStage(mod, rank, p, torch.device("cpu"), group=mesh["pp"].get_group())
                 first, last, cls, attached = stages.is_first, stages.is_last, Schedule1F1B, mod
+            dist.barrier()  # every rank done with the last hook: its groups' sockets are set up together
             hook = RebalanceHook(job="interleaved-model", micro_batches=m, dp_mesh=mesh["dp"], pp_mesh=mesh["pp"])
             hook.attach(attached)
             x, y = torch.randn(4 * m, 16), torch.randn(4 * m, 16)
