@@ -141,6 +141,58 @@ export function el(tag, attrs = {}, ...children) {
   return node;
 }
 
+// Redrawing a live table with replaceChildren swaps every element under the pointer: a
+// click whose press lands on one link and whose release lands on its replacement is no
+// click at all (measured on the fleet table at its frame rate: 22 of 50 presses held
+// 120 ms were lost). morphChildren updates the elements in place instead, so a link or
+// button stays the same element from one frame to the next while its text changes.
+// The nodes given are fresh ones built by el() without listeners: listeners are not copied.
+
+function morph(have, want) {
+  if (have.nodeType !== want.nodeType || have.nodeName !== want.nodeName) return false;
+  if (have.nodeType !== Node.ELEMENT_NODE) {
+    if (have.nodeValue !== want.nodeValue) have.nodeValue = want.nodeValue;
+    return true;
+  }
+  for (const { name } of Array.from(have.attributes)) {
+    if (!want.hasAttribute(name)) have.removeAttribute(name);
+  }
+  for (const { name, value } of Array.from(want.attributes)) {
+    if (have.getAttribute(name) !== value) have.setAttribute(name, value);
+  }
+  morphChildren(have, Array.from(want.childNodes));
+  return true;
+}
+
+/**
+ * Make `parent`'s children match `wants` (detached nodes, in order) while keeping the
+ * existing nodes that match: by `keyOf(node)` where it gives a key (a table's rows by
+ * their job, so a re-sort moves a row rather than rebuilding it), else by position.
+ * A frame that changes nothing touches no node.
+ */
+export function morphChildren(parent, wants, keyOf = () => null) {
+  const byKey = new Map();
+  for (const n of parent.childNodes) {
+    const k = keyOf(n);
+    if (k !== null && k !== undefined) byKey.set(k, n);
+  }
+  wants.forEach((want, i) => {
+    const at = parent.childNodes[i] || null;
+    const k = keyOf(want);
+    const keyed = k !== null && k !== undefined;
+    const have = keyed ? byKey.get(k) : at && !byKey.has(keyOf(at)) ? at : null;
+    if (have && morph(have, want)) {
+      if (keyed) byKey.delete(k);
+      if (have !== at) parent.insertBefore(have, at);
+    } else if (have && have === at) {
+      parent.replaceChild(want, at);
+    } else {
+      parent.insertBefore(want, at);
+    }
+  });
+  while (parent.childNodes.length > wants.length) parent.lastChild.remove();
+}
+
 /** The token box in the header: shows who you are, lets you paste another token. */
 export async function mountTokenBox(root, onChange) {
   const me = await whoami();

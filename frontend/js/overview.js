@@ -2,7 +2,7 @@
 // frames (the server's fleet summary, backend/live/fleet.py; the page computes no figure).
 // Sorting and filtering happen here, on the rows of the newest frame.
 import {
-  STATUS_LABEL, duration, el, fmt, forecastFor, liveSocket, money, mountTokenBox, pct,
+  STATUS_LABEL, duration, el, fmt, forecastFor, liveSocket, money, morphChildren, mountTokenBox, pct,
 } from "./common.js";
 
 const body = document.getElementById("jobs-body");
@@ -121,8 +121,11 @@ function render() {
   const summaries = new Map((frame.jobs || []).map((s) => [s.job, s]));
   const rows = fleet.data.filter(matches).sort(compare);
   shown.textContent = `${rows.length} of ${fleet.count} shown`;
-  body.replaceChildren(...(rows.length ? rows.map((j) => row(j, summaries.get(j.job)))
-    : [el("tr", {}, el("td", { colspan: 15, class: "empty" }, "No job matches the filter."))]));
+  // In place, row by job: up to dashboard_max_hz frames a second must not swap the link
+  // under a user's pointer between press and release (common.js, morphChildren).
+  morphChildren(body, rows.length ? rows.map((j) => row(j, summaries.get(j.job)))
+    : [el("tr", {}, el("td", { colspan: 15, class: "empty" }, "No job matches the filter."))],
+  (n) => (n.dataset ? n.dataset.job : null));
 }
 
 for (const th of table.querySelectorAll("th[data-sort]")) {
