@@ -60,7 +60,7 @@ def running_server(
     db_url: str | None = None,
     port: int | None = None,
     env: dict[str, str] | None = None,
-    timeout: float = 30.0,
+    timeout: float = 60.0,
 ) -> Iterator[Server]:
     """Start the backend, wait for /healthz, yield it, stop it (SIGINT, then SIGKILL).
 
