@@ -55,7 +55,7 @@ $(STAMP): pyproject.toml | $(CONSTRAINTS)
 
 setup: $(STAMP)
 
-# setup, with the C++ DDP comm hook built (about 50 s of one core on a cold cache) while the
+# setup, with the C++ DDP comm hook built (about 20 s of one core on a cold cache) while the
 # rest of the packages install, once torch is in. The build imports torch before pip goes
 # on; should it fail anyway, the tests build it again (tests/conftest.py).
 HOOK_IMPORTED := $(VENV)/.native-hook-imported

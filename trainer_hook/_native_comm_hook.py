@@ -204,7 +204,7 @@ def _build() -> Any:
     try:
         if _stale_lock(_name()):
             return None
-        log.info("building the rebalancer's native DDP comm hook (once per torch version, about a minute)")
+        log.info("building the rebalancer's native DDP comm hook (once per torch version, about 20 s of CPU)")
         # The source includes the headers it uses (pybind11's and c10d's), not the whole C++
         # API that load_inline puts first by default (torch/extension.h): 18 s of CPU to
         # compile, not 26, on the path of `make setup-and-hook` and of a first run. A torch
