@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import uuid
-from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, func, select, text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import create_engine, func, select
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -25,29 +22,6 @@ from backend.storage import RankMetricRow, insert_windows, make_engine, make_ses
 from backend.storage.writes import WriteBuffer
 from tests.backend._app import hello, metrics
 from tests.helpers.server import running_server
-
-PG = "postgresql://postgres@127.0.0.1:5432/test"
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db_url(request, tmp_path: Path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'rebalancer.db'}"
-        return
-    admin = make_engine(PG)
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    try:
-        with admin.begin() as conn:
-            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    except OperationalError as exc:
-        admin.dispose()
-        pytest.skip(f"PostgreSQL at {PG} is unreachable: {exc.orig}")
-    try:
-        yield f"{PG}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
 
 
 def _window(job: str, rank: int, first: int, **bad: object) -> Window:

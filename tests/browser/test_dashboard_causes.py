@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 
 from rebalancer_wire.protocol import Hang, Metrics, StepRecord, encode
-from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
+from tests.browser._chromium import chromium, new_page, playwright_sync_api
 from tests.helpers.fake_fleet import FakeFleet, FakeJob
 from tests.helpers.server import Server, running_server
 from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.browser]
 
-sync_api = playwright_sync_api()
+playwright_sync_api()  # skips this module without Chromium or Playwright
 JOB = "why-slow"
 BATCHES = 80
 STEP_MS = 40.0
@@ -71,20 +71,15 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
 
             fleet._run(send())
             job.next_batch = BATCHES
-            with sync_api.sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-                try:
-                    page = browser.new_context(viewport={"width": 1400, "height": 2200}).new_page()
-                    page.set_default_timeout(30_000)
-                    gets: list[float] = []
-                    page.on("request", lambda r: gets.append(time.monotonic())
-                            if r.url.split("?")[0].endswith(f"/api/v1/jobs/{JOB}") else None)
-                    page.goto(f"{srv.url}/?token={admin}")  # kept in localStorage for the pages
-                    page.goto(f"{srv.url}/job/{JOB}")
-                    page.wait_for_function("() => window.rebalancer && window.rebalancer.state.draws > 0")
-                    yield Env(srv, admin, fleet, page, gets)
-                finally:
-                    browser.close()
+            with chromium() as browser:
+                page = new_page(browser, timeout_ms=30_000, viewport={"width": 1400, "height": 2200})
+                gets: list[float] = []
+                page.on("request", lambda r: gets.append(time.monotonic())
+                        if r.url.split("?")[0].endswith(f"/api/v1/jobs/{JOB}") else None)
+                page.goto(f"{srv.url}/?token={admin}")  # kept in localStorage for the pages
+                page.goto(f"{srv.url}/job/{JOB}")
+                page.wait_for_function("() => window.rebalancer && window.rebalancer.state.draws > 0")
+                yield Env(srv, admin, fleet, page, gets)
         finally:
             fleet.close()
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
+from tests.browser._chromium import chromium, new_page, playwright_sync_api
 from tests.helpers.fake_fleet import FakeFleet, FakeJob
 from tests.helpers.server import Server, running_server
 from tests.helpers.torchrun import REPO_ROOT
@@ -23,7 +23,7 @@ from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.browser]
 
-sync_api = playwright_sync_api()
+playwright_sync_api()  # skips this module without Chromium or Playwright
 
 KINDS = ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA L4")
 PER_SAMPLE_MS = {KINDS[0]: 0.5, KINDS[1]: 1.0, KINDS[2]: 2.0}
@@ -72,16 +72,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         try:
             for i in range(JOBS - 1):  # the 50th arrives while the page is open
                 fake.add(_job(i), batches=40)
-            with sync_api.sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-                try:
-                    ctx = browser.new_context(viewport={"width": 1600, "height": 2400})
-                    page = ctx.new_page()
-                    page.set_default_timeout(60_000)
-                    page.goto(f"{srv.url}/?token={admin}")
-                    yield Fleet(srv, admin, fake, page)
-                finally:
-                    browser.close()
+            with chromium() as browser:
+                page = new_page(browser, viewport={"width": 1600, "height": 2400})
+                page.goto(f"{srv.url}/?token={admin}")
+                yield Fleet(srv, admin, fake, page)
         finally:
             fake.close()
 

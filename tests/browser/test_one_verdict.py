@@ -20,14 +20,14 @@ from typing import Any
 import pytest
 
 from rebalancer_wire.protocol import Metrics, StepRecord, encode
-from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
+from tests.browser._chromium import chromium, new_page, playwright_sync_api
 from tests.helpers.fake_fleet import FakeFleet, FakeJob
 from tests.helpers.server import Server, running_server
 from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.browser]
 
-sync_api = playwright_sync_api()
+playwright_sync_api()  # skips this module without Chromium or Playwright
 CPU = "cpu"
 
 
@@ -87,15 +87,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     with running_server(tmp_path_factory.mktemp("verdict"), env=envvars, timeout=60) as srv:
         fake = FakeFleet(srv.ws_url, admin)
         try:
-            with sync_api.sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-                try:
-                    page = browser.new_context(viewport={"width": 1400, "height": 2000}).new_page()
-                    page.set_default_timeout(30_000)
-                    page.goto(f"{srv.url}/?token={admin}")  # kept in localStorage for the pages
-                    yield Env(srv, admin, fake, page)
-                finally:
-                    browser.close()
+            with chromium() as browser:
+                page = new_page(browser, timeout_ms=30_000, viewport={"width": 1400, "height": 2000})
+                page.goto(f"{srv.url}/?token={admin}")  # kept in localStorage for the pages
+                yield Env(srv, admin, fake, page)
         finally:
             fake.close()
 
