@@ -20,7 +20,7 @@ from backend.live.windows import Window
 from backend.parts import init_db
 from backend.storage import RankMetricRow, insert_windows, make_engine, make_sessionmaker
 from backend.storage.writes import WriteBuffer
-from tests.backend._app import hello, metrics
+from tests.backend._app import joined, metrics
 from tests.helpers.server import running_server
 
 
@@ -98,12 +98,10 @@ def test_real_server_bad_frame_of_one_job_keeps_the_other_jobs_history(tmp_path)
     with running_server(tmp_path, env=env) as server:
         url = server.ws_url + "/ws/hook"
         with connect(url) as good:
-            good.send(hello(job="good", rank=0, world_size=1, global_batch_size=16))
-            assert json.loads(good.recv(timeout=10))["type"] == "placement"
+            joined(good, "good")
             good.send(metrics(job="good", rank=0, first=0, n=20))
             with connect(url) as bad:
-                bad.send(hello(job="evil", rank=0, world_size=1, global_batch_size=16))
-                bad.recv(timeout=10)
+                joined(bad, "evil")
                 frame = json.loads(metrics(job="evil", rank=0, first=0, n=5))
                 frame["steps"][0]["t"] = 1e308
                 frame["steps"][1]["batch_index"] = 2**63
@@ -114,8 +112,7 @@ def test_real_server_bad_frame_of_one_job_keeps_the_other_jobs_history(tmp_path)
                         replies.append(json.loads(bad.recv(timeout=2))["type"])
                 assert set(replies) <= {"error"}, replies  # at most the refusal, nothing else
             good.send(metrics(job="good", rank=0, first=20, n=20))
-            good.send(hello(job="good", rank=0, world_size=1, global_batch_size=16))
-            assert json.loads(good.recv(timeout=10))["type"] == "placement"  # still served
+            joined(good, "good")  # still served
         metrics_text = urllib_get(server.url + "/metrics")
     db = sqlite3.connect(tmp_path / "rebalancer.db")
     steps = db.execute("SELECT SUM(n_steps) FROM rank_metrics WHERE job = 'good'").fetchone()[0]
