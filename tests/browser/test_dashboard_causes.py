@@ -16,8 +16,7 @@ import pytest
 
 from rebalancer_wire.protocol import Hang, Metrics, StepRecord, encode
 from tests.browser._chromium import chromium, new_page, playwright_sync_api
-from tests.helpers.fake_fleet import FakeFleet, FakeJob, fleet_server
-from tests.helpers.server import Server
+from tests.helpers.fake_fleet import FakeJob, FleetPage, fleet_server
 from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.browser]
@@ -34,11 +33,7 @@ NCCL_DUMP = "/scratch/fr/comm_lib_trace_rank_1"
 
 
 @dataclass
-class Env:
-    server: Server
-    admin: str
-    fleet: FakeFleet
-    page: Any
+class Env(FleetPage):
     job_gets: list[float]  # when the page asked for GET /api/v1/jobs/{JOB}
 
 

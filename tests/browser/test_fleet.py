@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.browser._chromium import chromium, new_page, playwright_sync_api
-from tests.helpers.fake_fleet import FakeFleet, FakeJob, fleet_server
-from tests.helpers.server import Server
+from tests.helpers.fake_fleet import FakeJob, FleetPage, fleet_server
 from tests.helpers.torchrun import REPO_ROOT
 from tests.helpers.waiting import wait_until
 
@@ -37,13 +35,7 @@ def _job(i: int) -> FakeJob:
                    global_batch_size=8 * world)
 
 
-@dataclass
-class Fleet:
-    server: Server
-    admin: str
-    fleet: FakeFleet
-    page: Any
-
+class Fleet(FleetPage):
     def rest(self) -> dict[str, Any]:
         got = self.server.get("/api/v1/fleet", self.admin)
         assert isinstance(got, dict)

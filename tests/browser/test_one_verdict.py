@@ -13,15 +13,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from rebalancer_wire.protocol import Metrics, StepRecord, encode
 from tests.browser._chromium import chromium, new_page, playwright_sync_api
-from tests.helpers.fake_fleet import FakeFleet, FakeJob, fleet_server
-from tests.helpers.server import Server
+from tests.helpers.fake_fleet import FakeJob, FleetPage, fleet_server
 from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.browser]
@@ -30,13 +28,7 @@ playwright_sync_api()  # skips this module without Chromium or Playwright
 CPU = "cpu"
 
 
-@dataclass
-class Env:
-    server: Server
-    admin: str
-    fleet: FakeFleet
-    page: Any
-
+class Env(FleetPage):
     def rest(self, path: str) -> Any:
         return self.server.get(f"/api/v1{path}", self.admin)
 

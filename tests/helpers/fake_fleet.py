@@ -20,7 +20,7 @@ import websockets
 from rebalancer_wire.protocol import Hello, Metrics, StepRecord, encode, uniform_shares
 from tests.helpers.server import Server, running_server
 
-__all__ = ["FakeJob", "FakeFleet", "fleet_server"]
+__all__ = ["FakeJob", "FakeFleet", "FleetPage", "fleet_server"]
 
 
 @dataclass
@@ -108,3 +108,14 @@ def fleet_server(tmp: Path, **env: str) -> Iterator[tuple[Server, str, FakeFleet
             yield srv, admin, fleet
         finally:
             fleet.close()
+
+
+@dataclass
+class FleetPage:
+    """What a browser test of a ``fleet_server`` holds: the server, its admin token, the fake
+    fleet and the page open on it. Tests subclass it with their own readers."""
+
+    server: Server
+    admin: str
+    fleet: FakeFleet
+    page: Any
