@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from backend.live.forecast import forecast, goodput
@@ -254,13 +255,11 @@ class MetricsExporter:
 
     def _job(self, fams: dict[str, _Family], view: JobView, control: dict[str, Any]) -> None:
         labels = _labels(job=view.job)
-        for name, value in (("rebalancer_step_seconds", _s(view.step_ms)),
-                            ("rebalancer_imbalance_ratio", view.imbalance),
-                            ("rebalancer_connected_ranks", view.connected_ranks),
-                            ("rebalancer_world_size", view.world_size),
-                            ("rebalancer_global_batch_size", view.global_batch_size)):
-            if value is not None:
-                fams[name].add(labels, value)
+        _add_known(fams, labels, (("rebalancer_step_seconds", _s(view.step_ms)),
+                                  ("rebalancer_imbalance_ratio", view.imbalance),
+                                  ("rebalancer_connected_ranks", view.connected_ranks),
+                                  ("rebalancer_world_size", view.world_size),
+                                  ("rebalancer_global_batch_size", view.global_batch_size)))
         hist = self.live.step_histogram(view.job)
         if hist is not None:
             cumulative, total_s = hist
@@ -269,15 +268,11 @@ class MetricsExporter:
                 fam.add(f'{labels},le="{le}"', n, f"{base}_bucket")
             fam.add(labels, cumulative[-1], f"{base}_count")
             fam.add(labels, total_s, f"{base}_sum")
-        good = goodput(view)
-        if good is not None:
-            fams["rebalancer_goodput_ratio"].add(labels, good)
         fc = forecast(view, self.settings.price_for)
-        for name, value in (("rebalancer_eta_seconds", fc.eta_s),
-                            ("rebalancer_hourly_cost_dollars", fc.cost_per_hour),
-                            ("rebalancer_cost_to_finish_dollars", fc.cost_to_finish)):
-            if value is not None:
-                fams[name].add(labels, value)
+        _add_known(fams, labels, (("rebalancer_goodput_ratio", goodput(view)),
+                                  ("rebalancer_eta_seconds", fc.eta_s),
+                                  ("rebalancer_hourly_cost_dollars", fc.cost_per_hour),
+                                  ("rebalancer_cost_to_finish_dollars", fc.cost_to_finish)))
         saved = self.hub.savings(view.job)
         if saved is not None:
             fams["rebalancer_savings_seconds"].add(labels, saved["saved_s"] or 0.0)
@@ -335,3 +330,10 @@ class MetricsExporter:
 
 def _s(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000.0
+
+
+def _add_known(fams: dict[str, _Family], labels: str, values: Iterable[tuple[str, float | None]]) -> None:
+    """One sample per (family, value) whose value is known; an unknown one is left out."""
+    for name, value in values:
+        if value is not None:
+            fams[name].add(labels, value)

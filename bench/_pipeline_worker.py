@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests.helpers.workers import parse_plan
 from trainer_hook import RebalanceHook
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -145,14 +146,6 @@ def read_advice(server: str, job: str, timeout: float = 20.0) -> dict[str, Any]:
             break
         time.sleep(0.3)
     return view
-
-
-def parse_plan(text: str) -> dict[int, list[int]]:
-    plan: dict[int, list[int]] = {}
-    for item in filter(None, text.split(";")):
-        step, shares = item.split("=")
-        plan[int(step)] = [int(s) for s in shares.split(",")]
-    return plan
 
 
 def main() -> None:

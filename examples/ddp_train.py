@@ -11,23 +11,19 @@ backend's placements in lockstep and streams step times to the dashboard. Leave 
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import TensorDataset
 
 from trainer_hook import RebalanceHook
 
+import toy  # beside this file: the toy model and data, the command line
+
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--server", default=None, help="backend URL (default: REBALANCER_SERVER, else offline)")
-    p.add_argument("--job", default="ddp-example")
-    p.add_argument("--global-batch-size", type=int, default=256)
-    p.add_argument("--epochs", type=int, default=2)
+    p = toy.args(__doc__.split("\n\n")[0], job="ddp-example", global_batch_size=256, request=False)
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (any number works)")
     args = p.parse_args()
 
@@ -41,9 +37,8 @@ def main() -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
-    x = torch.randn(4096, 16)
-    ds = TensorDataset(x, x @ torch.randn(16, 1) + 0.1 * torch.randn(4096, 1))
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
+    ds = toy.data(4096)
+    model = toy.model().to(device)
     loss_fn = torch.nn.MSELoss()  # a mean over the local batch: the hook weights it by share
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
@@ -63,8 +58,9 @@ def main() -> None:
                 opt.zero_grad()
         if hook.rank == 0:
             last = hook.last_step
-            print(f"epoch {epoch}: batch {hook.batch_index}, loss {loss.item():.4f}, "  # a sync point, once per epoch
-                  f"shares {hook.shares}, compute {last.compute_ms if last else 0:.2f} ms", flush=True)
+            # loss.item(): a sync point, once per epoch
+            print(toy.epoch_line(epoch, hook, loss=f"{loss.item():.4f}",
+                                 compute=f"{last.compute_ms if last else 0:.2f} ms"), flush=True)
     hook.close()
     dist.destroy_process_group()
 

@@ -11,7 +11,6 @@ sampler and whose DDP model carries the hook's gradient weighting; everything el
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
@@ -21,6 +20,8 @@ from transformers import TrainerCallback, TrainingArguments
 
 from trainer_hook import RebalanceHook
 from trainer_hook.integrations.hf_trainer import RebalancingTrainer
+
+import toy  # beside this file: the command line the examples share
 
 
 class Regressor(nn.Module):
@@ -65,18 +66,12 @@ class PrintPlacement(TrainerCallback):
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            print(f"epoch {state.epoch:.0f}: step {state.global_step}, placement "
-                  f"v{self.hook.placement_version} {self.hook.shares}", flush=True)
+            print(toy.epoch_line(f"{state.epoch:.0f}", self.hook, step=state.global_step), flush=True)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--server", default=None, help="backend URL (default: REBALANCER_SERVER, else offline)")
-    p.add_argument("--job", default="hf-trainer-example")
-    p.add_argument("--global-batch-size", type=int, default=128)
-    p.add_argument("--epochs", type=float, default=2)
+    p = toy.args(__doc__.split("\n\n")[0], job="hf-trainer-example", global_batch_size=128, epochs=float)
     p.add_argument("--output-dir", default="/tmp/rebalancer-hf-example")
-    p.add_argument("--request", default=None, metavar="STEP:S0,S1,...")
     args = p.parse_args()
 
     # Under torchrun the Trainer would create the process group itself; the hook needs it first.
@@ -85,8 +80,7 @@ def main() -> None:
     hook = RebalanceHook(server=args.server, job=args.job, global_batch_size=args.global_batch_size)
     callbacks: list[TrainerCallback] = [PrintPlacement(hook)]
     if args.request:
-        step, shares = args.request.split(":")
-        callbacks.append(RequestAt(hook, int(step), [int(s) for s in shares.split(",")]))
+        callbacks.append(RequestAt(hook, *toy.requested_split(args.request)))
     torch.manual_seed(0)
     trainer = RebalancingTrainer(
         rebalance_hook=hook,

@@ -130,6 +130,16 @@ def _bad(where: str, i: int, val: Any, expected: str) -> ProtocolError:
     return ProtocolError(f"'{where}[{i}]' must be {expected}, got {_short(val)}.")
 
 
+def _raise_first_bad(where: str, col: list[Any], required: bool, ok: Callable[[Any], bool], expected: str) -> None:
+    """ProtocolError for the first value of ``col`` that is not ``ok`` (None passes where the
+    column is optional); nothing when every value is."""
+    for i, x in enumerate(col):
+        if x is None and not required:
+            continue
+        if not ok(x):
+            raise _bad(where, i, x, expected + ("" if required else " or null"))
+
+
 def _check_column(where: str, col: Any, n: int, spec: _Spec) -> list[Any]:
     """``col`` as a checked list of ``n`` values (floats as floats), or ProtocolError naming
     the first value off. Whole-column tests first (one pass in C); per value only on failure."""
@@ -148,20 +158,14 @@ def _check_column(where: str, col: Any, n: int, spec: _Spec) -> list[Any]:
     if kind == "int":
         if not values or (set(map(type, values)) <= _INT and lo <= min(values) and max(values) <= hi):
             return col
-        for i, x in enumerate(col):
-            if x is None and not required:
-                continue
-            if type(x) is not int or not lo <= x <= hi:
-                raise _bad(where, i, x, f"an integer between {lo:.0f} and {hi:.0f}" + ("" if required else " or null"))
+        _raise_first_bad(where, col, required, lambda x: type(x) is int and lo <= x <= hi,
+                         f"an integer between {lo:.0f} and {hi:.0f}")
     elif kind == "float":
         if not values or (set(map(type, values)) <= _NUMBER_TYPES and math.isfinite(sum(values))
                           and lo <= min(values) and max(values) <= hi):
             return [x if x is None else float(x) for x in col] if not required else list(map(float, col))
-        for i, x in enumerate(col):
-            if x is None and not required:
-                continue
-            if type(x) not in _NUMBER_TYPES or not lo <= x <= hi:
-                raise _bad(where, i, x, f"a number between {lo:g} and {hi:g}" + ("" if required else " or null"))
+        _raise_first_bad(where, col, required, lambda x: type(x) in _NUMBER_TYPES and lo <= x <= hi,
+                         f"a number between {lo:g} and {hi:g}")
     elif kind == "str":
         if set(map(type, col)) <= _STR and set(col) <= _SOURCES:
             return col

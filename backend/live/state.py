@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from itertools import islice
-from typing import Any
+from typing import Any, TypeVar
 
 from backend.live.hangs import hung_rank
 from backend.live.histogram import StepHistogram, cumulative
@@ -157,6 +157,21 @@ def _step_extras(r: _Rank, k: int, local: int, work: float | None, batch_work: f
         r.phases.append((k, host_ms or 0.0, ckpt_ms or 0.0, sum(gc_ms) if gc_ms else 0.0))
     if mem_peak is not None:
         r.memory.add(MemoryReading(local, mem_peak, mem_total, mem_reserved))
+
+
+_T = TypeVar("_T")
+
+
+def _newest(ring: deque[_T], n: int | None) -> tuple[_T, ...]:
+    """The newest ``n`` items of ``ring`` (all when ``n`` is None), oldest first; O(n) from the
+    newest end. Callers hold the lock."""
+    if n is None or n >= len(ring):
+        return tuple(ring)
+    if n <= 0:
+        return ()
+    tail = list(islice(reversed(ring), n))
+    tail.reverse()
+    return tuple(tail)
 
 
 def _mean(vals: list[float]) -> float:
@@ -522,15 +537,7 @@ class LiveState:
         with self._lock:
             j = self._jobs.get(job)
             r = j.ranks.get(rank) if j else None
-            if r is None:
-                return ()
-            if n is None or n >= len(r.steps):
-                return tuple(r.steps)
-            if n <= 0:
-                return ()
-            tail = list(islice(reversed(r.steps), n))  # O(n) from the newest end
-        tail.reverse()
-        return tuple(tail)
+            return () if r is None else _newest(r.steps, n)
 
     def cause_rows(self, job: str, n: int) -> dict[int, tuple[list[tuple[Any, ...]], dict[int, Any], dict[int, Any],
                                                               dict[int, Any]]]:
@@ -596,12 +603,7 @@ class LiveState:
         with self._lock:
             j = self._jobs.get(job)
             r = j.ranks.get(rank) if j else None
-            if r is None:
-                return ()
-            if n is not None and 0 < n < len(r.device):  # copy only the tail
-                return tuple(islice(r.device, len(r.device) - n, None))
-            items = tuple(r.device)
-        return items if n is None else items[-n:]
+            return () if r is None else _newest(r.device, n)
 
     def steps(
         self, job: str, *, ranks: set[int] | None = None, batch_from: int | None = None,

@@ -5,6 +5,7 @@ with :func:`solve` / :func:`check_placement`; benchmarks and tests drive
 :class:`JobSimulator`.
 """
 
+from . import types
 from .bounds import NO_CONSTRAINTS, check_placement, rank_bounds
 from .costfit import CostModel, cost_model_moved
 from .devices import (
@@ -37,21 +38,7 @@ from .strategies import (
     register_strategy,
     static_shares,
 )
-from .types import (
-    Constraints,
-    Decision,
-    DeviceSignals,
-    Explanation,
-    InfeasibleError,
-    JobObservation,
-    NoProposal,
-    PolicyConfig,
-    Proposal,
-    RankExplanation,
-    RankObservation,
-    Rollback,
-    StepSample,
-)
+from .types import *  # noqa: F403  (observations, config, proposals: types.__all__)
 
 __all__ = [
     "CostModel",
@@ -69,24 +56,11 @@ __all__ = [
     "SCENARIOS",
     "SLOWDOWN_REASONS",
     "WORKLOAD_PROFILES",
-    "Constraints",
-    "Decision",
-    "DeviceSignals",
     "DeviceSpec",
     "Estimate",
-    "Explanation",
-    "InfeasibleError",
-    "JobObservation",
     "JobSimulator",
-    "NoProposal",
-    "PolicyConfig",
-    "Proposal",
-    "RankExplanation",
-    "RankObservation",
-    "Rollback",
     "SimRank",
     "SimResult",
-    "StepSample",
     "Strategy",
     "available_strategies",
     "check_placement",
@@ -104,4 +78,5 @@ __all__ = [
     "solve",
     "static_shares",
     "with_caps",
+    *types.__all__,
 ]

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, Float, create_engine, event
 from sqlalchemy.orm import DeclarativeBase, sessionmaker
 
 __all__ = ["Base", "make_engine", "make_sessionmaker"]
 
 
 class Base(DeclarativeBase):
-    pass
+    # A column annotated ``Mapped[float]`` (or ``int``) needs no ``mapped_column``: its type
+    # comes from here (FLOAT, as the migrations create it; SQLAlchemy's default is DOUBLE)
+    # and its nullability from ``| None``.
+    type_annotation_map = {float: Float}
 
 
 def make_engine(url: str) -> Engine:

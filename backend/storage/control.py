@@ -67,26 +67,26 @@ class PlacementRow(Base):
     __table_args__ = (UniqueConstraint("job", "version", name="uq_control_placements_job_version"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job: Mapped[str] = mapped_column(String(128), index=True)
-    version: Mapped[int] = mapped_column(Integer)
+    version: Mapped[int]
     shares: Mapped[list[int]] = mapped_column(JSON)
     # Exact shares in force before this one, so that a rollback restores them exactly.
     previous_shares: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
-    previous_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    previous_version: Mapped[int | None]
     source: Mapped[str] = mapped_column(String(16))  # initial|static|policy|auto|manual|rollback
-    proposal_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    proposal_id: Mapped[int | None]
     actor: Mapped[str] = mapped_column(String(128), default="")
     reason: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[float] = mapped_column(Float, default=time.time)
-    effective_batch_index: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    effective_batch_index: Mapped[int | None]
     acks: Mapped[dict[str, int]] = mapped_column(JSON, default=dict)  # rank -> batch index
-    applied_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    applied_at: Mapped[float | None]
     failed: Mapped[bool] = mapped_column(Boolean, default=False)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     auto: Mapped[bool] = mapped_column(Boolean, default=False)
-    predicted_step_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
-    step_ms_before: Mapped[float | None] = mapped_column(Float, nullable=True)
-    step_ms_after: Mapped[float | None] = mapped_column(Float, nullable=True)
-    measured_gain: Mapped[float | None] = mapped_column(Float, nullable=True)
+    predicted_step_ms: Mapped[float | None]
+    step_ms_before: Mapped[float | None]
+    step_ms_after: Mapped[float | None]
+    measured_gain: Mapped[float | None]
     rolled_back: Mapped[bool] = mapped_column(Boolean, default=False)
     # A pipelined job's stage-model prediction and its check (policy.pipeline_check.PredictionRecord).
     prediction: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
@@ -127,21 +127,21 @@ class ProposalRow(Base):
     status: Mapped[str] = mapped_column(String(16), index=True)
     source: Mapped[str] = mapped_column(String(16))  # policy|manual|static|override
     strategy: Mapped[str] = mapped_column(String(32), default="")
-    base_version: Mapped[int] = mapped_column(Integer)
+    base_version: Mapped[int]
     shares: Mapped[list[int]] = mapped_column(JSON)
     current_shares: Mapped[list[int]] = mapped_column(JSON)
-    predicted_step_ms_before: Mapped[float | None] = mapped_column(Float, nullable=True)
-    predicted_step_ms_after: Mapped[float | None] = mapped_column(Float, nullable=True)
-    predicted_gain: Mapped[float | None] = mapped_column(Float, nullable=True)
+    predicted_step_ms_before: Mapped[float | None]
+    predicted_step_ms_after: Mapped[float | None]
+    predicted_gain: Mapped[float | None]
     explanation: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     reason: Mapped[str] = mapped_column(Text, default="")
     created_by: Mapped[str] = mapped_column(String(128), default="")
     created_at: Mapped[float] = mapped_column(Float, default=time.time)
-    expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    expires_at: Mapped[float | None]
     decided_by: Mapped[str | None] = mapped_column(String(128), nullable=True)
-    decided_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    decided_at: Mapped[float | None]
     decision_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
-    placement_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    placement_version: Mapped[int | None]
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     def public(self) -> dict[str, Any]:

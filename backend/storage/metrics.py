@@ -52,13 +52,13 @@ class JobRow(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True, index=True)
-    world_size: Mapped[int] = mapped_column(Integer)
-    global_batch_size: Mapped[int] = mapped_column(Integer)
+    world_size: Mapped[int]
+    global_batch_size: Mapped[int]
     created_at: Mapped[float] = mapped_column(Float, default=time.time)
     last_seen: Mapped[float] = mapped_column(Float, default=time.time)
     mode: Mapped[str | None] = mapped_column(String(16), nullable=True)  # None: not controlled yet
     policy: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    updated_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    updated_at: Mapped[float | None]
     # A device-mesh job's shape (MeshShape.to_dict), as its newest hello said it; None: plain DP.
     mesh: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
@@ -69,7 +69,7 @@ class RankRow(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     job: Mapped[str] = mapped_column(String(128), index=True)
-    rank: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int]
     host: Mapped[str] = mapped_column(String(128), default="")
     pid: Mapped[int] = mapped_column(Integer, default=0)
     device_type: Mapped[str] = mapped_column(String(128), default="cpu")
@@ -92,30 +92,30 @@ class RankMetricRow(Base):
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     job: Mapped[str] = mapped_column(String(128))
-    rank: Mapped[int] = mapped_column(Integer)
-    t_start: Mapped[float] = mapped_column(Float)
-    t_end: Mapped[float] = mapped_column(Float)
+    rank: Mapped[int]
+    t_start: Mapped[float]
+    t_end: Mapped[float]
     batch_index_start: Mapped[int] = mapped_column(BigInteger)
     batch_index_end: Mapped[int] = mapped_column(BigInteger)
-    n_steps: Mapped[int] = mapped_column(Integer)
-    placement_version: Mapped[int] = mapped_column(Integer)
-    local_batch_size: Mapped[float] = mapped_column(Float)
-    compute_ms: Mapped[float] = mapped_column(Float)
-    sync_wait_ms: Mapped[float] = mapped_column(Float)
-    data_wait_ms: Mapped[float] = mapped_column(Float)
-    optimizer_ms: Mapped[float] = mapped_column(Float)
-    step_ms: Mapped[float] = mapped_column(Float)
+    n_steps: Mapped[int]
+    placement_version: Mapped[int]
+    local_batch_size: Mapped[float]
+    compute_ms: Mapped[float]
+    sync_wait_ms: Mapped[float]
+    data_wait_ms: Mapped[float]
+    optimizer_ms: Mapped[float]
+    step_ms: Mapped[float]
     dropped: Mapped[int] = mapped_column(Integer, default=0)
-    util_pct: Mapped[float | None] = mapped_column(Float, nullable=True)
+    util_pct: Mapped[float | None]
     mem_used_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    power_w: Mapped[float | None] = mapped_column(Float, nullable=True)
-    temp_c: Mapped[float | None] = mapped_column(Float, nullable=True)
-    cpu_pct: Mapped[float | None] = mapped_column(Float, nullable=True)
+    power_w: Mapped[float | None]
+    temp_c: Mapped[float | None]
+    cpu_pct: Mapped[float | None]
     rss_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # Communication (issue 25): mean bytes handed to collectives and ms inside them per
     # step, over the window's steps that carried the counters (NULL where none did).
-    comm_bytes: Mapped[float | None] = mapped_column(Float, nullable=True)
-    comm_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    comm_bytes: Mapped[float | None]
+    comm_ms: Mapped[float | None]
 
 
 def upsert_hello(session: Session, hello: Hello, *, new_run: bool = False) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import Float, Integer, String, select, text, update
+from sqlalchemy import Float, String, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
@@ -26,7 +26,7 @@ class JobOwnerRow(Base):
 
     __tablename__ = "job_owners"
     job: Mapped[str] = mapped_column(String(128), primary_key=True)
-    epoch: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[int]
     replica: Mapped[str] = mapped_column(String(64))
     updated_at: Mapped[float] = mapped_column(Float, default=time.time)
 

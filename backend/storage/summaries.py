@@ -47,19 +47,19 @@ class RunSummaryRow(Base):
     job: Mapped[str] = mapped_column(String(128), primary_key=True)
     batch_index: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     total_steps: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    measured_s: Mapped[float] = mapped_column(Float)
-    uniform_s: Mapped[float] = mapped_column(Float)
-    saved_s: Mapped[float] = mapped_column(Float)
-    saved_cost: Mapped[float | None] = mapped_column(Float, nullable=True)
-    cost_per_hour: Mapped[float | None] = mapped_column(Float, nullable=True)
-    step_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
-    imbalance: Mapped[float | None] = mapped_column(Float, nullable=True)
-    placement_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    measured_s: Mapped[float]
+    uniform_s: Mapped[float]
+    saved_s: Mapped[float]
+    saved_cost: Mapped[float | None]
+    cost_per_hour: Mapped[float | None]
+    step_ms: Mapped[float | None]
+    imbalance: Mapped[float | None]
+    placement_version: Mapped[int | None]
     updated_at: Mapped[float] = mapped_column(Float, default=time.time)
     # The end-of-run report (backend/report), stored when every rank said goodbye or on demand.
     report: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     report_reason: Mapped[str | None] = mapped_column(String(128), nullable=True)
-    report_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    report_at: Mapped[float | None]
 
     def public(self) -> dict[str, Any]:
         return {"job": self.job, **{k: getattr(self, k) for k in SUMMARY_FIELDS},
@@ -75,14 +75,14 @@ class JobMetricRow(Base):
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     job: Mapped[str] = mapped_column(String(128))
-    t: Mapped[float] = mapped_column(Float)
+    t: Mapped[float]
     batch_index: Mapped[int] = mapped_column(BigInteger)
-    step_ms: Mapped[float] = mapped_column(Float)
-    max_compute_ms: Mapped[float] = mapped_column(Float)
-    mean_compute_ms: Mapped[float] = mapped_column(Float)
-    throughput: Mapped[float | None] = mapped_column(Float, nullable=True)
-    uniform_step_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
-    version: Mapped[int] = mapped_column(Integer)
+    step_ms: Mapped[float]
+    max_compute_ms: Mapped[float]
+    mean_compute_ms: Mapped[float]
+    throughput: Mapped[float | None]
+    uniform_step_ms: Mapped[float | None]
+    version: Mapped[int]
 
 
 def save_summary(s: Session, job: str, values: Mapping[str, Any], at: float) -> None:

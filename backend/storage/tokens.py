@@ -24,4 +24,4 @@ class TokenRow(Base):
     hint: Mapped[str] = mapped_column(String(16))  # first characters, to tell tokens apart
     created_at: Mapped[float] = mapped_column(Float, default=time.time)
     created_by: Mapped[str] = mapped_column(String(128), default="")
-    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    revoked_at: Mapped[float | None]

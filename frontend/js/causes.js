@@ -4,20 +4,15 @@
 // when the server gives one (GC pauses above 2% of the step). A hung job's rank, phase,
 // Python stack and NCCL flight recorder dump (GET /api/v1/jobs/{job}: hung_*, from the
 // page's one poller, poller.js) show in their own card above.
-import { api, el, fmt, pct } from "./common.js";
+import { byId, el, fmt, jobResource, pct } from "./common.js";
 
 const POLL_MS = 3000;
 
 export class CausesCard {
   constructor(job, poller) {
-    this.job = job;
-    this.poller = poller;
+    Object.assign(this, { job, poller, goodput: null, last: null },
+      byId({ summary: "causes-summary", hint: "gc-hint", hang: "hang-card" }));
     this.body = document.querySelector("#causes-table tbody");
-    this.summary = document.getElementById("causes-summary");
-    this.hint = document.getElementById("gc-hint");
-    this.hang = document.getElementById("hang-card");
-    this.goodput = null;
-    this.last = null;
   }
 
   start() {
@@ -30,9 +25,8 @@ export class CausesCard {
   }
 
   async refresh() {
-    let res;
-    try { res = await api(`/jobs/${encodeURIComponent(this.job)}/causes`); } catch { return; }
-    this.render(res);
+    const res = await jobResource(this.job, "causes");
+    if (res) this.render(res);
   }
 
   // A hung job (status "hung"): the rank it waits on, where, since when, and its stack.

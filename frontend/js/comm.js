@@ -4,21 +4,14 @@
 // GET /api/v1/jobs/{job}/ranks; every figure is the server's (backend/policy/comm.py),
 // nothing is recomputed here. Absent counters show "–".
 /* global Plotly */
-import { api, fmt, pct } from "./common.js";
+import { CONFIG, FONT } from "./charts.js";
+import { byId, fmt, jobResource, pct } from "./common.js";
 import { stat } from "./controls.js";
-
-const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
-const FONT = { family: "system-ui, sans-serif", size: 11, color: "#1d2330" };
 
 export class CommCard {
   constructor(job, poller) {
-    this.job = job;
-    this.poller = poller;
-    this.badge = document.getElementById("bound-badge");
-    this.stats = document.getElementById("comm-stats");
-    this.detail = document.getElementById("bound-detail");
-    this.chart = document.getElementById("comm-bars");
-    this.last = null;
+    Object.assign(this, { job, poller, last: null },
+      byId({ badge: "bound-badge", stats: "comm-stats", detail: "bound-detail", chart: "comm-bars" }));
   }
 
   start() {
@@ -26,9 +19,8 @@ export class CommCard {
   }
 
   async refresh(jobRes) {
-    let ranks;
-    try { ranks = await api(`/jobs/${encodeURIComponent(this.job)}/ranks`); } catch { return; }
-    this.render(jobRes.bound, ranks.data, jobRes.step_ms);
+    const ranks = await jobResource(this.job, "ranks");
+    if (ranks) this.render(jobRes.bound, ranks.data, jobRes.step_ms);
   }
 
   render(bound, ranks, stepMs) {

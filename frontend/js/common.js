@@ -45,6 +45,17 @@ export async function api(path, { method = "GET", body } = {}) {
   return data;
 }
 
+/** A resource of one job (`/jobs/{job}/{path}`), or null when the server refuses it:
+ * a card that polls draws nothing new this turn and asks again on the next. */
+export async function jobResource(job, path) {
+  try { return await api(`/jobs/${encodeURIComponent(job)}/${path}`); } catch { return null; }
+}
+
+/** `{name: id}` to `{name: element}`: the elements a card fills. */
+export function byId(ids) {
+  return Object.fromEntries(Object.entries(ids).map(([name, id]) => [name, document.getElementById(id)]));
+}
+
 /** Who the token belongs to: {name, role, operator, open_mode}, or null when refused. */
 export async function whoami() {
   try { return await api("/whoami"); } catch (e) { return { error: e.message, status: e.status }; }

@@ -8,20 +8,15 @@
 // from the page's one poller (poller.js).
 /* global Plotly */
 import { CONFIG, FONT } from "./charts.js";
-import { api, el, fmt, pct } from "./common.js";
+import { byId, el, fmt, jobResource, pct } from "./common.js";
 import { stat } from "./controls.js";
 
 export class PipelineCard {
   constructor(job, poller) {
-    this.job = job;
-    this.poller = poller;
-    this.card = document.getElementById("pipeline-card");
-    this.label = document.getElementById("pipeline-label");
-    this.stats = document.getElementById("pipeline-stats");
-    this.grid = document.getElementById("pipeline-grid");
-    this.advice = document.getElementById("pipeline-advice");
-    this.prediction = document.getElementById("pipeline-prediction");
-    this.last = null;
+    Object.assign(this, { job, poller, last: null }, byId({
+      card: "pipeline-card", label: "pipeline-label", stats: "pipeline-stats", grid: "pipeline-grid",
+      advice: "pipeline-advice", prediction: "pipeline-prediction",
+    }));
   }
 
   start() {
@@ -30,9 +25,8 @@ export class PipelineCard {
 
   async refresh(job) {
     if (!job.pipeline) { this.card.hidden = true; return; }
-    let p;
-    try { p = await api(`/jobs/${encodeURIComponent(this.job)}/pipeline`); } catch { return; }
-    this.render(p);
+    const p = await jobResource(this.job, "pipeline");
+    if (p) this.render(p);
   }
 
   render(p) {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,14 @@ def sync(ws: Any, hello_frame: str) -> None:
     """
     ws.send_text(hello_frame)
     reply = ws.receive_json()
+    assert reply["type"] == "placement", reply
+
+
+def joined(ws: Any, job: str) -> None:
+    """On a real websocket client: say hello as the one rank of ``job`` (B = 16) and take the
+    placement the server answers with (a repeated hello: proof it handled what came before)."""
+    ws.send(hello(job=job, rank=0, world_size=1, global_batch_size=16))
+    reply = json.loads(ws.recv(timeout=10))
     assert reply["type"] == "placement", reply
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import time
 from datetime import timedelta
@@ -38,6 +37,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+from tests.helpers.workers import write_rank_and_exit_group  # noqa: E402
 from trainer_hook import RebalanceHook  # noqa: E402
 
 PHASES = ("data_wait", "clean", "slow_rank", "gc", "sample_cost_skew", "communication", "alloc")
@@ -169,10 +169,7 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
     hook.close()
     recs = [{**r.to_dict(), "phase": phase_of[r.batch_index]} for r in hook.history]
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(recs, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_rank_and_exit_group(args.out, recs)
 
 
 if __name__ == "__main__":

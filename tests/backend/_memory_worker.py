@@ -12,7 +12,6 @@ import argparse
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.helpers.fake_memory import FakeDeviceMemory  # noqa: E402
+from tests.helpers.workers import init_attempt_group  # noqa: E402
 from trainer_hook import RebalanceHook  # noqa: E402
 
 
@@ -38,12 +38,7 @@ def main() -> int:
     p.add_argument("--fixed-ms", type=float, default=1.0)
     args = p.parse_args()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"memory_worker/attempt{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                            timeout=timedelta(seconds=60))
-    rank = dist.get_rank()
+    rank = init_attempt_group("memory_worker")
     speed = float(args.speeds.split(",")[rank])
     spec = args.memory.split(",")[rank]
     mem: FakeDeviceMemory | None = None

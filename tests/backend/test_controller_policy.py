@@ -58,6 +58,12 @@ class Job:
                 self.svc.live.add_metrics(Metrics(job=JOB, rank=r, steps=[rec]))
             self.k += 1
 
+    def start(self, n: int) -> None:
+        """Every rank says hello, then ``n`` steps and a policy tick."""
+        self.hello()
+        self.steps(n)
+        self.tick()
+
     def tick(self) -> None:
         self.clock.t += 1.0  # past the 0.5 s throttle
         asyncio.run(policy_tick(self.ctl, JOB))
@@ -87,9 +93,7 @@ def make(tmp_path):
 
 def test_warming_up_then_a_proposal_that_waits_for_an_operator(make):
     j = make("approve")
-    j.hello()
-    j.steps(2)
-    j.tick()
+    j.start(2)
     assert j.ctl.job_control(JOB)["status"] == "warming_up"
     j.steps(10)
     j.tick()
@@ -106,9 +110,7 @@ def test_warming_up_then_a_proposal_that_waits_for_an_operator(make):
 
 def test_the_policy_is_throttled_per_job(make):
     j = make("approve")
-    j.hello()
-    j.steps(12)
-    j.tick()
+    j.start(12)
     first = j.ctl.job_control(JOB)["pending_proposal"]
     j.steps(40, per_sample_ms=(1.0, 1.0, 1.0))  # rank 2 recovered
     asyncio.run(policy_tick(j.ctl, JOB))  # same instant: the policy does not run again
@@ -127,9 +129,7 @@ def test_the_policy_is_throttled_per_job(make):
 
 def test_while_warming_up_every_frame_may_bring_the_first_proposal(make):
     j = make("approve")
-    j.hello()
-    j.steps(2)
-    j.tick()
+    j.start(2)
     assert j.ctl.job_control(JOB)["status"] == "warming_up"
     j.ctl.store.get(JOB).think_s = 0.01  # runs stay spaced by five times their own cost
     j.steps(3)
@@ -159,9 +159,7 @@ def test_a_slow_first_start_of_the_policy_worker_does_not_hold_the_warm_up_back(
     B=16: the first proposal 40 steps late)."""
     j = Job(tmp_path, "approve")
     j.svc.controller.policy.runner = _ColdRunner()
-    j.hello()
-    j.steps(2)
-    j.tick()
+    j.start(2)
     st = j.ctl.store.get(JOB)
     assert j.ctl.job_control(JOB)["status"] == "warming_up"
     assert st.think_s < 0.25, st.think_s
@@ -205,9 +203,7 @@ def test_a_frame_that_lands_during_a_warm_up_run_makes_it_run_again(tmp_path):
 
 def test_a_rejected_split_is_not_proposed_again(make):
     j = make("approve")
-    j.hello()
-    j.steps(12)
-    j.tick()
+    j.start(12)
     pid = j.ctl.job_control(JOB)["pending_proposal_id"]
     asyncio.run(j.ctl.reject(JOB, pid, actor=OPERATOR, reason="not during eval"))
     j.steps(5)
@@ -219,9 +215,7 @@ def test_a_rejected_split_is_not_proposed_again(make):
 
 def test_observe_mode_computes_but_never_sends(make):
     j = make("observe")
-    j.hello()
-    j.steps(12)
-    j.tick()
+    j.start(12)
     assert j.ctl.job_control(JOB)["pending_proposal"]["status"] == "proposed"
     assert all(s.sent == [] for s in j.socks)
 
@@ -249,17 +243,20 @@ def test_auto_mode_applies_under_the_move_cap_then_waits_out_the_cooldown(make):
     assert len(audit) == 2 and audit[0]["actor"] == "auto"
 
 
-def test_auto_rollback_when_the_measured_step_time_gets_worse(make):
-    j = make("auto", rollback_threshold=0.05)
-    j.hello()
-    j.steps(12)
-    j.tick()
+def _applied_then_rolled_back(j):
+    """An auto change after which every step is slower than before (say the new shapes
+    recompile): the change and the rollback the controller sends."""
+    j.start(12)
     new = j.socks[0].sent[-1]
     j.ack_all(new.version)
-    # After the switch every step is slower than before (say the new shapes recompile).
     j.steps(10, shares=new.shares, version=new.version, per_sample_ms=(6.0, 6.0, 6.0))
     j.tick()
-    last = j.socks[0].sent[-1]
+    return new, j.socks[0].sent[-1]
+
+
+def test_auto_rollback_when_the_measured_step_time_gets_worse(make):
+    j = make("auto", rollback_threshold=0.05)
+    new, last = _applied_then_rolled_back(j)
     assert last.version == new.version + 1 and last.shares == [16, 16, 16]
     rows = asyncio.run(j.ctl.placements(JOB))
     assert rows[0]["source"] == "rollback" and rows[1]["effect"]["rolled_back"] is True
@@ -293,9 +290,7 @@ def test_overrides_drive_a_new_placement_in_auto_mode(make):
 
 def test_switching_to_auto_applies_the_proposal_on_the_table(make):
     j = make("approve")
-    j.hello()
-    j.steps(12)
-    j.tick()
+    j.start(12)
     pid = j.ctl.job_control(JOB)["pending_proposal_id"]
     asyncio.run(j.ctl.set_mode(JOB, "auto", actor=OPERATOR, reason="go hands-off"))
     j.steps(1)
@@ -323,14 +318,7 @@ def test_a_rolled_back_direction_is_not_retried_with_a_slightly_different_split(
     # identical one went out again. The direction stays blocked until a moved rank's
     # measured cost changes.
     j = make("auto", rollback_threshold=0.05)
-    j.hello()
-    j.steps(12)
-    j.tick()
-    new = j.socks[0].sent[-1]
-    j.ack_all(new.version)
-    j.steps(10, shares=new.shares, version=new.version, per_sample_ms=(6.0, 6.0, 6.0))
-    j.tick()
-    back = j.socks[0].sent[-1]
+    _, back = _applied_then_rolled_back(j)
     assert back.shares == [16, 16, 16]
     j.ack_all(back.version)
     # Rank 2 a little slower than before (7%): the policy's split differs from the undone

@@ -35,6 +35,9 @@ def test_pages_and_static_files(client):
     for path in ("/", "/job/some-job"):
         r = client.get(path)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        # Each page's body in the one layout: the head they share, the title their own.
+        assert r.text.startswith("<!doctype html>") and 'href="/static/css/app.css"' in r.text
+    assert "<title>Rebalancer · fleet</title>" in client.get("/").text
     assert 'src="/static/plotly.min.js"' in client.get("/job/x").text
     js = client.get("/static/js/job.js")
     assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")

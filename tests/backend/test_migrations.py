@@ -4,7 +4,6 @@ to the newest and keeps its rows, on SQLite and on PostgreSQL; ``rebalancer db u
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
 from sqlalchemy import inspect, text
@@ -15,18 +14,8 @@ from backend.storage import metrics as store
 from backend.storage.control import get_settings, latest_placement, list_audit
 from backend.storage.migrations import FIRST, HEAD, current, upgrade
 from backend.storage.owners import epoch_of
-from tests.helpers.postgres import pg_schema
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=timezone.utc)
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db_url(request, tmp_path: Path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'old.db'}"
-        return
-    with pg_schema() as url:
-        yield url
 
 
 def _rows_of_release_one(conn) -> None:

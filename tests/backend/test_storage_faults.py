@@ -11,7 +11,6 @@ before or after is lost across a restart.
 from __future__ import annotations
 
 import contextlib
-import json
 import sqlite3
 import subprocess
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 from websockets.sync.client import connect
 
-from tests.backend._app import hello, metrics
+from tests.backend._app import hello, joined, metrics
 from tests.helpers.server import running_server
 from tests.helpers.waiting import wait_until
 
@@ -66,8 +65,7 @@ def test_read_only_database_degrades_and_recovers(tmp_path, immutable):
     with running_server(tmp_path, env=env) as server:
         url = server.ws_url + "/ws/hook"
         with connect(url) as rank0:
-            rank0.send(hello(job="ro", rank=0, world_size=1, global_batch_size=16))
-            assert json.loads(rank0.recv(timeout=10))["type"] == "placement"
+            joined(rank0, "ro")
             rank0.send(metrics(job="ro", rank=0, first=0, n=10))
             wait_until(lambda: _stored_steps(db, "ro") == 10, "the first steps stored")
 
@@ -103,8 +101,7 @@ def test_read_only_database_degrades_and_recovers(tmp_path, immutable):
             code, body = server.call("PUT", "/api/v1/jobs/ro/mode", body={"mode": "observe"})
             assert code == 200, body
             # Still the first connection: it was never closed.
-            rank0.send(hello(job="ro", rank=0, world_size=1, global_batch_size=16))
-            assert json.loads(rank0.recv(timeout=10))["type"] == "placement"
+            joined(rank0, "ro")
         log = server.log()
     assert _stored_steps(db, "ro-new") == 150
     assert "1011" not in log and "Traceback" not in log, log[-4000:]
@@ -119,8 +116,7 @@ def test_deleted_sqlite_file_is_seen_and_restored(tmp_path):
     env = {"REBALANCER_HEALTH_INTERVAL_S": "3600"}  # only /healthz looks, so the test sees it
     with running_server(tmp_path, env=env) as server:
         with connect(server.ws_url + "/ws/hook") as rank0:
-            rank0.send(hello(job="del", rank=0, world_size=1, global_batch_size=16))
-            rank0.recv(timeout=10)
+            joined(rank0, "del")
             rank0.send(metrics(job="del", rank=0, first=0, n=10))
             wait_until(lambda: _stored_steps(db, "del") == 10, "the first steps stored")
             assert server.call("PUT", "/api/v1/jobs/del/mode", body={"mode": "observe"})[0] == 200

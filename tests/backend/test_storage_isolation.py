@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import uuid
-from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, func, select, text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import create_engine, func, select
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -23,31 +20,8 @@ from backend.live.windows import Window
 from backend.parts import init_db
 from backend.storage import RankMetricRow, insert_windows, make_engine, make_sessionmaker
 from backend.storage.writes import WriteBuffer
-from tests.backend._app import hello, metrics
+from tests.backend._app import joined, metrics
 from tests.helpers.server import running_server
-
-PG = "postgresql://postgres@127.0.0.1:5432/test"
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db_url(request, tmp_path: Path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'rebalancer.db'}"
-        return
-    admin = make_engine(PG)
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    try:
-        with admin.begin() as conn:
-            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    except OperationalError as exc:
-        admin.dispose()
-        pytest.skip(f"PostgreSQL at {PG} is unreachable: {exc.orig}")
-    try:
-        yield f"{PG}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
 
 
 def _window(job: str, rank: int, first: int, **bad: object) -> Window:
@@ -124,12 +98,10 @@ def test_real_server_bad_frame_of_one_job_keeps_the_other_jobs_history(tmp_path)
     with running_server(tmp_path, env=env) as server:
         url = server.ws_url + "/ws/hook"
         with connect(url) as good:
-            good.send(hello(job="good", rank=0, world_size=1, global_batch_size=16))
-            assert json.loads(good.recv(timeout=10))["type"] == "placement"
+            joined(good, "good")
             good.send(metrics(job="good", rank=0, first=0, n=20))
             with connect(url) as bad:
-                bad.send(hello(job="evil", rank=0, world_size=1, global_batch_size=16))
-                bad.recv(timeout=10)
+                joined(bad, "evil")
                 frame = json.loads(metrics(job="evil", rank=0, first=0, n=5))
                 frame["steps"][0]["t"] = 1e308
                 frame["steps"][1]["batch_index"] = 2**63
@@ -140,8 +112,7 @@ def test_real_server_bad_frame_of_one_job_keeps_the_other_jobs_history(tmp_path)
                         replies.append(json.loads(bad.recv(timeout=2))["type"])
                 assert set(replies) <= {"error"}, replies  # at most the refusal, nothing else
             good.send(metrics(job="good", rank=0, first=20, n=20))
-            good.send(hello(job="good", rank=0, world_size=1, global_batch_size=16))
-            assert json.loads(good.recv(timeout=10))["type"] == "placement"  # still served
+            joined(good, "good")  # still served
         metrics_text = urllib_get(server.url + "/metrics")
     db = sqlite3.connect(tmp_path / "rebalancer.db")
     steps = db.execute("SELECT SUM(n_steps) FROM rank_metrics WHERE job = 'good'").fetchone()[0]

@@ -7,7 +7,6 @@ PostgreSQL runs each test in its own schema (``search_path`` in the URL), so the
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -18,16 +17,6 @@ from backend.storage import make_engine, make_sessionmaker
 from backend.storage import metrics as store
 from rebalancer_wire.protocol import Hello, Metrics
 from tests.backend._app import hello, make_app, metrics, steps, sync
-from tests.helpers.postgres import pg_schema
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db_url(request, tmp_path: Path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'rebalancer.db'}"
-        return
-    with pg_schema() as url:
-        yield url
 
 
 def _hello(rank: int, **kw) -> Hello:

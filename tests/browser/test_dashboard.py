@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import signal
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -22,16 +21,17 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
+from tests.browser._chromium import chromium, new_page, playwright_sync_api
 from tests.helpers.server import Server, running_server
 from tests.helpers.torchrun import REPO_ROOT, start_torchrun
+from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.multiproc]
 
 JOB = "dash-e2e"
 ARTIFACTS = Path(REPO_ROOT) / "test-artifacts"
 
-sync_api = playwright_sync_api()
+playwright_sync_api()  # skips this module without Chromium or Playwright
 
 
 @dataclass
@@ -54,23 +54,14 @@ class Stack:
             return json.loads(r.read())
 
     def page(self, path: str, token: str) -> Any:
-        ctx = self.browser.new_context(viewport={"width": 1400, "height": 1800})
-        page = ctx.new_page()
-        page.set_default_timeout(60_000)
+        page = new_page(self.browser, viewport={"width": 1400, "height": 1800})
         sep = "&" if "?" in path else "?"
         page.goto(f"{self.server.url}{path}{sep}token={token}")
         return page
 
 
 def _wait(cond: Callable[[], Any], what: str, timeout: float = 60.0, stack: Stack | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.25)
-    log = stack.server.log()[-3000:] if stack else ""
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{log}")
+    return wait_until(cond, what, timeout, interval=0.25, log=stack.server.log if stack else None)
 
 
 def _shot(page: Any, name: str) -> None:
@@ -91,12 +82,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                                  "--token", hook, "--steps", "0", "--global-batch-size", "48",
                                  "--speeds", "1,1,0.25", "--per-sample-ms", "1.0"])
         try:
-            with sync_api.sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-                try:
-                    yield Stack(srv, admin, tokens["operator"], tokens["viewer"], browser, job)
-                finally:
-                    browser.close()
+            with chromium() as browser:
+                yield Stack(srv, admin, tokens["operator"], tokens["viewer"], browser, job)
         finally:
             if job.poll() is None:
                 os.killpg(job.pid, signal.SIGTERM)

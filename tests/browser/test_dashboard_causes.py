@@ -7,7 +7,6 @@ GET /api/v1/jobs/{job}. One backend, one browser and one page serve the module."
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,14 +15,13 @@ from typing import Any
 import pytest
 
 from rebalancer_wire.protocol import Hang, Metrics, StepRecord, encode
-from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
-from tests.helpers.fake_fleet import FakeFleet, FakeJob
-from tests.helpers.server import Server, running_server
+from tests.browser._chromium import chromium, new_page, playwright_sync_api
+from tests.helpers.fake_fleet import FakeJob, FleetPage, fleet_server
 from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.browser]
 
-sync_api = playwright_sync_api()
+playwright_sync_api()  # skips this module without Chromium or Playwright
 JOB = "why-slow"
 BATCHES = 80
 STEP_MS = 40.0
@@ -35,11 +33,7 @@ NCCL_DUMP = "/scratch/fr/comm_lib_trace_rank_1"
 
 
 @dataclass
-class Env:
-    server: Server
-    admin: str
-    fleet: FakeFleet
-    page: Any
+class Env(FleetPage):
     job_gets: list[float]  # when the page asked for GET /api/v1/jobs/{JOB}
 
 
@@ -54,39 +48,27 @@ def _records(rank: int, first: int, n: int) -> list[StepRecord]:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    admin = "admin-" + secrets.token_urlsafe(24)
-    envvars = {"REBALANCER_ADMIN_TOKEN": admin, "REBALANCER_STALE_AFTER_S": "3600",
-               "REBALANCER_DEFAULT_MODE": "observe"}
-    with running_server(tmp_path_factory.mktemp("causes_page"), env=envvars, timeout=60) as srv:
-        fleet = FakeFleet(srv.ws_url, admin)
-        try:
-            job = FakeJob(JOB, ["cpu"] * 3, [5.0] * 3, 12)
-            fleet.add(job, 0)
+    with fleet_server(tmp_path_factory.mktemp("causes_page"), REBALANCER_DEFAULT_MODE="observe") as (srv, admin, fleet):
+        job = FakeJob(JOB, ["cpu"] * 3, [5.0] * 3, 12)
+        fleet.add(job, 0)
 
-            async def send() -> None:
-                for rank, ws in enumerate(job.sockets):
-                    recs = _records(rank, 0, BATCHES)
-                    for i in range(0, len(recs), 20):
-                        await ws.send(encode(Metrics(job=JOB, rank=rank, steps=recs[i:i + 20])))
+        async def send() -> None:
+            for rank, ws in enumerate(job.sockets):
+                recs = _records(rank, 0, BATCHES)
+                for i in range(0, len(recs), 20):
+                    await ws.send(encode(Metrics(job=JOB, rank=rank, steps=recs[i:i + 20])))
 
-            fleet._run(send())
-            job.next_batch = BATCHES
-            with sync_api.sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-                try:
-                    page = browser.new_context(viewport={"width": 1400, "height": 2200}).new_page()
-                    page.set_default_timeout(30_000)
-                    gets: list[float] = []
-                    page.on("request", lambda r: gets.append(time.monotonic())
-                            if r.url.split("?")[0].endswith(f"/api/v1/jobs/{JOB}") else None)
-                    page.goto(f"{srv.url}/?token={admin}")  # kept in localStorage for the pages
-                    page.goto(f"{srv.url}/job/{JOB}")
-                    page.wait_for_function("() => window.rebalancer && window.rebalancer.state.draws > 0")
-                    yield Env(srv, admin, fleet, page, gets)
-                finally:
-                    browser.close()
-        finally:
-            fleet.close()
+        fleet._run(send())
+        job.next_batch = BATCHES
+        with chromium() as browser:
+            page = new_page(browser, timeout_ms=30_000, viewport={"width": 1400, "height": 2200})
+            gets: list[float] = []
+            page.on("request", lambda r: gets.append(time.monotonic())
+                    if r.url.split("?")[0].endswith(f"/api/v1/jobs/{JOB}") else None)
+            page.goto(f"{srv.url}/?token={admin}")  # kept in localStorage for the pages
+            page.goto(f"{srv.url}/job/{JOB}")
+            page.wait_for_function("() => window.rebalancer && window.rebalancer.state.draws > 0")
+            yield Env(srv, admin, fleet, page, gets)
 
 
 def _trace(page: Any, name: str) -> list[float]:

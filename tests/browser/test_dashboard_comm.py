@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
+from tests.browser._chromium import chromium, new_page, playwright_sync_api
 from tests.helpers.server import running_server
 from tests.helpers.torchrun import run_torchrun
 
 pytestmark = [pytest.mark.browser, pytest.mark.multiproc, pytest.mark.timeout(300)]
 
-sync_api = playwright_sync_api()
+playwright_sync_api()  # skips this module without Chromium or Playwright
 JOB = "dash-comm"
 
 
@@ -38,26 +38,21 @@ def test_ranks_bound_and_the_job_view_show_communication(tmp_path: Path) -> None
         bound = job["bound"]
         assert bound["verdict"] in ("compute-bound", "communication-bound", "balanced")
         assert bound["kind"] == "all_reduce" and bound["comm_bytes_per_step"] == pytest.approx(param_bytes, rel=0.01)
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-            try:
-                page = browser.new_page()
-                page.set_default_timeout(60_000)
-                page.goto(f"{server.url}/job/{JOB}")
-                page.wait_for_function(
-                    f"() => document.querySelector('#bound-badge').textContent === '{bound['verdict']}'")
-                assert bound["verdict"] in (page.locator("#bound-badge").get_attribute("class") or "")
-                assert page.locator("#bound-detail").inner_text().startswith(bound["verdict"])
-                page.wait_for_function("() => (document.querySelector('#comm-bars').data || []).length === 3")
-                bars = page.evaluate("() => document.querySelector('#comm-bars').data[0].y")
-                assert bars == [pytest.approx(r0["busbw_gbps"], rel=0.2), pytest.approx(r1["busbw_gbps"], rel=0.2)]
-                # Why is this job slow: the table lists REST's causes in its order (docs/causes.md).
-                causes: Any = server.get(f"/api/v1/jobs/{JOB}/causes")
-                assert causes["window_steps"] > 0
-                names = [c["cause"] for c in causes["data"]]
-                page.wait_for_function("() => (window.rebalancer.causes.last || {}).window_steps > 0")
-                shown = page.evaluate(
-                    "() => [...document.querySelectorAll('#causes-table tbody tr[data-cause]')].map(r => r.dataset.cause)")
-                assert shown == names
-            finally:
-                browser.close()
+        with chromium() as browser:
+            page = new_page(browser)
+            page.goto(f"{server.url}/job/{JOB}")
+            page.wait_for_function(
+                f"() => document.querySelector('#bound-badge').textContent === '{bound['verdict']}'")
+            assert bound["verdict"] in (page.locator("#bound-badge").get_attribute("class") or "")
+            assert page.locator("#bound-detail").inner_text().startswith(bound["verdict"])
+            page.wait_for_function("() => (document.querySelector('#comm-bars').data || []).length === 3")
+            bars = page.evaluate("() => document.querySelector('#comm-bars').data[0].y")
+            assert bars == [pytest.approx(r0["busbw_gbps"], rel=0.2), pytest.approx(r1["busbw_gbps"], rel=0.2)]
+            # Why is this job slow: the table lists REST's causes in its order (docs/causes.md).
+            causes: Any = server.get(f"/api/v1/jobs/{JOB}/causes")
+            assert causes["window_steps"] > 0
+            names = [c["cause"] for c in causes["data"]]
+            page.wait_for_function("() => (window.rebalancer.causes.last || {}).window_steps > 0")
+            shown = page.evaluate(
+                "() => [...document.querySelectorAll('#causes-table tbody tr[data-cause]')].map(r => r.dataset.cause)")
+            assert shown == names

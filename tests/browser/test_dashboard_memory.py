@@ -10,13 +10,13 @@ import pytest
 
 from tests.backend.test_e2e_control import ADMIN, ENV, call, wait_for
 from tests.backend.test_e2e_memory import GB, memory_job
-from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
+from tests.browser._chromium import chromium, new_page, playwright_sync_api
 from tests.helpers.server import running_server
 
 pytestmark = [pytest.mark.browser, pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 
-sync_api = playwright_sync_api()
+playwright_sync_api()  # skips this module without Chromium or Playwright
 
 
 def test_device_table_shows_the_memory_fit_and_cap_of_each_rank(tmp_path: Path) -> None:
@@ -28,19 +28,14 @@ def test_device_table_shows_the_memory_fit_and_cap_of_each_rank(tmp_path: Path) 
         mem = wait_for("rank 0's and rank 1's memory fits", lambda: (
             (r := call(server, "GET", f"/api/v1/jobs/{name}/memory", ADMIN))[0] == 200
             and all(m["status"] == "fitted" for m in r[1]["data"][:2]) and r[1]["data"]), proc=proc, log=out)
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-            try:
-                page = browser.new_page()
-                page.set_default_timeout(90_000)
-                page.goto(f"{server.url}/job/{name}?token={ADMIN}")
-                cell = "#device-table tr[data-rank='{}'] td.mem-fit"
-                for rank in (0, 1):
-                    page.wait_for_function(
-                        f"() => (document.querySelector(\"{cell.format(rank)}\") || {{}}).textContent?.includes('cap')")
-                    text = page.locator(cell.format(rank)).inner_text()
-                    assert f"cap {mem[rank]['cap']}" in text, (rank, text, mem[rank])
-                    assert "/sample" in (page.locator(cell.format(rank)).get_attribute("title") or "")
-                assert page.locator(cell.format(2)).inner_text() == "–"  # no memory source: no cap
-            finally:
-                browser.close()
+        with chromium() as browser:
+            page = new_page(browser, timeout_ms=90_000)
+            page.goto(f"{server.url}/job/{name}?token={ADMIN}")
+            cell = "#device-table tr[data-rank='{}'] td.mem-fit"
+            for rank in (0, 1):
+                page.wait_for_function(
+                    f"() => (document.querySelector(\"{cell.format(rank)}\") || {{}}).textContent?.includes('cap')")
+                text = page.locator(cell.format(rank)).inner_text()
+                assert f"cap {mem[rank]['cap']}" in text, (rank, text, mem[rank])
+                assert "/sample" in (page.locator(cell.format(rank)).get_attribute("title") or "")
+            assert page.locator(cell.format(2)).inner_text() == "–"  # no memory source: no cap

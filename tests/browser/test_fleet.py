@@ -6,24 +6,21 @@ rows and totals, sorting, filtering, a live update, and REST / /metrics against 
 
 from __future__ import annotations
 
-import secrets
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
-from tests.helpers.fake_fleet import FakeFleet, FakeJob
-from tests.helpers.server import Server, running_server
+from tests.browser._chromium import chromium, new_page, playwright_sync_api
+from tests.helpers.fake_fleet import FakeJob, FleetPage, fleet_server
 from tests.helpers.torchrun import REPO_ROOT
 from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.browser]
 
-sync_api = playwright_sync_api()
+playwright_sync_api()  # skips this module without Chromium or Playwright
 
 KINDS = ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA L4")
 PER_SAMPLE_MS = {KINDS[0]: 0.5, KINDS[1]: 1.0, KINDS[2]: 2.0}
@@ -38,13 +35,7 @@ def _job(i: int) -> FakeJob:
                    global_batch_size=8 * world)
 
 
-@dataclass
-class Fleet:
-    server: Server
-    admin: str
-    fleet: FakeFleet
-    page: Any
-
+class Fleet(FleetPage):
     def rest(self) -> dict[str, Any]:
         got = self.server.get("/api/v1/fleet", self.admin)
         assert isinstance(got, dict)
@@ -63,27 +54,14 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    tmp = tmp_path_factory.mktemp("fleet")
-    admin = "admin-" + secrets.token_urlsafe(24)
     # Jobs stay "running" for the whole module: they send their batches once, up front.
-    env = {"REBALANCER_ADMIN_TOKEN": admin, "REBALANCER_STALE_AFTER_S": "3600"}
-    with running_server(tmp, env=env, timeout=60) as srv:
-        fake = FakeFleet(srv.ws_url, admin)
-        try:
-            for i in range(JOBS - 1):  # the 50th arrives while the page is open
-                fake.add(_job(i), batches=40)
-            with sync_api.sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-                try:
-                    ctx = browser.new_context(viewport={"width": 1600, "height": 2400})
-                    page = ctx.new_page()
-                    page.set_default_timeout(60_000)
-                    page.goto(f"{srv.url}/?token={admin}")
-                    yield Fleet(srv, admin, fake, page)
-                finally:
-                    browser.close()
-        finally:
-            fake.close()
+    with fleet_server(tmp_path_factory.mktemp("fleet")) as (srv, admin, fake):
+        for i in range(JOBS - 1):  # the 50th arrives while the page is open
+            fake.add(_job(i), batches=40)
+        with chromium() as browser:
+            page = new_page(browser, viewport={"width": 1600, "height": 2400})
+            page.goto(f"{srv.url}/?token={admin}")
+            yield Fleet(srv, admin, fake, page)
 
 
 def test_every_job_has_a_row_and_the_totals_add_up(fleet: Fleet) -> None:

@@ -11,33 +11,24 @@ superseded" while proposal 98 was on screen, and a /docs that could not authoriz
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from rebalancer_wire.protocol import Metrics, StepRecord, encode
-from tests.browser._chromium import ARGS, CHROMIUM, playwright_sync_api
-from tests.helpers.fake_fleet import FakeFleet, FakeJob
-from tests.helpers.server import Server, running_server
+from tests.browser._chromium import chromium, new_page, playwright_sync_api
+from tests.helpers.fake_fleet import FakeJob, FleetPage, fleet_server
 from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.browser]
 
-sync_api = playwright_sync_api()
+playwright_sync_api()  # skips this module without Chromium or Playwright
 CPU = "cpu"
 
 
-@dataclass
-class Env:
-    server: Server
-    admin: str
-    fleet: FakeFleet
-    page: Any
-
+class Env(FleetPage):
     def rest(self, path: str) -> Any:
         return self.server.get(f"/api/v1{path}", self.admin)
 
@@ -80,24 +71,12 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    admin = "admin-" + secrets.token_urlsafe(24)
     # A pending proposal may be replaced at once (no minimum age) when clearly better.
-    envvars = {"REBALANCER_ADMIN_TOKEN": admin, "REBALANCER_STALE_AFTER_S": "3600",
-               "REBALANCER_PROPOSAL_MIN_AGE_S": "0"}
-    with running_server(tmp_path_factory.mktemp("verdict"), env=envvars, timeout=60) as srv:
-        fake = FakeFleet(srv.ws_url, admin)
-        try:
-            with sync_api.sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-                try:
-                    page = browser.new_context(viewport={"width": 1400, "height": 2000}).new_page()
-                    page.set_default_timeout(30_000)
-                    page.goto(f"{srv.url}/?token={admin}")  # kept in localStorage for the pages
-                    yield Env(srv, admin, fake, page)
-                finally:
-                    browser.close()
-        finally:
-            fake.close()
+    with fleet_server(tmp_path_factory.mktemp("verdict"), REBALANCER_PROPOSAL_MIN_AGE_S="0") as (srv, admin, fake):
+        with chromium() as browser:
+            page = new_page(browser, timeout_ms=30_000, viewport={"width": 1400, "height": 2000})
+            page.goto(f"{srv.url}/?token={admin}")  # kept in localStorage for the pages
+            yield Env(srv, admin, fake, page)
 
 
 def test_a_drained_rank_does_not_make_a_balanced_job_look_imbalanced(env: Env) -> None:

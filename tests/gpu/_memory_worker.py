@@ -13,16 +13,15 @@ import argparse
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.helpers.fake_memory import FakeDeviceMemory  # noqa: E402
+from tests.helpers.workers import init_attempt_group  # noqa: E402
 from trainer_hook import RebalanceHook  # noqa: E402
 from trainer_hook.memory import TorchCudaMemory  # noqa: E402
 
@@ -47,12 +46,7 @@ def main() -> int:
     p.add_argument("--step-ms", type=float, default=10.0)
     args = p.parse_args()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"gpu_memory_worker/attempt{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                            timeout=timedelta(seconds=60))
-    rank = dist.get_rank()
+    rank = init_attempt_group("gpu_memory_worker")
     total, fixed, per = (int(v) for v in args.memory.split(",")[rank].split(":"))
     cuda = torch.cuda.is_available()
     if cuda:

@@ -6,17 +6,21 @@ job of mixed devices is imbalanced the way a real one is. Connections stay open 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import websockets
 
 from rebalancer_wire.protocol import Hello, Metrics, StepRecord, encode, uniform_shares
+from tests.helpers.server import Server, running_server
 
-__all__ = ["FakeJob", "FakeFleet"]
+__all__ = ["FakeJob", "FakeFleet", "FleetPage", "fleet_server"]
 
 
 @dataclass
@@ -90,3 +94,28 @@ class FakeFleet:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+
+
+@contextlib.contextmanager
+def fleet_server(tmp: Path, **env: str) -> Iterator[tuple[Server, str, FakeFleet]]:
+    """A real backend whose jobs never go stale, its admin token, and a FakeFleet on it; ``env``
+    adds settings. The fleet closes before the server."""
+    admin = "admin-" + secrets.token_urlsafe(24)
+    envvars = {"REBALANCER_ADMIN_TOKEN": admin, "REBALANCER_STALE_AFTER_S": "3600", **env}
+    with running_server(tmp, env=envvars, timeout=60) as srv:
+        fleet = FakeFleet(srv.ws_url, admin)
+        try:
+            yield srv, admin, fleet
+        finally:
+            fleet.close()
+
+
+@dataclass
+class FleetPage:
+    """What a browser test of a ``fleet_server`` holds: the server, its admin token, the fake
+    fleet and the page open on it. Tests subclass it with their own readers."""
+
+    server: Server
+    admin: str
+    fleet: FakeFleet
+    page: Any

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,3 +46,17 @@ def wait_gone(pid: int, what: str, timeout: float = 30.0, *, log: Callable[[], s
             return True
 
     wait_until(gone, what, timeout, log=log)
+
+
+class Collect(list):  # type: ignore[type-arg]
+    """A callback that keeps every item it is called with; ``enough`` is set once it holds ``n``."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.enough = threading.Event()
+
+    def __call__(self, item: Any) -> None:
+        self.append(item)
+        if len(self) >= self.n:
+            self.enough.set()

@@ -17,7 +17,6 @@ CPU mode on a machine without GPUs; each rank writes the adapter's error to ``ra
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -25,9 +24,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 
-from tests.integrations._common import GLOBAL_BATCH, IndexedData, TinyNet, dump, make_optimizer
+from tests.integrations._common import (
+    GLOBAL_BATCH,
+    IndexedData,
+    TinyNet,
+    accelerate_configs_main,
+    dump,
+    make_optimizer,
+)
 from trainer_hook import RebalanceHook
 from trainer_hook.integrations.accelerate import prepare_with_rebalancer
 
@@ -102,24 +107,12 @@ def mismatch(out_dir: str) -> None:
     (Path(out_dir) / f"rank{hook.rank}.txt").write_text(line)
 
 
-def main() -> None:
-    if sys.argv[1] != "--configs":
-        run(sys.argv[1], sys.argv[2:])
+def run_or_mismatch(out_dir: str, argv: Sequence[str]) -> None:
+    if list(argv) == ["mismatch"]:
+        mismatch(out_dir)
     else:
-        out_root, configs = sys.argv[2], json.loads(sys.argv[3])
-        for i, argv in enumerate(configs):
-            if i:  # a fresh Accelerate for the next configuration, on the process group in place
-                dist.barrier()
-                AcceleratorState._reset_state(reset_partial_state=True)
-                GradientState._reset_state()
-            out = os.path.join(out_root, f"cfg{i}")
-            if argv == ["mismatch"]:
-                mismatch(out)
-            else:
-                run(out, argv)
-    dist.barrier()
-    dist.destroy_process_group()
+        run(out_dir, argv)
 
 
 if __name__ == "__main__":
-    main()
+    accelerate_configs_main(run_or_mismatch, sys.argv[1:])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,27 @@ def dump(out_dir: str, rank: int, payload: dict[str, Any], model: nn.Module) -> 
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     (path / f"rank{rank}.r{restart}.json").write_text(json.dumps(payload))
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, path / f"rank{rank}.r{restart}.pt")
+
+
+def accelerate_configs_main(run: Callable[[str, list[str]], None], argv: list[str]) -> None:
+    """An Accelerate-based job's main: ``OUT ARGS...`` runs ``run(OUT, ARGS)`` once;
+    ``--configs OUT '[[ARGS...], ...]'`` runs each configuration into ``OUT/cfgN``, one after
+    the other on the process group in place, with a fresh Accelerate state for each."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, GradientState
+
+    if argv[0] != "--configs":
+        run(argv[0], argv[1:])
+    else:
+        out_root, configs = argv[1], json.loads(argv[2])
+        for i, args in enumerate(configs):
+            if i:  # the last configuration is complete (its checkpoint too) on every rank
+                dist.barrier()
+                AcceleratorState._reset_state(reset_partial_state=True)
+                GradientState._reset_state()
+            run(os.path.join(out_root, f"cfg{i}"), args)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def load(out_dir: Path, world: int, restart: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, torch.Tensor]]]:

@@ -14,14 +14,12 @@ the others' after; Accelerate's process-wide state is reset between them.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -32,6 +30,7 @@ from tests.integrations._common import (
     TinyNet,
     TokenData,
     TokenNet,
+    accelerate_configs_main,
     dump,
     make_optimizer,
 )
@@ -128,22 +127,5 @@ def run(out_dir: str, argv: Sequence[str]) -> None:
     dump(out_dir, hook.rank, payload, model)
 
 
-def main() -> None:
-    if sys.argv[1] != "--configs":
-        run(sys.argv[1], sys.argv[2:])
-    else:
-        from accelerate.state import AcceleratorState, GradientState
-
-        out_root, configs = sys.argv[2], json.loads(sys.argv[3])
-        for i, argv in enumerate(configs):
-            if i:  # a fresh Accelerate for the next Trainer, on the process group in place
-                dist.barrier()  # the last configuration's checkpoint is complete on every rank
-                AcceleratorState._reset_state(reset_partial_state=True)
-                GradientState._reset_state()
-            run(os.path.join(out_root, f"cfg{i}"), argv)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    accelerate_configs_main(run, sys.argv[1:])

@@ -6,33 +6,12 @@ SLOW_MS: rank 1 computes that much longer each step (a straggler).
 """
 
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
 
-steps = int(sys.argv[1])
-slow_s = float(sys.argv[3]) / 1e3 if len(sys.argv) > 3 else 0.0
-dist.init_process_group("gloo")
-g = torch.Generator().manual_seed(0)
-ds = TensorDataset(torch.randn(steps * 16, 8, generator=g, dtype=torch.float64),
-                   torch.randn(steps * 16, 1, generator=g, dtype=torch.float64))
-loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds, shuffle=False))
-torch.manual_seed(0)
-model = DDP(torch.nn.Linear(8, 1).double())
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-for x, y in loader:
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    if dist.get_rank() == 1:
-        time.sleep(slow_s)  # before backward: its gradients, and so the all-reduce, come late
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    time.sleep(0.02)  # a step long enough for the dashboard to see the job live
-if dist.get_rank() == 0:
-    print(f"final loss {loss.item():.12f}", flush=True)
-dist.destroy_process_group()
+from _plain_loop import train  # beside this script
+
+train(lambda: DDP(torch.nn.Linear(8, 1).double()), int(sys.argv[1]),
+      float(sys.argv[3]) / 1e3 if len(sys.argv) > 3 else 0.0)
 sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 else 0)

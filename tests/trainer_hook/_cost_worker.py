@@ -9,8 +9,6 @@ checkpoints after that many steps and every rank stops; ``--resume`` goes on fro
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from datetime import timedelta
 
 import torch
@@ -18,6 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
+from tests.helpers.workers import write_rank_and_exit_group
 from tests.trainer_hook import _exact_worker as w
 from trainer_hook import RebalanceHook
 
@@ -85,10 +84,7 @@ def main() -> None:
                               "timeline": [[t.start_batch, t.version, list(t.shares)] for t in hook.schedule.timeline()]}
     if rank == 0:
         out["params"] = [q.detach().tolist() for q in model.module.parameters()]
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_rank_and_exit_group(args.out, out)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,13 @@ import argparse
 import json
 import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.helpers.workers import init_attempt_group
 from trainer_hook import RebalanceHook
 
 
@@ -33,15 +33,7 @@ def main() -> None:
         import sys
 
         faulthandler.dump_traceback_later(40, exit=True, file=sys.stderr)  # a hang shows where
-    # Each attempt gets its own key prefix in torchrun's store: with the plain env://
-    # init, a restarted worker here sometimes read the dead attempt's gloo addresses
-    # (torch 2.13, "connectFullMesh failed ... Connection refused").
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"rebalancer-test/attempt{restart}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                            timeout=timedelta(seconds=60))
-    rank = dist.get_rank()
+    rank = init_attempt_group("rebalancer-test")
     hook = RebalanceHook(server=args.server, job="elastic", global_batch_size=12)
     model = DDP(torch.nn.Linear(3, 1))
     hook.attach(model)

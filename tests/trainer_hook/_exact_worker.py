@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from rebalancer_wire.protocol import Placement
 from tests.helpers.configs import worker_main
+from tests.helpers.workers import parse_plan
 from trainer_hook import RebalanceHook, _native_comm_hook
 
 N_SAMPLES = 100
@@ -83,14 +84,6 @@ def loss_of(model: torch.nn.Module, inner: torch.nn.Module, x: torch.Tensor, y: 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-
-
-def parse_plan(text: str) -> dict[int, list[int]]:
-    plan: dict[int, list[int]] = {}
-    for item in filter(None, text.split(";")):
-        step, shares = item.split("=")
-        plan[int(step)] = [int(s) for s in shares.split(",")]
-    return plan
 
 
 def parser() -> argparse.ArgumentParser:

@@ -36,6 +36,7 @@ from rebalancer_wire.protocol import (
     encode,
 )
 from tests.helpers.ports import free_port
+from tests.helpers.waiting import Collect
 from trainer_hook.transport import Transport, hook_ws_url, hook_ws_urls
 
 WAIT_S = 20.0  # generous: the machine is shared; every wait ends early on success
@@ -307,13 +308,10 @@ def test_close_flushes_everything_queued(backend: WsBackend) -> None:
 
 
 def test_on_message_errors_are_contained(backend: WsBackend, caplog: pytest.LogCaptureFixture) -> None:
-    got: list[Message] = []
-    done = threading.Event()
+    got = Collect(3)
 
     def on_message(msg: Message) -> None:
-        got.append(msg)
-        if len(got) >= 3:
-            done.set()
+        got(msg)
         raise RuntimeError("hook bug")
 
     state = HookState()
@@ -329,7 +327,7 @@ def test_on_message_errors_are_contained(backend: WsBackend, caplog: pytest.LogC
         backend.send_all(Metrics(job="j1", rank=0))  # not a backend->hook message: ignored
         backend.send_all(Placement(job="j1", version=9, shares=[8, 8], global_batch_size=16))
         backend.send_all(Error(code="malformed", message="'rank' is required."))
-        assert done.wait(WAIT_S)
+        assert got.enough.wait(WAIT_S)
         assert [type(m).__name__ for m in got] == ["Placement", "Placement", "Error"]
         assert got[1].version == 9  # type: ignore[union-attr]
         t.put_step(step(0))

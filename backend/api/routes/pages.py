@@ -1,6 +1,7 @@
 """The dashboard's pages, static files and its websocket.
 
-- ``GET /``: jobs overview; ``GET /job/{job}``: job view (both plain HTML from the top-level ``frontend`` package).
+- ``GET /``: jobs overview; ``GET /job/{job}``: job view (both plain HTML from the top-level
+  ``frontend`` package: each page's body set in ``_layout.html``, the head they share).
 - ``GET /static/plotly.min.js``: served from the installed ``plotly`` package (no CDN).
 - ``GET /static/{path}``: the rest of frontend/ (ES modules, CSS): ``FrontendFiles``,
   mounted by ``create_app`` after this router (plotly's route comes first).
@@ -22,10 +23,11 @@ import importlib.resources
 import importlib.util
 import json
 import mimetypes
+import string
 from pathlib import Path
 
 from fastapi import APIRouter, HTTPException, WebSocket, WebSocketDisconnect
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
@@ -94,22 +96,26 @@ def report_csp() -> str:
     return csp([sha256_source(x) for x in scripts], ["'unsafe-inline'"])
 
 
-def _page(name: str, policy: str = CSP) -> FileResponse:
-    path = FRONTEND_DIR / name
-    if not path.is_file():
-        raise HTTPException(404, f"Dashboard file {name} is missing from {FRONTEND_DIR}.")
-    return FileResponse(path, media_type="text/html",
-                        headers={**_NO_CACHE, "Content-Security-Policy": policy})
+def _page(name: str, title: str, head: str = "", policy: str = CSP) -> HTMLResponse:
+    """Page ``name`` (its body) set in ``_layout.html``, the head every page shares."""
+    try:
+        layout = (FRONTEND_DIR / "_layout.html").read_text(encoding="utf-8")
+        body = (FRONTEND_DIR / name).read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise HTTPException(404, f"Dashboard file {Path(exc.filename).name} is missing from "
+                                 f"{FRONTEND_DIR}.") from None
+    html = string.Template(layout).substitute(title=title, head=head, body=body)
+    return HTMLResponse(html, headers={**_NO_CACHE, "Content-Security-Policy": policy})
 
 
 @router.get("/", include_in_schema=False)
-def overview_page() -> FileResponse:
-    return _page("index.html")
+def overview_page() -> HTMLResponse:
+    return _page("index.html", "fleet")
 
 
 @router.get("/job/{job}", include_in_schema=False)
-def job_page(job: str) -> FileResponse:
-    return _page("job.html", report_csp())
+def job_page(job: str) -> HTMLResponse:
+    return _page("job.html", "job", '  <script src="/static/plotly.min.js"></script>\n', report_csp())
 
 
 @router.get("/static/plotly.min.js", include_in_schema=False)

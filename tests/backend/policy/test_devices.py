@@ -22,26 +22,36 @@ def test_table_has_every_required_device_with_positive_specs():
 @pytest.mark.parametrize(
     ("name", "mem", "key"),
     [
-        ("NVIDIA H100 80GB HBM3", None, "H100"),
         ("NVIDIA H200", None, "H200"),
-        ("NVIDIA A100-SXM4-40GB", None, "A100-40GB"),
+        ("NVIDIA H100 80GB HBM3", None, "H100"),
+        ("NVIDIA H100 PCIe", None, "H100"),
         ("NVIDIA A100-SXM4-80GB", None, "A100-80GB"),
-        ("NVIDIA A100-PCIE", 40 * 2**30, "A100-40GB"),
+        ("NVIDIA A100 80GB PCIe", None, "A100-80GB"),
+        ("NVIDIA A100-SXM4-40GB", None, "A100-40GB"),
         ("NVIDIA L40S", None, "L40S"),
+        ("NVIDIA L40", None, None),
         ("NVIDIA L4", None, "L4"),
         ("NVIDIA A10G", None, "A10G"),
+        ("NVIDIA A10", None, "A10G"),  # one rule with the hook: the A10G is AWS's A10
         ("Tesla V100-SXM2-32GB", None, "V100"),
+        ("Tesla V100-SXM2-16GB", None, "V100"),
         ("Tesla T4", None, "T4"),
         ("AMD Instinct MI300X", None, "MI300X"),
         ("AMD Instinct MI250X", None, "MI250X"),
         ("cpu", None, "CPU"),
         ("a100-80gb", None, "A100-80GB"),
+        ("NVIDIA GH200 480GB", None, None),
         ("NVIDIA GeForce RTX 4090", None, None),
         (None, None, None),
         ("", None, None),
+        # No size in the name: the memory decides.
+        ("NVIDIA A100-PCIE", 40 * 2**30, "A100-40GB"),
+        ("NVIDIA A100-PCIE", 40 * 10**9, "A100-40GB"),
+        ("NVIDIA A100-PCIE", 80 * 10**9, "A100-80GB"),
     ],
 )
 def test_normalize_device(name, mem, key):
+    # The one table of device names: the hook's probe names devices by the same rule.
     assert normalize_device(name, mem) == key
 
 
