@@ -51,7 +51,8 @@ def main() -> None:
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
-            trained.append({"k": k, "version": hook.placement_version, "shares": hook.shares})
+            trained.append({"k": k, "version": hook.placement_version, "shares": hook.shares,
+                            "local": len(batch["labels"])})
             if attempt == 0:
                 under_new += hook.placement_version > 0
                 if under_new >= CRASH_AFTER and hook.rank == 1:

@@ -120,6 +120,9 @@ def test_restarted_ranks_resume_the_placement_in_force(tmp_path):
             # The restarted hook starts batch 0 of the new attempt under the placement in force.
             assert (first["k"], first["version"], first["shares"]) == (0, version, SHARES), rec
             assert all(t["version"] == version for t in rec["trained"])
+            # Acknowledged at that batch, and every batch is this rank's share of the placement.
+            assert rec["acks"] == [[version, 0]], rec["acks"]
+            assert [t["local"] for t in rec["trained"]] == [SHARES[rank]] * 6, rec["trained"]
             assert rec["rejections"] == []
         # The backend still holds that placement in force, acknowledged by both ranks.
         code, placements = call(server, "GET", f"/api/v1/jobs/{JOB}/placements")

@@ -1,22 +1,25 @@
 """The hook against a real backend: placements applied in lockstep and acked, resumed
-after a restart, and the README example streaming to the backend."""
+after a restart, and the README example streaming to the backend. A TorchElastic restart
+resuming the placement in force is tests/integrations/test_elastic.py's job."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from tests.helpers.configs import read_ranks
 from tests.helpers.server import Server, running_server
 from tests.helpers.torchrun import run_torchrun, start_torchrun
 from tests.helpers.waiting import wait_until
+from tests.trainer_hook.test_exactness import _check_every_sample_once, _reference_params
 
 pytestmark = pytest.mark.multiproc
 
@@ -92,53 +95,20 @@ def test_readme_example_streams_every_rank_to_the_backend(server: Server, worker
     assert all(r["batch_index"] == 15 for r in ranks["data"])
 
 
-def test_torchelastic_restart_resumes_the_placement_in_force(server: Server, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = start_torchrun(2, ["tests/trainer_hook/_elastic_worker.py", "--server", server.url, "--out", str(out)],
-                          max_restarts=1)
-    try:
-        wait_until(lambda: _training(server, "elastic", 2), "both ranks to connect and train", 60, interval=0.3)
-        _post(server, "/api/v1/jobs/elastic/proposals", {"shares": [9, 3], "apply": True})
-
-        def acked() -> Any:
-            rows: Any = server.get("/api/v1/jobs/elastic/placements")
-            done = [p for p in rows["data"] if p["version"] >= 1 and len(p["acks"]) == 2]
-            return done[0] if done else None
-
-        placement = wait_until(acked, "acks from both ranks", 60, interval=0.3)
-        (out / "crash").touch()  # rank 1 dies; torchrun restarts both workers
-        try:
-            rc = proc.wait(timeout=150)
-        except subprocess.TimeoutExpired:
-            rc = None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-    log = proc.stdout.read() if proc.stdout else ""
-    assert rc == 0, f"rc={rc}\n{log[-6000:]}"
-    for rank, share in ((0, 9), (1, 3)):
-        got = json.loads((out / f"restart{rank}.json").read_text())
-        assert got["restart"] == 1
-        assert got["first"] == [placement["version"], [9, 3]]
-        assert got["acks"] == [[placement["version"], 0]]
-        assert got["local"] == [share] * 6
-
-
 def test_a_run_resumed_from_a_checkpoint_is_one_continuous_job_on_the_backend(server: Server, tmp_path: Path) -> None:
     # Issue 10: train to batch 16 with a checkpoint at 14 (hook.state_dict() in it), die,
     # resume to batch 20. The backend files both runs under one job, and the resumed ranks
-    # report batches 14 onwards: none restarts at 0.
+    # report batches 14 onwards: none restarts at 0. Two ranks: rank 1 reports through the
+    # node agent, rank 0 directly, as with more ranks.
     ckpt = str(tmp_path / "ckpt.pt")
-    plan = "1=2,4,6;5=6,6,0;9=1,10,1;12=5,3,4"
+    plan = "1=2,10;5=12,0;9=1,11;12=5,7"
     worker = ["tests/trainer_hook/_exact_worker.py", "--steps", "20", "--plan", plan, "--ckpt", ckpt]
     env = {"REBALANCER_SERVER": server.url, "REBALANCER_JOB": "exact"}  # the worker's job name
     jobs_before = _job_names(server)
     for run, extra in (("first", ["--save-at", "14", "--save-s", "2"]), ("second", ["--resume"])):
         (tmp_path / run).mkdir()
         # The first run dies two batches after its checkpoint, as a crashed job would.
-        run_torchrun(3, [*worker, "--out", str(tmp_path / run), *extra], env=env, timeout=120,
+        run_torchrun(2, [*worker, "--out", str(tmp_path / run), *extra], env=env, timeout=120,
                      check=run == "second")
 
     def reported(rank: int) -> list[int] | None:
@@ -146,10 +116,10 @@ def test_a_run_resumed_from_a_checkpoint_is_one_continuous_job_on_the_backend(se
         got = sorted(p["batch_index"] for p in rows["data"])
         return got if got and got[-1] == 19 else None
 
-    for rank in range(3):
+    for rank in range(2):
         got = wait_until(lambda rank=rank: reported(rank), f"rank {rank}'s batches up to 19", 30, interval=0.3)
         # The checkpoint write took 2 s: everything the first run trained before it has
-        # been reported (through the node agent for ranks 1 and 2), once. Batches 14 and
+        # been reported (rank 1 through the node agent), once. Batches 14 and
         # 15 were trained after the checkpoint by the run that died, and again after the
         # resume (if the first run's reports left before it died).
         before = [k for k in got if k < 14]
@@ -158,8 +128,15 @@ def test_a_run_resumed_from_a_checkpoint_is_one_continuous_job_on_the_backend(se
         assert sorted({k for k in got if k >= 14}) == list(range(14, 20)), got
     ranks: Any = server.get("/api/v1/jobs/exact/ranks")
     assert [(r["rank"], r["batch_index"], r["placement_version"]) for r in ranks["data"]] == [
-        (0, 19, 2), (1, 19, 2), (2, 19, 2)]
+        (0, 19, 2), (1, 19, 2)]
     assert _job_names(server) - jobs_before == {"exact"}  # both runs, one job
+    # The plain loader (DataLoader(batch_sampler=hook.batch_sampler(...))) resumed exactly:
+    # every sample of every global batch once, the parameters of a one-process replay.
+    first, second = (read_ranks(tmp_path / run, 2) for run in ("first", "second"))
+    _check_every_sample_once([{"seen": [e for e in b["seen"] if e["k"] < 14] + a["seen"]}
+                              for b, a in zip(first, second, strict=True)])
+    for got, want in zip(second[0]["params"], _reference_params(20), strict=True):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=1e-9, atol=1e-12)
 
 
 def _median(values: list[float]) -> float:
