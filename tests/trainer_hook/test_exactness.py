@@ -39,13 +39,24 @@ SHARED = {  # one torchrun job for these configurations (tests/helpers/configs.p
     "deliver": ["--deliver", "7,2,12:3,3,6", "--slow-rank", "1"],
     "invalid": ["--invalid", "--plan", "6=2,5,5"],
 }
+# The first half of the resume test: trains 14 batches, checkpoints, trains 2 more and
+# ends its process (os._exit, as a crashed job would), so it is the shared job's last.
+# hook.data_loader with 2 workers and the lookahead left to be measured (the hardest case:
+# test_resume_measured_lookahead.py; the plain loader resumes in test_sample_cost.py).
+RESUME = ["--plan", "1=2,4,6;5=6,6,0;9=1,10,1;12=5,3,4", "--loader", "hook", "--num-workers", "2",
+          "--lookahead", "default"]
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    runs = run_configs(3, [*WORKER, "--steps", str(STEPS)], tmp_path_factory.mktemp("exact"), list(SHARED.values()),
-                       timeout=320)
-    return dict(zip(SHARED, runs, strict=True))
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("exact")
+
+
+@pytest.fixture(scope="module")
+def shared(shared_dir: Path) -> dict[str, list[dict]]:
+    save = [*RESUME, "--ckpt", str(shared_dir / "ckpt.pt"), "--save-at", "14"]
+    runs = run_configs(3, [*WORKER, "--steps", str(STEPS)], shared_dir, [*SHARED.values(), save], timeout=320)
+    return dict(zip([*SHARED, "save"], runs, strict=True))
 
 
 def _reference_params(steps: int, *, side_channel: bool = False) -> list[torch.Tensor]:
@@ -178,17 +189,17 @@ def test_invalid_placements_are_rejected_and_training_goes_on(shared: dict[str, 
     _check_every_sample_once(ranks)
 
 
-def test_a_run_resumed_from_a_checkpoint_continues_where_it_stood(tmp_path: Path) -> None:
+@pytest.mark.timeout(480)  # run alone, it sets up the shared job
+def test_a_run_resumed_from_a_checkpoint_continues_where_it_stood(shared: dict[str, list[dict]], shared_dir: Path,
+                                                                  tmp_path: Path) -> None:
     # Issue 10: a resumed run started again at batch 0 with the uniform split. Train 14
     # batches under changing placements, checkpoint (model, optimizer, hook.state_dict()),
-    # train 2 more and die; resume from the checkpoint to batch 20.
-    plan = "1=2,4,6;5=6,6,0;9=1,10,1;12=5,3,4"
-    ckpt = str(tmp_path / "ckpt.pt")
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir()
-    second.mkdir()
-    before = _run(first, "--plan", plan, "--ckpt", ckpt, "--save-at", "14")
-    after = _run(second, "--plan", plan, "--ckpt", ckpt, "--resume")
+    # train 2 more and die (the shared job's last configuration); resume from the
+    # checkpoint to batch 20 in a fresh job. With workers and the measured lookahead the
+    # resume once failed ("The placement for batch 17 is not settled yet").
+    before = shared["save"]
+    after = _run(tmp_path, *RESUME, "--ckpt", str(shared_dir / "ckpt.pt"), "--resume")
+    assert [r["lookahead"] for r in after] == [5] * 3  # measured: 2 workers x 2 prefetched + 1
     assert all(e["k"] == i for r in before for i, e in enumerate(r["seen"]))
     # The resumed run starts at batch 14 under the split in force there (version 2,
     # [6, 6, 0]) and acks it; the placement agreed for later (version 4) follows.
