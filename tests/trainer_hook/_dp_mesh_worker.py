@@ -1,6 +1,7 @@
 """torchrun target (4 gloo ranks) for issue 24: RebalanceHook(..., dp_mesh=M) trains exactly.
 
-Runs each case in turn in one launch (CI time): DP2 x TP2 (FSDP2 over mesh['dp'] plus
+Runs each case in turn in one launch (CI time), after the attach refusals of meshes
+without dp_mesh (``_mesh_worker.attach_all``): DP2 x TP2 (FSDP2 over mesh['dp'] plus
 Colwise/Rowwise over 'tp'), HSDP 2 x 2 (fully_shard on the 2-D mesh), DP2 x TP2 with the
 token-mean loss, and DDP over the 'dp' sub-group of a 2 x 2 mesh. Global rank 0 pushes three placements per case; each rank records the
 dataset indices it trained per batch index; rank 0 writes the full parameters."""
@@ -20,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.trainer_hook import _exact_worker as w  # noqa: E402
+from tests.trainer_hook._mesh_worker import attach_all  # noqa: E402
 from trainer_hook import RebalanceHook  # noqa: E402
 
 STEPS = 20  # two epochs and a bit (the 9th batch of each holds 4 samples)
@@ -169,7 +171,7 @@ def run(case: str, out: dict[str, object]) -> None:
 
 def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    out: dict[str, object] = {}
+    out: dict[str, object] = {"attach": attach_all()}  # test_dp_mesh.py's attach refusals
     refusals(out)
     for case in PLANS:
         run(case, out)

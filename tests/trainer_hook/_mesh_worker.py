@@ -1,24 +1,17 @@
-"""torchrun target (4 ranks): device-mesh set-ups hook.attach() must refuse or accept.
-
-Each rank builds every scenario in turn, calls ``hook.attach(model)`` and writes what
-happened (``{"scenario": "ATTACHED <mechanism>" | "REFUSED <message>"}``) to
-``<out_dir>/rank<N>.json``. Usage: ``_mesh_worker.py OUT_DIR``."""
+"""Device-mesh set-ups hook.attach() must refuse or accept, on 4 ranks: ``attach_all()``
+builds every scenario in turn, calls ``hook.attach(model)`` and returns what happened
+(``{"scenario": "ATTACHED <mechanism>" | "REFUSED <message>"}``). Run by the mesh job
+(``_dp_mesh_worker.py``) before its training cases, so that one launch serves both."""
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from trainer_hook import RebalanceHook  # noqa: E402
+from trainer_hook import RebalanceHook
 
 
 def _mlp() -> torch.nn.Module:
@@ -79,26 +72,20 @@ SCENARIOS: dict[str, tuple[Callable[[], torch.nn.Module], str]] = {
 }
 
 
-def main() -> None:
-    warnings.simplefilter("ignore")
-    out_dir = sys.argv[1]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+def attach_all() -> dict[str, str]:
+    """Every scenario in turn on this rank: what ``hook.attach(model)`` said."""
     said: dict[str, str] = {}
-    for name, (build, gradients) in SCENARIOS.items():
-        model = build()
-        hook = RebalanceHook(global_batch_size=8)
-        try:
-            hook.attach(model, gradients=gradients)
-            said[name] = f"ATTACHED {hook.gradients}"
-        except ValueError as exc:
-            said[name] = f"REFUSED {exc}"
-        finally:
-            hook.close()
-        dist.barrier()
-    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(said, f)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, (build, gradients) in SCENARIOS.items():
+            model = build()
+            hook = RebalanceHook(global_batch_size=8)
+            try:
+                hook.attach(model, gradients=gradients)
+                said[name] = f"ATTACHED {hook.gradients}"
+            except ValueError as exc:
+                said[name] = f"REFUSED {exc}"
+            finally:
+                hook.close()
+            dist.barrier()
+    return said

@@ -4,7 +4,8 @@ One real torchrun job of 4 gloo ranks (tests/trainer_hook/_dp_mesh_worker.py) ru
 case in turn: DP2 x TP2 (FSDP2 over mesh['dp'] + Colwise/Rowwise over 'tp'), HSDP 2 x 2 and
 DP2 x TP2 with the token-mean loss and DDP over the 'dp' sub-group, each under three pushed placements; the parameters
 must equal a single-process replay of the same global batches (float64, 1e-9). In the DDP case one
-member of a replica is slowed: the replica's leader must report the slow member's pace."""
+member of a replica is slowed: the replica's leader must report the slow member's pace. The same
+launch first attaches the hook, without dp_mesh, to the mesh set-ups it must refuse (at the end)."""
 
 from __future__ import annotations
 
@@ -130,3 +131,57 @@ def test_the_hello_says_the_mesh_shape(ranks: list[dict]) -> None:
     assert ranks[0]["hsdp"]["mesh"] == {"dp": 4, "replica_size": 1, "dims": ["dp_replicate", "dp_shard"],
                                         "shape": [2, 2]}
     assert ranks[0]["hsdp"]["mesh_label"] == "DP_REPLICATE 2 x DP_SHARD 2"
+
+
+# Issue 24 (safety slice): a device-mesh job the hook cannot balance is refused at attach.
+# Without dp_mesh the hook makes every rank of the world its own data-parallel worker. A
+# DP2 x TP2 job (torchtitan's layout) used to train silently wrong: both ranks of a TP group
+# got different samples. The same launch builds every such scenario in turn
+# (tests/trainer_hook/_mesh_worker.py) and records what attach() said.
+DP_MESH = "need RebalanceHook(..., dp_mesh=mesh['dp']) (the whole 2-D mesh for HSDP), which makes shares per data-parallel replica"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("gradients", ["auto", "loss_scale"])
+def test_fsdp2_with_tensor_parallelism_is_refused_naming_dp_mesh(ranks: list[dict], gradients: str) -> None:
+    scenario = "dp2_tp2_fsdp2" + ("_loss_scale" if gradients == "loss_scale" else "")
+    for rank in range(WORLD):
+        text = ranks[rank]["attach"][scenario]
+        assert text.startswith(
+            "REFUSED Rebalancer balances data-parallel ranks only: parameter '0.weight' is a DTensor "
+            "over mesh dims ('dp', 'tp') with placements ("
+        ), text
+        assert "mesh dim 'tp' (2 ranks) is not data parallel" in text, text
+        assert "Shard(dim=0)" in text, text
+        assert DP_MESH in text, text
+
+
+@pytest.mark.multiproc
+def test_fsdp2_over_a_dp_sub_mesh_is_refused(ranks: list[dict]) -> None:
+    for rank in range(WORLD):
+        text = ranks[rank]["attach"]["fsdp2_dp_submesh"]
+        assert text.startswith(
+            "REFUSED Rebalancer balances data-parallel ranks only: FSDP2 (fully_shard) reduces "
+            "gradients over 2 of the 4 ranks (mesh dims ('dp',))"
+        ), text
+        assert DP_MESH in text, text
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("gradients", ["auto", "loss_scale"])
+def test_ddp_over_a_sub_group_is_refused(ranks: list[dict], gradients: str) -> None:
+    scenario = "ddp_subgroup" + ("_loss_scale" if gradients == "loss_scale" else "")
+    for rank in range(WORLD):
+        text = ranks[rank]["attach"][scenario]
+        assert text.startswith(
+            "REFUSED Rebalancer balances data-parallel ranks only: DistributedDataParallel reduces "
+            "gradients over a process group of 2 of the 4 ranks"
+        ), text
+        assert DP_MESH in text, text
+
+
+@pytest.mark.multiproc
+def test_data_parallel_over_the_whole_world_still_attaches(ranks: list[dict]) -> None:
+    for rank in range(WORLD):
+        assert ranks[rank]["attach"]["fsdp2_world"] == "ATTACHED fsdp2_reduce_scatter"
+        assert ranks[rank]["attach"]["ddp_world"] == "ATTACHED ddp_comm_hook"

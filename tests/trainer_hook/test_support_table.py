@@ -174,7 +174,7 @@ ELSEWHERE = {
         "tests/integrations/test_accelerate.py::test_accelerate_rejects_setups_it_cannot_keep_exact",
     "HSDP: FSDP1 HYBRID_SHARD": "tests/trainer_hook/test_refusals.py::test_fsdp1_hybrid_shard_is_refused_on_two_ranks",
     "DDP / FSDP1 over a process group smaller than the world, FSDP2 over a sub-mesh, without `dp_mesh`":
-        "tests/trainer_hook/test_mesh_refusals.py::test_ddp_over_a_sub_group_is_refused",
+        "tests/trainer_hook/test_dp_mesh.py::test_ddp_over_a_sub_group_is_refused",
     "streams: `IterableDataset`, `split_dataset_by_node`, `StatefulDataLoader`, any iterator; compiled fixed shapes":
         "tests/trainer_hook/test_micro_batches.py::test_parameters_equal_a_one_process_replay_under_changing_counts_and_a_drain",
     'PP x DP (`torch.distributed.pipelining`: `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B` with a '
@@ -200,7 +200,7 @@ def test_every_row_is_checked() -> None:
         assert f"def {test}(" in (ROOT / path).read_text(), where
     # The FSDP2 + TP without dp_mesh refusal needs a TP dim of two ranks: shown there.
     assert "def test_fsdp2_with_tensor_parallelism_is_refused_naming_dp_mesh(" in (
-        ROOT / "tests/trainer_hook/test_mesh_refusals.py").read_text()
+        ROOT / "tests/trainer_hook/test_dp_mesh.py").read_text()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
