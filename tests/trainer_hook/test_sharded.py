@@ -59,20 +59,28 @@ COMPILED = {"compiled-ddp": [], "ddp-then-compiled": ["--accum", "2"], "ddp-comp
 
 
 @pytest.fixture(scope="module")
-def exact_runs(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
-    """The exactness cases, the BatchNorm case and the compiled models, in one job (a job's
-    start imports torch in three processes; the compiled models share what inductor compiled
-    for the first, and each compiles from dynamo's fresh state: ``_sharded_worker.train``)."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
+    """Every configuration of the module in one job (a job's start imports torch in three
+    processes): the exactness cases, the BatchNorm case, the sync-wait cases, then the
+    compiled models (they share what inductor compiled for the first, and each compiles
+    from dynamo's fresh state: ``_sharded_worker.train``)."""
     configs = [["--wrap", wrap, "--accum", str(accum)] for wrap, accum, _ in EXACT_CASES] + [BATCHNORM]
+    configs += [["--wrap", w, "--gradients", g, "--slow-rank", "1", "--slow-in", s] for w, g, s in SYNC_WAIT_CASES]
     configs += [["--wrap", wrap, *extra] for wrap, extra in COMPILED.items()]
-    return _shared_job(tmp_path_factory.mktemp("sharded-exact"), configs, timeout=420)
+    return _shared_job(tmp_path_factory.mktemp("sharded"), configs, timeout=540)
+
+
+@pytest.fixture(scope="module")
+def exact_runs(runs: list[list[dict]]) -> list[list[dict]]:
+    """The exactness cases and the BatchNorm case (in order), then the compiled models."""
+    return runs[:len(EXACT_CASES) + 1] + runs[-len(COMPILED):]
 
 
 def _compiled(runs: list[list[dict]], wrap: str) -> list[dict]:
     return runs[len(EXACT_CASES) + 1 + list(COMPILED).index(wrap)]
 
 
-@pytest.mark.timeout(480)  # the first test sets up exact_runs
+@pytest.mark.timeout(600)  # the first test sets up exact_runs
 @pytest.mark.parametrize(("wrap", "accum", "mechanism"), EXACT_CASES)
 def test_sharded_models_are_exact_under_changing_placements(exact_runs: list[list[dict]], wrap: str, accum: int,
                                                             mechanism: str) -> None:
@@ -95,7 +103,7 @@ def test_sharded_models_are_exact_under_changing_placements(exact_runs: list[lis
                     (r["comm_ms"], r["sync_wait_ms"])
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(600)
 def test_a_drained_rank_leaves_batch_norm_statistics_alone(exact_runs: list[list[dict]]) -> None:
     # A drained rank trains a one-sample dummy batch (weight 0): BatchNorm1d refused it
     # in training mode, and any norm would fold it into its running statistics. The hook
@@ -109,7 +117,7 @@ def test_a_drained_rank_leaves_batch_norm_statistics_alone(exact_runs: list[list
     assert ranks[0]["bn"]["tracked"] == STEPS
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(600)
 def test_compiled_ddp_recompiles_once_per_new_shape_kind_and_stays_exact(exact_runs: list[list[dict]]) -> None:
     # DDP(torch.compile(model)), CPU inductor. Dynamo compiles for the first batch size,
     # recompiles once with a dynamic batch dimension at the first new split, and reuses
@@ -121,7 +129,7 @@ def test_compiled_ddp_recompiles_once_per_new_shape_kind_and_stays_exact(exact_r
     _check_params(ranks[0], _replay(STEPS))
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(600)
 def test_a_ddp_model_compiled_after_attach_is_exact_with_accumulation(exact_runs: list[list[dict]]) -> None:
     # torch.compile(DDP(model)) with hook.attach(ddp_model) first, two micro-batches per
     # step under no_sync(). Placement changes must not recompile per split: at most as many
@@ -134,7 +142,7 @@ def test_a_ddp_model_compiled_after_attach_is_exact_with_accumulation(exact_runs
     _check_params(ranks[0], _replay(STEPS))
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(600)
 def test_attach_takes_a_ddp_model_already_compiled(exact_runs: list[list[dict]]) -> None:
     ranks = _compiled(exact_runs, "ddp-compiled")
     assert [r["gradients"] for r in ranks] == ["ddp_comm_hook"] * 2
@@ -164,13 +172,12 @@ SYNC_WAIT_CASES = [
 
 
 @pytest.fixture(scope="module")
-def sync_wait_runs(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
-    """Every sync-wait case in one job, rank 1 the slow one."""
-    configs = [["--wrap", w, "--gradients", g, "--slow-rank", "1", "--slow-in", s] for w, g, s in SYNC_WAIT_CASES]
-    return _shared_job(tmp_path_factory.mktemp("sharded-sync-wait"), configs, timeout=300)
+def sync_wait_runs(runs: list[list[dict]]) -> list[list[dict]]:
+    """Every sync-wait case, rank 1 the slow one."""
+    return runs[len(EXACT_CASES) + 1:len(EXACT_CASES) + 1 + len(SYNC_WAIT_CASES)]
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(("wrap", "gradients", "slow_in"), SYNC_WAIT_CASES)
 def test_sync_wait_is_measured_on_every_gradient_path(sync_wait_runs: list[list[dict]], wrap: str, gradients: str,
                                                       slow_in: str) -> None:
