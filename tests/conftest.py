@@ -88,30 +88,37 @@ def _unit_lane_spawns_nothing(request: pytest.FixtureRequest, monkeypatch: pytes
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
-# The test files known to be slow, roughly slowest first; re-measure with --durations (or the
-# CPU time each file's processes take: scripts/test-cpu; the suite is CPU-bound on 2 cores).
-# Issue 38: the short soak, the clean exits and the OpenAPI fuzz, then the files whose torchrun
-# jobs cannot share a process (hook_backend's restarts and resumes, zero_code's unchanged
-# scripts); test_sharded and test_exactness run one shared job each (compiled models and the
-# Python comm hook included) besides their sync-wait and resume jobs; the Accelerate and HF
-# Trainer files run 2 and 1 jobs. Under `--dist loadfile` a file runs whole on one worker, and xdist hands files out
-# in order; by default it orders them by how many tests they hold, which leaves the long
-# files with few tests to the end, where a worker may wait on one alone. Longest first
-# instead (then the files with the most process-starting tests), so short files fill the end.
+# The test files known to be slow, slowest first: the CPU seconds each file's processes take
+# (scripts/test-cpu; the suite is CPU-bound on CI's 2 cores), re-measured for issue 38 after
+# its merges: the short soak first (long in wall time, its hang check and spawned workers),
+# then the files of 35 to 80 CPU-s (torchrun jobs that cannot share a process: restarts and
+# resumes, zero_code's unchanged scripts, e2e_control's stories, the ends of a script;
+# test_sharded, test_exactness and test_dp_mesh run one shared job each besides a resume),
+# then 15 to 35. Under
+# `--dist loadfile` a file runs whole on one worker, and xdist hands files out in order; by
+# default it orders them by how many tests they hold, which leaves the long files with few
+# tests to the end, where a worker may wait on one alone. Longest first instead (then the
+# files with the most process-starting tests), so that short files fill the end.
 SLOW_FILES = (
     "tests/bench/test_soak.py",
-    "tests/trainer_hook/test_clean_exit.py",
-    "tests/backend/test_openapi_fuzz.py",
     "tests/trainer_hook/test_hook_backend.py",
     "tests/integrations/test_zero_code.py",
     "tests/trainer_hook/test_sharded.py",
+    "tests/backend/test_openapi_fuzz.py",
     "tests/trainer_hook/test_exactness.py",
+    "tests/backend/test_e2e_control.py",
+    "tests/trainer_hook/test_clean_exit.py",
     "tests/integrations/test_lightning.py",
-    "tests/trainer_hook/test_token_loss.py",
-    "tests/trainer_hook/test_exit_abort.py",
-    "tests/integrations/test_elastic.py",
-    "tests/integrations/test_accelerate.py",
+    "tests/backend/test_client.py",
+    "tests/browser/test_dashboard.py",
     "tests/integrations/test_hf_trainer.py",
+    "tests/integrations/test_accelerate.py",
+    "tests/trainer_hook/test_dp_mesh.py",
+    "tests/trainer_hook/test_token_loss.py",
+    "tests/integrations/test_elastic.py",
+    "tests/trainer_hook/test_resume_measured_lookahead.py",
+    "tests/backend/test_e2e_ingest.py",
+    "tests/trainer_hook/test_exit_abort.py",
 )
 _HEAVY_MARKS = ("multiproc", "browser", "install", "postgres")
 
