@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.multiproc]
 JOB = "dash-e2e"
 ARTIFACTS = Path(REPO_ROOT) / "test-artifacts"
 
-playwright_sync_api()  # skips this module without Chromium or Playwright
+sync_api = playwright_sync_api()  # skips this module without Chromium or Playwright
 
 
 @dataclass
