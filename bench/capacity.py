@@ -45,6 +45,7 @@ import multiprocessing as mp
 import os
 import re
 import statistics
+import sys
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -116,6 +117,19 @@ class CapacityResult:
     replica_sockets: list[int | None] = field(default_factory=list)  # hook websockets each backend holds
     redis_cpu_pct: float | None = None  # this machine's Redis and PostgreSQL servers in the window
     postgres_cpu_pct: float | None = None
+    # The connect phase: every rank's hello sent, its placement read back (before the window).
+    ranks_connected: int = 0  # hellos answered with the placement in force
+    connect_s: float | None = None  # from the first connection opened to the last hello answered
+    hellos_per_s: float | None = None  # ranks_connected / connect_s
+    # Each backend's CPU seconds over the connect phase (its first nodes already stream), and
+    # their sum per hello answered: what a hello costs, whatever the machine's load.
+    connect_replica_cpu_s: list[float] = field(default_factory=list)
+    backend_cpu_ms_per_hello: float | None = None
+    # This machine's load average (uptime: 1, 5, 15 min) when the connect phase began and at the
+    # window's end: other work on a shared machine shows here.
+    load_avg_start: list[float] = field(default_factory=list)
+    load_avg_window: list[float] = field(default_factory=list)
+    rank_steps_per_backend_core_s: float | None = None  # rank-steps sent in the window / backend CPU s
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -146,6 +160,7 @@ class _Load:
         self.lags: list[float] = []
         self.errors: list[str] = []
         self.no_reply = 0  # ranks whose hello got no placement back within 30 s
+        self.replied = 0  # hellos answered with the placement in force (ranks connected)
 
     def reset_counters(self) -> None:
         self.messages = self.records = 0
@@ -207,6 +222,7 @@ async def _hook_client(load: _Load, base: str, ranks: list[int], t0: float, read
         for _ in hellos:
             try:  # the placement in force (the real hook does not wait for it either)
                 await asyncio.wait_for(ws.recv(), timeout=30)
+                load.replied += 1
             except asyncio.TimeoutError:
                 load.no_reply += 1
                 break
@@ -470,7 +486,13 @@ async def _run_one(backends: list[Backend], ranks: int, seconds: float, warmup: 
             await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
 
+    load_avg_start = os.getloadavg()
+    c_hello0 = time.monotonic()
+    cpu_c0 = [sum(p.cpu_times()[:2]) for p in servers]
     await asyncio.gather(*(start(i) for i in range(len(groups))))
+    connect_s = time.monotonic() - c_hello0
+    connect_cpu_s = [sum(p.cpu_times()[:2]) - c for p, c in zip(servers, cpu_c0, strict=True)]
+    connected = sum(job.replied for job in loads)
     failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
     if failed:
         load.errors.append(f"{len(failed)} hook connections failed: {failed[0].exception()!r}")
@@ -496,6 +518,7 @@ async def _run_one(backends: list[Backend], ranks: int, seconds: float, warmup: 
         job.measuring = False
     scrape_stop.set()
     elapsed, wall1 = time.monotonic() - w0, time.time()
+    load_avg_window = os.getloadavg()
     c1 = _sum_counters(backends)
     cpu_s = [sum(p.cpu_times()[:2]) - c for p, c in zip(servers, cpu_s0, strict=True)]
     svc1 = _service_cpu_s() if cluster else {}
@@ -583,6 +606,14 @@ async def _run_one(backends: list[Backend], ranks: int, seconds: float, warmup: 
         replica_sockets=replica_sockets,
         redis_cpu_pct=round(100.0 * (svc1["redis"] - svc0["redis"]) / elapsed, 1) if cluster else None,
         postgres_cpu_pct=round(100.0 * (svc1["postgres"] - svc0["postgres"]) / elapsed, 1) if cluster else None,
+        ranks_connected=connected,
+        connect_s=round(connect_s, 2),
+        hellos_per_s=round(connected / connect_s, 1) if connect_s > 0 else None,
+        connect_replica_cpu_s=[round(c, 2) for c in connect_cpu_s],
+        backend_cpu_ms_per_hello=round(1000 * sum(connect_cpu_s) / connected, 3) if connected else None,
+        load_avg_start=[round(x, 2) for x in load_avg_start],
+        load_avg_window=[round(x, 2) for x in load_avg_window],
+        rank_steps_per_backend_core_s=(round(records / (sum(cpu_s) or 1e-9)) if sum(cpu_s) else None),
     )
 
 
@@ -665,7 +696,20 @@ def run_capacity(
               "-" if not r.counted_records_per_s or not r.backend_cpu_pct
               else round(r.counted_records_per_s / (r.backend_cpu_pct / 100.0))] for r in results],
         )
+    print_table(
+        "Connect phase (every rank's hello answered) and the machine's load average (uptime)",
+        ["ranks", "connected", "connect s", "hellos/s", "backend CPU ms/hello", "rank-steps per backend core-s",
+         "load at start", "load at window end"],
+        [[r.ranks, r.ranks_connected, "-" if r.connect_s is None else r.connect_s,
+          "-" if r.hellos_per_s is None else r.hellos_per_s,
+          "-" if r.backend_cpu_ms_per_hello is None else r.backend_cpu_ms_per_hello,
+          "-" if r.rank_steps_per_backend_core_s is None else r.rank_steps_per_backend_core_s,
+          " ".join(f"{x:g}" for x in r.load_avg_start), " ".join(f"{x:g}" for x in r.load_avg_window)]
+         for r in results],
+    )
     write_json(out_dir / f"{name}.json", {
+        "command": "python -m bench.capacity " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("capacity.py") else None,
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "cpu_count": os.cpu_count(),
         "steps_per_s_per_rank": results[0].steps_per_s if results else STEPS_PER_S, "flush_s": FLUSH_S,
         "node_size": node_size, "replicas": replicas, "jobs": jobs,
         "results": [asdict(r) for r in results],
