@@ -36,6 +36,7 @@ from backend.storage import (
     make_sessionmaker,
 )
 from backend.storage.gateway import SqlGateway
+from backend.storage.hellos import HelloWriter
 from backend.storage.health import StorageHealth
 from backend.storage.migrations import upgrade
 from backend.storage.writes import WriteBuffer
@@ -59,6 +60,7 @@ class Parts:
     settings: Settings
     engine: Engine
     sql: SqlGateway
+    hellos: HelloWriter  # hellos' rows stored by the batch (ingest)
     live: LiveState
     connections: HookConnections
     auth: AuthService
@@ -137,8 +139,8 @@ def build_parts(settings: Settings, *, policy: PolicyRunner | None = None,
         settings=settings, engine=engine, sql=sql, storage=storage, controller=controller, hub=hub,
         persistence=persistence, retention=Retention(sql=sql, settings=settings), revocations=revocations,
         lifecycle=lifecycle, auth_cache_s=auth.cache_s, cluster=cluster, fanout=fanout, forwarder=forwarder)
-    return Parts(settings=settings, engine=engine, sql=sql, live=live, connections=connections,
-                 auth=auth, sockets=sockets, controller=controller, hub=hub, reports=reports,
+    return Parts(settings=settings, engine=engine, sql=sql, hellos=HelloWriter(sql), live=live,
+                 connections=connections, auth=auth, sockets=sockets, controller=controller, hub=hub, reports=reports,
                  exporter=exporter, writes=writes, storage=storage, persistence=persistence,
                  lifecycle=lifecycle, revocations=revocations, background=background, cluster=cluster,
                  fanout=fanout, forwarder=forwarder, hand_over=hand_over)

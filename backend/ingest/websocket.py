@@ -12,6 +12,7 @@ metrics, acks, rejects, node connections), each refusal with its sentence."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -21,8 +22,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from fastapi import WebSocket, WebSocketDisconnect
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
 
 from backend.auth.access import SEND_METRICS, allows
 from backend.auth.sockets import TokenSockets
@@ -43,7 +42,7 @@ from backend.peers.connections import HookConnections, redirect_reason
 from backend.settings import Settings
 from backend.storage.gateway import SqlGateway
 from backend.storage.health import report_fault
-from backend.storage.metrics import upsert_hello
+from backend.storage.hellos import HelloWriter
 from backend.storage.writes import database_fault
 from rebalancer_wire.node import NodeMetrics, decode_frame
 from rebalancer_wire.protocol import (
@@ -87,6 +86,7 @@ class IngestParts(Protocol):
 
     settings: Settings
     sql: SqlGateway
+    hellos: HelloWriter  # the hellos' rows, stored by the batch
     live: LiveState
     connections: HookConnections
     sockets: TokenSockets
@@ -119,22 +119,6 @@ async def refuse(ws: WebSocket, code: str, message: str, close_code: int) -> Non
         await ws.close(close_code, reason=message[:120])
 
 
-def _store_hello(hello: Hello, new_run: bool) -> Callable[[Session], None]:
-    def work(s: Session) -> None:
-        # On the gateway's one thread, so the ranks of a new job saying hello at once
-        # never race on its unique name; one retry covers a second backend process.
-        for attempt in (1, 2):
-            try:
-                upsert_hello(s, hello, new_run=new_run)
-                s.commit()
-                return
-            except IntegrityError:
-                s.rollback()
-                if attempt == 2:
-                    raise
-    return work
-
-
 @dataclass(slots=True)
 class _Rank:
     """What a connection knows of one rank it speaks for."""
@@ -164,6 +148,7 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
     ranks: dict[int, _Rank] = {}
     job: str | None = None
     pending: Hello | None = None  # a hello being registered (cleaned up if the socket fails meanwhile)
+    answering: list[asyncio.Task[None]] = []  # hellos admitted, being stored and answered
     lost = False  # the peer vanished without a close frame
     budget = FrameBudget(frames_per_s=HOOK_FRAMES_PER_S, frames_burst=HOOK_FRAMES_BURST,
                          bytes_per_s=HOOK_BYTES_PER_S, bytes_burst=HOOK_BYTES_BURST)
@@ -258,14 +243,21 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
                 if ranks and msg.rank not in ranks:
                     budget.widen(len(ranks) + 1)  # a node connection: each rank brings its budget
                 pending = msg
-                stored = await _on_hello(parts, websocket, msg, version)
+                admitted = await _admit_hello(parts, websocket, msg, version)
                 pending = None
-                if stored is None:
+                if not admitted:
                     return
                 job = msg.job
                 dropped.discard(msg.rank)
-                ranks[msg.rank] = _Rank(msg, version, stored, time.monotonic() + HELLO_RETRY_S, msg.batch_index)
+                held = ranks[msg.rank] = _Rank(msg, version, False, time.monotonic() + HELLO_RETRY_S,
+                                               msg.batch_index)
+                # Stored and answered while the next frames are read: a node's hellos, sent
+                # together, go to the database in one transaction (HelloWriter), not one each.
+                answering.append(asyncio.create_task(_answer_hello(parts, websocket, held)))
                 continue
+            if answering:  # a rank's other frames wait until the hellos before them are answered
+                await asyncio.gather(*answering)
+                answering.clear()
             if isinstance(msg, NodeMetrics):
                 if job is None or not await _node_frame(parts, websocket, msg, job, ranks, dropped, refuse_rank):
                     return
@@ -334,6 +326,8 @@ async def converse(parts: IngestParts, websocket: WebSocket, actor: Actor) -> No
         await refuse(websocket, "internal", "The backend failed to handle this message; see its log.",
                       CLOSE_INTERNAL)
     finally:
+        if answering:  # a hello just before the close (or a refused frame) is still stored and registered
+            await asyncio.gather(*answering, return_exceptions=True)
         parts.sockets.discard(actor, websocket)
         gone = [state.hello for state in ranks.values()]
         if pending is not None and pending.rank not in ranks:
@@ -475,52 +469,59 @@ def _mesh_words(mesh: MeshShape | None) -> str:
     return f"mesh {mesh.label} ({mesh.dp} replicas of {mesh.replica_size} ranks)"
 
 
-async def _on_hello(parts: IngestParts, websocket: WebSocket, hello: Hello, version: int) -> bool | None:
-    """Register the rank live, store it, answer with the placement in force. None when the
-    hello was refused (the socket is closed); False when the database refused it: the rank
-    streams on (live state, dashboard) and keeps the placement it has, and storing and the
-    reply are tried again on its metrics."""
+async def _admit_hello(parts: IngestParts, websocket: WebSocket, hello: Hello, version: int) -> bool:
+    """Register the rank live (the job's owner, its shape, room for it); False when the hello
+    was refused (the socket is closed). ``_answer_hello`` then stores it and answers."""
     if parts.cluster is not None and not await _claim(parts.cluster, websocket, hello):
-        return None
+        return False
     refusal, reshaped = _reshape_refusal(parts, websocket, hello)
     if refusal is not None:
         log.warning("refused hello of job %s rank %d: %s", hello.job, hello.rank, refusal)
         await refuse(websocket, "conflict", refusal, CLOSE_CONFLICT)
-        return None
+        return False
     if not parts.make_room(hello.job):
         cap = parts.settings.max_live_jobs
         log.warning("refused hello of job %s: %d live jobs have connected ranks", hello.job, cap)
         await refuse(websocket, "try_again_later",
                       f"The backend holds {cap} live jobs with connected ranks (REBALANCER_MAX_LIVE_JOBS); "
                       f"job '{hello.job}' can start once one of them ends.", CLOSE_TRY_AGAIN_LATER)
-        return None
+        return False
     if reshaped:
         await parts.connections.close_job(
             hello.job, CLOSE_CONFLICT,
             f"job '{hello.job}' restarted with world_size {hello.world_size}; this is the previous attempt's connection",
             keep=websocket)
-    new_run = parts.live.register(hello)
+    parts.live.register(hello)
     parts.controller.expect(hello.job)  # the job is listed now: actions on it wait for on_hello
     old = parts.connections.add(hello.job, hello.rank, websocket, version)
     if old is not None and not parts.connections.serves(old):
         log.info("job %s rank %d reconnected; closing its previous socket", hello.job, hello.rank)
         with contextlib.suppress(Exception):
             await old.close(1000, reason="replaced by a newer connection of the same rank")
-    stored = await _hello_to_sql(parts, websocket, hello, new_run, version)
-    parts.hub.notify(hello.job)
-    return stored
+    return True
 
 
-async def _hello_to_sql(parts: IngestParts, websocket: WebSocket, hello: Hello, new_run: bool = False,
+async def _answer_hello(parts: IngestParts, websocket: WebSocket, held: _Rank) -> None:
+    """Store an admitted hello and answer it with the placement in force. While the database
+    refuses it, the rank streams on (live state, dashboard) and keeps the placement it has;
+    storing and the reply are tried again on its metrics."""
+    held.stored = await _hello_to_sql(parts, websocket, held.hello, held.version)
+    parts.hub.notify(held.hello.job)
+
+
+async def _hello_to_sql(parts: IngestParts, websocket: WebSocket, hello: Hello,
                         version: int = PROTOCOL_VERSION) -> bool:
-    ok, _ = await _unless_database_fault("storing a hello", parts.sql.run(_store_hello(hello, new_run)))
+    # With the hellos that arrive meanwhile (the other ranks of the node and of the job): one
+    # transaction for them all.
+    ok, _ = await _unless_database_fault("storing a hello", parts.hellos.store(hello))
     if not ok:
         return False
     ok, placement = await _unless_database_fault("answering a hello", parts.controller.on_hello(hello))
     if not ok or placement is None:
         return False
     try:
-        await websocket.send_text(encode(placement, version))  # in the version the hook speaks
+        # In the version the hook speaks; encoded once for all the job's hellos.
+        await websocket.send_text(parts.connections.text(placement, version))
     except Exception as exc:  # the hook closed already (a last flush): still read what it sent
         log.info("job %s rank %d closed before its hello was answered (%s)", hello.job, hello.rank, exc)
     return True

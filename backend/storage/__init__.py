@@ -17,6 +17,7 @@ from backend.storage.metrics import (
     list_ranks,
     query_metrics,
     upsert_hello,
+    upsert_hellos,
 )
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "RankRow",
     "RankMetricRow",
     "upsert_hello",
+    "upsert_hellos",
     "insert_windows",
     "list_jobs",
     "get_job",

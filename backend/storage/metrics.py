@@ -21,6 +21,7 @@ from sqlalchemy import (
     UniqueConstraint,
     insert,
     select,
+    update,
 )
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
@@ -35,6 +36,7 @@ __all__ = [
     "RankRow",
     "RankMetricRow",
     "upsert_hello",
+    "upsert_hellos",
     "job_mesh",
     "insert_windows",
     "list_jobs",
@@ -120,24 +122,65 @@ class RankMetricRow(Base):
 
 def upsert_hello(session: Session, hello: Hello, *, new_run: bool = False) -> None:
     """Create or update the job and rank rows for a hello (caller commits)."""
+    upsert_hellos(session, [hello])
+
+
+# Ranks per ``IN (...)`` of one SELECT: under SQLite's oldest bound-parameter limit (999).
+_IN_CHUNK = 900
+
+
+def upsert_hellos(session: Session, hellos: Sequence[Hello]) -> None:
+    """Create or update the job and rank rows of many hellos (caller commits): one SELECT of
+    their jobs, one of their ranks per job (in chunks), one bulk INSERT of the new ranks and
+    one batch of UPDATEs of the known ones, whatever the number of ranks. Later hellos of a
+    rank (and of a job, for the job's shape) win, as if each had been stored in turn."""
+    if not hellos:
+        return
     now = time.time()
-    job = session.scalar(select(JobRow).where(JobRow.name == hello.job))
-    mesh = hello.mesh.to_dict() if hello.mesh is not None else None
-    if job is None:
-        session.add(JobRow(name=hello.job, world_size=hello.world_size,
-                           global_batch_size=hello.global_batch_size, created_at=now, last_seen=now, mesh=mesh))
-    else:
-        job.world_size, job.global_batch_size, job.last_seen = hello.world_size, hello.global_batch_size, now
-        job.mesh = mesh
-    rank = session.scalar(select(RankRow).where(RankRow.job == hello.job, RankRow.rank == hello.rank))
-    if rank is None:
-        rank = RankRow(job=hello.job, rank=hello.rank, first_seen=now)
-        session.add(rank)
-    rank.host, rank.pid, rank.device_type = hello.host, hello.pid, hello.device_type
-    rank.device_name, rank.mem_total_bytes = hello.device_name, hello.mem_total_bytes
-    rank.hook_version, rank.restart_count, rank.last_seen = hello.hook_version, hello.restart_count, now
-    rank.replica_ranks = list(hello.replica_ranks) if hello.replica_ranks else None
-    session.flush()
+    last_of_job: dict[str, Hello] = {}
+    by_rank: dict[tuple[str, int], Hello] = {}
+    for h in hellos:
+        last_of_job[h.job] = h
+        by_rank[(h.job, h.rank)] = h
+    jobs = {row.name: row for row in session.scalars(select(JobRow).where(JobRow.name.in_(list(last_of_job))))}
+    for name, hello in last_of_job.items():
+        mesh = hello.mesh.to_dict() if hello.mesh is not None else None
+        job = jobs.get(name)
+        if job is None:
+            session.add(JobRow(name=name, world_size=hello.world_size,
+                               global_batch_size=hello.global_batch_size, created_at=now, last_seen=now, mesh=mesh))
+        else:
+            job.world_size, job.global_batch_size, job.last_seen = hello.world_size, hello.global_batch_size, now
+            job.mesh = mesh
+    wanted: dict[str, list[int]] = {}
+    for name, rank in by_rank:
+        wanted.setdefault(name, []).append(rank)
+    known: dict[tuple[str, int], int] = {}  # (job, rank) -> the row's id
+    for name, ranks in wanted.items():
+        for i in range(0, len(ranks), _IN_CHUNK):
+            chunk = ranks[i:i + _IN_CHUNK]
+            q = select(RankRow.id, RankRow.rank).where(RankRow.job == name, RankRow.rank.in_(chunk))
+            for row_id, rank in session.execute(q):
+                known[(name, rank)] = row_id
+    new_rows: list[dict[str, Any]] = []
+    changed: list[dict[str, Any]] = []
+    for key, hello in by_rank.items():
+        values = {
+            "host": hello.host, "pid": hello.pid, "device_type": hello.device_type,
+            "device_name": hello.device_name, "mem_total_bytes": hello.mem_total_bytes,
+            "hook_version": hello.hook_version, "restart_count": hello.restart_count, "last_seen": now,
+            "replica_ranks": list(hello.replica_ranks) if hello.replica_ranks else None,
+        }
+        row_id = known.get(key)
+        if row_id is None:
+            new_rows.append({"job": hello.job, "rank": hello.rank, "first_seen": now, **values})
+        else:
+            changed.append({"id": row_id, **values})
+    session.flush()  # the jobs' rows first
+    if new_rows:
+        session.execute(insert(RankRow), new_rows)  # one executemany
+    if changed:
+        session.execute(update(RankRow), changed)  # bulk UPDATE by primary key: one executemany
 
 
 def job_mesh(row: JobRow) -> MeshShape | None:
