@@ -38,7 +38,7 @@ from backend.storage import owners
 from backend.storage.gateway import SqlGateway
 from backend.storage.metrics import job_mesh
 from backend.storage.writes import database_fault
-from rebalancer_wire.protocol import Hello, MeshShape, uniform_shares
+from rebalancer_wire.protocol import Hello, MeshShape, Placement, uniform_shares
 
 __all__ = ["ARRIVAL_WAIT_S", "LOCAL_REPLICA", "MODES", "SYSTEM", "ActorLike", "JobState", "JobStore",
            "Ownership", "RunQueue", "T", "fence_detail"]
@@ -126,6 +126,9 @@ class JobState:
     # The lease epoch this replica installed in the store of record when it loaded the job
     # (None: loaded while another replica, or none, controlled it); every control write checks it.
     epoch: int | None = None
+    # The placement in force as the last hello got it: every rank of a job says hello, and
+    # each gets this same message (rebuilt only when what it says changed).
+    hello_reply: Placement | None = None
 
     def replicas_sentence(self) -> str:
         """For errors about shares or ranks: what they count in this job."""

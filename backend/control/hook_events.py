@@ -78,13 +78,13 @@ class HookEvents:
             if self.store.config(st).strategy == "static" and not st.static_checked:
                 await self._static_now(st)
             self.store.publish(st)
-            return self.rollout.message(st)
+            return self.rollout.hello_reply(st)
 
     def _follow_restarts(self, st: JobState, hello: Hello, previous: int | None) -> None:
         """Track the ranks' TorchElastic attempt: a higher count is a restart (audited by
         on_hello); a lower one, with no other rank connected, a new launch of the job."""
         known = st.restart_count if st.restart_count is not None else previous
-        alone = not [r for r in self.connections.ranks(st.job) if r != hello.rank]
+        alone = self.connections.alone(st.job, hello.rank)
         if known is None or hello.restart_count > known or alone:
             st.restart_count = hello.restart_count
         else:

@@ -107,6 +107,9 @@ def constraints_from(overrides: Mapping[str, Any]) -> Constraints:
 # --- measurements ---------------------------------------------------------------------------
 
 def all_said_hello(live: Any, job: str, world_size: int) -> bool:
+    # The count first (O(1)): asked on every hello of a static job, ranks arriving one by one.
+    if live.rank_count(job) < world_size:
+        return False
     return all(live.hello(job, r) is not None for r in range(world_size))
 
 

@@ -37,9 +37,18 @@ class Rollout:
 
     def message(self, st: JobState, *, proposal_id: int | None = None, reason: str = "") -> Placement:
         """The placement in force, as the hooks receive it."""
-        return Placement(job=st.job, version=st.version, shares=list(st.shares),
-                         global_batch_size=st.global_batch_size, proposal_id=proposal_id,
-                         reason=reason, length_sq_weight=st.length_sq_weight, epoch=st.epoch or 0)
+        return _placement(st, proposal_id, reason)
+
+    def hello_reply(self, st: JobState) -> Placement:
+        """The placement in force for a rank's hello: the same object for every rank while the
+        placement stays (a check of the shares, not a copy), so that its frame is encoded once
+        per job (``HookConnections.text``), not once per rank."""
+        m = st.hello_reply
+        if (m is None or m.version != st.version or m.epoch != (st.epoch or 0)
+                or m.global_batch_size != st.global_batch_size or m.length_sq_weight != st.length_sq_weight
+                or m.shares != st.shares):
+            m = st.hello_reply = _placement(st, None, "")
+        return m
 
     async def send(self, job: str, msg: Placement) -> None:
         if not self.store.controls(job):  # the lease went while we wrote: its owner sends (fenced)
@@ -210,3 +219,9 @@ class Rollout:
                 await self.send(job, self.message(st))
         except Exception as exc:  # the next hello answers it too
             log.warning("sending job %s's placement in force after the take-over failed: %s", job, exc)
+
+
+def _placement(st: JobState, proposal_id: int | None, reason: str) -> Placement:
+    return Placement(job=st.job, version=st.version, shares=list(st.shares),
+                     global_batch_size=st.global_batch_size, proposal_id=proposal_id,
+                     reason=reason, length_sq_weight=st.length_sq_weight, epoch=st.epoch or 0)

@@ -377,6 +377,12 @@ class LiveState:
         with self._lock:
             return job in self._jobs
 
+    def rank_count(self, job: str) -> int:
+        """Ranks of ``job`` that said hello (connected or not)."""
+        with self._lock:
+            j = self._jobs.get(job)
+            return len(j.ranks) if j else 0
+
     def hello(self, job: str, rank: int) -> Hello | None:
         with self._lock:
             j = self._jobs.get(job)

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from starlette.websockets import WebSocket
 
-from rebalancer_wire.protocol import CLOSE_REDIRECT, PROTOCOL_VERSION, Error, Message, encode
+from rebalancer_wire.protocol import CLOSE_REDIRECT, PROTOCOL_VERSION, Error, Message, Placement, encode
 
 __all__ = ["HookConnections", "redirect_reason"]
 
@@ -30,6 +30,8 @@ class HookConnections:
         self._by_job: dict[str, dict[int, WebSocket]] = {}
         self._versions: dict[int, int] = {}  # id(socket) -> protocol version of its hello
         self._refs: dict[int, int] = {}  # id(socket) -> ranks it speaks for (several: a node connection)
+        # job -> (the placement last encoded for its hellos, its text per protocol version)
+        self._texts: dict[str, tuple[Placement, dict[int, str]]] = {}
 
     def add(self, job: str, rank: int, ws: WebSocket, version: int = PROTOCOL_VERSION) -> WebSocket | None:
         """Register a rank's socket and the protocol version it speaks; returns the socket
@@ -65,6 +67,7 @@ class HookConnections:
             self._unref(ws)
             if not ranks:
                 del self._by_job[job]
+                self._texts.pop(job, None)
 
     def current(self, job: str, rank: int) -> WebSocket | None:
         """The socket that speaks for ``rank`` of ``job`` now, if any."""
@@ -97,6 +100,23 @@ class HookConnections:
 
     def ranks(self, job: str) -> list[int]:
         return sorted(self._by_job.get(job, {}))
+
+    def alone(self, job: str, rank: int) -> bool:
+        """True when no rank of ``job`` but ``rank`` has an open socket (O(1))."""
+        held = self._by_job.get(job, {})
+        return len(held) == 0 or (len(held) == 1 and rank in held)
+
+    def text(self, msg: Placement, version: int) -> str:
+        """``msg`` encoded in protocol ``version``; the same message object (every rank's hello
+        reply while a job's placement stays) is encoded once per job and version."""
+        job = msg.job
+        cached = self._texts.get(job)
+        if cached is not None and cached[0] is msg and version in cached[1]:
+            return cached[1][version]
+        if cached is None or cached[0] is not msg:
+            cached = self._texts[job] = (msg, {})
+        text = cached[1][version] = encode(msg, version)
+        return text
 
     def has(self, job: str, rank: int) -> bool:
         """True while ``rank`` of ``job`` has an open socket (O(1): every rank checks on close)."""
