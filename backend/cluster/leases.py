@@ -105,6 +105,7 @@ class JobLeases:
                                         decode_responses=True)
         self._owned: set[str] = set()
         self._acquired_at: dict[str, float] = {}  # monotonic time of the last acquisition
+        self._claiming: dict[str, asyncio.Future[Claim]] = {}  # a hello's claim on its way, by job
         self._epochs: dict[str, int] = {}  # the lease epoch of each job we hold
         self._reason = ""
         self._task: asyncio.Task[None] | None = None
@@ -190,7 +191,16 @@ class JobLeases:
         return bool(got)
 
     async def claim(self, job: str) -> Claim:
-        """Take ``job`` for a hook that said hello here, or say which replica has it."""
+        """Take ``job`` for a hook that said hello here, or say which replica has it. The hellos
+        of a job's ranks that arrive while a claim of it is on its way to Redis share that
+        claim's answer (one round trip for them, not one each: a job's ranks connect at once)."""
+        task = self._claiming.get(job)
+        if task is None:
+            task = self._claiming[job] = asyncio.ensure_future(self._claim(job))
+            task.add_done_callback(lambda _: self._claiming.pop(job, None))
+        return await asyncio.shield(task)  # a caller that goes away leaves it to the others
+
+    async def _claim(self, job: str) -> Claim:
         was = job in self._owned
         for _ in range(2):  # the owner's lease may expire between our SET and our GET
             if await self.acquire(job):

@@ -125,6 +125,7 @@ class Feed:
     ranks_json: str = "{}"  # ``ranks`` encoded once per rebuild, shared by every client
     ranks_seq: int = 0  # bumped on every rebuild of ``ranks``
     ranks_at: float = float("-inf")
+    fold_s: float = 0.0  # what the last fold of this job cost (CPU of the hub's thread, wall)
     positions: dict[str, list[Any]] = field(default_factory=dict)
     control: dict[str, Any] = field(default_factory=dict)
     control_json: str = "{}"  # like ranks_json: encoded once per change

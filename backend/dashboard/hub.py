@@ -64,6 +64,13 @@ CostFitRead = Callable[[str], "CostFit | None"]  # fold.CostFit: the policy's pe
 log = logging.getLogger(__name__)
 
 _IDLE_REFRESH_S = 1.0  # watched jobs refresh this often even without metrics (stale flag)
+# A job whose fold costs more than a tenth of the tick interval (thousands of ranks) is folded
+# again only once FOLD_REUSE times its cost has passed, and at least every FOLD_MAX_GAP_S: the
+# dashboard of one job then takes at most about a tenth of a core, and a step reaches the
+# screen within half a second plus a fold (at 8,192 ranks a fold took 30 to 230 ms here, and
+# ten of them a second were most of a replica's CPU at 1 step/s).
+FOLD_REUSE = 10.0
+FOLD_MAX_GAP_S = 0.5
 _FLEET_READER_S = 60.0  # after a REST or /metrics read of the fleet, keep every job fresh this long
 
 
@@ -190,11 +197,20 @@ class DashboardHub:
                 dirty |= set(self._live_jobs())
         if not dirty:
             return 0
-        for job in dirty:
+        for job in list(dirty):
+            feed = self._feeds.get(job)
+            gap = min(FOLD_REUSE * feed.fold_s, FOLD_MAX_GAP_S) if feed is not None else 0.0
+            if feed is not None and gap > self.interval_s and now - feed.updated_at < gap:
+                dirty.discard(job)  # a big job: folded again once its last fold is paid for
+                self.changes.mark(job)
+                continue
+            started = self._clock()  # the hub's clock: a test's frozen one makes every fold free
             try:
                 self._update(job, now)
             except Exception:  # one job's bad state must not freeze the others' dashboards
                 log.exception("dashboard update of job %s failed", job)
+            if (feed := self._feeds.get(job)) is not None:
+                feed.fold_s = self._clock() - started
         if any(c.job is None for c in self._clients):
             self._publish_fleet()  # once per tick, whatever the number of overview clients
         woken = 0

@@ -354,3 +354,43 @@ async def test_a_client_that_connects_between_ticks_gets_the_newest_state_at_onc
     assert [j["batch_index"] for j in frames[None]["jobs"]] == [2]
     # The pending mark stays: the next tick still wakes the job's other clients.
     assert hub.changes.take() == {"j"}
+
+
+@_run_async
+async def test_a_job_whose_fold_is_dear_is_folded_once_it_is_paid_for():
+    """A fold of thousands of ranks costs tens of milliseconds; ten a second were most of a
+    replica's CPU at 1 step/s (bench.capacity, 8,192 ranks). Such a job is folded again once
+    ten times its cost has passed (at most every half second); a cheap job every tick."""
+    svc = _services()
+    _register(svc.live)
+    t, cost = [0.0], [0.0]
+    hub = _hub(svc, clock=lambda: t[0])
+    fold = hub._update
+
+    def dear(job: str, now: float) -> None:  # a fold that takes cost[0] seconds of the hub's clock
+        fold(job, now)
+        t[0] += cost[0]
+
+    hub._update = dear  # type: ignore[method-assign]
+    sock = FakeSocket()
+    task = asyncio.create_task(hub.attach(sock.send, "j"))
+    await _settle()
+
+    def run(ticks: int) -> list[int]:
+        folded = []
+        for b in range(ticks):
+            before = hub._feeds["j"].updated_at if "j" in hub._feeds else None
+            t[0] += 0.1  # one tick interval (10 Hz)
+            _feed(svc.live, b)
+            hub.notify("j")
+            hub.tick()
+            folded.append(int(hub._feeds["j"].updated_at != before))
+        return folded
+
+    assert run(5) == [1, 1, 1, 1, 1]  # free folds: every tick
+    cost[0] = 0.03  # a fold now costs 30 ms: folded again 300 ms after the last
+    assert run(9) == [1, 0, 0, 1, 0, 0, 1, 0, 0]
+    assert "j" in hub.changes.take()  # a skipped job stays marked for the next tick
+    cost[0] = 0.5  # a fold of half a second: still every half second (the screen stays live)
+    assert run(3) == [1, 1, 1]
+    task.cancel()
