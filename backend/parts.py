@@ -36,8 +36,8 @@ from backend.storage import (
     make_sessionmaker,
 )
 from backend.storage.gateway import SqlGateway
-from backend.storage.hellos import HelloWriter
 from backend.storage.health import StorageHealth
+from backend.storage.hellos import HelloWriter
 from backend.storage.migrations import upgrade
 from backend.storage.writes import WriteBuffer
 

