@@ -76,6 +76,7 @@ _DEVICE = ('{{"t":{t:.6f},"source":"nvml","util_pct":97.0,"mem_used_bytes":32212
            '"mem_total_bytes":85899345920,"power_w":612.5,"temp_c":71.0,"sm_clock_mhz":1755.0,'
            '"sm_clock_max_mhz":1980.0,"throttle_reasons":["sw_power_cap"]}}')
 SCRAPE_EVERY_S = 2.0
+CONNECT_TIMEOUT_S = 900.0  # the connect phase's limit; past it the window measures the ranks connected
 QUIET_SCRAPES = 3
 
 
@@ -439,7 +440,8 @@ def _sum_counters(backends: list[Backend]) -> dict[str, float]:
 
 
 async def _run_one(backends: list[Backend], ranks: int, seconds: float, warmup: float, node_size: int = 1,
-                   steps_per_s: float = STEPS_PER_S, jobs: int = 1, frames: str = "node") -> CapacityResult:
+                   steps_per_s: float = STEPS_PER_S, jobs: int = 1, frames: str = "node",
+                   connect_timeout_s: float = CONNECT_TIMEOUT_S) -> CapacityResult:
     """``ranks`` simulated ranks in ``jobs`` jobs of (nearly) equal size; job j's hooks
     connect to ``backends[j % len(backends)]``, which therefore owns it. The dashboard
     client watches job 0 on its owner; the scraper scrapes the first backend."""
@@ -489,7 +491,12 @@ async def _run_one(backends: list[Backend], ranks: int, seconds: float, warmup: 
     load_avg_start = os.getloadavg()
     c_hello0 = time.monotonic()
     cpu_c0 = [sum(p.cpu_times()[:2]) for p in servers]
-    await asyncio.gather(*(start(i) for i in range(len(groups))))
+    try:  # a backend that cannot take them all: measure what did connect, and say so
+        await asyncio.wait_for(asyncio.gather(*(start(i) for i in range(len(groups)))), connect_timeout_s)
+    except asyncio.TimeoutError:
+        load.errors.append(f"the connect phase did not end within {connect_timeout_s:g} s "
+                           f"(--connect-timeout-s): {sum(job.replied for job in loads)} of {ranks} ranks connected; "
+                           f"the window measured those")
     connect_s = time.monotonic() - c_hello0
     connect_cpu_s = [sum(p.cpu_times()[:2]) - c for p, c in zip(servers, cpu_c0, strict=True)]
     connected = sum(job.replied for job in loads)
@@ -635,7 +642,7 @@ def run_capacity(
     ranks_list: list[int], *, seconds: float = 15.0, warmup: float = 3.0,
     out_dir: Path = RESULTS_DIR, name: str = "capacity", backend: Backend | None = None,
     plot: bool = True, node_size: int = 1, steps_per_s: float = STEPS_PER_S, replicas: int = 1,
-    jobs: int | None = None, frames: str = "node",
+    jobs: int | None = None, frames: str = "node", connect_timeout_s: float = CONNECT_TIMEOUT_S,
 ) -> list[CapacityResult]:
     """Run the load for each world size against fresh backends per size (or against
     ``backend`` for all); write ``<name>.json``. ``node_size`` ranks share a websocket.
@@ -656,14 +663,14 @@ def run_capacity(
     results: list[CapacityResult] = []
     for n in ranks_list:
         if backend is not None:
-            results.append(asyncio.run(_run_one([backend], n, seconds, warmup, node_size, steps_per_s, jobs, frames)))
+            results.append(asyncio.run(_run_one([backend], n, seconds, warmup, node_size, steps_per_s, jobs, frames, connect_timeout_s)))
             continue
         if replicas > 1:
             with running_cluster(replicas) as fresh:
-                results.append(asyncio.run(_run_one(fresh, n, seconds, warmup, node_size, steps_per_s, jobs, frames)))
+                results.append(asyncio.run(_run_one(fresh, n, seconds, warmup, node_size, steps_per_s, jobs, frames, connect_timeout_s)))
             continue
         with running_backend() as one:
-            results.append(asyncio.run(_run_one([one], n, seconds, warmup, node_size, steps_per_s, jobs, frames)))
+            results.append(asyncio.run(_run_one([one], n, seconds, warmup, node_size, steps_per_s, jobs, frames, connect_timeout_s)))
     rows = [[
         r.ranks, r.node_size, r.hook_sockets if r.hook_sockets is not None else "-", r.sent_messages_per_s, r.sent_rank_steps_per_s,
         "-" if r.counted_records_per_s is None else r.counted_records_per_s,
@@ -794,6 +801,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=1,
                     help="backend processes on PostgreSQL (127.0.0.1:5432/test) and Redis (127.0.0.1:6379)")
     ap.add_argument("--jobs", type=int, default=None, help="jobs the ranks are split into (default: one per replica)")
+    ap.add_argument("--connect-timeout-s", type=float, default=CONNECT_TIMEOUT_S,
+                    help="stop waiting for hellos after this long and measure the ranks connected (an error says so)")
     ap.add_argument("--scrape-only", action="store_true",
                     help="only the exporter's cost in process (scrape.json): no sockets, no load")
     ap.add_argument("--rank-series", choices=("slowest", "all"), default="slowest",
@@ -823,7 +832,8 @@ def main(argv: list[str] | None = None) -> int:
         name += "-rankframes"
     try:
         run_capacity(ranks, seconds=secs, warmup=warm, out_dir=args.out, name=name, node_size=args.node_size,
-                     steps_per_s=args.steps_per_s, replicas=args.replicas, jobs=args.jobs, frames=args.frames)
+                     steps_per_s=args.steps_per_s, replicas=args.replicas, jobs=args.jobs, frames=args.frames,
+                     connect_timeout_s=args.connect_timeout_s)
     except ValueError as exc:
         ap.error(str(exc))
     return 0
