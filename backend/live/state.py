@@ -122,7 +122,6 @@ class _Job:
     # The newest ``communication`` answer: the ranks' revisions it was computed at, when it
     # was done and what it cost (seconds of ``LiveState.clock``).
     comm_cached: tuple[tuple[int, ...], Communication, float, float] | None = None
-    comm_running: bool = False  # an assessment of a big job is on its thread
 
 
 def _run_ended(j: _Job) -> bool:
@@ -134,7 +133,6 @@ _WORK_ROWS = 512  # work rows kept per rank: more than a policy window
 _SLOWEST_STEPS = 64  # slowest members kept per replica leader: more than a view's window
 _COMM_READINGS = 256  # steps with communication counters kept per rank
 _COMM_REUSE = 10.0  # a communication answer is reused until this many times its cost old
-_COMM_BEHIND_S = 0.1  # an assessment that cost this much is redone on a thread, the old answer served
 
 
 # The optional step fields live state keeps beside the rows, in ``_step_extras``'s order.
@@ -424,50 +422,29 @@ class LiveState:
         ``_COMM_REUSE`` times as old as it took to compute: at thousands of ranks one
         assessment takes a fifth of a second, and the dashboard, ``/metrics``, REST and the
         policy all ask for it, so it stays within a tenth of a core (a small job's costs
-        microseconds and follows every step). One that cost more than ``_COMM_BEHIND_S``
-        (about a second at 8,192 ranks) is computed again on a thread of its own while the
-        callers get the previous answer: the event loop never waits a second for it."""
+        microseconds and follows every step)."""
         with self._lock:
             j = self._jobs.get(job)
             if j is None:
                 return None
             key = tuple(r.rev for _, r in sorted(j.ranks.items()))
             cached = j.comm_cached
-            if cached is not None and (cached[0] == key or self.clock() - cached[2] < _COMM_REUSE * cached[3]):
+            started = self.clock()
+            if cached is not None and (cached[0] == key or started - cached[2] < _COMM_REUSE * cached[3]):
                 return cached[1]
-            if cached is not None and cached[3] >= _COMM_BEHIND_S:
-                if not j.comm_running:
-                    j.comm_running = True
-                    threading.Thread(target=self._assess, args=(job, key), daemon=True,
-                                     name="rebalancer-comm").start()
-                return cached[1]
-        return self._assess(job, key)
-
-    def _assess(self, job: str, key: tuple[int, ...]) -> Communication | None:
-        """Assess ``job``'s communication from a snapshot of its ranks' windows and keep it."""
-        try:
-            with self._lock:
-                j = self._jobs.get(job)
-                if j is None:
-                    return None
-                started = self.clock()
-                n = self.window_steps
-                kind = next((r.hello.comm_kind for r in j.ranks.values() if r.hello.comm_kind), "")
-                taken = {rank: (list(islice(reversed(r.steps), n)), list(islice(reversed(r.comm), 2 * n)))
-                         for rank, r in j.ranks.items()}
-                world = j.world_size
-            steps = {rank: comm_steps(rows, comm) for rank, (rows, comm) in taken.items()}
-            result = assess(kind, world, steps, window=n)
-            done = self.clock()
-            with self._lock:
-                j = self._jobs.get(job)
-                if j is not None:
-                    j.comm_cached = (key, result, done, done - started)
-            return result
-        finally:
-            with self._lock:
-                if (j := self._jobs.get(job)) is not None:
-                    j.comm_running = False
+            n = self.window_steps
+            kind = next((r.hello.comm_kind for r in j.ranks.values() if r.hello.comm_kind), "")
+            taken = {rank: (list(islice(reversed(r.steps), n)), list(islice(reversed(r.comm), 2 * n)))
+                     for rank, r in j.ranks.items()}
+            world = j.world_size
+        steps = {rank: comm_steps(rows, comm) for rank, (rows, comm) in taken.items()}
+        result = assess(kind, world, steps, window=n)
+        done = self.clock()
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is not None:
+                j.comm_cached = (key, result, done, done - started)
+        return result
 
     def view(self, job: str) -> JobView | None:
         """A consistent snapshot of one job with derived numbers, or None if unknown."""
