@@ -14,7 +14,10 @@ a model and a loader each), so the test pays torchrun's start once:
 - ``compiled_accum``: ``DDP(torch.compile(model))``, two micro-batches;
 - ``lengths_accum``: DDP with ``sample_length=`` instead of ``sample_cost=``: placements
   in ``--plan`` may carry a cost model (``STEP=S0,S1,S2@K``: k of L + k*L^2), so the
-  samples a rank gets change mid-run with its share unchanged (``--lengths-plan``).
+  samples a rank gets change mid-run with its share unchanged (``--lengths-plan``);
+- ``readme_slow``: README.md's loop (the count after the forward), rank 1's forward 2x
+  slower, under the uniform split (it ignores ``--plan``); it also writes the step records
+  (batch, local size, compute, sync wait, work, batch work, GC ms per generation).
 
 Each run writes ``OUT/RUN.rank{r}.json``: the shares of each step, the schedule's timeline
 (with k), the number of samples each step trained and, on rank 0, the final parameters.
@@ -69,8 +72,9 @@ def loss_sum(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mask: tor
 
 
 RUNS = ("comm_hook", "loss_scale_accum", "fsdp2_accum", "compiled_accum", "lengths_accum", "readme_slow")
-# readme_slow: a forward takes 1 ms per token, 2 ms on rank 1; 34 steps, so that the policy
-# trusts every fit (it holds a rank with fewer than 3 x min_steps steps when noisy).
+# readme_slow: a forward takes 1 ms per token, 2 ms on rank 1, under the uniform split (no
+# --plan); 34 steps, so that the policy trusts every fit (it holds a rank with fewer than
+# 3 x min_steps steps when noisy).
 SLOW_RANK, S_PER_TOKEN, SLOW_STEPS = 1, 0.001, 34
 
 
@@ -107,7 +111,9 @@ def train(run: str, args: argparse.Namespace) -> None:
     lengths = [length(i) for i in range(N_SAMPLES)]
     given = {"sample_length": lengths} if run == "lengths_accum" else {"sample_cost": lengths}
     loader = hook.data_loader(ds, shuffle=True, seed=5, **given)  # type: ignore[arg-type]
-    plan = parse_plan(args.lengths_plan if run == "lengths_accum" else args.plan)
+    # readme_slow trains the uniform split throughout: its test hands the policy an observation
+    # of it (a plan's placement would change who waits: a drained slow rank waits, rightly).
+    plan = {} if run == "readme_slow" else parse_plan(args.lengths_plan if run == "lengths_accum" else args.plan)
     how = "fsdp2" if run == "fsdp2_accum" else "ddp"
     shares_seen, sizes = [], []
     steps = SLOW_STEPS if run == "readme_slow" else args.steps
@@ -147,7 +153,7 @@ def train(run: str, args: argparse.Namespace) -> None:
         "timeline": [[t.start_batch, t.version, list(t.shares), t.length_sq_weight] for t in hook.schedule.timeline()],
     }
     if run == "readme_slow":
-        out["records"] = [[r.batch_index, r.local_batch_size, r.compute_ms, r.sync_wait_ms, r.work, r.batch_work]
+        out["records"] = [[r.batch_index, r.local_batch_size, r.compute_ms, r.sync_wait_ms, r.work, r.batch_work, r.gc_ms]
                           for r in hook.history]
     params = sw.full_params(model, how)  # FSDP2 gathers the shards: every rank takes part
     if rank == 0:

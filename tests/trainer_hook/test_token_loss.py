@@ -122,18 +122,22 @@ def test_a_cost_model_changed_mid_run_keeps_the_token_mean_exact(runs: dict[str,
     _check_params(ranks[0])
 
 
-@pytest.mark.multiproc
-def test_the_readme_loop_with_a_slow_forward_shows_the_slow_rank_and_gets_a_proposal(
-        runs: dict[str, list[dict]]) -> None:
-    # Issue 39: with the count taken after the forward (README, docstring), the fast ranks
-    # wait for the slow one inside token_loss_weight's all-reduce; counted as their compute
-    # that made every rank look as slow (0.7% imbalance, no proposal).
-    ranks = runs["readme_slow"]
+def _check_readme_slow(ranks: list[dict]) -> None:
+    """The slow rank shows in compute per token, its peers' wait for it in sync wait, and the
+    policy proposes to move work off it; at any world size (one record file per rank)."""
+    world = len(ranks)
+    uniform = [w.GLOBAL_BATCH // world] * world
+    # Uniform throughout, as the observation below says (the launch's --plan once reached this
+    # run too: at 2 ranks its drain of the slow rank made it, rightly, the rank that waits).
+    assert all(r["timeline"] == [[0, 0, uniform, 0.0]] for r in ranks), [r["timeline"] for r in ranks]
     per_token = []
     for r in ranks:
         recs = [rec for rec in r["records"] if rec[0] >= 2 and rec[4]]  # past the first steps' start-up
         assert len(recs) >= 10, r["records"]
-        per_token.append(sum(rec[2] for rec in recs) / sum(rec[4] for rec in recs))
+        # The median step: one stalled step must not decide (measured: a gen-2 GC of 1.2 s on
+        # rank 2 at step 26, the earlier runs' garbage; its peers rightly show it as sync wait).
+        per_step = sorted(rec[2] / rec[4] for rec in recs)
+        per_token.append(per_step[len(per_step) // 2])
     slow = per_token[tw.SLOW_RANK]
     fast = max(v for i, v in enumerate(per_token) if i != tw.SLOW_RANK)
     assert slow > 1.5 * fast, per_token  # ms per token (2x by the delays), ratios within one run
@@ -142,12 +146,21 @@ def test_the_readme_loop_with_a_slow_forward_shows_the_slow_rank_and_gets_a_prop
     medians = [w[len(w) // 2] for w in waits]
     assert all(m > medians[tw.SLOW_RANK] for i, m in enumerate(medians) if i != tw.SLOW_RANK), medians
     obs = JobObservation(
-        job="slow", world_size=3, global_batch_size=w.GLOBAL_BATCH, batch_index=tw.SLOW_STEPS - 1, shares=(4, 4, 4),
-        placement_version=0, steps_since_change=tw.SLOW_STEPS,
+        job="slow", world_size=world, global_batch_size=w.GLOBAL_BATCH, batch_index=tw.SLOW_STEPS - 1,
+        shares=tuple(uniform), placement_version=0, steps_since_change=tw.SLOW_STEPS,
         ranks=tuple(RankObservation(rank=i, steps=tuple(StepSample(rec[0], rec[1], rec[2], work=rec[4],
                                                                     batch_work=rec[5])
                                                          for rec in r["records"] if rec[0] >= 2))
                     for i, r in enumerate(ranks)))
     decision = decide(obs, PolicyConfig())
     assert isinstance(decision, Proposal), decision
-    assert decision.shares[tw.SLOW_RANK] < 4, decision.shares
+    assert decision.shares[tw.SLOW_RANK] < uniform[tw.SLOW_RANK], decision.shares
+
+
+@pytest.mark.multiproc
+def test_the_readme_loop_with_a_slow_forward_shows_the_slow_rank_and_gets_a_proposal(
+        runs: dict[str, list[dict]]) -> None:
+    # Issue 39: with the count taken after the forward (README, docstring), the fast ranks
+    # wait for the slow one inside token_loss_weight's all-reduce; counted as their compute
+    # that made every rank look as slow (0.7% imbalance, no proposal).
+    _check_readme_slow(runs["readme_slow"])
