@@ -183,7 +183,10 @@ def test_cost_partition_under_pushed_placements_gives_the_reference_parameters(t
     _check(a, 11)
     _check(b, STEPS, first=11)
     assert [e["k"] for e in b[0]["seen"]][0] == 11  # resume lands on the next untrained batch
-    # The split really was uneven and varied per batch under one placement.
+    # The split really was uneven and varied per batch under one placement. Under (4, 4, 4)
+    # batch 0 already splits 1/1/10 (its two 400-token samples); at 2 ranks, (6, 6), batches
+    # 0-5 hold none or two such samples, one a rank, so LPT gives 6/6 until batch 6 (1/11):
+    # equal counts there are the data's, not a defect (the assertion is for this 3-rank plan).
     assert {tuple(e["shares"]) for e in a[1]["seen"]} == {(4, 4, 4), (1, 10, 1)}
     assert (6, 6, 0) in {tuple(e["shares"]) for e in b[1]["seen"]}
     counts = [{len(e["indices"]) for e in r["seen"] if e["shares"] == [4, 4, 4]} for r in a]
