@@ -15,7 +15,8 @@ from typing import Literal
 from rebalancer_wire.devices import CLOCK_EVENT_NAMES
 
 __all__ = [
-    "MetricSpec", "CONTRACT", "GPU_LABELS", "THROTTLE_REASONS", "STEP_BUCKETS_S",
+    "MetricSpec", "CONTRACT", "GPU_LABELS", "THROTTLE_REASONS", "STEP_BUCKETS_S", "STATS", "JOB_STATS_OF",
+    "job_stats_name",
     "by_name", "exposed_names", "markdown_table",
 ]
 
@@ -31,6 +32,10 @@ _PIPELINED = "pipelined jobs"
 # Every clock-event (throttle) reason NVML reports, one series each; the one list is the
 # hook's (rebalancer_wire.devices.CLOCK_EVENT_NAMES).
 THROTTLE_REASONS: tuple[str, ...] = tuple(CLOCK_EVENT_NAMES.values())
+
+# The per-job aggregates of a per-rank gauge: its min, median and max over the job's ranks
+# (label ``stat``), so that every rank counts while per-rank series stay bounded.
+STATS: tuple[str, ...] = ("min", "median", "max")
 
 # Buckets of the per-job step-time histogram, in seconds.
 STEP_BUCKETS_S: tuple[float, ...] = (
@@ -149,7 +154,9 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "Seconds since the hung rank's last step ended; 0 for the ranks the job does not wait on.", True),
     MetricSpec("rebalancer_rank_series_omitted", "gauge", ("job",), "1",
                "Ranks of the job left out of the per-rank series (REBALANCER_METRICS_RANK_SERIES=slowest "
-               "keeps the REBALANCER_METRICS_SLOWEST_RANKS slowest and every rank that is gone); 0 with all.",
+               "keeps the REBALANCER_METRICS_SLOWEST_RANKS slowest, up to REBALANCER_METRICS_GONE_RANKS "
+               "ranks that are gone, and every rank of a job of up to REBALANCER_METRICS_ALL_RANKS_UP_TO); "
+               "0 with all.",
                True),
     MetricSpec("rebalancer_connected_ranks", "gauge", ("job",), "1",
                "Ranks with an open hook connection.", True),
@@ -224,6 +231,41 @@ CONTRACT: tuple[MetricSpec, ...] = (
                "Dashboard snapshots between replicas: stored (of a job this replica controls, for others), "
                "applied (another owner's, shown here) or refused (failed its check); 0 with one replica.", True),
 )
+
+
+# Per-rank gauges with per-job aggregates ``rebalancer_job_<name without rebalancer_>``.
+JOB_STATS_OF: tuple[str, ...] = (
+    "rebalancer_rank_compute_seconds", "rebalancer_rank_sync_wait_seconds", "rebalancer_rank_data_wait_seconds",
+    "rebalancer_rank_comm_bytes", "rebalancer_rank_comm_seconds", "rebalancer_rank_comm_wait_seconds",
+    "rebalancer_rank_bus_bandwidth_bytes_per_second", "rebalancer_rank_link_bytes_per_second",
+    "rebalancer_device_utilization_ratio", "rebalancer_device_memory_used_bytes",
+    "rebalancer_device_memory_total_bytes", "rebalancer_device_power_watts",
+    "rebalancer_device_temperature_celsius", "rebalancer_device_sm_clock_hertz",
+    "rebalancer_device_sm_clock_max_hertz",
+)
+
+
+def job_stats_name(per_rank: str) -> str:
+    """The per-job aggregate's name of a per-rank gauge."""
+    return "rebalancer_job_" + per_rank.removeprefix("rebalancer_")
+
+
+def _job_stats() -> tuple[MetricSpec, ...]:
+    specs = {m.name: m for m in CONTRACT}
+    out = []
+    for name in JOB_STATS_OF:
+        m = specs[name]
+        extra = tuple(label for label in m.labels if label not in (*_RANK, *GPU_LABELS))
+        out.append(MetricSpec(job_stats_name(name), "gauge", ("job", *extra, "stat"), m.unit,
+                              f"{name} over every rank of the job that reports it: stat min, median or max "
+                              "(per-rank series cover only some ranks).", True, m.scope))
+    out.append(MetricSpec("rebalancer_job_device_throttled_ranks", "gauge", ("job", "reason"), "1",
+                          "GPU ranks of the job with each clock-event (throttle) reason active now (every "
+                          "reason from 0).", True))
+    return tuple(out)
+
+
+CONTRACT = CONTRACT + _job_stats()
 
 
 def by_name() -> dict[str, MetricSpec]:

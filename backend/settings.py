@@ -125,12 +125,20 @@ class Settings(BaseSettings):
     # Who may scrape /metrics: "token" (a bearer token, viewer role or above; give the
     # scraper a dedicated viewer token) or "loopback" (callers on this machine need none).
     metrics_access: Literal["token", "loopback"] = "token"
-    # Per-rank series of /metrics: "slowest" keeps, per job, the metrics_slowest_ranks ranks
-    # with the longest compute plus every rank that is gone while its job runs (what the
-    # rank-lost alert reads); "all" exports every rank (16,384 GPU ranks: ~400,000 series).
-    # Per-job aggregates (rebalancer_max_compute_seconds, ...) cover every rank either way.
+    # Per-rank series of /metrics (the time split, communication, links, the device's NVML
+    # gauges): "slowest" keeps, per job, the metrics_slowest_ranks ranks with the longest
+    # compute plus at most metrics_gone_ranks ranks that are gone while their job runs (what
+    # the rank-lost alert reads; rebalancer_lost_ranks counts them all), and every rank of a
+    # job of at most metrics_all_ranks_up_to ranks; "all" exports every rank (16,384 GPU
+    # ranks: ~440,000 series, 32 MB). Per-job aggregates (min/median/max of each per-rank
+    # gauge, throttled-rank counts) cover every rank either way.
     metrics_rank_series: Literal["slowest", "all"] = "slowest"
     metrics_slowest_ranks: Annotated[int, Field(ge=1, le=100_000)] = 8
+    metrics_gone_ranks: Annotated[int, Field(ge=0, le=100_000)] = 32
+    metrics_all_ranks_up_to: Annotated[int, Field(ge=0, le=100_000)] = 16
+    # A scrape's text is reused for this long (several Prometheus replicas scraping one
+    # backend build it once); 0 builds it for every scrape.
+    metrics_cache_s: Annotated[float, Field(ge=0.0, le=60.0)] = 1.0
 
     dashboard_max_hz: float = 10.0
     device_prices: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_DEVICE_PRICES))

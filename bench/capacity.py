@@ -741,7 +741,19 @@ class ScrapeCost:
     repeats: int
 
 
-def scrape_cost(ranks: int, repeats: int = 7, rank_series: str = "slowest") -> ScrapeCost:
+# --scrape-only --comm: what a step record and a device sample add when the hook measures
+# communication and the node's links.
+_COMM_FIELDS = ',"comm_bytes":2000000000,"comm_ms":{c:.3f}'
+_LINKS = (',"nic_tx_bytes_per_s":1.2e10,"nic_rx_bytes_per_s":1.1e10,"ib_tx_bytes_per_s":4.5e10,'
+          '"ib_rx_bytes_per_s":4.4e10,"pcie_tx_bytes_per_s":2e10,"pcie_rx_bytes_per_s":1.9e10,'
+          '"nvlink_tx_bytes_per_s":3e11,"nvlink_rx_bytes_per_s":2.9e11}}')
+
+
+def scrape_cost(ranks: int, repeats: int = 7, rank_series: str = "slowest", gone: float = 0.0,
+                comm: bool = False) -> ScrapeCost:
+    """``gone``: the share of nodes whose ranks are lost (their connections dropped) while the
+    others run on; ``comm``: step records with communication and device samples with link
+    throughput."""
     import tempfile
 
     from backend.parts import build_parts
@@ -759,10 +771,19 @@ def scrape_cost(ranks: int, repeats: int = 7, rank_series: str = "slowest") -> S
             parts.live.register(hello)
             await parts.controller.on_hello(hello)
             now = time.time()
-            recs = ",".join(_RECORD.format(k=k, b=8, c=20.0, t=now - (19 - k) / STEPS_PER_S) for k in range(20))
+            recs = ",".join(
+                _RECORD.format(k=k, b=8, c=20.0 + r % 7, t=now - (19 - k) / STEPS_PER_S)[:-1]
+                + (_COMM_FIELDS.format(c=5.0 + r % 3) if comm else "") + "}" for k in range(20))
+            dev = _DEVICE.format(t=now)
+            if comm:
+                dev = dev[:-1] + _LINKS.format()
             parts.live.add_metrics(decode(
-                f'{{"type":"metrics","v":1,"job":"{job}","rank":{r},"dropped":0,"steps":[{recs}],'
-                f'"device":[{_DEVICE.format(t=now)}]}}'))
+                f'{{"type":"metrics","v":{2 if comm else 1},"job":"{job}","rank":{r},"dropped":0,"steps":[{recs}],'
+                f'"device":[{dev}]}}'))
+        nodes = ranks // 8
+        for r in range(ranks):
+            if (r // 8) < nodes * gone:
+                parts.live.set_connected(job, r, False, lost=True)
 
     with tempfile.TemporaryDirectory(prefix="rb-scrape-") as tmp:
         parts = build_parts(Settings(db=f"sqlite:///{tmp}/scrape.db", policy_process=False,
@@ -807,9 +828,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the exporter's cost in process (scrape.json): no sockets, no load")
     ap.add_argument("--rank-series", choices=("slowest", "all"), default="slowest",
                     help="--scrape-only: REBALANCER_METRICS_RANK_SERIES of the measured backend")
+    ap.add_argument("--gone", type=float, default=0.0,
+                    help="--scrape-only: share of the nodes whose ranks are lost while the others run")
+    ap.add_argument("--comm", action="store_true",
+                    help="--scrape-only: step records with communication, device samples with link throughput")
     args = ap.parse_args(argv)
     if args.scrape_only:
-        costs = [scrape_cost(n, rank_series=args.rank_series) for n in ([int(x) for x in args.ranks.split(",")] if args.ranks else [1024])]
+        costs = [scrape_cost(n, rank_series=args.rank_series, gone=args.gone, comm=args.comm) for n in ([int(x) for x in args.ranks.split(",")] if args.ranks else [1024])]
         print_table("/metrics exposition in process (median of the repeats)",
                     ["ranks", "series", "kB", "wall ms", "CPU ms"],
                     [[c.ranks, c.series, round(c.bytes / 1024, 1), c.wall_ms_median, c.cpu_ms_median] for c in costs])

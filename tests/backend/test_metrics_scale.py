@@ -113,3 +113,80 @@ def test_a_small_job_keeps_every_rank(default_parts: Parts):
     text = default_parts.exporter.exposition()
     assert _ranks_of(text, "rebalancer_rank_compute_seconds") == {0, 1, 2, 3}
     assert _value(text, "rebalancer_rank_series_omitted") == 0.0
+
+
+def test_gone_ranks_with_series_are_bounded_and_counted_in_full(tmp_path: Path):
+    # A job that lost half its nodes: before, every lost rank kept its ~27 series (16,384
+    # ranks: 215,648 series, 32 MB); now at most metrics_gone_ranks of them, lost first.
+    for parts in _parts(tmp_path, metrics_gone_ranks=4):
+        _fill(parts)
+        for r in range(128):
+            parts.live.set_connected("big", r, False, lost=True)
+        parts.live.set_connected("big", 200, False)  # left while the job runs: after the lost ones
+        text = parts.exporter.exposition()
+        slowest = {99, 199, 98, 198, 97, 197, 96, 196}
+        assert _ranks_of(text, "rebalancer_rank_lost") == slowest | {0, 1, 2, 3}
+        assert _ranks_of(text, "rebalancer_device_utilization_ratio") == slowest | {0, 1, 2, 3}
+        assert _value(text, "rebalancer_lost_ranks") == 128.0
+        assert _value(text, "rebalancer_rank_series_omitted") == RANKS - 12
+
+
+def _samples(text: str, metric: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {tuple(sorted(s.labels.items())): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == metric}
+
+
+def test_per_job_aggregates_cover_every_rank(tmp_path: Path):
+    for parts in _parts(tmp_path):
+        now = time.time()
+        for r in range(RANKS):
+            parts.live.register(Hello(job="big", rank=r, world_size=RANKS, global_batch_size=8 * RANKS,
+                                      host=f"node{r // 8}", device_type="H100", gpu_index=r % 8,
+                                      gpu_uuid=f"GPU-{r:08d}"))
+            recs = [StepRecord(batch_index=b, local_batch_size=8, placement_version=0, compute_ms=10.0 + r, data_wait_ms=0.1, optimizer_ms=0.5,
+                               sync_wait_ms=1.0, step_ms=300.0, comm_bytes=1000 + r, comm_ms=2.0,
+                               t=now - (4 - b) * 0.3) for b in range(5)]
+            dev = DeviceSample(t=now, source="nvml", power_w=100.0 + r, temp_c=60.0,
+                               throttle_reasons=["sw_power_cap"] if r < 10 else [],
+                               nic_tx_bytes_per_s=1e9 * (1 + r))
+            parts.live.add_metrics(Metrics(job="big", rank=r, steps=recs, device=[dev]))
+        text = parts.exporter.exposition()
+        power = _samples(text, "rebalancer_job_device_power_watts")
+        assert power == {(("job", "big"), ("stat", "min")): 100.0,
+                         (("job", "big"), ("stat", "median")): 100.0 + (RANKS - 1) / 2,
+                         (("job", "big"), ("stat", "max")): 100.0 + RANKS - 1}
+        compute = _samples(text, "rebalancer_job_rank_compute_seconds")
+        assert compute[(("job", "big"), ("stat", "max"))] == pytest.approx((10.0 + RANKS - 1) / 1000)
+        throttled = _samples(text, "rebalancer_job_device_throttled_ranks")
+        assert throttled[(("job", "big"), ("reason", "sw_power_cap"))] == 10.0
+        assert throttled[(("job", "big"), ("reason", "hw_slowdown"))] == 0.0
+        nic = _samples(text, "rebalancer_job_rank_link_bytes_per_second")
+        assert nic[(("direction", "tx"), ("job", "big"), ("link", "nic"), ("stat", "max"))] == 1e9 * RANKS
+        comm = _samples(text, "rebalancer_job_rank_comm_bytes")
+        assert comm[(("job", "big"), ("stat", "min"))] == 1000.0
+        # per-rank communication and link series: the slowest 8 only (not every rank)
+        slowest = set(range(RANKS - 8, RANKS))
+        assert _ranks_of(text, "rebalancer_rank_comm_bytes") == slowest
+        assert _ranks_of(text, "rebalancer_rank_link_bytes_per_second") == slowest
+
+
+def test_the_scrape_body_is_reused_within_the_cache_time(tmp_path: Path):
+    clock = [100.0]
+    for parts in _parts(tmp_path, metrics_cache_s=1.0):
+        parts.exporter.clock = lambda: clock[0]
+        _fill(parts, ranks=4)
+        first = parts.exporter.body()
+        parts.live.set_connected("big", 0, False, lost=True)
+        clock[0] += 0.5
+        assert parts.exporter.body() is first  # within 1 s: the same text
+        clock[0] += 0.6
+        again = parts.exporter.body()
+        assert again != first and b'rebalancer_lost_ranks{job="big"} 1.0' in again
+
+
+def test_without_a_cache_time_every_scrape_is_built(tmp_path: Path):
+    for parts in _parts(tmp_path, metrics_cache_s=0.0):
+        _fill(parts, ranks=4)
+        parts.exporter.body()
+        parts.live.set_connected("big", 0, False, lost=True)
+        assert b'rebalancer_lost_ranks{job="big"} 1.0' in parts.exporter.body()

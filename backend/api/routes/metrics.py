@@ -22,4 +22,5 @@ router = APIRouter()
 def metrics(request: Request, parts: PartsDep) -> Response:
     """Prometheus exposition of live state; see the module's docstring for who may scrape."""
     may_scrape(request, parts)
-    return Response(parts.exporter.exposition(), media_type=CONTENT_TYPE)
+    # A plain def: Starlette runs it on its thread pool, never on the event loop.
+    return Response(parts.exporter.body(), media_type=CONTENT_TYPE)
