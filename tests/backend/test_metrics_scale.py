@@ -95,6 +95,10 @@ def test_rank_series_settings_are_checked():
         Settings(metrics_rank_series="some")  # type: ignore[arg-type]
     with pytest.raises(ValidationError, match="metrics_slowest_ranks"):
         Settings(metrics_slowest_ranks=0)
+    with pytest.raises(ValidationError, match="metrics_gone_ranks"):
+        Settings(metrics_gone_ranks=-1)
+    with pytest.raises(ValidationError, match="metrics_cache_s"):
+        Settings(metrics_cache_s=-0.5)
 
 
 def test_ranks_that_are_gone_keep_their_series(default_parts: Parts):
