@@ -21,6 +21,9 @@ do not grow with ranks and its cost is one pass over them. ``body()`` reuses the
 The text is written directly (Prometheus text format 0.0.4), each rank's label set
 rendered once per scrape: at 1,024 GPU ranks (~25,000 series) prometheus_client's
 families and ``generate_latest`` took about three times the CPU (bench.capacity --scrape-only).
+
+One module, over 400 lines on purpose: one writer per part of the contract, all sharing a
+job's bounded rank set and its one pass over the ranks; split, each part would redo both.
 """
 
 from __future__ import annotations
