@@ -7,15 +7,13 @@ other resumes from it in a fresh process. Each configuration is still its own te
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.torchrun import REPO_ROOT, job_env, run_torchrun
+from tests.helpers.torchrun import run_torchrun
 from tests.integrations._common import (
     assert_close_params,
     check_every_sample_once,
@@ -100,51 +98,31 @@ def test_accelerate_save_state_and_load_state_resume_the_hook(job):
         assert_close_params(p, want, rtol=1e-9)
 
 
-_BAD_SETUPS = textwrap.dedent(
-    """
-    import torch
+def test_accelerate_rejects_setups_it_cannot_keep_exact(accelerate_state):
+    # In this process: a refusal is a message, not multi-process behaviour (one process, no
+    # process group); Accelerate's process-wide state is reset after (accelerate_state).
     from accelerate import Accelerator, DataLoaderConfiguration
+
     from trainer_hook import RebalanceHook
     from trainer_hook.integrations.accelerate import prepare_with_rebalancer
-
-    def err(fn):
-        try:
-            fn()
-        except (ValueError, RuntimeError) as exc:
-            return str(exc)
-        return "no error"
 
     data = list(range(40))
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    hook = RebalanceHook(global_batch_size=8, lookahead=2)
-    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
-    print("SPLIT", err(lambda: prepare_with_rebalancer(acc, hook, model, opt, data)))
-    acc.dataloader_config.split_batches = False
-    print("CLASH", err(lambda: prepare_with_rebalancer(acc, hook, model, opt, data, batch_size=4)))
-    print("LOOKAHEAD", err(lambda: prepare_with_rebalancer(acc, hook, model, opt, data, num_workers=2)))
-    pm = acc.prepare_model(torch.nn.Linear(2, 1))
-    print("PREPARED", err(lambda: prepare_with_rebalancer(acc, hook, pm, opt, data)))
-    m, o, loader = prepare_with_rebalancer(acc, hook, model, opt, data, shuffle=False)
-    print("ONE", next(iter(loader)).tolist())
-    """
-)
-
-
-@pytest.mark.multiproc
-def test_accelerate_rejects_setups_it_cannot_keep_exact():
-    # A subprocess: Accelerate's state is a process-wide singleton.
-    proc = subprocess.run(
-        [sys.executable, "-c", _BAD_SETUPS], env=job_env(), cwd=REPO_ROOT,
-        capture_output=True, text=True, timeout=90,
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
-    assert "split_batches=True) is not supported" in lines["SPLIT"]
-    assert "DataLoader argument(s) ['batch_size'] cannot be set here" in lines["CLASH"]
-    assert "lookahead=6" in lines["LOOKAHEAD"]
-    assert "already passed to accelerator.prepare()" in lines["PREPARED"]
-    assert lines["ONE"] == "[0, 1, 2, 3, 4, 5, 6, 7]"
+    with RebalanceHook(global_batch_size=8, lookahead=2) as hook:
+        acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
+        with pytest.raises(ValueError, match=r"split_batches=True\) is not supported"):
+            prepare_with_rebalancer(acc, hook, model, opt, data)
+        acc.dataloader_config.split_batches = False
+        with pytest.raises(ValueError, match=re.escape("DataLoader argument(s) ['batch_size'] cannot be set here")):
+            prepare_with_rebalancer(acc, hook, model, opt, data, batch_size=4)
+        with pytest.raises(ValueError, match="lookahead=6"):
+            prepare_with_rebalancer(acc, hook, model, opt, data, num_workers=2)
+        pm = acc.prepare_model(torch.nn.Linear(2, 1))
+        with pytest.raises(ValueError, match=re.escape("already passed to accelerator.prepare()")):
+            prepare_with_rebalancer(acc, hook, pm, opt, data)
+        _, _, loader = prepare_with_rebalancer(acc, hook, model, opt, data, shuffle=False)
+        assert next(iter(loader)).tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
 
 
 @pytest.mark.multiproc

@@ -6,14 +6,11 @@ is still its own test, reading its results from the module fixture."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.torchrun import REPO_ROOT, job_env, run_torchrun
+from tests.helpers.torchrun import run_torchrun
 from tests.integrations._common import (
     assert_close_params,
     check_every_sample_once,
@@ -131,40 +128,21 @@ def test_trainer_resumed_from_a_checkpoint_continues_where_it_stood(job):
         assert_close_params(p, want, rtol=1e-9)
 
 
-_CALLBACK_ALONE = textwrap.dedent(
-    """
-    import torch
+def test_callback_alone_refuses_to_train(tmp_path, accelerate_state):
+    # In this process: a refusal is a message, not multi-process behaviour; the Trainer's
+    # Accelerate state and environment are put back after (accelerate_state).
     from transformers import Trainer, TrainingArguments
+
     from tests.integrations._common import IndexedData, TinyNet
     from trainer_hook import RebalanceHook
     from trainer_hook.integrations.hf_trainer import RebalanceCallback, RebalancingTrainer
 
-    hook = RebalanceHook(global_batch_size=12, lookahead=2)
-    args = TrainingArguments(output_dir="OUT", use_cpu=True, max_steps=2, report_to=[],
-                             save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False)
-    trainer = Trainer(model=TinyNet(), args=args, train_dataset=IndexedData(),
-                      callbacks=[RebalanceCallback(hook)])
-    try:
-        trainer.train()
-        print("ALONE no error")
-    except RuntimeError as exc:
-        print("ALONE", exc)
-    try:
+    with RebalanceHook(global_batch_size=12, lookahead=2) as hook:
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=2, report_to=[],
+                                 save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False)
+        trainer = Trainer(model=TinyNet(), args=args, train_dataset=IndexedData(),
+                          callbacks=[RebalanceCallback(hook)])
+        with pytest.raises(RuntimeError, match="^RebalanceCallback needs the rebalancer's batch sampler"):
+            trainer.train()
+    with pytest.raises(ValueError, match="^rebalance_hook is required"):
         RebalancingTrainer(model=TinyNet(), args=args, rebalance_hook=None)
-    except ValueError as exc:
-        print("NOHOOK", exc)
-    """
-)
-
-
-@pytest.mark.multiproc
-def test_callback_alone_refuses_to_train(tmp_path):
-    # A subprocess: Accelerate's state is a process-wide singleton.
-    code = _CALLBACK_ALONE.replace("OUT", str(tmp_path))
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=job_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
-    assert lines["ALONE"].startswith("RebalanceCallback needs the rebalancer's batch sampler")
-    assert lines["NOHOOK"].startswith("rebalance_hook is required")
