@@ -94,7 +94,9 @@ def _unit_lane_spawns_nothing(request: pytest.FixtureRequest, monkeypatch: pytes
 # then the files of 35 to 80 CPU-s (torchrun jobs that cannot share a process: restarts and
 # resumes, zero_code's unchanged scripts, e2e_control's stories, the ends of a script;
 # test_sharded, test_exactness and test_dp_mesh run one shared job each besides a resume),
-# then 15 to 35. Under
+# then 15 to 35 (test_zero_code about 58 since its reference is computed in process and its
+# broken injections share a job, 5 torchrun jobs instead of 7; test_hf_trainer and
+# test_accelerate about 3 less each, their refusals in process). Under
 # `--dist loadfile` a file runs whole on one worker, and xdist hands files out in order; by
 # default it orders them by how many tests they hold, which leaves the long files with few
 # tests to the end, where a worker may wait on one alone. Longest first instead (then the
