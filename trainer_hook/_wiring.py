@@ -118,10 +118,8 @@ def build(before: Before, where: str) -> Components:
     conn = before.connection
     pace = None
     if ranks.replicas is not None and ranks.members > 1:
-        # The replica's own gloo group, where its members' step times meet. Created by
-        # its members only (local synchronisation): no world-wide barrier per replica.
         members = ranks.replicas.members
-        mine = dist.new_group(list(members), backend="gloo", use_local_synchronization=True)
+        mine = _replica_group(members, group)
         pace = ReplicaPace(mine, leader=ranks.leader, report=conn.report_many, members=members,
                            position=members.index(dist.get_rank()),
                            # A pipeline's leader reports its stages' times too, every 4 steps.
@@ -161,6 +159,25 @@ def build(before: Before, where: str) -> Components:
     return parts
 
 
+def _replica_group(members: tuple[int, ...], control: Any) -> Any:
+    """The replica's own gloo group, where its members' step times meet; made by its members
+    only (no world-wide call or barrier per replica, and no NCCL no-colour split on the
+    ranks outside it when the default group is bound to a device).
+
+    Not ``dist.new_group(members, use_local_synchronization=True)``: torch names that group
+    sha1(ranks, number of live groups), so a second hook built after the first closed (fit
+    twice, a notebook cell run again) gets the same name, and gloo's rendezvous reads the
+    closed group's addresses still in the store under it ("Connection refused"). Here the
+    store prefix carries the control group's name, torch's count of the groups every rank
+    made, which never comes back while the default group lives: a gloo backend of its own,
+    used straight (ReplicaPace calls its allreduce), shut down by close_groups."""
+    rank_of = sorted(members)
+    prefix = f"rebalancer/replica/{control.group_name}/{'_'.join(map(str, rank_of))}/"
+    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+    return dist.ProcessGroupGloo(store, rank_of.index(dist.get_rank()), len(rank_of),
+                                 timeout=dist.default_pg_timeout)
+
+
 def close_groups(parts: Components, grads: GradientState) -> None:
     """Destroy the hook's own gloo groups now and drop the cached gradient group.
 
@@ -174,9 +191,13 @@ def close_groups(parts: Components, grads: GradientState) -> None:
     pace_group = None
     if parts.pace is not None:
         pace_group, parts.pace.group = parts.pace.group, None
-    for g in (group, pace_group):
-        if g is not None and dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group(g)
-            except (RuntimeError, ValueError) as exc:  # already gone with the default group
-                log.debug("control group was already destroyed: %s", exc)
+    if pace_group is not None:  # not in torch's registry (_replica_group): shut it down here
+        try:
+            pace_group.shutdown()
+        except RuntimeError as exc:
+            log.debug("the replica group was already shut down: %s", exc)
+    if group is not None and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError) as exc:  # already gone with the default group
+            log.debug("control group was already destroyed: %s", exc)

@@ -169,6 +169,43 @@ def run(case: str, out: dict[str, object]) -> None:
     }
 
 
+def rebuild(out: dict[str, object]) -> None:
+    """A second hook in the same processes over the same mesh, after the first closed (a
+    notebook re-running its cell, fit twice): each replica's gloo group is made again while
+    the first one's rendezvous keys are still in the store. One member of each replica comes
+    1 s late (ranks 1 and 3, then 0 and 2, then 1 and 3), so its peer would read the stale
+    keys if the name came back; whether gloo then dials the dead address depends on which
+    side of the pair connects (ports: chance), hence three rebuilds of two replicas each."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ds = w.IndexedData()
+    done: list[object] = []
+    for round_ in range(4):
+        if round_ and rank % 2 == round_ % 2:
+            time.sleep(1.0)
+        try:
+            model = DDP(w.build_model(), process_group=mesh["dp"].get_group())
+            hook = RebalanceHook(job=f"mesh-rebuild-{round_}", global_batch_size=w.GLOBAL_BATCH, dp_mesh=mesh["dp"])
+            hook.attach(model)
+            opt = w.make_optimizer(model)
+            for batch in hook.batch_sampler(ds, shuffle=False):
+                idx = torch.tensor(batch, dtype=torch.int64)
+                with hook.step():
+                    torch.nn.functional.mse_loss(model(ds.x[idx]), ds.y[idx]).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                if hook.batch_index >= 2:
+                    break
+            hook.close()
+            done.append(hook.batch_index)
+        except Exception as exc:  # noqa: BLE001 - the test shows what went wrong
+            done.append(f"{type(exc).__name__}: {exc}")
+            break
+    out["rebuild"] = done
+
+
 def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     out: dict[str, object] = {"attach": attach_all()}  # test_dp_mesh.py's attach refusals
@@ -176,6 +213,7 @@ def main() -> None:
     for case in PLANS:
         run(case, out)
     seed_mismatch(out)
+    rebuild(out)
     with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()

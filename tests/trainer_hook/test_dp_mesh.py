@@ -185,3 +185,9 @@ def test_data_parallel_over_the_whole_world_still_attaches(ranks: list[dict]) ->
     for rank in range(WORLD):
         assert ranks[rank]["attach"]["fsdp2_world"] == "ATTACHED fsdp2_reduce_scatter"
         assert ranks[rank]["attach"]["ddp_world"] == "ATTACHED ddp_comm_hook"
+
+
+def test_a_second_hook_after_the_first_closed_builds_its_replica_groups_again(ranks: list[dict]) -> None:
+    # The replica's gloo group of the second hook must not take the first one's name (and so
+    # its rendezvous keys, still in the store): "Connection refused" at set-up if it does.
+    assert [r["rebuild"] for r in ranks] == [[2, 2, 2, 2]] * WORLD
