@@ -136,9 +136,10 @@ class Settings(BaseSettings):
     metrics_slowest_ranks: Annotated[int, Field(ge=1, le=100_000)] = 8
     metrics_gone_ranks: Annotated[int, Field(ge=0, le=100_000)] = 32
     metrics_all_ranks_up_to: Annotated[int, Field(ge=0, le=100_000)] = 16
-    # A scrape's text is reused for this long (several Prometheus replicas scraping one
-    # backend build it once); 0 builds it for every scrape.
-    metrics_cache_s: Annotated[float, Field(ge=0.0, le=60.0)] = 1.0
+    # A scrape's text may be reused for this long (several Prometheus replicas scraping one
+    # large backend build it once). 0, the default, builds it for every scrape: a counter read
+    # right after the event that moved it shows the event.
+    metrics_cache_s: Annotated[float, Field(ge=0.0, le=60.0)] = 0.0
 
     dashboard_max_hz: float = 10.0
     device_prices: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_DEVICE_PRICES))
