@@ -45,8 +45,10 @@ PKG_INSTALL = { $(BIN)/python -m uv --version >/dev/null 2>&1 && \
 # `make setup` and `make test` add the test tools (`.[dev]`, which holds both, so it
 # stamps the demo's set-up too).
 DEMO_STAMP := $(VENV)/.demo-stamp
+# A variable: a comma written in $(call)'s arguments would split them.
+DEMO_EXTRAS := -e '.[hook,server]'
 $(DEMO_STAMP): pyproject.toml | $(CONSTRAINTS)
-	$(call PKG_INSTALL,-e '.[hook,server]')
+	$(call PKG_INSTALL,$(DEMO_EXTRAS))
 	touch $@
 
 $(STAMP): pyproject.toml | $(CONSTRAINTS)

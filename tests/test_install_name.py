@@ -5,6 +5,7 @@ demo needs."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +56,9 @@ def test_make_demo_installs_the_hook_and_the_server_only() -> None:
     demo, serve = _recipe(makefile, "demo"), _recipe(makefile, "serve")
     assert demo.startswith("demo: $(DEMO_STAMP)") and serve.startswith("serve: $(DEMO_STAMP)")
     demo_setup = _recipe(makefile, "$(DEMO_STAMP)")
-    assert "$(call PKG_INSTALL,-e '.[hook,server]')" in demo_setup and "dev" not in demo_setup
+    # The extras go through a variable: a comma written in $(call)'s arguments splits them.
+    assert "$(call PKG_INSTALL,$(DEMO_EXTRAS))" in demo_setup and "dev" not in demo_setup
+    assert re.search(r"^DEMO_EXTRAS := -e '\.\[hook,server\]'", makefile, re.M)
     assert demo_setup.startswith("$(DEMO_STAMP): pyproject.toml | $(CONSTRAINTS)\n")  # torch first
     test_setup = _recipe(makefile, "$(STAMP)")
     assert "$(call PKG_INSTALL,-e '.[dev]')" in test_setup
@@ -71,3 +74,15 @@ def test_make_demo_installs_the_hook_and_the_server_only() -> None:
     assert "touch $@ $(DEMO_STAMP)" in test_setup  # .[dev] holds the demo's extras
     assert 'python -c "import torch" 2>/dev/null ||' in _recipe(makefile, "$(TORCH_STAMP)")  # an importable torch is reused
     assert re.search(r"^setup: \$\(STAMP\)$", makefile, re.M)
+
+
+def test_the_demo_set_up_command_is_whole(tmp_path: Path) -> None:
+    # What make would run for the demo's set-up in a fresh venv: the extras whole, for uv and
+    # for the pip fallback (a comma inside $(call) once cut the command in two).
+    venv = tmp_path / "venv"
+    out = subprocess.run(["make", "-n", f"VENV={venv}", f"{venv}/.demo-stamp"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    install = [line for line in out.stdout.splitlines() if "uv pip install" in line]
+    assert len(install) == 1 and install[0].count("-e '.[hook,server]'") == 2, out.stdout
+
